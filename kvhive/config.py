@@ -1,0 +1,101 @@
+"""Configuration: frozen dataclasses, each validated once at construction.
+
+Environment variables are read only in ``cli.py``; everything below is plain data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a Llama-family decoder (read from GGUF metadata or config.json)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model config: num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """K and V values one token occupies across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The device KV block pool and prefix caching."""
+
+    block_size: int = 16
+    num_blocks: int | None = None          # None: derived from kv_cache_gb by the engine
+    kv_cache_gb: float = 2.0
+    enable_prefix_caching: bool = True
+    hash_seed: int = 0                     # h_{-1} derives from this, never from the environment
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2, got {self.num_blocks}")
+        if self.kv_cache_gb <= 0:
+            raise ValueError(f"--kv-cache-gb must be positive, got {self.kv_cache_gb}")
+        if not 0 <= self.hash_seed < 2**64:
+            raise ValueError(f"--hash-seed must fit in 64 bits, got {self.hash_seed}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at "
+                             f"least --max-num-seqs ({self.max_num_seqs})")
+        if self.max_model_len <= 0:
+            raise ValueError(f"--max-model-len must be positive, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs: which model, on what device, with which cache and scheduler."""
+
+    model_path: str
+    served_model_name: str = "smollm2-135m"
+    dtype: str = "float32"
+    device: str = "cpu"
+    num_threads: int | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"--num-threads must be positive, got {self.num_threads}")

@@ -1,0 +1,1 @@
+"""Llama-family model, weight loaders and attention over the paged KV cache."""

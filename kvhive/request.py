@@ -1,0 +1,105 @@
+"""A generation request and its sampling parameters (torch-free)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens; validated once. temperature == 0 means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                      # 0: disabled
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature == 0 or self.top_k == 1
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    """Why a request stopped (OpenAI's finish_reason values)."""
+
+    STOP = "stop"          # EOS, a stop token or a stop string
+    LENGTH = "length"      # max_tokens or the context limit
+    ABORT = "abort"        # the client went away or the server cancelled it
+
+
+@dataclass
+class Request:
+    """One sequence being generated. The scheduler and KV manager mutate it; nothing else does."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    # Tokens whose K/V are in the pool (prefix hits included).
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache at first schedule; reported as cached_tokens.
+    num_cached_tokens: int = -1
+    finish_reason: FinishReason | None = None
+    # Chained hashes of the full blocks of all_token_ids, extended as tokens arrive.
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # Prompt followed by generated tokens; appended to, never rebuilt.
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        """Record one generated token."""
+        self.all_token_ids.append(token_id)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Generated tokens (a copy)."""
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        """How many tokens were generated."""
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Length of prompt + output."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Length of the prompt."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """True once a finish reason is set."""
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,66 @@
+"""What the scheduler hands the runner each step, and what comes back (plain data, torch-free).
+
+The scheduler never imports the runner and the runner never imports the scheduler: these types are
+the whole contract between them, and the engine is the one place that passes one to the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvhive.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One request's share of a step: compute ``token_ids`` at positions start_pos.. and maybe sample.
+
+    ``block_table`` lists the request's pool blocks in order; token at position p lives in slot
+    ``block_table[p // block_size] * block_size + p % block_size``. Positions < start_pos are
+    already in the pool (earlier steps or prefix-cache hits) and are attended to, not recomputed.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool                      # True when this chunk reaches the end of the known tokens
+    sampling: SamplingParams
+    # Tokens generated so far (for penalties and seeded generators); empty during prefill.
+    num_output_tokens: int = 0
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens computed in this step."""
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens attended to after this step: cached + new."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything the runner needs for one forward pass."""
+
+    seqs: list[ScheduledSeq]
+    # Requests that ended since the last plan: the runner drops their per-request state.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed in this step across all sequences."""
+        return sum(s.num_new_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when there is nothing to run."""
+        return not self.seqs
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Sampled tokens, one per sequence whose ``sample`` flag was set."""
+
+    sampled: dict[str, int]
