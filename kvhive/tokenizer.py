@@ -1,0 +1,291 @@
+"""Text and chat messages to token ids and back, shared by the engine and the gateway (torch-free).
+
+The BPE runs in the `tokenizers` library, built from a HF `tokenizer.json` or from a GGUF file's
+vocabulary, merges and token types. For a GGUF the text is split the way llama.cpp splits it for the
+file's `tokenizer.ggml.pre` (that is how the model's merges were learned). Control tokens
+(`<|im_start|>`, ...) are registered as special added tokens, so they encode to single ids wherever
+they appear in the text. Neither torch nor transformers is imported (a test checks it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+from kvhive.chat_template import END_OF_TURN_TOKENS, ChatTemplate
+from kvhive.model_files import read_gguf_metadata
+
+# GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# llama.cpp's pre-tokenizer names (`tokenizer.ggml.pre`), grouped by the split rule they share.
+_GPT2_PRE = ("default", "gpt2", "gpt-2", "mpt", "olmo", "jais")
+_DIGITS_THEN_GPT2_PRE = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva")
+_LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx")
+_QWEN2_PRE = ("qwen2", "deepseek-r1-qwen")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+# Tokens of the prompt decoded with the first output tokens, so a tokenizer whose decoding depends on
+# the preceding token (sentencepiece's leading space) streams the same text it would decode in context.
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+class Tokenizer:
+    """A model's tokenizer and chat template: text and chat messages to token ids, and ids to text."""
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        name_or_path: str,
+        special_tokens: Mapping[str, str] | None = None,
+        chat_template: str | None = None,
+        extra_eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        self._backend = backend
+        self.name_or_path = name_or_path
+        # Named special tokens ("bos_token", "eos_token", ...) -> their text; rendered into the template too.
+        self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+        self.chat_template = ChatTemplate(chat_template, self.special_tokens) if chat_template else None
+        eos_ids = [self._id_of(self.special_tokens.get("eos_token")), *extra_eos_token_ids]
+        if self.chat_template is not None:
+            eos_ids += [self._id_of(t) for t in END_OF_TURN_TOKENS if self.chat_template.uses_token(t)]
+        self._eos_token_ids = tuple(dict.fromkeys(i for i in eos_ids if i is not None))
+
+    @classmethod
+    def from_model_path(cls, path: str) -> Tokenizer:
+        """The tokenizer of a model given as a `.gguf` file or a HF directory (tokenizer.json + tokenizer_config.json)."""
+        if os.path.isdir(path):
+            return cls.from_hf_dir(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"model path {path!r} does not exist")
+        if path.endswith(".gguf"):
+            return cls.from_gguf(path)
+        raise ValueError(f"model path {path!r} is neither a .gguf file nor a HF model directory")
+
+    @classmethod
+    def from_gguf(cls, path: str) -> Tokenizer:
+        """The byte-level BPE tokenizer a GGUF file describes (`tokenizer.ggml.model == "gpt2"`)."""
+        meta = read_gguf_metadata(path)
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(
+                f"{path}: tokenizer.ggml.model {kind!r} is not supported (only byte-level BPE, 'gpt2')"
+            )
+        if "tokenizer.ggml.tokens" not in meta or "tokenizer.ggml.merges" not in meta:
+            raise ValueError(f"{path}: the GGUF lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        pre_tokenizer, ignore_merges = _gguf_pre_tokenizer(pre)
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        vocab = {token: i for i, token in enumerate(tokens)}
+        backend = BackendTokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
+        backend.pre_tokenizer = pre_tokenizer
+        backend.decoder = decoders.ByteLevel()
+        # Added tokens keep the ids they have in the vocabulary; control ones are special (skipped by decode).
+        typed = list(zip(tokens, token_types, strict=True))
+        backend.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t, k in typed if k == _TOKEN_TYPE_CONTROL]
+        )
+        backend.add_tokens(
+            [
+                AddedToken(t, special=False, normalized=False)
+                for t, k in typed
+                if k == _TOKEN_TYPE_USER_DEFINED
+            ]
+        )
+
+        def token_of(key: str) -> str | None:
+            token_id = meta.get(f"tokenizer.ggml.{key}")
+            return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
+
+        special = {
+            "bos_token": token_of("bos_token_id"),
+            "eos_token": token_of("eos_token_id"),
+            "unk_token": token_of("unknown_token_id"),
+            "pad_token": token_of("padding_token_id"),
+        }
+        backend.post_processor = _bos_eos_processor(
+            special["bos_token"] if meta.get("tokenizer.ggml.add_bos_token", False) else None,
+            special["eos_token"] if meta.get("tokenizer.ggml.add_eos_token", False) else None,
+            backend,
+        )
+        extra_eos = [
+            meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta
+        ]
+        return cls(backend, path, special, meta.get("tokenizer.chat_template"), extra_eos)
+
+    @classmethod
+    def from_hf_dir(cls, directory: str) -> Tokenizer:
+        """The tokenizer of a HF model directory: tokenizer.json, tokenizer_config.json, chat template, eos ids."""
+        tokenizer_file = os.path.join(directory, "tokenizer.json")
+        if not os.path.isfile(tokenizer_file):
+            raise FileNotFoundError(f"{directory} has no tokenizer.json")
+        backend = BackendTokenizer.from_file(tokenizer_file)
+        config = _read_json(os.path.join(directory, "tokenizer_config.json"))
+        special = {name: _token_content(config.get(name)) for name in _SPECIAL_TOKEN_NAMES}
+        # As in transformers: a chat_template.jinja file wins over the template in tokenizer_config.json.
+        template_file = os.path.join(directory, "chat_template.jinja")
+        if os.path.isfile(template_file):
+            with open(template_file, encoding="utf-8") as f:
+                template = f.read()
+        else:
+            template = _default_template(config.get("chat_template"))
+        generation_eos = _read_json(os.path.join(directory, "generation_config.json")).get("eos_token_id")
+        extra_eos = generation_eos if isinstance(generation_eos, list) else [generation_eos]
+        return cls(backend, directory, special, template, [i for i in extra_eos if isinstance(i, int)])
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Ids generation stops on: the eos token, the end-of-turn token the chat template writes, and any
+        the model lists besides (GGUF eot/eom, generation_config.json)."""
+        return self._eos_token_ids
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """The beginning-of-sequence token id, or None."""
+        return self._id_of(self.special_tokens.get("bos_token"))
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; with `add_special_tokens`, BOS/EOS only where the model asks for them."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; bytes that do not form a whole UTF-8 character come out as U+FFFD."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """The prompt text of a chat body, rendered as transformers renders it (raises ChatTemplateError)."""
+        if self.chat_template is None:
+            raise ValueError(f"model {self.name_or_path} has no chat template; use a completion prompt")
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> list[int]:
+        """Token ids of a chat body; the template writes any BOS itself, so none is added."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra))
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._backend.token_to_id(token)
+
+
+class IncrementalDetokenizer:
+    """Streams the text of generated tokens as deltas that never end inside a UTF-8 character.
+
+    Each `add` decodes only a small window: the tokens from `prefix_offset` on. The text of
+    `[prefix_offset, read_offset)` was already emitted; what the window adds beyond it is the delta.
+    A delta ending in U+FFFD is held back (the character is incomplete) until a later token
+    completes it; `flush` emits whatever is still held at the end of the stream.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        context = list(prompt_ids or ())[-_PROMPT_CONTEXT_TOKENS:]
+        # Invariant: _ids[:_read_offset] has been emitted (or is prompt context); its text up from
+        # _prefix_offset is decoded again only to measure where the new text starts.
+        self._ids: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append generated tokens and return the text they complete ("" while a character is partial)."""
+        self._ids.extend(token_ids)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        # Drop what no later window needs: the next window starts where this one's new text starts.
+        del self._ids[: self._read_offset]
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
+        return new_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """The text still held back at the end of the stream (a trailing partial character as U+FFFD)."""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        del self._ids[: self._read_offset]
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
+        return new_text[len(prefix_text) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens) if ids else ""
+
+
+def _gguf_pre_tokenizer(pre: str) -> tuple[pre_tokenizers.PreTokenizer, bool]:
+    """llama.cpp's text split for `tokenizer.ggml.pre`, as a pre-tokenizer, and whether BPE ignores merges."""
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _GPT2_PRE:
+        return gpt2, False
+    if pre in _DIGITS_THEN_GPT2_PRE:
+        # llama.cpp splits "\p{N}" first, then applies the GPT-2 rule; the models' own tokenizer.json
+        # says the same as Digits(individual_digits=True) followed by ByteLevel.
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2]), False
+    for names, split, ignore_merges in (
+        (_LLAMA3_PRE, _LLAMA3_SPLIT, True),
+        (_QWEN2_PRE, _QWEN2_SPLIT, False),
+    ):
+        if pre in names:
+            byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+            return pre_tokenizers.Sequence(
+                [pre_tokenizers.Split(Regex(split), "isolated"), byte_level]
+            ), ignore_merges
+    known = sorted(_GPT2_PRE + _DIGITS_THEN_GPT2_PRE + _LLAMA3_PRE + _QWEN2_PRE)
+    raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; known: {', '.join(known)}")
+
+
+def _bos_eos_processor(
+    bos: str | None, eos: str | None, backend: BackendTokenizer
+) -> processors.PostProcessor | None:
+    """A post-processor adding `bos` before and `eos` after the text, or None when neither is asked for."""
+    if bos is None and eos is None:
+        return None
+    single = [*([bos] if bos else []), "$A", *([eos] if eos else [])]
+    pair = [*single, *([bos] if bos else []), "$B", *([eos] if eos else [])]
+    specials = [(t, backend.token_to_id(t)) for t in dict.fromkeys(x for x in (bos, eos) if x)]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string, or an AddedToken dict with "content"."""
+    if isinstance(value, Mapping):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _default_template(value: Any) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of {"name", "template"} (take "default")."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
+        return named.get("default") or next(iter(named.values()), None)
+    return value if isinstance(value, str) else None
