@@ -17,6 +17,7 @@ from kvhive.blocks import root_hash
 from kvhive.config import EngineConfig
 from kvhive.request import FinishReason, Request, SamplingParams
 from kvhive.scheduler import Scheduler
+from kvhive.step import StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -109,17 +110,19 @@ class LLMEngine:
         """Run one scheduler step through the model; return what each touched request produced."""
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            # Nothing runs, but a plan may still carry finished ids for the runner to forget.
+            # schedule() may have finished requests itself (too long for the pool): report them.
             if plan.finished_request_ids:
                 self.runner.release(plan.finished_request_ids)
-            return []
-        result = self.runner.execute(plan)
+            result = StepResult(sampled={})
+        else:
+            result = self.runner.execute(plan)
         outputs = []
         for req in self.scheduler.update_from_result(plan, result):
-            new = [result.sampled[req.request_id]] if req.request_id in result.sampled else []
+            token = result.sampled.get(req.request_id)
             outputs.append(RequestOutput(
-                request_id=req.request_id, new_token_ids=new, finished=req.is_finished,
-                finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
+                request_id=req.request_id, new_token_ids=[] if token is None else [token],
+                finished=req.is_finished, finish_reason=req.finish_reason,
+                num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
                 num_output_tokens=req.num_output_tokens))
         return outputs

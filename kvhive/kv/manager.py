@@ -1,0 +1,180 @@
+"""KVCacheManager: per-request block tables over a BlockPool, with chained-hash prefix caching.
+
+Per request the manager keeps, for request r with blocks b_0..b_{n-1}:
+
+    b_0 .. b_{k-1}     full and computed; registered in the pool's hash map, except a block whose
+                       hash another request registered first (it stays private, unhashed)
+    b_k .. b_{n-1}     being filled, or full but not yet computed
+
+``cache_full_blocks`` moves k forward after each step, so a block is shareable as soon as the step
+that computed it has run, not only when its request ends. ``request.block_hashes`` is extended
+only for newly full blocks; no step re-hashes a whole prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvhive.blocks import ExtraKeys, hash_blocks
+from kvhive.kv.pool import BlockPool, BlockPoolStats, KVBlock
+from kvhive.request import Request
+
+
+class ComputedBlocks(NamedTuple):
+    """Result of a prefix lookup: the cached blocks of the longest match and the tokens they cover."""
+
+    blocks: list[KVBlock]
+    num_computed_tokens: int      # len(blocks) * block_size
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    """KV usage and prefix-cache counters (tokens) for metrics."""
+
+    usage: float
+    prefix_cache_queries_tokens: int
+    prefix_cache_hits_tokens: int
+    blocks: BlockPoolStats
+
+
+class KVCacheManager:
+    """Allocates, caches and frees the blocks of requests; matches prompts against cached blocks."""
+
+    def __init__(self, block_size: int, num_blocks: int, enable_prefix_caching: bool, root_hash: bytes) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.root_hash = root_hash
+        self.pool = BlockPool(num_blocks)
+        self._blocks: dict[str, list[KVBlock]] = {}
+        # Block ids handed out as block tables: replaced (never mutated) when blocks are added, so
+        # a decode step that adds no block shares the previous step's list instead of copying it.
+        self._block_ids: dict[str, list[int]] = {}
+        # Leading blocks of each request that are registered in the pool's hash map.
+        self._num_cached_blocks: dict[str, int] = {}
+        self._queries_tokens = 0
+        self._hits_tokens = 0
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks a single request could hold at most (the null block aside)."""
+        return self.pool.num_blocks - 1
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """Longest cached prefix of the request's tokens, leaving at least one token to compute.
+
+        Pure lookup: takes no references (``allocate_slots`` does) and counts nothing.
+        """
+        if not self.enable_prefix_caching:
+            return ComputedBlocks([], 0)
+        self._update_block_hashes(request)
+        # At most (num_tokens - 1) tokens, rounded down to a block: the last token is always
+        # computed so that the step produces logits to sample from.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return ComputedBlocks(hits, len(hits) * self.block_size)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence[KVBlock] = ()) -> bool:
+        """Give the request blocks for ``num_new_tokens`` more tokens; False (nothing changed) if short.
+
+        ``new_computed_blocks`` (admission only) are prefix hits not yet counted in
+        ``request.num_computed_tokens``; they are referenced and put first in the block table.
+        Room is needed for request.num_computed_tokens + hits + num_new_tokens tokens.
+        """
+        rid = request.request_id
+        blocks = self._blocks.get(rid)
+        if new_computed_blocks and blocks:
+            raise ValueError(f"request {rid}: prefix hits are only taken at admission")
+        num_held = len(blocks) if blocks else 0
+        num_hits = len(new_computed_blocks)
+        total = request.num_computed_tokens + num_hits * self.block_size + num_new_tokens
+        num_new_blocks = self.num_blocks_for(total) - num_held - num_hits
+        # Touching an evictable hit takes it out of the free queue, so it cannot also be a new block.
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_revived:
+            return False
+        if blocks is None:
+            blocks = self._blocks[rid] = []
+            self._num_cached_blocks[rid] = 0
+            if self.enable_prefix_caching and request.num_cached_tokens < 0:
+                # First admission: count the query once, whatever retries or preemptions follow.
+                self._queries_tokens += request.num_tokens
+                self._hits_tokens += num_hits * self.block_size
+        added: list[KVBlock] = []
+        if num_hits:
+            self.pool.touch(new_computed_blocks)
+            added.extend(new_computed_blocks)
+            self._num_cached_blocks[rid] = num_hits
+        if num_new_blocks > 0:
+            added.extend(self.pool.get_new_blocks(num_new_blocks))
+        if added or rid not in self._block_ids:
+            blocks.extend(added)
+            # Copy on growth only (a C-level concat); plans already handed out keep their lists.
+            self._block_ids[rid] = self._block_ids.get(rid, []) + [b.block_id for b in added]
+        return True
+
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks that are full within its first ``num_tokens`` computed tokens.
+
+        Call after the step that computed them has run. A block whose hash another request
+        registered first stays unhashed (the pool keeps one block per hash).
+        """
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        blocks = self._blocks.get(rid)
+        if blocks is None:
+            return
+        start = self._num_cached_blocks[rid]
+        num_full = min(num_tokens // self.block_size, len(blocks))
+        if num_full <= start:
+            return
+        self._update_block_hashes(request)
+        hashes = request.block_hashes
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self._num_cached_blocks[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks tail first, so a cached chain's end is evicted first."""
+        rid = request.request_id
+        blocks = self._blocks.pop(rid, None)
+        self._block_ids.pop(rid, None)
+        self._num_cached_blocks.pop(rid, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+    def get_block_table(self, request: Request) -> list[int]:
+        """The request's block ids in order (shared, treat as read-only; a new list when it grows)."""
+        return self._block_ids.get(request.request_id, [])
+
+    def stats(self) -> KVCacheStats:
+        """Usage and prefix-cache counters."""
+        pool = self.pool.stats()
+        return KVCacheStats(usage=pool.usage, prefix_cache_queries_tokens=self._queries_tokens,
+                            prefix_cache_hits_tokens=self._hits_tokens, blocks=pool)
+
+    def _update_block_hashes(self, request: Request) -> None:
+        # Extends request.block_hashes to cover every full block of all_token_ids; hashes only the
+        # new blocks, chained from the last known hash.
+        hashes = request.block_hashes
+        k = len(hashes)
+        if (k + 1) * self.block_size > request.num_tokens:
+            return
+        if k == 0:
+            hashes.extend(hash_blocks(request.all_token_ids, self.block_size, self.root_hash,
+                                      ExtraKeys(cache_salt=request.cache_salt)))
+        else:
+            hashes.extend(hash_blocks(request.all_token_ids, self.block_size, self.root_hash,
+                                      start_block=k, parent=hashes[k - 1]))

@@ -1,0 +1,228 @@
+"""BlockPool: the device KV blocks, their ref counts, the prefix-cache map and the LRU free queue.
+
+Every block is in exactly one of three states (torch-free, pure bookkeeping):
+
+    state       ref_cnt  block_hash  in free queue  in hash map
+    empty       0        None        yes            no
+    evictable   0        set         yes            yes      (cached, reusable, evicted on demand)
+    used        > 0      any         no             iff block_hash is set
+
+so empty + evictable + used == num_blocks (block 0 aside, see ``NULL_BLOCK_ID``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+# Block 0 is never handed out: the runner may point padding slots at it (CUDA-graph padding,
+# dummy positions). It is in no queue and no map.
+NULL_BLOCK_ID = 0
+
+
+@dataclass(eq=False, slots=True)
+class KVBlock:
+    """One pool block: id, ref count, hash when full and cached, and free-queue links."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+    # Intrusive links; meaningful only while the block is in the free queue.
+    prev_free: KVBlock | None = None
+    next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+class FreeBlockQueue:
+    """Intrusive doubly linked list of blocks: O(1) popleft, append, appendleft and remove.
+
+    The head is the least recently freed block (evicted first), the tail the most recent.
+    """
+
+    def __init__(self, blocks: Iterable[KVBlock] = ()) -> None:
+        self._head: KVBlock | None = None
+        self._tail: KVBlock | None = None
+        self._len = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        node = self._head
+        while node is not None:
+            yield node
+            node = node.next_free
+
+    def popleft(self) -> KVBlock:
+        """Remove and return the head (the block to evict next)."""
+        block = self._head
+        if block is None:
+            raise IndexError("popleft from an empty free queue")
+        self.remove(block)
+        return block
+
+    def append(self, block: KVBlock) -> None:
+        """Add a block at the tail (evicted last)."""
+        block.prev_free, block.next_free = self._tail, None
+        if self._tail is None:
+            self._head = block
+        else:
+            self._tail.next_free = block
+        self._tail = block
+        self._len += 1
+
+    def appendleft(self, block: KVBlock) -> None:
+        """Add a block at the head (handed out first)."""
+        block.prev_free, block.next_free = None, self._head
+        if self._head is None:
+            self._tail = block
+        else:
+            self._head.prev_free = block
+        self._head = block
+        self._len += 1
+
+    def remove(self, block: KVBlock) -> None:
+        """Unlink a block from anywhere in the queue; the caller guarantees it is in the queue."""
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None:
+            self._head = nxt
+        else:
+            prev.next_free = nxt
+        if nxt is None:
+            self._tail = prev
+        else:
+            nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self._len -= 1
+
+
+@dataclass(frozen=True)
+class BlockPoolStats:
+    """A snapshot of the pool; counts exclude the null block."""
+
+    num_blocks: int        # allocatable blocks (num_blocks - 1)
+    num_free: int          # ref_cnt == 0: empty + evictable
+    num_cached: int        # blocks in the hash map (used or evictable)
+    num_used: int          # ref_cnt > 0
+    usage: float           # num_used / num_blocks
+
+
+class BlockPool:
+    """Ref-counted KV blocks with a hash -> block prefix cache and an O(1) LRU free queue."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"BlockPool needs at least 2 blocks (block 0 is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[NULL_BLOCK_ID]
+        # Invariant: ref_cnt == 0 <=> the block is in free_queue (the null block excepted).
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        # Invariant: cached[h] is b <=> b.block_hash == h; one block per hash.
+        self.cached: dict[bytes, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that get_new_blocks can hand out (empty + evictable)."""
+        return len(self.free_queue)
+
+    def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
+        """The block holding ``block_hash``, used or evictable; None on a miss. Changes nothing."""
+        return self.cached.get(block_hash)
+
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        """Take ``n`` blocks from the queue head with ref_cnt 1, evicting any cached ones taken."""
+        if n > len(self.free_queue):
+            raise ValueError(f"cannot allocate {n} blocks, only {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                # Evict: the block's contents are about to be overwritten.
+                del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one more reference on each block, reviving evictable ones out of the queue in O(1)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference on each block; blocks reaching 0 return to the free queue.
+
+        ``blocks`` come in eviction order: among the cached ones, the first given is evicted first
+        (the manager passes a request's blocks tail first). Blocks without a hash hold nothing
+        reusable and go to the head, so they are handed out before any cached block.
+        """
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+            elif block.ref_cnt < 0:
+                raise RuntimeError(f"double free of {block}")
+
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> bool:
+        """Register a full, computed block under ``block_hash``; False if the hash is already cached.
+
+        When two requests computed the same block at once, the first registration wins and the
+        second block stays unhashed (private to its request, recycled first when freed).
+        """
+        if block.block_hash is not None:
+            return block.block_hash == block_hash and self.cached.get(block_hash) is block
+        if block_hash in self.cached:
+            return False
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        return True
+
+    def stats(self) -> BlockPoolStats:
+        """Counts for metrics, in O(1)."""
+        usable = self.num_blocks - 1
+        used = usable - len(self.free_queue)
+        return BlockPoolStats(num_blocks=usable, num_free=len(self.free_queue),
+                              num_cached=len(self.cached), num_used=used, usage=used / usable)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless queue, ref counts and hash map agree (O(num_blocks); tests)."""
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise AssertionError(msg)
+
+        queued: set[int] = set()
+        prev = None
+        for block in self.free_queue:
+            check(block.prev_free is prev, f"broken back link at {block}")
+            check(block.block_id not in queued, f"{block} queued twice")
+            check(block.ref_cnt == 0, f"{block} in the free queue with ref_cnt > 0")
+            queued.add(block.block_id)
+            prev = block
+        check(len(queued) == len(self.free_queue), "free queue length counter is wrong")
+        check(NULL_BLOCK_ID not in queued, "null block in the free queue")
+        empty = evictable = used = 0
+        for block in self.blocks[1:]:
+            check(block.ref_cnt >= 0, f"{block} has a negative ref count")
+            check((block.ref_cnt == 0) == (block.block_id in queued), f"{block}: ref_cnt vs queue")
+            if block.block_hash is not None:
+                check(self.cached.get(block.block_hash) is block, f"{block} hashed but not mapped")
+            if block.ref_cnt > 0:
+                used += 1
+            elif block.block_hash is None:
+                empty += 1
+            else:
+                evictable += 1
+        check(empty + evictable + used == self.num_blocks - 1, "empty + evictable + used != total")
+        for h, block in self.cached.items():
+            check(block.block_hash == h, f"map entry {h.hex()[:8]} points at {block}")

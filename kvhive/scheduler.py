@@ -1,0 +1,220 @@
+"""Continuous batching with chunked prefill and preemption by recompute (torch-free).
+
+Each step, under ``max_num_batched_tokens`` tokens and ``max_num_seqs`` running requests:
+
+1. every running request in decode gets its one token;
+2. running requests still in prefill get their next chunk;
+3. waiting requests are admitted in FCFS order (prefix lookup on admission); the head of the queue
+   blocks everything behind it when it does not fit, so nothing starves.
+
+When a running request cannot get blocks, the newest running request is preempted: its blocks are
+freed (its computed full blocks stay cached, so re-admission mostly hits), it keeps its output
+tokens and goes back to the front of the waiting queue. Invariants between steps: ``running`` is in
+arrival order and every running request arrived before every waiting one.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvhive.config import CacheConfig, SchedulerConfig
+from kvhive.kv.manager import KVCacheManager, KVCacheStats
+from kvhive.request import FinishReason, Request, RequestStatus
+from kvhive.step import ScheduledSeq, StepPlan, StepResult
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Queue lengths, preemptions and KV cache counters for metrics."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    kv_usage: float
+    prefix_cache_queries_tokens: int
+    prefix_cache_hits_tokens: int
+    kv: KVCacheStats
+
+
+class Scheduler:
+    """Decides which tokens of which requests each step computes, and applies the step's results."""
+
+    def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+                 root_hash: bytes) -> None:
+        self.config = sched_config
+        self.kv = KVCacheManager(cache_config.block_size, num_blocks, cache_config.enable_prefix_caching,
+                                 root_hash)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._requests: dict[str, Request] = {}           # unfinished requests, waiting or running
+        self._finished_ids: list[str] = []                # ended since the last plan
+        self._finished_in_schedule: list[Request] = []    # reported by the next update_from_result
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request at the back of the waiting queue."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finish a waiting or running request with reason ABORT and free its blocks; None if unknown."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, FinishReason.ABORT)
+        return request
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self._requests.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        """Pick this step's tokens: decodes, then running prefill chunks, then FCFS admissions."""
+        budget = self.config.max_num_batched_tokens
+        planned: dict[str, int] = {}        # request id -> tokens this step, in plan order
+        preempted = False
+        for decode_pass in (True, False):
+            for request in list(self.running):
+                if request.status is not RequestStatus.RUNNING or request.request_id in planned:
+                    continue
+                remaining = request.num_tokens - request.num_computed_tokens
+                if (remaining == 1) != decode_pass or budget == 0:
+                    continue
+                num_new = min(remaining, budget)
+                if self.kv.num_blocks_for(request.num_computed_tokens + num_new) > self.kv.num_usable_blocks:
+                    # Can never fit, even alone in the pool: end it rather than preempt forever.
+                    self.running.remove(request)
+                    self._finish(request, FinishReason.LENGTH)
+                    self._finished_in_schedule.append(request)
+                    continue
+                while not self.kv.allocate_slots(request, num_new):
+                    victim = self.running[-1]       # newest arrival; request itself at worst
+                    budget += planned.pop(victim.request_id, 0)
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is request:
+                        break
+                else:
+                    planned[request.request_id] = num_new
+                    budget -= num_new
+        if not preempted:
+            budget = self._admit_waiting(budget, planned)
+        return self._build_plan(planned)
+
+    def update_from_result(self, plan: StepPlan, result: StepResult) -> list[Request]:
+        """Apply a step: append sampled tokens, check stops, cache filled blocks, free finished requests.
+
+        Returns the requests that got a token or finished (including any that ``schedule`` ended).
+        Call it after every ``schedule()``, with an empty StepResult when the plan was empty.
+        """
+        touched, self._finished_in_schedule = self._finished_in_schedule, []
+        any_finished = False
+        for seq in plan.seqs:
+            request = self._requests.get(seq.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue                    # aborted after the plan was made
+            request.num_computed_tokens = seq.context_len
+            reason = None
+            if seq.sample:
+                token = result.sampled.get(seq.request_id)
+                if token is None:
+                    raise ValueError(f"step result has no token for sampled request {seq.request_id!r}")
+                request.append_output_token(token)
+                reason = self._stop_reason(request, token)
+            # Blocks filled by this step become shareable now, before the request ends.
+            self.kv.cache_full_blocks(request, request.num_computed_tokens)
+            if reason is not None:
+                self._finish(request, reason)
+                any_finished = True
+            if seq.sample:
+                touched.append(request)
+        if any_finished:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        return touched
+
+    def stats(self) -> SchedulerStats:
+        """Counters for metrics."""
+        kv = self.kv.stats()
+        return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
+                              num_preemptions=self.num_preemptions, kv_usage=kv.usage,
+                              prefix_cache_queries_tokens=kv.prefix_cache_queries_tokens,
+                              prefix_cache_hits_tokens=kv.prefix_cache_hits_tokens, kv=kv)
+
+    def _admit_waiting(self, budget: int, planned: dict[str, int]) -> int:
+        # FCFS: stop at the first request that does not fit, so later ones never jump ahead.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if self.kv.num_blocks_for(request.num_tokens) > self.kv.num_usable_blocks:
+                # The prompt alone needs more blocks than the pool has: finish with LENGTH.
+                self.waiting.popleft()
+                self._finish(request, FinishReason.LENGTH)
+                self._finished_in_schedule.append(request)
+                continue
+            hit = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - hit.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(request, num_new, hit.blocks):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = hit.num_computed_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = hit.num_computed_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            planned[request.request_id] = num_new
+            budget -= num_new
+        return budget
+
+    def _build_plan(self, planned: dict[str, int]) -> StepPlan:
+        seqs = []
+        for request_id, num_new in planned.items():
+            request = self._requests[request_id]
+            start = request.num_computed_tokens
+            end = start + num_new
+            seqs.append(ScheduledSeq(
+                request_id=request_id,
+                token_ids=request.all_token_ids[start:end],
+                start_pos=start,
+                block_table=self.kv.get_block_table(request),
+                sample=end == request.num_tokens,   # never re-samples tokens it already has
+                sampling=request.sampling,
+                num_output_tokens=request.num_output_tokens,
+            ))
+        finished, self._finished_ids = self._finished_ids, []
+        return StepPlan(seqs=seqs, finished_request_ids=finished)
+
+    def _preempt(self, request: Request) -> None:
+        # Recompute later: drop all KV (full blocks stay cached), keep the tokens, go to the front.
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        sampling = request.sampling
+        if (not sampling.ignore_eos and token in request.eos_token_ids) or token in sampling.stop_token_ids:
+            return FinishReason.STOP
+        if request.num_output_tokens >= sampling.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        # The caller removes the request from running / waiting.
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.kv.free(request)
+        del self._requests[request.request_id]
+        self._finished_ids.append(request.request_id)

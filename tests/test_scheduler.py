@@ -1,0 +1,322 @@
+"""Scheduler policy against a fake runner that reads its "KV" back through the block tables."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvhive.blocks import root_hash
+from kvhive.config import CacheConfig, SchedulerConfig
+from kvhive.request import FinishReason, Request, RequestStatus, SamplingParams
+from kvhive.scheduler import Scheduler
+from kvhive.step import StepPlan, StepResult
+
+VOCAB = 97
+
+
+def next_token(context: list[int]) -> int:
+    """The fake model: a position-weighted checksum of the whole context."""
+    return sum((i + 1) * t for i, t in enumerate(context)) % VOCAB
+
+
+def reference(prompt: list[int], max_tokens: int, eos: tuple[int, ...] = (), max_model_len: int = 10**9) -> list[int]:
+    """Tokens an unconstrained run produces."""
+    tokens, out = list(prompt), []
+    while True:
+        t = next_token(tokens)
+        tokens.append(t)
+        out.append(t)
+        if t in eos or len(out) >= max_tokens or len(tokens) >= max_model_len:
+            return out
+
+
+class FakeRunner:
+    """Writes (token, position) into slots via the block table; samples from what it reads back."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.pool = sched.kv.pool
+        self.B = sched.kv.block_size
+        self.slots: dict[int, tuple[int, int]] = {}
+
+    def slot(self, table: list[int], p: int) -> int:
+        return table[p // self.B] * self.B + p % self.B
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        sampled = {}
+        for seq in plan.seqs:
+            for i, tok in enumerate(seq.token_ids):
+                p = seq.start_pos + i
+                block = self.pool.blocks[seq.block_table[p // self.B]]
+                assert block.block_id != 0 and block.ref_cnt > 0
+                assert block.block_hash is None, "a step must never overwrite a cached block"
+                self.slots[self.slot(seq.block_table, p)] = (tok, p)
+            if seq.sample:
+                context = []
+                for p in range(seq.context_len):
+                    tok, pos = self.slots[self.slot(seq.block_table, p)]
+                    assert pos == p
+                    context.append(tok)
+                sampled[seq.request_id] = next_token(context)
+        return StepResult(sampled)
+
+
+def make_sched(block_size=4, num_blocks=64, max_num_seqs=4, budget=64, max_model_len=10_000, caching=True):
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                     max_model_len=max_model_len),
+                     CacheConfig(block_size=block_size, enable_prefix_caching=caching),
+                     num_blocks, root_hash(0))
+
+
+def req(rid: str, prompt: list[int], max_tokens: int = 8, eos: tuple[int, ...] = (), **sampling) -> Request:
+    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, **sampling), eos_token_ids=eos)
+
+
+def step(sched: Scheduler, runner: FakeRunner) -> tuple[StepPlan, list[Request]]:
+    """One engine step with every invariant checked."""
+    plan = sched.schedule()
+    cfg = sched.config
+    assert plan.num_tokens <= cfg.max_num_batched_tokens
+    assert len(plan.seqs) <= cfg.max_num_seqs and len(sched.running) <= cfg.max_num_seqs
+    assert len({s.request_id for s in plan.seqs}) == len(plan.seqs)
+    out = sched.update_from_result(plan, runner.execute(plan))
+    sched.kv.pool.check_integrity()
+    held = {b for r in sched.running for b in sched.kv.get_block_table(r)}
+    assert sched.kv.pool.stats().num_used == len(held)
+    assert all(not sched.kv.get_block_table(r) for r in sched.waiting)
+    # Blocks exactly cover the computed tokens: nothing over-allocated.
+    assert all(len(sched.kv.get_block_table(r)) == sched.kv.num_blocks_for(r.num_computed_tokens)
+               for r in sched.running)
+    return plan, out
+
+
+def drive(sched: Scheduler, runner: FakeRunner | None = None, max_steps: int = 5000) -> list[StepPlan]:
+    runner, plans = runner or FakeRunner(sched), []
+    while sched.has_unfinished():
+        plans.append(step(sched, runner)[0])
+        assert len(plans) < max_steps, "no progress"
+    return plans
+
+
+def test_mixed_prefill_and_decode_in_one_step():
+    sched = make_sched()
+    runner = FakeRunner(sched)
+    a = req("a", range(5))
+    sched.add_request(a)
+    step(sched, runner)
+    sched.add_request(req("b", range(20, 40)))
+    plan, _ = step(sched, runner)
+    (sa, sb) = plan.seqs
+    assert (sa.request_id, sa.token_ids, sa.start_pos, sa.sample) == ("a", [a.all_token_ids[5]], 5, True)
+    assert (sb.request_id, sb.num_new_tokens, sb.start_pos, sb.sample) == ("b", 20, 0, True)
+
+
+def test_chunked_prefill_respects_budget_and_samples_on_last_chunk():
+    sched = make_sched(budget=16)
+    prompt = list(range(1, 41))
+    a = req("a", prompt, max_tokens=3)
+    sched.add_request(a)
+    plans = drive(sched)
+    assert [(s.start_pos, s.num_new_tokens, s.sample) for p in plans for s in p.seqs][:4] == [
+        (0, 16, False), (16, 16, False), (32, 8, True), (40, 1, True)]
+    assert a.output_token_ids == reference(prompt, 3)
+
+
+def test_budget_is_shared_between_decodes_and_chunks():
+    sched = make_sched(budget=10, max_num_seqs=3)
+    rs = [req(f"r{i}", range(i, i + 13), max_tokens=6) for i in range(3)]
+    for r in rs:
+        sched.add_request(r)
+    plans = drive(sched)
+    assert max(p.num_tokens for p in plans) == 10
+    first = plans[0].seqs
+    assert [(s.request_id, s.num_new_tokens) for s in first] == [("r0", 10)]
+    for r in rs:
+        assert r.output_token_ids == reference(r.prompt_token_ids, 6)
+
+
+def test_max_num_seqs_caps_the_batch():
+    sched = make_sched(max_num_seqs=2)
+    rs = [req(f"r{i}", [i] * 6, max_tokens=5) for i in range(6)]
+    for r in rs:
+        sched.add_request(r)
+    plans = drive(sched)
+    assert max(len(p.seqs) for p in plans) == 2
+    for r in rs:
+        assert r.output_token_ids == reference(r.prompt_token_ids, 5)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_preemption_keeps_outputs_identical(caching):
+    sched = make_sched(block_size=4, num_blocks=12, budget=32, caching=caching)   # 11 usable blocks
+    rs = [req(f"r{i}", [i + 1] * 6 + list(range(4)), max_tokens=20) for i in range(4)]
+    for r in rs:
+        sched.add_request(r)
+    seen_preempted = False
+    runner = FakeRunner(sched)
+    while sched.has_unfinished():
+        step(sched, runner)
+        seen_preempted |= any(r.status is RequestStatus.PREEMPTED for r in sched.waiting)
+    assert sched.stats().num_preemptions > 0 and seen_preempted
+    for r in rs:
+        assert r.output_token_ids == reference(r.prompt_token_ids, 20)
+        assert r.finish_reason is FinishReason.LENGTH
+    assert sched.kv.pool.stats().num_used == 0
+
+
+def test_preempted_request_resamples_only_at_the_end_of_its_tokens():
+    sched = make_sched(block_size=4, num_blocks=8, budget=8, max_num_seqs=2)        # 7 usable
+    a, b = req("a", range(1, 9), max_tokens=12), req("b", range(30, 38), max_tokens=12)
+    sched.add_request(a)
+    sched.add_request(b)
+    runner = FakeRunner(sched)
+    while sched.has_unfinished():
+        plan, out = step(sched, runner)
+        for s in plan.seqs:
+            r = sched.get_request(s.request_id) or next(x for x in (a, b) if x.request_id == s.request_id)
+            if not s.sample:
+                assert s.context_len < r.num_tokens
+    assert sched.num_preemptions > 0
+    assert a.output_token_ids == reference(a.prompt_token_ids, 12)
+    assert b.output_token_ids == reference(b.prompt_token_ids, 12)
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0    # first admission only
+
+
+def test_fcfs_head_blocks_later_requests():
+    sched = make_sched(block_size=4, num_blocks=11, budget=64)      # 10 usable blocks
+    a = req("a", range(24), max_tokens=8)                          # 6 blocks, 8 by the end
+    b = req("b", range(50, 74), max_tokens=2)                      # needs 6: does not fit beside a
+    c = req("c", [3, 2, 1], max_tokens=2)                          # fits, but must wait behind b
+    for r in (a, b, c):
+        sched.add_request(r)
+    runner, admitted = FakeRunner(sched), []
+    while sched.has_unfinished():
+        plan, _ = step(sched, runner)
+        admitted += [s.request_id for s in plan.seqs if s.start_pos == 0]
+        if a.status is RequestStatus.RUNNING:
+            assert c.status is RequestStatus.WAITING
+    assert admitted == ["a", "b", "c"]
+    assert sched.num_preemptions == 0
+
+
+def test_abort_frees_blocks_whether_running_or_waiting():
+    sched = make_sched(max_num_seqs=1)
+    runner = FakeRunner(sched)
+    a, b = req("a", range(10), max_tokens=50), req("b", range(10), max_tokens=50)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched, runner)
+    assert sched.abort_request("b") is b and b.finish_reason is FinishReason.ABORT
+    assert sched.abort_request("a") is a and a.status is RequestStatus.FINISHED
+    assert sched.abort_request("a") is None and sched.abort_request("nope") is None
+    assert sched.kv.pool.stats().num_used == 0 and not sched.has_unfinished()
+    assert sorted(sched.schedule().finished_request_ids) == ["a", "b"]
+    sched.kv.pool.check_integrity()
+
+
+def test_abort_between_schedule_and_update():
+    sched = make_sched()
+    runner = FakeRunner(sched)
+    a = req("a", range(10))
+    sched.add_request(a)
+    plan = sched.schedule()
+    result = runner.execute(plan)
+    sched.abort_request("a")
+    assert sched.update_from_result(plan, result) == [] and a.num_output_tokens == 0
+    sched.kv.pool.check_integrity()
+
+
+def test_stop_conditions():
+    prompt = list(range(1, 9))
+    ref = reference(prompt, 30)
+    eos = ref[4]
+    k = ref.index(eos)
+    cases = [
+        (req("eos", prompt, 30, eos=(eos,)), FinishReason.STOP, k + 1),
+        (req("ign", prompt, 30, eos=(eos,), ignore_eos=True), FinishReason.LENGTH, 30),
+        (req("stop", prompt, 30, stop_token_ids=(eos,)), FinishReason.STOP, k + 1),
+        (req("max", prompt, 7), FinishReason.LENGTH, 7),
+    ]
+    sched = make_sched(max_num_seqs=4)
+    for r, _, _ in cases:
+        sched.add_request(r)
+    drive(sched)
+    for r, reason, n in cases:
+        assert (r.finish_reason, r.num_output_tokens) == (reason, n), r.request_id
+        assert r.output_token_ids == ref[:n]
+
+
+def test_max_model_len_stops_with_length():
+    sched = make_sched(max_model_len=20)
+    a = req("a", range(15), max_tokens=100)
+    sched.add_request(a)
+    drive(sched)
+    assert a.finish_reason is FinishReason.LENGTH and a.num_tokens == 20
+
+
+def test_prompt_larger_than_pool_is_finished_not_looped():
+    sched = make_sched(block_size=4, num_blocks=6)                 # 5 usable blocks = 20 tokens
+    big, small = req("big", range(30)), req("small", range(5), max_tokens=2)
+    sched.add_request(big)
+    sched.add_request(small)
+    runner = FakeRunner(sched)
+    _, out = step(sched, runner)
+    assert big in out and big.finish_reason is FinishReason.LENGTH and big.num_output_tokens == 0
+    drive(sched, runner)
+    assert small.output_token_ids == reference(small.prompt_token_ids, 2)
+
+
+def test_decode_outgrowing_the_pool_finishes_with_length():
+    sched = make_sched(block_size=4, num_blocks=4)                 # 3 usable blocks = 12 tokens
+    a = req("a", range(8), max_tokens=100)
+    sched.add_request(a)
+    drive(sched)
+    assert a.finish_reason is FinishReason.LENGTH and a.num_tokens == 13
+    assert a.output_token_ids == reference(a.prompt_token_ids, 5)
+
+
+def test_shared_system_prompt_reused_while_first_request_runs():
+    sched = make_sched(block_size=4, budget=32, max_num_seqs=2)
+    system = [7] * 30 + list(range(34))                             # 64 tokens = 16 blocks
+    a = req("a", system + [1, 2, 3], max_tokens=4)
+    sched.add_request(a)
+    runner = FakeRunner(sched)
+    step(sched, runner)                                             # a: tokens 0..31
+    b = req("b", system + [9, 9], max_tokens=4)
+    sched.add_request(b)
+    step(sched, runner)                                             # a: tokens 32..63, budget spent
+    assert b.status is RequestStatus.WAITING
+    plan, _ = step(sched, runner)                                   # a: last 3, b admitted with a hit
+    assert a.status is RequestStatus.RUNNING and b.num_cached_tokens == 64
+    assert [(s.request_id, s.start_pos) for s in plan.seqs] == [("a", 64), ("b", 64)]
+    drive(sched, runner)
+    assert b.output_token_ids == reference(b.prompt_token_ids, 4)
+    s = sched.stats()
+    assert (s.prefix_cache_queries_tokens, s.prefix_cache_hits_tokens) == (67 + 66, 64)
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_random_workloads_match_the_reference(seed):
+    rng = random.Random(seed)
+    bs = rng.choice([2, 4, 8])
+    num_seqs = rng.randint(1, 5)
+    sched = make_sched(block_size=bs, num_blocks=rng.randint(40 // bs + 2, 200 // bs), max_num_seqs=num_seqs,
+                       budget=rng.randint(num_seqs, 40), caching=rng.random() < 0.8)
+    shared = [rng.randrange(VOCAB) for _ in range(rng.randint(0, 20))]
+    rs = []
+    for i in range(rng.randint(1, 10)):
+        prompt = shared[:rng.randint(0, len(shared))] + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 15))]
+        rs.append(req(f"r{i}", prompt, max_tokens=rng.randint(1, 20)))
+    runner = FakeRunner(sched)
+    pending = list(rs)
+    while pending or sched.has_unfinished():
+        for _ in range(rng.randint(0, 2)):
+            if pending:
+                sched.add_request(pending.pop(0))
+        step(sched, runner)
+    for r in rs:
+        assert r.is_finished
+        if r.finish_reason is FinishReason.LENGTH and r.num_output_tokens < r.sampling.max_tokens:
+            continue                                                # outgrew a tiny pool
+        assert r.output_token_ids == reference(r.prompt_token_ids, r.sampling.max_tokens)
+    assert sched.kv.pool.stats().num_used == 0
