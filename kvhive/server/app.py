@@ -1,0 +1,139 @@
+"""The FastAPI app: OpenAI routes, health, metrics, API keys; and ``run_server`` (uvicorn)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvhive.server.chat import create_chat_completion
+from kvhive.server.completions import create_completion
+from kvhive.server.errors import APIError, bad_request, install_error_handlers, validation_error
+from kvhive.server.metrics import ServerMetrics
+from kvhive.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
+from kvhive.server.serving import GenerationService, unix_time
+
+if TYPE_CHECKING:
+    from kvhive.engine import AsyncEngine
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+class APIKeyMiddleware:
+    """Answers 401 on ``/v1/*`` unless ``Authorization: Bearer <key>`` names one of the keys.
+
+    ``/health`` and ``/metrics`` stay open (probes and scrapers carry no key).
+    """
+
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
+        self.app = app
+        self.api_keys = tuple(k.encode() for k in api_keys)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Check the key of HTTP requests under /v1, pass everything else through."""
+        if (scope["type"] == "http" and scope["method"] != "OPTIONS"
+                and scope["path"].startswith("/v1") and not self._authorized(scope)):
+            error = APIError(401, "Invalid or missing API key. Send 'Authorization: Bearer <key>'.",
+                             code="invalid_api_key")
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        token = token.strip()
+        # compare_digest against every key: the time taken does not reveal which key nearly matched.
+        return any([secrets.compare_digest(token, key) for key in self.api_keys])
+
+
+async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
+    """The JSON body as ``model``, whatever the Content-Type; 400 for bad JSON or bad fields."""
+    raw = await request.body()
+    if not raw.strip():
+        raise bad_request("Request body is required (a JSON object)")
+    try:
+        data: Any = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"Malformed JSON in request body: {exc}") from exc
+    if not isinstance(data, dict):
+        raise bad_request(f"Request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from exc
+
+
+def create_app(async_engine: AsyncEngine, *, served_model_name: str,
+               api_keys: tuple[str, ...] = ()) -> FastAPI:
+    """The OpenAI-compatible app over a started ``AsyncEngine`` (the caller owns its lifecycle)."""
+    app = FastAPI(title="kvhive", version="0.1.0")
+    metrics = ServerMetrics(async_engine.stats, served_model_name)
+    service = GenerationService(async_engine, metrics, served_model_name)
+    app.state.service = service
+    app.state.metrics = metrics
+    created = unix_time()
+    install_error_handlers(app)
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=tuple(api_keys))
+
+    @app.get("/health", response_model=None)
+    async def health() -> dict[str, str] | JSONResponse:
+        """200 while the engine loop runs; 503 once it has died."""
+        if not async_engine.is_healthy:
+            return JSONResponse(status_code=503, content={"status": "engine loop stopped"})
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        """Prometheus text exposition of this app's registry."""
+        payload, content_type = metrics.render()
+        return Response(content=payload, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        """The one served model, with its context length."""
+        card = ModelCard(id=served_model_name, created=created, max_model_len=service.max_model_len)
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(raw_request: Request) -> Response | CompletionResponse:
+        """OpenAI completions (one prompt, n=1), streamed with SSE when ``stream`` is true."""
+        body = await parse_body(raw_request, CompletionRequest)
+        return await create_completion(service, body, raw_request)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(raw_request: Request) -> Response | ChatCompletionResponse:
+        """OpenAI chat completions (n=1), streamed with SSE when ``stream`` is true."""
+        body = await parse_body(raw_request, ChatCompletionRequest)
+        return await create_chat_completion(service, body, raw_request)
+
+    return app
+
+
+def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_name: str,
+               api_keys: tuple[str, ...] = (), log_level: str = "info") -> None:
+    """Start the engine loop, serve HTTP until interrupted, then shut the engine down."""
+    app = create_app(async_engine, served_model_name=served_model_name, api_keys=api_keys)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=5)
+    async_engine.start()
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        async_engine.shutdown()

@@ -1,0 +1,114 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+# Location parts pydantic adds for union members and model classes ("str", "list[int]", "ContentPart");
+# they are not field names and stay out of ``param``.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]*$")
+
+
+class APIError(Exception):
+    """An error the server answers in OpenAI's shape; raise it anywhere inside a route."""
+
+    def __init__(self, status_code: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body OpenAI clients parse."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        """This error as an HTTP response."""
+        return JSONResponse(status_code=self.status_code, content=self.body())
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 invalid_request_error."""
+    return APIError(400, message, param=param, code=code)
+
+
+def server_error(message: str) -> APIError:
+    """A 500 server error (the engine failed, not the request)."""
+    return APIError(500, message, type="server_error", code="internal_server_error")
+
+
+def param_from_loc(loc: Sequence[str | int]) -> str | None:
+    """A pydantic error location as an OpenAI ``param``: ("body", "messages", 0, "role") -> messages[0].role."""
+    param = ""
+    for part in loc:
+        if part == "body" and not param:
+            continue
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part not in _TYPE_TAGS and _IDENTIFIER.match(part):
+            param += f".{part}" if param else part
+    return param or None
+
+
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """A 400 from pydantic / FastAPI validation errors, naming the first offending field."""
+    if not errors:
+        return bad_request("Invalid request body")
+    first = errors[0]
+    param = param_from_loc(first.get("loc", ()))
+    if first.get("type") == "missing" and param is None:
+        return bad_request("Request body is required (a JSON object)")
+    if param is None:
+        return bad_request(f"Invalid request body: {first.get('msg')}")
+    if first.get("type") == "missing":
+        return bad_request(f"Missing required parameter '{param}'", param=param)
+    return bad_request(f"Invalid value for '{param}': {first.get('msg')}", param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Make every error the app can produce (ours, validation, routing, crashes) OpenAI-shaped."""
+
+    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return exc.response()
+
+    async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError | ValidationError)
+        return validation_error(exc.errors()).response()
+
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 404:
+            message = f"Unknown route: {request.method} {request.url.path}"
+            return APIError(404, message, code="not_found").response()
+        if exc.status_code == 405:
+            message = f"Method {request.method} is not allowed on {request.url.path}"
+            return APIError(405, message, code="method_not_allowed").response()
+        error_type = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=error_type).response()
+
+    async def on_crash(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return server_error(f"Internal server error: {type(exc).__name__}: {exc}").response()
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(ValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_crash)

@@ -1,0 +1,129 @@
+"""Prometheus metrics of one app: request timings observed by the server, engine state read at scrape.
+
+Every metric lives in the app's own ``CollectorRegistry`` (two apps in one process never share
+one). Engine-level values come from ``engine.stats()`` each time ``/metrics`` is scraped, so the
+engine keeps no Prometheus objects: core classes return stats, the edge exports metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kvhive.engine import EngineStats
+
+logger = logging.getLogger(__name__)
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class EngineStatsCollector(Collector):
+    """Turns one ``EngineStats`` snapshot into gauges and counters at each scrape."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self._stats = stats
+        self._labels = [model_name]
+
+    def collect(self) -> Iterator[Metric]:
+        """Read the engine's stats once and yield them (nothing if the engine cannot answer)."""
+        try:
+            s = self._stats()
+        except Exception:  # noqa: BLE001 - a scrape must not fail because the engine is down
+            logger.exception("engine.stats() failed; engine metrics left out of this scrape")
+            return
+        gauges = (
+            ("kvhive_num_requests_running", "Requests in the running batch.", s.num_running),
+            ("kvhive_num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("kvhive_kv_cache_usage_perc", "Fraction of device KV blocks in use (0..1).", s.kv_usage),
+            ("kvhive_cache_num_blocks", "Device KV blocks in the pool.", s.num_blocks),
+            ("kvhive_cache_block_size", "Tokens per KV block.", s.block_size),
+        )
+        counters = (
+            ("kvhive_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             s.prefix_cache_queries_tokens),
+            ("kvhive_prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+             s.prefix_cache_hits_tokens),
+            ("kvhive_num_preemptions", "Requests preempted (to be recomputed) for lack of blocks.",
+             s.num_preemptions),
+        )
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(self._labels, value)
+            yield family
+        for name, doc, value in counters:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(self._labels, value)
+            yield family
+
+
+class ServerMetrics:
+    """The app's registry: request counters and latency histograms, plus the engine collector."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        self.requests = Counter("kvhive_request_finished", "Finished requests by finish reason.",
+                                labels + ["finished_reason"], registry=self.registry)
+        self.prompt_tokens = Counter("kvhive_prompt_tokens", "Prompt tokens of finished requests.",
+                                     labels, registry=self.registry)
+        self.generation_tokens = Counter("kvhive_generation_tokens", "Generated tokens.",
+                                         labels, registry=self.registry)
+        self.ttft = Histogram("kvhive_time_to_first_token_seconds",
+                              "Time from request arrival to its first generated token.",
+                              labels, buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("kvhive_inter_token_latency_seconds",
+                             "Time between consecutive generated tokens of one request.",
+                             labels, buckets=_ITL_BUCKETS, registry=self.registry)
+        self.registry.register(EngineStatsCollector(stats, model_name))
+
+    def track_request(self) -> RequestMetrics:
+        """Start timing one request (call at arrival)."""
+        return RequestMetrics(self)
+
+    def render(self) -> tuple[bytes, str]:
+        """Prometheus text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestMetrics:
+    """Timings and counts of one request; ``finish`` records it exactly once."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._m = metrics
+        self._arrival = time.monotonic()
+        self._last_token: float | None = None
+        self._finished = False
+
+    def on_tokens(self, num_new: int) -> None:
+        """Record an engine output carrying ``num_new`` tokens (TTFT for the first, ITL after)."""
+        if num_new <= 0:
+            return
+        now = time.monotonic()
+        name = self._m.model_name
+        if self._last_token is None:
+            self._m.ttft.labels(name).observe(now - self._arrival)
+        else:
+            gap = (now - self._last_token) / num_new
+            for _ in range(num_new):
+                self._m.itl.labels(name).observe(gap)
+        self._last_token = now
+
+    def finish(self, reason: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        """Count the finished request (stop / length / abort) and its tokens; later calls do nothing."""
+        if self._finished:
+            return
+        self._finished = True
+        name = self._m.model_name
+        self._m.requests.labels(name, reason).inc()
+        self._m.prompt_tokens.labels(name).inc(num_prompt_tokens)
+        self._m.generation_tokens.labels(name).inc(num_output_tokens)

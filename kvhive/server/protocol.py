@@ -1,0 +1,211 @@
+"""Pydantic schemas of the OpenAI API subset kvhive serves (requests strict, responses plain)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+# ---------------------------------------------------------------- requests
+# Strict: "5" is not an integer and "true" is not a boolean, as in OpenAI's API. Unknown fields are
+# ignored so clients that send newer OpenAI fields keep working.
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    """``stream_options``: only ``include_usage`` changes anything."""
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingRequest(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)      # vLLM extension; 0 or -1: disabled
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None             # vLLM extension
+    seed: int | None = None
+    ignore_eos: bool = False                            # vLLM extension
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    cache_salt: str | None = None                       # vLLM extension: per-tenant prefix cache
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        """True when a streamed response ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """``stop`` as a list, without empty strings."""
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return [s for s in stops if s]
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(_Strict):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class ChatMessage(_Strict):
+    """One chat message; ``content`` is a string or a list of text parts."""
+
+    role: Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+# ---------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(BaseModel):
+    """Part of ``usage``: prompt tokens served from the prefix cache."""
+
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    """Token counts of one request; present on every response (and the streamed usage chunk)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionChoice(BaseModel):
+    """One choice of a completion (or a streamed completion chunk)."""
+
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A completion, or one chunk of a streamed completion (same ``object`` in OpenAI's API)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    """The generated message of a chat completion."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    """One choice of a chat completion."""
+
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    """A non-streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    """What a streamed chat chunk adds to the message."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A delta names only what it adds: {"content": "x"}, {"role": "assistant", ...} or {}.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    """One choice of a streamed chat chunk."""
+
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One ``data:`` event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    """One entry of ``GET /v1/models``."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvhive"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    """``GET /v1/models``."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

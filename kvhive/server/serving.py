@@ -1,0 +1,245 @@
+"""What completions and chat share: checks, sampling, the engine stream as text, usage, SSE framing.
+
+A request's text comes from ``GenerationService.stream``: engine outputs go through the incremental
+detokenizer and the stop-string matcher; the stream aborts the engine request when it stops early
+(stop string, client gone, error) and records the request's metrics exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from kvhive.request import SamplingParams
+from kvhive.server.errors import APIError, bad_request, server_error
+from kvhive.server.metrics import ServerMetrics
+from kvhive.server.protocol import PromptTokensDetails, SamplingRequest, Usage
+from kvhive.server.stop import StopStringMatcher
+from kvhive.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from kvhive.engine import AsyncEngine
+    from kvhive.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# How often a non-streamed request checks whether its client is still connected.
+DISCONNECT_POLL_S = 0.1
+
+
+def new_request_id(prefix: str) -> str:
+    """A fresh response id, also used as the engine request id (unique per request)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def unix_time() -> int:
+    """``created`` field value."""
+    return int(time.time())
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """Text produced since the previous delta; ``finish_reason`` is set on the last one."""
+
+    text: str
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+    def usage(self) -> Usage:
+        """OpenAI usage as of this delta."""
+        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_output_tokens,
+                     total_tokens=self.num_prompt_tokens + self.num_output_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens))
+
+
+def sse_event(payload: BaseModel | dict[str, Any], exclude: set[str] | None = None) -> str:
+    """One server-sent event: ``data: {json}`` and a blank line."""
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json(exclude=exclude)}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class GenerationService:
+    """The server's view of the engine: validates what the engine would reject, streams text back."""
+
+    def __init__(self, async_engine: AsyncEngine, metrics: ServerMetrics, served_model_name: str) -> None:
+        self.engine = async_engine
+        self.metrics = metrics
+        self.served_model_name = served_model_name
+        self.tokenizer: Tokenizer = async_engine.engine.tokenizer
+        self.max_model_len: int = async_engine.engine.max_model_len
+        self.vocab_size: int = async_engine.engine.model_config.vocab_size
+
+    # ------------------------------------------------------------ checks
+
+    def check_model(self, model: str) -> None:
+        """404 unless ``model`` is the served model."""
+        if model != self.served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist. Served model: "
+                                f"`{self.served_model_name}`.", param="model", code="model_not_found")
+
+    def check_common(self, body: SamplingRequest) -> None:
+        """400 for sampling fields kvhive does not implement, instead of silently ignoring them."""
+        self.check_model(body.model)
+        if body.n != 1:
+            raise bad_request(f"Only n=1 is supported, got n={body.n}", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(body, name) != 0:
+                raise bad_request(f"'{name}' is not supported; leave it unset or 0", param=name)
+        if body.logit_bias:
+            raise bad_request("'logit_bias' is not supported", param="logit_bias")
+        self.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
+
+    def check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
+        """400 if any id is outside the vocabulary."""
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(f"Token id {bad[0]} in '{param}' is outside the vocabulary "
+                              f"[0, {self.vocab_size})", param=param)
+
+    def resolve_max_tokens(self, requested: int | None, num_prompt_tokens: int, param: str,
+                           prompt_param: str) -> int:
+        """The request's max_tokens: as asked (checked against the context), else all room left."""
+        limit = self.max_model_len
+        if requested is not None and requested < 1:
+            raise bad_request(f"'{param}' must be at least 1, got {requested}", param=param)
+        if num_prompt_tokens >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens, but the prompt has "
+                f"{num_prompt_tokens} tokens, which leaves no room for the completion. Please shorten "
+                f"the prompt.", param=prompt_param, code="context_length_exceeded")
+        if requested is None:
+            return limit - num_prompt_tokens
+        if num_prompt_tokens + requested > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} "
+                f"for the completion). Please reduce the prompt or '{param}'.",
+                param=param, code="context_length_exceeded")
+        return requested
+
+    def sampling_params(self, body: SamplingRequest, max_tokens: int) -> SamplingParams:
+        """Engine sampling parameters from the request (OpenAI defaults: temperature 1, top_p 1)."""
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=max(0, body.top_k or 0),
+                seed=body.seed,
+                ignore_eos=body.ignore_eos,
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+            )
+        except ValueError as exc:
+            raise bad_request(str(exc)) from exc
+
+    # ------------------------------------------------------------ generation
+
+    async def stream(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                     stop_strings: Sequence[str], cache_salt: str | None) -> AsyncIterator[TextDelta]:
+        """Run one request; yield text deltas, the last with its finish reason.
+
+        Leaving early (client gone, cancellation) or an engine error aborts the engine request.
+        """
+        tracker = self.metrics.track_request()
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=True)
+        matcher = StopStringMatcher(stop_strings)
+        outputs = self.engine.generate(request_id, prompt_token_ids, sampling, cache_salt=cache_salt)
+        counts = (len(prompt_token_ids), 0, 0)
+        done = False
+        try:
+            async for out in outputs:
+                counts = (out.num_prompt_tokens, max(0, out.num_cached_tokens), out.num_output_tokens)
+                tracker.on_tokens(len(out.new_token_ids))
+                delta = detokenizer.add(out.new_token_ids)
+                if out.finished:
+                    delta += detokenizer.flush()
+                text = matcher.feed(delta)
+                if matcher.stopped:
+                    reason = "stop"
+                    if not out.finished:
+                        self.engine.abort(request_id)    # else the engine goes on to max_tokens
+                elif out.finished:
+                    reason = out.finish_reason.value if out.finish_reason else "stop"
+                    text += matcher.flush()
+                else:
+                    if text:
+                        yield TextDelta(text, None, *counts)
+                    continue
+                done = True
+                tracker.finish(reason, counts[0], counts[2])
+                await outputs.aclose()
+                yield TextDelta(text, reason, *counts)
+                return
+            raise RuntimeError(f"engine stream of {request_id} ended without a finished output")
+        finally:
+            if not done:
+                self.engine.abort(request_id)
+                tracker.finish("abort", counts[0], counts[2])
+            await outputs.aclose()
+
+    async def collect(self, deltas: AsyncIterator[TextDelta], raw_request: Request) -> TextDelta | None:
+        """Join a whole stream into one delta; None if the client went away (the request is aborted)."""
+
+        async def join() -> TextDelta:
+            parts: list[str] = []
+            last: TextDelta | None = None
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    parts.append(delta.text)
+                    last = delta
+            assert last is not None
+            return TextDelta("".join(parts), last.finish_reason, last.num_prompt_tokens,
+                             last.num_cached_tokens, last.num_output_tokens)
+
+        task = asyncio.create_task(join())
+        try:
+            while True:
+                finished, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if finished:
+                    return self._result(task)
+                if await raw_request.is_disconnected():
+                    logger.info("client disconnected; aborting %s", raw_request.url.path)
+                    return None
+        finally:
+            if not task.done():
+                task.cancel()      # closes the stream, which aborts the engine request
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    @staticmethod
+    def _result(task: asyncio.Task[TextDelta]) -> TextDelta:
+        try:
+            return task.result()
+        except APIError:
+            raise
+        except Exception as exc:
+            logger.exception("engine error")
+            raise server_error(f"Engine error: {type(exc).__name__}: {exc}") from exc
+
+    async def sse_with_errors(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """Pass SSE events through; an engine error after the headers went out becomes an error event."""
+        async with contextlib.aclosing(events):
+            try:
+                async for event in events:
+                    yield event
+            except Exception as exc:  # noqa: BLE001 - reported to the client in the stream
+                logger.exception("engine error while streaming")
+                yield sse_event(server_error(f"Engine error: {type(exc).__name__}: {exc}").body())
+                yield SSE_DONE

@@ -1,0 +1,200 @@
+"""Shared fixtures: real kvhive servers in subprocesses on free ports, reached over real HTTP.
+
+Run as a script, this file is also the server process the fixtures start:
+``python tests/conftest.py --model tiny|default --port N [--api-key K] [--max-model-len N] [--faulty]``.
+``tiny`` is a random-weight Llama (``tests/tiny.py``) behind the real tokenizer of the default GGUF;
+``default`` is the real default model. ``--faulty`` makes prompts that start with
+``FAULT_TOKEN_IDS`` fail inside the engine, so tests can see how engine errors reach clients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(TESTS_DIR)
+SERVED_MODEL_NAME = "smollm2-135m"
+FAULT_TOKEN_IDS = [0, 0, 0, 0]          # a completion prompt starting with these fails in --faulty servers
+TINY_API_KEY = "tiny-test-key"
+TINY_MAX_MODEL_LEN = 512
+
+
+@dataclass
+class ServerProcess:
+    """A running ``kvhive`` server subprocess and how to reach it."""
+
+    base_url: str
+    process: subprocess.Popen[bytes]
+    log_path: str
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        """The end of the server's combined stdout/stderr."""
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-num_chars:]
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """One sample from /metrics (0.0 when absent); labels must all match."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        for line in text.splitlines():
+            match = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$", line)
+            if not match or match.group(1) != name:
+                continue
+            found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+            if all(found.get(k) == v for k, v in (labels or {}).items()):
+                return float(match.group(3))
+        return 0.0
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, *, api_keys: tuple[str, ...] = (), max_model_len: int | None = None,
+                 faulty: bool = False, startup_timeout_s: float = 180.0) -> ServerProcess:
+    """Start a server subprocess and wait until /health answers 200."""
+    port = free_port()
+    cmd = [sys.executable, os.path.join(TESTS_DIR, "conftest.py"), "--model", model, "--port", str(port)]
+    for key in api_keys:
+        cmd += ["--api-key", key]
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
+    if faulty:
+        cmd.append("--faulty")
+    log = tempfile.NamedTemporaryFile(prefix=f"kvhive-server-{port}-", suffix=".log", delete=False)
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
+    server = ServerProcess(f"http://127.0.0.1:{port}", process, log.name)
+    deadline = time.monotonic() + startup_timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log_tail()}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    stop_server(server)
+    raise RuntimeError(f"server did not become healthy in {startup_timeout_s}s:\n{server.log_tail()}")
+
+
+def stop_server(server: ServerProcess) -> None:
+    """SIGTERM (graceful uvicorn shutdown), then SIGKILL if it lingers."""
+    server.process.terminate()
+    try:
+        server.process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        server.process.wait()
+    os.unlink(server.log_path)
+
+
+def read_sse(response: httpx.Response) -> list[dict[str, Any] | str]:
+    """The events of a streamed response: parsed JSON payloads, and "[DONE]" as a string."""
+    events: list[dict[str, Any] | str] = []
+    for line in response.iter_lines():
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        payload = line[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+@pytest.fixture(scope="session")
+def tiny_server() -> Iterator[ServerProcess]:
+    """One tiny-model server (API key TINY_API_KEY, --faulty) shared by the whole session."""
+    server = start_server("tiny", api_keys=(TINY_API_KEY,), max_model_len=TINY_MAX_MODEL_LEN, faulty=True)
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture()
+def tiny_client(tiny_server: ServerProcess) -> Iterator[httpx.Client]:
+    """An HTTP client for the tiny server that sends the right API key."""
+    with httpx.Client(base_url=tiny_server.base_url, timeout=120,
+                      headers={"Authorization": f"Bearer {TINY_API_KEY}"}) as client:
+        yield client
+
+
+# ---------------------------------------------------------------- the server process
+
+
+def _build_engine(args: argparse.Namespace):  # -> AsyncEngine (imports stay inside the child)
+    from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
+    from kvhive.engine import AsyncEngine, LLMEngine
+    from kvhive.model_files import default_model_path
+
+    scheduler = SchedulerConfig(max_model_len=args.max_model_len or 8192)
+    if args.model == "default":
+        config = EngineConfig(model_path=default_model_path(), served_model_name=SERVED_MODEL_NAME,
+                              cache=CacheConfig(kv_cache_gb=0.25), scheduler=scheduler)
+        engine = LLMEngine(config)
+    else:
+        from kvhive.model.loader import LoadedModel
+        from kvhive.tokenizer import Tokenizer
+
+        sys.path.insert(0, TESTS_DIR)
+        import tiny
+
+        tokenizer = Tokenizer.from_model_path(default_model_path())
+        model_config = tiny.tiny_config(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_token_id,
+                                        eos_token_ids=tokenizer.eos_token_ids)
+        loaded = LoadedModel(model_config, tiny.tiny_model(model_config), "tiny-server-test")
+        config = EngineConfig(model_path=default_model_path(), served_model_name=SERVED_MODEL_NAME,
+                              cache=CacheConfig(num_blocks=256), scheduler=scheduler)
+        engine = LLMEngine(config, loaded=loaded, tokenizer=tokenizer)
+    if not args.faulty:
+        return AsyncEngine(engine)
+
+    class FaultyAsyncEngine(AsyncEngine):
+        """Fails requests whose prompt starts with FAULT_TOKEN_IDS, as a broken engine would."""
+
+        async def generate(self, request_id, prompt_token_ids, sampling, cache_salt=None):
+            if list(prompt_token_ids[:len(FAULT_TOKEN_IDS)]) == FAULT_TOKEN_IDS:
+                raise RuntimeError("injected engine failure")
+            outputs = super().generate(request_id, prompt_token_ids, sampling, cache_salt)
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    yield out
+
+    return FaultyAsyncEngine(engine)
+
+
+def _serve_main() -> None:
+    parser = argparse.ArgumentParser(description="kvhive test server")
+    parser.add_argument("--model", choices=["tiny", "default"], required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--api-key", action="append", default=[])
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--faulty", action="store_true")
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(2)
+    from kvhive.server.app import run_server
+
+    run_server(_build_engine(args), host="127.0.0.1", port=args.port,
+               served_model_name=SERVED_MODEL_NAME, api_keys=tuple(args.api_key), log_level="warning")
+
+
+if __name__ == "__main__":
+    _serve_main()
