@@ -1,0 +1,190 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a flat batch of tokens from many sequences.
+
+Weights are held fused: one QKV projection and one gate+up projection per layer (concatenated at
+load). ``forward`` returns the residual stream *before* the final norm; ``compute_logits`` applies the
+final norm and the LM head to the few rows that are sampled, never to every prompt position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvhive.config import ModelConfig
+from kvhive.model.attention import AttnMetadata, paged_attention
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Below this many rows the fused rms_norm kernel wins (one op); above it the composite is faster on CPU.
+_FUSED_NORM_MAX_ROWS = 64
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map "float32" / "bfloat16" / "float16" (or a torch.dtype) to a torch.dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Hugging Face computes it: statistics in float32, scale in the model dtype."""
+    if x.shape[0] <= _FUSED_NORM_MAX_ROWS and x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_tables(config: ModelConfig, dtype: torch.dtype,
+                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed-sin tables [max_positions, head_dim] for rotate-half (HF-layout) RoPE.
+
+    Computed in float32 exactly as transformers does, then cast to the model dtype.
+    ``sin_signed = [-sin, +sin]`` so that ``rope(x) = x * cos + roll(x, head_dim / 2) * sin_signed``.
+    """
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    sign = torch.cat((-torch.ones(hd // 2), torch.ones(hd // 2)))
+    return emb.cos().to(dtype).to(device), (emb.sin() * sign).to(dtype).to(device)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer's weights (the forward pass lives in ``LlamaModel.forward``)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 qkv_bias: bool) -> None:
+        super().__init__()
+        h, hd = config.hidden_size, config.head_dim
+        qkv_out = (config.num_heads + 2 * config.num_kv_heads) * hd
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.input_norm = param(h)
+        self.qkv_proj = param(qkv_out, h)                   # rows: q heads, k heads, v heads
+        self.qkv_bias = param(qkv_out) if qkv_bias else None
+        self.o_proj = param(h, config.num_heads * hd)
+        self.post_attn_norm = param(h)
+        self.gate_up_proj = param(2 * config.intermediate_size, h)   # rows: gate, then up
+        self.down_proj = param(h, config.intermediate_size)
+
+
+class LlamaModel(nn.Module):
+    """Llama-family causal LM over a flat batch of tokens and a paged KV pool."""
+
+    def __init__(self, config: ModelConfig, dtype: str | torch.dtype = "float32",
+                 device: torch.device | str = "cpu", qkv_bias: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = resolve_dtype(dtype)
+        self.device = torch.device(device)
+        self.qkv_bias = qkv_bias
+        v, h = config.vocab_size, config.hidden_size
+        self.embed_tokens = nn.Parameter(torch.empty(v, h, dtype=self.dtype, device=device),
+                                         requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.dtype, device, qkv_bias)
+                                    for _ in range(config.num_layers))
+        self.norm = nn.Parameter(torch.empty(h, dtype=self.dtype, device=device), requires_grad=False)
+        # Tied embeddings: lm_head is the embedding matrix itself (one tensor, not a copy).
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else nn.Parameter(
+            torch.empty(v, h, dtype=self.dtype, device=device), requires_grad=False)
+        cos, sin = rope_tables(config, self.dtype, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.inference_mode()
+    def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight``...) in, fusing."""
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not self.config.tie_word_embeddings:
+            names.append("lm_head.weight")
+        for i in range(self.config.num_layers):
+            p = f"model.layers.{i}."
+            names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+            names += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
+            names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+            if self.qkv_bias:
+                names += [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
+        missing = [n for n in names if n not in weights]
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+        def fill(dst: torch.Tensor, names: list[str]) -> None:
+            # Copy parts into consecutive row ranges of a fused parameter (no temporary concat).
+            row = 0
+            for name in names:
+                src = weights[name]
+                dst[row:row + src.shape[0]].copy_(src)
+                row += src.shape[0]
+            if row != dst.shape[0]:
+                raise ValueError(f"{names[0]}...: {row} rows, expected {dst.shape[0]}")
+
+        fill(self.embed_tokens, ["model.embed_tokens.weight"])
+        fill(self.norm, ["model.norm.weight"])
+        if not self.config.tie_word_embeddings:
+            fill(self.lm_head, ["lm_head.weight"])
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            fill(layer.input_norm, [p + "input_layernorm.weight"])
+            fill(layer.post_attn_norm, [p + "post_attention_layernorm.weight"])
+            fill(layer.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
+            if layer.qkv_bias is not None:
+                fill(layer.qkv_bias, [p + f"self_attn.{n}_proj.bias" for n in "qkv"])
+            fill(layer.o_proj, [p + "self_attn.o_proj.weight"])
+            fill(layer.gate_up_proj, [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")])
+            fill(layer.down_proj, [p + "mlp.down_proj.weight"])
+
+    @classmethod
+    def random_init(cls, config: ModelConfig, seed: int = 0, dtype: str | torch.dtype = "float32",
+                    device: torch.device | str = "cpu", qkv_bias: bool = False) -> LlamaModel:
+        """A model with small random weights (for tests; deterministic for a given seed)."""
+        model = cls(config, dtype, device, qkv_bias)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm"):
+                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+                elif p.dim() == 1:          # biases
+                    p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+        return model
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttnMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """Run all layers over a flat batch [T]; write K/V into kv_cache; return hidden [T, H]."""
+        c = self.config
+        nh, nkv, hd, inter = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+        eps = c.rms_norm_eps
+        n = input_ids.shape[0]
+        qk_width = (nh + nkv) * hd
+        cos = self.rope_cos[positions].unsqueeze(1)        # [T, 1, hd], shared by all layers
+        sin = self.rope_sin[positions].unsqueeze(1)
+        x = F.embedding(input_ids, self.embed_tokens)
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, eps)
+            qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
+            # RoPE on q and k together (adjacent in qkv), written back in place.
+            qk = qkv[:, :qk_width].view(n, nh + nkv, hd)
+            torch.addcmul(qk * cos, torch.roll(qk, hd // 2, -1), sin, out=qk)
+            attn = paged_attention(qk[:, :nh], qkv[:, nh * hd:].view(n, 2, nkv, hd), kv_cache, i,
+                                   attn_metadata)
+            x = torch.addmm(x, attn, layer.o_proj.t())
+            h = rms_norm(x, layer.post_attn_norm, eps)
+            gate_up = F.linear(h, layer.gate_up_proj)
+            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            x = torch.addmm(x, act, layer.down_proj.t())
+        return x
+
+    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head on the sampled rows only: [n, H] -> float32 [n, vocab]."""
+        h = rms_norm(hidden_rows, self.norm, self.config.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

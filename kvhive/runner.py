@@ -1,0 +1,169 @@
+"""ModelRunner: turns a StepPlan into tensors, runs the model over the paged KV pool, samples.
+
+The runner owns the KV pool (``kv_cache``, layout in ``kvhive.model.attention``) and the per-request
+sampling generators; it never imports the scheduler (they share only ``kvhive.step``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvhive.config import ModelConfig
+from kvhive.model.attention import AttnMetadata, PrefillSpan
+from kvhive.model.llama import LlamaModel, resolve_dtype
+from kvhive.sampling import sample_tokens
+from kvhive.step import ScheduledSeq, StepPlan, StepResult
+
+
+class StepInputs:
+    """The tensors of one step, with decode sequences first, then prefill chunks."""
+
+    def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnMetadata,
+                 seqs: list[ScheduledSeq], sample_rows: list[int]) -> None:
+        self.input_ids = input_ids
+        self.positions = positions
+        self.attn = attn
+        self.seqs = seqs                    # in flat-batch order
+        self.sample_rows = sample_rows      # flat row of the last token of each seq with sample=True
+
+
+class ModelRunner:
+    """Executes StepPlans on one model and one KV pool."""
+
+    def __init__(self, model: LlamaModel, model_config: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: str | torch.dtype = "float32", device: torch.device | str = "cpu") -> None:
+        self.model = model
+        self.config = model_config
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = resolve_dtype(dtype)
+        self.device = torch.device(device)
+        c = model_config
+        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]; a block is contiguous.
+        self.kv_cache = torch.zeros(num_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim,
+                                    dtype=self.dtype, device=self.device)
+        # Rows of kv_cache.view(-1, kv_heads * head_dim) per block (K of layer 0 at offset 0).
+        self._rows_per_block = c.num_layers * 2 * block_size
+        # Seeded requests keep their generator until they appear in finished_request_ids.
+        self._generators: dict[str, torch.Generator] = {}
+
+    @staticmethod
+    def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str | torch.dtype) -> int:
+        """Bytes one pool block takes (K and V of block_size tokens in every layer)."""
+        itemsize = torch.empty((), dtype=resolve_dtype(dtype)).element_size()
+        return model_config.kv_values_per_token * block_size * itemsize
+
+    @staticmethod
+    def num_blocks_for_bytes(model_config: ModelConfig, block_size: int, dtype: str | torch.dtype,
+                             nbytes: int) -> int:
+        """How many pool blocks fit in nbytes."""
+        return int(nbytes) // ModelRunner.kv_bytes_per_block(model_config, block_size, dtype)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step: compute every scheduled token, sample where asked."""
+        self.release(plan.finished_request_ids)
+        if plan.is_empty:
+            return StepResult(sampled={})
+        inputs = self.prepare_inputs(plan)
+        with torch.inference_mode():
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache)
+            sampled_seqs = [s for s in inputs.seqs if s.sample]
+            if not sampled_seqs:
+                return StepResult(sampled={})
+            rows = torch.tensor(inputs.sample_rows, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            tokens = sample_tokens(logits, [s.sampling for s in sampled_seqs],
+                                   [self._generator(s) for s in sampled_seqs])
+        return StepResult(sampled={s.request_id: t for s, t in zip(sampled_seqs, tokens, strict=True)})
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forget the per-request state (seeded generators) of finished requests."""
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
+
+    def _generator(self, seq: ScheduledSeq) -> torch.Generator | None:
+        """The request's own generator when it asked for a seed and sampling is random."""
+        if seq.sampling.seed is None or seq.sampling.greedy:
+            return None
+        gen = self._generators.get(seq.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(seq.sampling.seed)
+            self._generators[seq.request_id] = gen
+        return gen
+
+    def prepare_inputs(self, plan: StepPlan) -> StepInputs:
+        """Flatten the plan into ids, positions, slot rows and attention metadata (decode first)."""
+        B, rpb = self.block_size, self._rows_per_block
+        decodes = [s for s in plan.seqs if s.num_new_tokens == 1]
+        prefills = [s for s in plan.seqs if s.num_new_tokens > 1]
+        for s in plan.seqs:
+            if s.num_new_tokens == 0:
+                raise ValueError(f"request {s.request_id}: nothing to compute")
+            if len(s.block_table) * B < s.context_len:
+                raise ValueError(f"request {s.request_id}: {len(s.block_table)} blocks cannot hold "
+                                 f"{s.context_len} tokens")
+
+        ids: list[int] = []
+        positions: list[np.ndarray] = []
+        rows: list[np.ndarray] = []
+        sample_rows: list[int] = []
+        # Decode sequences: one token each, at position start_pos.
+        for s in decodes:
+            p = s.start_pos
+            ids.extend(s.token_ids)
+            positions.append(np.array([p]))
+            rows.append(np.array([s.block_table[p // B] * rpb + p % B]))
+        decode_block_ids = decode_mask = None
+        if decodes:
+            max_blocks = max((s.context_len + B - 1) // B for s in decodes)
+            table = np.zeros((len(decodes), max_blocks), dtype=np.int64)
+            ctx = np.empty(len(decodes), dtype=np.int64)
+            for j, s in enumerate(decodes):
+                n = (s.context_len + B - 1) // B
+                table[j, :n] = s.block_table[:n]      # padding points at block 0, masked out below
+                ctx[j] = s.context_len
+            decode_block_ids = torch.from_numpy(table.reshape(-1)).to(self.device)
+            mask = np.arange(max_blocks * B)[None, :] < ctx[:, None]
+            decode_mask = torch.from_numpy(mask[:, None, None, :]).to(self.device)
+        # Prefill chunks: contiguous spans.
+        spans = []
+        offset = len(decodes)
+        for s in prefills:
+            n = s.num_new_tokens
+            pos = np.arange(s.start_pos, s.start_pos + n)
+            table = np.asarray(s.block_table, dtype=np.int64)
+            ids.extend(s.token_ids)
+            positions.append(pos)
+            rows.append(table[pos // B] * rpb + pos % B)
+            block_ids = mask = None
+            if s.start_pos > 0:
+                n_blocks = (s.context_len + B - 1) // B
+                block_ids = torch.from_numpy(table[:n_blocks]).to(self.device)
+                keep = np.arange(s.context_len)[None, :] <= pos[:, None]
+                mask = torch.from_numpy(keep).to(self.device)
+            spans.append(PrefillSpan(offset, offset + n, s.start_pos, block_ids, mask))
+            offset += n
+        seqs = decodes + prefills
+        end = 0
+        for s in seqs:
+            end += s.num_new_tokens
+            if s.sample:
+                sample_rows.append(end - 1)
+
+        base = np.concatenate(rows)
+        slot_rows = np.stack([base, base + B], axis=1)    # K row, V row (V follows K in a block)
+        attn = AttnMetadata(
+            slot_rows=torch.from_numpy(slot_rows).to(self.device),
+            num_decode=len(decodes),
+            decode_block_ids=decode_block_ids,
+            decode_mask=decode_mask,
+            prefills=tuple(spans),
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=torch.from_numpy(np.concatenate(positions)).to(self.device),
+            attn=attn,
+            seqs=seqs,
+            sample_rows=sample_rows,
+        )

@@ -1,0 +1,53 @@
+"""Token sampling from logits: greedy, temperature, top-k, top-p, per-request seeded generators."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvhive.request import SamplingParams
+
+
+def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  generators: Sequence[torch.Generator | None]) -> list[int]:
+    """Pick one token per row of float32 ``logits`` [n, vocab]; row i follows params[i].
+
+    Greedy rows (temperature == 0 or top_k == 1) take the argmax. The others are sampled from the
+    temperature-scaled distribution restricted to the top-k tokens and the top-p nucleus; a row
+    with a generator draws from it (reproducible for a fixed seed), the others from torch's default.
+    """
+    tokens = logits.argmax(dim=-1).tolist()
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not random_rows:
+        return tokens
+    rows = torch.tensor(random_rows, device=logits.device)
+    probs = _filtered_probs(logits.index_select(0, rows), [params[i] for i in random_rows])
+    for j, i in enumerate(random_rows):
+        # One draw per row: generators are per request and cannot be batched.
+        tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]))
+    return tokens
+
+
+def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Softmax of logits / temperature with tokens outside top-k and top-p zeroed, per row."""
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+    logits = logits / temps.unsqueeze(1)
+    vocab = logits.shape[-1]
+    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_ps = [p.top_p for p in params]
+    if min(top_ks) == vocab and min(top_ps) == 1.0:
+        return torch.softmax(logits, dim=-1)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=device).unsqueeze(0)
+    # Top-k: keep ranks < k.
+    drop = rank >= torch.tensor(top_ks, device=device).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    # Top-p: keep the smallest prefix whose mass reaches p (the top token always stays).
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop = mass_before >= torch.tensor(top_ps, device=device, dtype=logits.dtype).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    return torch.softmax(filtered, dim=-1)

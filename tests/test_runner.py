@@ -1,0 +1,221 @@
+"""ModelRunner on a tiny random Llama: paged attention over the block pool equals a dense forward."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tiny import dense_greedy, dense_logits, tiny_config, tiny_model
+
+from kvhive.model.llama import LlamaModel
+from kvhive.request import SamplingParams
+from kvhive.runner import ModelRunner
+from kvhive.sampling import sample_tokens
+from kvhive.step import ScheduledSeq, StepPlan
+
+GREEDY = SamplingParams(temperature=0.0)
+F32_TOL = dict(atol=1e-4, rtol=1e-4)
+BF16_TOL = dict(atol=0.15, rtol=0.05)
+
+
+class Blocks:
+    """Hands out pool blocks in a shuffled order, so block tables are never contiguous."""
+
+    def __init__(self, num_blocks: int, block_size: int, seed: int = 0) -> None:
+        self.block_size = block_size
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+
+    def grow(self, table: list[int], num_tokens: int) -> list[int]:
+        """Extend table in place until it holds num_tokens tokens; return it."""
+        while len(table) * self.block_size < num_tokens:
+            table.append(self.free.pop())
+        return table
+
+
+def make_runner(block_size: int, dtype: str = "float32", num_blocks: int = 256,
+                model: LlamaModel | None = None) -> ModelRunner:
+    model = model or tiny_model(dtype=dtype)
+    return ModelRunner(model, model.config, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+
+
+def seq(rid: str, tokens: list[int], start: int, table: list[int], sample: bool = True,
+        sampling: SamplingParams = GREEDY) -> ScheduledSeq:
+    return ScheduledSeq(rid, list(tokens), start, list(table), sample, sampling)
+
+
+def step_logits(runner: ModelRunner, plan: StepPlan) -> dict[str, torch.Tensor]:
+    """Logits of every computed token of every sequence (not only the sampled ones)."""
+    inputs = runner.prepare_inputs(plan)
+    with torch.inference_mode():
+        hidden = runner.model(inputs.input_ids, inputs.positions, inputs.attn, runner.kv_cache)
+        logits = runner.model.compute_logits(hidden)
+    out, row = {}, 0
+    for s in inputs.seqs:
+        out[s.request_id] = logits[row:row + s.num_new_tokens]
+        row += s.num_new_tokens
+    return out
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 256) for _ in range(n)]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_batch_of_prefills_matches_dense(block_size: int) -> None:
+    runner, blocks = make_runner(block_size), Blocks(256, block_size)
+    prompts = {"a": prompt(5, 1), "b": prompt(17, 2), "c": prompt(33, 3)}
+    plan = StepPlan([seq(r, p, 0, blocks.grow([], len(p))) for r, p in prompts.items()])
+    got = step_logits(runner, plan)
+    for rid, p in prompts.items():
+        torch.testing.assert_close(got[rid], dense_logits(runner.model, p), **F32_TOL)
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", F32_TOL), ("bfloat16", BF16_TOL)])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_mixed_prefill_and_decode_step(block_size: int, dtype: str, tol: dict) -> None:
+    runner, blocks = make_runner(block_size, dtype), Blocks(256, block_size, seed=block_size)
+    a, b, c = prompt(20, 4), prompt(9, 5), prompt(13, 6)
+    ta, tb, tc = blocks.grow([], 21), blocks.grow([], 10), blocks.grow([], 13)
+    step_logits(runner, StepPlan([seq("a", a, 0, ta), seq("b", b, 0, tb)]))
+    # Step 2: two decodes (context 21 and 10, so the padded batch is ragged) and a new prefill.
+    got = step_logits(runner, StepPlan([seq("c", c, 0, tc), seq("a", [7], 20, ta), seq("b", [8], 9, tb)]))
+    torch.testing.assert_close(got["a"][0], dense_logits(runner.model, a + [7])[-1], **tol)
+    torch.testing.assert_close(got["b"][0], dense_logits(runner.model, b + [8])[-1], **tol)
+    torch.testing.assert_close(got["c"], dense_logits(runner.model, c), **tol)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_prefill_on_cached_prefix_reads_the_pool(block_size: int) -> None:
+    runner, blocks = make_runner(block_size), Blocks(256, block_size, seed=7)
+    shared = prompt(2 * 16, 8)              # a whole number of blocks for every block size
+    ta = blocks.grow([], len(shared) + 3)
+    step_logits(runner, StepPlan([seq("a", shared + [5, 6, 7], 0, ta)]))
+    # b shares a's prefix blocks and computes only its own suffix, starting at position 32.
+    suffix = prompt(11, 9)
+    tb = blocks.grow(ta[:len(shared) // block_size], len(shared) + len(suffix))
+    plan = StepPlan([seq("b", suffix, len(shared), tb)])
+    got = step_logits(runner, plan)["b"]
+    torch.testing.assert_close(got, dense_logits(runner.model, shared + suffix)[len(shared):], **F32_TOL)
+    # Poisoning the shared blocks changes the result: the prefix really is read from the pool.
+    runner.kv_cache[ta[0]] += 1.0
+    poisoned = step_logits(runner, plan)["b"]
+    assert not torch.allclose(poisoned, got, atol=1e-3)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_chunked_prefill_over_several_steps(block_size: int) -> None:
+    runner, blocks = make_runner(block_size), Blocks(256, block_size, seed=11)
+    p = prompt(45, 12)
+    dense = dense_logits(runner.model, p)
+    table: list[int] = []
+    start = 0
+    for chunk in (7, 1, 12, 3, 22):          # unaligned starts, and a 1-token chunk (decode path)
+        blocks.grow(table, start + chunk)
+        got = step_logits(runner, StepPlan([seq("x", p[start:start + chunk], start, table)]))["x"]
+        torch.testing.assert_close(got, dense[start:start + chunk], **F32_TOL)
+        start += chunk
+
+
+def test_blocks_are_self_contained_across_layers() -> None:
+    """Moving a sequence's blocks to other block ids (as an offload + reload does) keeps its result."""
+    runner, blocks = make_runner(4), Blocks(256, 4, seed=13)
+    p = prompt(18, 14)
+    table = blocks.grow([], 19)
+    step_logits(runner, StepPlan([seq("a", p, 0, table)]))
+    before = step_logits(runner, StepPlan([seq("a", [9], 18, table)]))["a"]
+    moved = [blocks.free.pop() for _ in table]
+    runner.kv_cache[moved] = runner.kv_cache[table]
+    runner.kv_cache[table] = 0.0
+    after = step_logits(runner, StepPlan([seq("a", [9], 18, moved)]))["a"]
+    torch.testing.assert_close(after, before, atol=0, rtol=0)
+    untouched = set(range(256)) - set(moved) - set(table)
+    assert runner.kv_cache[sorted(untouched)].abs().sum() == 0
+
+
+def generate(runner: ModelRunner, prompts: dict[str, list[int]], num_tokens: int, join_at: dict[str, int],
+             sampling: dict[str, SamplingParams] | None = None, seed: int = 0) -> dict[str, list[int]]:
+    """A minimal continuous-batching loop: request r joins at step join_at[r], prefills in one chunk."""
+    blocks = Blocks(runner.num_blocks, runner.block_size, seed)
+    tables: dict[str, list[int]] = {r: [] for r in prompts}
+    outputs: dict[str, list[int]] = {r: [] for r in prompts}
+    computed = dict.fromkeys(prompts, 0)
+    step = 0
+    while any(len(o) < num_tokens for o in outputs.values()):
+        seqs = []
+        for r, p in prompts.items():
+            if step < join_at.get(r, 0) or len(outputs[r]) >= num_tokens:
+                continue
+            tokens = (p + outputs[r])[computed[r]:]
+            blocks.grow(tables[r], computed[r] + len(tokens))
+            params = (sampling or {}).get(r, GREEDY)
+            seqs.append(seq(r, tokens, computed[r], tables[r], sampling=params))
+        result = runner.execute(StepPlan(seqs))
+        for s in seqs:
+            computed[s.request_id] += s.num_new_tokens
+            outputs[s.request_id].append(result.sampled[s.request_id])
+        step += 1
+    return outputs
+
+
+def test_greedy_generation_matches_dense() -> None:
+    runner = make_runner(4)
+    prompts = {"a": prompt(11, 20), "b": prompt(3, 21), "c": prompt(26, 22)}
+    got = generate(runner, prompts, 8, join_at={"b": 2, "c": 5})
+    for rid, p in prompts.items():
+        assert got[rid] == dense_greedy(runner.model, p, 8), rid
+
+
+def test_seeded_sampling_is_reproducible_and_released() -> None:
+    model = tiny_model()
+    p = {"a": prompt(10, 30), "b": prompt(10, 30)}
+    hot = SamplingParams(temperature=3.0, seed=1234)
+    first = generate(make_runner(4, model=model), p, 12, {}, {"a": hot, "b": hot})
+    assert first["a"] == first["b"]             # same seed, same prompt: same tokens in one batch
+    again = generate(make_runner(16, model=model), p, 12, {}, {"a": hot, "b": hot}, seed=5)
+    assert again["a"] == first["a"]
+    other = SamplingParams(temperature=3.0, seed=4321)
+    assert generate(make_runner(4, model=model), {"a": p["a"]}, 12, {}, {"a": other})["a"] != first["a"]
+
+    runner = make_runner(4, model=model)
+    one = generate(runner, {"a": p["a"]}, 4, {}, {"a": hot})["a"]
+    runner.release(["a"])                        # a finished: its generator restarts from the seed
+    assert generate(runner, {"a": p["a"]}, 4, {}, {"a": hot})["a"] == one
+
+
+def test_top_k_one_equals_greedy() -> None:
+    model = tiny_model()
+    p = {"a": prompt(14, 40)}
+    greedy = generate(make_runner(4, model=model), p, 10, {})
+    top1 = generate(make_runner(4, model=model), p, 10, {}, {"a": SamplingParams(temperature=1.0, top_k=1)})
+    assert top1 == greedy
+
+
+def test_top_k_and_top_p_restrict_the_candidates() -> None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(200, 1)
+    gen = torch.Generator().manual_seed(0)
+    top2 = SamplingParams(temperature=5.0, top_k=2)
+    assert set(sample_tokens(logits, [top2] * 200, [gen] * 200)) == {0, 1}
+    # p(0) = 0.64 at temperature 1: top_p 0.5 keeps token 0 alone, top_p 0.7 keeps tokens 0 and 1.
+    narrow, wide = SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=1.0, top_p=0.7)
+    assert set(sample_tokens(logits, [narrow] * 200, [gen] * 200)) == {0}
+    assert set(sample_tokens(logits, [wide] * 200, [gen] * 200)) == {0, 1}
+
+
+def test_only_sampled_sequences_get_tokens() -> None:
+    runner, blocks = make_runner(4), Blocks(64, 4)
+    plan = StepPlan([seq("a", prompt(9, 50), 0, blocks.grow([], 9), sample=False),
+                     seq("b", prompt(5, 51), 0, blocks.grow([], 5))])
+    assert set(runner.execute(plan).sampled) == {"b"}
+
+
+def test_block_budget() -> None:
+    config = tiny_config()
+    per_block = ModelRunner.kv_bytes_per_block(config, 16, "bfloat16")
+    assert per_block == 2 * config.num_layers * config.num_kv_heads * config.head_dim * 16 * 2
+    assert ModelRunner.num_blocks_for_bytes(config, 16, "bfloat16", 10 * per_block + 1) == 10
+    runner = make_runner(16, num_blocks=10)
+    assert runner.kv_cache.shape == (10, config.num_layers, 2, 16, config.num_kv_heads, config.head_dim)
+    assert runner.kv_cache.nbytes == 10 * ModelRunner.kv_bytes_per_block(config, 16, "float32")
