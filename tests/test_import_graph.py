@@ -6,7 +6,9 @@ import json
 import subprocess
 import sys
 
-TORCH_FREE = ["kvhive.scheduler", "kvhive.kv.pool", "kvhive.kv.manager", "kvhive.blocks"]
+TORCH_FREE = ["kvhive.scheduler", "kvhive.kv.pool", "kvhive.kv.manager", "kvhive.blocks",
+              "kvhive.store.tiered", "kvhive.store.disk", "kvhive.store.memory", "kvhive.store.redis",
+              "kvhive.tokenizer", "kvhive.step", "kvhive.request", "kvhive.config"]
 FORBIDDEN = ("torch", "kvhive.runner", "kvhive.model")
 
 

@@ -1,0 +1,295 @@
+"""DiskStore: the local-disk tier, blocks packed into append-only segment files under a byte budget.
+
+Layout: ``seg-<id>.kvs`` files of codec records (header + payload, see codec.py), ids growing,
+one active segment taking appends. The index (encoded key -> segment, offset, length) lives in
+memory; it is rebuilt at startup from ``index.snapshot`` (written on clean close) or, for
+segments the snapshot does not cover, by scanning record headers.
+
+Crash safety: a record becomes visible in the index only after its write returned, and every
+get checks the record's key and payload checksum, so a torn or corrupt record is a miss. A kill
+mid-write leaves at worst a torn tail; the startup scan stops trusting the last segment where
+its last intact record ends and truncates the rest.
+
+fsync policy: a segment is fsynced when it is sealed (by the put that started the next one,
+after releasing the lock, so other calls do not wait) and the active one on close. A killed
+process loses nothing its writes returned (the page cache survives it); a power loss may lose
+records not yet fsynced, which the scan and the checksums then drop.
+
+Eviction is LRU by segment with reinsertion: when the store is over budget the oldest segment
+is deleted whole (one unlink, no compaction). A block read (or put again) after more than half
+a budget has been written since its segment ended is rewritten into the active segment, so a
+dropped segment holds only blocks not used for that long. Below half the budget nothing is
+rewritten (no write amplification while there is room). Deletes are not persisted: a deleted block
+can come back after a restart, which is harmless because a key names its content.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvhive.store.base import Payload, PutResult, StatsCounter, StoreStats
+from kvhive.store.codec import decode_block, encode_block
+from kvhive.store.key import StoreKey
+from kvhive.store.segment import (
+    RecordLocation,
+    append_record,
+    fsync_directory,
+    list_segments,
+    scan_segment,
+    segment_path,
+    take_snapshot,
+    write_snapshot,
+)
+
+logger = logging.getLogger(__name__)
+DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class _Segment:
+    start: int                                       # bytes appended to the store before this segment
+    size: int                                        # bytes in the file, live or dead
+    keys: list[bytes] = field(default_factory=list)  # every key written here; the index says which are live
+
+    @property
+    def end(self) -> int:
+        """Bytes appended to the store up to the end of this segment."""
+        return self.start + self.size
+
+
+class DiskStore:
+    """Blocks in append-only segment files with a persistent index; LRU by segment under a byte budget."""
+
+    def __init__(self, directory: str, budget_bytes: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+        if budget_bytes <= 0 or segment_bytes <= 0:
+            raise ValueError(f"disk tier budget and segment size must be > 0, "
+                             f"got {budget_bytes}, {segment_bytes}")
+        self.directory = directory
+        self.budget_bytes = budget_bytes
+        # At least four segments fit the budget, so dropping one never empties the tier.
+        self.segment_bytes = max(1, min(segment_bytes, budget_bytes // 4))
+        self._lock = threading.Lock()
+        self._stats = StatsCounter()
+        # Invariants: _segments is ordered oldest -> newest and its last entry is the active segment;
+        # every index entry points into a segment in _segments; used bytes == sum of segment sizes.
+        self._segments: dict[int, _Segment] = {}
+        self._index: dict[bytes, RecordLocation] = {}
+        self._used_bytes = 0
+        self._sealed_fds: list[int] = []             # sealed by rotation, waiting for fsync + close
+        os.makedirs(directory, exist_ok=True)
+        self._load()
+        self._active_fd = os.open(segment_path(directory, self._active_id),
+                                  os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    @property
+    def _active_id(self) -> int:
+        return next(reversed(self._segments))
+
+    # ------------------------------------------------------------------ startup
+
+    def _load(self) -> None:
+        """Rebuild the index from the snapshot and segment scans; truncate a torn tail."""
+        snapshot = take_snapshot(self.directory)
+        ids = list_segments(self.directory)
+        for seg in ids:
+            path = segment_path(self.directory, seg)
+            size = os.path.getsize(path)
+            if snapshot is not None and snapshot.segment_sizes.get(seg) == size:
+                records = snapshot.records.get(seg, [])
+            else:
+                scanned = scan_segment(path)
+                records = scanned.records
+                if seg == ids[-1] and scanned.good_end < size:
+                    logger.warning("disk tier: dropping %d torn bytes at the end of %s",
+                                   size - scanned.good_end, path)
+                    os.truncate(path, scanned.good_end)
+                    size = scanned.good_end
+            segment = self._segments[seg] = _Segment(self._used_bytes, size)
+            self._used_bytes += size
+            for key, offset, length in records:   # later segments overwrite: the newest copy wins
+                self._index[key] = RecordLocation(seg, offset, length)
+                segment.keys.append(key)
+        if not self._segments or self._segments[self._active_id].size >= self.segment_bytes:
+            self._segments[(ids[-1] + 1) if ids else 1] = _Segment(self._used_bytes, 0)
+        self._evict_to_fit(0)
+
+    # ------------------------------------------------------------------ the BlockStore calls
+
+    def contains(self, keys: Sequence[StoreKey]) -> list[bool]:
+        """Whether each key has an indexed record; recency is unchanged."""
+        encoded = [key.encode() for key in keys]
+        with self._lock:
+            return [k in self._index for k in encoded]
+
+    def get(self, key: StoreKey) -> memoryview | None:
+        """The payload (one pread, key and checksum checked); a hit due for eviction is rewritten forward."""
+        start = time.perf_counter()
+        encoded = key.encode()
+        with self._lock:
+            loc = self._index.get(encoded)
+        payload = None
+        record = None if loc is None else self._read(loc)
+        if record is not None:
+            payload = decode_block(record, key)
+            if payload is None:
+                logger.warning("disk tier: corrupt record in segment %d at offset %d is a miss",
+                               loc.segment, loc.offset)
+                self._forget(encoded, loc)
+                self._stats.record_error()
+            else:
+                with self._lock:
+                    if self._index.get(encoded) == loc and self._is_old(loc.segment):
+                        self._append(encoded, [record])
+                self._sync_sealed()
+        self._stats.record_get(None if payload is None else payload.nbytes, time.perf_counter() - start)
+        return payload
+
+    def put(self, key: StoreKey, payload: Payload) -> PutResult:
+        """Append the block unless it is already stored in a recent segment; False if it cannot fit."""
+        encoded = key.encode()
+        buffers = encode_block(key, payload)   # checksums computed outside the lock
+        record_len = sum(memoryview(b).nbytes for b in buffers)
+        if record_len > self.segment_bytes:
+            return PutResult(False)
+        with self._lock:
+            loc = self._index.get(encoded)
+            if loc is not None and not self._is_old(loc.segment):
+                return PutResult(True)
+            stored = self._append(encoded, buffers)
+        self._sync_sealed()
+        if stored:
+            self._stats.record_put(memoryview(buffers[1]).nbytes)
+        return PutResult(stored)
+
+    def delete(self, key: StoreKey) -> None:
+        """Drop the block from the index (not persisted: see the module docstring)."""
+        with self._lock:
+            self._index.pop(key.encode(), None)
+
+    def stats(self) -> StoreStats:
+        """Counters, bytes in segment files and the budget."""
+        with self._lock:
+            used = self._used_bytes
+        return self._stats.snapshot(used, self.budget_bytes)
+
+    def close(self) -> None:
+        """fsync the active segment and write the index snapshot for a fast next start."""
+        self._sync_sealed()
+        with self._lock:
+            if self._active_fd < 0:
+                return
+            os.fsync(self._active_fd)
+            os.close(self._active_fd)
+            self._active_fd = -1
+            write_snapshot(self.directory, {seg: s.size for seg, s in self._segments.items()}, self._index)
+
+    # ------------------------------------------------------------------ internals
+
+    def _read(self, loc: RecordLocation) -> bytes | None:
+        """The record's bytes; None if its segment was dropped meanwhile (a miss) or the read failed."""
+        try:
+            # A fresh fd per read: a concurrently dropped segment is then FileNotFoundError, never
+            # bytes from a file that reused a cached descriptor number.
+            fd = os.open(segment_path(self.directory, loc.segment), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            return os.pread(fd, loc.length, loc.offset)
+        except OSError as exc:
+            logger.warning("disk tier: read failed: %s", exc)
+            self._stats.record_error()
+            return None
+        finally:
+            os.close(fd)
+
+    def _forget(self, encoded: bytes, loc: RecordLocation) -> None:
+        """Drop an index entry found unreadable, unless it was rewritten meanwhile."""
+        with self._lock:
+            if self._index.get(encoded) == loc:
+                del self._index[encoded]
+
+    def _is_old(self, seg: int) -> bool:
+        """Whether more than half a budget was written after ``seg`` (it is due to be dropped); lock held."""
+        written_since = self._segments[self._active_id].end - self._segments[seg].end
+        return written_since > self.budget_bytes // 2
+
+    def _append(self, encoded: bytes, buffers: list[bytes | memoryview]) -> bool:
+        """Write one record at the end of the active segment and index it; lock held."""
+        record_len = sum(memoryview(b).nbytes for b in buffers)
+        if self._active_fd < 0:
+            return False
+        if self._segments[self._active_id].size + record_len > self.segment_bytes:
+            try:
+                self._rotate()
+            except OSError as exc:
+                self._stats.record_error()
+                logger.warning("disk tier: cannot start a new segment: %s", exc)
+                return False
+        self._evict_to_fit(record_len)
+        active = self._segments[self._active_id]
+        offset = active.size
+        try:
+            append_record(self._active_fd, buffers)
+        except OSError as exc:
+            # Cut the partial record off; if that fails, count what stayed so offsets remain true.
+            self._stats.record_error()
+            logger.warning("disk tier: write failed: %s", exc)
+            try:
+                os.ftruncate(self._active_fd, offset)
+            except OSError:
+                pass
+            grown = os.fstat(self._active_fd).st_size - offset
+            active.size += grown
+            self._used_bytes += grown
+            return False
+        active.size += record_len
+        self._used_bytes += record_len
+        active.keys.append(encoded)
+        self._index[encoded] = RecordLocation(self._active_id, offset, record_len)
+        return True
+
+    def _rotate(self) -> None:
+        """Seal the active segment (queued for fsync) and start the next one; lock held."""
+        new_id = self._active_id + 1
+        new_fd = os.open(segment_path(self.directory, new_id), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._sealed_fds.append(self._active_fd)
+        self._segments[new_id] = _Segment(self._segments[self._active_id].end, 0)
+        self._active_fd = new_fd
+
+    def _sync_sealed(self) -> None:
+        """fsync and close the segments sealed since the last call, and the directory; lock not held."""
+        with self._lock:
+            fds, self._sealed_fds = self._sealed_fds, []
+        try:
+            for fd in fds:
+                os.fsync(fd)
+            if fds:
+                fsync_directory(self.directory)
+        except OSError as exc:
+            logger.warning("disk tier: fsync failed: %s", exc)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _evict_to_fit(self, record_len: int) -> None:
+        """Delete the oldest sealed segments until ``record_len`` more bytes fit the budget; lock held."""
+        while self._used_bytes + record_len > self.budget_bytes and len(self._segments) > 1:
+            seg = next(iter(self._segments))
+            segment = self._segments.pop(seg)
+            self._used_bytes -= segment.size
+            dropped = 0
+            for key in segment.keys:
+                loc = self._index.get(key)
+                if loc is not None and loc.segment == seg:
+                    del self._index[key]
+                    dropped += 1
+            try:
+                os.unlink(segment_path(self.directory, seg))
+            except OSError as exc:   # the index no longer points there: at worst disk space leaks
+                logger.warning("disk tier: cannot delete segment %d: %s", seg, exc)
+            self._stats.record_evictions(dropped)

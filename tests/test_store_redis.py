@@ -1,0 +1,182 @@
+"""RedisStore against a real redis-server: round trips, corrupt values, and down / slow / full faults."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+redis = pytest.importorskip("redis")
+from kvhive.store.key import KeySpace  # noqa: E402
+from kvhive.store.redis import RedisStore  # noqa: E402
+
+# CI installs redis-server (scripts/test.sh); there a missing server is a failure, not a skip.
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None and not os.environ.get("CI"),
+                                reason="redis-server is not installed")
+
+SPACE = KeySpace("test-model", 1, "float32", 16)
+BLOCK = 50_000
+TIMEOUT_S = 0.2
+BACKOFF_S = 0.3
+
+
+def key(i: int):
+    return SPACE.key(i.to_bytes(16, "little"))
+
+
+def payload(i: int) -> bytes:
+    return (i.to_bytes(4, "little") * (BLOCK // 4 + 1))[:BLOCK]
+
+
+class RedisServer:
+    """A redis-server subprocess on a fixed port that a test can stop, pause and start again."""
+
+    def __init__(self, port: int, workdir: str) -> None:
+        self.port = port
+        self.workdir = workdir
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.workdir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if redis.Redis(port=self.port, socket_timeout=1).ping():
+                    return
+            except redis.ConnectionError:
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+    def admin(self):
+        return redis.Redis(port=self.port, socket_timeout=5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def server(tmp_path) -> Iterator[RedisServer]:
+    srv = RedisServer(_free_port(), str(tmp_path))
+    srv.start()
+    yield srv
+    if srv.process is not None:
+        os.kill(srv.process.pid, signal.SIGCONT)
+    srv.stop()
+
+
+@pytest.fixture()
+def store(server: RedisServer) -> Iterator[RedisStore]:
+    s = RedisStore(server.url, timeout_s=TIMEOUT_S, backoff_s=BACKOFF_S)
+    yield s
+    s.close()
+
+
+def timed(fn, *args) -> float:
+    """Seconds one call takes."""
+    start = time.monotonic()
+    fn(*args)
+    return time.monotonic() - start
+
+
+def test_put_get_contains_delete(store: RedisStore):
+    assert store.get(key(1)) is None
+    assert store.contains([]) == []
+    assert store.put(key(1), payload(1))
+    assert store.put(key(2), bytearray(payload(2)))
+    assert bytes(store.get(key(1))) == payload(1)
+    assert store.contains([key(1), key(3), key(2)]) == [True, False, True]
+    store.delete(key(1))
+    assert store.get(key(1)) is None
+    s = store.stats()
+    assert (s.hits, s.misses, s.bytes_in, s.bytes_out, s.errors) == (1, 2, 2 * BLOCK, BLOCK, 0)
+    assert s.used_bytes is None and s.budget_bytes is None
+
+
+def test_ttl_is_set_on_every_block(server: RedisServer):
+    store = RedisStore(server.url, ttl_seconds=0.2)
+    assert store.put(key(1), payload(1))
+    assert 0 < server.admin().pttl(key(1).encode()) <= 200
+    store.close()
+
+
+def test_corrupt_or_misnamed_value_is_a_miss(store: RedisStore, server: RedisServer):
+    admin = server.admin()
+    store.put(key(1), payload(1))
+    raw = bytearray(admin.get(key(1).encode()))
+    raw[-10] ^= 0xFF
+    admin.set(key(1).encode(), bytes(raw))
+    assert store.get(key(1)) is None
+    admin.set(key(2).encode(), b"garbage")
+    assert store.get(key(2)) is None
+    store.put(key(3), payload(3))
+    admin.copy(key(3).encode(), key(4).encode())           # a valid object under the wrong name
+    assert store.get(key(4)) is None
+    assert bytes(store.get(key(3))) == payload(3)
+    assert store.stats().errors == 3
+
+
+def test_server_down_means_fast_misses_then_recovery_without_restart(store: RedisStore, server: RedisServer):
+    store.put(key(1), payload(1))
+    server.stop()
+    for _ in range(2):                                     # the first call fails, the second backs off
+        assert timed(store.get, key(1)) < 1.0
+        assert timed(store.put, key(2), payload(2)) < 1.0
+        assert timed(store.contains, [key(1), key(2)]) < 1.0
+    assert store.get(key(1)) is None
+    assert not store.put(key(2), payload(2))
+    assert store.contains([key(1), key(2)]) == [False, False]
+    store.delete(key(1))
+    assert store.stats().errors >= 1
+    server.start()                                         # same port, empty (no persistence)
+    time.sleep(BACKOFF_S + 0.05)
+    assert store.put(key(1), payload(1))                   # the same store object reconnects
+    assert bytes(store.get(key(1))) == payload(1)
+
+
+def test_slow_server_times_out_fast_and_recovers(store: RedisStore, server: RedisServer):
+    store.put(key(1), payload(1))
+    os.kill(server.process.pid, signal.SIGSTOP)            # a hung server: connections open, no answers
+    errors_before = store.stats().errors
+    assert timed(store.get, key(1)) < 1.0                  # times out after TIMEOUT_S
+    assert timed(store.put, key(2), payload(2)) < 0.1      # backing off: no network call at all
+    assert store.get(key(1)) is None
+    assert store.stats().errors == errors_before + 1
+    os.kill(server.process.pid, signal.SIGCONT)
+    time.sleep(BACKOFF_S + 0.05)
+    assert bytes(store.get(key(1))) == payload(1)
+    assert store.put(key(2), payload(2))
+
+
+def test_full_server_refuses_puts_but_keeps_serving_reads(store: RedisStore, server: RedisServer):
+    admin = server.admin()
+    assert store.put(key(1), payload(1))
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", "1mb")                   # below what Redis already uses
+    assert timed(store.put, key(2), payload(2)) < 1.0
+    assert store.stats().errors == 1
+    assert not store.put(key(3), payload(3))
+    assert bytes(store.get(key(1))) == payload(1)          # reads still work while puts back off
+    assert store.contains([key(1), key(2)]) == [True, False]
+    admin.config_set("maxmemory", "0")
+    time.sleep(BACKOFF_S + 0.05)
+    assert store.put(key(2), payload(2))
+    assert bytes(store.get(key(2))) == payload(2)
