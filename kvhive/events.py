@@ -1,0 +1,280 @@
+"""KV events in vLLM's wire format, and a ZMQ publisher for them (torch-free; pyzmq imported lazily).
+
+Wire format (vLLM's ``vllm/distributed/kv_events.py``):
+
+    frames      topic | sequence (8-byte big-endian) | payload (msgpack EventBatch)
+    EventBatch  array [ts, events, data_parallel_rank?]   or map {"ts", "events", "data_parallel_rank"?}
+    event       array [tag, field, ...] in field order    or map {"type": tag, field: value, ...}
+    replay      ROUTER socket: a client sends [b"", start seq (8 bytes big-endian)] and gets
+                [b"", seq, payload] for each buffered batch with seq >= start, then
+                [b"", -1 (8 bytes big-endian, signed), b""].
+
+Older vLLM encodes arrays (msgspec ``array_like=True``), newer vLLM encodes maps; ``decode_batch``
+reads both. Extra trailing array elements and unknown map keys are ignored (newer vLLM appends
+fields), and events with an unknown tag are skipped. Block hashes are bytes (kvhive's 16-byte
+digests) or ints (vLLM); both decode unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import msgpack
+
+logger = logging.getLogger(__name__)
+
+WireHash = bytes | int
+# Tiers, fastest first. vLLM sends None for its device pool (older versions) and "GPU"/"CPU" by name.
+MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK, MEDIUM_REMOTE = "GPU", "CPU", "DISK", "REMOTE"
+MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK, MEDIUM_REMOTE)
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+def normalize_medium(medium: str | None) -> str:
+    """A tier name from MEDIA: None is the device pool; unknown names count as REMOTE (the slowest)."""
+    if medium is None:
+        return MEDIUM_GPU
+    name = medium.upper()
+    return name if name in MEDIA else MEDIUM_REMOTE
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Full blocks a replica now holds in ``medium``; ``token_ids`` are all the blocks' tokens."""
+
+    block_hashes: list[WireHash]
+    parent_block_hash: WireHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = MEDIUM_GPU
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """Blocks a replica no longer holds in ``medium``."""
+
+    block_hashes: list[WireHash]
+    medium: str | None = MEDIUM_GPU
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """The replica dropped every block (cache reset or restart)."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+_EVENT_TYPES: dict[str, type] = {t.__name__: t for t in (BlockStored, BlockRemoved, AllBlocksCleared)}
+# Wire field order of each event (dataclass field order is the wire contract: append only).
+_FIELDS = {name: tuple(f.name for f in fields(t)) for name, t in _EVENT_TYPES.items()}
+_REQUIRED = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}
+
+
+@dataclass(frozen=True)
+class EventBatch:
+    """Events of one engine step, in order; ``ts`` is the wall-clock time they were published."""
+
+    ts: float
+    events: list[KVEvent] = field(default_factory=list)
+    data_parallel_rank: int | None = None
+
+
+def encode_batch(batch: EventBatch, as_map: bool = False) -> bytes:
+    """msgpack payload of ``batch`` as vLLM encodes it: positional arrays, or maps with a "type" tag."""
+    events: list[Any] = []
+    for event in batch.events:
+        tag = type(event).__name__
+        values = [getattr(event, name) for name in _FIELDS[tag]]
+        if as_map:
+            events.append({"type": tag, **dict(zip(_FIELDS[tag], values, strict=True))})
+        else:
+            events.append([tag, *values])
+    if as_map:
+        body: Any = {"ts": batch.ts, "events": events}
+        if batch.data_parallel_rank is not None:
+            body["data_parallel_rank"] = batch.data_parallel_rank
+    else:
+        body = [batch.ts, events]
+        if batch.data_parallel_rank is not None:
+            body.append(batch.data_parallel_rank)
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """An EventBatch from either encoding; raises ValueError on a payload that is neither."""
+    try:
+        body = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except (msgpack.UnpackException, ValueError) as exc:
+        raise ValueError(f"KV event payload is not msgpack: {exc}") from exc
+    if isinstance(body, dict):
+        ts, raw_events, rank = body.get("ts"), body.get("events"), body.get("data_parallel_rank")
+    elif isinstance(body, list) and len(body) >= 2:
+        ts, raw_events, rank = body[0], body[1], body[2] if len(body) > 2 else None
+    else:
+        raise ValueError(f"KV event batch must be an array or a map, got {type(body).__name__}")
+    if not isinstance(ts, int | float) or not isinstance(raw_events, list):
+        raise ValueError("KV event batch needs a numeric 'ts' and a list of 'events'")
+    events = [e for e in (_decode_event(raw) for raw in raw_events) if e is not None]
+    return EventBatch(float(ts), events, rank if isinstance(rank, int) else None)
+
+
+def _decode_event(raw: Any) -> KVEvent | None:
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+        if not isinstance(tag, str) or tag not in _EVENT_TYPES:
+            return None
+        values = {k: raw[k] for k in _FIELDS[tag] if k in raw}
+    elif isinstance(raw, list) and raw:
+        tag = raw[0]
+        if not isinstance(tag, str) or tag not in _EVENT_TYPES:
+            return None
+        values = dict(zip(_FIELDS[tag], raw[1:], strict=False))  # extra trailing fields ignored
+    else:
+        raise ValueError(f"KV event must be an array or a map, got {type(raw).__name__}")
+    missing = [k for k in _FIELDS[tag][:_REQUIRED[tag]] if k not in values]
+    if missing:
+        raise ValueError(f"{tag} event lacks {', '.join(missing)}")
+    for name, kind in (("block_hashes", list), ("token_ids", list), ("block_size", int)):
+        if name in values and not isinstance(values[name], kind):
+            raise ValueError(f"{tag}.{name} must be a {kind.__name__}, got {type(values[name]).__name__}")
+    return _EVENT_TYPES[tag](**values)
+
+
+_STOP = object()
+
+
+class KVEventPublisher:
+    """Publishes EventBatches on a ZMQ PUB socket from a background thread, with optional replay.
+
+    ``publish`` only enqueues, so the engine loop never waits on the network. The thread owns both
+    sockets; sequence numbers start at 0 and grow by one per batch sent. The last ``buffer_steps``
+    batches are kept for replay. An endpoint with ``*`` (or ipc/inproc) is bound, else connected.
+    """
+
+    def __init__(self, endpoint: str = "tcp://*:5557", replay_endpoint: str | None = None,
+                 topic: bytes = b"kv-events", buffer_steps: int = 10_000, as_map: bool = False,
+                 max_queue: int = 100_000, data_parallel_rank: int | None = None) -> None:
+        import zmq  # optional dependency: only publishers and subscribers need it
+
+        self._zmq = zmq
+        self.topic = topic
+        self._as_map = as_map
+        self._rank = data_parallel_rank
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._next_seq = 0
+        self.num_dropped = 0
+        self._closed = False
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        # Set by the thread once bound: the actual addresses (a "*" port resolved).
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+
+    def publish(self, events: Sequence[KVEvent]) -> None:
+        """Queue one batch; never blocks. When the queue is full the batch is dropped and counted."""
+        if self._closed or not events:
+            return
+        try:
+            self._queue.put_nowait(EventBatch(time.time(), list(events), self._rank))
+        except queue.Full:
+            self.num_dropped += 1
+
+    def publish_stored(self, block_hashes: Sequence[WireHash], parent: WireHash | None,
+                       token_ids: Sequence[int], block_size: int, medium: str = MEDIUM_GPU) -> None:
+        """Queue one BlockStored batch (blocks of one chain, in order, after ``parent``)."""
+        self.publish([BlockStored(list(block_hashes), parent, list(token_ids), block_size, None, medium)])
+
+    def publish_removed(self, block_hashes: Sequence[WireHash], medium: str = MEDIUM_GPU) -> None:
+        """Queue one BlockRemoved batch."""
+        self.publish([BlockRemoved(list(block_hashes), medium)])
+
+    def publish_cleared(self) -> None:
+        """Queue one AllBlocksCleared batch."""
+        self.publish([AllBlocksCleared()])
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Send what is queued, then close the sockets and stop the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        zmq = self._zmq
+        ctx = zmq.Context()
+        try:
+            pub = ctx.socket(zmq.PUB)
+            pub.setsockopt(zmq.SNDHWM, 100_000)
+            _bind_or_connect(pub, self.endpoint)
+            self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT) or self.endpoint
+            replay = None
+            if self.replay_endpoint is not None:
+                replay = ctx.socket(zmq.ROUTER)
+                replay.bind(self.replay_endpoint)
+                self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except BaseException as exc:  # noqa: BLE001 - handed to the constructor, which raises it
+            self._error = exc
+            ctx.destroy(linger=0)
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop(pub, replay)
+        finally:
+            pub.close(linger=500)
+            if replay is not None:
+                replay.close(linger=0)
+            ctx.term()
+
+    def _loop(self, pub: Any, replay: Any) -> None:
+        while True:
+            if replay is not None:
+                while replay.poll(0):
+                    self._serve_replay(replay)
+            try:
+                item = self._queue.get(timeout=0.02)
+            except queue.Empty:
+                continue
+            if item is _STOP:
+                return
+            seq = self._next_seq
+            self._next_seq += 1
+            payload = encode_batch(item, self._as_map)
+            pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+            self._buffer.append((seq, payload))
+
+    def _serve_replay(self, replay: Any) -> None:
+        frames = replay.recv_multipart()
+        # [identity, b"", start] from REQ/DEALER clients that send the empty delimiter, as vLLM's do.
+        if len(frames) != 3 or len(frames[2]) != 8:
+            logger.warning("ignoring a malformed KV-event replay request (%d frames)", len(frames))
+            return
+        identity, _, start_bytes = frames
+        start = int.from_bytes(start_bytes, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= start:
+                replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((identity, b"", END_OF_REPLAY, b""))
+
+
+def _bind_or_connect(socket: Any, endpoint: str) -> None:
+    """vLLM's rule: bind a wildcard, ipc or inproc endpoint; connect to a concrete host."""
+    if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+        socket.bind(endpoint)
+    else:
+        socket.connect(endpoint)

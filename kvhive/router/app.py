@@ -1,0 +1,206 @@
+"""``kvhive gateway``: the OpenAI-compatible proxy app in front of the replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvhive.blocks import root_hash
+from kvhive.router.config import GatewayConfig
+from kvhive.router.gateway import Gateway
+from kvhive.router.index import InMemoryIndex, KVBlockIndex, RedisIndex
+from kvhive.router.indexer import KVCacheIndexer
+from kvhive.router.ingest import BlockKeyMapper, ReplicaIngest
+from kvhive.router.metrics import GatewayMetrics, InstrumentedIndex, Sample
+from kvhive.router.proxy import as_openai_error, openai_error
+from kvhive.router.replicas import Replica, ReplicaSet
+from kvhive.router.scorer import SCORERS
+from kvhive.router.sessions import SESSION_HEADER, SessionAffinity
+from kvhive.router.tokenize import PromptTokenizer, prompt_from_body
+from kvhive.tokenizer import Tokenizer
+
+_ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def build_index(config: GatewayConfig) -> KVBlockIndex:
+    """Redis when ``redis_url`` is set (shared by gateways), else a bounded in-memory LRU."""
+    if config.redis_url:
+        return RedisIndex(config.redis_url)
+    return InMemoryIndex(config.index_max_keys)
+
+
+def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
+                       index: KVBlockIndex | None = None) -> FastAPI:
+    """The gateway app; replicas are checked and event subscribers started when it starts."""
+    metrics = GatewayMetrics()
+    raw_index = index if index is not None else build_index(config)
+    instrumented = InstrumentedIndex(raw_index, metrics)
+    root = root_hash(config.hash_seed, config.model_fingerprint)
+    replicas = []
+    for spec in config.replicas:
+        mapper = BlockKeyMapper(spec.kind != "kvhive", config.block_size, root)
+        ingest = ReplicaIngest(spec.name, instrumented, mapper, spec.events, spec.replay) \
+            if spec.events else None
+        replicas.append(Replica(spec, ingest))
+    client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=5.0),
+                               limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200))
+    replica_set = ReplicaSet(replicas, instrumented, client, config.health_interval_s,
+                             config.failures_to_drop)
+    prompts = PromptTokenizer(tokenizer, config.prefix_chunk_chars, config.prefix_max_chunks,
+                              config.tokenize_workers)
+    indexer = KVCacheIndexer(prompts, instrumented, SCORERS[config.scorer](), config.tiers,
+                             config.block_size, root)
+    gateway = Gateway(replica_set, indexer, SessionAffinity(config.max_sessions), config.weights,
+                      metrics, client)
+    metrics.watch(lambda: _state_samples(gateway, raw_index, prompts))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        for replica in replicas:
+            if replica.ingest is not None:
+                replica.ingest.start()
+        await replica_set.check_all()
+        health = asyncio.create_task(replica_set.run())
+        try:
+            yield
+        finally:
+            health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await health
+            await client.aclose()
+            for replica in replicas:
+                if replica.ingest is not None:
+                    await asyncio.to_thread(replica.ingest.close)
+            prompts.close()
+
+    app = FastAPI(title="kvhive gateway", version="0.1.0", lifespan=lifespan)
+    app.state.gateway = gateway
+    app.state.index = raw_index
+
+    @app.get("/health", response_model=None)
+    async def health() -> JSONResponse:
+        """200 while at least one replica is healthy, else 503; lists each replica's state."""
+        states = {r.name: "up" if r.healthy else "down" for r in replicas}
+        ok = any(r.healthy for r in replicas)
+        return JSONResponse(status_code=200 if ok else 503,
+                            content={"status": "ok" if ok else "no healthy replica", "replicas": states})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        """Routing decisions, index lookup latency, replica and event-stream state."""
+        payload, content_type = metrics.render()
+        return Response(content=payload, media_type=content_type)
+
+    @app.get("/v1/models", response_model=None)
+    async def list_models(request: Request) -> Response:
+        """The models of every healthy replica, each id once."""
+        return _merge_lists(await gateway.fan_out(request, "/v1/models"), key="id")
+
+    async def routed(request: Request) -> Response:
+        body = await request.body()
+        data = _json_object(body)
+        prompt = prompt_from_body(data) if data is not None else None
+        conversation = data.get("conversation_id") if data is not None else None
+        session_id = request.headers.get(SESSION_HEADER) or (
+            conversation if isinstance(conversation, str) else None)
+        candidates, reason = await gateway.choose(prompt, session_id)
+        if not candidates:
+            return openai_error(503, "No healthy replica", code="no_replica")
+        return await gateway.forward(request, body, candidates, reason)
+
+    for path in _ROUTED_PATHS:
+        app.add_api_route(path, routed, methods=["POST"], response_model=None)
+
+    @app.api_route("/v1/context", methods=["GET", "POST"], response_model=None)
+    async def contexts(request: Request) -> Response:
+        """POST creates a session on the best replica; GET lists the caller's sessions everywhere."""
+        if request.method == "POST":
+            return await routed(request)
+        return _merge_lists(await gateway.fan_out(request, "/v1/context"), key="id")
+
+    @app.api_route("/v1/context/{session_id}", methods=["GET", "PATCH", "DELETE"], response_model=None)
+    async def context(request: Request, session_id: str) -> Response:
+        """Sent to the replica holding the session (asking each in turn when the gateway forgot)."""
+        holder = gateway.sessions.get(session_id)
+        healthy = replica_set.healthy()
+        first = [r for r in healthy if r.name == holder]
+        candidates = first + [r for r in healthy if r.name != holder]
+        if not candidates:
+            return openai_error(503, "No healthy replica", code="no_replica")
+        response = await gateway.forward(request, await request.body(), candidates, "session",
+                                         find_session=session_id)
+        if request.method == "DELETE" and response.status_code < 400:
+            gateway.sessions.forget(session_id)
+        return response
+
+    @app.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
+                   response_model=None)
+    async def other(request: Request, rest: str) -> Response:
+        """Any other OpenAI route (e.g. /v1/responses): session affinity, else load."""
+        return await routed(request)
+
+    return app
+
+
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    try:
+        data = json.loads(body) if body else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _merge_lists(answers: list[tuple[Replica, int, Any]], key: str) -> Response:
+    """One ``{"object": "list", "data": [...]}`` from every 200 answer (items deduplicated by
+    ``key``); when none succeeded, the first error as OpenAI's."""
+    ok = [a for a in answers if a[1] == 200 and isinstance(a[2], dict)]
+    if not ok:
+        if answers:
+            status = answers[0][1]
+            raw = json.dumps(answers[0][2]).encode() if answers[0][2] is not None else b""
+            return JSONResponse(status_code=status, content=as_openai_error(status, raw))
+        return openai_error(503, "No healthy replica", code="no_replica")
+    seen: dict[Any, Any] = {}
+    for _, _, body in ok:
+        for item in body.get("data") or []:
+            ident = item.get(key) if isinstance(item, dict) else None
+            seen.setdefault(ident if ident is not None else id(item), item)
+    return JSONResponse({"object": "list", "data": list(seen.values())})
+
+
+def _state_samples(gateway: Gateway, index: KVBlockIndex, prompts: PromptTokenizer) -> Iterator[Sample]:
+    for r in gateway.replicas.replicas:
+        labels = {"replica": r.name}
+        yield Sample("kvhive_gateway_replica_up", "1 while the replica passes health checks.", "gauge",
+                     labels, float(r.healthy))
+        yield Sample("kvhive_gateway_replica_inflight", "Requests in flight to the replica.", "gauge",
+                     labels, float(r.inflight))
+        yield Sample("kvhive_gateway_replica_running", "Running requests (last poll).", "gauge",
+                     labels, r.load.running)
+        yield Sample("kvhive_gateway_replica_waiting", "Waiting requests (last poll).", "gauge",
+                     labels, r.load.waiting)
+        yield Sample("kvhive_gateway_replica_kv_usage", "KV pool usage 0..1 (last poll).", "gauge",
+                     labels, r.load.kv_usage)
+        if r.ingest is not None:
+            for name, value in vars(r.ingest.stats).items():
+                yield Sample(f"kvhive_gateway_kv_event_{name}", f"KV-event stream: {name}.", "counter",
+                             labels, float(value))
+            yield Sample("kvhive_gateway_kv_event_unmapped_blocks",
+                         "Foreign blocks whose kvhive key could not be computed.", "counter", labels,
+                         float(r.ingest.mapper.num_unmapped))
+    if isinstance(index, InMemoryIndex):
+        yield Sample("kvhive_gateway_index_keys", "Block keys in the in-memory index.", "gauge", {},
+                     float(len(index)))
+    yield Sample("kvhive_gateway_sessions", "Sessions whose replica the gateway knows.", "gauge", {},
+                 float(len(gateway.sessions)))
+    yield Sample("kvhive_gateway_prefix_store_hits", "Prompt chunks found in the prefix store.", "counter",
+                 {}, float(prompts.chunk_hits))
+    yield Sample("kvhive_gateway_prefix_store_misses", "Prompt chunks tokenized.", "counter", {},
+                 float(prompts.chunk_misses))

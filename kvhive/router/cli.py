@@ -1,0 +1,144 @@
+"""``kvhive gateway`` flags and entry point (``kvhive/cli.py`` adds the subcommand)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import httpx
+
+from kvhive.router.config import GatewayConfig, ReplicaSpec
+from kvhive.router.scorer import SCORERS, RoutingWeights, TierWeights
+
+logger = logging.getLogger(__name__)
+
+
+def add_gateway_args(p: argparse.ArgumentParser) -> None:
+    """Add the ``gateway`` flags to ``p``."""
+    p.add_argument("--replica", action="append", default=[], metavar="URL[,events=..][,replay=..][,kind=..]",
+                   help="a replica: base URL, optionally its KV-event PUB endpoint (events=tcp://host:5557), "
+                        "replay endpoint (replay=tcp://host:5558) and engine (kind=kvhive|vllm); repeat")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--redis-url", default=None,
+                   help="keep the block index in Redis (shared by gateways) instead of in memory")
+    p.add_argument("--index-max-keys", type=int, default=1_000_000,
+                   help="bound of the in-memory index (LRU beyond it)")
+    p.add_argument("--model", default=None,
+                   help="GGUF file or HF directory whose tokenizer the replicas use (default: the "
+                        "embedded SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (as the replicas)")
+    p.add_argument("--hash-seed", type=int, default=0, help="block-hash seed (as the replicas)")
+    p.add_argument("--model-fingerprint", default=None,
+                   help="the replicas' model fingerprint (default: the 'kvhive_fingerprint' field of a "
+                        "kvhive replica's /v1/models entry, else empty)")
+    p.add_argument("--scorer", choices=sorted(SCORERS), default="longest_prefix",
+                   help="how KV hits become a score")
+    p.add_argument("--tier-weights", default="GPU=1.0,CPU=0.8,DISK=0.5,REMOTE=0.3",
+                   help="worth of a cached block by tier, each in [0, 1]")
+    p.add_argument("--cache-weight", type=float, default=1.0,
+                   help="weight of the cached share of the prompt in the final score")
+    p.add_argument("--load-weight", type=float, default=0.5,
+                   help="weight of the relative queue length (running + waiting-factor * waiting)")
+    p.add_argument("--kv-usage-weight", type=float, default=0.1, help="weight of KV pool usage")
+    p.add_argument("--waiting-factor", type=float, default=2.0,
+                   help="a waiting request counts as this many running ones")
+    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
+    p.add_argument("--failures-to-drop", type=int, default=2,
+                   help="failed health checks in a row that drop a replica")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+
+
+def parse_tier_weights(text: str) -> TierWeights:
+    """``GPU=1,CPU=0.8,...`` as TierWeights (tiers left out keep their defaults)."""
+    values: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or name.strip().lower() not in ("gpu", "cpu", "disk", "remote"):
+            raise ValueError(f"--tier-weights: {part!r} is not TIER=WEIGHT (TIER: GPU, CPU, DISK, REMOTE)")
+        try:
+            values[name.strip().lower()] = float(value)
+        except ValueError as exc:
+            raise ValueError(f"--tier-weights: {value!r} is not a number") from exc
+    return TierWeights(**values)
+
+
+def build_gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    """Parsed ``gateway`` flags as a validated GatewayConfig (the fingerprint may still be None)."""
+    return GatewayConfig(
+        replicas=tuple(ReplicaSpec.parse(r) for r in args.replica), host=args.host, port=args.port,
+        redis_url=args.redis_url, index_max_keys=args.index_max_keys, model_path=args.model,
+        block_size=args.block_size, hash_seed=args.hash_seed,
+        model_fingerprint=args.model_fingerprint or "", scorer=args.scorer,
+        tiers=parse_tier_weights(args.tier_weights),
+        weights=RoutingWeights(args.cache_weight, args.load_weight, args.kv_usage_weight,
+                               args.waiting_factor),
+        health_interval_s=args.health_interval, failures_to_drop=args.failures_to_drop)
+
+
+def fetch_fingerprint(replicas: tuple[ReplicaSpec, ...], wait_s: float = 10.0) -> str | None:
+    """``kvhive_fingerprint`` from the first kvhive replica's /v1/models that answers; None when the
+    answer lacks it or no replica answers within ``wait_s``."""
+    urls = [r.url for r in replicas if r.kind == "kvhive"]
+    deadline = time.monotonic() + wait_s
+    while urls and time.monotonic() < deadline:
+        for url in urls:
+            try:
+                response = httpx.get(f"{url}/v1/models", timeout=2.0)
+            except httpx.HTTPError:
+                continue
+            if response.status_code != 200:
+                continue
+            try:
+                first = (response.json().get("data") or [{}])[0]
+            except (ValueError, AttributeError, TypeError):
+                return None
+            value = first.get("kvhive_fingerprint") if isinstance(first, dict) else None
+            return value if isinstance(value, str) else None
+        time.sleep(0.5)
+    return None
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    """Serve the gateway until interrupted; 2 on bad flags."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = build_gateway_config(args)
+    except ValueError as exc:
+        print(f"kvhive gateway: {exc}", file=sys.stderr)
+        return 2
+    import dataclasses
+
+    import uvicorn
+
+    from kvhive.model_files import default_model_path
+    from kvhive.router.app import create_gateway_app
+    from kvhive.tokenizer import Tokenizer
+
+    if args.model_fingerprint is None:
+        fingerprint = fetch_fingerprint(config.replicas)
+        if fingerprint is None:
+            logger.warning("no --model-fingerprint and no replica reports 'kvhive_fingerprint': block "
+                           "keys of kvhive replicas (which include their model fingerprint) will not "
+                           "match, so KV-aware routing to them falls back to load")
+        config = dataclasses.replace(config, model_fingerprint=fingerprint or "")
+    tokenizer = Tokenizer.from_model_path(config.model_path or default_model_path())
+    app = create_gateway_app(config, tokenizer)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvhive.router.cli``: the gateway without the ``kvhive`` console script."""
+    parser = argparse.ArgumentParser(prog="kvhive gateway", description="KV-aware OpenAI gateway")
+    add_gateway_args(parser)
+    return run_gateway(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

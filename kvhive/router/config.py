@@ -1,0 +1,90 @@
+"""Gateway configuration: frozen dataclasses validated once (``ValueError`` names the flag)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvhive.router.scorer import SCORERS, RoutingWeights, TierWeights
+
+REPLICA_KINDS = ("kvhive", "vllm")
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """One backend: its base URL, where it publishes KV events, and which engine it is."""
+
+    url: str
+    events: str | None = None
+    replay: str | None = None
+    kind: str = "kvhive"
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"--replica: {self.url!r} is not an http(s) URL")
+        if self.kind not in REPLICA_KINDS:
+            raise ValueError(f"--replica {self.url}: kind must be one of {REPLICA_KINDS}, got {self.kind!r}")
+        if self.replay is not None and self.events is None:
+            raise ValueError(f"--replica {self.url}: replay= needs events= too")
+
+    @property
+    def name(self) -> str:
+        """The replica's name in the index, metrics and headers: its URL."""
+        return self.url
+
+    @classmethod
+    def parse(cls, text: str) -> ReplicaSpec:
+        """``URL[,events=tcp://host:port][,replay=tcp://host:port][,kind=kvhive|vllm]``."""
+        url, *options = [part.strip() for part in text.split(",")]
+        values: dict[str, str] = {}
+        for option in options:
+            key, sep, value = option.partition("=")
+            if not sep or key not in ("events", "replay", "kind"):
+                raise ValueError(f"--replica {text!r}: unknown option {option!r} "
+                                 f"(expected events=, replay= or kind=)")
+            values[key] = value
+        return cls(url.rstrip("/"), values.get("events"), values.get("replay"),
+                   values.get("kind", "kvhive"))
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Everything ``kvhive gateway`` needs, validated once."""
+
+    replicas: tuple[ReplicaSpec, ...]
+    host: str = "127.0.0.1"
+    port: int = 8080
+    redis_url: str | None = None
+    index_max_keys: int = 1_000_000
+    model_path: str | None = None
+    block_size: int = 16
+    hash_seed: int = 0
+    model_fingerprint: str = ""
+    scorer: str = "longest_prefix"
+    tiers: TierWeights = field(default_factory=TierWeights)
+    weights: RoutingWeights = field(default_factory=RoutingWeights)
+    health_interval_s: float = 1.0
+    failures_to_drop: int = 2
+    request_timeout_s: float = 600.0
+    prefix_chunk_chars: int = 512
+    prefix_max_chunks: int = 100_000
+    tokenize_workers: int = 2
+    max_sessions: int = 100_000
+
+    def __post_init__(self) -> None:
+        if not self.replicas:
+            raise ValueError("--replica: give at least one replica")
+        names = [r.name for r in self.replicas]
+        if len(set(names)) != len(names):
+            raise ValueError("--replica: the same URL is given twice")
+        if self.block_size < 1:
+            raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
+        if not 0 <= self.hash_seed < 2**64:
+            raise ValueError(f"--hash-seed must fit in 64 bits, got {self.hash_seed}")
+        if self.scorer not in SCORERS:
+            raise ValueError(f"--scorer must be one of {sorted(SCORERS)}, got {self.scorer!r}")
+        if self.health_interval_s <= 0:
+            raise ValueError(f"--health-interval must be > 0, got {self.health_interval_s}")
+        if self.failures_to_drop < 1:
+            raise ValueError(f"--failures-to-drop must be >= 1, got {self.failures_to_drop}")
+        if self.index_max_keys < 1:
+            raise ValueError(f"--index-max-keys must be >= 1, got {self.index_max_keys}")

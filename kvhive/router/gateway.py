@@ -1,0 +1,127 @@
+"""The routing decision and the forwarding of one request (the app's routes call these)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response
+
+from kvhive.router.indexer import KVCacheIndexer, KVScores
+from kvhive.router.metrics import GatewayMetrics
+from kvhive.router.proxy import open_upstream, openai_error, relay
+from kvhive.router.replicas import Replica, ReplicaSet
+from kvhive.router.scorer import RoutingWeights, pick_replica
+from kvhive.router.sessions import SESSION_HEADER, SessionAffinity
+from kvhive.router.tokenize import Prompt
+
+logger = logging.getLogger(__name__)
+
+REPLICA_HEADER = "x-kvhive-replica"
+REASON_HEADER = "x-kvhive-route-reason"
+
+
+class Gateway:
+    """Picks a replica for each request (session, then KV score and load) and forwards to it."""
+
+    def __init__(self, replicas: ReplicaSet, indexer: KVCacheIndexer, sessions: SessionAffinity,
+                 weights: RoutingWeights, metrics: GatewayMetrics, client: httpx.AsyncClient) -> None:
+        self.replicas = replicas
+        self.indexer = indexer
+        self.sessions = sessions
+        self.weights = weights
+        self.metrics = metrics
+        self.client = client
+        self._turn = 0          # rotates the order in which equal scores are broken
+
+    async def choose(self, prompt: Prompt | None, session_id: str | None) -> tuple[list[Replica], str]:
+        """Healthy replicas in order of preference, and why the first is first.
+
+        The replica holding the session comes first while it is healthy; otherwise replicas are
+        ranked by ``pick_replica`` (KV score of the prompt, then load).
+        """
+        healthy = self.replicas.healthy()
+        if not healthy:
+            return [], "none"
+        holder = self.sessions.get(session_id) if session_id else None
+        self._turn += 1
+        kv = KVScores()
+        if prompt is not None and not any(r.name == holder for r in healthy):
+            try:
+                kv = await self.indexer.score(prompt)
+                self.metrics.tokenize_seconds.observe(kv.tokenize_s)
+            except Exception as exc:  # noqa: BLE001 - a body the replica will reject: route by load
+                logger.debug("no KV score for this request: %s", exc)
+        loads = {r.name: r.routing_load() for r in healthy}
+        pick = pick_replica([r.name for r in healthy], kv.scores, kv.num_blocks, loads, self.weights,
+                            self._turn)
+        ranking, reason = pick.ranking, "kv" if pick.kv_blocks > 0 else "load"
+        if holder in ranking:
+            ranking, reason = [holder, *[n for n in ranking if n != holder]], "session"
+        if reason == "kv":
+            self.metrics.routed_cached_blocks.labels(pick.replica).inc(pick.kv_blocks)
+        return [r for r in (self.replicas.get(n) for n in ranking) if r is not None], reason
+
+    async def forward(self, request: Request, body: bytes, candidates: Sequence[Replica], reason: str,
+                      path: str | None = None, find_session: str | None = None) -> Response:
+        """Send the request to the first candidate that can be reached (a refused connection marks
+        that replica down and tries the next). With ``find_session``, a 404 also moves on to the next
+        candidate: the first replica that knows the session answers, and is remembered."""
+        last_404: Response | None = None
+        for attempt, replica in enumerate(candidates):
+            if attempt >= 2 and find_session is None:
+                break
+            replica.inflight += 1
+            try:
+                upstream = await open_upstream(self.client, replica.name, request, body, path)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                replica.inflight -= 1
+                self.metrics.upstream_errors.labels(replica.name).inc()
+                await self.replicas.mark_down(replica, f"connection failed: {exc}")
+                continue
+            except httpx.HTTPError as exc:
+                replica.inflight -= 1
+                self.metrics.upstream_errors.labels(replica.name).inc()
+                return openai_error(502, f"replica {replica.name} failed: {type(exc).__name__}: {exc}",
+                                    code="bad_gateway", headers={REPLICA_HEADER: replica.name})
+            status = upstream.status_code
+            self.metrics.decisions.labels(replica.name, reason if attempt == 0 else "retry").inc()
+            self.metrics.responses.labels(replica.name, str(status)).inc()
+            headers = {REPLICA_HEADER: replica.name, REASON_HEADER: reason if attempt == 0 else "retry"}
+            if find_session is not None and status == 404 and attempt + 1 < len(candidates):
+                last_404 = await relay(upstream, headers, lambda r=replica: self._done(r))
+                continue
+            session_id = upstream.headers.get(SESSION_HEADER) or find_session
+            if session_id and status < 400:
+                self.sessions.remember(session_id, replica.name)
+            return await relay(upstream, headers, lambda r=replica: self._done(r))
+        if last_404 is not None:
+            return last_404
+        return openai_error(503, "No replica could be reached", code="no_replica")
+
+    async def fan_out(self, request: Request, path: str) -> list[tuple[Replica, int, Any]]:
+        """GET ``path`` on every healthy replica: (replica, status, parsed JSON or None) for each answer."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "accept")}
+
+        async def get(replica: Replica) -> tuple[Replica, int, Any] | None:
+            try:
+                response = await self.client.get(replica.name + path, headers=headers,
+                                                  params=request.url.query or None, timeout=10.0)
+            except httpx.HTTPError:
+                return None
+            try:
+                return replica, response.status_code, response.json()
+            except ValueError:
+                return replica, response.status_code, None
+
+        answers = await asyncio.gather(*(get(r) for r in self.replicas.healthy()))
+        return [a for a in answers if a is not None]
+
+    @staticmethod
+    def _done(replica: Replica) -> None:
+        replica.inflight -= 1
+        replica.finished += 1

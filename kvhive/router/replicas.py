@@ -1,0 +1,140 @@
+"""The replicas behind the gateway: health checks, load from their /metrics, drop and restore."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+from kvhive.router.config import ReplicaSpec
+from kvhive.router.index import KVBlockIndex
+from kvhive.router.ingest import ReplicaIngest
+from kvhive.router.scorer import LoadStats
+
+logger = logging.getLogger(__name__)
+
+# Prometheus names of the load figures: kvhive's, then vLLM's (older and newer KV usage names).
+_RUNNING = ("kvhive_num_requests_running", "vllm:num_requests_running")
+_WAITING = ("kvhive_num_requests_waiting", "vllm:num_requests_waiting")
+_KV_USAGE = ("kvhive_kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{.*\})?\s+(\S+)")
+
+
+def parse_load(text: str) -> LoadStats:
+    """Running and waiting requests (summed over label sets) and KV usage (the largest) from
+    Prometheus text; absent metrics count 0."""
+    running = waiting = usage = 0.0
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is None:
+            continue
+        name = match.group(1)
+        try:
+            value = float(match.group(2))
+        except ValueError:
+            continue
+        if name in _RUNNING:
+            running += value
+        elif name in _WAITING:
+            waiting += value
+        elif name in _KV_USAGE:
+            usage = max(usage, value)
+    return LoadStats(running, waiting, usage)
+
+
+@dataclass
+class Replica:
+    """One backend and what the gateway knows of it (changed on the event loop only)."""
+
+    spec: ReplicaSpec
+    ingest: ReplicaIngest | None = None
+    healthy: bool = False
+    load: LoadStats = field(default_factory=LoadStats)
+    inflight: int = 0           # requests the gateway has sent and not finished reading
+    finished: int = 0           # requests the gateway has finished reading, ever
+    finished_at_poll: int = 0   # ``finished`` when the last good /metrics poll was sent
+    failures: int = 0           # consecutive failed health checks
+
+    @property
+    def name(self) -> str:
+        """The replica's URL, its name everywhere."""
+        return self.spec.name
+
+    def routing_load(self) -> LoadStats:
+        """Load for the scorer: the last polled figures, less the gateway's requests that finished
+        since that poll, and with running at least what the gateway has in flight."""
+        running = max(self.load.running - (self.finished - self.finished_at_poll), self.inflight, 0)
+        return LoadStats(running, self.load.waiting, self.load.kv_usage)
+
+
+class ReplicaSet:
+    """Polls each replica's /health and /metrics; drops a replica after ``failures_to_drop`` failed
+    checks (clearing its index entries) and restores it on its first good check."""
+
+    def __init__(self, replicas: Sequence[Replica], index: KVBlockIndex, client: httpx.AsyncClient,
+                 interval_s: float = 1.0, failures_to_drop: int = 2, timeout_s: float = 2.0) -> None:
+        self.replicas = list(replicas)
+        self._by_name = {r.name: r for r in self.replicas}
+        self._index = index
+        self._client = client
+        self.interval_s = interval_s
+        self.failures_to_drop = failures_to_drop
+        self.timeout_s = timeout_s
+
+    def get(self, name: str) -> Replica | None:
+        """The replica named ``name`` (its URL), or None."""
+        return self._by_name.get(name)
+
+    def healthy(self) -> list[Replica]:
+        """Replicas that passed their last health check, in configuration order."""
+        return [r for r in self.replicas if r.healthy]
+
+    async def run(self) -> None:
+        """Check every replica every ``interval_s`` until cancelled."""
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.interval_s)
+
+    async def check_all(self) -> None:
+        """Check every replica once, concurrently."""
+        await asyncio.gather(*(self.check(r) for r in self.replicas))
+
+    async def check(self, replica: Replica) -> None:
+        """One health check; on success also refresh the replica's load."""
+        try:
+            response = await self._client.get(f"{replica.name}/health", timeout=self.timeout_s)
+            ok = response.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if not ok:
+            replica.failures += 1
+            if replica.healthy and replica.failures >= self.failures_to_drop:
+                await self.mark_down(replica, "failed health checks")
+            return
+        replica.failures = 0
+        if not replica.healthy:
+            logger.info("replica %s is up", replica.name)
+            replica.healthy = True
+        try:
+            finished = replica.finished
+            metrics = await self._client.get(f"{replica.name}/metrics", timeout=self.timeout_s)
+            if metrics.status_code == 200:
+                replica.load, replica.finished_at_poll = parse_load(metrics.text), finished
+        except httpx.HTTPError:
+            pass
+
+    async def mark_down(self, replica: Replica, why: str) -> None:
+        """Stop routing to ``replica`` and forget its blocks until a health check passes again."""
+        if not replica.healthy:
+            return
+        logger.warning("replica %s is down (%s); its index entries are cleared", replica.name, why)
+        replica.healthy = False
+        replica.load = LoadStats()
+        if replica.ingest is not None:
+            await asyncio.to_thread(replica.ingest.reset)
+        else:
+            await asyncio.to_thread(self._index.clear_replica, replica.name)

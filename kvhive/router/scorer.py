@@ -1,0 +1,155 @@
+"""Scoring replicas: KV block scorers (seed 001's KVBlockScorer), tier weights, and the final pick.
+
+A KV scorer turns an index lookup (for each prompt block in order: replica -> fastest medium holding
+it) into replica -> score in blocks, each hit counted by the worth of its tier. The pick combines
+that with load; see ``RoutingWeights`` for the formula.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Protocol
+
+from kvhive.events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, MEDIUM_REMOTE
+
+Hits = Sequence[Mapping[str, str]]
+
+
+@dataclass(frozen=True)
+class TierWeights:
+    """What a cached block is worth by the tier holding it: a device block saves the most work."""
+
+    gpu: float = 1.0
+    cpu: float = 0.8
+    disk: float = 0.5
+    remote: float = 0.3
+
+    def __post_init__(self) -> None:
+        for name in ("gpu", "cpu", "disk", "remote"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"tier weight {name} must be in [0, 1], got {getattr(self, name)}")
+
+    def of(self, medium: str) -> float:
+        """The weight of a hit in ``medium`` (a MEDIA name)."""
+        return {MEDIUM_GPU: self.gpu, MEDIUM_CPU: self.cpu, MEDIUM_DISK: self.disk,
+                MEDIUM_REMOTE: self.remote}.get(medium, self.remote)
+
+
+class KVBlockScorer(Protocol):
+    """Replica -> score in (tier-weighted) blocks, from the index lookup of a prompt's block keys."""
+
+    def score(self, hits: Hits, tiers: TierWeights) -> dict[str, float]:
+        """Scores of the replicas that hold anything; a replica left out scores 0."""
+        ...
+
+
+class LongestPrefixMatch:
+    """The weighted length of the unbroken run of blocks, from block 0, that one replica holds."""
+
+    def score(self, hits: Hits, tiers: TierWeights) -> dict[str, float]:
+        """Sum of tier weights over each replica's leading run of hits."""
+        scores: dict[str, float] = {}
+        running = set(hits[0]) if hits else set()
+        for holders in hits:
+            running &= holders.keys()    # replicas whose run is unbroken so far
+            if not running:
+                break
+            for replica in running:
+                scores[replica] = scores.get(replica, 0.0) + tiers.of(holders[replica])
+        return scores
+
+
+class HighestBlockHit:
+    """The position (1-based) of the last block a replica holds, weighted by that block's tier."""
+
+    def score(self, hits: Hits, tiers: TierWeights) -> dict[str, float]:
+        """(index + 1) * tier weight of each replica's highest hit."""
+        scores: dict[str, float] = {}
+        for i, holders in enumerate(hits):
+            for replica, medium in holders.items():
+                scores[replica] = (i + 1) * tiers.of(medium)
+        return scores
+
+
+class CoverageBasedMatching:
+    """How many of the prompt's blocks a replica holds anywhere, each weighted by its tier."""
+
+    def score(self, hits: Hits, tiers: TierWeights) -> dict[str, float]:
+        """Sum of tier weights over all of each replica's hits."""
+        scores: dict[str, float] = {}
+        for holders in hits:
+            for replica, medium in holders.items():
+                scores[replica] = scores.get(replica, 0.0) + tiers.of(medium)
+        return scores
+
+
+SCORERS: Mapping[str, type[KVBlockScorer]] = MappingProxyType({
+    "longest_prefix": LongestPrefixMatch,
+    "highest_block": HighestBlockHit,
+    "coverage": CoverageBasedMatching,
+})
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """A replica's load: requests running and waiting, and the fraction of its KV pool in use."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+
+
+@dataclass(frozen=True)
+class RoutingWeights:
+    """How the pick weighs cache against load. For each candidate replica r::
+
+        final(r) = cache    * kv(r) / num_blocks                  (share of the prompt cached, 0..1)
+                 - load     * queue(r) / (1 + max_r' queue(r'))   (relative queue length, 0..1)
+                 - kv_usage * usage(r)                            (KV pool in use, 0..1)
+        queue(r) = running(r) + waiting_factor * waiting(r)
+
+    The highest final score wins; equal scores are broken round-robin.
+    """
+
+    cache: float = 1.0
+    load: float = 0.5
+    kv_usage: float = 0.1
+    waiting_factor: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("cache", "load", "kv_usage", "waiting_factor"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"routing weight {name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The chosen replica, every candidate's final score, and the chosen one's KV score in blocks."""
+
+    replica: str
+    ranking: list[str]
+    scores: dict[str, float] = field(default_factory=dict)
+    kv_blocks: float = 0.0
+
+
+def pick_replica(candidates: Sequence[str], kv_scores: Mapping[str, float], num_blocks: int,
+                 loads: Mapping[str, LoadStats], weights: RoutingWeights, turn: int = 0) -> Pick:
+    """Rank ``candidates`` by ``RoutingWeights``' formula; ``turn`` rotates the order ties resolve in."""
+    if not candidates:
+        raise ValueError("pick_replica needs at least one candidate")
+    idle = LoadStats()
+    queues = {r: loads.get(r, idle).running + weights.waiting_factor * loads.get(r, idle).waiting
+              for r in candidates}
+    max_queue = max(queues.values())
+    scores = {}
+    for r in candidates:
+        cached = kv_scores.get(r, 0.0) / num_blocks if num_blocks else 0.0
+        score = (weights.cache * cached - weights.load * queues[r] / (1.0 + max_queue)
+                 - weights.kv_usage * loads.get(r, idle).kv_usage)
+        scores[r] = round(score, 9)   # equal up to float noise counts as a tie
+    start = turn % len(candidates)
+    rotated = list(candidates[start:]) + list(candidates[:start])
+    ranking = sorted(rotated, key=lambda r: -scores[r])   # stable: ties keep the rotated order
+    return Pick(ranking[0], ranking, scores, kv_scores.get(ranking[0], 0.0))

@@ -1,0 +1,176 @@
+"""Request body -> the token ids the replica will compute (seed 001's PrefixStore and TokenizersPool).
+
+The gateway uses the engine's own ``kvhive.tokenizer`` and turns bodies into prompts the way the
+server does (``kvhive/server/completions.py`` and ``chat.py``), so both get the same ids.
+
+Prefix store: a long text is cut into chunks of about ``chunk_chars`` characters, only where a
+letter, a space and a letter meet ("...word| word..."). Every pre-tokenizer the tokenizer supports
+(GPT-2, llama3, qwen2 splits, digits first or not) starts a new pre-token at such a space and never
+joins it to the letter before, and BPE merges never cross pre-tokens, so
+``encode(a + b) == encode(a) + encode(b)`` at those cuts. Each chunk's ids are cached by the chunk's
+text (LRU), so a repeated long prefix is not tokenized again. A probe at start-up checks the
+property on the actual tokenizer; if it fails the store is off and texts are encoded whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from kvhive.tokenizer import Tokenizer
+
+_CUT_CANDIDATE = re.compile(r"(?<=\w) (?=\w)")
+_PROBES = ("The quick brown fox jumps over the lazy dog again and again",
+           "x = 12 if y else 345; naïve café élan über straße Ärger", "<|im_start|>user\nhello there")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What a request asks the model to read: a text, chat messages, or token ids (exactly one)."""
+
+    text: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+    token_ids: tuple[int, ...] | None = None
+    cache_salt: str | None = None
+
+
+def prompt_from_body(body: Mapping[str, Any]) -> Prompt | None:
+    """The prompt of a completion or chat body, as the server reads it; None if it cannot tell."""
+    salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+    if "messages" in body:
+        messages = chat_messages(body["messages"])
+        return None if messages is None else Prompt(messages=messages, cache_salt=salt)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            return None
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return Prompt(text=prompt, cache_salt=salt)
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return Prompt(token_ids=tuple(prompt), cache_salt=salt)
+    return None
+
+
+def chat_messages(raw: Any) -> tuple[dict[str, str], ...] | None:
+    """Messages as the server hands them to the chat template (string content, developer -> system)."""
+    if not isinstance(raw, list) or not raw:
+        return None
+    out = []
+    for message in raw:
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            return None
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                return None
+            content = "\n".join(p["text"] for p in content)
+        elif content is not None and not isinstance(content, str):
+            return None
+        role = message["role"]
+        entry = {"role": "system" if role == "developer" else role, "content": content or ""}
+        if message.get("name") is not None:
+            entry["name"] = message["name"]
+        out.append(entry)
+    return tuple(out)
+
+
+class PromptTokenizer:
+    """Token ids of prompts, with an LRU store of text chunks -> ids and a thread pool for the work."""
+
+    def __init__(self, tokenizer: Tokenizer, chunk_chars: int = 512, max_chunks: int = 100_000,
+                 workers: int = 2) -> None:
+        if chunk_chars < 16:
+            raise ValueError(f"chunk_chars must be >= 16, got {chunk_chars}")
+        self.tokenizer = tokenizer
+        self.chunk_chars = chunk_chars
+        self.max_chunks = max_chunks
+        self._lock = threading.Lock()
+        # xxh3-128 of a chunk's UTF-8 text -> its ids; least recently used first.
+        self._chunks: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        self.chunk_hits = 0
+        self.chunk_misses = 0
+        self.prefix_store_enabled = max_chunks > 0 and all(self._cuts_are_exact(p) for p in _PROBES)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvhive-tokenize")
+
+    def token_ids(self, prompt: Prompt) -> list[int]:
+        """The ids the replica computes for ``prompt`` (raises what the tokenizer or template raises)."""
+        if prompt.token_ids is not None:
+            return list(prompt.token_ids)
+        if prompt.messages is not None:
+            return self.encode(self.tokenizer.apply_chat_template(list(prompt.messages)))
+        return self.encode(prompt.text or "")
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn(*args)`` on the tokenizer pool, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def encode(self, text: str) -> list[int]:
+        """``tokenizer.encode(text)``, built from cached chunks where the store allows."""
+        if not self.prefix_store_enabled or len(text) <= self.chunk_chars:
+            return self.tokenizer.encode(text)
+        ids: list[int] = []
+        for chunk in self.chunks(text):
+            ids.extend(self._chunk_ids(chunk))
+        return ids
+
+    def chunks(self, text: str) -> list[str]:
+        """``text`` cut at letter-space-letter points, each piece at least ``chunk_chars`` long (but the
+        last); the space starts the next piece."""
+        pieces, start, n = [], 0, len(text)
+        while n - start > self.chunk_chars:
+            cut = self._next_cut(text, start + self.chunk_chars)
+            if cut is None:
+                break
+            pieces.append(text[start:cut])
+            start = cut
+        pieces.append(text[start:])
+        return pieces
+
+    def close(self) -> None:
+        """Stop the thread pool."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _next_cut(self, text: str, pos: int) -> int | None:
+        match = _CUT_CANDIDATE.search(text, pos)
+        while match is not None:
+            i = match.start()
+            if text[i - 1].isalpha() and text[i + 1].isalpha():   # \w also matches digits and "_"
+                return i
+            match = _CUT_CANDIDATE.search(text, i + 1)
+        return None
+
+    def _chunk_ids(self, chunk: str) -> tuple[int, ...]:
+        key = xxhash.xxh3_128_digest(chunk.encode("utf-8", "surrogatepass"))
+        with self._lock:
+            ids = self._chunks.get(key)
+            if ids is not None:
+                self._chunks.move_to_end(key)
+                self.chunk_hits += 1
+                return ids
+        ids = tuple(self.tokenizer.encode(chunk))
+        with self._lock:
+            self.chunk_misses += 1
+            self._chunks[key] = ids
+            while len(self._chunks) > self.max_chunks:
+                self._chunks.popitem(last=False)
+        return ids
+
+    def _cuts_are_exact(self, probe: str) -> bool:
+        whole = self.tokenizer.encode(probe)
+        for match in _CUT_CANDIDATE.finditer(probe):
+            i = match.start()
+            if probe[i - 1].isalpha() and probe[i + 1].isalpha():
+                if self.tokenizer.encode(probe[:i]) + self.tokenizer.encode(probe[i:]) != whole:
+                    return False
+        return True
+

@@ -1,0 +1,125 @@
+"""Scoring: seed 001's three KV scorers, tier weights, and the pick that combines cache with load."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvhive.blocks import ExtraKeys, hash_blocks, root_hash
+from kvhive.router.index import InMemoryIndex
+from kvhive.router.indexer import KVCacheIndexer
+from kvhive.router.scorer import (
+    SCORERS,
+    CoverageBasedMatching,
+    HighestBlockHit,
+    LoadStats,
+    LongestPrefixMatch,
+    RoutingWeights,
+    TierWeights,
+    pick_replica,
+)
+from kvhive.router.tokenize import Prompt, PromptTokenizer
+
+FLAT = TierWeights(1.0, 1.0, 1.0, 1.0)
+# Blocks 0..4 of a prompt: a holds 0,1,2 on the device; b holds 0 on CPU and 2,3,4 on the device;
+# c holds only block 4.
+HITS = [{"a": "GPU", "b": "CPU"}, {"a": "GPU"}, {"a": "GPU", "b": "GPU"}, {"b": "GPU"},
+        {"b": "GPU", "c": "DISK"}]
+
+
+def test_longest_prefix_match_counts_the_unbroken_run_from_block_zero() -> None:
+    assert LongestPrefixMatch().score(HITS, FLAT) == {"a": 3.0, "b": 1.0}
+    assert LongestPrefixMatch().score(HITS, TierWeights()) == {"a": 3.0, "b": 0.8}
+    assert LongestPrefixMatch().score([], FLAT) == {}
+
+
+def test_highest_block_hit_is_the_position_of_the_last_hit() -> None:
+    assert HighestBlockHit().score(HITS, FLAT) == {"a": 3.0, "b": 5.0, "c": 5.0}
+    assert HighestBlockHit().score(HITS, TierWeights()) == {"a": 3.0, "b": 5.0, "c": 2.5}
+
+
+def test_coverage_based_matching_counts_every_hit() -> None:
+    assert CoverageBasedMatching().score(HITS, FLAT) == {"a": 3.0, "b": 4.0, "c": 1.0}
+    weighted = CoverageBasedMatching().score(HITS, TierWeights())
+    assert weighted == pytest.approx({"a": 3.0, "b": 3.8, "c": 0.5})
+
+
+def test_scorers_are_registered_by_name() -> None:
+    assert {name: cls.__name__ for name, cls in SCORERS.items()} == {
+        "longest_prefix": "LongestPrefixMatch", "highest_block": "HighestBlockHit",
+        "coverage": "CoverageBasedMatching"}
+
+
+def test_tier_weights_order_and_validation() -> None:
+    tiers = TierWeights()
+    assert tiers.of("GPU") > tiers.of("CPU") > tiers.of("DISK") > tiers.of("REMOTE") > 0
+    assert tiers.of("unknown") == tiers.remote
+    with pytest.raises(ValueError):
+        TierWeights(gpu=1.5)
+    with pytest.raises(ValueError):
+        RoutingWeights(load=-1)
+
+
+def test_pick_prefers_the_cached_replica_over_a_slightly_busier_one() -> None:
+    loads = {"a": LoadStats(running=2), "b": LoadStats()}
+    pick = pick_replica(["a", "b"], {"a": 8.0}, 10, loads, RoutingWeights())
+    # a: 1.0*0.8 - 0.5*2/3 = 0.467 ; b: 0
+    assert pick.replica == "a" and pick.ranking == ["a", "b"]
+    assert pick.kv_blocks == 8.0
+    assert pick.scores["a"] == pytest.approx(0.8 - 0.5 * 2 / 3)
+
+
+def test_pick_leaves_a_small_hit_on_a_loaded_replica() -> None:
+    loads = {"a": LoadStats(running=4, waiting=3), "b": LoadStats()}
+    pick = pick_replica(["a", "b"], {"a": 1.0}, 10, loads, RoutingWeights())
+    assert pick.replica == "b"
+    assert pick.kv_blocks == 0.0
+
+
+def test_pick_weights_waiting_and_kv_usage() -> None:
+    loads = {"a": LoadStats(running=1, waiting=1), "b": LoadStats(running=2)}
+    assert pick_replica(["a", "b"], {}, 0, loads, RoutingWeights(waiting_factor=2.0)).replica == "b"
+    assert pick_replica(["a", "b"], {}, 0, loads, RoutingWeights(waiting_factor=0.5)).replica == "a"
+    usage = {"a": LoadStats(kv_usage=0.9), "b": LoadStats(kv_usage=0.1)}
+    assert pick_replica(["a", "b"], {}, 0, usage, RoutingWeights()).replica == "b"
+    only_cache = RoutingWeights(load=0, kv_usage=0)
+    assert pick_replica(["a", "b"], {"a": 1.0}, 10, loads, only_cache).replica == "a"
+
+
+def test_ties_are_broken_round_robin() -> None:
+    picks = [pick_replica(["a", "b", "c"], {}, 0, {}, RoutingWeights(), turn).replica for turn in range(6)]
+    assert picks == ["a", "b", "c", "a", "b", "c"]
+    with pytest.raises(ValueError):
+        pick_replica([], {}, 0, {}, RoutingWeights())
+
+
+def test_indexer_scores_a_prompt_through_tokenizer_hashes_and_index(gguf_tokenizer) -> None:
+    root = root_hash(0, "fp")
+    index = InMemoryIndex()
+    prompts = PromptTokenizer(gguf_tokenizer, chunk_chars=64)
+    indexer = KVCacheIndexer(prompts, index, LongestPrefixMatch(), TierWeights(), 16, root)
+    text = "The history of the printing press begins long before Gutenberg. " * 8
+    ids = gguf_tokenizer.encode(text)
+    held = hash_blocks(ids, 16, root)
+    index.add(held[:3], "a", "GPU")
+    index.add(held, "b", "CPU")
+    try:
+        scores = asyncio.run(indexer.score(Prompt(text=text)))
+        assert scores.num_tokens == len(ids) and scores.num_blocks == len(ids) // 16
+        assert scores.scores == pytest.approx({"a": 3.0, "b": 0.8 * len(held)})
+        salted = hash_blocks(ids, 16, root, ExtraKeys(cache_salt="t1"))
+        index.add(salted, "c", "GPU")
+        assert indexer.score_sync(Prompt(text=text, cache_salt="t1")).scores == {"c": float(len(held))}
+        assert indexer.score_sync(Prompt(token_ids=tuple(ids[:40]))).scores == \
+            pytest.approx({"a": 2.0, "b": 1.6})
+    finally:
+        prompts.close()
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizer():
+    from kvhive.model_files import default_model_path
+    from kvhive.tokenizer import Tokenizer
+
+    return Tokenizer.from_model_path(default_model_path())
