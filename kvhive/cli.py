@@ -1,4 +1,4 @@
-"""Command line: ``kvhive serve``. The only module that reads environment variables."""
+"""Command line: ``kvhive serve`` and ``kvhive gateway``. The only module that reads environment variables."""
 
 from __future__ import annotations
 
@@ -37,6 +37,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one step (chunked prefill above it)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context limit (default: the model's)")
+    p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="publish KV events (vLLM's wire format) on this ZMQ PUB endpoint, "
+                        "e.g. tcp://*:5557")
+    p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
+                   help="serve replay of recent KV-event batches on this ZMQ ROUTER endpoint")
     p.add_argument("--api-key", action="append", default=None,
                    help="require this key as 'Authorization: Bearer KEY'; may be repeated "
                         "(default: $KVHIVE_API_KEY if set, else no key)")
@@ -62,6 +67,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=args.enable_prefix_caching, hash_seed=args.hash_seed)
     return EngineConfig(model_path=model_path, served_model_name=name, dtype=args.dtype,
                         device=args.device, num_threads=args.num_threads, cache=cache,
+                        kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
                         scheduler=sched)
 
 
@@ -103,9 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_serve = sub.add_parser("serve", help="serve the OpenAI API on one model")
     _add_serve_args(p_serve)
+    from kvhive.router.cli import add_gateway_args, run_gateway
+
+    p_gateway = sub.add_parser("gateway", help="KV-aware OpenAI gateway in front of replicas")
+    add_gateway_args(p_gateway)
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "gateway":
+        return run_gateway(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

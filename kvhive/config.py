@@ -89,6 +89,8 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     num_threads: int | None = None
+    kv_events: str | None = None           # ZMQ PUB endpoint for KV events, e.g. tcp://*:5557
+    kv_events_replay: str | None = None    # ZMQ ROUTER endpoint serving replay of recent batches
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -97,5 +99,7 @@ class EngineConfig:
             raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
+        if self.kv_events_replay and not self.kv_events:
+            raise ValueError("--kv-events-replay needs --kv-events")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"--num-threads must be positive, got {self.num_threads}")

@@ -84,6 +84,18 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, cache, num_blocks,
                                    root_hash(cache.hash_seed, loaded.fingerprint))
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) or loaded.config.eos_token_ids
+        self.publisher = None
+        if config.kv_events:
+            from kvhive.events import KVEventPublisher
+
+            self.publisher = KVEventPublisher(config.kv_events, config.kv_events_replay)
+            self.scheduler.kv.enable_events()
+
+    def close(self) -> None:
+        """Flush and close the KV-event publisher."""
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     cache_salt: str | None = None) -> None:
@@ -125,6 +137,10 @@ class LLMEngine:
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
                 num_output_tokens=req.num_output_tokens))
+        if self.publisher is not None:
+            events = self.scheduler.kv.take_events()
+            if events:
+                self.publisher.publish(events)
         return outputs
 
     def stats(self) -> EngineStats:
@@ -171,6 +187,7 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self.engine.close()
 
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest step."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvhive.blocks import ExtraKeys, hash_blocks
+from kvhive.events import MEDIUM_GPU, BlockRemoved, BlockStored
 from kvhive.kv.pool import BlockPool, BlockPoolStats, KVBlock
 from kvhive.request import Request
 
@@ -55,6 +56,25 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}
         self._queries_tokens = 0
         self._hits_tokens = 0
+        # KV events since the last take_events(); None until enable_events() is called.
+        self._events: list[BlockStored | BlockRemoved] | None = None
+
+    def enable_events(self) -> None:
+        """Start recording BlockStored / BlockRemoved events for take_events()."""
+        self._events = []
+        self.pool.evicted_hashes = []
+
+    def take_events(self) -> list[BlockStored | BlockRemoved]:
+        """Events since the last call, evictions first (the order the pool saw them)."""
+        if self._events is None:
+            return []
+        out: list[BlockStored | BlockRemoved] = []
+        if self.pool.evicted_hashes:
+            out.append(BlockRemoved(block_hashes=self.pool.evicted_hashes, medium=MEDIUM_GPU))
+            self.pool.evicted_hashes = []
+        out += self._events
+        self._events = []
+        return out
 
     @property
     def num_usable_blocks(self) -> int:
@@ -142,9 +162,25 @@ class KVCacheManager:
             return
         self._update_block_hashes(request)
         hashes = request.block_hashes
-        for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], hashes[i])
+        stored = [i for i in range(start, num_full) if self.pool.cache_block(blocks[i], hashes[i])]
         self._num_cached_blocks[rid] = num_full
+        if self._events is not None and stored:
+            self._record_stored(request, stored)
+
+    def _record_stored(self, request: Request, indices: list[int]) -> None:
+        # One BlockStored per run of consecutive block indices, as vLLM emits them.
+        B, hashes = self.block_size, request.block_hashes
+        run_start = indices[0]
+        for j, i in enumerate(indices):
+            if j + 1 < len(indices) and indices[j + 1] == i + 1:
+                continue
+            self._events.append(BlockStored(
+                block_hashes=hashes[run_start:i + 1],
+                parent_block_hash=hashes[run_start - 1] if run_start > 0 else None,
+                token_ids=request.all_token_ids[run_start * B:(i + 1) * B], block_size=B,
+                medium=MEDIUM_GPU))
+            if j + 1 < len(indices):
+                run_start = indices[j + 1]
 
     def free(self, request: Request) -> None:
         """Release the request's blocks tail first, so a cached chain's end is evicted first."""

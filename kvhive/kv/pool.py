@@ -125,6 +125,8 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         # Invariant: cached[h] is b <=> b.block_hash == h; one block per hash.
         self.cached: dict[bytes, KVBlock] = {}
+        # Hashes evicted since the last drain, for BlockRemoved events; None when nobody listens.
+        self.evicted_hashes: list[bytes] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -145,6 +147,8 @@ class BlockPool:
             if block.block_hash is not None:
                 # Evict: the block's contents are about to be overwritten.
                 del self.cached[block.block_hash]
+                if self.evicted_hashes is not None:
+                    self.evicted_hashes.append(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)

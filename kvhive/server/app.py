@@ -108,7 +108,11 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
     @app.get("/v1/models")
     async def list_models() -> ModelList:
         """The one served model, with its context length."""
-        card = ModelCard(id=served_model_name, created=created, max_model_len=service.max_model_len)
+        engine = async_engine.engine
+        card = ModelCard(id=served_model_name, created=created, max_model_len=service.max_model_len,
+                         kvhive_fingerprint=engine.fingerprint,
+                         kvhive_block_size=engine.config.cache.block_size,
+                         kvhive_hash_seed=engine.config.cache.hash_seed)
         return ModelList(data=[card])
 
     @app.post("/v1/completions", response_model=None)

@@ -202,6 +202,10 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "kvhive"
     max_model_len: int
+    # The model fingerprint in kvhive's block hashes: a gateway needs it to name blocks as we do.
+    kvhive_fingerprint: str | None = None
+    kvhive_block_size: int | None = None
+    kvhive_hash_seed: int | None = None
 
 
 class ModelList(BaseModel):

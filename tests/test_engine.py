@@ -1,0 +1,140 @@
+"""The engine end to end on a tiny random model: prefix caching, sharing while running, preemption,
+KV events. Token ids go in directly; the tokenizer is the real one of the default GGUF."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import zmq
+from tiny import tiny_config, tiny_model
+
+from kvhive.blocks import hash_blocks, root_hash
+from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvhive.engine import LLMEngine
+from kvhive.model.loader import LoadedModel
+from kvhive.model_files import default_model_path
+from kvhive.request import SamplingParams
+from kvhive.tokenizer import Tokenizer
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_model_path(default_model_path())
+
+
+def make_engine(tokenizer, *, num_blocks=64, block_size=4, prefix=True, budget=64, max_seqs=4,
+                **extra) -> LLMEngine:
+    cfg = tiny_config(max_position_embeddings=512)
+    loaded = LoadedModel(cfg, tiny_model(cfg), "tiny-engine-test")
+    config = EngineConfig(
+        model_path="tiny", cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                             enable_prefix_caching=prefix),
+        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                                  max_model_len=512), **extra)
+    return LLMEngine(config, loaded=loaded, tokenizer=tokenizer)
+
+
+def run(engine: LLMEngine, prompts: dict[str, list[int]], sampling=GREEDY, stagger=False):
+    """Generate all prompts; returns {id: (tokens, cached_tokens)}. With stagger, each request
+    is added one step after the previous one."""
+    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+    cached: dict[str, int] = {}
+    pending = list(prompts.items())
+    if not stagger:
+        for rid, ids in pending:
+            engine.add_request(rid, ids, sampling)
+        pending = []
+    for _ in range(2000):
+        if pending:
+            rid, ids = pending.pop(0)
+            engine.add_request(rid, ids, sampling)
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                cached[out.request_id] = out.num_cached_tokens
+        if not pending and not engine.has_unfinished():
+            break
+    return {rid: (tokens[rid], cached.get(rid)) for rid in prompts}
+
+
+def prompts_with_shared_prefix(n=4, prefix_len=40) -> dict[str, list[int]]:
+    system = [(7 * i + 3) % 250 + 3 for i in range(prefix_len)]
+    return {f"r{j}": system + [(11 * j + k) % 250 + 3 for k in range(5 + j)] for j in range(n)}
+
+
+def test_cached_and_uncached_generation_agree(tokenizer):
+    prompts = prompts_with_shared_prefix()
+    uncached = run(make_engine(tokenizer, prefix=False), prompts)
+    engine = make_engine(tokenizer)
+    first = run(engine, prompts, stagger=True)
+    again = run(engine, {f"{k}-again": v for k, v in prompts.items()})
+    for rid in prompts:
+        assert first[rid][0] == uncached[rid][0]
+        assert again[f"{rid}-again"][0] == uncached[rid][0]
+        assert uncached[rid][1] == 0
+        # every full block but the one holding the last prompt token comes from the cache
+        n = len(prompts[rid])
+        assert again[f"{rid}-again"][1] == (n - 1) // 4 * 4
+    assert engine.stats().prefix_cache_hits_tokens > 0
+
+
+def test_blocks_are_shared_while_the_first_request_still_runs(tokenizer):
+    # Budget 16 tokens/step: the 40-token shared prefix of r0 takes 3 steps. r1 arrives one step
+    # later and must reuse the blocks r0 has already computed, long before r0 finishes.
+    engine = make_engine(tokenizer, budget=16)
+    prompts = prompts_with_shared_prefix(n=2)
+    out = run(engine, prompts, sampling=SamplingParams(max_tokens=40, temperature=0.0,
+                                                       ignore_eos=True), stagger=True)
+    assert out["r1"][1] >= 8
+
+
+def test_preemption_gives_the_same_tokens(tokenizer):
+    prompts = prompts_with_shared_prefix(n=4, prefix_len=30)
+    roomy = run(make_engine(tokenizer, num_blocks=128), prompts)
+    engine = make_engine(tokenizer, num_blocks=22, prefix=False)
+    tight = run(engine, prompts)
+    assert engine.stats().num_preemptions > 0
+    assert {k: v[0] for k, v in tight.items()} == {k: v[0] for k, v in roomy.items()}
+
+
+def test_kv_events_name_blocks_with_the_spec_hash(tokenizer):
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    engine = make_engine(tokenizer, num_blocks=16, kv_events=f"tcp://127.0.0.1:{port}")
+    try:
+        # PUB drops what it sends before the SUB has joined: warm up until an event arrives.
+        for i in range(50):
+            run(engine, {f"warm{i}": [200 + i % 50] * 5})
+            if sub.poll(200):
+                break
+        while sub.poll(300):
+            sub.recv_multipart()
+        prompt = list(range(10, 30))                 # 20 tokens: 4 full blocks of 4 after a step
+        run(engine, {"a": prompt}, sampling=SamplingParams(max_tokens=2, temperature=0.0,
+                                                            ignore_eos=True))
+        # fill the pool with other prompts so that "a"'s blocks get evicted
+        run(engine, {f"b{i}": [100 + i] * 17 for i in range(3)})
+        stored, removed = [], []
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        while poller.poll(timeout=1500):
+            topic, seq, payload = sub.recv_multipart()
+            assert len(seq) == 8
+            ts, events = msgpack.unpackb(payload, raw=False)[:2]
+            for ev in events:
+                (stored if ev[0] == "BlockStored" else removed).append(ev)
+    finally:
+        engine.close()
+        sub.close(0)
+        ctx.term()
+    expected = hash_blocks(prompt, 4, root_hash(0, "tiny-engine-test"))
+    first = next(ev for ev in stored if bytes(ev[1][0]) == expected[0])
+    assert [bytes(h) for h in first[1]] == expected[:len(first[1])]
+    assert first[2] is None and first[3] == prompt[:4 * len(first[1])] and first[4] == 4
+    all_stored = [bytes(h) for ev in stored for h in ev[1]]
+    assert set(expected) <= set(all_stored)
+    assert set(expected) & {bytes(h) for ev in removed for h in ev[1]}
