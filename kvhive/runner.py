@@ -6,39 +6,43 @@ sampling generators; it never imports the scheduler (they share only ``kvhive.st
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from kvhive.config import ModelConfig
-from kvhive.model.attention import AttnMetadata, PrefillSpan
+from kvhive.model.attention import AttnMetadata, CpuDecodeKernel, DecodeBatch, PrefillSpan
 from kvhive.model.llama import LlamaModel, resolve_dtype
 from kvhive.sampling import sample_tokens
 from kvhive.step import ScheduledSeq, StepPlan, StepResult
 
 
+@dataclass(frozen=True)
 class StepInputs:
     """The tensors of one step, with decode sequences first, then prefill chunks."""
 
-    def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnMetadata,
-                 seqs: list[ScheduledSeq], sample_rows: list[int]) -> None:
-        self.input_ids = input_ids
-        self.positions = positions
-        self.attn = attn
-        self.seqs = seqs                    # in flat-batch order
-        self.sample_rows = sample_rows      # flat row of the last token of each seq with sample=True
+    input_ids: torch.Tensor             # [T]
+    positions: torch.Tensor             # [T]
+    attn: AttnMetadata
+    seqs: list[ScheduledSeq]            # in flat-batch order
+    sample_rows: list[int]              # flat row of the last token of each seq with sample=True
 
 
 class ModelRunner:
     """Executes StepPlans on one model and one KV pool."""
 
     def __init__(self, model: LlamaModel, model_config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: str | torch.dtype = "float32", device: torch.device | str = "cpu") -> None:
+                 dtype: str | torch.dtype = "float32", device: torch.device | str = "cpu",
+                 native_decode: bool = True) -> None:
         self.model = model
         self.config = model_config
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = resolve_dtype(dtype)
         self.device = torch.device(device)
+        if model.dtype != self.dtype:
+            raise ValueError(f"the model holds {model.dtype} weights but the runner was asked for {self.dtype}")
         c = model_config
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]; a block is contiguous.
         self.kv_cache = torch.zeros(num_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim,
@@ -47,6 +51,9 @@ class ModelRunner:
         self._rows_per_block = c.num_layers * 2 * block_size
         # Seeded requests keep their generator until they appear in finished_request_ids.
         self._generators: dict[str, torch.Generator] = {}
+        # Decode attention straight from the pool on CPU; None: gather + SDPA (CUDA, no compiler).
+        self.decode_kernel = (CpuDecodeKernel.load() if native_decode and self.device.type == "cpu"
+                              and self.dtype in (torch.float32, torch.bfloat16) else None)
 
     @staticmethod
     def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str | torch.dtype) -> int:
@@ -92,6 +99,27 @@ class ModelRunner:
             self._generators[seq.request_id] = gen
         return gen
 
+    def _decode_batch(self, decodes: list[ScheduledSeq]) -> DecodeBatch:
+        """Padded block tables and context lengths of the decode sequences (and what their path needs)."""
+        B, c = self.block_size, self.config
+        max_blocks = max((s.context_len + B - 1) // B for s in decodes)
+        tables = np.zeros((len(decodes), max_blocks), dtype=np.int64)
+        ctx = np.empty(len(decodes), dtype=np.int64)
+        for j, s in enumerate(decodes):
+            n = (s.context_len + B - 1) // B
+            tables[j, :n] = s.block_table[:n]       # padding points at block 0, never read unmasked
+            ctx[j] = s.context_len
+        mask = workspace = None
+        if self.decode_kernel is None:
+            keep = np.arange(max_blocks * B)[None, :] < ctx[:, None]
+            mask = torch.from_numpy(keep[:, None, None, :]).to(self.device)
+        else:
+            size = CpuDecodeKernel.workspace_size(len(decodes), max_blocks * B, c.num_heads, c.head_dim)
+            workspace = torch.empty(size, dtype=torch.float32)
+        return DecodeBatch(num_seqs=len(decodes), block_tables=torch.from_numpy(tables).to(self.device),
+                           context_lens=torch.from_numpy(ctx).to(self.device), mask=mask,
+                           kernel=self.decode_kernel, workspace=workspace)
+
     def prepare_inputs(self, plan: StepPlan) -> StepInputs:
         """Flatten the plan into ids, positions, slot rows and attention metadata (decode first)."""
         B, rpb = self.block_size, self._rows_per_block
@@ -114,18 +142,7 @@ class ModelRunner:
             ids.extend(s.token_ids)
             positions.append(np.array([p]))
             rows.append(np.array([s.block_table[p // B] * rpb + p % B]))
-        decode_block_ids = decode_mask = None
-        if decodes:
-            max_blocks = max((s.context_len + B - 1) // B for s in decodes)
-            table = np.zeros((len(decodes), max_blocks), dtype=np.int64)
-            ctx = np.empty(len(decodes), dtype=np.int64)
-            for j, s in enumerate(decodes):
-                n = (s.context_len + B - 1) // B
-                table[j, :n] = s.block_table[:n]      # padding points at block 0, masked out below
-                ctx[j] = s.context_len
-            decode_block_ids = torch.from_numpy(table.reshape(-1)).to(self.device)
-            mask = np.arange(max_blocks * B)[None, :] < ctx[:, None]
-            decode_mask = torch.from_numpy(mask[:, None, None, :]).to(self.device)
+        decode = self._decode_batch(decodes) if decodes else None
         # Prefill chunks: contiguous spans.
         spans = []
         offset = len(decodes)
@@ -153,13 +170,8 @@ class ModelRunner:
 
         base = np.concatenate(rows)
         slot_rows = np.stack([base, base + B], axis=1)    # K row, V row (V follows K in a block)
-        attn = AttnMetadata(
-            slot_rows=torch.from_numpy(slot_rows).to(self.device),
-            num_decode=len(decodes),
-            decode_block_ids=decode_block_ids,
-            decode_mask=decode_mask,
-            prefills=tuple(spans),
-        )
+        attn = AttnMetadata(slot_rows=torch.from_numpy(slot_rows).to(self.device), decode=decode,
+                            prefills=tuple(spans))
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.from_numpy(np.concatenate(positions)).to(self.device),

@@ -179,8 +179,13 @@ def test_bfloat16_model_is_close_to_float32() -> None:
     torch.testing.assert_close(kv_logits(bf16, TOKENS), kv_logits(f32, TOKENS), atol=0.15, rtol=0.05)
 
 
-def test_unknown_dtype_and_path_are_rejected(tmp_path) -> None:
+def test_unknown_dtype_path_and_rope_scaling_are_rejected(tmp_path) -> None:
     with pytest.raises(ValueError, match="dtype"):
         LlamaModel(tiny_config(), dtype="int3")
     with pytest.raises(ValueError, match="neither"):
         load_model(tmp_path / "missing.bin")
+    ref = hf_model("llama")
+    ref.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}
+    ref.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="RoPE scaling"):
+        load_model(tmp_path)

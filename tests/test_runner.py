@@ -8,6 +8,7 @@ import pytest
 import torch
 from tiny import dense_greedy, dense_logits, tiny_config, tiny_model
 
+from kvhive.model.attention import CpuDecodeKernel
 from kvhive.model.llama import LlamaModel
 from kvhive.request import SamplingParams
 from kvhive.runner import ModelRunner
@@ -15,6 +16,8 @@ from kvhive.sampling import sample_tokens
 from kvhive.step import ScheduledSeq, StepPlan
 
 GREEDY = SamplingParams(temperature=0.0)
+HAS_KERNEL = CpuDecodeKernel.load() is not None       # False where no C++ compiler is installed
+DECODE_PATHS = pytest.mark.parametrize("native", [True, False], ids=["kernel", "sdpa"])
 F32_TOL = dict(atol=1e-4, rtol=1e-4)
 BF16_TOL = dict(atol=0.15, rtol=0.05)
 
@@ -35,9 +38,12 @@ class Blocks:
 
 
 def make_runner(block_size: int, dtype: str = "float32", num_blocks: int = 256,
-                model: LlamaModel | None = None) -> ModelRunner:
-    model = model or tiny_model(dtype=dtype)
-    return ModelRunner(model, model.config, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+                model: LlamaModel | None = None, pack: bool = False, native: bool = True) -> ModelRunner:
+    model = model or tiny_model(dtype=dtype, pack=pack)
+    runner = ModelRunner(model, model.config, num_blocks=num_blocks, block_size=block_size, dtype=dtype,
+                         native_decode=native)
+    assert (runner.decode_kernel is not None) == (native and HAS_KERNEL)
+    return runner
 
 
 def seq(rid: str, tokens: list[int], start: int, table: list[int], sample: bool = True,
@@ -66,17 +72,21 @@ def prompt(n: int, seed: int) -> list[int]:
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_batch_of_prefills_matches_dense(block_size: int) -> None:
     runner, blocks = make_runner(block_size), Blocks(256, block_size)
-    prompts = {"a": prompt(5, 1), "b": prompt(17, 2), "c": prompt(33, 3)}
+    # "d" is a one-token prompt: it takes the decode path (one new token) at position 0.
+    prompts = {"a": prompt(5, 1), "b": prompt(17, 2), "c": prompt(33, 3), "d": prompt(1, 4)}
     plan = StepPlan([seq(r, p, 0, blocks.grow([], len(p))) for r, p in prompts.items()])
     got = step_logits(runner, plan)
     for rid, p in prompts.items():
         torch.testing.assert_close(got[rid], dense_logits(runner.model, p), **F32_TOL)
 
 
+@DECODE_PATHS
+@pytest.mark.parametrize("pack", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("dtype,tol", [("float32", F32_TOL), ("bfloat16", BF16_TOL)])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_mixed_prefill_and_decode_step(block_size: int, dtype: str, tol: dict) -> None:
-    runner, blocks = make_runner(block_size, dtype), Blocks(256, block_size, seed=block_size)
+def test_mixed_prefill_and_decode_step(block_size: int, dtype: str, tol: dict, pack: bool, native: bool) -> None:
+    runner = make_runner(block_size, dtype, pack=pack, native=native)
+    blocks = Blocks(256, block_size, seed=block_size)
     a, b, c = prompt(20, 4), prompt(9, 5), prompt(13, 6)
     ta, tb, tc = blocks.grow([], 21), blocks.grow([], 10), blocks.grow([], 13)
     step_logits(runner, StepPlan([seq("a", a, 0, ta), seq("b", b, 0, tb)]))
@@ -105,9 +115,10 @@ def test_prefill_on_cached_prefix_reads_the_pool(block_size: int) -> None:
     assert not torch.allclose(poisoned, got, atol=1e-3)
 
 
+@DECODE_PATHS
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_chunked_prefill_over_several_steps(block_size: int) -> None:
-    runner, blocks = make_runner(block_size), Blocks(256, block_size, seed=11)
+def test_chunked_prefill_over_several_steps(block_size: int, native: bool) -> None:
+    runner, blocks = make_runner(block_size, native=native), Blocks(256, block_size, seed=11)
     p = prompt(45, 12)
     dense = dense_logits(runner.model, p)
     table: list[int] = []
@@ -160,8 +171,10 @@ def generate(runner: ModelRunner, prompts: dict[str, list[int]], num_tokens: int
     return outputs
 
 
-def test_greedy_generation_matches_dense() -> None:
-    runner = make_runner(4)
+@DECODE_PATHS
+@pytest.mark.parametrize("pack", [False, True], ids=["dense", "packed"])
+def test_greedy_generation_matches_dense(pack: bool, native: bool) -> None:
+    runner = make_runner(4, pack=pack, native=native)
     prompts = {"a": prompt(11, 20), "b": prompt(3, 21), "c": prompt(26, 22)}
     got = generate(runner, prompts, 8, join_at={"b": 2, "c": 5})
     for rid, p in prompts.items():
@@ -219,3 +232,50 @@ def test_block_budget() -> None:
     runner = make_runner(16, num_blocks=10)
     assert runner.kv_cache.shape == (10, config.num_layers, 2, 16, config.num_kv_heads, config.head_dim)
     assert runner.kv_cache.nbytes == 10 * ModelRunner.kv_bytes_per_block(config, 16, "float32")
+
+
+@pytest.mark.skipif(not HAS_KERNEL, reason="no C++ compiler for the decode kernel")
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(16, 4, 2), (64, 6, 2)], ids=["generic", "hd64-g3"])
+@pytest.mark.parametrize("dtype,tol", [("float32", F32_TOL), ("bfloat16", BF16_TOL)])
+def test_decode_kernel_equals_sdpa_over_long_ragged_contexts(dtype: str, tol: dict, head_dim: int, heads: int,
+                                                             kv_heads: int) -> None:
+    """Contexts spanning several 256-key kernel chunks, of different lengths, in one decode batch."""
+    config = tiny_config(max_position_embeddings=2048, head_dim=head_dim, num_heads=heads, num_kv_heads=kv_heads)
+    model = tiny_model(config, dtype=dtype)
+    lengths = {"a": 700, "b": 257, "c": 1030, "d": 5}
+    results = []
+    for native in (True, False):
+        runner, blocks = make_runner(16, dtype, num_blocks=200, model=model, native=native), Blocks(200, 16)
+        tables = {r: blocks.grow([], n + 1) for r, n in lengths.items()}
+        prompts = {r: prompt(n, i) for i, (r, n) in enumerate(lengths.items())}
+        step_logits(runner, StepPlan([seq(r, p, 0, tables[r], sample=False) for r, p in prompts.items()]))
+        results.append(step_logits(runner, StepPlan([seq(r, [9], n, tables[r]) for r, n in lengths.items()])))
+    for r in lengths:
+        torch.testing.assert_close(results[0][r], results[1][r], **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_runner_matches_cpu_dense_reference() -> None:
+    model = LlamaModel.random_init(tiny_config(), seed=0, device="cuda")
+    runner = ModelRunner(model, model.config, num_blocks=64, block_size=4, device="cuda")
+    assert runner.decode_kernel is None
+    reference, blocks = tiny_model(seed=0), Blocks(64, 4)
+    a, b = prompt(20, 60), prompt(9, 61)
+    ta, tb = blocks.grow([], 21), blocks.grow([], 9)
+    step_logits(runner, StepPlan([seq("a", a, 0, ta)]))
+    got = step_logits(runner, StepPlan([seq("a", [7], 20, ta), seq("b", b, 0, tb)]))
+    torch.testing.assert_close(got["a"][0].cpu(), dense_logits(reference, a + [7])[-1], atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(got["b"].cpu(), dense_logits(reference, b), atol=1e-3, rtol=1e-3)
+    hot = SamplingParams(temperature=2.0, top_p=0.9, top_k=50, seed=3)
+    assert generate(runner, {"c": prompt(5, 62)}, 4, {}, {"c": hot}) == \
+        generate(ModelRunner(model, model.config, 64, 4, device="cuda"), {"c": prompt(5, 62)}, 4, {}, {"c": hot})
+
+
+def test_without_a_compiler_decode_falls_back_to_sdpa(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr("kvhive.model.attention.shutil.which", lambda name: None)
+    assert CpuDecodeKernel.load(cache_dir=str(tmp_path)) is None
+    model = tiny_model()
+    runner = ModelRunner(model, model.config, num_blocks=64, block_size=4)
+    assert runner.decode_kernel is None
+    assert generate(runner, {"a": prompt(6, 70)}, 5, {}) == {"a": dense_greedy(model, prompt(6, 70), 5)}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kvhive.config import ModelConfig
-from kvhive.model.llama import LlamaModel
+from kvhive.model.llama import LlamaModel, dense_weight
 
 
 def tiny_config(**overrides: object) -> ModelConfig:
@@ -23,9 +23,12 @@ def tiny_config(**overrides: object) -> ModelConfig:
 
 
 def tiny_model(config: ModelConfig | None = None, seed: int = 0, dtype: str = "float32",
-               qkv_bias: bool = False) -> LlamaModel:
-    """A deterministic random-weight LlamaModel on CPU."""
-    return LlamaModel.random_init(config or tiny_config(), seed=seed, dtype=dtype, qkv_bias=qkv_bias)
+               qkv_bias: bool = False, pack: bool = False) -> LlamaModel:
+    """A deterministic random-weight LlamaModel on CPU (oneDNN-packed weights when pack=True)."""
+    model = LlamaModel.random_init(config or tiny_config(), seed=seed, dtype=dtype, qkv_bias=qkv_bias)
+    if pack:
+        model.pack_weights()
+    return model
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -58,7 +61,7 @@ def dense_logits(model: LlamaModel, token_ids: list[int]) -> torch.Tensor:
     x = model.embed_tokens[torch.tensor(token_ids)]
     for layer in model.layers:
         h = norm(x, layer.input_norm)
-        qkv = h @ layer.qkv_proj.t()
+        qkv = h @ dense_weight(layer.qkv_proj).t()
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
@@ -70,11 +73,11 @@ def dense_logits(model: LlamaModel, token_ids: list[int]) -> torch.Tensor:
         scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) / hd ** 0.5
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
         attn = torch.einsum("hqk,khd->qhd", probs, v.float()).to(model.dtype).reshape(n, nh * hd)
-        x = x + attn @ layer.o_proj.t()
+        x = x + attn @ dense_weight(layer.o_proj).t()
         h = norm(x, layer.post_attn_norm)
-        gate, up = (h @ layer.gate_up_proj.t()).split([inter, inter], dim=-1)
-        x = x + (torch.nn.functional.silu(gate) * up) @ layer.down_proj.t()
-    return (norm(x, model.norm) @ model.lm_head.t()).float()
+        gate, up = (h @ dense_weight(layer.gate_up_proj).t()).split([inter, inter], dim=-1)
+        x = x + (torch.nn.functional.silu(gate) * up) @ dense_weight(layer.down_proj).t()
+    return (norm(x, model.norm) @ dense_weight(model.lm_head).t()).float()
 
 
 def dense_greedy(model: LlamaModel, prompt: list[int], num_tokens: int) -> list[int]:

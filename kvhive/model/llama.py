@@ -33,11 +33,41 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as Hugging Face computes it: statistics in float32, scale in the model dtype."""
-    if x.shape[0] <= _FUSED_NORM_MAX_ROWS and x.dtype == torch.float32:
+    if x.shape[0] <= _FUSED_NORM_MAX_ROWS:
         return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def can_pack_weights(dtype: torch.dtype, device: torch.device) -> bool:
+    """True where oneDNN-packed linear weights are available (CPU float32 / bfloat16)."""
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available())
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A linear weight [out, in] reordered into oneDNN's blocked layout (for ``linear``)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def dense_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A linear weight as a plain [out, in] tensor, whether or not it was packed."""
+    return weight.to_dense() if weight.is_mkldnn else weight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias, through oneDNN when the weight is packed (about 2x faster on CPU decode)."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + x @ weight.T in one kernel."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, None, "add")
+    return torch.addmm(residual, x, weight.t())
 
 
 def rope_tables(config: ModelConfig, dtype: torch.dtype,
@@ -87,6 +117,7 @@ class LlamaModel(nn.Module):
         self.dtype = resolve_dtype(dtype)
         self.device = torch.device(device)
         self.qkv_bias = qkv_bias
+        self.packed = False         # True once pack_weights() has run
         v, h = config.vocab_size, config.hidden_size
         self.embed_tokens = nn.Parameter(torch.empty(v, h, dtype=self.dtype, device=device),
                                          requires_grad=False)
@@ -103,6 +134,8 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight``...) in, fusing."""
+        if self.packed:
+            raise RuntimeError("load weights before pack_weights()")
         names = ["model.embed_tokens.weight", "model.norm.weight"]
         if not self.config.tie_word_embeddings:
             names.append("lm_head.weight")
@@ -142,6 +175,22 @@ class LlamaModel(nn.Module):
             fill(layer.gate_up_proj, [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")])
             fill(layer.down_proj, [p + "mlp.down_proj.weight"])
 
+    def pack_weights(self) -> None:
+        """Reorder every projection and the LM head into oneDNN's layout; no-op where unsupported.
+
+        Tied embeddings stay dense for the lookup and the LM head becomes a packed copy. After
+        this the weights are read-only (``dense_weight`` gives a plain copy of one).
+        """
+        if self.packed or not can_pack_weights(self.dtype, self.device):
+            return
+        with torch.inference_mode():
+            for layer in self.layers:
+                for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                    packed = pack_weight(getattr(layer, name))
+                    setattr(layer, name, nn.Parameter(packed, requires_grad=False))
+            self.lm_head = nn.Parameter(pack_weight(self.lm_head), requires_grad=False)
+        self.packed = True
+
     @classmethod
     def random_init(cls, config: ModelConfig, seed: int = 0, dtype: str | torch.dtype = "float32",
                     device: torch.device | str = "cpu", qkv_bias: bool = False) -> LlamaModel:
@@ -171,20 +220,20 @@ class LlamaModel(nn.Module):
         x = F.embedding(input_ids, self.embed_tokens)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, eps)
-            qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
+            qkv = linear(h, layer.qkv_proj, layer.qkv_bias)
             # RoPE on q and k together (adjacent in qkv), written back in place.
             qk = qkv[:, :qk_width].view(n, nh + nkv, hd)
             torch.addcmul(qk * cos, torch.roll(qk, hd // 2, -1), sin, out=qk)
             attn = paged_attention(qk[:, :nh], qkv[:, nh * hd:].view(n, 2, nkv, hd), kv_cache, i,
                                    attn_metadata)
-            x = torch.addmm(x, attn, layer.o_proj.t())
+            x = linear_add(attn, layer.o_proj, x)
             h = rms_norm(x, layer.post_attn_norm, eps)
-            gate_up = F.linear(h, layer.gate_up_proj)
+            gate_up = linear(h, layer.gate_up_proj)
             act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            x = torch.addmm(x, act, layer.down_proj.t())
+            x = linear_add(act, layer.down_proj, x)
         return x
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the sampled rows only: [n, H] -> float32 [n, vocab]."""
         h = rms_norm(hidden_rows, self.norm, self.config.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head).float()

@@ -54,8 +54,9 @@ class LoadedModel:
     fingerprint: str
 
 
-def load_model(path: str | os.PathLike[str], dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    """Load a GGUF file or a Hugging Face model directory."""
+def load_model(path: str | os.PathLike[str], dtype: str = "float32", device: str = "cpu",
+               pack_weights: bool = True) -> LoadedModel:
+    """Load a GGUF file or a Hugging Face model directory (weights packed for oneDNN on CPU)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         config, weights, qkv_bias, digest = _read_hf_dir(path)
@@ -65,6 +66,9 @@ def load_model(path: str | os.PathLike[str], dtype: str = "float32", device: str
         raise ValueError(f"model path {path!r} is neither a .gguf file nor a model directory")
     model = LlamaModel(config, dtype=dtype, device=device, qkv_bias=qkv_bias)
     model.load_hf_weights(weights)
+    del weights
+    if pack_weights:
+        model.pack_weights()
     model.eval()
     return LoadedModel(config=config, model=model, fingerprint=_fingerprint(config, digest))
 
@@ -195,6 +199,10 @@ def _read_hf_dir(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], bool,
         raise ValueError(f"{path}: RoPE scaling {rope!r} is not supported")
     eos = raw.get("eos_token_id")
     heads = int(raw["num_attention_heads"])
+    max_positions = int(raw.get("max_position_embeddings", 2048))
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+    if window:                      # full attention is exact only up to the window
+        max_positions = min(max_positions, int(window))
     config = ModelConfig(
         vocab_size=int(raw["vocab_size"]),
         hidden_size=int(raw["hidden_size"]),
@@ -205,7 +213,7 @@ def _read_hf_dir(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], bool,
         head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
         rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        max_position_embeddings=max_positions,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),

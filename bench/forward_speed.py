@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Forward-pass speed of the default model through ModelRunner: prefill and decode, float32 and bf16.
+
+    python bench/forward_speed.py                       # prefill 1024/1600, decode batch 1/8 at 1600
+    python bench/forward_speed.py --dtype bfloat16 --profile decode8
+
+Times are medians of --repeat runs after one warm-up, with torch.set_num_threads(--threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from kvhive.model.loader import load_model
+from kvhive.model_files import default_model_path
+from kvhive.request import SamplingParams
+from kvhive.runner import ModelRunner
+from kvhive.step import ScheduledSeq, StepPlan
+
+GREEDY = SamplingParams(temperature=0.0)
+BLOCK = 16
+
+
+def prefill_plan(n: int, first_block: int = 0) -> StepPlan:
+    tokens = [random.randrange(10, 40000) for _ in range(n)]
+    table = list(range(first_block, first_block + (n + BLOCK) // BLOCK + 1))
+    return StepPlan([ScheduledSeq(f"p{first_block}", tokens, 0, table, True, GREEDY)])
+
+
+def decode_plan(batch: int, context: int) -> StepPlan:
+    per_seq = context // BLOCK + 2
+    rng = random.Random(0)
+    order = list(range(batch * per_seq))
+    rng.shuffle(order)                                   # realistic, non-contiguous tables
+    seqs = [ScheduledSeq(f"d{i}", [rng.randrange(10, 40000)], context,
+                         order[i * per_seq:(i + 1) * per_seq], True, GREEDY) for i in range(batch)]
+    return StepPlan(seqs)
+
+
+def warm_prefill_plan(prefix: int, new: int) -> StepPlan:
+    """``new`` tokens on a cached ``prefix`` (a shared system prompt), as a warm turn computes."""
+    table = list(range((prefix + new) // BLOCK + 1))
+    tokens = [random.randrange(10, 40000) for _ in range(new)]
+    return StepPlan([ScheduledSeq("warm", tokens, prefix, table, True, GREEDY)])
+
+
+def timed(runner: ModelRunner, plan: StepPlan, repeat: int) -> str:
+    """'min / median ms' over repeat runs after one warm-up (the machine may be shared: min is the signal)."""
+    runner.execute(plan)
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        runner.execute(plan)
+        times.append((time.perf_counter() - t) * 1000)
+    return f"{min(times):8.1f} / {statistics.median(times):8.1f} ms"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: both)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--context", type=int, default=1600)
+    parser.add_argument("--profile", choices=["prefill", "warm", "decode1", "decode8"], default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    for dtype in [args.dtype] if args.dtype else ["float32", "bfloat16"]:
+        loaded = load_model(default_model_path(), dtype=dtype)
+        num_blocks = 8 * (args.context // BLOCK + 2) + 2 * (1600 // BLOCK + 2)
+        runner = ModelRunner(loaded.model, loaded.config, num_blocks, BLOCK, dtype)
+        plans = {"prefill": prefill_plan(1600), "warm": warm_prefill_plan(1536, 64),
+                 "decode1": decode_plan(1, args.context), "decode8": decode_plan(8, args.context)}
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            runner.execute(plans[args.profile])
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                runner.execute(plans[args.profile])
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+            continue
+        print(f"{dtype}: min / median of {args.repeat} runs (decode: {4 * args.repeat} steps)")
+        for n in (1024, 1600):
+            print(f"  prefill {n:5d} tokens:               {timed(runner, prefill_plan(n), args.repeat)}")
+        runner.execute(prefill_plan(1600))                       # the prefix the warm turn reads
+        print(f"  prefill 64 on a cached 1536 prefix:  {timed(runner, warm_prefill_plan(1536, 64), args.repeat)}")
+        for batch in (1, 8):
+            ms = timed(runner, decode_plan(batch, args.context), args.repeat * 4)
+            print(f"  decode batch {batch}, context {args.context}:     {ms} per step")
+
+
+if __name__ == "__main__":
+    main()

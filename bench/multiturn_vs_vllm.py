@@ -1,0 +1,211 @@
+#!/usr/bin/env python3
+"""Run the shared multi-turn workload against kvhive and vLLM for CPU in one session.
+
+For each server: start it, run ``../shared/bench/multiturn.py`` cold and warm at concurrency 1
+and 8, stop it. Then write ``docs/benchmarks.md``'s engine section (machine, commands, both
+tables, target ratios) and a PNG of TTFT per turn.
+
+    python bench/multiturn_vs_vllm.py                 # kvhive float32 + vLLM float32
+    python bench/multiturn_vs_vllm.py --skip-vllm     # reuse vLLM results already in --out
+    python bench/multiturn_vs_vllm.py --kvhive-args "--dtype bfloat16" --tag bf16
+
+vLLM is installed by ``../shared/peers/vllm.sh install`` (after ``make_model.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SHARED = os.environ.get("KVHIVE_SHARED", os.path.join(ROOT, "..", "shared"))
+WORKLOAD = os.path.join(SHARED, "bench", "multiturn.py")
+VLLM_SH = os.path.join(SHARED, "peers", "vllm.sh")
+RUNS = [("cold", 1), ("warm", 1), ("warm", 8), ("cold", 8)]
+
+
+def wait_up(port: int, proc: subprocess.Popen, timeout: float = 900) -> float:
+    """Poll /v1/models until the server answers; return seconds waited."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
+            return time.time() - t0
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError("server did not come up")
+
+
+def run_workload(port: int, name: str, out_dir: str, extra: list[str]) -> None:
+    """All four workload runs against one live server."""
+    for mode, conc in RUNS:
+        out = os.path.join(out_dir, f"{name}_{mode}_c{conc}.json")
+        cmd = [sys.executable, WORKLOAD, "--base-url", f"http://127.0.0.1:{port}/v1",
+               "--model", "smollm2-135m", "--mode", mode, "--concurrency", str(conc),
+               "--label", f"{name} {mode} c{conc}", "--out", out, *extra]
+        print("+", shlex.join(cmd), flush=True)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+def serve_and_run(cmd: list[str], port: int, name: str, out_dir: str, log: str,
+                  extra: list[str], env: dict | None = None) -> None:
+    """Start a server, run the workload, stop the server."""
+    print("+", shlex.join(cmd), flush=True)
+    with open(log, "w") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            print(f"{name} up after {wait_up(port, proc):.0f}s", flush=True)
+            run_workload(port, name, out_dir, extra)
+        finally:
+            os.killpg(proc.pid, 15)
+            proc.wait(timeout=60)
+
+
+def load(out_dir: str, name: str, mode: str, conc: int) -> dict | None:
+    """A result file's summary and records, or None."""
+    path = os.path.join(out_dir, f"{name}_{mode}_c{conc}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def ttft_by_turn(result: dict) -> list[float]:
+    """Median TTFT (ms) of each turn."""
+    by: dict[int, list[float]] = {}
+    for r in result["records"]:
+        if r["ttft_s"] is not None:
+            by.setdefault(r["turn"], []).append(r["ttft_s"] * 1000)
+    return [sorted(v)[len(v) // 2] for _, v in sorted(by.items())]
+
+
+def plot(out_dir: str, names: list[str], png: str) -> None:
+    """TTFT per turn, warm and cold, concurrency 1, one line per server."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, mode in zip(axes, ("warm", "cold"), strict=True):
+        for name in names:
+            res = load(out_dir, name, mode, 1)
+            if res:
+                ys = ttft_by_turn(res)
+                ax.plot(range(1, len(ys) + 1), ys, marker="o", label=name)
+        ax.set_title(f"{mode}: median TTFT per turn (concurrency 1)")
+        ax.set_xlabel("turn")
+        ax.set_ylabel("TTFT (ms)")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def fmt(v, scale=1000.0, digits=0) -> str:
+    return "-" if v is None else f"{v * scale:.{digits}f}"
+
+
+def table(out_dir: str, names: list[str]) -> str:
+    """Markdown table of the summaries."""
+    rows = ["| server | mode | conc | TTFT first (ms) | TTFT turn 1 (ms) | TTFT turns 2-4 (ms) | "
+            "decode (ms/token) | cached fraction | completion tok/s | wall (s) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name in names:
+        for mode, conc in RUNS:
+            res = load(out_dir, name, mode, conc)
+            if res is None:
+                continue
+            s = res["summary"]
+            rows.append(f"| {name} | {mode} | {conc} | {fmt(s['first_request_ttft_s'])} | "
+                        f"{fmt(s['median_ttft_turn1_excl_first_s'])} | "
+                        f"{fmt(s['median_ttft_turns2to4_s'])} | "
+                        f"{fmt(s['median_decode_ms_per_tok'], 1, 1)} | "
+                        f"{fmt(s['cached_fraction'], 1, 2)} | "
+                        f"{s['throughput_completion_tok_s']:.1f} | {s['wall_s']:.1f} |")
+    return "\n".join(rows)
+
+
+def ratios(out_dir: str, ours: str, peer: str) -> str:
+    """The issue's target ratios, ours / peer."""
+    def get(name, mode, conc, key):
+        res = load(out_dir, name, mode, conc)
+        return None if res is None else res["summary"][key]
+
+    lines = ["| target | kvhive | vLLM | ratio | goal | met |", "| --- | --- | --- | --- | --- | --- |"]
+    specs = [("warm TTFT turns 2-4 (ms)", "warm", 1, "median_ttft_turns2to4_s", 1000, "<=", 0.7),
+             ("cold turn-1 TTFT (ms)", "cold", 1, "median_ttft_turn1_excl_first_s", 1000, "<=", 1.0),
+             ("decode ms/token (warm, c1)", "warm", 1, "median_decode_ms_per_tok", 1, "<=", 0.75),
+             ("completion tok/s (warm, c8)", "warm", 8, "throughput_completion_tok_s", 1, ">=", 1.2)]
+    for label, mode, conc, key, scale, op, goal in specs:
+        a, b = get(ours, mode, conc, key), get(peer, mode, conc, key)
+        if a is None or b is None:
+            continue
+        r = a / b
+        met = r <= goal if op == "<=" else r >= goal
+        lines.append(f"| {label} | {a * scale:.1f} | {b * scale:.1f} | {r:.2f}x | {op} {goal}x | "
+                     f"{'yes' if met else 'no'} |")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    """One line about this machine."""
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, Python {platform.python_version()}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--kvhive-args", default="", help="extra arguments for kvhive serve")
+    ap.add_argument("--tag", default="float32", help="suffix of the kvhive run names")
+    ap.add_argument("--vllm-dtype", default="float32")
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--skip-kvhive", action="store_true")
+    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "benchmarks_engine.md"))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    ours, peer = f"kvhive_{args.tag}", f"vllm_{args.vllm_dtype}"
+    if not args.skip_kvhive:
+        cmd = [sys.executable, "-m", "kvhive.cli", "serve", "--port", str(args.port),
+               *shlex.split(args.kvhive_args)]
+        serve_and_run(cmd, args.port, ours, args.out, os.path.join(args.out, f"{ours}.log"), [])
+    if not args.skip_vllm:
+        cmd = ["bash", VLLM_SH, "serve", args.vllm_dtype, str(args.port)]
+        serve_and_run(cmd, args.port, peer, args.out, os.path.join(args.out, f"{peer}.log"), [])
+    names = [ours, peer]
+    png = os.path.join(ROOT, "docs", f"ttft_per_turn_{args.tag}.png")
+    plot(args.out, names, png)
+    doc = [f"Machine: {machine()}.", "",
+           f"Command: `python bench/multiturn_vs_vllm.py {' '.join(sys.argv[1:])}` "
+           f"({time.strftime('%Y-%m-%d')}); workload `../shared/bench/multiturn.py` defaults "
+           "(1,500-token shared system prompt, 8 conversations x 4 turns, 32 output tokens, greedy), "
+           f"vLLM for CPU 0.32.0 via `../shared/peers/vllm.sh serve {args.vllm_dtype}`.", "",
+           table(args.out, names), "", ratios(args.out, ours, peer), "",
+           f"![TTFT per turn](ttft_per_turn_{args.tag}.png)", ""]
+    with open(args.doc, "w") as f:
+        f.write("\n".join(doc))
+    print("\n".join(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
