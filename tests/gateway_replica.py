@@ -1,59 +1,22 @@
-"""A tiny-model kvhive replica that publishes KV events, for the gateway tests.
+"""A real ``kvhive serve`` replica for the gateway tests, plus a stand-in ``/v1/context``.
 
-``python tests/gateway_replica.py --port N [--kv-events tcp://*:P] [--kv-replay tcp://*:R]``
+``python tests/gateway_replica.py [kvhive serve flags]`` (e.g. ``--port N --kv-events tcp://*:P
+--kv-events-replay tcp://*:R``)
 
-It builds the same tiny engine as ``tests/conftest.py`` (random weights behind the default GGUF's
-tokenizer) and stands in for two things ``kvhive serve`` does not have yet:
-
-- KV events: the block pool's ``cache_block`` / ``get_new_blocks`` are wrapped so every block
-  registered or evicted in a step goes out as one ``EventBatch`` after that step.
-- Sessions: a minimal ``/v1/context`` (create / get / list / delete, ``x-session-id`` echoed on
-  completions), so the gateway's session routing can be tested against real processes.
+The engine is built exactly as ``kvhive serve`` builds it: the serve flags of ``kvhive/cli.py``,
+``build_engine_config`` (so ``EngineConfig(kv_events=..., kv_events_replay=...)``), ``LLMEngine``
+on the default model, whose KV manager publishes the pool's BlockStored / BlockRemoved events, and
+the server's ``create_app``. The one addition: until the server has ``/v1/context`` (the sessions
+issue), a minimal one (create / get / list / delete, ``x-session-id`` echoed on completions) lets
+the gateway's session routing be tested against real processes. It is left out as soon as the
+server's app has its own.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
-import os
-import sys
 import uuid
 from typing import Any
-
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-def wire_kv_events(engine: Any, publisher: Any, block_size: int) -> None:
-    """Publish the pool's stored and evicted blocks once per engine step."""
-    from kvhive.events import BlockRemoved, BlockStored
-
-    pool = engine.scheduler.kv.pool
-    pending: list[Any] = []        # touched only by the engine loop thread
-    cache_block, get_new_blocks, step = pool.cache_block, pool.get_new_blocks, engine.step
-
-    def cache_block_and_note(block: Any, block_hash: bytes) -> bool:
-        added = cache_block(block, block_hash)
-        if added:
-            pending.append(BlockStored([block_hash], None, [], block_size))
-        return added
-
-    def get_new_blocks_and_note(n: int) -> list[Any]:
-        evicted = [b.block_hash for b in itertools.islice(pool.free_queue, n) if b.block_hash is not None]
-        blocks = get_new_blocks(n)
-        if evicted:
-            pending.append(BlockRemoved(evicted))
-        return blocks
-
-    def step_and_publish() -> list[Any]:
-        outputs = step()
-        if pending:
-            publisher.publish(list(pending))
-            pending.clear()
-        return outputs
-
-    pool.cache_block = cache_block_and_note
-    pool.get_new_blocks = get_new_blocks_and_note
-    engine.step = step_and_publish
 
 
 def add_context_stand_in(app: Any, port: int) -> None:
@@ -102,39 +65,32 @@ def add_context_stand_in(app: Any, port: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="kvhive gateway-test replica")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--kv-events", default=None)
-    parser.add_argument("--kv-replay", default=None)
+    from kvhive import cli
+
+    parser = argparse.ArgumentParser(description="kvhive serve, for the gateway tests")
+    cli._add_serve_args(parser)
     args = parser.parse_args()
+    config = cli.build_engine_config(args)
     import torch
 
-    torch.set_num_threads(1)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
     import uvicorn
 
-    sys.path.insert(0, TESTS_DIR)
-    from conftest import SERVED_MODEL_NAME, TINY_MAX_MODEL_LEN, _build_engine
-
-    from kvhive.events import KVEventPublisher
+    from kvhive.engine import AsyncEngine, LLMEngine
     from kvhive.server.app import create_app
 
-    engine_args = argparse.Namespace(model="tiny", max_model_len=TINY_MAX_MODEL_LEN, faulty=False)
-    async_engine = _build_engine(engine_args)
-    publisher = None
-    if args.kv_events:
-        publisher = KVEventPublisher(args.kv_events, args.kv_replay)
-        wire_kv_events(async_engine.engine, publisher, async_engine.engine.config.cache.block_size)
-    app = create_app(async_engine, served_model_name=SERVED_MODEL_NAME)
-    add_context_stand_in(app, args.port)
-    config = uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning",
+    async_engine = AsyncEngine(LLMEngine(config))
+    app = create_app(async_engine, served_model_name=config.served_model_name)
+    if not any(getattr(route, "path", None) == "/v1/context" for route in app.routes):
+        add_context_stand_in(app, args.port)
+    server = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=2)
     async_engine.start()
     try:
-        uvicorn.Server(config).run()
+        uvicorn.Server(server).run()
     finally:
         async_engine.shutdown()
-        if publisher is not None:
-            publisher.close()
 
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
         candidates, reason = await gateway.choose(prompt, session_id)
         if not candidates:
             return openai_error(503, "No healthy replica", code="no_replica")
-        return await gateway.forward(request, body, candidates, reason)
+        return await gateway.forward(request, body, candidates, reason, session_id=session_id)
 
     for path in _ROUTED_PATHS:
         app.add_api_route(path, routed, methods=["POST"], response_model=None)

@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -29,8 +31,12 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="GGUF file or HF directory whose tokenizer the replicas use (default: the "
                         "embedded SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (as the replicas)")
-    p.add_argument("--hash-seed", type=int, default=0, help="block-hash seed (as the replicas)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: 'kvhive_block_size' of a kvhive replica's "
+                        "/v1/models entry, else 16)")
+    p.add_argument("--hash-seed", type=int, default=None,
+                   help="block-hash seed (default: 'kvhive_hash_seed' of a kvhive replica's /v1/models "
+                        "entry, else 0)")
     p.add_argument("--model-fingerprint", default=None,
                    help="the replicas' model fingerprint (default: the 'kvhive_fingerprint' field of a "
                         "kvhive replica's /v1/models entry, else empty)")
@@ -71,7 +77,8 @@ def build_gateway_config(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         replicas=tuple(ReplicaSpec.parse(r) for r in args.replica), host=args.host, port=args.port,
         redis_url=args.redis_url, index_max_keys=args.index_max_keys, model_path=args.model,
-        block_size=args.block_size, hash_seed=args.hash_seed,
+        block_size=16 if args.block_size is None else args.block_size,
+        hash_seed=0 if args.hash_seed is None else args.hash_seed,
         model_fingerprint=args.model_fingerprint or "", scorer=args.scorer,
         tiers=parse_tier_weights(args.tier_weights),
         weights=RoutingWeights(args.cache_weight, args.load_weight, args.kv_usage_weight,
@@ -79,9 +86,18 @@ def build_gateway_config(args: argparse.Namespace) -> GatewayConfig:
         health_interval_s=args.health_interval, failures_to_drop=args.failures_to_drop)
 
 
-def fetch_fingerprint(replicas: tuple[ReplicaSpec, ...], wait_s: float = 10.0) -> str | None:
-    """``kvhive_fingerprint`` from the first kvhive replica's /v1/models that answers; None when the
-    answer lacks it or no replica answers within ``wait_s``."""
+@dataclass(frozen=True)
+class ReplicaHashing:
+    """How a kvhive replica names its blocks, from its /v1/models entry (None: not reported)."""
+
+    fingerprint: str | None = None
+    block_size: int | None = None
+    hash_seed: int | None = None
+
+
+def fetch_hashing(replicas: tuple[ReplicaSpec, ...], wait_s: float = 10.0) -> ReplicaHashing:
+    """``kvhive_fingerprint``, ``kvhive_block_size`` and ``kvhive_hash_seed`` from the first kvhive
+    replica's /v1/models that answers; all None when no replica answers within ``wait_s``."""
     urls = [r.url for r in replicas if r.kind == "kvhive"]
     deadline = time.monotonic() + wait_s
     while urls and time.monotonic() < deadline:
@@ -95,11 +111,24 @@ def fetch_fingerprint(replicas: tuple[ReplicaSpec, ...], wait_s: float = 10.0) -
             try:
                 first = (response.json().get("data") or [{}])[0]
             except (ValueError, AttributeError, TypeError):
-                return None
-            value = first.get("kvhive_fingerprint") if isinstance(first, dict) else None
-            return value if isinstance(value, str) else None
+                return ReplicaHashing()
+            if not isinstance(first, dict):
+                return ReplicaHashing()
+            return ReplicaHashing(_typed(first, "kvhive_fingerprint", str),
+                                  _typed(first, "kvhive_block_size", int),
+                                  _typed(first, "kvhive_hash_seed", int))
         time.sleep(0.5)
-    return None
+    return ReplicaHashing()
+
+
+def _typed(entry: dict[str, Any], name: str, kind: type) -> Any:
+    value = entry.get(name)
+    return value if isinstance(value, kind) and not isinstance(value, bool) else None
+
+
+def fetch_fingerprint(replicas: tuple[ReplicaSpec, ...], wait_s: float = 10.0) -> str | None:
+    """``kvhive_fingerprint`` of the first kvhive replica that answers (see ``fetch_hashing``)."""
+    return fetch_hashing(replicas, wait_s).fingerprint
 
 
 def run_gateway(args: argparse.Namespace) -> int:
@@ -119,13 +148,20 @@ def run_gateway(args: argparse.Namespace) -> int:
     from kvhive.router.app import create_gateway_app
     from kvhive.tokenizer import Tokenizer
 
-    if args.model_fingerprint is None:
-        fingerprint = fetch_fingerprint(config.replicas)
-        if fingerprint is None:
-            logger.warning("no --model-fingerprint and no replica reports 'kvhive_fingerprint': block "
-                           "keys of kvhive replicas (which include their model fingerprint) will not "
-                           "match, so KV-aware routing to them falls back to load")
-        config = dataclasses.replace(config, model_fingerprint=fingerprint or "")
+    if None in (args.model_fingerprint, args.block_size, args.hash_seed):
+        learned = fetch_hashing(config.replicas)
+        if args.model_fingerprint is None:
+            if learned.fingerprint is None:
+                logger.warning("no --model-fingerprint and no replica reports 'kvhive_fingerprint': "
+                               "block keys of kvhive replicas (which include their model fingerprint) "
+                               "will not match, so KV-aware routing to them falls back to load")
+            config = dataclasses.replace(config, model_fingerprint=learned.fingerprint or "")
+        if args.block_size is None and learned.block_size is not None:
+            config = dataclasses.replace(config, block_size=learned.block_size)
+        if args.hash_seed is None and learned.hash_seed is not None:
+            config = dataclasses.replace(config, hash_seed=learned.hash_seed)
+        logger.info("block keys: fingerprint %r, block size %d, hash seed %d",
+                    config.model_fingerprint, config.block_size, config.hash_seed)
     tokenizer = Tokenizer.from_model_path(config.model_path or default_model_path())
     app = create_gateway_app(config, tokenizer)
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,

@@ -67,10 +67,12 @@ class Gateway:
         return [r for r in (self.replicas.get(n) for n in ranking) if r is not None], reason
 
     async def forward(self, request: Request, body: bytes, candidates: Sequence[Replica], reason: str,
-                      path: str | None = None, find_session: str | None = None) -> Response:
+                      path: str | None = None, find_session: str | None = None,
+                      session_id: str | None = None) -> Response:
         """Send the request to the first candidate that can be reached (a refused connection marks
         that replica down and tries the next). With ``find_session``, a 404 also moves on to the next
-        candidate: the first replica that knows the session answers, and is remembered."""
+        candidate: the first replica that knows the session answers, and is remembered. A replica
+        that answers a request naming ``session_id`` is remembered as its holder."""
         last_404: Response | None = None
         for attempt, replica in enumerate(candidates):
             if attempt >= 2 and find_session is None:
@@ -95,9 +97,11 @@ class Gateway:
             if find_session is not None and status == 404 and attempt + 1 < len(candidates):
                 last_404 = await relay(upstream, headers, lambda r=replica: self._done(r))
                 continue
-            session_id = upstream.headers.get(SESSION_HEADER) or find_session
-            if session_id and status < 400:
-                self.sessions.remember(session_id, replica.name)
+            # A replica that answers a request naming a session now holds it (it creates unknown
+            # ones implicitly), whether or not it echoes the header.
+            held = upstream.headers.get(SESSION_HEADER) or find_session or session_id
+            if held and status < 400:
+                self.sessions.remember(held, replica.name)
             return await relay(upstream, headers, lambda r=replica: self._done(r))
         if last_404 is not None:
             return last_404
