@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, StoreConfig
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -42,6 +42,15 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "e.g. tcp://*:5557")
     p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
                    help="serve replay of recent KV-event batches on this ZMQ ROUTER endpoint")
+    p.add_argument("--cpu-offload-gb", type=float, default=0.0,
+                   help="CPU memory tier for KV blocks below the device pool, in GiB (0: off)")
+    p.add_argument("--disk-cache-dir", default=None,
+                   help="directory of the disk KV tier (segment files; survives restarts)")
+    p.add_argument("--disk-cache-gb", type=float, default=10.0, help="disk KV tier budget in GiB")
+    p.add_argument("--redis-url", default=None,
+                   help="Redis KV tier shared by every replica pointing at it, e.g. redis://host:6379/0")
+    p.add_argument("--redis-ttl", type=float, default=None,
+                   help="seconds a KV block lives in Redis (default: until Redis evicts it)")
     p.add_argument("--api-key", action="append", default=None,
                    help="require this key as 'Authorization: Bearer KEY'; may be repeated "
                         "(default: $KVHIVE_API_KEY if set, else no key)")
@@ -65,10 +74,13 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                         kv_cache_gb=args.kv_cache_gb,
                         enable_prefix_caching=args.enable_prefix_caching, hash_seed=args.hash_seed)
+    store = StoreConfig(cpu_offload_gb=args.cpu_offload_gb, disk_cache_dir=args.disk_cache_dir,
+                        disk_cache_gb=args.disk_cache_gb, redis_url=args.redis_url,
+                        redis_ttl_s=args.redis_ttl)
     return EngineConfig(model_path=model_path, served_model_name=name, dtype=args.dtype,
                         device=args.device, num_threads=args.num_threads, cache=cache,
                         kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
-                        scheduler=sched)
+                        scheduler=sched, store=store)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -81,6 +81,37 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class StoreConfig:
+    """KV tiers below the device pool: CPU memory, local disk, Redis (each off unless configured)."""
+
+    cpu_offload_gb: float = 0.0            # 0: no CPU memory tier
+    disk_cache_dir: str | None = None      # None: no disk tier
+    disk_cache_gb: float = 10.0
+    redis_url: str | None = None           # None: no Redis tier
+    redis_ttl_s: float | None = None       # expiry of Redis objects; None: Redis's own eviction only
+    redis_timeout_s: float = 0.5           # a slower Redis call is a miss and backs the tier off
+
+    def __post_init__(self) -> None:
+        if self.cpu_offload_gb < 0:
+            raise ValueError(f"--cpu-offload-gb must be >= 0, got {self.cpu_offload_gb}")
+        if self.disk_cache_gb <= 0:
+            raise ValueError(f"--disk-cache-gb must be positive, got {self.disk_cache_gb}")
+        if self.disk_cache_dir is not None and not self.disk_cache_dir:
+            raise ValueError("--disk-cache-dir must not be empty")
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"--redis-url must be a redis:// URL, got {self.redis_url!r}")
+        if self.redis_ttl_s is not None and self.redis_ttl_s <= 0:
+            raise ValueError(f"--redis-ttl must be positive, got {self.redis_ttl_s}")
+        if self.redis_timeout_s <= 0:
+            raise ValueError(f"redis timeout must be positive, got {self.redis_timeout_s}")
+
+    @property
+    def enabled(self) -> bool:
+        """True when any tier below the device pool is configured."""
+        return self.cpu_offload_gb > 0 or self.disk_cache_dir is not None or self.redis_url is not None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs: which model, on what device, with which cache and scheduler."""
 
@@ -93,6 +124,7 @@ class EngineConfig:
     kv_events_replay: str | None = None    # ZMQ ROUTER endpoint serving replay of recent batches
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -103,3 +135,5 @@ class EngineConfig:
             raise ValueError("--kv-events-replay needs --kv-events")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"--num-threads must be positive, got {self.num_threads}")
+        if self.store.enabled and not self.cache.enable_prefix_caching:
+            raise ValueError("KV tiers (--cpu-offload-gb, --disk-cache-dir, --redis-url) need prefix caching")

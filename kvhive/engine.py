@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvhive.blocks import root_hash
 from kvhive.config import EngineConfig
+from kvhive.connector.base import TierStats
 from kvhive.request import FinishReason, Request, SamplingParams
 from kvhive.scheduler import Scheduler
 from kvhive.step import StepResult
@@ -47,6 +49,21 @@ class EngineStats:
     num_preemptions: int
     num_blocks: int
     block_size: int
+    tiers: tuple[TierStats, ...] = ()       # one per store tier below the device pool, fastest first
+    connector: ConnectorCounters | None = None
+
+
+@dataclass(frozen=True)
+class ConnectorCounters:
+    """KV connector counters (cumulative) for /metrics."""
+
+    sync_loads: int                # loads whose bytes were in memory (copied during the step)
+    async_loads: int               # loads fetched from a slow tier while the request waited
+    failed_load_blocks: int        # blocks a load could not supply (missing, corrupt): recomputed
+    saved_blocks: int              # blocks handed to the writer
+    dropped_save_blocks: int       # saves skipped because the writer fell behind
+    async_load_seconds_sum: float
+    async_load_count: int
 
 
 class LLMEngine:
@@ -73,16 +90,21 @@ class LLMEngine:
         num_blocks = cache.num_blocks or ModelRunner.num_blocks_for_bytes(
             loaded.config, cache.block_size, config.dtype, int(cache.kv_cache_gb * 2**30))
         self.num_blocks = num_blocks
+        self.store = self.connector_scheduler = self.connector_worker = None
+        if config.store.enabled:
+            self._build_connector(loaded, ModelRunner.kv_bytes_per_block(loaded.config, cache.block_size,
+                                                                         config.dtype))
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks=num_blocks,
                                   block_size=cache.block_size, dtype=config.dtype,
-                                  device=config.device)
+                                  device=config.device, connector=self.connector_worker)
         sched_cfg = config.scheduler
         if sched_cfg.max_model_len != self.max_model_len:
             from dataclasses import replace
 
             sched_cfg = replace(sched_cfg, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(sched_cfg, cache, num_blocks,
-                                   root_hash(cache.hash_seed, loaded.fingerprint))
+                                   root_hash(cache.hash_seed, loaded.fingerprint),
+                                   connector=self.connector_scheduler)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) or loaded.config.eos_token_ids
         self.publisher = None
         if config.kv_events:
@@ -91,11 +113,29 @@ class LLMEngine:
             self.publisher = KVEventPublisher(config.kv_events, config.kv_events_replay)
             self.scheduler.kv.enable_events()
 
+    def _build_connector(self, loaded, block_bytes: int) -> None:
+        """The store tiers and both halves of the offload connector over them."""
+        from kvhive.connector.offload import KV_LAYOUT_VERSION, OffloadScheduler, build_tiered_store
+        from kvhive.connector.offload_worker import OffloadWorker
+        from kvhive.store.key import KeySpace
+
+        self.store = build_tiered_store(self.config.store)
+        key_space = KeySpace(loaded.fingerprint, KV_LAYOUT_VERSION, self.config.dtype,
+                             self.config.cache.block_size)
+        self.connector_scheduler = OffloadScheduler(self.store, key_space, block_bytes)
+        self.connector_worker = OffloadWorker(self.store)
+
     def close(self) -> None:
-        """Flush and close the KV-event publisher."""
+        """Flush and close the KV-event publisher; finish KV saves and close the store tiers."""
         if self.publisher is not None:
             self.publisher.close()
             self.publisher = None
+        if self.connector_worker is not None:
+            self.connector_worker.close()
+            self.connector_worker = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     cache_salt: str | None = None) -> None:
@@ -120,8 +160,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step through the model; return what each touched request produced."""
+        if self.connector_worker is not None:
+            finished = self.connector_worker.get_finished(())
+            if finished.done_recving or finished.done_sending:
+                self.scheduler.finish_kv_transfers(finished)
         plan = self.scheduler.schedule()
-        if plan.is_empty:
+        if plan.is_empty and plan.connector_meta is None:
+            if self.connector_worker is not None and self.scheduler.has_unfinished():
+                time.sleep(0.001)     # only transfers in flight: do not spin on the loop thread
             # schedule() may have finished requests itself (too long for the pool): report them.
             if plan.finished_request_ids:
                 self.runner.release(plan.finished_request_ids)
@@ -146,12 +192,18 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """Scheduler and pool counters for the metrics endpoint."""
         s = self.scheduler.stats()
+        tiers, connector = (), None
+        if self.connector_scheduler is not None and self.connector_worker is not None:
+            tiers = self.connector_scheduler.tier_stats()
+            c, w = self.connector_scheduler.stats(), self.connector_worker
+            connector = ConnectorCounters(c.sync_loads, c.async_loads, w.failed_load_blocks, c.saved_blocks,
+                                          w.dropped_save_blocks, w.async_load_seconds, w.async_load_count)
         return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting,
                            kv_usage=s.kv_usage,
                            prefix_cache_queries_tokens=s.prefix_cache_queries_tokens,
                            prefix_cache_hits_tokens=s.prefix_cache_hits_tokens,
                            num_preemptions=s.num_preemptions, num_blocks=self.num_blocks,
-                           block_size=self.config.cache.block_size)
+                           block_size=self.config.cache.block_size, tiers=tiers, connector=connector)
 
 
 class AsyncEngine:

@@ -39,6 +39,7 @@ class RequestStatus(enum.Enum):
     """Where a request is in its life."""
 
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"   # admitted with blocks; its KV is loading from a slow tier
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"

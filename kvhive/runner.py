@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from kvhive.config import ModelConfig
+from kvhive.connector.base import ConnectorWorker
 from kvhive.model.attention import AttnMetadata, CpuDecodeKernel, DecodeBatch, PrefillSpan
 from kvhive.model.llama import LlamaModel, resolve_dtype
 from kvhive.sampling import sample_tokens
@@ -34,7 +35,7 @@ class ModelRunner:
 
     def __init__(self, model: LlamaModel, model_config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: str | torch.dtype = "float32", device: torch.device | str = "cpu",
-                 native_decode: bool = True) -> None:
+                 native_decode: bool = True, connector: ConnectorWorker | None = None) -> None:
         self.model = model
         self.config = model_config
         self.num_blocks = num_blocks
@@ -49,6 +50,10 @@ class ModelRunner:
                                     dtype=self.dtype, device=self.device)
         # Rows of kv_cache.view(-1, kv_heads * head_dim) per block (K of layer 0 at offset 0).
         self._rows_per_block = c.num_layers * 2 * block_size
+        # The KV connector's worker half: moves blocks between the pool and the store tiers.
+        self.connector = connector
+        if connector is not None:
+            connector.register_kv_caches(self.kv_cache)
         # Seeded requests keep their generator until they appear in finished_request_ids.
         self._generators: dict[str, torch.Generator] = {}
         # Decode attention straight from the pool on CPU; None: gather + SDPA (CUDA, no compiler).
@@ -68,8 +73,11 @@ class ModelRunner:
         return int(nbytes) // ModelRunner.kv_bytes_per_block(model_config, block_size, dtype)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step: compute every scheduled token, sample where asked."""
+        """Run one step: start its KV transfers, compute every scheduled token, sample where asked."""
         self.release(plan.finished_request_ids)
+        if self.connector is not None and plan.connector_meta is not None:
+            # Saves are snapshotted here, before this step's forward can overwrite a reused block.
+            self.connector.start_load_kv(plan.connector_meta)
         if plan.is_empty:
             return StepResult(sampled={})
         inputs = self.prepare_inputs(plan)
@@ -171,7 +179,7 @@ class ModelRunner:
         base = np.concatenate(rows)
         slot_rows = np.stack([base, base + B], axis=1)    # K row, V row (V follows K in a block)
         attn = AttnMetadata(slot_rows=torch.from_numpy(slot_rows).to(self.device), decode=decode,
-                            prefills=tuple(spans))
+                            prefills=tuple(spans), layer_hooks=self.connector)
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.from_numpy(np.concatenate(positions)).to(self.device),

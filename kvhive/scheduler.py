@@ -11,6 +11,12 @@ When a running request cannot get blocks, the newest running request is preempte
 freed (its computed full blocks stay cached, so re-admission mostly hits), it keeps its output
 tokens and goes back to the front of the waiting queue. Invariants between steps: ``running`` is in
 arrival order and every running request arrived before every waiting one.
+
+With a KV connector, admission also asks the store tiers for the blocks after the device hits.
+A synchronous load (bytes in memory) is computed on in the same step; an asynchronous one parks
+the request in ``running`` as WAITING_FOR_KV (holding its blocks, never scheduled nor preempted)
+until ``finish_kv_transfers`` reports how many blocks arrived. Blocks a step computed are handed
+to the connector in the next plan's ``connector_meta`` to be saved.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvhive.config import CacheConfig, SchedulerConfig
+from kvhive.connector.base import CachedBlock, ConnectorScheduler, FinishedTransfers, SchedulerOutput
 from kvhive.kv.manager import KVCacheManager, KVCacheStats
 from kvhive.request import FinishReason, Request, RequestStatus
 from kvhive.step import ScheduledSeq, StepPlan, StepResult
@@ -41,8 +48,9 @@ class Scheduler:
     """Decides which tokens of which requests each step computes, and applies the step's results."""
 
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 root_hash: bytes) -> None:
+                 root_hash: bytes, connector: ConnectorScheduler | None = None) -> None:
         self.config = sched_config
+        self.connector = connector
         self.kv = KVCacheManager(cache_config.block_size, num_blocks, cache_config.enable_prefix_caching,
                                  root_hash)
         self.waiting: deque[Request] = deque()
@@ -51,6 +59,11 @@ class Scheduler:
         self._requests: dict[str, Request] = {}           # unfinished requests, waiting or running
         self._finished_ids: list[str] = []                # ended since the last plan
         self._finished_in_schedule: list[Request] = []    # reported by the next update_from_result
+        # Connector state: blocks computed since the last plan (to save); requests whose blocks
+        # a transfer still uses (async load in flight, or saves the connector asked to hold).
+        self._newly_cached: list[CachedBlock] = []
+        self._loading: dict[str, Request] = {}
+        self._sending: dict[str, Request] = {}
 
     def add_request(self, request: Request) -> None:
         """Queue a new request at the back of the waiting queue."""
@@ -65,7 +78,7 @@ class Scheduler:
         request = self._requests.get(request_id)
         if request is None:
             return None
-        if request.status is RequestStatus.RUNNING:
+        if request.status in (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_KV):
             self.running.remove(request)
         else:
             self.waiting.remove(request)
@@ -77,8 +90,27 @@ class Scheduler:
         return self._requests.get(request_id)
 
     def has_unfinished(self) -> bool:
-        """True while any request waits or runs."""
-        return bool(self.waiting or self.running)
+        """True while any request waits or runs, or KV transfers are still to start or finish."""
+        return bool(self.waiting or self.running or self._newly_cached or self._loading or self._sending)
+
+    def finish_kv_transfers(self, finished: FinishedTransfers) -> None:
+        """Apply finished connector transfers: loaded requests become runnable, held blocks are freed."""
+        B = self.kv.block_size
+        for request_id, num_loaded in finished.done_recving.items():
+            request = self._loading.pop(request_id)
+            if request.is_finished:        # aborted while loading: its blocks were held for the load
+                self._release(request)
+                continue
+            # Blocks after the first one that failed stay allocated and are recomputed.
+            request.num_computed_tokens += num_loaded * B
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = request.num_computed_tokens
+            self.kv.cache_full_blocks(request, request.num_computed_tokens)
+            request.status = RequestStatus.RUNNING
+        for request_id in finished.done_sending:
+            request = self._sending.pop(request_id, None)
+            if request is not None and request_id not in self._loading:
+                self.kv.free(request)
 
     def schedule(self) -> StepPlan:
         """Pick this step's tokens: decodes, then running prefill chunks, then FCFS admissions."""
@@ -100,7 +132,9 @@ class Scheduler:
                     self._finished_in_schedule.append(request)
                     continue
                 while not self.kv.allocate_slots(request, num_new):
-                    victim = self.running[-1]       # newest arrival; request itself at worst
+                    # Newest arrival still computing (request itself at worst); a request whose
+                    # load is in flight keeps its blocks.
+                    victim = next(r for r in reversed(self.running) if r.status is RequestStatus.RUNNING)
                     budget += planned.pop(victim.request_id, 0)
                     self._preempt(victim)
                     preempted = True
@@ -134,20 +168,26 @@ class Scheduler:
                 request.append_output_token(token)
                 reason = self._stop_reason(request, token)
             # Blocks filled by this step become shareable now, before the request ends.
-            self.kv.cache_full_blocks(request, request.num_computed_tokens)
+            stored = self.kv.cache_full_blocks(request, request.num_computed_tokens)
+            if self.connector is not None and stored:
+                # Blocks below start_pos were loaded or hit, not computed: nothing new to save.
+                table, first = self.kv.get_block_table(request), seq.start_pos // self.kv.block_size
+                self._newly_cached += [CachedBlock(table[i], request.block_hashes[i]) for i in stored if i >= first]
             if reason is not None:
                 self._finish(request, reason)
                 any_finished = True
             if seq.sample:
                 touched.append(request)
         if any_finished:
-            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+            self.running = [r for r in self.running if not r.is_finished]
         return touched
 
     def stats(self) -> SchedulerStats:
         """Counters for metrics."""
         kv = self.kv.stats()
-        return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
+        num_loading = len(self.running) - sum(1 for r in self.running if r.status is RequestStatus.RUNNING)
+        return SchedulerStats(num_running=len(self.running) - num_loading,
+                              num_waiting=len(self.waiting) + num_loading,
                               num_preemptions=self.num_preemptions, kv_usage=kv.usage,
                               prefix_cache_queries_tokens=kv.prefix_cache_queries_tokens,
                               prefix_cache_hits_tokens=kv.prefix_cache_hits_tokens, kv=kv)
@@ -163,15 +203,29 @@ class Scheduler:
                 self._finished_in_schedule.append(request)
                 continue
             hit = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - hit.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(request, num_new, hit.blocks):
+            num_external, is_async = 0, False
+            if self.connector is not None:
+                num_external, is_async = self.connector.get_num_new_matched_tokens(request, hit.num_computed_tokens)
+            computed = hit.num_computed_tokens + num_external
+            # An async load computes nothing until its blocks arrive; it takes no token budget.
+            num_new = 0 if is_async else min(request.num_tokens - computed, budget)
+            if not self.kv.allocate_slots(request, num_external + num_new, hit.blocks):
                 break
             self.waiting.popleft()
-            request.num_computed_tokens = hit.num_computed_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = hit.num_computed_tokens
-            request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if self.connector is not None:
+                first = len(hit.blocks)
+                external_blocks = self.kv.get_block_table(request)[first:first + num_external // self.kv.block_size]
+                self.connector.update_state_after_alloc(request, external_blocks, num_external)
+            if is_async:
+                request.num_computed_tokens = hit.num_computed_tokens
+                request.status = RequestStatus.WAITING_FOR_KV
+                self._loading[request.request_id] = request
+                continue
+            request.num_computed_tokens = computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = computed
+            request.status = RequestStatus.RUNNING
             planned[request.request_id] = num_new
             budget -= num_new
         return budget
@@ -192,7 +246,13 @@ class Scheduler:
                 num_output_tokens=request.num_output_tokens,
             ))
         finished, self._finished_ids = self._finished_ids, []
-        return StepPlan(seqs=seqs, finished_request_ids=finished)
+        meta = None
+        if self.connector is not None:
+            output = SchedulerOutput(tuple(planned), tuple(finished), tuple(self._newly_cached))
+            self._newly_cached = []
+            meta = self.connector.build_connector_meta(output)
+            meta = None if meta.is_empty else meta
+        return StepPlan(seqs=seqs, finished_request_ids=finished, connector_meta=meta)
 
     def _preempt(self, request: Request) -> None:
         # Recompute later: drop all KV (full blocks stay cached), keep the tokens, go to the front.
@@ -215,6 +275,15 @@ class Scheduler:
         # The caller removes the request from running / waiting.
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self.kv.free(request)
         del self._requests[request.request_id]
         self._finished_ids.append(request.request_id)
+        if request.request_id not in self._loading:   # else freed when its load reports back
+            self._release(request)
+
+    def _release(self, request: Request) -> None:
+        # Free a finished request's blocks, unless the connector still saves from them.
+        if self.connector is not None and self.connector.request_finished(
+                request, self.kv.get_block_table(request)):
+            self._sending[request.request_id] = request
+            return
+        self.kv.free(request)

@@ -7,8 +7,12 @@ the whole contract between them, and the engine is the one place that passes one
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvhive.request import SamplingParams
+
+if TYPE_CHECKING:
+    from kvhive.connector.base import ConnectorMeta
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,9 @@ class StepPlan:
     seqs: list[ScheduledSeq]
     # Requests that ended since the last plan: the runner drops their per-request state.
     finished_request_ids: list[str] = field(default_factory=list)
+    # KV transfers for the connector's worker half (None: nothing to move this step). A plan may
+    # carry transfers and no seqs; the engine still hands it to the runner.
+    connector_meta: ConnectorMeta | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -144,28 +144,30 @@ class KVCacheManager:
             self._block_ids[rid] = self._block_ids.get(rid, []) + [b.block_id for b in added]
         return True
 
-    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> list[int]:
         """Register the request's blocks that are full within its first ``num_tokens`` computed tokens.
 
-        Call after the step that computed them has run. A block whose hash another request
+        Call after the step that computed (or loaded) them has run. Returns the indices, in the
+        request's block table, of the blocks newly registered. A block whose hash another request
         registered first stays unhashed (the pool keeps one block per hash).
         """
         if not self.enable_prefix_caching:
-            return
+            return []
         rid = request.request_id
         blocks = self._blocks.get(rid)
         if blocks is None:
-            return
+            return []
         start = self._num_cached_blocks[rid]
         num_full = min(num_tokens // self.block_size, len(blocks))
         if num_full <= start:
-            return
+            return []
         self._update_block_hashes(request)
         hashes = request.block_hashes
         stored = [i for i in range(start, num_full) if self.pool.cache_block(blocks[i], hashes[i])]
         self._num_cached_blocks[rid] = num_full
         if self._events is not None and stored:
             self._record_stored(request, stored)
+        return stored
 
     def _record_stored(self, request: Request, indices: list[int]) -> None:
         # One BlockStored per run of consecutive block indices, as vLLM emits them.

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +74,21 @@ class AttnMetadata:
     slot_rows: torch.Tensor
     decode: DecodeBatch | None
     prefills: tuple[PrefillSpan, ...]
+    # KV connector worker: ``wait_for_layer_load(l)`` before layer l reads the pool, then
+    # ``save_kv_layer(l)`` after it; None without a connector.
+    layer_hooks: LayerHooks | None = None
+
+
+class LayerHooks(Protocol):
+    """The per-layer calls a KV connector's worker half gets during the forward pass."""
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Block until this layer's loaded KV is in the pool."""
+        ...
+
+    def save_kv_layer(self, layer: int) -> None:
+        """This layer's K/V for the step are written."""
+        ...
 
 
 def paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_cache: torch.Tensor, layer: int,

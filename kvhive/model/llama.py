@@ -218,7 +218,10 @@ class LlamaModel(nn.Module):
         cos = self.rope_cos[positions].unsqueeze(1)        # [T, 1, hd], shared by all layers
         sin = self.rope_sin[positions].unsqueeze(1)
         x = F.embedding(input_ids, self.embed_tokens)
+        hooks = attn_metadata.layer_hooks
         for i, layer in enumerate(self.layers):
+            if hooks is not None:
+                hooks.wait_for_layer_load(i)
             h = rms_norm(x, layer.input_norm, eps)
             qkv = linear(h, layer.qkv_proj, layer.qkv_bias)
             # RoPE on q and k together (adjacent in qkv), written back in place.
@@ -227,6 +230,8 @@ class LlamaModel(nn.Module):
             attn = paged_attention(qk[:, :nh], qkv[:, nh * hd:].view(n, 2, nkv, hd), kv_cache, i,
                                    attn_metadata)
             x = linear_add(attn, layer.o_proj, x)
+            if hooks is not None:
+                hooks.save_kv_layer(i)
             h = rms_norm(x, layer.post_attn_norm, eps)
             gate_up = linear(h, layer.gate_up_proj)
             act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
@@ -63,6 +63,62 @@ class EngineStatsCollector(Collector):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric(self._labels, value)
             yield family
+        yield from self._tier_metrics(s)
+
+    def _tier_metrics(self, s: EngineStats) -> Iterator[Metric]:
+        """Per-tier KV store metrics (label ``tier``: cpu, disk, redis) and connector counters."""
+        if not s.tiers:
+            return
+        labels = ["model_name", "tier"]
+        counters = (
+            ("kvhive_kv_tier_hit_tokens", "Prompt tokens this tier supplied at admission.",
+             lambda t: t.hit_tokens),
+            ("kvhive_kv_tier_miss_tokens", "Prompt tokens asked of this tier that it did not hold.",
+             lambda t: t.miss_tokens),
+            ("kvhive_kv_tier_bytes_in", "Block bytes written into this tier.", lambda t: t.store.bytes_in),
+            ("kvhive_kv_tier_bytes_out", "Block bytes read from this tier.", lambda t: t.store.bytes_out),
+            ("kvhive_kv_tier_evictions", "Blocks this tier dropped to stay within its budget.",
+             lambda t: t.store.evictions),
+            ("kvhive_kv_tier_errors", "Failed calls and corrupt objects in this tier (each a miss).",
+             lambda t: t.store.errors),
+        )
+        for name, doc, value in counters:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            for tier in s.tiers:
+                family.add_metric(self._labels + [tier.name], value(tier))
+            yield family
+        latency = SummaryMetricFamily("kvhive_kv_tier_load_seconds", "Time spent reading blocks from this tier.",
+                                      labels=labels)
+        usage = GaugeMetricFamily("kvhive_kv_tier_usage_bytes", "Bytes this tier holds.", labels=labels)
+        budget = GaugeMetricFamily("kvhive_kv_tier_budget_bytes", "Byte budget of this tier.", labels=labels)
+        for tier in s.tiers:
+            tier_labels = self._labels + [tier.name]
+            latency.add_metric(tier_labels, tier.store.load_count, tier.store.load_seconds_sum)
+            if tier.store.used_bytes is not None:
+                usage.add_metric(tier_labels, tier.store.used_bytes)
+            if tier.store.budget_bytes is not None:
+                budget.add_metric(tier_labels, tier.store.budget_bytes)
+        yield from (latency, usage, budget)
+        c = s.connector
+        if c is None:
+            return
+        for name, doc, value in (
+            ("kvhive_kv_connector_sync_loads", "KV loads copied in during the step (memory tier).", c.sync_loads),
+            ("kvhive_kv_connector_async_loads", "KV loads fetched while the request waited.", c.async_loads),
+            ("kvhive_kv_connector_failed_load_blocks", "Blocks a load could not supply (recomputed).",
+             c.failed_load_blocks),
+            ("kvhive_kv_connector_saved_blocks", "Blocks handed to the KV writer.", c.saved_blocks),
+            ("kvhive_kv_connector_dropped_save_blocks", "Blocks not saved because the writer fell behind.",
+             c.dropped_save_blocks),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(self._labels, value)
+            yield family
+        wait = SummaryMetricFamily("kvhive_kv_connector_async_load_seconds",
+                                   "Wall time of asynchronous KV loads (request parked meanwhile).",
+                                   labels=["model_name"])
+        wait.add_metric(self._labels, c.async_load_count, c.async_load_seconds_sum)
+        yield wait
 
 
 class ServerMetrics:

@@ -1,0 +1,152 @@
+"""The two halves of a KV connector and the plain data that passes between them (torch-free).
+
+The scheduler half runs inside ``Scheduler``: it finds KV for a request outside the device pool,
+records which blocks to load into and which blocks to save, and packs both into a ``ConnectorMeta``
+that rides on the ``StepPlan``. The worker half runs inside ``ModelRunner``: it moves the bytes on
+background threads and reports finished transfers. The engine is the one place that hands the
+meta from one half to the other and the finished transfers back (seed 002's design).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+from kvhive.store.base import StoreStats
+from kvhive.store.key import StoreKey
+
+
+class CachedBlock(NamedTuple):
+    """A device block that a step just computed and registered in the prefix cache."""
+
+    block_id: int
+    block_hash: bytes
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What the scheduler decided this step, as far as a connector needs to know."""
+
+    scheduled_request_ids: tuple[str, ...]
+    finished_request_ids: tuple[str, ...]
+    # Blocks computed by earlier steps and registered since the last output (never loaded ones).
+    newly_cached: tuple[CachedBlock, ...]
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Load the objects ``keys`` into device blocks ``block_ids`` (same order) for one request.
+
+    ``payloads`` is set for a synchronous load: the bytes are already in hand (memory tier) and the
+    worker copies them layer by layer during the step. Otherwise the load is asynchronous: the
+    worker fetches the objects itself and reports the request in ``get_finished``.
+    """
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    keys: tuple[StoreKey, ...]
+    payloads: tuple[Any, ...] | None = None
+
+    @property
+    def is_async(self) -> bool:
+        """True when the worker must fetch the objects (a slow tier holds some of them)."""
+        return self.payloads is None
+
+
+@dataclass(frozen=True)
+class ConnectorMeta:
+    """One step's transfers: blocks to snapshot and save, and blocks to load."""
+
+    saves: tuple[tuple[int, StoreKey], ...] = ()     # (device block id, key)
+    loads: tuple[LoadSpec, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        """True when there is nothing to move."""
+        return not self.saves and not self.loads
+
+
+class FinishedTransfers(NamedTuple):
+    """Transfers the worker completed since the last poll."""
+
+    done_sending: set[str]              # requests whose async saves ended (their blocks may be freed)
+    done_recving: dict[str, int]        # request id -> blocks loaded intact (a prefix of its LoadSpec)
+
+
+class ConnectorScheduler(Protocol):
+    """The scheduler half: decides what to load and save; never touches tensors."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` (device hits) that the store can supply, and
+        whether loading them is asynchronous (the request must wait) or happens during the step."""
+        ...
+
+    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """Record that ``block_ids`` (the request's blocks after its device hits) will receive
+        ``num_external_tokens`` tokens from the store; 0 drops any pending match."""
+        ...
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMeta:
+        """The transfers for this step (loads recorded since the last call, saves of new blocks)."""
+        ...
+
+    def request_finished(self, request: Any, block_ids: Sequence[int]) -> bool:
+        """A request ended; True would mean its blocks must stay allocated until saves finish."""
+        ...
+
+
+class ConnectorWorker(Protocol):
+    """The worker half: moves bytes between the KV pool and the store, off the engine loop."""
+
+    def register_kv_caches(self, kv_cache: Any) -> None:
+        """Remember the pool tensor ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``."""
+        ...
+
+    def start_load_kv(self, meta: ConnectorMeta) -> None:
+        """Snapshot the blocks to save, then start this step's loads on background threads."""
+        ...
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Block until layer ``layer`` of every synchronous load of this step is in the pool."""
+        ...
+
+    def save_kv_layer(self, layer: int) -> None:
+        """Called after layer ``layer`` ran; a connector may start saving that layer."""
+        ...
+
+    def wait_for_save(self) -> None:
+        """Block until every save handed over so far is in the store."""
+        ...
+
+    def get_finished(self, finished_request_ids: Sequence[str]) -> FinishedTransfers:
+        """Requests whose asynchronous saves or loads completed since the last call."""
+        ...
+
+
+@dataclass
+class TierCounters:
+    """Connector-side counters of one tier, in tokens (lookups at admission)."""
+
+    hit_tokens: int = 0            # prefix tokens this tier supplied
+    miss_tokens: int = 0           # tokens asked of this tier that it did not hold
+
+
+@dataclass
+class ConnectorStats:
+    """Counters the scheduler half keeps: per-tier lookups, loads started, saves asked for."""
+
+    tiers: dict[str, TierCounters] = field(default_factory=dict)
+    sync_loads: int = 0            # loads started with the bytes in hand (memory tier)
+    async_loads: int = 0           # loads that fetch from a slow tier while the request waits
+    saved_blocks: int = 0          # blocks handed to the worker for saving
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One tier for metrics: connector lookups in tokens, and the store's own counters."""
+
+    name: str
+    hit_tokens: int
+    miss_tokens: int
+    store: StoreStats
