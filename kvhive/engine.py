@@ -69,7 +69,8 @@ class ConnectorCounters:
 class LLMEngine:
     """Loads a model and tokenizer, and runs scheduler steps through the model runner."""
 
-    def __init__(self, config: EngineConfig, loaded=None, tokenizer=None) -> None:
+    def __init__(self, config: EngineConfig, loaded=None, tokenizer=None, store=None) -> None:
+        """``store`` (a TieredStore) replaces the tiers ``config.store`` describes; the engine closes it."""
         # torch-side imports stay here so that importing kvhive.engine for its types is cheap.
         from kvhive.model.loader import load_model
         from kvhive.runner import ModelRunner
@@ -91,9 +92,11 @@ class LLMEngine:
             loaded.config, cache.block_size, config.dtype, int(cache.kv_cache_gb * 2**30))
         self.num_blocks = num_blocks
         self.store = self.connector_scheduler = self.connector_worker = None
-        if config.store.enabled:
-            self._build_connector(loaded, ModelRunner.kv_bytes_per_block(loaded.config, cache.block_size,
-                                                                         config.dtype))
+        if config.store.enabled or store is not None:
+            if not cache.enable_prefix_caching:
+                raise ValueError("KV tiers need prefix caching")
+            self._build_connector(loaded, store, ModelRunner.kv_bytes_per_block(
+                loaded.config, cache.block_size, config.dtype))
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks=num_blocks,
                                   block_size=cache.block_size, dtype=config.dtype,
                                   device=config.device, connector=self.connector_worker)
@@ -113,13 +116,13 @@ class LLMEngine:
             self.publisher = KVEventPublisher(config.kv_events, config.kv_events_replay)
             self.scheduler.kv.enable_events()
 
-    def _build_connector(self, loaded, block_bytes: int) -> None:
+    def _build_connector(self, loaded, store, block_bytes: int) -> None:
         """The store tiers and both halves of the offload connector over them."""
         from kvhive.connector.offload import KV_LAYOUT_VERSION, OffloadScheduler, build_tiered_store
         from kvhive.connector.offload_worker import OffloadWorker
         from kvhive.store.key import KeySpace
 
-        self.store = build_tiered_store(self.config.store)
+        self.store = store if store is not None else build_tiered_store(self.config.store)
         key_space = KeySpace(loaded.fingerprint, KV_LAYOUT_VERSION, self.config.dtype,
                              self.config.cache.block_size)
         self.connector_scheduler = OffloadScheduler(self.store, key_space, block_bytes)

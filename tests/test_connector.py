@@ -1,0 +1,317 @@
+"""The offload connector on a tiny random model: tokens equal a fresh run for every tier a prefix
+comes from (device, CPU, disk, mixed), slow tiers park only their own request, failed or corrupt
+loads fall back to recompute, and blocks are never leaked."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from test_engine import GREEDY, make_engine, run
+from tiny import tiny_config, tiny_model
+
+from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, StoreConfig
+from kvhive.engine import LLMEngine
+from kvhive.model.loader import LoadedModel
+from kvhive.model_files import default_model_path
+from kvhive.request import RequestStatus
+from kvhive.server.metrics import ServerMetrics
+from kvhive.store.disk import DiskStore
+from kvhive.store.memory import MemoryStore
+from kvhive.store.tiered import Tier, TieredStore
+from kvhive.tokenizer import Tokenizer
+
+PROMPT = [(7 * i + 3) % 250 + 3 for i in range(100)]          # 25 blocks of 4
+FLOOD = {f"flood{i}": [100 + i] * 60 for i in range(4)}        # evicts PROMPT from a 40-block pool
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_model_path(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def fresh(tokenizer) -> list[int]:
+    """Greedy tokens of PROMPT on an engine without any cache."""
+    return run(make_engine(tokenizer, prefix=False), {"fresh": PROMPT})["fresh"][0]
+
+
+def engine_on(tokenizer, store: TieredStore, num_blocks: int = 64) -> LLMEngine:
+    """A tiny-model engine (as test_engine.make_engine builds it) over a given TieredStore."""
+    cfg = tiny_config(max_position_embeddings=512)
+    config = EngineConfig(model_path="tiny", cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                                    max_model_len=512))
+    return LLMEngine(config, loaded=LoadedModel(cfg, tiny_model(cfg), "tiny-engine-test"),
+                     tokenizer=tokenizer, store=store)
+
+
+def settle(engine) -> None:
+    """Let every queued save reach the store."""
+    engine.connector_worker.wait_for_save()
+
+
+def evict_from_device(engine) -> None:
+    run(engine, FLOOD)
+    settle(engine)
+    assert engine.scheduler.kv.get_computed_blocks(_probe()).num_computed_tokens == 0
+
+
+def _probe():
+    from kvhive.request import Request
+
+    return Request("probe", list(PROMPT), GREEDY)
+
+
+def tier_hits(engine) -> dict[str, int]:
+    return {t.name: t.hit_tokens for t in engine.stats().tiers}
+
+
+def assert_pool_clean(engine) -> None:
+    pool = engine.scheduler.kv.pool
+    pool.check_integrity()
+    assert pool.stats().num_used == 0
+
+
+class SlowStore:
+    """A BlockStore wrapper whose gets sleep (a slow tier) or miss from a given block on."""
+
+    def __init__(self, inner, delay_s: float = 0.0) -> None:
+        self.inner, self.delay_s = inner, delay_s
+        self.fail_keys: set = set()
+        self.release = threading.Event()
+        self.release.set()
+
+    def contains(self, keys):
+        return self.inner.contains(keys)
+
+    def get(self, key):
+        self.release.wait()
+        time.sleep(self.delay_s)
+        return None if key in self.fail_keys else self.inner.get(key)
+
+    def put(self, key, payload):
+        return self.inner.put(key, payload)
+
+    def delete(self, key):
+        self.inner.delete(key)
+
+    def stats(self):
+        return self.inner.stats()
+
+    def close(self):
+        self.inner.close()
+
+
+def test_connector_scheduler_half_is_torch_free():
+    code = ("import json, sys; import kvhive.connector.offload, kvhive.connector.base, kvhive.scheduler;"
+            "print(json.dumps([m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'kvhive.model',"
+            " 'kvhive.runner', 'kvhive.connector.offload_worker'))]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
+
+
+def test_device_and_cpu_hits_give_fresh_tokens(tokenizer, fresh):
+    engine = make_engine(tokenizer, num_blocks=40, store=StoreConfig(cpu_offload_gb=0.01))
+    try:
+        assert run(engine, {"cold": PROMPT})["cold"] == (fresh, 0)
+        settle(engine)
+        assert run(engine, {"device": PROMPT})["device"] == (fresh, 96)     # device pool hit
+        assert tier_hits(engine)["cpu"] == 0
+        evict_from_device(engine)
+        assert run(engine, {"cpu": PROMPT})["cpu"] == (fresh, 96)           # CPU tier hit, sync load
+        assert tier_hits(engine)["cpu"] == 96
+        c = engine.stats().connector
+        assert c.sync_loads >= 1 and c.async_loads == 0 and c.failed_load_blocks == 0
+        settle(engine)
+        assert_pool_clean(engine)
+    finally:
+        engine.close()
+
+
+def test_disk_hit_survives_a_new_engine_and_mixed_tiers_load(tokenizer, fresh, tmp_path):
+    store = StoreConfig(cpu_offload_gb=0.01, disk_cache_dir=str(tmp_path))
+    first = make_engine(tokenizer, num_blocks=40, store=store)
+    run(first, {"cold": PROMPT})
+    first.close()                                   # a new engine: nothing in memory or on device
+    engine = make_engine(tokenizer, num_blocks=40, store=store)
+    try:
+        assert run(engine, {"disk": PROMPT})["disk"] == (fresh, 96)         # disk hit, async load
+        assert tier_hits(engine) == {"cpu": 0, "disk": 96}
+        evict_from_device(engine)
+        # Drop the odd blocks from the CPU tier (they were promoted there): a mixed-tier prefix.
+        cpu = engine.store.tiers[0].store
+        keys = engine.connector_scheduler.key_space.keys(_probe_hashes(engine))
+        for key in keys[1::2]:
+            cpu.delete(key)
+        assert run(engine, {"mixed": PROMPT})["mixed"] == (fresh, 96)
+        hits = tier_hits(engine)
+        assert hits["cpu"] == 96 // 2 and hits["disk"] == 96 + 96 // 2
+        assert engine.stats().connector.async_loads == 2
+        settle(engine)
+        assert_pool_clean(engine)
+    finally:
+        engine.close()
+
+
+def _probe_hashes(engine) -> list[bytes]:
+    request = _probe()
+    engine.scheduler.kv._update_block_hashes(request)
+    return request.block_hashes[:24]
+
+
+def test_corrupt_disk_objects_are_misses_and_tokens_stay_fresh(tokenizer, fresh, tmp_path):
+    store = StoreConfig(disk_cache_dir=str(tmp_path))
+    first = make_engine(tokenizer, num_blocks=40, store=store)
+    run(first, {"cold": PROMPT})
+    first.close()
+    segments = sorted(p for p in os.listdir(tmp_path) if p.endswith(".kvs"))
+    path = os.path.join(tmp_path, segments[0])
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:                    # flip a byte in the payload of a middle record
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    engine = make_engine(tokenizer, num_blocks=40, store=store)
+    try:
+        tokens, cached = run(engine, {"again": PROMPT})["again"]
+        assert tokens == fresh
+        assert 0 < cached < 96
+        assert engine.stats().connector.failed_load_blocks > 0
+        assert {t.name: t.store.errors for t in engine.stats().tiers}["disk"] == 1
+    finally:
+        engine.close()
+    with open(path, "r+b") as f:                    # truncate: the tail record is torn
+        f.truncate(size - 100)
+    engine = make_engine(tokenizer, num_blocks=40, store=store)
+    try:
+        assert run(engine, {"torn": PROMPT})["torn"][0] == fresh
+    finally:
+        engine.close()
+
+
+def test_slow_tier_parks_only_its_request(tokenizer, fresh):
+    slow = SlowStore(MemoryStore(1 << 24))
+    engine = engine_on(tokenizer, TieredStore([Tier("slow", slow)]))
+    try:
+        run(engine, {"cold": PROMPT})
+        settle(engine)
+        evict_from_device(engine)
+        slow.release.clear()                        # the slow tier answers nothing for now
+        engine.add_request("slow", PROMPT, GREEDY)
+        engine.add_request("other", [9] * 30, GREEDY)
+        other_tokens = 0
+        for _ in range(200):
+            for out in engine.step():
+                assert out.request_id == "other"
+                other_tokens += len(out.new_token_ids)
+            if other_tokens >= 12:
+                break
+        assert other_tokens == 12                   # "other" finished while "slow" waited for KV
+        assert engine.scheduler.get_request("slow").status is RequestStatus.WAITING_FOR_KV
+        assert engine.stats().num_waiting == 1
+        slow.release.set()
+        tokens = []
+        for _ in range(500):
+            for out in engine.step():
+                tokens += out.new_token_ids
+            if not engine.has_unfinished():
+                break
+        assert tokens == fresh
+    finally:
+        engine.close()
+
+
+def test_failed_load_recomputes_from_the_first_bad_block(tokenizer, fresh):
+    slow = SlowStore(MemoryStore(1 << 24))
+    engine = engine_on(tokenizer, TieredStore([Tier("slow", slow)]))
+    try:
+        run(engine, {"cold": PROMPT})
+        settle(engine)
+        evict_from_device(engine)
+        slow.fail_keys = set(engine.connector_scheduler.key_space.keys(_probe_hashes(engine))[10:11])
+        assert run(engine, {"again": PROMPT})["again"] == (fresh, 40)        # blocks 0..9 loaded
+        assert engine.stats().connector.failed_load_blocks == 14
+        settle(engine)
+        assert_pool_clean(engine)
+    finally:
+        engine.close()
+
+
+def test_abort_while_loading_frees_blocks_after_the_load(tokenizer):
+    slow = SlowStore(MemoryStore(1 << 24))
+    engine = engine_on(tokenizer, TieredStore([Tier("slow", slow)]))
+    try:
+        run(engine, {"cold": PROMPT})
+        settle(engine)
+        evict_from_device(engine)
+        slow.release.clear()
+        engine.add_request("gone", PROMPT, GREEDY)
+        engine.step()
+        assert engine.scheduler.get_request("gone").status is RequestStatus.WAITING_FOR_KV
+        engine.abort_request("gone")
+        assert engine.scheduler.kv.pool.stats().num_used > 0    # held until the load reports back
+        slow.release.set()
+        for _ in range(500):
+            engine.step()
+            if not engine.has_unfinished():
+                break
+        settle(engine)
+        assert_pool_clean(engine)
+    finally:
+        engine.close()
+
+
+def test_small_pool_with_cpu_tier_preempts_and_stays_correct(tokenizer):
+    prompts = {f"r{j}": PROMPT[:60] + [(11 * j + k) % 250 + 3 for k in range(8)] for j in range(4)}
+    roomy = run(make_engine(tokenizer, num_blocks=256, prefix=False), prompts)
+    engine = make_engine(tokenizer, num_blocks=30, store=StoreConfig(cpu_offload_gb=0.01))
+    try:
+        for _ in range(2):
+            tight = run(engine, prompts)
+            assert {k: v[0] for k, v in tight.items()} == {k: v[0] for k, v in roomy.items()}
+        settle(engine)
+        assert engine.stats().num_preemptions > 0 and tier_hits(engine)["cpu"] > 0
+        assert_pool_clean(engine)
+    finally:
+        engine.close()
+
+
+def test_tier_metrics_are_exported(tokenizer, tmp_path):
+    engine = make_engine(tokenizer, num_blocks=40, store=StoreConfig(cpu_offload_gb=0.01,
+                                                                     disk_cache_dir=str(tmp_path)))
+    try:
+        run(engine, {"cold": PROMPT})
+        settle(engine)
+        evict_from_device(engine)
+        run(engine, {"cpu": PROMPT})
+        text = ServerMetrics(engine.stats, "m").render()[0].decode()
+    finally:
+        engine.close()
+    for line in ('kvhive_kv_tier_hit_tokens_total{model_name="m",tier="cpu"} 96.0',
+                 'kvhive_kv_tier_miss_tokens_total{model_name="m",tier="disk"}',
+                 'kvhive_kv_tier_bytes_in_total{model_name="m",tier="disk"}',
+                 'kvhive_kv_tier_load_seconds_count{model_name="m",tier="cpu"}',
+                 'kvhive_kv_tier_usage_bytes{model_name="m",tier="cpu"}',
+                 'kvhive_kv_tier_budget_bytes{model_name="m",tier="disk"}',
+                 'kvhive_kv_tier_evictions_total{model_name="m",tier="cpu"} 0.0',
+                 'kvhive_kv_connector_sync_loads_total{model_name="m"} 1.0'):
+        assert line in text, line
+
+
+def test_engine_close_persists_the_disk_tier(tokenizer, tmp_path):
+    engine = make_engine(tokenizer, num_blocks=40, store=StoreConfig(disk_cache_dir=str(tmp_path)))
+    run(engine, {"cold": PROMPT})
+    engine.close()                                  # drains the writer, writes the index snapshot
+    assert os.path.exists(tmp_path / "index.snapshot")
+    store = DiskStore(str(tmp_path), 1 << 30)
+    try:
+        assert store.stats().used_bytes > 0
+    finally:
+        store.close()
