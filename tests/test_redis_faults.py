@@ -1,0 +1,135 @@
+"""The Redis tier under faults, on a tiny model against a real redis-server: stopped, paused (slow)
+and full Redis never stops serving; a restarted Redis works again without restarting the engine;
+corrupt values are misses; a second engine reads what the first one saved."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import time
+
+import pytest
+from test_engine import make_engine, run
+
+from kvhive.config import StoreConfig
+from kvhive.model_files import default_model_path
+from kvhive.tokenizer import Tokenizer
+
+redis = pytest.importorskip("redis")
+from test_store_redis import RedisServer  # noqa: E402
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None and not os.environ.get("CI"),
+                                reason="redis-server is not installed")
+
+PROMPTS = {f"p{j}": [(7 * i + 13 * j + 3) % 250 + 3 for i in range(60)] for j in range(5)}   # 14 blocks
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_model_path(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def fresh(tokenizer) -> dict[str, list[int]]:
+    return {k: v[0] for k, v in run(make_engine(tokenizer, prefix=False), PROMPTS).items()}
+
+
+@pytest.fixture()
+def server(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = RedisServer(port, str(tmp_path))
+    srv.start()
+    yield srv
+    if srv.process is not None:
+        os.kill(srv.process.pid, signal.SIGCONT)
+    srv.stop()
+
+
+def redis_engine(tokenizer, server):
+    return make_engine(tokenizer, num_blocks=64, store=StoreConfig(redis_url=server.url, redis_timeout_s=0.2))
+
+
+def one(engine, name: str):
+    return run(engine, {name: PROMPTS[name]})[name]
+
+
+def redis_errors(engine) -> int:
+    return {t.name: t.store.errors for t in engine.stats().tiers}["redis"]
+
+
+def test_second_engine_hits_what_the_first_saved_and_corrupt_values_miss(tokenizer, fresh, server):
+    first = redis_engine(tokenizer, server)
+    one(first, "p0")
+    one(first, "p1")
+    first.close()
+    assert server.admin().dbsize() > 0
+    second = redis_engine(tokenizer, server)
+    try:
+        assert one(second, "p0") == (fresh["p0"], 56)
+        assert {t.name: t.hit_tokens for t in second.stats().tiers} == {"redis": 56}
+        admin = server.admin()
+        keys = sorted(second.connector_scheduler.key_space.key(h).encode()
+                      for h in _hashes(second, "p1"))
+        for i, key in enumerate(keys):                 # garble, truncate, or swap every value
+            value = admin.get(key)
+            admin.set(key, [value[:-1] + bytes([value[-1] ^ 1]), value[: len(value) // 2],
+                            admin.get(keys[(i + 1) % len(keys)])][i % 3])
+        tokens, cached = one(second, "p1")
+        assert tokens == fresh["p1"] and cached == 0
+        assert redis_errors(second) >= 1
+    finally:
+        second.close()
+
+
+def _hashes(engine, name: str) -> list[bytes]:
+    from kvhive.request import Request, SamplingParams
+
+    request = Request("probe", list(PROMPTS[name]), SamplingParams())
+    engine.scheduler.kv._update_block_hashes(request)
+    return request.block_hashes
+
+
+def test_stopped_slow_and_full_redis_keep_serving_and_recover(tokenizer, fresh, server):
+    engine = redis_engine(tokenizer, server)
+    try:
+        server.stop()                                            # down
+        assert one(engine, "p0")[0] == fresh["p0"]
+        engine.connector_worker.wait_for_save()
+        assert redis_errors(engine) >= 1
+        server.start()                                           # back, same port, empty
+        time.sleep(1.1)                                          # the tier's backoff
+        assert one(engine, "p1")[0] == fresh["p1"]
+        engine.connector_worker.wait_for_save()
+        assert server.admin().dbsize() > 0                       # saves land again, no restart
+
+        os.kill(server.process.pid, signal.SIGSTOP)              # slow: every call times out
+        start = time.monotonic()
+        assert one(engine, "p2")[0] == fresh["p2"]
+        engine.connector_worker.wait_for_save()
+        assert time.monotonic() - start < 10
+        os.kill(server.process.pid, signal.SIGCONT)
+        time.sleep(1.1)
+
+        admin = server.admin()                                   # full: SET answers OOM
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", str(admin.info("memory")["used_memory"]))
+        before = admin.dbsize()
+        assert one(engine, "p3")[0] == fresh["p3"]
+        engine.connector_worker.wait_for_save()
+        assert admin.dbsize() == before
+        admin.config_set("maxmemory", "0")
+        time.sleep(1.1)
+        assert one(engine, "p4")[0] == fresh["p4"]
+        engine.connector_worker.wait_for_save()
+        assert admin.dbsize() > before                           # writes work again
+    finally:
+        engine.close()
+    second = redis_engine(tokenizer, server)                     # what the recovered tier holds is read back
+    try:
+        assert one(second, "p4") == (fresh["p4"], 56)
+    finally:
+        second.close()
