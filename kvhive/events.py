@@ -247,7 +247,7 @@ class KVEventPublisher:
                 while replay.poll(0):
                     self._serve_replay(replay)
             try:
-                item = self._queue.get(timeout=0.02)
+                item = self._queue.get(timeout=0.1)
             except queue.Empty:
                 continue
             if item is _STOP:

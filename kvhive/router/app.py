@@ -58,7 +58,7 @@ def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
     indexer = KVCacheIndexer(prompts, instrumented, SCORERS[config.scorer](), config.tiers,
                              config.block_size, root)
     gateway = Gateway(replica_set, indexer, SessionAffinity(config.max_sessions), config.weights,
-                      metrics, client)
+                      metrics, client, config.policy)
     metrics.watch(lambda: _state_samples(gateway, raw_index, prompts))
 
     @contextlib.asynccontextmanager

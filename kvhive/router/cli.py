@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from kvhive.router.config import GatewayConfig, ReplicaSpec
+from kvhive.router.config import ROUTING_POLICIES, GatewayConfig, ReplicaSpec
 from kvhive.router.scorer import SCORERS, RoutingWeights, TierWeights
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                         "kvhive replica's /v1/models entry, else empty)")
     p.add_argument("--scorer", choices=sorted(SCORERS), default="longest_prefix",
                    help="how KV hits become a score")
+    p.add_argument("--policy", choices=ROUTING_POLICIES, default="kv",
+                   help="kv: KV score and load (kvhive's routing); least_load, round_robin, random: "
+                        "baselines that ignore the KV index (sessions still stick)")
     p.add_argument("--tier-weights", default="GPU=1.0,CPU=0.8,DISK=0.5,REMOTE=0.3",
                    help="worth of a cached block by tier, each in [0, 1]")
     p.add_argument("--cache-weight", type=float, default=1.0,
@@ -79,7 +82,7 @@ def build_gateway_config(args: argparse.Namespace) -> GatewayConfig:
         redis_url=args.redis_url, index_max_keys=args.index_max_keys, model_path=args.model,
         block_size=16 if args.block_size is None else args.block_size,
         hash_seed=0 if args.hash_seed is None else args.hash_seed,
-        model_fingerprint=args.model_fingerprint or "", scorer=args.scorer,
+        model_fingerprint=args.model_fingerprint or "", scorer=args.scorer, policy=args.policy,
         tiers=parse_tier_weights(args.tier_weights),
         weights=RoutingWeights(args.cache_weight, args.load_weight, args.kv_usage_weight,
                                args.waiting_factor),

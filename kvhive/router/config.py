@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from kvhive.router.scorer import SCORERS, RoutingWeights, TierWeights
 
 REPLICA_KINDS = ("kvhive", "vllm")
+# How the gateway picks a replica for a request without a session: by KV score and load (kvhive's
+# routing), or one of the baselines it is measured against.
+ROUTING_POLICIES = ("kv", "least_load", "round_robin", "random")
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class GatewayConfig:
     hash_seed: int = 0
     model_fingerprint: str = ""
     scorer: str = "longest_prefix"
+    policy: str = "kv"
     tiers: TierWeights = field(default_factory=TierWeights)
     weights: RoutingWeights = field(default_factory=RoutingWeights)
     health_interval_s: float = 1.0
@@ -82,6 +86,8 @@ class GatewayConfig:
             raise ValueError(f"--hash-seed must fit in 64 bits, got {self.hash_seed}")
         if self.scorer not in SCORERS:
             raise ValueError(f"--scorer must be one of {sorted(SCORERS)}, got {self.scorer!r}")
+        if self.policy not in ROUTING_POLICIES:
+            raise ValueError(f"--policy must be one of {ROUTING_POLICIES}, got {self.policy!r}")
         if self.health_interval_s <= 0:
             raise ValueError(f"--health-interval must be > 0, got {self.health_interval_s}")
         if self.failures_to_drop < 1:

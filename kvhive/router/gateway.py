@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,8 +30,11 @@ class Gateway:
     """Picks a replica for each request (session, then KV score and load) and forwards to it."""
 
     def __init__(self, replicas: ReplicaSet, indexer: KVCacheIndexer, sessions: SessionAffinity,
-                 weights: RoutingWeights, metrics: GatewayMetrics, client: httpx.AsyncClient) -> None:
+                 weights: RoutingWeights, metrics: GatewayMetrics, client: httpx.AsyncClient,
+                 policy: str = "kv", seed: int = 0) -> None:
         self.replicas = replicas
+        self.policy = policy
+        self._random = random.Random(seed)
         self.indexer = indexer
         self.sessions = sessions
         self.weights = weights
@@ -42,15 +46,26 @@ class Gateway:
         """Healthy replicas in order of preference, and why the first is first.
 
         The replica holding the session comes first while it is healthy; otherwise replicas are
-        ranked by ``pick_replica`` (KV score of the prompt, then load).
+        ranked by ``pick_replica`` (KV score of the prompt, then load) under the "kv" policy, by
+        load alone under "least_load", in turn under "round_robin", and at random under "random".
         """
         healthy = self.replicas.healthy()
         if not healthy:
             return [], "none"
         holder = self.sessions.get(session_id) if session_id else None
         self._turn += 1
+        if self.policy in ("round_robin", "random"):
+            names = [r.name for r in healthy]
+            if self.policy == "random":
+                self._random.shuffle(names)
+            else:
+                start = self._turn % len(names)
+                names = names[start:] + names[:start]
+            if holder in names:
+                return self._ordered([holder, *[n for n in names if n != holder]]), "session"
+            return self._ordered(names), self.policy
         kv = KVScores()
-        if prompt is not None and not any(r.name == holder for r in healthy):
+        if self.policy == "kv" and prompt is not None and not any(r.name == holder for r in healthy):
             try:
                 kv = await self.indexer.score(prompt)
                 self.metrics.tokenize_seconds.observe(kv.tokenize_s)
@@ -64,7 +79,10 @@ class Gateway:
             ranking, reason = [holder, *[n for n in ranking if n != holder]], "session"
         if reason == "kv":
             self.metrics.routed_cached_blocks.labels(pick.replica).inc(pick.kv_blocks)
-        return [r for r in (self.replicas.get(n) for n in ranking) if r is not None], reason
+        return self._ordered(ranking), reason
+
+    def _ordered(self, names: Sequence[str]) -> list[Replica]:
+        return [r for r in (self.replicas.get(n) for n in names) if r is not None]
 
     async def forward(self, request: Request, body: bytes, candidates: Sequence[Replica], reason: str,
                       path: str | None = None, find_session: str | None = None,

@@ -1,0 +1,226 @@
+"""Block-index lookup latency (1M blocks, in memory and in Redis) and the gateway's per-request overhead.
+
+    python bench/router_lookup.py [--blocks 1000000] [--replicas 32] [--lookups 2000]
+
+1. In memory: an ``InMemoryIndex`` holding ``--blocks`` block keys (chains of ``--chain-blocks``
+   blocks spread over ``--replicas`` replicas). Timed: ``lookup`` of one prompt's keys (a whole
+   chain: the longest a lookup gets), and the gateway's whole scoring step for a token-id prompt
+   (hash the blocks, look them up, score).
+2. Redis: the same through ``RedisIndex`` on a ``redis-server`` this script starts on a free port.
+3. Gateway overhead: a simulated replica with zero costs, asked directly and through ``kvhive
+   gateway`` (KV policy, events on), one request at a time; the difference of the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from kvhive.blocks import hash_blocks, root_hash  # noqa: E402
+from kvhive.router.index import InMemoryIndex, RedisIndex  # noqa: E402
+
+BLOCK = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summary(values_s: list[float]) -> dict[str, float]:
+    ms = [v * 1000 for v in values_s]
+    return {"p50_ms": round(pct(ms, 0.5), 4), "p99_ms": round(pct(ms, 0.99), 4),
+            "mean_ms": round(statistics.fmean(ms), 4)}
+
+
+def chains(num_blocks: int, chain_blocks: int, seed: int) -> list[tuple[list[int], list[bytes]]]:
+    """Token ids and kvhive keys of ``num_blocks / chain_blocks`` distinct prompts."""
+    rng = random.Random(seed)
+    root = root_hash(0, "bench")
+    out = []
+    for c in range(num_blocks // chain_blocks):
+        ids = [c] + [rng.randrange(49152) for _ in range(chain_blocks * BLOCK - 1)]
+        out.append((ids, hash_blocks(ids, BLOCK, root)))
+    return out
+
+
+def fill(index, prompts, replicas: int, batch: int = 400) -> float:
+    start = time.perf_counter()
+    for i, (_, keys) in enumerate(prompts):
+        replica = f"http://replica-{i % replicas}:8000"
+        for j in range(0, len(keys), batch):
+            index.add(keys[j:j + batch], replica, "GPU")
+    return time.perf_counter() - start
+
+
+def time_lookups(index, prompts, lookups: int, seed: int) -> dict[str, object]:
+    from kvhive.router.scorer import LongestPrefixMatch, TierWeights
+
+    rng = random.Random(seed)
+    root = root_hash(0, "bench")
+    scorer, tiers = LongestPrefixMatch(), TierWeights()
+    lookup_s, score_s, hits = [], [], 0
+    for _ in range(lookups):
+        ids, keys = prompts[rng.randrange(len(prompts))]
+        t0 = time.perf_counter()
+        found = index.lookup(keys)
+        t1 = time.perf_counter()
+        lookup_s.append(t1 - t0)
+        hits += len(found) == len(keys)
+        # The gateway's scoring step for a token-id prompt: hash, look up, score.
+        t0 = time.perf_counter()
+        scorer.score(index.lookup(hash_blocks(ids, BLOCK, root)), tiers)
+        score_s.append(time.perf_counter() - t0)
+    return {"lookup": summary(lookup_s), "hash_lookup_score": summary(score_s),
+            "full_hits": hits, "lookups": lookups}
+
+
+def bench_memory(prompts, args) -> dict[str, object]:
+    index = InMemoryIndex(max_keys=args.blocks + 1)
+    fill_s = fill(index, prompts, args.replicas)
+    result = {"keys": len(index), "fill_s": round(fill_s, 2), **time_lookups(index, prompts, args.lookups, 2)}
+    return result
+
+
+def bench_redis(prompts, args) -> dict[str, object]:
+    exe = shutil.which("redis-server") or "/usr/bin/redis-server"
+    port = free_port()
+    workdir = tempfile.mkdtemp(prefix="kvhive-redis-")
+    proc = subprocess.Popen([exe, "--port", str(port), "--save", "", "--appendonly", "no", "--dir", workdir],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        import redis
+
+        client = redis.Redis(port=port)
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        index = RedisIndex(client=client)
+        fill_s = fill(index, prompts, args.replicas)
+        keys = client.dbsize()
+        memory = client.info("memory")["used_memory"]
+        result = {"keys": keys - args.replicas, "fill_s": round(fill_s, 1), "redis_used_mb": round(memory / 2**20),
+                  **time_lookups(index, prompts, args.lookups, 3)}
+        client.close()
+        return result
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def bench_gateway(args) -> dict[str, object]:
+    from kvhive.router.simulator import replica_specs
+
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    sim_port, events_port, gw_port = free_port(), free_port(), free_port()
+    while events_port + 1 in (sim_port, gw_port):
+        events_port = free_port()
+    sim = subprocess.Popen([sys.executable, "-m", "kvhive.router.simulator", "--replicas", "1",
+                            "--port", str(sim_port), "--events-port", str(events_port),
+                            "--prefill-ms-per-token", "0", "--prefill-overhead-ms", "0",
+                            "--decode-ms-per-token", "0"], env=env, cwd=REPO,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    gw = None
+    try:
+        direct = f"http://127.0.0.1:{sim_port}"
+        wait(f"{direct}/health")
+        gw = subprocess.Popen([sys.executable, "-m", "kvhive.cli", "gateway", "--port", str(gw_port),
+                               "--replica", replica_specs(1, sim_port, events_port)[0],
+                               "--log-level", "warning"], env=env, cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        gateway = f"http://127.0.0.1:{gw_port}"
+        wait(f"{gateway}/health")
+        rng = random.Random(4)
+        words = "alpha beta gamma delta river mountain valley forest ocean garden castle".split()
+        doc = " ".join(rng.choice(words) for _ in range(3500))       # ~6k tokens, shared
+        out: dict[str, object] = {}
+        with httpx.Client(timeout=30) as client:
+            for name, make in (("short prompt", lambda i: f"Hello number {i}, how are you?"),
+                               ("6k-token shared prefix", lambda i: f"{doc}\nQuestion {i}: why?")):
+                times: dict[str, list[float]] = {"direct": [], "gateway": []}
+                for i in range(args.gateway_requests + 20):
+                    body = {"model": "smollm2-135m", "prompt": make(i), "max_tokens": 1}
+                    # Alternate so both see the same conditions; the first 20 warm up.
+                    for label, url in (("direct", direct), ("gateway", gateway)):
+                        t0 = time.perf_counter()
+                        r = client.post(f"{url}/v1/completions", json=body)
+                        elapsed = time.perf_counter() - t0
+                        assert r.status_code == 200, r.text
+                        if i >= 20:
+                            times[label].append(elapsed)
+                d, g = summary(times["direct"]), summary(times["gateway"])
+                out[name] = {"direct": d, "gateway": g,
+                             "overhead_p50_ms": round(g["p50_ms"] - d["p50_ms"], 3)}
+        return out
+    finally:
+        for proc in (gw, sim):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(10)
+
+
+def wait(url: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--blocks", type=int, default=1_000_000)
+    p.add_argument("--chain-blocks", type=int, default=400, help="blocks per prompt (400 = 6.4k tokens)")
+    p.add_argument("--replicas", type=int, default=32)
+    p.add_argument("--lookups", type=int, default=2000)
+    p.add_argument("--gateway-requests", type=int, default=300)
+    p.add_argument("--skip", default="", help="comma list of memory,redis,gateway to leave out")
+    p.add_argument("--out", default=os.path.join(REPO, "docs", "router_lookup.json"))
+    args = p.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    results: dict[str, object] = {"setup": {k: v for k, v in vars(args).items() if k != "out"}}
+    prompts = chains(args.blocks, args.chain_blocks, 1) if skip != {"memory", "redis"} else []
+    if "memory" not in skip:
+        results["memory"] = bench_memory(prompts, args)
+        print("in memory:", json.dumps(results["memory"]), flush=True)
+    if "redis" not in skip:
+        results["redis"] = bench_redis(prompts, args)
+        print("redis:", json.dumps(results["redis"]), flush=True)
+    if "gateway" not in skip:
+        results["gateway_overhead"] = bench_gateway(args)
+        print("gateway overhead:", json.dumps(results["gateway_overhead"]), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
