@@ -148,9 +148,12 @@ def bench_gateway(args) -> dict[str, object]:
     try:
         direct = f"http://127.0.0.1:{sim_port}"
         wait(f"{direct}/health")
+        gw_env = dict(env)
+        if args.gateway_path:
+            gw_env["PYTHONPATH"] = args.gateway_path + os.pathsep + env["PYTHONPATH"]
         gw = subprocess.Popen([sys.executable, "-m", "kvhive.cli", "gateway", "--port", str(gw_port),
                                "--replica", replica_specs(1, sim_port, events_port)[0],
-                               "--log-level", "warning"], env=env, cwd=REPO,
+                               "--log-level", "warning"], env=gw_env, cwd=REPO,
                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         gateway = f"http://127.0.0.1:{gw_port}"
         wait(f"{gateway}/health")
@@ -202,6 +205,9 @@ def main() -> int:
     p.add_argument("--replicas", type=int, default=32)
     p.add_argument("--lookups", type=int, default=2000)
     p.add_argument("--gateway-requests", type=int, default=300)
+    p.add_argument("--gateway-path", default=None,
+                   help="prepend this to the gateway's PYTHONPATH (e.g. a dir with httptools and uvloop, "
+                        "which uvicorn then uses)")
     p.add_argument("--skip", default="", help="comma list of memory,redis,gateway to leave out")
     p.add_argument("--out", default=os.path.join(REPO, "docs", "router_lookup.json"))
     args = p.parse_args()

@@ -167,22 +167,20 @@ def test_redis_lookup_is_one_round_trip(redis_url: str, monkeypatch: pytest.Monk
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     index = RedisIndex(redis_url, client=client)
-    index.add(keys(*range(64)), "a", "GPU")
+    index.add(keys(*range(64)), "http://a:1", "GPU")
+    index.add(keys(*range(8)), "http://b:1", "CPU")
+    assert index.lookup(keys(0)) == [{"http://a:1": "GPU", "http://b:1": "CPU"}]   # the script is loaded
     sent: list[str] = []
-    real_pipeline = client.pipeline
+    real_execute = client.execute_command
 
-    def spy_pipeline(*args, **kwargs):
-        pipe = real_pipeline(*args, **kwargs)
-        real_execute = pipe.execute
+    def spy(*args, **kwargs):
+        sent.append(str(args[0]))
+        return real_execute(*args, **kwargs)
 
-        def execute(*a, **k):
-            sent.append(f"pipeline of {len(pipe.command_stack)}")
-            return real_execute(*a, **k)
-
-        pipe.execute = execute
-        return pipe
-
-    monkeypatch.setattr(client, "pipeline", spy_pipeline)
-    monkeypatch.setattr(client, "execute_command", lambda *a, **k: sent.append(str(a[0])))
-    assert len(index.lookup(keys(*range(64)))) == 64
-    assert sent == ["pipeline of 64"]
+    monkeypatch.setattr(client, "execute_command", spy)
+    monkeypatch.setattr(client, "pipeline", lambda *a, **k: pytest.fail("lookup must not pipeline"))
+    found = index.lookup(keys(*range(64), 999, 5))
+    assert len(found) == 64 and found[7] == {"http://a:1": "GPU", "http://b:1": "CPU"}
+    assert found[8] == {"http://a:1": "GPU"}
+    assert sent == ["EVALSHA"]
+    assert index.lookup(keys(999)) == [] and index.lookup([]) == []

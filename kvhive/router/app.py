@@ -116,7 +116,8 @@ def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
         return await gateway.forward(request, body, candidates, reason, session_id=session_id)
 
     for path in _ROUTED_PATHS:
-        app.add_api_route(path, routed, methods=["POST"], response_model=None)
+        # Plain Starlette routes: the hot path skips FastAPI's per-request dependency solving.
+        app.router.add_route(path, routed, methods=["POST"], include_in_schema=False)
 
     @app.api_route("/v1/context", methods=["GET", "POST"], response_model=None)
     async def contexts(request: Request) -> Response:

@@ -63,6 +63,9 @@ class InMemoryIndex:
         self._keys_of: list[set[bytes]] = []
         self._replica_ids: dict[str, int] = {}
         self._replica_names: list[str] = []
+        # mask -> its holders dict (replica ids keep their names, so an entry never goes stale).
+        # Few distinct masks occur (usually one replica, one tier), so most lookups hit this.
+        self._holders_of: dict[int, dict[str, str]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -125,15 +128,22 @@ class InMemoryIndex:
             self._keys_of[rid] = set()
 
     def lookup(self, keys: Sequence[bytes]) -> list[dict[str, str]]:
-        """Replica -> fastest medium for each key of the held prefix; hits become most recent."""
+        """Replica -> fastest medium for each key of the held prefix; hits become most recent.
+        The dicts are shared between calls: callers must not change them."""
         out: list[dict[str, str]] = []
+        entries, cached = self._entries, self._holders_of
         with self._lock:
             for key in keys:
-                mask = self._entries.get(key)
+                mask = entries.get(key)
                 if mask is None:
                     break
-                self._entries.move_to_end(key)
-                out.append(self._holders(mask))
+                entries.move_to_end(key)
+                holders = cached.get(mask)
+                if holders is None:
+                    if len(cached) >= 4096:
+                        cached.clear()
+                    holders = cached[mask] = self._holders(mask)
+                out.append(holders)
         return out
 
     def _holders(self, mask: int) -> dict[str, str]:
@@ -176,13 +186,28 @@ for i = 2, #KEYS do
 end
 """
 
+# KEYS = block keys. One line per key up to the first key nobody holds: "replica=mask" fields joined
+# by tabs (replica names are URLs: no tab or newline). One reply string instead of a reply per key.
+_LOOKUP_LUA = r"""
+local out = {}
+for i = 1, #KEYS do
+  local f = redis.call('HGETALL', KEYS[i])
+  if #f == 0 then break end
+  local parts = {}
+  for j = 1, #f, 2 do parts[#parts + 1] = f[j] .. '=' .. f[j + 1] end
+  out[#out + 1] = table.concat(parts, '\t')
+end
+return table.concat(out, '\n')
+"""
+
 
 class RedisIndex:
     """The index in Redis, shared by gateways: one hash per block key, field replica -> media mask.
 
     Layout: ``{prefix}b:<16-byte key>`` -> {replica: mask}; ``{prefix}r:<replica>`` -> set of the
     block keys it holds (to clear a replica). add/remove are one Lua call per batch (atomic per
-    batch, so two gateways ingesting the same events agree); lookup is one pipeline round trip.
+    batch, so two gateways ingesting the same events agree); lookup is one Lua call: one round trip,
+    one reply string, stopping at the first key nobody holds.
     """
 
     def __init__(self, url: str = "redis://localhost:6379/0", prefix: str = "kvhive:idx:",
@@ -194,6 +219,7 @@ class RedisIndex:
         self._ttl = key_ttl_s
         self._add = self._redis.register_script(_ADD_LUA)
         self._remove = self._redis.register_script(_REMOVE_LUA)
+        self._lookup = self._redis.register_script(_LOOKUP_LUA)
 
     def _key(self, key: bytes) -> bytes:
         return self._prefix + b"b:" + key
@@ -236,12 +262,14 @@ class RedisIndex:
         """Replica -> fastest medium for each key of the held prefix, in one round trip."""
         if not keys:
             return []
-        pipe = self._redis.pipeline(transaction=False)
-        for key in keys:
-            pipe.hgetall(self._key(key))
+        raw = self._lookup(keys=[self._key(k) for k in keys])
         out: list[dict[str, str]] = []
-        for fields in pipe.execute():
-            holders = {r.decode(): _fastest(int(m)) for r, m in fields.items() if int(m) & _ALL_MEDIA}
+        for line in raw.split(b"\n") if raw else ():
+            holders = {}
+            for field in line.split(b"\t"):
+                name, _, mask = field.rpartition(b"=")
+                if int(mask) & _ALL_MEDIA:
+                    holders[name.decode()] = _fastest(int(mask))
             if not holders:
                 break
             out.append(holders)
