@@ -35,6 +35,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    # Set on the last output of a session's request: the block hashes the session now holds.
+    session_block_hashes: tuple[bytes, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ class EngineStats:
     block_size: int
     tiers: tuple[TierStats, ...] = ()       # one per store tier below the device pool, fastest first
     connector: ConnectorCounters | None = None
+    num_session_blocks: int = 0             # device blocks pinned by idle sessions
+    num_session_spills: int = 0             # session holdings released to the tiers under pressure
 
 
 @dataclass(frozen=True)
@@ -105,9 +109,11 @@ class LLMEngine:
             from dataclasses import replace
 
             sched_cfg = replace(sched_cfg, max_model_len=self.max_model_len)
+        self.block_bytes = ModelRunner.kv_bytes_per_block(loaded.config, cache.block_size, config.dtype)
         self.scheduler = Scheduler(sched_cfg, cache, num_blocks,
                                    root_hash(cache.hash_seed, loaded.fingerprint),
-                                   connector=self.connector_scheduler)
+                                   connector=self.connector_scheduler,
+                                   held_below=self._held_in_lowest_tier if self.store is not None else None)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) or loaded.config.eos_token_ids
         self.publisher = None
         if config.kv_events:
@@ -128,6 +134,28 @@ class LLMEngine:
         self.connector_scheduler = OffloadScheduler(self.store, key_space, block_bytes)
         self.connector_worker = OffloadWorker(self.store)
 
+    def _held_in_lowest_tier(self, block_hashes) -> list[bool]:
+        """Which blocks the lowest (most durable) store tier holds."""
+        keys = self.connector_scheduler.key_space.keys(block_hashes)
+        return self.store.tiers[-1].store.contains(keys)
+
+    def session_blocks_by_tier(self, block_hashes) -> dict[str, int]:
+        """How many of these blocks each level holds: "device", then each store tier by name.
+
+        Safe from any thread (the pool's hash map is only read; store tiers are thread-safe).
+        """
+        cached = self.scheduler.kv.pool.cached
+        out = {"device": sum(1 for h in block_hashes if h in cached)}
+        if self.store is not None and block_hashes:
+            keys = self.connector_scheduler.key_space.keys(block_hashes)
+            for tier in self.store.tiers:
+                out[tier.name] = sum(tier.store.contains(keys))
+        return out
+
+    def end_session(self, session_id: str) -> None:
+        """Free the blocks a session holds (loop thread only)."""
+        self.scheduler.end_session(session_id)
+
     def close(self) -> None:
         """Flush and close the KV-event publisher; finish KV saves and close the store tiers."""
         if self.publisher is not None:
@@ -141,8 +169,13 @@ class LLMEngine:
             self.store = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    cache_salt: str | None = None) -> None:
-        """Queue a request; the caller has checked its length against max_model_len."""
+                    cache_salt: str | None = None, session_id: str | None = None,
+                    end_session: bool = False) -> None:
+        """Queue a request; the caller has checked its length against max_model_len.
+
+        With ``session_id`` the request continues that session's held blocks and, when it ends,
+        leaves its own blocks to the session (``end_session``: frees them instead).
+        """
         if not prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -151,7 +184,8 @@ class LLMEngine:
         self.scheduler.add_request(Request(request_id=request_id,
                                            prompt_token_ids=list(prompt_token_ids),
                                            sampling=sampling, eos_token_ids=self.eos_token_ids,
-                                           cache_salt=cache_salt))
+                                           cache_salt=cache_salt, session_id=session_id,
+                                           end_session=end_session))
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks; unknown ids are ignored."""
@@ -185,7 +219,9 @@ class LLMEngine:
                 finished=req.is_finished, finish_reason=req.finish_reason,
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
-                num_output_tokens=req.num_output_tokens))
+                num_output_tokens=req.num_output_tokens,
+                session_block_hashes=(tuple(req.block_hashes) if req.session_id and req.is_finished
+                                      else None)))
         if self.publisher is not None:
             events = self.scheduler.kv.take_events()
             if events:
@@ -206,7 +242,8 @@ class LLMEngine:
                            prefix_cache_queries_tokens=s.prefix_cache_queries_tokens,
                            prefix_cache_hits_tokens=s.prefix_cache_hits_tokens,
                            num_preemptions=s.num_preemptions, num_blocks=self.num_blocks,
-                           block_size=self.config.cache.block_size, tiers=tiers, connector=connector)
+                           block_size=self.config.cache.block_size, tiers=tiers, connector=connector,
+                           num_session_blocks=s.num_session_blocks, num_session_spills=s.num_session_spills)
 
 
 class AsyncEngine:
@@ -222,6 +259,7 @@ class AsyncEngine:
         self._wakeup = threading.Condition(self._lock)
         self._pending_adds: list[tuple] = []
         self._pending_aborts: list[str] = []
+        self._pending_session_ends: list[str] = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -254,7 +292,8 @@ class AsyncEngine:
         return self.error is None
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, session_id: str | None = None,
+                       end_session: bool = False) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; leaving early aborts it."""
         if self.error is not None:
             raise RuntimeError(f"the engine loop has stopped: {self.error}")
@@ -266,7 +305,8 @@ class AsyncEngine:
             if request_id in self._queues:
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._queues[request_id] = (asyncio.get_running_loop(), queue)
-            self._pending_adds.append((request_id, list(prompt_token_ids), sampling, cache_salt))
+            self._pending_adds.append((request_id, list(prompt_token_ids), sampling, cache_salt,
+                                       session_id, end_session))
             self._wakeup.notify()
         finished = False
         try:
@@ -290,17 +330,27 @@ class AsyncEngine:
             self._pending_aborts.append(request_id)
             self._wakeup.notify()
 
+    def end_session(self, session_id: str) -> None:
+        """Ask the loop thread to free a session's held blocks (safe from any thread)."""
+        with self._lock:
+            self._pending_session_ends.append(session_id)
+            self._wakeup.notify()
+
     def _apply_commands(self) -> None:
         with self._lock:
             adds, self._pending_adds = self._pending_adds, []
             aborts, self._pending_aborts = self._pending_aborts, []
-        for request_id, ids, sampling, salt in adds:
+            ends, self._pending_session_ends = self._pending_session_ends, []
+        for request_id, ids, sampling, salt, session_id, end_session in adds:
             try:
-                self.engine.add_request(request_id, ids, sampling, cache_salt=salt)
+                self.engine.add_request(request_id, ids, sampling, cache_salt=salt,
+                                        session_id=session_id, end_session=end_session)
             except ValueError as exc:
                 self._deliver(request_id, exc)
         for request_id in aborts:
             self.engine.abort_request(request_id)
+        for session_id in ends:
+            self.engine.end_session(session_id)
 
     def _deliver(self, request_id: str, item) -> None:
         with self._lock:
@@ -314,7 +364,7 @@ class AsyncEngine:
             while True:
                 with self._lock:
                     while (not self._stopping and not self._pending_adds and not self._pending_aborts
-                           and not self.engine.has_unfinished()):
+                           and not self._pending_session_ends and not self.engine.has_unfinished()):
                         self._wakeup.wait()
                     if self._stopping:
                         return

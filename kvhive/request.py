@@ -62,6 +62,10 @@ class Request:
     sampling: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None
+    # The session (``x-session-id`` / ``conversation_id``) whose blocks this request continues and,
+    # when it ends, keeps alive; ``end_session`` frees them instead.
+    session_id: str | None = None
+    end_session: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     # Tokens whose K/V are in the pool (prefix hits included).

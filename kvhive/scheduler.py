@@ -17,11 +17,20 @@ A synchronous load (bytes in memory) is computed on in the same step; an asynchr
 the request in ``running`` as WAITING_FOR_KV (holding its blocks, never scheduled nor preempted)
 until ``finish_kv_transfers`` reports how many blocks arrived. Blocks a step computed are handed
 to the connector in the next plan's ``connector_meta`` to be saved.
+
+Sessions: a finished request with a ``session_id`` parks its blocks in the KV manager instead of
+freeing them; the session's next request resumes them at admission when its prompt continues
+the session's tokens (no hashing, no prefix lookup), else the holding is released and the request
+takes the ordinary prefix path. Held blocks are pinned in the device pool. With store tiers
+configured, when blocks run out the least recently used holding whose full blocks the lowest tier
+has (``held_below``) is released to the pool (spilled) before anything is preempted; its next
+request finds its blocks by prefix match, on the device or loaded back from the tiers.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvhive.config import CacheConfig, SchedulerConfig
@@ -42,15 +51,21 @@ class SchedulerStats:
     prefix_cache_queries_tokens: int
     prefix_cache_hits_tokens: int
     kv: KVCacheStats
+    num_session_blocks: int = 0        # device blocks pinned by idle sessions
+    num_session_spills: int = 0        # holdings released to the pool under pressure
 
 
 class Scheduler:
     """Decides which tokens of which requests each step computes, and applies the step's results."""
 
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 root_hash: bytes, connector: ConnectorScheduler | None = None) -> None:
+                 root_hash: bytes, connector: ConnectorScheduler | None = None,
+                 held_below: Callable[[Sequence[bytes]], list[bool]] | None = None) -> None:
+        """``held_below(hashes)`` says which blocks the lowest store tier holds; None: sessions stay pinned."""
         self.config = sched_config
         self.connector = connector
+        self.held_below = held_below
+        self.num_session_spills = 0
         self.kv = KVCacheManager(cache_config.block_size, num_blocks, cache_config.enable_prefix_caching,
                                  root_hash)
         self.waiting: deque[Request] = deque()
@@ -84,6 +99,13 @@ class Scheduler:
             self.waiting.remove(request)
         self._finish(request, FinishReason.ABORT)
         return request
+
+    def end_session(self, session_id: str) -> None:
+        """Free a session's held blocks; its unfinished requests free theirs when they end."""
+        self.kv.release_session(session_id)
+        for request in self._requests.values():
+            if request.session_id == session_id:
+                request.end_session = True
 
     def get_request(self, request_id: str) -> Request | None:
         """The unfinished request with this id, or None."""
@@ -132,6 +154,8 @@ class Scheduler:
                     self._finished_in_schedule.append(request)
                     continue
                 while not self.kv.allocate_slots(request, num_new):
+                    if self._spill_session():
+                        continue
                     # Newest arrival still computing (request itself at worst); a request whose
                     # load is in flight keeps its blocks.
                     victim = next(r for r in reversed(self.running) if r.status is RequestStatus.RUNNING)
@@ -190,7 +214,26 @@ class Scheduler:
                               num_waiting=len(self.waiting) + num_loading,
                               num_preemptions=self.num_preemptions, kv_usage=kv.usage,
                               prefix_cache_queries_tokens=kv.prefix_cache_queries_tokens,
-                              prefix_cache_hits_tokens=kv.prefix_cache_hits_tokens, kv=kv)
+                              prefix_cache_hits_tokens=kv.prefix_cache_hits_tokens, kv=kv,
+                              num_session_blocks=self.kv.num_session_blocks,
+                              num_session_spills=self.num_session_spills)
+
+    def _spill_session(self, keep: str | None = None) -> bool:
+        # Release the least recently used holding whose full blocks the lowest tier has a copy of
+        # (the partial last block is recomputed on resume). Without tiers nothing is spilled.
+        if self.held_below is None:
+            return False
+        for session_id in self.kv.session_ids():
+            if session_id == keep:
+                continue
+            held = self.kv.session_blocks(session_id)
+            hashes = held.block_hashes[:held.num_cached_blocks]
+            if hashes and not all(self.held_below(hashes)):
+                continue
+            self.kv.release_session(session_id)
+            self.num_session_spills += 1
+            return True
+        return False
 
     def _admit_waiting(self, budget: int, planned: dict[str, int]) -> int:
         # FCFS: stop at the first request that does not fit, so later ones never jump ahead.
@@ -202,6 +245,23 @@ class Scheduler:
                 self._finish(request, FinishReason.LENGTH)
                 self._finished_in_schedule.append(request)
                 continue
+            if request.session_id is not None:
+                held = self.kv.session_prefix(request)
+                if held:
+                    num_new = min(request.num_tokens - held, budget)
+                    while not self.kv.resume_session(request, num_new):
+                        if not self._spill_session(keep=request.session_id):
+                            return budget
+                    self.waiting.popleft()
+                    self.running.append(request)
+                    if request.num_cached_tokens < 0:
+                        request.num_cached_tokens = held
+                    request.status = RequestStatus.RUNNING
+                    planned[request.request_id] = num_new
+                    budget -= num_new
+                    continue
+                # Diverged (or nothing held): the session follows this request's history.
+                self.kv.release_session(request.session_id)
             hit = self.kv.get_computed_blocks(request)
             num_external, is_async = 0, False
             if self.connector is not None:
@@ -210,6 +270,8 @@ class Scheduler:
             # An async load computes nothing until its blocks arrive; it takes no token budget.
             num_new = 0 if is_async else min(request.num_tokens - computed, budget)
             if not self.kv.allocate_slots(request, num_external + num_new, hit.blocks):
+                if self._spill_session():
+                    continue        # look the request up again: the spill may have evicted hits
                 break
             self.waiting.popleft()
             self.running.append(request)
@@ -277,8 +339,15 @@ class Scheduler:
         request.finish_reason = reason
         del self._requests[request.request_id]
         self._finished_ids.append(request.request_id)
-        if request.request_id not in self._loading:   # else freed when its load reports back
-            self._release(request)
+        if request.request_id in self._loading:        # freed when its load reports back
+            return
+        if request.session_id is not None and not request.end_session:
+            # Parked blocks stay allocated, so a connector's saves from them stay valid.
+            if self.connector is not None:
+                self.connector.request_finished(request, ())
+            self.kv.park_session(request, request.session_id)
+            return
+        self._release(request)
 
     def _release(self, request: Request) -> None:
         # Free a finished request's blocks, unless the connector still saves from them.

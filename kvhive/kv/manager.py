@@ -9,6 +9,13 @@ Per request the manager keeps, for request r with blocks b_0..b_{n-1}:
 ``cache_full_blocks`` moves k forward after each step, so a block is shareable as soon as the step
 that computed it has run, not only when its request ends. ``request.block_hashes`` is extended
 only for newly full blocks; no step re-hashes a whole prompt.
+
+Sessions: when a request of a session ends, ``park_session`` moves its blocks (the partial last
+block included) and its block hashes into a ``SessionBlocks`` holding instead of freeing them, so
+their ref counts keep them out of the free queue. The session's next request takes them back with
+``resume_session`` when its prompt starts with the tokens they hold: no hashing, no lookup, only
+the new tokens to compute. A request id holds blocks in ``_blocks`` or a session id holds them in
+``_sessions``, never both.
 """
 
 from __future__ import annotations
@@ -40,6 +47,18 @@ class KVCacheStats:
     blocks: BlockPoolStats
 
 
+@dataclass(eq=False)
+class SessionBlocks:
+    """The blocks a session keeps alive between its requests, and what they hold."""
+
+    token_ids: list[int]             # the session's tokens; KV is in the blocks for the first
+    num_computed_tokens: int         # num_computed_tokens of them (the last sampled one has none)
+    blocks: list[KVBlock]
+    block_hashes: list[bytes]        # chained hashes of the full blocks of token_ids
+    num_cached_blocks: int           # leading blocks registered in the pool's hash map
+    last_used: int                   # park order, for least-recently-used spilling
+
+
 class KVCacheManager:
     """Allocates, caches and frees the blocks of requests; matches prompts against cached blocks."""
 
@@ -58,6 +77,9 @@ class KVCacheManager:
         self._hits_tokens = 0
         # KV events since the last take_events(); None until enable_events() is called.
         self._events: list[BlockStored | BlockRemoved] | None = None
+        # Session id -> blocks kept alive between the session's requests (insertion order = LRU).
+        self._sessions: dict[str, SessionBlocks] = {}
+        self._park_counter = 0
 
     def enable_events(self) -> None:
         """Start recording BlockStored / BlockRemoved events for take_events()."""
@@ -192,6 +214,91 @@ class KVCacheManager:
         self._num_cached_blocks.pop(rid, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
+
+    # ------------------------------------------------------------------ sessions
+
+    def park_session(self, request: Request, session_id: str) -> None:
+        """Move a finished request's blocks into the session's holding (replacing an older one)."""
+        self.release_session(session_id)
+        rid = request.request_id
+        blocks = self._blocks.pop(rid, None)
+        self._block_ids.pop(rid, None)
+        num_cached = self._num_cached_blocks.pop(rid, 0)
+        if not blocks:
+            return
+        self._park_counter += 1
+        self._sessions[session_id] = SessionBlocks(
+            token_ids=request.all_token_ids, num_computed_tokens=request.num_computed_tokens,
+            blocks=blocks, block_hashes=request.block_hashes, num_cached_blocks=num_cached,
+            last_used=self._park_counter)
+
+    def session_prefix(self, request: Request) -> int:
+        """Tokens of the request's session KV that its prompt continues (0: none held, or diverged).
+
+        A token comparison only (C speed), never a hash: the holding's tokens must all be a prefix
+        of the request's, so its KV covers ``num_computed_tokens`` of them and at least one token
+        is left to compute.
+        """
+        held = self._sessions.get(request.session_id) if request.session_id else None
+        if held is None or held.num_computed_tokens == 0:
+            return 0
+        n = len(held.token_ids)
+        if n >= request.num_tokens or request.all_token_ids[:n] != held.token_ids:
+            return 0
+        return held.num_computed_tokens
+
+    def resume_session(self, request: Request, num_new_tokens: int) -> bool:
+        """Give the request its session's blocks plus room for ``num_new_tokens``; False if short.
+
+        Call only when ``session_prefix`` is > 0. On success the holding is gone, the request's
+        ``num_computed_tokens`` and ``block_hashes`` are the session's, and the prefix-cache
+        counters count the held tokens as hits. On failure nothing changed.
+        """
+        held = self._sessions[request.session_id]
+        computed = held.num_computed_tokens
+        keep = self.num_blocks_for(computed)
+        extra = max(0, self.num_blocks_for(computed + num_new_tokens) - keep)
+        spare = len(held.blocks) - keep
+        if extra > self.pool.num_free_blocks + spare:
+            return False
+        del self._sessions[request.session_id]
+        rid = request.request_id
+        blocks = held.blocks[:keep]
+        if spare > 0:
+            self.pool.free_blocks(reversed(held.blocks[keep:]))
+        self._blocks[rid] = blocks
+        self._block_ids[rid] = [b.block_id for b in blocks]
+        num_full = computed // self.block_size
+        self._num_cached_blocks[rid] = min(held.num_cached_blocks, num_full)
+        request.block_hashes = held.block_hashes[:num_full]
+        request.num_computed_tokens = computed
+        if request.num_cached_tokens < 0 and self.enable_prefix_caching:
+            self._queries_tokens += request.num_tokens
+            self._hits_tokens += computed
+        ok = self.allocate_slots(request, num_new_tokens)
+        assert ok, "resume_session checked the free blocks"
+        return True
+
+    def release_session(self, session_id: str) -> bool:
+        """Free the blocks a session holds, tail first (full ones stay cached); False if none."""
+        held = self._sessions.pop(session_id, None)
+        if held is None:
+            return False
+        self.pool.free_blocks(reversed(held.blocks))
+        return True
+
+    def session_ids(self) -> list[str]:
+        """Sessions holding device blocks, least recently parked first."""
+        return sorted(self._sessions, key=lambda sid: self._sessions[sid].last_used)
+
+    def session_blocks(self, session_id: str) -> SessionBlocks | None:
+        """The holding of a session, or None (read-only view)."""
+        return self._sessions.get(session_id)
+
+    @property
+    def num_session_blocks(self) -> int:
+        """Blocks held by sessions (pinned in the device pool)."""
+        return sum(len(h.blocks) for h in self._sessions.values())
 
     def get_block_table(self, request: Request) -> list[int]:
         """The request's block ids in order (shared, treat as read-only; a new list when it grows)."""

@@ -1,0 +1,119 @@
+"""Sessions in the engine: held blocks resume without hashing, divergence falls back to prefix
+matching, end_session frees, and spilling under device pressure (tiny random model)."""
+
+from __future__ import annotations
+
+import pytest
+from test_engine import GREEDY, make_engine
+
+from kvhive.config import StoreConfig
+from kvhive.model_files import default_model_path
+from kvhive.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_model_path(default_model_path())
+
+
+def turn(engine, rid, prompt, session_id=None, end=False, sampling=GREEDY):
+    """Run one request to the end; returns (output tokens, cached tokens, session hashes)."""
+    engine.add_request(rid, prompt, sampling, session_id=session_id, end_session=end)
+    tokens, cached, hashes = [], None, None
+    for _ in range(2000):
+        for out in engine.step():
+            tokens += out.new_token_ids
+            if out.finished:
+                cached, hashes = out.num_cached_tokens, out.session_block_hashes
+        if not engine.has_unfinished():
+            break
+    engine.scheduler.kv.pool.check_integrity()
+    return tokens, cached, hashes
+
+
+def conversation(engine, turns, session_id=None):
+    history, outs = [], []
+    for i, new in enumerate(turns):
+        prompt = history + new
+        tokens, cached, _ = turn(engine, f"t{i}", prompt, session_id)
+        outs.append((tokens, cached))
+        history = prompt + tokens
+    return outs
+
+
+TURNS = [[5 + i + 7 * t for i in range(9 + t)] for t in range(5)]
+
+
+def test_session_turns_match_plain_and_resume_partial_block(tokenizer):
+    plain = conversation(make_engine(tokenizer, prefix=False), TURNS)
+    engine = make_engine(tokenizer)
+    held = conversation(engine, TURNS, session_id="s1")
+    assert [t for t, _ in held] == [t for t, _ in plain]
+    history = 0
+    for i, (tokens, cached) in enumerate(held):
+        if i:
+            # Everything the previous turn computed, partial last block included (block size 4).
+            assert cached == history - 1
+        history += len(TURNS[i]) + len(tokens)
+    assert engine.scheduler.kv.session_blocks("s1") is not None
+
+
+def test_resume_does_not_rehash(tokenizer, monkeypatch):
+    engine = make_engine(tokenizer)
+    first, _, _ = turn(engine, "a", TURNS[0], "s")
+    import kvhive.kv.manager as manager
+
+    calls = []
+    real = manager.hash_blocks
+    monkeypatch.setattr(manager, "hash_blocks", lambda *a, **k: calls.append(k.get("start_block", 0)) or real(*a, **k))
+    turn(engine, "b", TURNS[0] + first + TURNS[1], "s")
+    # Only blocks after the held prefix are hashed, never block 0.
+    assert calls and 0 not in calls
+
+
+def test_diverging_prompt_falls_back_to_prefix_match(tokenizer):
+    engine = make_engine(tokenizer)
+    first, _, _ = turn(engine, "a", TURNS[0] + TURNS[1], "s")
+    tokens, cached, _ = turn(engine, "b", TURNS[0] + [1, 2, 3], "s")
+    assert cached == (len(TURNS[0]) // 4) * 4        # full blocks of the common part
+    assert len(tokens) == GREEDY.max_tokens
+    # The session now follows the new history.
+    assert engine.scheduler.kv.session_blocks("s").token_ids[:len(TURNS[0]) + 3] == TURNS[0] + [1, 2, 3]
+
+
+def test_end_session_frees(tokenizer):
+    engine = make_engine(tokenizer)
+    turn(engine, "a", TURNS[0], "s", end=True)
+    assert engine.scheduler.kv.session_blocks("s") is None
+    turn(engine, "b", TURNS[0], "t")
+    assert engine.scheduler.kv.num_session_blocks > 0
+    engine.end_session("t")
+    assert engine.scheduler.kv.num_session_blocks == 0
+    assert engine.scheduler.kv.pool.stats().num_used == 0
+
+
+def test_no_tier_pins_session_blocks(tokenizer):
+    engine = make_engine(tokenizer, num_blocks=40)
+    turn(engine, "a", TURNS[0], "s")
+    pinned = {b.block_id for b in engine.scheduler.kv.session_blocks("s").blocks}
+    for i in range(4):
+        turn(engine, f"f{i}", [200 + i] * 60)          # floods the 40-block pool
+    assert {b.block_id for b in engine.scheduler.kv.session_blocks("s").blocks} == pinned
+
+
+def test_spill_to_tier_under_pressure_and_come_back(tokenizer, tmp_path):
+    # Device pool smaller than the live sessions: holdings spill to the tier and come back.
+    engine = make_engine(tokenizer, num_blocks=24, store=StoreConfig(cpu_offload_gb=0.01))
+    prompts = {f"s{i}": [(40 * i + j) % 250 + 1 for j in range(30)] for i in range(4)}     # ~11 blocks each
+    outs = {}
+    for sid, prompt in prompts.items():
+        outs[sid], _, _ = turn(engine, sid, prompt, sid)
+        engine.connector_worker.wait_for_save()
+    assert engine.scheduler.num_session_spills > 0
+    fresh = make_engine(tokenizer, prefix=False)
+    for sid, prompt in prompts.items():
+        tokens, cached, _ = turn(engine, sid + "-2", prompt + outs[sid] + [7, 8, 9], sid)
+        expect, _, _ = turn(fresh, sid + "-2", prompt + outs[sid] + [7, 8, 9])
+        assert tokens == expect
+        assert cached >= 28, (sid, cached)
+        engine.connector_worker.wait_for_save()
