@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, StoreConfig
+from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, SessionConfig, StoreConfig
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -54,6 +54,17 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=None,
                    help="require this key as 'Authorization: Bearer KEY'; may be repeated "
                         "(default: $KVHIVE_API_KEY if set, else no key)")
+    p.add_argument("--default-session-ttl", type=int, default=600,
+                   help="TTL in seconds of a conversation started by an unknown conversation_id")
+    p.add_argument("--max-session-ttl", type=int, default=86400,
+                   help="largest session TTL a client may ask for, in seconds")
+    p.add_argument("--max-sessions-per-key", type=int, default=None,
+                   help="live sessions one API key may hold (429 above; default: no limit)")
+    p.add_argument("--max-pinned-gb", type=float, default=None,
+                   help="KV GiB one API key's sessions may hold (429 above; default: no limit)")
+    p.add_argument("--share-prefix-cache", action="store_true",
+                   help="share prefix-cache blocks across API keys (default: each key has its own, "
+                        "closing the timing side channel of vLLM CVE-2025-46570)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 
@@ -77,10 +88,13 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     store = StoreConfig(cpu_offload_gb=args.cpu_offload_gb, disk_cache_dir=args.disk_cache_dir,
                         disk_cache_gb=args.disk_cache_gb, redis_url=args.redis_url,
                         redis_ttl_s=args.redis_ttl)
+    sessions = SessionConfig(default_ttl_s=args.default_session_ttl, max_ttl_s=args.max_session_ttl,
+                             max_sessions_per_key=args.max_sessions_per_key,
+                             max_pinned_gb=args.max_pinned_gb, share_prefix_cache=args.share_prefix_cache)
     return EngineConfig(model_path=model_path, served_model_name=name, dtype=args.dtype,
                         device=args.device, num_threads=args.num_threads, cache=cache,
                         kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
-                        scheduler=sched, store=store)
+                        scheduler=sched, store=store, sessions=sessions)
 
 
 def serve(args: argparse.Namespace) -> int:

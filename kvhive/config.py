@@ -112,6 +112,28 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
+class SessionConfig:
+    """Sessions (``/v1/context``, ``x-session-id``, ``conversation_id``): TTLs, limits, isolation."""
+
+    default_ttl_s: int = 600               # a conversation_id seen for the first time
+    max_ttl_s: int = 86400                 # every TTL is capped here (400 above it)
+    max_sessions_per_key: int | None = None
+    max_pinned_gb: float | None = None     # KV bytes one API key's sessions may hold
+    share_prefix_cache: bool = False       # False: each API key has its own prefix cache (salt)
+
+    def __post_init__(self) -> None:
+        if self.max_ttl_s <= 0:
+            raise ValueError(f"--max-session-ttl must be positive, got {self.max_ttl_s}")
+        if not 0 < self.default_ttl_s <= self.max_ttl_s:
+            raise ValueError(f"--default-session-ttl must be in (0, --max-session-ttl={self.max_ttl_s}], "
+                             f"got {self.default_ttl_s}")
+        if self.max_sessions_per_key is not None and self.max_sessions_per_key < 1:
+            raise ValueError(f"--max-sessions-per-key must be at least 1, got {self.max_sessions_per_key}")
+        if self.max_pinned_gb is not None and self.max_pinned_gb <= 0:
+            raise ValueError(f"--max-pinned-gb must be positive, got {self.max_pinned_gb}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs: which model, on what device, with which cache and scheduler."""
 
@@ -125,6 +147,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    sessions: SessionConfig = field(default_factory=SessionConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -68,10 +68,16 @@ def free_port() -> int:
 
 
 def start_server(model: str, *, api_keys: tuple[str, ...] = (), max_model_len: int | None = None,
-                 faulty: bool = False, startup_timeout_s: float = 180.0) -> ServerProcess:
-    """Start a server subprocess and wait until /health answers 200."""
+                 faulty: bool = False, startup_timeout_s: float = 180.0,
+                 extra_args: tuple[str, ...] = ()) -> ServerProcess:
+    """Start a server subprocess and wait until /health answers 200.
+
+    ``extra_args``: more flags of the server script (``--num-blocks``, ``--cpu-offload-gb``,
+    ``--disk-cache-dir``, the session flags, ``--no-prefix-caching``).
+    """
     port = free_port()
-    cmd = [sys.executable, os.path.join(TESTS_DIR, "conftest.py"), "--model", model, "--port", str(port)]
+    cmd = [sys.executable, os.path.join(TESTS_DIR, "conftest.py"), "--model", model, "--port", str(port),
+           *extra_args]
     for key in api_keys:
         cmd += ["--api-key", key]
     if max_model_len is not None:
@@ -139,14 +145,21 @@ def tiny_client(tiny_server: ServerProcess) -> Iterator[httpx.Client]:
 
 
 def _build_engine(args: argparse.Namespace):  # -> AsyncEngine (imports stay inside the child)
-    from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
+    from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, SessionConfig, StoreConfig
     from kvhive.engine import AsyncEngine, LLMEngine
     from kvhive.model_files import default_model_path
 
     scheduler = SchedulerConfig(max_model_len=args.max_model_len or 8192)
+    store = StoreConfig(cpu_offload_gb=args.cpu_offload_gb, disk_cache_dir=args.disk_cache_dir)
+    sessions = SessionConfig(default_ttl_s=args.default_session_ttl, max_ttl_s=args.max_session_ttl,
+                             max_sessions_per_key=args.max_sessions_per_key, max_pinned_gb=args.max_pinned_gb,
+                             share_prefix_cache=args.share_prefix_cache)
+    prefix = not args.no_prefix_caching
     if args.model == "default":
         config = EngineConfig(model_path=default_model_path(), served_model_name=SERVED_MODEL_NAME,
-                              cache=CacheConfig(kv_cache_gb=0.25), scheduler=scheduler)
+                              cache=CacheConfig(kv_cache_gb=0.25, num_blocks=args.num_blocks,
+                                                enable_prefix_caching=prefix),
+                              scheduler=scheduler, store=store, sessions=sessions)
         engine = LLMEngine(config)
     else:
         from kvhive.model.loader import LoadedModel
@@ -160,7 +173,8 @@ def _build_engine(args: argparse.Namespace):  # -> AsyncEngine (imports stay ins
                                         eos_token_ids=tokenizer.eos_token_ids)
         loaded = LoadedModel(model_config, tiny.tiny_model(model_config), "tiny-server-test")
         config = EngineConfig(model_path=default_model_path(), served_model_name=SERVED_MODEL_NAME,
-                              cache=CacheConfig(num_blocks=256), scheduler=scheduler)
+                              cache=CacheConfig(num_blocks=args.num_blocks or 256, enable_prefix_caching=prefix),
+                              scheduler=scheduler, store=store, sessions=sessions)
         engine = LLMEngine(config, loaded=loaded, tokenizer=tokenizer)
     if not args.faulty:
         return AsyncEngine(engine)
@@ -168,10 +182,10 @@ def _build_engine(args: argparse.Namespace):  # -> AsyncEngine (imports stay ins
     class FaultyAsyncEngine(AsyncEngine):
         """Fails requests whose prompt starts with FAULT_TOKEN_IDS, as a broken engine would."""
 
-        async def generate(self, request_id, prompt_token_ids, sampling, cache_salt=None):
+        async def generate(self, request_id, prompt_token_ids, sampling, cache_salt=None, **session):
             if list(prompt_token_ids[:len(FAULT_TOKEN_IDS)]) == FAULT_TOKEN_IDS:
                 raise RuntimeError("injected engine failure")
-            outputs = super().generate(request_id, prompt_token_ids, sampling, cache_salt)
+            outputs = super().generate(request_id, prompt_token_ids, sampling, cache_salt, **session)
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
                     yield out
@@ -186,6 +200,15 @@ def _serve_main() -> None:
     parser.add_argument("--api-key", action="append", default=[])
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--faulty", action="store_true")
+    parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--cpu-offload-gb", type=float, default=0.0)
+    parser.add_argument("--disk-cache-dir", default=None)
+    parser.add_argument("--default-session-ttl", type=int, default=600)
+    parser.add_argument("--max-session-ttl", type=int, default=86400)
+    parser.add_argument("--max-sessions-per-key", type=int, default=None)
+    parser.add_argument("--max-pinned-gb", type=float, default=None)
+    parser.add_argument("--share-prefix-cache", action="store_true")
     args = parser.parse_args()
     import torch
 

@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvhive.server.chat import create_chat_completion
 from kvhive.server.completions import create_completion
+from kvhive.server.context import install_context_routes, session_sweeper
 from kvhive.server.errors import APIError, bad_request, install_error_handlers, validation_error
 from kvhive.server.metrics import ServerMetrics
 from kvhive.server.protocol import (
@@ -25,6 +26,7 @@ from kvhive.server.protocol import (
     ModelList,
 )
 from kvhive.server.serving import GenerationService, unix_time
+from kvhive.sessions import FileBackend, RedisBackend, SessionRegistry
 
 if TYPE_CHECKING:
     from kvhive.engine import AsyncEngine
@@ -82,9 +84,14 @@ async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
 def create_app(async_engine: AsyncEngine, *, served_model_name: str,
                api_keys: tuple[str, ...] = ()) -> FastAPI:
     """The OpenAI-compatible app over a started ``AsyncEngine`` (the caller owns its lifecycle)."""
-    app = FastAPI(title="kvhive", version="0.1.0")
     metrics = ServerMetrics(async_engine.stats, served_model_name)
-    service = GenerationService(async_engine, metrics, served_model_name)
+    config = async_engine.engine.config
+    registry = SessionRegistry(config.sessions,
+                               async_engine.engine.block_bytes / config.cache.block_size,
+                               backend=session_backend(config, served_model_name))
+    service = GenerationService(async_engine, metrics, served_model_name, sessions=registry,
+                                api_keys=api_keys, share_prefix_cache=config.sessions.share_prefix_cache)
+    app = FastAPI(title="kvhive", version="0.1.0", lifespan=lambda _app: session_sweeper(service))
     app.state.service = service
     app.state.metrics = metrics
     created = unix_time()
@@ -127,7 +134,17 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
         body = await parse_body(raw_request, ChatCompletionRequest)
         return await create_chat_completion(service, body, raw_request)
 
+    install_context_routes(app, service, parse_body)
     return app
+
+
+def session_backend(config, served_model_name: str) -> FileBackend | RedisBackend | None:
+    """Where the session registry persists: the disk cache dir, else Redis, else nowhere."""
+    if config.store.disk_cache_dir is not None:
+        return FileBackend(config.store.disk_cache_dir)
+    if config.store.redis_url is not None:
+        return RedisBackend(config.store.redis_url, f"kvhive:sessions:{served_model_name}")
+    return None
 
 
 def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_name: str,

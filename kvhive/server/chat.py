@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 
 from kvhive.server.errors import bad_request
@@ -65,8 +65,10 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
 
 
 async def create_chat_completion(service: GenerationService, body: ChatCompletionRequest,
-                                 raw_request: Request) -> Response | ChatCompletionResponse:
-    """Validate, run and answer one chat completion request."""
+                                 raw_request: Request, new_session_ttl: int | None = None
+                                 ) -> Response | ChatCompletionResponse:
+    """Validate, run and answer one chat completion request (in a session: ``x-session-id`` or
+    ``conversation_id``, or a new one with ``new_session_ttl``; the answer carries ``x-session-id``)."""
     service.check_common(body)
     _check_unsupported(body)
     messages = template_messages(body.messages)
@@ -78,10 +80,16 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
                         if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
     max_tokens = service.resolve_max_tokens(requested, len(token_ids), param, "messages")
     sampling = service.sampling_params(body, max_tokens)
+    owner = service.owner_of(raw_request)
+    session = service.open_session(raw_request, body.model, len(token_ids) + max_tokens,
+                                   conversation_id=body.conversation_id, new_ttl=new_session_ttl)
+    headers = {} if session is None else {"x-session-id": session.session_id}
     request_id = new_request_id("chatcmpl")
     created = unix_time()
     model = service.served_model_name
-    deltas = service.stream(request_id, token_ids, sampling, body.stop_strings, body.cache_salt)
+    deltas = service.stream(request_id, token_ids, sampling, body.stop_strings,
+                            service.cache_salt_for(owner, body.cache_salt), session=session,
+                            end_session=body.end_conversation)
 
     if not body.stream:
         result = await service.collect(deltas, raw_request)
@@ -89,8 +97,9 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
             return Response(status_code=499)          # the client is gone; nobody reads this
         choice = ChatChoice(message=AssistantMessage(content=result.text),
                             finish_reason=result.finish_reason)
-        return ChatCompletionResponse(id=request_id, created=created, model=model, choices=[choice],
-                                      usage=result.usage())
+        answer = ChatCompletionResponse(id=request_id, created=created, model=model, choices=[choice],
+                                        usage=result.usage())
+        return JSONResponse(answer.model_dump(mode="json"), headers=headers) if headers else answer
 
     include_usage = body.include_usage
     exclude = None if include_usage else {"usage"}
@@ -115,4 +124,4 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
         yield SSE_DONE
 
     return StreamingResponse(service.sse_with_errors(events()), media_type="text/event-stream",
-                             headers=SSE_HEADERS)
+                             headers={**SSE_HEADERS, **headers})

@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvhive.server.errors import bad_request
 from kvhive.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
@@ -51,16 +51,23 @@ def prompt_token_ids(service: GenerationService, prompt: str | list[int] | list[
 
 
 async def create_completion(service: GenerationService, body: CompletionRequest,
-                            raw_request: Request) -> Response | CompletionResponse:
-    """Validate, run and answer one completion request."""
+                            raw_request: Request, new_session_ttl: int | None = None
+                            ) -> Response | CompletionResponse:
+    """Validate, run and answer one completion request (in a session: ``x-session-id``, or a new
+    one with ``new_session_ttl``; the answer then carries ``x-session-id``)."""
     service.check_common(body)
     _check_unsupported(body)
     token_ids = prompt_token_ids(service, body.prompt)
     max_tokens = service.resolve_max_tokens(body.max_tokens, len(token_ids), "max_tokens", "prompt")
     sampling = service.sampling_params(body, max_tokens)
+    owner = service.owner_of(raw_request)
+    session = service.open_session(raw_request, body.model, len(token_ids) + max_tokens,
+                                   new_ttl=new_session_ttl)
+    headers = {} if session is None else {"x-session-id": session.session_id}
     request_id = new_request_id("cmpl")
     created = unix_time()
-    deltas = service.stream(request_id, token_ids, sampling, body.stop_strings, body.cache_salt)
+    deltas = service.stream(request_id, token_ids, sampling, body.stop_strings,
+                            service.cache_salt_for(owner, body.cache_salt), session=session)
 
     def response(delta: TextDelta, final: bool) -> CompletionResponse:
         choice = CompletionChoice(text=delta.text, finish_reason=delta.finish_reason)
@@ -72,6 +79,8 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
         result = await service.collect(deltas, raw_request)
         if result is None:
             return Response(status_code=499)          # the client is gone; nobody reads this
+        if headers:
+            return JSONResponse(response(result, final=True).model_dump(mode="json"), headers=headers)
         return response(result, final=True)
 
     include_usage = body.include_usage
@@ -88,4 +97,4 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
         yield SSE_DONE
 
     return StreamingResponse(service.sse_with_errors(events()), media_type="text/event-stream",
-                             headers=SSE_HEADERS)
+                             headers={**SSE_HEADERS, **headers})

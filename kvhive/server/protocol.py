@@ -95,6 +95,8 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
+    conversation_id: str | None = Field(default=None, min_length=1, max_length=256)  # a session
+    end_conversation: bool = False                      # free the conversation after this turn
 
 
 # ---------------------------------------------------------------- responses

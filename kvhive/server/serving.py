@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -25,6 +26,7 @@ from kvhive.server.errors import APIError, bad_request, server_error
 from kvhive.server.metrics import ServerMetrics
 from kvhive.server.protocol import PromptTokensDetails, SamplingRequest, Usage
 from kvhive.server.stop import StopStringMatcher
+from kvhive.sessions import Session, SessionError, SessionRegistry
 from kvhive.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -72,16 +74,27 @@ def sse_event(payload: BaseModel | dict[str, Any], exclude: set[str] | None = No
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def session_api_error(exc: SessionError) -> APIError:
+    """A registry refusal as an OpenAI-shaped error."""
+    kind = "rate_limit_error" if exc.status_code == 429 else "invalid_request_error"
+    return APIError(exc.status_code, exc.message, type=kind, param=exc.param, code=exc.code)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class GenerationService:
     """The server's view of the engine: validates what the engine would reject, streams text back."""
 
-    def __init__(self, async_engine: AsyncEngine, metrics: ServerMetrics, served_model_name: str) -> None:
+    def __init__(self, async_engine: AsyncEngine, metrics: ServerMetrics, served_model_name: str,
+                 sessions: SessionRegistry | None = None, api_keys: tuple[str, ...] = (),
+                 share_prefix_cache: bool = False) -> None:
         self.engine = async_engine
         self.metrics = metrics
         self.served_model_name = served_model_name
+        self.sessions = sessions
+        self.has_api_keys = bool(api_keys)
+        self.share_prefix_cache = share_prefix_cache
         self.tokenizer: Tokenizer = async_engine.engine.tokenizer
         self.max_model_len: int = async_engine.engine.max_model_len
         self.vocab_size: int = async_engine.engine.model_config.vocab_size
@@ -149,23 +162,77 @@ class GenerationService:
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
 
+    # ------------------------------------------------------------ owners and sessions
+
+    def owner_of(self, raw_request: Request) -> str | None:
+        """A digest of the caller's API key (None without API keys): owns sessions, salts the cache."""
+        if not self.has_api_keys:
+            return None
+        token = raw_request.headers.get("authorization", "").partition(" ")[2].strip()
+        return hashlib.sha256(token.encode()).hexdigest()[:32]
+
+    def cache_salt_for(self, owner: str | None, body_salt: str | None) -> str | None:
+        """The prefix-cache salt: the key's digest joins the body's salt unless the cache is shared.
+
+        Separate salts mean separate block hashes, so one key can never time another key's
+        prefix hits (vLLM CVE-2025-46570).
+        """
+        if owner is None or self.share_prefix_cache:
+            return body_salt
+        return f"key:{owner}" if body_salt is None else f"key:{owner}:{body_salt}"
+
+    def open_session(self, raw_request: Request, model: str, num_tokens: int, *,
+                     conversation_id: str | None = None, new_ttl: int | None = None) -> Session | None:
+        """The session this request runs in, marked busy: a new one (``new_ttl``), the one named by
+        ``x-session-id`` or ``conversation_id`` (an unknown conversation_id starts one with the
+        default TTL), or None. ``num_tokens`` (prompt + max output) is checked against the limits."""
+        registry = self.sessions
+        session_id = raw_request.headers.get("x-session-id") or conversation_id
+        if registry is None or (new_ttl is None and not session_id):
+            return None
+        owner = self.owner_of(raw_request)
+        try:
+            if new_ttl is not None:
+                registry.check_pinned(owner, num_tokens)
+                return registry.create(owner, model, new_ttl)
+            try:
+                session = registry.get(session_id, owner)
+            except SessionError:
+                if raw_request.headers.get("x-session-id") or conversation_id is None:
+                    raise
+                registry.check_pinned(owner, num_tokens)
+                return registry.create(owner, model, registry.config.default_ttl_s, session_id=conversation_id)
+            registry.begin_turn(session, model, num_tokens)
+            return session
+        except SessionError as exc:
+            raise session_api_error(exc) from None
+
     # ------------------------------------------------------------ generation
 
     async def stream(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                     stop_strings: Sequence[str], cache_salt: str | None) -> AsyncIterator[TextDelta]:
+                     stop_strings: Sequence[str], cache_salt: str | None, session: Session | None = None,
+                     end_session: bool = False) -> AsyncIterator[TextDelta]:
         """Run one request; yield text deltas, the last with its finish reason.
 
         Leaving early (client gone, cancellation) or an engine error aborts the engine request.
+        With a (busy) session the request continues it and, when it ends, the session holds
+        prompt + output with its expiry slid; ``end_session`` deletes the session after the turn.
         """
         tracker = self.metrics.track_request()
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=True)
         matcher = StopStringMatcher(stop_strings)
-        outputs = self.engine.generate(request_id, prompt_token_ids, sampling, cache_salt=cache_salt)
+        kwargs = {} if session is None else {"session_id": session.engine_id, "end_session": end_session}
+        outputs = self.engine.generate(request_id, prompt_token_ids, sampling, cache_salt=cache_salt, **kwargs)
+        session_done = False
         counts = (len(prompt_token_ids), 0, 0)
         done = False
         try:
             async for out in outputs:
                 counts = (out.num_prompt_tokens, max(0, out.num_cached_tokens), out.num_output_tokens)
+                if session is not None and out.session_block_hashes is not None:
+                    self._end_session_turn(session, end_session, out.num_prompt_tokens + out.num_output_tokens,
+                                           [h.hex() for h in out.session_block_hashes])
+                    session_done = True
                 tracker.on_tokens(len(out.new_token_ids))
                 delta = detokenizer.add(out.new_token_ids)
                 if out.finished:
@@ -193,6 +260,18 @@ class GenerationService:
                 self.engine.abort(request_id)
                 tracker.finish("abort", counts[0], counts[2])
             await outputs.aclose()
+            if session is not None and not session_done:
+                # Stopped early or failed: the engine keeps what was computed; slide the expiry.
+                self._end_session_turn(session, end_session, None, None)
+
+    def _end_session_turn(self, session: Session, end_session: bool, num_tokens: int | None,
+                          block_hashes: list[str] | None) -> None:
+        assert self.sessions is not None
+        if end_session:
+            self.sessions.delete(session)
+            self.engine.end_session(session.engine_id)
+        else:
+            self.sessions.end_turn(session, num_tokens, block_hashes)
 
     async def collect(self, deltas: AsyncIterator[TextDelta], raw_request: Request) -> TextDelta | None:
         """Join a whole stream into one delta; None if the client went away (the request is aborted)."""

@@ -1,0 +1,149 @@
+"""``/v1/context``: create a session with a completion, list, inspect, re-TTL and delete sessions.
+
+- ``POST /v1/context`` (header ``x-session-ttl``, default ``--default-session-ttl``; a completion body with ``prompt`` or a chat body
+  with ``messages``) runs that request in a new session and answers it with ``x-session-id``.
+- ``GET /v1/context``: the caller's live sessions. ``GET /v1/context/{id}``: one session, with
+  its blocks per tier. ``PATCH /v1/context/{id}``: a new TTL (``{"ttl": N}`` or the header).
+  ``DELETE /v1/context/{id}``: forget it and free its blocks.
+
+Another API key's session answers 404, exactly like an unknown, expired or deleted one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from kvhive.server.chat import create_chat_completion
+from kvhive.server.completions import create_completion
+from kvhive.server.errors import bad_request
+from kvhive.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvhive.server.serving import GenerationService, session_api_error
+from kvhive.sessions import Session, SessionError, parse_ttl
+
+# How often expired sessions are swept and their blocks freed.
+SWEEP_INTERVAL_S = 1.0
+# max_tokens of a POST /v1/context body that sets none (OpenAI's legacy completions default):
+# creating a context is about caching its prompt, not about generating to the end of the context.
+CONTEXT_DEFAULT_MAX_TOKENS = 16
+
+
+def session_info(session: Session, blocks: dict[str, int] | None = None) -> dict[str, Any]:
+    """A session as the API shows it."""
+    info: dict[str, Any] = {"id": session.session_id, "object": "context", "model": session.model,
+                            "created": int(session.created), "expires_at": int(session.expires),
+                            "ttl": session.ttl_s, "tokens": session.num_tokens,
+                            "num_blocks": len(session.block_hashes), "busy": session.busy}
+    if blocks is not None:
+        info["blocks"] = blocks
+    return info
+
+
+async def sweep_expired(service: GenerationService) -> None:
+    """Forever: drop expired sessions and free their blocks in the engine."""
+    while True:
+        await asyncio.sleep(SWEEP_INTERVAL_S)
+        for session in service.sessions.pop_expired():
+            service.engine.end_session(session.engine_id)
+
+
+def install_context_routes(app: FastAPI, service: GenerationService,
+                           parse_body: Callable[[Request, type], Awaitable[Any]]) -> None:
+    """Add the /v1/context routes over the service's session registry."""
+    registry = service.sessions
+    assert registry is not None
+
+    def lookup(raw_request: Request, session_id: str) -> Session:
+        try:
+            return registry.get(session_id, service.owner_of(raw_request))
+        except SessionError as exc:
+            raise session_api_error(exc) from None
+
+    def ttl_of(value: object, param: str) -> int:
+        try:
+            return parse_ttl(value, registry.config.max_ttl_s, param)
+        except SessionError as exc:
+            raise session_api_error(exc) from None
+
+    @app.post("/v1/context", response_model=None)
+    async def create_context(raw_request: Request) -> Any:
+        """Run a completion or chat completion in a new session; answer it with x-session-id."""
+        header = raw_request.headers.get("x-session-ttl")
+        # No header: the server's --default-session-ttl (documented); a bad value is a 400.
+        ttl = registry.config.default_ttl_s if header is None else ttl_of(header, "x-session-ttl")
+        if raw_request.headers.get("x-session-id"):
+            raise bad_request("POST /v1/context creates a session; send x-session-id to "
+                              "/v1/completions or /v1/chat/completions to use one", param="x-session-id")
+        try:
+            data = json.loads(await raw_request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            data = None                # parse_body answers the 400
+        if isinstance(data, dict) and "messages" in data:
+            body = await parse_body(raw_request, ChatCompletionRequest)
+            if body.max_tokens is None and body.max_completion_tokens is None:
+                body.max_tokens = CONTEXT_DEFAULT_MAX_TOKENS
+            if body.conversation_id is not None:
+                raise bad_request("'conversation_id' cannot be used with POST /v1/context; the "
+                                  "session id comes back in x-session-id", param="conversation_id")
+            return await create_chat_completion(service, body, raw_request, new_session_ttl=ttl)
+        body = await parse_body(raw_request, CompletionRequest)
+        if body.max_tokens is None:
+            body.max_tokens = CONTEXT_DEFAULT_MAX_TOKENS
+        return await create_completion(service, body, raw_request, new_session_ttl=ttl)
+
+    @app.get("/v1/context")
+    async def list_contexts(raw_request: Request) -> dict[str, Any]:
+        """The caller's live sessions."""
+        sessions = registry.list(service.owner_of(raw_request))
+        return {"object": "list", "data": [session_info(s) for s in sessions]}
+
+    @app.get("/v1/context/{session_id}")
+    async def get_context(session_id: str, raw_request: Request) -> dict[str, Any]:
+        """One session: tokens held, blocks per tier (device and each store tier), times, model."""
+        session = lookup(raw_request, session_id)
+        hashes = [bytes.fromhex(h) for h in session.block_hashes]
+        blocks = await asyncio.to_thread(service.engine.engine.session_blocks_by_tier, hashes)
+        return session_info(session, blocks)
+
+    @app.patch("/v1/context/{session_id}")
+    async def patch_context(session_id: str, raw_request: Request) -> dict[str, Any]:
+        """Set a new TTL (body ``{"ttl": N}`` or header x-session-ttl); expiry becomes now + TTL."""
+        session = lookup(raw_request, session_id)
+        raw = await raw_request.body()
+        value, param = raw_request.headers.get("x-session-ttl"), "x-session-ttl"
+        if raw.strip():
+            try:
+                data = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise bad_request(f"Malformed JSON in request body: {exc}") from exc
+            if not isinstance(data, dict):
+                raise bad_request("Request body must be a JSON object like {\"ttl\": 600}")
+            if "ttl" in data:
+                value, param = data["ttl"], "ttl"
+        registry.set_ttl(session, ttl_of(value, param))
+        return session_info(session)
+
+    @app.delete("/v1/context/{session_id}")
+    async def delete_context(session_id: str, raw_request: Request) -> dict[str, Any]:
+        """Forget the session and free its blocks (a running turn frees its own when it ends)."""
+        session = lookup(raw_request, session_id)
+        registry.delete(session)
+        service.engine.end_session(session.engine_id)
+        return {"id": session.session_id, "object": "context.deleted", "deleted": True}
+
+
+@contextlib.asynccontextmanager
+async def session_sweeper(service: GenerationService):
+    """Run ``sweep_expired`` for the app's lifetime."""
+    task = asyncio.create_task(sweep_expired(service))
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -1,0 +1,197 @@
+"""``/v1/context`` and sessions through real HTTP on the tiny model: create, use, manage, TTLs,
+ownership, limits and bad input (one server with two API keys and small limits)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from conftest import SERVED_MODEL_NAME, ServerProcess, start_server, stop_server
+
+KEY_A, KEY_B = "key-a", "key-b"
+PROMPT = [(i * 7) % 200 + 3 for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    srv = start_server("tiny", api_keys=(KEY_A, KEY_B), max_model_len=512,
+                       extra_args=("--max-session-ttl", "3600", "--default-session-ttl", "120",
+                                   "--max-sessions-per-key", "4"))
+    yield srv
+    stop_server(srv)
+
+
+def client(server: ServerProcess, key: str = KEY_A) -> httpx.Client:
+    return httpx.Client(base_url=server.base_url, timeout=60, headers={"Authorization": f"Bearer {key}"})
+
+
+def completion(prompt, max_tokens=8, **extra):
+    return {"model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, **extra}
+
+
+def create(c: httpx.Client, body=None, ttl="300") -> tuple[str, dict]:
+    r = c.post("/v1/context", json=body or completion(PROMPT), headers={"x-session-ttl": ttl})
+    assert r.status_code == 200, r.text
+    return r.headers["x-session-id"], r.json()
+
+
+def error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def test_create_use_extend(server):
+    with client(server) as c:
+        sid, first = create(c)
+        assert first["usage"]["completion_tokens"] == 8
+        info = c.get(f"/v1/context/{sid}").json()
+        assert info["tokens"] == len(PROMPT) + 8 and info["model"] == SERVED_MODEL_NAME
+        assert info["blocks"]["device"] >= len(PROMPT) // 16
+        assert info["expires_at"] - info["created"] in range(299, 302)
+        tokens = info["tokens"]
+        # Rebuild the exact session tokens from the engine's view: prompt + 8 greedy tokens.
+        r = c.post("/v1/completions", json=completion(PROMPT + [5, 6, 7]), headers={"x-session-id": sid})
+        assert r.status_code == 200 and r.headers["x-session-id"] == sid
+        # Diverged after the prompt (the outputs were not resent): prefix match on the common part.
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(PROMPT) // 16) * 16
+        assert c.get(f"/v1/context/{sid}").json()["tokens"] == len(PROMPT) + 3 + 8 != tokens
+
+
+def test_chat_conversation_id_and_end(server):
+    with client(server) as c:
+        msgs = [{"role": "user", "content": "hello there, how are you today?"}]
+        body = {"model": SERVED_MODEL_NAME, "messages": msgs, "max_tokens": 6, "temperature": 0,
+                "conversation_id": "conv-1"}
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200 and r.headers["x-session-id"] == "conv-1"
+        info = c.get("/v1/context/conv-1").json()
+        assert info["ttl"] == 120                       # --default-session-ttl
+        msgs2 = msgs + [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+                        {"role": "user", "content": "and then?"}]
+        r2 = c.post("/v1/chat/completions", json={**body, "messages": msgs2, "end_conversation": True})
+        assert r2.status_code == 200
+        assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+        error(c.get("/v1/context/conv-1"), 404)
+
+
+def test_manage_list_patch_delete(server):
+    with client(server) as c:
+        sid, _ = create(c)
+        assert sid in [s["id"] for s in c.get("/v1/context").json()["data"]]
+        r = c.patch(f"/v1/context/{sid}", json={"ttl": 1000})
+        assert r.status_code == 200 and r.json()["ttl"] == 1000
+        assert r.json()["expires_at"] >= time.time() + 990
+        r = c.patch(f"/v1/context/{sid}", headers={"x-session-ttl": "50"})
+        assert r.json()["ttl"] == 50
+        error(c.patch(f"/v1/context/{sid}", json={"ttl": -3}), 400)
+        assert c.get(f"/v1/context/{sid}").json()["ttl"] == 50          # nothing lost
+        assert c.delete(f"/v1/context/{sid}").json()["deleted"] is True
+        error(c.get(f"/v1/context/{sid}"), 404)
+        error(c.delete(f"/v1/context/{sid}"), 404)
+        err = error(c.post("/v1/completions", json=completion(PROMPT), headers={"x-session-id": sid}), 404)
+        assert err["code"] == "session_not_found"
+
+
+def test_sliding_expiry(server):
+    with client(server) as c:
+        sid, _ = create(c, ttl="2")
+        time.sleep(1.2)
+        assert c.post("/v1/completions", json=completion(PROMPT),
+                      headers={"x-session-id": sid}).status_code == 200      # slides to now + 2
+        time.sleep(1.2)
+        assert c.get(f"/v1/context/{sid}").status_code == 200
+        time.sleep(2.5)
+        error(c.get(f"/v1/context/{sid}"), 404)
+        error(c.post("/v1/completions", json=completion(PROMPT), headers={"x-session-id": sid}), 404)
+
+
+def test_missing_ttl_takes_the_default(server):
+    with client(server) as c:
+        r = c.post("/v1/context", json=completion(PROMPT))
+        sid = r.headers["x-session-id"]
+        assert c.get(f"/v1/context/{sid}").json()["ttl"] == 120         # --default-session-ttl
+        c.delete(f"/v1/context/{sid}")
+
+
+@pytest.mark.parametrize("ttl,code", [("", "missing_session_ttl"), ("-5", "invalid_session_ttl"),
+                                      ("0", "invalid_session_ttl"), ("1.5", "invalid_session_ttl"),
+                                      ("abc", "invalid_session_ttl"), ("3601", "session_ttl_too_long")])
+def test_bad_ttl(server, ttl, code):
+    with client(server) as c:
+        before = len(c.get("/v1/context").json()["data"])
+        headers = {"x-session-ttl": ttl}
+        err = error(c.post("/v1/context", json=completion(PROMPT), headers=headers), 400)
+        assert err["code"] == code and err["param"] == "x-session-ttl"
+        assert len(c.get("/v1/context").json()["data"]) == before
+
+
+def test_other_key_gets_404_and_no_shared_prefix(server):
+    with client(server, KEY_A) as a, client(server, KEY_B) as b:
+        prompt = [(i * 11) % 200 + 5 for i in range(64)]
+        sid, _ = create(a, completion(prompt))
+        assert sid not in [s["id"] for s in b.get("/v1/context").json()["data"]]
+        for r in (b.get(f"/v1/context/{sid}"), b.patch(f"/v1/context/{sid}", json={"ttl": 5}),
+                  b.delete(f"/v1/context/{sid}"),
+                  b.post("/v1/completions", json=completion(prompt), headers={"x-session-id": sid})):
+            error(r, 404)
+        assert a.get(f"/v1/context/{sid}").status_code == 200          # untouched
+        # The same prompt from key B gets no prefix hit from key A's blocks (separate cache salt).
+        r = b.post("/v1/completions", json=completion(prompt))
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        r = a.post("/v1/completions", json=completion(prompt))
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+        a.delete(f"/v1/context/{sid}")
+
+
+def test_session_count_limit_429(server):
+    with client(server, KEY_B) as c:
+        for s in c.get("/v1/context").json()["data"]:
+            c.delete(f"/v1/context/{s['id']}")
+        ids = [create(c)[0] for _ in range(4)]
+        err = error(c.post("/v1/context", json=completion(PROMPT), headers={"x-session-ttl": "60"}), 429)
+        assert "--max-sessions-per-key" in err["message"]
+        assert len(c.get("/v1/context").json()["data"]) == 4
+        for sid in ids:
+            c.delete(f"/v1/context/{sid}")
+
+
+def test_wrong_model_and_concurrent_409(server):
+    with client(server) as c:
+        sid, _ = create(c)
+        err = error(c.post("/v1/completions", json={**completion(PROMPT), "model": "other"},
+                           headers={"x-session-id": sid}), 404)
+        assert err["code"] == "model_not_found"
+        # Two requests at once on one session: the second is refused with 409, the first completes.
+        results = {}
+
+        def long_turn():
+            with client(server) as c2:
+                results["long"] = c2.post("/v1/completions", json=completion(PROMPT + [1] * 8, max_tokens=300),
+                                          headers={"x-session-id": sid})
+
+        t = threading.Thread(target=long_turn)
+        t.start()
+        time.sleep(0.5)
+        err = error(c.post("/v1/completions", json=completion(PROMPT), headers={"x-session-id": sid}), 409)
+        assert err["code"] == "session_busy"
+        t.join()
+        assert results["long"].status_code == 200
+        assert c.get(f"/v1/context/{sid}").json()["tokens"] == len(PROMPT) + 8 + 300
+
+
+def test_create_with_chat_body_and_stream(server):
+    with client(server) as c:
+        body = {"model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4, "temperature": 0, "stream": True}
+        with c.stream("POST", "/v1/context", json=body, headers={"x-session-ttl": "60"}) as r:
+            assert r.status_code == 200
+            sid = r.headers["x-session-id"]
+            r.read()
+        assert c.get(f"/v1/context/{sid}").json()["tokens"] > 4
+        c.delete(f"/v1/context/{sid}")
