@@ -177,20 +177,24 @@ def main() -> int:
     ap.add_argument("--kvhive-args", default="", help="extra arguments for kvhive serve")
     ap.add_argument("--tag", default="float32", help="suffix of the kvhive run names")
     ap.add_argument("--vllm-dtype", default="float32")
+    ap.add_argument("--vllm-args", default="", help="extra vLLM server flags (VLLM_EXTRA)")
+    ap.add_argument("--vllm-tag", default="", help="suffix of the vLLM run names")
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-kvhive", action="store_true")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "benchmarks_engine.md"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    ours, peer = f"kvhive_{args.tag}", f"vllm_{args.vllm_dtype}"
+    ours, peer = f"kvhive_{args.tag}", f"vllm_{args.vllm_dtype}{args.vllm_tag}"
     if not args.skip_kvhive:
         cmd = [sys.executable, "-m", "kvhive.cli", "serve", "--port", str(args.port),
                *shlex.split(args.kvhive_args)]
         serve_and_run(cmd, args.port, ours, args.out, os.path.join(args.out, f"{ours}.log"), [])
     if not args.skip_vllm:
         cmd = ["bash", VLLM_SH, "serve", args.vllm_dtype, str(args.port)]
-        serve_and_run(cmd, args.port, peer, args.out, os.path.join(args.out, f"{peer}.log"), [])
+        env = dict(os.environ, VLLM_EXTRA=args.vllm_args)
+        serve_and_run(cmd, args.port, peer, args.out, os.path.join(args.out, f"{peer}.log"), [],
+                      env=env)
     names = [ours, peer]
     png = os.path.join(ROOT, "docs", f"ttft_per_turn_{args.tag}.png")
     plot(args.out, names, png)
@@ -198,7 +202,8 @@ def main() -> int:
            f"Command: `python bench/multiturn_vs_vllm.py {' '.join(sys.argv[1:])}` "
            f"({time.strftime('%Y-%m-%d')}); workload `../shared/bench/multiturn.py` defaults "
            "(1,500-token shared system prompt, 8 conversations x 4 turns, 32 output tokens, greedy), "
-           f"vLLM for CPU 0.32.0 via `../shared/peers/vllm.sh serve {args.vllm_dtype}`.", "",
+           f"vLLM for CPU 0.32.0 via `../shared/peers/vllm.sh serve {args.vllm_dtype}`"
+           + (f" with `VLLM_EXTRA='{args.vllm_args}'`" if args.vllm_args else "") + ".", "",
            table(args.out, names), "", ratios(args.out, ours, peer), "",
            f"![TTFT per turn](ttft_per_turn_{args.tag}.png)", ""]
     with open(args.doc, "w") as f:
