@@ -267,6 +267,8 @@ class Scheduler:
             if self.connector is not None:
                 num_external, is_async = self.connector.get_num_new_matched_tokens(request, hit.num_computed_tokens)
             computed = hit.num_computed_tokens + num_external
+            if self._prefix_in_flight(request, computed // self.kv.block_size):
+                break               # next step the block is a hit instead of computed twice
             # An async load computes nothing until its blocks arrive; it takes no token budget.
             num_new = 0 if is_async else min(request.num_tokens - computed, budget)
             if not self.kv.allocate_slots(request, num_external + num_new, hit.blocks):
@@ -291,6 +293,25 @@ class Scheduler:
             planned[request.request_id] = num_new
             budget -= num_new
         return budget
+
+    def _prefix_in_flight(self, request: Request, num_hit_blocks: int) -> bool:
+        """True when a running prefill is computing the block this request needs next.
+
+        Admitting it now would compute that block twice in the same step (seed 004's pitfall, in
+        its concurrent form); waiting one step turns it into a cache hit. The running request is
+        scheduled before admissions every step, so the wait always ends.
+        """
+        if not self.kv.enable_prefix_caching or num_hit_blocks >= len(request.block_hashes):
+            return False
+        wanted = request.block_hashes[num_hit_blocks]
+        B = self.kv.block_size
+        for other in self.running:
+            if other.status is not RequestStatus.RUNNING or other.num_computed_tokens >= other.num_prompt_tokens:
+                continue
+            pending = other.block_hashes[other.num_computed_tokens // B:other.num_prompt_tokens // B]
+            if wanted in pending:
+                return True
+        return False
 
     def _build_plan(self, planned: dict[str, int]) -> StepPlan:
         seqs = []

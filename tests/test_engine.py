@@ -90,6 +90,18 @@ def test_blocks_are_shared_while_the_first_request_still_runs(tokenizer):
     assert out["r1"][1] >= 8
 
 
+def test_concurrent_arrivals_compute_a_shared_prefix_once(tokenizer):
+    # All four arrive together: the first computes the 40-token prefix, the others wait for it
+    # one step and then hit it instead of computing it again in the same step.
+    engine = make_engine(tokenizer, budget=256)
+    prompts = prompts_with_shared_prefix(n=4)
+    out = run(engine, prompts)
+    assert out["r0"][1] == 0
+    assert all(out[f"r{j}"][1] == 40 for j in (1, 2, 3))
+    uncached = run(make_engine(tokenizer, prefix=False), prompts)
+    assert {k: v[0] for k, v in out.items()} == {k: v[0] for k, v in uncached.items()}
+
+
 def test_preemption_gives_the_same_tokens(tokenizer):
     prompts = prompts_with_shared_prefix(n=4, prefix_len=30)
     roomy = run(make_engine(tokenizer, num_blocks=128), prompts)
