@@ -94,10 +94,20 @@ class ReplicaSet:
         return [r for r in self.replicas if r.healthy]
 
     async def run(self) -> None:
-        """Check every replica every ``interval_s`` until cancelled."""
-        while True:
-            await self.check_all()
-            await asyncio.sleep(self.interval_s)
+        """Check every replica every ``interval_s`` until cancelled. The checks are spread evenly
+        over the interval (not one burst per interval), so requests never queue behind a burst of
+        polls on the event loop; a check still running is not started again."""
+        running: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                for replica in self.replicas:
+                    previous = running.get(replica.name)
+                    if previous is None or previous.done():
+                        running[replica.name] = asyncio.create_task(self.check(replica))
+                    await asyncio.sleep(self.interval_s / len(self.replicas))
+        finally:
+            for task in running.values():
+                task.cancel()
 
     async def check_all(self) -> None:
         """Check every replica once, concurrently."""
