@@ -1,7 +1,7 @@
 """``/v1/context``: create a session with a completion, list, inspect, re-TTL and delete sessions.
 
-- ``POST /v1/context`` (header ``x-session-ttl``, default ``--default-session-ttl``; a completion body with ``prompt`` or a chat body
-  with ``messages``) runs that request in a new session and answers it with ``x-session-id``.
+- ``POST /v1/context`` (header ``x-session-ttl``, default ``--default-session-ttl``; a completion
+  body with ``prompt`` or a chat body with ``messages``; ``max_tokens`` defaults to 16) runs that request in a new session and answers it with ``x-session-id``.
 - ``GET /v1/context``: the caller's live sessions. ``GET /v1/context/{id}``: one session, with
   its blocks per tier. ``PATCH /v1/context/{id}``: a new TTL (``{"ttl": N}`` or the header).
   ``DELETE /v1/context/{id}``: forget it and free its blocks.
