@@ -122,8 +122,8 @@ def bench_redis(prompts, args) -> dict[str, object]:
         fill_s = fill(index, prompts, args.replicas)
         keys = client.dbsize()
         memory = client.info("memory")["used_memory"]
-        result = {"keys": keys - args.replicas, "fill_s": round(fill_s, 1), "redis_used_mb": round(memory / 2**20),
-                  **time_lookups(index, prompts, args.lookups, 3)}
+        result = {"keys": keys - args.replicas, "fill_s": round(fill_s, 1),
+                  "redis_used_mb": round(memory / 2**20), **time_lookups(index, prompts, args.lookups, 3)}
         client.close()
         return result
     finally:

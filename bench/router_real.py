@@ -124,8 +124,9 @@ def run_requests(url: str, model: str, prompts: Sequence[str]) -> list[dict[str,
             elapsed = time.perf_counter() - t0
             r.raise_for_status()
             usage = r.json()["usage"]
+            details = usage.get("prompt_tokens_details") or {}
             rows.append({"ttft_s": elapsed, "prompt_tokens": usage["prompt_tokens"],
-                         "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+                         "cached_tokens": details.get("cached_tokens") or 0,
                          "replica": r.headers.get("x-kvhive-replica"),
                          "reason": r.headers.get("x-kvhive-route-reason")})
     return rows
@@ -136,7 +137,8 @@ def summarize(policy: str, rows: list[dict[str, object]]) -> dict[str, object]:
     prompt = sum(int(r["prompt_tokens"]) for r in rows)
     cached = sum(int(r["cached_tokens"]) for r in rows)
     return {"policy": policy, "requests": len(rows), "hit_rate": round(cached / max(prompt, 1), 4),
-            "ttft_p50_ms": round(ttft[len(ttft) // 2], 1), "ttft_p90_ms": round(ttft[int(0.9 * len(ttft))], 1),
+            "ttft_p50_ms": round(ttft[len(ttft) // 2], 1),
+            "ttft_p90_ms": round(ttft[int(0.9 * len(ttft))], 1),
             "ttft_mean_ms": round(statistics.fmean(ttft), 1),
             "reasons": {k: sum(1 for r in rows if r["reason"] == k) for k in {r["reason"] for r in rows}}}
 
@@ -154,7 +156,8 @@ def main() -> int:
     docs = make_docs(args.customers, args.doc_tokens, args.seed)
     rng = random.Random(args.seed)
     order = [rng.randrange(args.customers) for _ in range(args.requests)]
-    prompts = [f"{docs[c]}\nQuestion {i}: what does it say about {rng.choice(WORDS)}?" for i, c in enumerate(order)]
+    prompts = [f"{docs[c]}\nQuestion {i}: what does it say about {rng.choice(WORDS)}?"
+               for i, c in enumerate(order)]
     results = []
     for policy in args.policies.split(","):
         log_dir = tempfile.mkdtemp(prefix="router-real-")
@@ -162,7 +165,8 @@ def main() -> int:
         gateway = None
         try:
             for proc, spec in replicas:
-                wait_for(spec.split(",")[0] + "/health", lambda r: r.status_code == 200, 120, "a replica", proc)
+                wait_for(spec.split(",")[0] + "/health", lambda r: r.status_code == 200, 120, "a replica",
+                         proc)
             gateway, url = start_gateway(log_dir, [spec for _, spec in replicas], policy)
             time.sleep(0.5)
             rows = run_requests(url, "smollm2-135m", prompts)
@@ -171,7 +175,8 @@ def main() -> int:
         results.append(summarize(policy, rows))
         print(json.dumps(results[-1]), flush=True)
     with open(args.out, "w") as f:
-        json.dump({"setup": {k: v for k, v in vars(args).items() if k != "out"}, "results": results}, f, indent=1)
+        setup = {k: v for k, v in vars(args).items() if k != "out"}
+        json.dump({"setup": setup, "results": results}, f, indent=1)
     print("\n| policy | requests | KV hit rate | TTFT p50 (ms) | TTFT p90 (ms) | TTFT mean (ms) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in results:

@@ -8,7 +8,8 @@ the shape of llm-d's precise-prefix-cache benchmark: many customers, each with a
 document, and short unique questions arriving as a Poisson process (customers uniform). Each request
 streams; TTFT is measured at the client through the gateway, the cached share of its prompt comes
 from ``usage.prompt_tokens_details.cached_tokens``. The first ``--warmup`` requests of the stream
-(sent at the same rate) fill the caches and are left out of the figures. Writes a JSON result, a PNG, and prints a table.
+(sent at the same rate) fill the caches and are left out of the figures. Writes a JSON result and a
+PNG, and prints a table.
 """
 
 from __future__ import annotations
@@ -185,7 +186,8 @@ def run_policy(policy: str, docs: list[str], args: argparse.Namespace) -> Policy
             out, errors, wall = asyncio.run(run_workload("", docs, args, direct))
             return summarize(policy, out, errors, wall)
         gw_cmd = [sys.executable, *profile, "-m", "kvhive.cli", "gateway", "--port", str(gw_port),
-                  "--policy", policy, "--health-interval", str(args.health_interval), "--log-level", "warning"]
+                  "--policy", policy, "--health-interval", str(args.health_interval),
+                  "--log-level", "warning"]
         for spec in replica_specs(args.replicas, http_base, events_base):
             gw_cmd += ["--replica", spec]
         gateway = subprocess.Popen(gw_cmd, stdout=open(f"{logs}/gateway.log", "w"), stderr=subprocess.STDOUT,
@@ -270,11 +272,13 @@ def main() -> int:
         results.append(run_policy(policy, docs, args))
         r = results[-1]
         print(f"  hit {100 * r.hit_rate:.1f}%  TTFT p50 {r.ttft_p50_ms:.0f} ms  p90 {r.ttft_p90_ms:.0f} ms  "
-              f"p99 {r.ttft_p99_ms:.0f} ms  ({r.requests} ok, {r.errors} errors, {r.wall_s:.0f} s)", flush=True)
+              f"p99 {r.ttft_p99_ms:.0f} ms  ({r.requests} ok, {r.errors} errors, {r.wall_s:.0f} s)",
+              flush=True)
     setup = {k: v for k, v in vars(args).items() if k not in ("out", "png")}
     with open(args.out, "w") as f:
         json.dump({"setup": setup, "results": [asdict(r) for r in results]}, f, indent=1)
-    title = (f"{args.replicas} simulated replicas, {args.customers} customers x {args.doc_tokens}-token docs, "
+    title = (f"{args.replicas} simulated replicas, {args.customers} customers x "
+             f"{args.doc_tokens}-token docs, "
              f"{args.rate:g} req/s Poisson, {args.capacity_blocks} KV blocks/replica")
     plot(results, args.png, title)
     print("\n| policy | requests | KV hit rate | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) |")

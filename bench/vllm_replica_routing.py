@@ -167,11 +167,13 @@ def main() -> int:
         report["follow_ups"] = len(follow)
         report["follow_ups_to_holder"] = sum(r["replica"] == first[r["doc"]] for r in follow)
         report["follow_ups_reason_kv"] = sum(r["reason"] == "kv" for r in follow)
-        report["follow_ups_on_vllm_cached_tokens"] = [r["cached_tokens"] for r in follow if r["replica"] == "vllm"]
+        report["follow_ups_on_vllm_cached_tokens"] = [
+            r["cached_tokens"] for r in follow if r["replica"] == "vllm"]
         labels = {"replica": vllm_url}
-        report["gateway_vllm_event_batches"] = gateway_metric(url, "kvhive_gateway_kv_event_batches_total", labels)
-        report["gateway_vllm_unmapped_blocks"] = gateway_metric(url, "kvhive_gateway_kv_event_unmapped_blocks_total",
-                                                                labels)
+        report["gateway_vllm_event_batches"] = gateway_metric(
+            url, "kvhive_gateway_kv_event_batches_total", labels)
+        report["gateway_vllm_unmapped_blocks"] = gateway_metric(
+            url, "kvhive_gateway_kv_event_unmapped_blocks_total", labels)
         report["gateway_index_keys"] = gateway_metric(url, "kvhive_gateway_index_keys")
         report["requests"] = rows
     finally:

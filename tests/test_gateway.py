@@ -1,4 +1,4 @@
-"""The gateway in front of 2 real ``kvhive serve`` replicas (default model, KV events over ZMQ), over real HTTP.
+"""The gateway in front of 2 real ``kvhive serve`` replicas (default model, KV events over ZMQ), by HTTP.
 
 The replicas are ``tests/gateway_replica.py``: the engine built from the serve flags exactly as
 ``kvhive serve`` builds it (``--kv-events`` / ``--kv-events-replay``), plus a stand-in /v1/context

@@ -112,7 +112,8 @@ class SimKVCache:
 class SimReplica:
     """One replica: KV cache, slots, a serial prefill lane, counters, and its event publisher."""
 
-    def __init__(self, config: SimConfig, prompts: PromptTokenizer, publisher: KVEventPublisher | None) -> None:
+    def __init__(self, config: SimConfig, prompts: PromptTokenizer,
+                 publisher: KVEventPublisher | None) -> None:
         self.config = config
         self.prompts = prompts
         self.publisher = publisher
@@ -267,7 +268,8 @@ async def serve_replicas(num_replicas: int, host: str, port: int, events_port: i
     for i in range(num_replicas):
         publisher = None
         if events_port is not None:
-            publisher = KVEventPublisher(f"tcp://*:{events_port + 2 * i}", f"tcp://*:{events_port + 2 * i + 1}")
+            publisher = KVEventPublisher(f"tcp://*:{events_port + 2 * i}",
+                                         f"tcp://*:{events_port + 2 * i + 1}")
             publishers.append(publisher)
         app = create_sim_app(SimReplica(config, prompts, publisher))
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port + i, log_level="warning",
@@ -281,7 +283,8 @@ async def serve_replicas(num_replicas: int, host: str, port: int, events_port: i
             publisher.close()
 
 
-def replica_specs(num_replicas: int, port: int, events_port: int | None, host: str = "127.0.0.1") -> list[str]:
+def replica_specs(num_replicas: int, port: int, events_port: int | None,
+                  host: str = "127.0.0.1") -> list[str]:
     """The ``--replica`` values of the gateway for these replicas."""
     specs = []
     for i in range(num_replicas):
