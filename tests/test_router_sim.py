@@ -111,3 +111,34 @@ def test_http_api_reports_cached_tokens_load_and_hashing(prompts: PromptTokenize
     ids = prompts.encode(text)
     keys = hash_blocks(ids, 16, root_hash(0, config.fingerprint))
     assert replica.cache.match(keys) == len(keys)
+
+
+def test_baseline_policies_ignore_the_index_but_keep_sessions() -> None:
+    from kvhive.router.gateway import Gateway
+    from kvhive.router.metrics import GatewayMetrics
+    from kvhive.router.replicas import Replica, ReplicaSet
+    from kvhive.router.scorer import RoutingWeights
+    from kvhive.router.sessions import SessionAffinity
+
+    names = [f"http://r{i}:1" for i in range(3)]
+
+    def gateway(policy: str) -> Gateway:
+        replicas = [Replica(ReplicaSpec(n), healthy=True) for n in names]
+        return Gateway(ReplicaSet(replicas, InMemoryIndex(), client=None), indexer=None,
+                       sessions=SessionAffinity(), weights=RoutingWeights(), metrics=GatewayMetrics(),
+                       client=None, policy=policy, seed=3)
+
+    async def firsts(g: Gateway, n: int, session: str | None = None) -> list[tuple[str, str]]:
+        out = []
+        for _ in range(n):
+            ranked, reason = await g.choose(None, session)
+            out.append((ranked[0].name, reason))
+        return out
+
+    rr = asyncio.run(firsts(gateway("round_robin"), 6))
+    assert [name for name, _ in rr] == names[1:] + names + names[:1] and {r for _, r in rr} == {"round_robin"}
+    rnd = asyncio.run(firsts(gateway("random"), 30))
+    assert {name for name, _ in rnd} == set(names) and {r for _, r in rnd} == {"random"}
+    g = gateway("random")
+    g.sessions.remember("s", names[2])
+    assert asyncio.run(firsts(g, 5, "s")) == [(names[2], "session")] * 5
