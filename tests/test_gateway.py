@@ -1,9 +1,8 @@
 """The gateway in front of 2 real ``kvhive serve`` replicas (default model, KV events over ZMQ), by HTTP.
 
-The replicas are ``tests/gateway_replica.py``: the engine built from the serve flags exactly as
-``kvhive serve`` builds it (``--kv-events`` / ``--kv-events-replay``), plus a stand-in /v1/context
-until the server has its own. The gateway learns the model fingerprint, block size and hash seed
-from the replicas' /v1/models.
+The replicas are ``kvhive serve --kv-events ... --kv-events-replay ...`` processes (their block pool
+publishes the events; sessions and /v1/context are the server's own). The gateway learns the model
+fingerprint, block size and hash seed from the replicas' /v1/models.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from conftest import REPO_ROOT, SERVED_MODEL_NAME, TESTS_DIR, free_port
+from conftest import REPO_ROOT, SERVED_MODEL_NAME, free_port
 
 from kvhive.router.cli import add_gateway_args, build_gateway_config, parse_tier_weights, run_gateway
 from kvhive.router.config import ReplicaSpec
@@ -55,7 +54,7 @@ def healthy(url: str) -> bool:
 
 @dataclass
 class ReplicaProcess:
-    """A tests/gateway_replica.py process on fixed ports, so it can be killed and started again."""
+    """A ``kvhive serve`` process on fixed ports, so it can be killed and started again."""
 
     port: int = field(default_factory=free_port)
     events_port: int = field(default_factory=free_port)
@@ -76,7 +75,7 @@ class ReplicaProcess:
         log = tempfile.NamedTemporaryFile(prefix=f"kvhive-replica-{self.port}-", suffix=".log", delete=False)
         self.log_path = log.name
         self.process = subprocess.Popen(
-            [sys.executable, os.path.join(TESTS_DIR, "gateway_replica.py"), "--port", str(self.port),
+            [sys.executable, "-m", "kvhive.cli", "serve", "--port", str(self.port),
              "--max-model-len", "1024", "--kv-cache-gb", "0.2", "--num-threads", "1",
              "--log-level", "warning",
              "--kv-events", f"tcp://*:{self.events_port}",
@@ -315,12 +314,16 @@ def test_a_client_that_leaves_mid_stream_frees_the_replica(cluster: Cluster) -> 
 def test_dead_replica_is_dropped_and_restored(cluster: Cluster) -> None:
     victim, survivor = cluster.replicas
     with cluster.client() as client:
-        session = complete(client, "session on the victim", headers={"x-session-id": "sess-fallback"})
-        if session.headers["x-kvhive-replica"] != victim.url:
+        created = client.post("/v1/context", json={
+            "model": SERVED_MODEL_NAME, "prompt": "session on the victim", "max_tokens": 1})
+        assert created.status_code == 200, created.text
+        session = {"x-session-id": created.headers["x-session-id"]}
+        if created.headers["x-kvhive-replica"] != victim.url:
             victim, survivor = survivor, victim
         cached = long_prompt(200)
         for _ in range(2):
-            served = complete(client, cached, headers={"x-session-id": "sess-fallback"})
+            served = complete(client, cached, headers=session)
+            assert served.status_code == 200, served.text
             assert served.headers["x-kvhive-replica"] == victim.url
         wait_until(lambda: cluster.metric("kvhive_gateway_index_keys") > 0, 10, "events")
         victim.kill()
@@ -331,8 +334,10 @@ def test_dead_replica_is_dropped_and_restored(cluster: Cluster) -> None:
             r = complete(client, prompt)
             assert r.status_code == 200 and r.headers["x-kvhive-replica"] == survivor.url
         assert complete(client, long_prompt(203)).headers["x-kvhive-route-reason"] == "load"
-        moved = complete(client, "where is my session", headers={"x-session-id": "sess-fallback"})
-        assert moved.status_code == 200 and moved.headers["x-kvhive-replica"] == survivor.url
+        # Its session goes to the survivor, which (no shared Redis tier here) does not know it.
+        moved = complete(client, "where is my session", headers=session)
+        assert moved.headers["x-kvhive-replica"] == survivor.url
+        assert moved.status_code == 404 and moved.json()["error"]["code"] == "session_not_found"
 
         victim.start()
         victim.wait_healthy()
