@@ -11,6 +11,15 @@ from kvhive.router.scorer import KVBlockScorer, TierWeights
 from kvhive.router.tokenize import Prompt, PromptTokenizer
 
 
+def prompt_chars(prompt: Prompt) -> int:
+    """About how much text ``prompt`` holds (0 for token ids: they need no tokenizing)."""
+    if prompt.text is not None:
+        return len(prompt.text)
+    if prompt.messages is not None:
+        return sum(len(m.get("content") or "") for m in prompt.messages) + 64 * len(prompt.messages)
+    return 0
+
+
 @dataclass(frozen=True)
 class KVScores:
     """What the index says about one prompt: replica -> score in blocks, out of ``num_blocks``."""
@@ -33,8 +42,15 @@ class KVCacheIndexer:
         self.block_size = block_size
         self.root = root
 
+    # Below this many characters of text, scoring costs less than a hop to the tokenizer pool
+    # (tens of microseconds): it runs on the event loop.
+    inline_chars: int = 1024
+
     async def score(self, prompt: Prompt) -> KVScores:
-        """KV scores of ``prompt``, computed on the tokenizer pool (the event loop never waits on it)."""
+        """KV scores of ``prompt``: short prompts on the calling thread, long ones on the tokenizer
+        pool (the event loop never waits on a long tokenization)."""
+        if prompt_chars(prompt) <= self.inline_chars:
+            return self.score_sync(prompt)
         return await self.tokenizer.run(self.score_sync, prompt)
 
     def score_sync(self, prompt: Prompt) -> KVScores:
