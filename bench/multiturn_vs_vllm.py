@@ -46,9 +46,10 @@ def wait_up(port: int, proc: subprocess.Popen, timeout: float = 900) -> float:
     raise TimeoutError("server did not come up")
 
 
-def run_workload(port: int, name: str, out_dir: str, extra: list[str]) -> None:
-    """All four workload runs against one live server."""
-    for mode, conc in RUNS:
+def run_workload(port: int, name: str, out_dir: str, extra: list[str],
+                 runs: list[tuple[str, int]] = RUNS) -> None:
+    """The workload runs (mode, concurrency) against one live server."""
+    for mode, conc in runs:
         out = os.path.join(out_dir, f"{name}_{mode}_c{conc}.json")
         cmd = [sys.executable, WORKLOAD, "--base-url", f"http://127.0.0.1:{port}/v1",
                "--model", "smollm2-135m", "--mode", mode, "--concurrency", str(conc),
@@ -58,7 +59,8 @@ def run_workload(port: int, name: str, out_dir: str, extra: list[str]) -> None:
 
 
 def serve_and_run(cmd: list[str], port: int, name: str, out_dir: str, log: str,
-                  extra: list[str], env: dict | None = None) -> None:
+                  extra: list[str], env: dict | None = None,
+                  runs: list[tuple[str, int]] = RUNS) -> None:
     """Start a server, run the workload, stop the server."""
     print("+", shlex.join(cmd), flush=True)
     with open(log, "w") as logf:
@@ -66,7 +68,7 @@ def serve_and_run(cmd: list[str], port: int, name: str, out_dir: str, log: str,
                                 start_new_session=True)
         try:
             print(f"{name} up after {wait_up(port, proc):.0f}s", flush=True)
-            run_workload(port, name, out_dir, extra)
+            run_workload(port, name, out_dir, extra, runs)
         finally:
             os.killpg(proc.pid, 15)
             proc.wait(timeout=60)
@@ -182,19 +184,23 @@ def main() -> int:
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-kvhive", action="store_true")
     ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--runs", default="cold:1,warm:1,warm:8,cold:8",
+                    help="mode:concurrency pairs to run (default: all four)")
     ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "benchmarks_engine.md"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    runs = [(m, int(c)) for m, c in (r.split(":") for r in args.runs.split(","))]
     ours, peer = f"kvhive_{args.tag}", f"vllm_{args.vllm_dtype}{args.vllm_tag}"
     if not args.skip_kvhive:
         cmd = [sys.executable, "-m", "kvhive.cli", "serve", "--port", str(args.port),
                *shlex.split(args.kvhive_args)]
-        serve_and_run(cmd, args.port, ours, args.out, os.path.join(args.out, f"{ours}.log"), [])
+        serve_and_run(cmd, args.port, ours, args.out, os.path.join(args.out, f"{ours}.log"), [],
+                      runs=runs)
     if not args.skip_vllm:
         cmd = ["bash", VLLM_SH, "serve", args.vllm_dtype, str(args.port)]
         env = dict(os.environ, VLLM_EXTRA=args.vllm_args)
         serve_and_run(cmd, args.port, peer, args.out, os.path.join(args.out, f"{peer}.log"), [],
-                      env=env)
+                      env=env, runs=runs)
     names = [ours, peer]
     png = os.path.join(ROOT, "docs", f"ttft_per_turn_{args.tag}.png")
     plot(args.out, names, png)
