@@ -263,12 +263,14 @@ class Scheduler:
                 # Diverged (or nothing held): the session follows this request's history.
                 self.kv.release_session(request.session_id)
             hit = self.kv.get_computed_blocks(request)
+            if self._prefix_in_flight(request, len(hit.blocks)):
+                # Next step the block is a device hit instead of computed twice; checked before
+                # the tier lookup so a waiting request costs no store round trip per step.
+                break
             num_external, is_async = 0, False
             if self.connector is not None:
                 num_external, is_async = self.connector.get_num_new_matched_tokens(request, hit.num_computed_tokens)
             computed = hit.num_computed_tokens + num_external
-            if self._prefix_in_flight(request, computed // self.kv.block_size):
-                break               # next step the block is a hit instead of computed twice
             # An async load computes nothing until its blocks arrive; it takes no token budget.
             num_new = 0 if is_async else min(request.num_tokens - computed, budget)
             if not self.kv.allocate_slots(request, num_external + num_new, hit.blocks):
