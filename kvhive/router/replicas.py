@@ -135,7 +135,8 @@ class ReplicaSet:
             if metrics.status_code == 200:
                 replica.load, replica.finished_at_poll = parse_load(metrics.text), finished
         except httpx.HTTPError:
-            pass
+            # Load stays as last polled; whether the replica is up is the health check's call.
+            logger.debug("load poll of %s failed", replica.name)
 
     async def mark_down(self, replica: Replica, why: str) -> None:
         """Stop routing to ``replica`` and forget its blocks until a health check passes again."""

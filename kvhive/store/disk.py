@@ -242,7 +242,7 @@ class DiskStore:
             try:
                 os.ftruncate(self._active_fd, offset)
             except OSError:
-                pass
+                pass        # the torn tail stays; the next startup scan truncates it
             grown = os.fstat(self._active_fd).st_size - offset
             active.size += grown
             self._used_bytes += grown
