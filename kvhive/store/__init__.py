@@ -10,9 +10,10 @@ from kvhive.store.codec import decode_block, encode_block
 from kvhive.store.disk import DiskStore
 from kvhive.store.key import KeySpace, StoreKey
 from kvhive.store.memory import MemoryStore
-from kvhive.store.tiered import Tier, TieredStore
+from kvhive.store.tiered import PinStats, Tier, TieredStore
 
 __all__ = [
     "BlockStore", "DiskStore", "Evicted", "KeySpace", "MemoryStore", "Payload", "PutResult",
-    "StatsCounter", "StoreKey", "StoreStats", "Tier", "TieredStore", "decode_block", "encode_block",
+    "PinStats", "StatsCounter", "StoreKey", "StoreStats", "Tier", "TieredStore", "decode_block",
+    "encode_block",
 ]

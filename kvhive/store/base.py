@@ -9,7 +9,7 @@ tensors. Every call is safe from any thread: loads and saves run on background t
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -115,6 +115,14 @@ class BlockStore(Protocol):
 
     def delete(self, key: StoreKey) -> None:
         """Forget the block, if stored."""
+        ...
+
+    def pin(self, keys: Iterable[StoreKey]) -> None:
+        """Keep these keys' blocks (held now or stored later) out of eviction until ``unpin``."""
+        ...
+
+    def unpin(self, keys: Iterable[StoreKey]) -> None:
+        """Let these keys' blocks be evicted again (a key never pinned is ignored)."""
         ...
 
     def stats(self) -> StoreStats:

@@ -21,6 +21,11 @@ a budget has been written since its segment ended is rewritten into the active s
 dropped segment holds only blocks not used for that long. Below half the budget nothing is
 rewritten (no write amplification while there is room). Deletes are not persisted: a deleted block
 can come back after a restart, which is harmless because a key names its content.
+
+Pins: a pinned key's record is never dropped. Before a segment is deleted, its live pinned records
+are copied into the active segment; a put that would not fit beside the pinned records is
+refused instead. Pins live in memory only: the owner (the session registry) pins again after a
+restart.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvhive.store.base import Payload, PutResult, StatsCounter, StoreStats
@@ -80,6 +85,9 @@ class DiskStore:
         self._segments: dict[int, _Segment] = {}
         self._index: dict[bytes, RecordLocation] = {}
         self._used_bytes = 0
+        # Pinned encoded keys, held or not; pinned_bytes == sum of record lengths of the indexed ones.
+        self._pins: set[bytes] = set()
+        self._pinned_bytes = 0
         self._sealed_fds: list[int] = []             # sealed by rotation, waiting for fsync + close
         os.makedirs(directory, exist_ok=True)
         self._load()
@@ -169,7 +177,25 @@ class DiskStore:
     def delete(self, key: StoreKey) -> None:
         """Drop the block from the index (not persisted: see the module docstring)."""
         with self._lock:
-            self._index.pop(key.encode(), None)
+            self._index_pop(key.encode())
+
+    def pin(self, keys: Iterable[StoreKey]) -> None:
+        """Never drop these keys' records, stored now or later, until ``unpin``."""
+        with self._lock:
+            for encoded in (key.encode() for key in keys):
+                if encoded not in self._pins:
+                    self._pins.add(encoded)
+                    loc = self._index.get(encoded)
+                    self._pinned_bytes += loc.length if loc is not None else 0
+
+    def unpin(self, keys: Iterable[StoreKey]) -> None:
+        """Let these keys' records go with their segments again."""
+        with self._lock:
+            for encoded in (key.encode() for key in keys):
+                if encoded in self._pins:
+                    self._pins.discard(encoded)
+                    loc = self._index.get(encoded)
+                    self._pinned_bytes -= loc.length if loc is not None else 0
 
     def stats(self) -> StoreStats:
         """Counters, bytes in segment files and the budget."""
@@ -211,7 +237,7 @@ class DiskStore:
         """Drop an index entry found unreadable, unless it was rewritten meanwhile."""
         with self._lock:
             if self._index.get(encoded) == loc:
-                del self._index[encoded]
+                self._index_pop(encoded)
 
     def _is_old(self, seg: int) -> bool:
         """Whether more than half a budget was written after ``seg`` (it is due to be dropped); lock held."""
@@ -219,10 +245,14 @@ class DiskStore:
         return written_since > self.budget_bytes // 2
 
     def _append(self, encoded: bytes, buffers: list[bytes | memoryview]) -> bool:
-        """Write one record at the end of the active segment and index it; lock held."""
+        """Make room for one record, write it at the end of the active segment and index it; lock held."""
         record_len = sum(memoryview(b).nbytes for b in buffers)
-        if self._active_fd < 0:
+        if self._active_fd < 0 or not self._evict_to_fit(record_len):
             return False
+        return self._write(encoded, buffers, record_len)
+
+    def _write(self, encoded: bytes, buffers: list[bytes | memoryview], record_len: int) -> bool:
+        """Write one record at the end of the active segment (a new one if it is full); lock held."""
         if self._segments[self._active_id].size + record_len > self.segment_bytes:
             try:
                 self._rotate()
@@ -230,7 +260,6 @@ class DiskStore:
                 self._stats.record_error()
                 logger.warning("disk tier: cannot start a new segment: %s", exc)
                 return False
-        self._evict_to_fit(record_len)
         active = self._segments[self._active_id]
         offset = active.size
         try:
@@ -250,8 +279,21 @@ class DiskStore:
         active.size += record_len
         self._used_bytes += record_len
         active.keys.append(encoded)
-        self._index[encoded] = RecordLocation(self._active_id, offset, record_len)
+        self._index_set(encoded, RecordLocation(self._active_id, offset, record_len))
         return True
+
+    def _index_set(self, encoded: bytes, loc: RecordLocation) -> None:
+        # Lock held; keeps pinned_bytes true.
+        if encoded in self._pins:
+            old = self._index.get(encoded)
+            self._pinned_bytes += loc.length - (old.length if old is not None else 0)
+        self._index[encoded] = loc
+
+    def _index_pop(self, encoded: bytes) -> None:
+        # Lock held; keeps pinned_bytes true.
+        loc = self._index.pop(encoded, None)
+        if loc is not None and encoded in self._pins:
+            self._pinned_bytes -= loc.length
 
     def _rotate(self) -> None:
         """Seal the active segment (queued for fsync) and start the next one; lock held."""
@@ -276,20 +318,42 @@ class DiskStore:
             for fd in fds:
                 os.close(fd)
 
-    def _evict_to_fit(self, record_len: int) -> None:
-        """Delete the oldest sealed segments until ``record_len`` more bytes fit the budget; lock held."""
-        while self._used_bytes + record_len > self.budget_bytes and len(self._segments) > 1:
-            seg = next(iter(self._segments))
+    def _evict_to_fit(self, record_len: int) -> bool:
+        """Delete the oldest sealed segments until ``record_len`` more bytes fit the budget; lock held.
+
+        Live pinned records of a deleted segment are copied forward first. False when the record
+        does not fit beside the pinned ones (nothing is deleted then) or still does not fit.
+        """
+        if self._used_bytes + record_len <= self.budget_bytes:
+            return True
+        if self._pinned_bytes + record_len > self.budget_bytes:
+            return False
+        # One pass over the segments sealed now: copies land in newer segments, never in these.
+        for seg in list(self._segments)[:-1]:
+            if self._used_bytes + record_len <= self.budget_bytes:
+                break
+            self._carry_pinned_forward(seg)
             segment = self._segments.pop(seg)
             self._used_bytes -= segment.size
             dropped = 0
             for key in segment.keys:
                 loc = self._index.get(key)
                 if loc is not None and loc.segment == seg:
-                    del self._index[key]
+                    self._index_pop(key)
                     dropped += 1
             try:
                 os.unlink(segment_path(self.directory, seg))
             except OSError as exc:   # the index no longer points there: at worst disk space leaks
                 logger.warning("disk tier: cannot delete segment %d: %s", seg, exc)
             self._stats.record_evictions(dropped)
+        return self._used_bytes + record_len <= self.budget_bytes
+
+    def _carry_pinned_forward(self, seg: int) -> None:
+        """Copy the live pinned records of ``seg`` to the end of the active segment; lock held."""
+        for key in self._segments[seg].keys:
+            loc = self._index.get(key)
+            if key not in self._pins or loc is None or loc.segment != seg:
+                continue
+            record = self._read(loc)
+            if record is None or not self._write(key, [record], loc.length):
+                logger.warning("disk tier: could not keep a pinned block of segment %d", seg)

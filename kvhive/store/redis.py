@@ -2,7 +2,10 @@
 
 Values are whole codec records (header + payload + checksums), so a value corrupted or written
 under the wrong key in Redis decodes to a miss. Redis does its own eviction (``maxmemory``) and
-expiry (``ttl_seconds``); this tier has no budget of its own.
+expiry (``ttl_seconds``); this tier has no budget of its own. A pinned key (``pin``) carries no TTL
+(PERSIST; SET without PX) until ``unpin`` gives it the TTL back. Pins are this process's: another
+replica's SET of the same block gives it a TTL again, and Redis's ``maxmemory`` policy is the
+operator's to choose (``volatile-*`` policies never evict keys without a TTL).
 
 Faults never reach the caller: when Redis is down or slow (connect / socket timeout), every call
 returns a miss or False, counts an error and marks the tier down for ``backoff_s``, during which
@@ -17,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 from kvhive.store.base import Payload, PutResult, StatsCounter, StoreStats
@@ -60,6 +63,7 @@ class RedisStore:
         self._is_down = False
         self._is_full = False
         self._last_corrupt_log = float("-inf")
+        self._pins: set[bytes] = set()     # encoded keys stored without a TTL
 
     def contains(self, keys: Sequence[StoreKey]) -> list[bool]:
         """Whether each key exists, in one pipelined round trip; all False while the tier is down."""
@@ -92,8 +96,9 @@ class RedisStore:
         """SET the encoded block (with the TTL, if any); False when the tier is down, slow or full."""
         parts = encode_block(key, payload)
         value = b"".join(parts)   # the one copy of the payload: Redis takes a single value
-        stored = self._call(lambda: bool(self._client.set(key.encode(), value, px=self.ttl_ms)), False,
-                            write=True)
+        encoded = key.encode()
+        ttl_ms = None if encoded in self._pins else self.ttl_ms
+        stored = self._call(lambda: bool(self._client.set(encoded, value, px=ttl_ms)), False, write=True)
         if stored:
             self._stats.record_put(memoryview(parts[1]).nbytes)
         return PutResult(stored)
@@ -101,6 +106,31 @@ class RedisStore:
     def delete(self, key: StoreKey) -> None:
         """DEL the block (for every replica sharing this Redis)."""
         self._call(lambda: self._client.delete(key.encode()), 0, write=False)
+
+    def pin(self, keys: Iterable[StoreKey]) -> None:
+        """Take the TTL off these keys (held now or stored later) so Redis does not expire them."""
+        encoded = [key.encode() for key in keys]
+        with self._lock:
+            self._pins.update(encoded)
+        if self.ttl_ms is not None and encoded:
+            self._pipelined(lambda pipe, k: pipe.persist(k), encoded)
+
+    def unpin(self, keys: Iterable[StoreKey]) -> None:
+        """Give these keys the tier's TTL back."""
+        encoded = [key.encode() for key in keys]
+        with self._lock:
+            self._pins.difference_update(encoded)
+        if self.ttl_ms is not None and encoded:
+            self._pipelined(lambda pipe, k: pipe.pexpire(k, self.ttl_ms), encoded)
+
+    def _pipelined(self, command: Callable, encoded: list[bytes]) -> None:
+        def run() -> None:
+            pipe = self._client.pipeline(transaction=False)
+            for k in encoded:
+                command(pipe, k)
+            pipe.execute()
+
+        self._call(run, None, write=False)
 
     def stats(self) -> StoreStats:
         """Counters; usage and budget are Redis's own (None here)."""

@@ -5,7 +5,9 @@ Policy, in one place:
 - lookup_prefix: the longest prefix of a chain found in any tier; each block may sit in a
   different tier (mixed tiers). One batched ``contains`` per tier, asked only for the blocks
   the tiers above did not have.
-- get: tiers in order; a hit in a lower tier is promoted (copied into every tier above it).
+- get: tiers in order; a hit in a lower tier is promoted (copied into every tier above it,
+  write-through ones included: a tier above the hit missed the block, e.g. a Redis hit saved by
+  another replica lands on the local disk too).
 - put(key, payload, from_tier): stores into tier ``from_tier`` and into every write-through tier
   below it. Redis is the write-through tier: it is shared, so a block saved by one replica is
   visible to the others at once rather than only after it trickles down.
@@ -13,14 +15,21 @@ Policy, in one place:
   into the next tier, cascading down, unless that tier is write-through (it already has every
   block). The disk tier hands nothing down: it drops whole segments and everything in them was
   already written through to Redis.
+- Pins (``pin_session``): live sessions name the blocks they hold; a block is pinned while any
+  session holds it (refcounted). The *keeper*, the lowest tier with a byte budget of its own
+  (disk if configured, else CPU memory), never evicts a pinned block; the tiers below it pin too
+  (Redis takes the TTL off). Tiers above the keeper evict pinned blocks like any other, and a
+  pinned block they evict is copied into the keeper if the keeper lacks it (demoted, not
+  dropped). When the keeper's budget is all pinned it refuses new blocks, never drops pinned ones.
 
-The tiered store holds no lock of its own: each tier is thread-safe, and a block in flight
-between tiers is at worst a miss for a moment, never wrong KV.
+Each tier is thread-safe, and a block in flight between tiers is at worst a miss for a moment,
+never wrong KV. The only lock here guards the pin table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvhive.store.base import BlockStore, Payload, StoreStats
@@ -36,6 +45,14 @@ class Tier:
     write_through: bool = False  # every put below it lands here too (a shared tier: Redis)
 
 
+@dataclass(frozen=True)
+class PinStats:
+    """What live sessions pin in the store."""
+
+    num_sessions: int     # sessions holding at least one pinned block
+    num_blocks: int       # distinct pinned blocks (a block shared by sessions counts once)
+
+
 class TieredStore:
     """Stores ordered fastest first, with longest-prefix lookup, promotion on hit and demotion on evict."""
 
@@ -46,6 +63,12 @@ class TieredStore:
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique, got {names}")
         self.tiers = tuple(tiers)
+        budgeted = [i for i, t in enumerate(self.tiers) if t.store.stats().budget_bytes is not None]
+        self.keeper = budgeted[-1] if budgeted else 0     # index of the tier that keeps pinned blocks
+        self._pin_lock = threading.Lock()
+        # Invariant: _pin_counts[k] == number of sessions in _session_pins whose set holds k (> 0).
+        self._session_pins: dict[str, frozenset[StoreKey]] = {}
+        self._pin_counts: dict[StoreKey, int] = {}
 
     def lookup_prefix(self, keys: Sequence[StoreKey]) -> list[int]:
         """Tier index of each block of the longest prefix of ``keys`` held in any tier (top tier wins)."""
@@ -72,8 +95,7 @@ class TieredStore:
             payload = tier.store.get(key)
             if payload is not None:
                 for upper in range(tier_index):
-                    if not self.tiers[upper].write_through:
-                        self._put_into(upper, key, payload)
+                    self._put_into(upper, key, payload)
                 return payload
         return None
 
@@ -92,6 +114,42 @@ class TieredStore:
         for tier in self.tiers:
             tier.store.delete(key)
 
+    def pin_session(self, session_id: str, keys: Iterable[StoreKey]) -> None:
+        """The session now holds exactly these blocks: pin the new ones, unpin the ones it let go of
+        (a block stays pinned while another session holds it)."""
+        new = frozenset(keys)
+        with self._pin_lock:
+            old = self._session_pins.pop(session_id, frozenset())
+            if new:
+                self._session_pins[session_id] = new
+            added = [k for k in new - old if self._count_pin(k, 1) == 1]
+            removed = [k for k in old - new if self._count_pin(k, -1) == 0]
+            # Under the lock, so a concurrent pin and unpin of one block reach the tiers in order.
+            for tier in self.tiers[self.keeper:]:
+                if added:
+                    tier.store.pin(added)
+                if removed:
+                    tier.store.unpin(removed)
+
+    def unpin_session(self, session_id: str) -> None:
+        """The session ended: unpin the blocks no other session holds."""
+        self.pin_session(session_id, ())
+
+    def is_pinned(self, key: StoreKey) -> bool:
+        """Whether a live session holds this block."""
+        return key in self._pin_counts
+
+    def pin_stats(self) -> PinStats:
+        """How many sessions pin how many distinct blocks."""
+        with self._pin_lock:
+            return PinStats(len(self._session_pins), len(self._pin_counts))
+
+    def pinned_blocks_by_tier(self) -> dict[str, int]:
+        """How many of the pinned blocks each tier holds, by tier name (one batched probe per tier)."""
+        with self._pin_lock:
+            keys = list(self._pin_counts)
+        return {tier.name: sum(tier.store.contains(keys)) if keys else 0 for tier in self.tiers}
+
     def stats(self) -> dict[str, StoreStats]:
         """Each tier's stats, by tier name."""
         return {tier.name: tier.store.stats() for tier in self.tiers}
@@ -105,7 +163,20 @@ class TieredStore:
         """Put into one tier and demote what it evicts into the next one, cascading down."""
         result = self.tiers[tier_index].store.put(key, payload)
         below = tier_index + 1
-        if below < len(self.tiers) and not self.tiers[below].write_through:
-            for evicted in result.evicted:
+        for evicted in result.evicted:
+            if below < len(self.tiers) and not self.tiers[below].write_through:
                 self._put_into(below, evicted.key, evicted.payload)
+            elif tier_index < self.keeper and self.is_pinned(evicted.key):
+                # Write-through below usually has it already; a pinned block must not be lost.
+                if not self.tiers[self.keeper].store.contains([evicted.key])[0]:
+                    self._put_into(self.keeper, evicted.key, evicted.payload)
         return result.stored
+
+    def _count_pin(self, key: StoreKey, delta: int) -> int:
+        # Pin lock held; returns the new count (0: the key is gone from the table).
+        count = self._pin_counts.get(key, 0) + delta
+        if count > 0:
+            self._pin_counts[key] = count
+        else:
+            self._pin_counts.pop(key, None)
+        return count
