@@ -13,10 +13,15 @@ tokens and goes back to the front of the waiting queue. Invariants between steps
 arrival order and every running request arrived before every waiting one.
 
 With a KV connector, admission also asks the store tiers for the blocks after the device hits.
-A synchronous load (bytes in memory) is computed on in the same step; an asynchronous one parks
-the request in ``running`` as WAITING_FOR_KV (holding its blocks, never scheduled nor preempted)
-until ``finish_kv_transfers`` reports how many blocks arrived. Blocks a step computed are handed
-to the connector in the next plan's ``connector_meta`` to be saved.
+A lookup still running off the loop (a slow tier) holds the head of the queue like a request
+that does not fit: admission stops there for this step, running requests keep stepping, and the
+head asks again next step (the connector keeps one answer per admission attempt, so waiting
+repeats no store query). A synchronous load (bytes in memory) is computed on in the same step;
+an asynchronous one parks the request in ``running`` as WAITING_FOR_KV (holding its blocks,
+never scheduled nor preempted) until ``finish_kv_transfers`` reports how many blocks arrived. A
+request aborted while its load is in flight keeps its blocks until the load reports back; the
+next plan tells the worker to cut that load short. Blocks a step computed are handed to the
+connector in the next plan's ``connector_meta`` to be saved.
 
 Sessions: a finished request with a ``session_id`` parks its blocks in the KV manager instead of
 freeing them; the session's next request resumes them at admission when its prompt continues
@@ -79,6 +84,7 @@ class Scheduler:
         self._newly_cached: list[CachedBlock] = []
         self._loading: dict[str, Request] = {}
         self._sending: dict[str, Request] = {}
+        self._cancelled_loads: list[str] = []             # aborted while loading, since the last plan
 
     def add_request(self, request: Request) -> None:
         """Queue a new request at the back of the waiting queue."""
@@ -121,6 +127,8 @@ class Scheduler:
         for request_id, num_loaded in finished.done_recving.items():
             request = self._loading.pop(request_id)
             if request.is_finished:        # aborted while loading: its blocks were held for the load
+                if request_id in self._cancelled_loads:     # reported before the cancel went out
+                    self._cancelled_loads.remove(request_id)
                 self._release(request)
                 continue
             # Blocks after the first one that failed stay allocated and are recomputed.
@@ -254,6 +262,8 @@ class Scheduler:
                             return budget
                     self.waiting.popleft()
                     self.running.append(request)
+                    if self.connector is not None:      # drop a lookup an earlier attempt kept
+                        self.connector.update_state_after_alloc(request, (), 0)
                     if request.num_cached_tokens < 0:
                         request.num_cached_tokens = held
                     request.status = RequestStatus.RUNNING
@@ -270,6 +280,8 @@ class Scheduler:
             num_external, is_async = 0, False
             if self.connector is not None:
                 num_external, is_async = self.connector.get_num_new_matched_tokens(request, hit.num_computed_tokens)
+                if num_external is None:
+                    break           # its tier lookup is still running; FCFS: the rest wait too
             computed = hit.num_computed_tokens + num_external
             # An async load computes nothing until its blocks arrive; it takes no token budget.
             num_new = 0 if is_async else min(request.num_tokens - computed, budget)
@@ -333,8 +345,9 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         meta = None
         if self.connector is not None:
-            output = SchedulerOutput(tuple(planned), tuple(finished), tuple(self._newly_cached))
-            self._newly_cached = []
+            output = SchedulerOutput(tuple(planned), tuple(finished), tuple(self._newly_cached),
+                                     tuple(self._cancelled_loads))
+            self._newly_cached, self._cancelled_loads = [], []
             meta = self.connector.build_connector_meta(output)
             meta = None if meta.is_empty else meta
         return StepPlan(seqs=seqs, finished_request_ids=finished, connector_meta=meta)
@@ -363,6 +376,7 @@ class Scheduler:
         del self._requests[request.request_id]
         self._finished_ids.append(request.request_id)
         if request.request_id in self._loading:        # freed when its load reports back
+            self._cancelled_loads.append(request.request_id)
             return
         if request.session_id is not None and not request.end_session:
             # Parked blocks stay allocated, so a connector's saves from them stay valid.

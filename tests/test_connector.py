@@ -19,9 +19,10 @@ from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, StoreConfi
 from kvhive.engine import LLMEngine
 from kvhive.model.loader import LoadedModel
 from kvhive.model_files import default_model_path
-from kvhive.request import RequestStatus
+from kvhive.request import RequestStatus, SamplingParams
 from kvhive.server.metrics import ServerMetrics
 from kvhive.store.disk import DiskStore
+from kvhive.store.key import KeySpace
 from kvhive.store.memory import MemoryStore
 from kvhive.store.tiered import Tier, TieredStore
 from kvhive.tokenizer import Tokenizer
@@ -79,18 +80,23 @@ def assert_pool_clean(engine) -> None:
 
 
 class SlowStore:
-    """A BlockStore wrapper whose gets sleep (a slow tier) or miss from a given block on."""
+    """A BlockStore wrapper whose gets and contains sleep (a slow tier) or miss from a given block
+    on; it counts both calls."""
 
-    def __init__(self, inner, delay_s: float = 0.0) -> None:
-        self.inner, self.delay_s = inner, delay_s
+    def __init__(self, inner, delay_s: float = 0.0, contains_delay_s: float = 0.0) -> None:
+        self.inner, self.delay_s, self.contains_delay_s = inner, delay_s, contains_delay_s
         self.fail_keys: set = set()
         self.release = threading.Event()
         self.release.set()
+        self.num_gets = self.num_contains = 0
 
     def contains(self, keys):
+        self.num_contains += 1
+        time.sleep(self.contains_delay_s)
         return self.inner.contains(keys)
 
     def get(self, key):
+        self.num_gets += 1
         self.release.wait()
         time.sleep(self.delay_s)
         return None if key in self.fail_keys else self.inner.get(key)
@@ -106,6 +112,15 @@ class SlowStore:
 
     def close(self):
         self.inner.close()
+
+
+def engine_with_prompt_below(tokenizer, slow: SlowStore) -> LLMEngine:
+    """An engine over the one tier ``slow`` that has served PROMPT, now evicted from its device pool."""
+    engine = engine_on(tokenizer, TieredStore([Tier("slow", slow)]))
+    run(engine, {"cold": PROMPT})
+    settle(engine)
+    evict_from_device(engine)
+    return engine
 
 
 def test_connector_scheduler_half_is_torch_free():
@@ -198,11 +213,8 @@ def test_corrupt_disk_objects_are_misses_and_tokens_stay_fresh(tokenizer, fresh,
 
 def test_slow_tier_parks_only_its_request(tokenizer, fresh):
     slow = SlowStore(MemoryStore(1 << 24))
-    engine = engine_on(tokenizer, TieredStore([Tier("slow", slow)]))
+    engine = engine_with_prompt_below(tokenizer, slow)
     try:
-        run(engine, {"cold": PROMPT})
-        settle(engine)
-        evict_from_device(engine)
         slow.release.clear()                        # the slow tier answers nothing for now
         engine.add_request("slow", PROMPT, GREEDY)
         engine.add_request("other", [9] * 30, GREEDY)
@@ -230,11 +242,8 @@ def test_slow_tier_parks_only_its_request(tokenizer, fresh):
 
 def test_failed_load_recomputes_from_the_first_bad_block(tokenizer, fresh):
     slow = SlowStore(MemoryStore(1 << 24))
-    engine = engine_on(tokenizer, TieredStore([Tier("slow", slow)]))
+    engine = engine_with_prompt_below(tokenizer, slow)
     try:
-        run(engine, {"cold": PROMPT})
-        settle(engine)
-        evict_from_device(engine)
         slow.fail_keys = set(engine.connector_scheduler.key_space.keys(_probe_hashes(engine))[10:11])
         assert run(engine, {"again": PROMPT})["again"] == (fresh, 40)        # blocks 0..9 loaded
         assert engine.stats().connector.failed_load_blocks == 14
@@ -246,11 +255,8 @@ def test_failed_load_recomputes_from_the_first_bad_block(tokenizer, fresh):
 
 def test_abort_while_loading_frees_blocks_after_the_load(tokenizer):
     slow = SlowStore(MemoryStore(1 << 24))
-    engine = engine_on(tokenizer, TieredStore([Tier("slow", slow)]))
+    engine = engine_with_prompt_below(tokenizer, slow)
     try:
-        run(engine, {"cold": PROMPT})
-        settle(engine)
-        evict_from_device(engine)
         slow.release.clear()
         engine.add_request("gone", PROMPT, GREEDY)
         engine.step()
@@ -315,3 +321,112 @@ def test_engine_close_persists_the_disk_tier(tokenizer, tmp_path):
         assert store.stats().used_bytes > 0
     finally:
         store.close()
+
+
+def step_until(engine, done, timeout_s: float = 20.0) -> dict[str, list[int]]:
+    """Step until ``done()``; the tokens each request produced meanwhile."""
+    tokens: dict[str, list[int]] = {}
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "no progress"
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+HOG = [(3 * i + 1) % 250 + 3 for i in range(80)]       # 20 blocks: PROMPT's 25 cannot fit beside it
+
+
+def test_request_waiting_for_blocks_looks_up_once_and_abort_drops_its_payloads(tokenizer, fresh):
+    engine = make_engine(tokenizer, num_blocks=40, store=StoreConfig(cpu_offload_gb=0.01))
+    try:
+        run(engine, {"cold": PROMPT})
+        settle(engine)
+        evict_from_device(engine)
+        engine.add_request("hog", HOG, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        engine.step()
+        cpu = engine.store.tiers[0].store
+        gets_before = cpu.stats().hits
+        engine.add_request("waiter", PROMPT, GREEDY)
+        for _ in range(8):                          # matched in the CPU tier, but no blocks for it
+            engine.step()
+            assert engine.scheduler.get_request("waiter").status is RequestStatus.WAITING
+        assert cpu.stats().hits - gets_before == 24            # payloads taken once, not per step
+        assert engine.connector_scheduler.num_held_lookups() == 1
+        engine.abort_request("waiter")                         # client gone while it waits
+        assert engine.connector_scheduler.num_held_lookups() == 0
+        step_until(engine, lambda: not engine.has_unfinished())
+        assert run(engine, {"again": PROMPT})["again"] == (fresh, 96)
+        assert engine.connector_scheduler.num_held_lookups() == 0
+        settle(engine)
+        assert_pool_clean(engine)
+    finally:
+        engine.close()
+
+
+def test_abort_during_a_slow_load_cuts_it_short_and_the_prompt_still_hits(tokenizer, fresh):
+    slow = SlowStore(MemoryStore(1 << 24), delay_s=0.05)        # 24 blocks: 1.2 s to load them all
+    engine = engine_with_prompt_below(tokenizer, slow)
+    try:
+        slow.num_gets = 0
+        engine.add_request("gone", PROMPT, GREEDY)
+        step_until(engine, lambda: engine.scheduler.get_request("gone").status is RequestStatus.WAITING_FOR_KV)
+        assert engine.connector_scheduler.num_held_lookups() == 0     # consumed by the admission
+        engine.abort_request("gone")
+        step_until(engine, lambda: not engine.has_unfinished())      # the load reports back, cut short
+        assert slow.num_gets < 12
+        assert engine.stats().connector.failed_load_blocks == 0     # cancelled is not failed
+        assert engine.connector_scheduler.num_held_lookups() == 0
+        settle(engine)
+        assert_pool_clean(engine)
+        assert run(engine, {"again": PROMPT})["again"] == (fresh, 96)
+        settle(engine)
+        assert_pool_clean(engine)
+    finally:
+        engine.close()
+
+
+def test_slow_tier_lookup_does_not_stall_running_requests(tokenizer, fresh):
+    slow = SlowStore(MemoryStore(1 << 24))
+    engine = engine_with_prompt_below(tokenizer, slow)
+    try:
+        engine.add_request("other", [9] * 30, GREEDY)
+        engine.step()                                              # "other" runs
+        hits_before = tier_hits(engine)["slow"]
+        slow.contains_delay_s, slow.num_contains = 1.0, 0          # every lookup now takes 1 s
+        engine.add_request("slow", PROMPT, GREEDY)
+        other_tokens, slowest_step = 0, 0.0
+        while engine.scheduler.get_request("slow").status is RequestStatus.WAITING:
+            start = time.monotonic()
+            for out in engine.step():
+                assert out.request_id == "other"
+                other_tokens += len(out.new_token_ids)
+            slowest_step = max(slowest_step, time.monotonic() - start)
+        # "other" finished while "slow" was looked up; a lookup on the loop would have admitted
+        # "slow" in the step that asked (after stalling that step for the whole second).
+        assert other_tokens == 11
+        assert slowest_step < 1.0
+        assert slow.num_contains == 1               # one lookup, not one per step
+        tokens = step_until(engine, lambda: not engine.has_unfinished())
+        assert tokens["slow"] == fresh
+        assert tier_hits(engine)["slow"] - hits_before == 96
+        settle(engine)
+        assert_pool_clean(engine)
+    finally:
+        engine.close()
+
+
+def test_a_lower_tier_hit_is_promoted_into_every_tier_above(tmp_path):
+    space = KeySpace("test-model", 1, "float32", 16)
+    key, payload = space.key(bytes(16)), bytes(range(200)) * 5
+    cpu, disk, redis = MemoryStore(1 << 20), DiskStore(str(tmp_path), 1 << 24), MemoryStore(1 << 20)
+    # The layout build_tiered_store makes: disk and Redis are both write-through.
+    tiered = TieredStore([Tier("cpu", cpu), Tier("disk", disk, write_through=True),
+                          Tier("redis", redis, write_through=True)])
+    try:
+        redis.put(key, payload)                     # saved by another replica
+        assert bytes(tiered.get(key)) == payload
+        assert cpu.contains([key]) == [True] and disk.contains([key]) == [True]
+        assert bytes(disk.get(key)) == payload
+    finally:
+        tiered.close()

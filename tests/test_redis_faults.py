@@ -1,6 +1,7 @@
 """The Redis tier under faults, on a tiny model against a real redis-server: stopped, paused (slow)
 and full Redis never stops serving; a restarted Redis works again without restarting the engine;
-corrupt values are misses; a second engine reads what the first one saved."""
+corrupt values are misses; a second engine reads what the first one saved, and keeps a copy on
+its local disk."""
 
 from __future__ import annotations
 
@@ -91,6 +92,26 @@ def _hashes(engine, name: str) -> list[bytes]:
     request = Request("probe", list(PROMPTS[name]), SamplingParams())
     engine.scheduler.kv._update_block_hashes(request)
     return request.block_hashes
+
+
+def test_a_redis_hit_is_promoted_to_the_local_disk(tokenizer, fresh, server, tmp_path):
+    first = redis_engine(tokenizer, server)
+    one(first, "p0")
+    first.close()
+    disk = str(tmp_path / "disk")
+    second = make_engine(tokenizer, num_blocks=64, store=StoreConfig(disk_cache_dir=disk, redis_url=server.url,
+                                                                     redis_timeout_s=0.2))
+    try:
+        assert one(second, "p0") == (fresh["p0"], 56)
+        assert {t.name: t.hit_tokens for t in second.stats().tiers} == {"disk": 0, "redis": 56}
+    finally:
+        second.close()
+    third = make_engine(tokenizer, num_blocks=64, store=StoreConfig(disk_cache_dir=disk))   # no Redis
+    try:
+        assert one(third, "p0") == (fresh["p0"], 56)
+        assert {t.name: t.hit_tokens for t in third.stats().tiers} == {"disk": 56}
+    finally:
+        third.close()
 
 
 def test_stopped_slow_and_full_redis_keep_serving_and_recover(tokenizer, fresh, server):

@@ -8,6 +8,7 @@ import pytest
 
 from kvhive.blocks import root_hash
 from kvhive.config import CacheConfig, SchedulerConfig
+from kvhive.connector.base import ConnectorMeta, FinishedTransfers, SchedulerOutput
 from kvhive.request import FinishReason, Request, RequestStatus, SamplingParams
 from kvhive.scheduler import Scheduler
 from kvhive.step import StepPlan, StepResult
@@ -61,11 +62,12 @@ class FakeRunner:
         return StepResult(sampled)
 
 
-def make_sched(block_size=4, num_blocks=64, max_num_seqs=4, budget=64, max_model_len=10_000, caching=True):
+def make_sched(block_size=4, num_blocks=64, max_num_seqs=4, budget=64, max_model_len=10_000, caching=True,
+               connector=None):
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                      max_model_len=max_model_len),
                      CacheConfig(block_size=block_size, enable_prefix_caching=caching),
-                     num_blocks, root_hash(0))
+                     num_blocks, root_hash(0), connector=connector)
 
 
 def req(rid: str, prompt: list[int], max_tokens: int = 8, eos: tuple[int, ...] = (), **sampling) -> Request:
@@ -320,3 +322,75 @@ def test_random_workloads_match_the_reference(seed):
             continue                                                # outgrew a tiny pool
         assert r.output_token_ids == reference(r.prompt_token_ids, r.sampling.max_tokens)
     assert sched.kv.pool.stats().num_used == 0
+
+
+class ScriptedConnector:
+    """A connector scheduler half whose lookups answer from a script: ``answers[request_id]`` is
+    a list of (tokens, is_async), one per call, the last one repeated."""
+
+    def __init__(self, answers: dict[str, list[tuple[int | None, bool]]]) -> None:
+        self.answers = answers
+        self.lookups: list[str] = []
+        self.finished: list[str] = []
+        self.outputs: list[SchedulerOutput] = []
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        self.lookups.append(request.request_id)
+        script = self.answers.get(request.request_id, [(0, False)])
+        return script.pop(0) if len(script) > 1 else script[0]
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        pass
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMeta:
+        self.outputs.append(scheduler_output)
+        return ConnectorMeta()
+
+    def request_finished(self, request, block_ids) -> bool:
+        self.finished.append(request.request_id)
+        return False
+
+
+def test_pending_tier_lookup_holds_admission_while_running_requests_step():
+    connector = ScriptedConnector({"late": [(None, False)] * 3 + [(0, False)]})
+    sched = make_sched(connector=connector)
+    runner = FakeRunner(sched)
+    early = req("early", range(10), max_tokens=8)
+    sched.add_request(early)
+    step(sched, runner)
+    late, behind = req("late", range(20, 30)), req("behind", range(40, 50))
+    sched.add_request(late)
+    sched.add_request(behind)
+    for _ in range(3):                                  # the lookup of "late" is still running
+        plan, out = step(sched, runner)
+        assert [s.request_id for s in plan.seqs] == ["early"] and out == [early]
+        assert late.status is RequestStatus.WAITING and behind.status is RequestStatus.WAITING
+    plan, _ = step(sched, runner)                       # answered: "late", then "behind" (FCFS)
+    assert [s.request_id for s in plan.seqs] == ["early", "late", "behind"]
+    drive(sched, runner)
+    for r in (early, late, behind):
+        assert r.output_token_ids == reference(r.prompt_token_ids, r.sampling.max_tokens)
+    assert sorted(connector.finished) == ["behind", "early", "late"]
+
+
+def test_abort_while_loading_cancels_the_load_and_frees_blocks_when_it_reports():
+    connector = ScriptedConnector({"slow": [(8, True)], "fast": [(8, True)]})
+    sched = make_sched(connector=connector)
+    slow, fast = req("slow", range(20)), req("fast", range(30, 50))
+    sched.add_request(slow)
+    sched.add_request(fast)
+    sched.update_from_result(sched.schedule(), StepResult({}))
+    assert slow.status is fast.status is RequestStatus.WAITING_FOR_KV
+    assert sched.kv.pool.stats().num_used == 4             # two blocks each, held for the loads
+    sched.abort_request("slow")
+    sched.abort_request("fast")
+    sched.finish_kv_transfers(FinishedTransfers(set(), {"fast": 2}))   # reported before any cancel
+    assert sched.kv.pool.stats().num_used == 2             # "slow" keeps its blocks: still loading
+    sched.update_from_result(sched.schedule(), StepResult({}))
+    assert connector.outputs[-1].cancelled_loads == ("slow",)
+    sched.finish_kv_transfers(FinishedTransfers(set(), {"slow": 1}))   # cut short after one block
+    assert sched.kv.pool.stats().num_used == 0 and not sched.has_unfinished()
+    sched.update_from_result(sched.schedule(), StepResult({}))
+    assert connector.outputs[-1].cancelled_loads == ()
+    assert sorted(connector.finished) == ["fast", "slow"]  # each told once
+    sched.kv.pool.check_integrity()

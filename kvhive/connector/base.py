@@ -32,6 +32,8 @@ class SchedulerOutput:
     finished_request_ids: tuple[str, ...]
     # Blocks computed by earlier steps and registered since the last output (never loaded ones).
     newly_cached: tuple[CachedBlock, ...]
+    # Requests that ended (aborted) while their asynchronous load was in flight.
+    cancelled_loads: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -56,15 +58,18 @@ class LoadSpec:
 
 @dataclass(frozen=True)
 class ConnectorMeta:
-    """One step's transfers: blocks to snapshot and save, and blocks to load."""
+    """One step's transfers: blocks to snapshot and save, blocks to load, loads to cut short."""
 
     saves: tuple[tuple[int, StoreKey], ...] = ()     # (device block id, key)
     loads: tuple[LoadSpec, ...] = ()
+    # Requests whose asynchronous loads are no longer wanted: the worker stops each at its next
+    # block and reports it in ``get_finished`` as usual (the blocks loaded so far).
+    cancelled_loads: tuple[str, ...] = ()
 
     @property
     def is_empty(self) -> bool:
-        """True when there is nothing to move."""
-        return not self.saves and not self.loads
+        """True when there is nothing to move or cancel."""
+        return not self.saves and not self.loads and not self.cancelled_loads
 
 
 class FinishedTransfers(NamedTuple):
@@ -77,14 +82,19 @@ class FinishedTransfers(NamedTuple):
 class ConnectorScheduler(Protocol):
     """The scheduler half: decides what to load and save; never touches tensors."""
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` (device hits) that the store can supply, and
-        whether loading them is asynchronous (the request must wait) or happens during the step."""
+        whether loading them is asynchronous (the request must wait) or happens during the step.
+
+        None tokens (as in vLLM): the lookup is still running off the engine loop; ask again next
+        step. The answer for one ``num_computed_tokens`` is kept until the request is admitted
+        (``update_state_after_alloc``) or finished, so asking again repeats no store query.
+        """
         ...
 
     def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """Record that ``block_ids`` (the request's blocks after its device hits) will receive
-        ``num_external_tokens`` tokens from the store; 0 drops any pending match."""
+        ``num_external_tokens`` tokens from the store, and forget the lookup; 0 drops it unused."""
         ...
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMeta:
@@ -92,7 +102,8 @@ class ConnectorScheduler(Protocol):
         ...
 
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> bool:
-        """A request ended; True would mean its blocks must stay allocated until saves finish."""
+        """A request ended (finished or aborted): forget its lookup and anything it holds. True
+        would mean its blocks must stay allocated until saves finish."""
         ...
 
 

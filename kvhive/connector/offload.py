@@ -8,6 +8,12 @@ Torch-free: it runs inside the scheduler. Policy:
   eviction cannot take them away) and the load is synchronous: the worker copies them in layer
   by layer during the step. Otherwise the load is asynchronous: the request waits
   (WAITING_FOR_KV) while the worker fetches the objects (promoting them) on a background thread.
+- Lookups never stall the engine loop on a slow tier: when the memory tier (if it is the top
+  tier) does not hold every block, the tiers are asked on a lookup thread; the caller waits at
+  most ``lookup_wait_s`` and otherwise hears "not known yet" (None) and asks again next step.
+- One lookup per admission attempt: its result (and any payloads taken) is kept per request,
+  for that request's ``num_computed_tokens``, until the request is admitted or finished; a
+  request that waits for blocks asks again every step and gets the kept answer.
 - Save (write-through on compute): every block a step computed and registered in the prefix
   cache is saved (CPU memory, and the write-through tiers: disk, Redis), so a block evicted from
   the device pool already has a copy below. Loaded blocks are never saved again.
@@ -15,7 +21,9 @@ Torch-free: it runs inside the scheduler. Policy:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +41,7 @@ from kvhive.store.key import KeySpace, StoreKey
 from kvhive.store.memory import MemoryStore
 from kvhive.store.tiered import Tier, TieredStore
 
+logger = logging.getLogger(__name__)
 # Version of the pool block layout [num_layers, 2, block_size, kv_heads, head_dim] in store keys.
 KV_LAYOUT_VERSION = 1
 _GB = 2**30
@@ -68,47 +77,68 @@ class _Match:
     payloads: list[Any] | None       # memory-tier bytes for a synchronous load
 
 
+@dataclass
+class _Lookup:
+    """One request's lookup for one (num_computed_tokens, num_tokens): in flight, then resolved."""
+
+    asked_at: tuple[int, int]
+    keys: list[StoreKey]                     # the request's keys after its device hits
+    running: Future[list[int]] | None        # the tiers' answer while a lookup thread asks them
+    match: _Match | None = None              # set once the answer is in (payloads taken)
+
+
 class OffloadScheduler:
     """Scheduler half of the offload connector: lookups, load specs and saves over a TieredStore."""
 
-    def __init__(self, store: TieredStore, key_space: KeySpace, block_bytes: int) -> None:
+    def __init__(self, store: TieredStore, key_space: KeySpace, block_bytes: int,
+                 lookup_wait_s: float = 0.002) -> None:
+        """``lookup_wait_s``: how long admission waits for a lookup of the slow tiers before
+        leaving it to run in the background (the request then waits a step and asks again)."""
         self.store = store
         self.key_space = key_space
         self.block_size = key_space.block_size
         self.block_bytes = block_bytes
+        self.lookup_wait_s = lookup_wait_s
         # The tier whose payloads are taken at lookup for synchronous loads (process memory).
         self._memory_tier = next((i for i, t in enumerate(store.tiers) if isinstance(t.store, MemoryStore)),
                                  None)
-        self._pending: dict[str, _Match] = {}      # request id -> latest lookup, until allocation
+        # Tiers that may block (disk, network) are asked on a lookup thread, never on the loop.
+        self._has_slow_tiers = any(not isinstance(t.store, MemoryStore) for t in store.tiers)
+        self._lookup_threads: ThreadPoolExecutor | None = None    # started at the first slow lookup
+        # request id -> its latest lookup; removed when the request is admitted or finished.
+        self._lookups: dict[str, _Lookup] = {}
         self._loads: list[LoadSpec] = []           # recorded since the last build_connector_meta
         self._stats = ConnectorStats(tiers={t.name: TierCounters() for t in store.tiers})
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens after the device hits found in the tiers (whole blocks, leaving one token to
-        compute), and whether the load is asynchronous."""
+        compute), and whether the load is asynchronous; None tokens while the lookup runs."""
         B = self.block_size
         first = num_computed_tokens // B
         last = (request.num_tokens - 1) // B
-        self._pending.pop(request.request_id, None)
+        asked_at = (num_computed_tokens, request.num_tokens)
+        lookup = self._lookups.get(request.request_id)
+        if lookup is not None and lookup.asked_at != asked_at:
+            self._forget(request.request_id)        # device hits changed: the old answer is stale
+            lookup = None
         if first >= last:
             return 0, False
-        keys = self.key_space.keys(request.block_hashes[first:last])
-        tiers = self.store.lookup_prefix(keys)
-        match = _Match(keys[:len(tiers)], tiers, len(keys), None)
-        self._pending[request.request_id] = match
-        if tiers and all(t == self._memory_tier for t in tiers):
-            payloads = self._take_from_memory(match.keys)
-            if payloads:
-                match.keys, match.tiers, match.payloads = match.keys[:len(payloads)], tiers[:len(payloads)], payloads
-                return len(payloads) * B, False
-            match.keys, match.tiers = [], []
-        return len(match.keys) * B, bool(match.keys)
+        if lookup is None:
+            lookup = self._start_lookup(request.block_hashes[first:last], asked_at)
+            self._lookups[request.request_id] = lookup
+        if lookup.match is None:
+            if lookup.running is not None and not lookup.running.done():
+                return None, False
+            lookup.match = self._resolve(lookup)
+        match = lookup.match
+        return len(match.keys) * B, match.payloads is None and bool(match.keys)
 
     def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        """Turn the request's pending match into a LoadSpec for ``block_ids``; count the lookup."""
-        match = self._pending.pop(request.request_id, None)
-        if match is None:
+        """Turn the request's kept match into a LoadSpec for ``block_ids``; count the lookup."""
+        lookup = self._forget(request.request_id)
+        if lookup is None or lookup.match is None:
             return
+        match = lookup.match
         num_blocks = num_external_tokens // self.block_size
         self._count_lookup(match, num_blocks)
         if num_blocks == 0:
@@ -129,12 +159,23 @@ class OffloadScheduler:
         saves = tuple((b.block_id, self.key_space.key(b.block_hash)) for b in scheduler_output.newly_cached)
         self._stats.saved_blocks += len(saves)
         loads, self._loads = tuple(self._loads), []
-        return ConnectorMeta(saves=saves, loads=loads)
+        return ConnectorMeta(saves=saves, loads=loads, cancelled_loads=scheduler_output.cancelled_loads)
 
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> bool:
-        """Forget a pending match; False: saves snapshot blocks before any reuse, nothing to hold."""
-        self._pending.pop(request.request_id, None)
+        """Forget the request's lookup and its payloads; False: saves snapshot blocks before any
+        reuse, nothing to hold."""
+        self._forget(request.request_id)
         return False
+
+    def num_held_lookups(self) -> int:
+        """Requests whose lookup (and any payloads taken for it) the connector keeps."""
+        return len(self._lookups)
+
+    def close(self) -> None:
+        """Stop the lookup threads (a lookup still running ends on its own; nobody reads it)."""
+        if self._lookup_threads is not None:
+            self._lookup_threads.shutdown(wait=False, cancel_futures=True)
+            self._lookup_threads = None
 
     def stats(self) -> ConnectorStats:
         """The connector's own counters (a live object: copy what you keep)."""
@@ -147,6 +188,44 @@ class OffloadScheduler:
             counters = self._stats.tiers[tier.name]
             out.append(TierStats(tier.name, counters.hit_tokens, counters.miss_tokens, store_stats))
         return tuple(out)
+
+    def _start_lookup(self, block_hashes: Sequence[bytes], asked_at: tuple[int, int]) -> _Lookup:
+        """Ask the tiers; a lookup that needs a slow tier runs on a thread, waited for briefly."""
+        keys = self.key_space.keys(block_hashes)
+        if self._memory_tier == 0 and all(self.store.tiers[0].store.contains(keys)):
+            return _Lookup(asked_at, keys, None, self._resolve_tiers(keys, [0] * len(keys)))
+        if not self._has_slow_tiers:
+            return _Lookup(asked_at, keys, None, self._resolve_tiers(keys, self.store.lookup_prefix(keys)))
+        if self._lookup_threads is None:
+            self._lookup_threads = ThreadPoolExecutor(2, thread_name_prefix="kvhive-kv-lookup")
+        running = self._lookup_threads.submit(self.store.lookup_prefix, keys)
+        wait([running], timeout=self.lookup_wait_s)
+        return _Lookup(asked_at, keys, running)
+
+    def _resolve(self, lookup: _Lookup) -> _Match:
+        """The match of a finished background lookup; a failed one is a miss."""
+        try:
+            tiers = lookup.running.result()
+        except Exception:  # noqa: BLE001 - a failed lookup is a miss, never a dead engine
+            logger.exception("KV tier lookup failed; treating it as a miss")
+            tiers = []
+        return self._resolve_tiers(lookup.keys, tiers)
+
+    def _resolve_tiers(self, keys: list[StoreKey], tiers: list[int]) -> _Match:
+        """The match for a lookup's answer; an all-memory prefix takes its payloads now."""
+        match = _Match(keys[:len(tiers)], tiers, len(keys), None)
+        if tiers and all(t == self._memory_tier for t in tiers):
+            payloads = self._take_from_memory(match.keys)
+            match.keys, match.tiers = match.keys[:len(payloads)], tiers[:len(payloads)]
+            match.payloads = payloads or None
+        return match
+
+    def _forget(self, request_id: str) -> _Lookup | None:
+        """Drop a request's lookup (its payloads go with it); a queued background one is cancelled."""
+        lookup = self._lookups.pop(request_id, None)
+        if lookup is not None and lookup.running is not None:
+            lookup.running.cancel()
+        return lookup
 
     def _take_from_memory(self, keys: Sequence[StoreKey]) -> list[Any]:
         """Payloads of the leading keys still in the memory tier with the right size."""

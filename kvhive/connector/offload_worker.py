@@ -11,6 +11,7 @@ Threads (none of them is the engine loop):
 - the fetchers: fetch an asynchronous load's objects from the store (slow tiers; hits are
   promoted), check their size, and copy each block whole into its pool block. The first missing
   or bad object ends the load: the blocks before it are reported loaded, the rest recomputed.
+  A load cancelled by a later step (its request was aborted) ends at its next block the same way.
 
 Block bytes are the pool rows verbatim (no pickle, one copy each way), so a block of any dtype
 round-trips exactly.
@@ -47,6 +48,8 @@ class OffloadWorker:
         self._kv: torch.Tensor | None = None
         self._lock = threading.Lock()
         self._done_recving: dict[str, int] = {}
+        self._fetching: set[str] = set()        # requests whose async load is queued or running
+        self._cancelled: set[str] = set()       # of those, the ones to stop at the next block
         self._pending_save_bytes = 0            # snapshot bytes queued, not yet written
         self.dropped_save_blocks = 0            # saves skipped because the writer fell behind
         self.failed_load_blocks = 0             # async-load blocks missing or bad (recomputed)
@@ -80,6 +83,9 @@ class OffloadWorker:
         self._finish_layer_load()
         if meta.saves:
             self._snapshot(meta.saves)
+        with self._lock:      # cancels name loads of earlier steps: apply them before new loads
+            self._cancelled.update(self._fetching.intersection(meta.cancelled_loads))
+            self._fetching.update(spec.request_id for spec in meta.loads if spec.is_async)
         sync = [spec for spec in meta.loads if not spec.is_async]
         for spec in meta.loads:
             if spec.is_async:
@@ -191,9 +197,13 @@ class OffloadWorker:
     def _fetch(self, spec: LoadSpec) -> None:
         """Fetch and copy an asynchronous load's blocks in order, stopping at the first bad one."""
         num_loaded = 0
+        cancelled = False
         start = time.perf_counter()
         try:
             for block_id, key in zip(spec.block_ids, spec.keys, strict=True):
+                if spec.request_id in self._cancelled:
+                    cancelled = True
+                    break
                 payload = self.store.get(key)
                 if payload is None or memoryview(payload).nbytes != self.block_bytes:
                     break
@@ -201,11 +211,17 @@ class OffloadWorker:
                 num_loaded += 1
         except Exception:  # noqa: BLE001 - a failed load is a partial hit, never a dead engine
             logger.exception("KV fetch for request %s failed after %d blocks", spec.request_id, num_loaded)
-        if num_loaded < len(spec.keys):
+        if cancelled:
+            logger.info("KV load for request %s cancelled after %d of %d blocks",
+                        spec.request_id, num_loaded, len(spec.keys))
+        elif num_loaded < len(spec.keys):
             logger.info("KV load for request %s: %d of %d blocks; recomputing the rest",
                         spec.request_id, num_loaded, len(spec.keys))
         with self._lock:
-            self.failed_load_blocks += len(spec.keys) - num_loaded
+            self._fetching.discard(spec.request_id)
+            self._cancelled.discard(spec.request_id)
+            if not cancelled:
+                self.failed_load_blocks += len(spec.keys) - num_loaded
             self.async_load_seconds += time.perf_counter() - start
             self.async_load_count += 1
             self._done_recving[spec.request_id] = num_loaded
