@@ -12,7 +12,7 @@ import socket
 import time
 
 import pytest
-from test_engine import make_engine, run
+from test_engine import GREEDY, make_engine, run
 
 from kvhive.config import StoreConfig
 from kvhive.model_files import default_model_path
@@ -112,6 +112,34 @@ def test_a_redis_hit_is_promoted_to_the_local_disk(tokenizer, fresh, server, tmp
         assert {t.name: t.hit_tokens for t in third.stats().tiers} == {"disk": 56}
     finally:
         third.close()
+
+
+def test_a_slow_redis_lookup_does_not_stall_running_requests(tokenizer, fresh, server):
+    from kvhive.request import RequestStatus
+
+    engine = make_engine(tokenizer, num_blocks=64, store=StoreConfig(redis_url=server.url, redis_timeout_s=1.0))
+    try:
+        engine.add_request("p0", PROMPTS["p0"], GREEDY)
+        tokens: dict[str, list[int]] = {"p0": [], "p1": []}
+        for out in engine.step():                                # "p0" runs (its lookup answered)
+            tokens[out.request_id] += out.new_token_ids
+        os.kill(server.process.pid, signal.SIGSTOP)              # every Redis call now takes 1 s
+        engine.add_request("p1", PROMPTS["p1"], GREEDY)
+        slowest_step = 0.0
+        while engine.scheduler.get_request("p1").status is RequestStatus.WAITING:
+            start = time.monotonic()
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+            slowest_step = max(slowest_step, time.monotonic() - start)
+        assert len(tokens["p0"]) >= 6 and slowest_step < 0.9    # "p0" kept stepping meanwhile
+        os.kill(server.process.pid, signal.SIGCONT)
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        assert tokens == {"p0": fresh["p0"], "p1": fresh["p1"]}
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+        engine.close()
 
 
 def test_stopped_slow_and_full_redis_keep_serving_and_recover(tokenizer, fresh, server):
