@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvhive.blocks import root_hash
 from kvhive.router.config import GatewayConfig
@@ -24,6 +25,7 @@ from kvhive.router.replicas import Replica, ReplicaSet
 from kvhive.router.scorer import SCORERS
 from kvhive.router.sessions import SESSION_HEADER, SessionAffinity
 from kvhive.router.tokenize import PromptTokenizer, prompt_from_body
+from kvhive.router.upstream import UpstreamClient
 from kvhive.tokenizer import Tokenizer
 
 _ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -57,8 +59,9 @@ def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
                               config.tokenize_workers)
     indexer = KVCacheIndexer(prompts, instrumented, SCORERS[config.scorer](), config.tiers,
                              config.block_size, root)
+    upstream = UpstreamClient(connect_timeout_s=5.0, read_timeout_s=config.request_timeout_s)
     gateway = Gateway(replica_set, indexer, SessionAffinity(config.max_sessions), config.weights,
-                      metrics, client, config.policy)
+                      metrics, client, config.policy, upstream=upstream)
     metrics.watch(lambda: _state_samples(gateway, raw_index, prompts))
 
     @contextlib.asynccontextmanager
@@ -75,6 +78,7 @@ def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
             with contextlib.suppress(asyncio.CancelledError):
                 await health
             await client.aclose()
+            upstream.close()
             for replica in replicas:
                 if replica.ingest is not None:
                     await asyncio.to_thread(replica.ingest.close)
@@ -116,8 +120,14 @@ def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
         return await gateway.forward(request, body, candidates, reason, session_id=session_id)
 
     for path in _ROUTED_PATHS:
-        # Plain Starlette routes: the hot path skips FastAPI's per-request dependency solving.
         app.router.add_route(path, routed, methods=["POST"], include_in_schema=False)
+
+    async def routed_asgi(scope: Scope, receive: Receive, send: Send) -> None:
+        response = await routed(Request(scope, receive))
+        await response(scope, receive, send)
+
+    # The hot path: these POSTs skip the router and the middleware below this one.
+    app.add_middleware(RoutedFastPath, paths=frozenset(_ROUTED_PATHS), handler=routed_asgi)
 
     @app.api_route("/v1/context", methods=["GET", "POST"], response_model=None)
     async def contexts(request: Request) -> Response:
@@ -148,6 +158,25 @@ def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
         return await routed(request)
 
     return app
+
+
+class RoutedFastPath:
+    """ASGI middleware: POSTs to ``paths`` go straight to ``handler``, everything else to the app.
+    Routing, FastAPI's exception and body-limit middleware and Request plumbing cost about as much
+    as the rest of a forwarded request; the routed endpoints need none of them."""
+
+    def __init__(self, app: ASGIApp, paths: frozenset[str],
+                 handler: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        self.app = app
+        self.paths = paths
+        self.handler = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Dispatch one ASGI connection."""
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.paths:
+            await self.handler(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
 
 
 def _json_object(body: bytes) -> dict[str, Any] | None:

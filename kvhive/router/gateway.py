@@ -19,6 +19,7 @@ from kvhive.router.replicas import Replica, ReplicaSet
 from kvhive.router.scorer import RoutingWeights, pick_replica
 from kvhive.router.sessions import SESSION_HEADER, SessionAffinity
 from kvhive.router.tokenize import Prompt
+from kvhive.router.upstream import UpstreamClient, UpstreamConnectError, UpstreamError
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class Gateway:
 
     def __init__(self, replicas: ReplicaSet, indexer: KVCacheIndexer, sessions: SessionAffinity,
                  weights: RoutingWeights, metrics: GatewayMetrics, client: httpx.AsyncClient,
-                 policy: str = "kv", seed: int = 0) -> None:
+                 policy: str = "kv", seed: int = 0, upstream: UpstreamClient | None = None) -> None:
         self.replicas = replicas
         self.policy = policy
         self._random = random.Random(seed)
@@ -39,7 +40,9 @@ class Gateway:
         self.sessions = sessions
         self.weights = weights
         self.metrics = metrics
-        self.client = client
+        self.client = client            # fan-out GETs
+        # Forwarded requests (the hot path) go through the lean client, not httpx.
+        self.upstream = upstream if upstream is not None else UpstreamClient()
         self._turn = 0          # rotates the order in which equal scores are broken
 
     async def choose(self, prompt: Prompt | None, session_id: str | None) -> tuple[list[Replica], str]:
@@ -97,13 +100,13 @@ class Gateway:
                 break
             replica.inflight += 1
             try:
-                upstream = await open_upstream(self.client, replica.name, request, body, path)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                upstream = await open_upstream(self.upstream, replica.name, request, body, path)
+            except UpstreamConnectError as exc:
                 replica.inflight -= 1
                 self.metrics.upstream_errors.labels(replica.name).inc()
                 await self.replicas.mark_down(replica, f"connection failed: {exc}")
                 continue
-            except httpx.HTTPError as exc:
+            except UpstreamError as exc:
                 replica.inflight -= 1
                 self.metrics.upstream_errors.labels(replica.name).inc()
                 return openai_error(502, f"replica {replica.name} failed: {type(exc).__name__}: {exc}",
@@ -117,7 +120,8 @@ class Gateway:
                 continue
             # A replica that answers a request naming a session now holds it (it creates unknown
             # ones implicitly), whether or not it echoes the header.
-            held = upstream.headers.get(SESSION_HEADER) or find_session or session_id
+            echoed = upstream.header(SESSION_HEADER.encode())
+            held = (echoed.decode("latin-1") if echoed else None) or find_session or session_id
             if held and status < 400:
                 self.sessions.remember(held, replica.name)
             return await relay(upstream, headers, lambda r=replica: self._done(r))

@@ -8,7 +8,7 @@ so removing a block from a replica's device pool keeps the entry for its CPU or 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -17,6 +17,8 @@ from kvhive.events import MEDIA, normalize_medium
 # A block's copies in one replica are a 4-bit mask: bit i set <=> the replica holds it in MEDIA[i].
 _MEDIA_BITS = len(MEDIA)
 _ALL_MEDIA = (1 << _MEDIA_BITS) - 1
+# Keys an in-memory lookup reads per C-level pass before it checks for the first miss.
+_LOOKUP_CHUNK = 64
 
 
 def _medium_bit(medium: str) -> int:
@@ -25,6 +27,16 @@ def _medium_bit(medium: str) -> int:
 
 def _fastest(mask: int) -> str:
     return MEDIA[(mask & -mask).bit_length() - 1]
+
+
+def _parse_holders(line: bytes) -> dict[str, str]:
+    """Replica -> fastest medium from a Redis value ("replica=mask" fields joined by tabs)."""
+    holders = {}
+    for field in line.split(b"\t"):
+        name, _, mask = field.rpartition(b"=")
+        if mask.isdigit() and int(mask) & _ALL_MEDIA:
+            holders[name.decode()] = _fastest(int(mask) & _ALL_MEDIA)
+    return holders
 
 
 class KVBlockIndex(Protocol):
@@ -133,17 +145,27 @@ class InMemoryIndex:
         out: list[dict[str, str]] = []
         entries, cached = self._entries, self._holders_of
         with self._lock:
-            for key in keys:
-                mask = entries.get(key)
-                if mask is None:
-                    break
-                entries.move_to_end(key)
-                holders = cached.get(mask)
-                if holders is None:
+            # Chunks of keys go through C-level map() calls (no per-key Python bytecode); the walk
+            # stops at the first chunk that holds a key nobody holds.
+            for start in range(0, len(keys), _LOOKUP_CHUNK):
+                chunk = keys[start:start + _LOOKUP_CHUNK]
+                masks = list(map(entries.get, chunk))
+                try:
+                    held = masks.index(None)
+                except ValueError:
+                    held = len(masks)
+                if held < len(masks):
+                    del masks[held:]
+                    chunk = chunk[:held]
+                deque(map(entries.move_to_end, chunk), maxlen=0)
+                holders = list(map(cached.get, masks))
+                if None in holders:
                     if len(cached) >= 4096:
                         cached.clear()
-                    holders = cached[mask] = self._holders(mask)
-                out.append(holders)
+                    holders = [cached.get(m) or cached.setdefault(m, self._holders(m)) for m in masks]
+                out += holders
+                if held < _LOOKUP_CHUNK:
+                    break
         return out
 
     def _holders(self, mask: int) -> dict[str, str]:
@@ -163,51 +185,84 @@ class InMemoryIndex:
                 held.discard(key)
 
 
+# A block's value in Redis is one string of "replica=mask" fields joined by tabs (replica names are
+# URLs: no tab or newline). ``_FIELDS_LUA`` reads it into (the other replicas' fields, this one's mask).
+_FIELDS_LUA = """
+local function fields(value, replica)
+  local others, mine = {}, 0
+  if value then
+    for f in string.gmatch(value, '[^\t]+') do
+      local name, mask = string.match(f, '^(.*)=(%d+)$')
+      if name == replica then mine = tonumber(mask) else others[#others + 1] = f end
+    end
+  end
+  return others, mine
+end
+"""
 # KEYS[1] = the replica's key set, KEYS[2..] = block keys; ARGV = replica, medium bit, ttl seconds.
-_ADD_LUA = """
+_ADD_LUA = _FIELDS_LUA + """
 local r, b, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 for i = 2, #KEYS do
-  local m = tonumber(redis.call('HGET', KEYS[i], r) or '0')
-  redis.call('HSET', KEYS[i], r, bit.bor(m, b))
-  if ttl > 0 then redis.call('EXPIRE', KEYS[i], ttl) end
+  local others, mine = fields(redis.call('GET', KEYS[i]), r)
+  others[#others + 1] = r .. '=' .. bit.bor(mine, b)
+  if ttl > 0 then
+    redis.call('SET', KEYS[i], table.concat(others, '\t'), 'EX', ttl)
+  else
+    redis.call('SET', KEYS[i], table.concat(others, '\t'))
+  end
   redis.call('SADD', KEYS[1], KEYS[i])
 end
 """
-_REMOVE_LUA = """
+# KEYS as for _ADD_LUA; ARGV = replica, the medium bits to drop.
+_REMOVE_LUA = _FIELDS_LUA + """
 local r, b = ARGV[1], tonumber(ARGV[2])
 for i = 2, #KEYS do
-  local m = bit.band(tonumber(redis.call('HGET', KEYS[i], r) or '0'), bit.bnot(b))
-  if m == 0 then
-    redis.call('HDEL', KEYS[i], r)
-    redis.call('SREM', KEYS[1], KEYS[i])
-  else
-    redis.call('HSET', KEYS[i], r, m)
+  local value = redis.call('GET', KEYS[i])
+  local others, mine = fields(value, r)
+  local m = bit.band(mine, bit.bnot(b))
+  if m ~= 0 then others[#others + 1] = r .. '=' .. m end
+  if m == 0 then redis.call('SREM', KEYS[1], KEYS[i]) end
+  if #others == 0 then
+    if value then redis.call('DEL', KEYS[i]) end
+  elseif m ~= mine then
+    redis.call('SET', KEYS[i], table.concat(others, '\t'), 'KEEPTTL')
   end
 end
 """
-
-# KEYS = block keys. One line per key up to the first key nobody holds: "replica=mask" fields joined
-# by tabs (replica names are URLs: no tab or newline). One reply string instead of a reply per key.
-_LOOKUP_LUA = r"""
-local out = {}
-for i = 1, #KEYS do
-  local f = redis.call('HGETALL', KEYS[i])
-  if #f == 0 then break end
-  local parts = {}
-  for j = 1, #f, 2 do parts[#parts + 1] = f[j] .. '=' .. f[j + 1] end
-  out[#out + 1] = table.concat(parts, '\t')
+# ARGV[1] = the key prefix, ARGV[2] = the block keys concatenated, ARGV[3] = their length. Values of
+# the keys up to the first key nobody holds, joined by newlines: one reply string, read with MGETs of
+# _MGET_CHUNK keys that stop after the first chunk holding a miss. The block keys travel as one
+# argument, not as KEYS: redis-py packs each argument in Python, which for a 400-block prompt cost
+# more than the whole script. (Neither this nor a replica's key set suits Redis Cluster.)
+_MGET_CHUNK = 256
+_LOOKUP_LUA = """
+local CHUNK = _MGET_CHUNK
+local prefix, blob, width = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local n, out = #blob / width, {}
+for first = 1, n, CHUNK do
+  local last = math.min(first + CHUNK - 1, n)
+  local names = {}
+  for i = first, last do
+    names[#names + 1] = prefix .. string.sub(blob, (i - 1) * width + 1, i * width)
+  end
+  local values = redis.call('MGET', unpack(names))
+  for i = 1, #names do
+    if not values[i] then return table.concat(out, '\\n') end
+    out[#out + 1] = values[i]
+  end
 end
-return table.concat(out, '\n')
-"""
+return table.concat(out, '\\n')
+""".replace("_MGET_CHUNK", str(_MGET_CHUNK))
 
 
 class RedisIndex:
-    """The index in Redis, shared by gateways: one hash per block key, field replica -> media mask.
+    """The index in Redis, shared by gateways: one string per block key naming its holders.
 
-    Layout: ``{prefix}b:<16-byte key>`` -> {replica: mask}; ``{prefix}r:<replica>`` -> set of the
-    block keys it holds (to clear a replica). add/remove are one Lua call per batch (atomic per
-    batch, so two gateways ingesting the same events agree); lookup is one Lua call: one round trip,
-    one reply string, stopping at the first key nobody holds.
+    Layout: ``{prefix}v:<16-byte key>`` -> "replica=mask" fields joined by tabs (see ``_FIELDS_LUA``);
+    ``{prefix}r:<replica>`` -> set of the block keys it holds (to clear a replica). add/remove are one
+    Lua call per batch (atomic per batch, so two gateways ingesting the same events agree); lookup is
+    one Lua call: one round trip, MGETs inside Redis, one reply string, stopping at the first key
+    nobody holds.
     """
 
     def __init__(self, url: str = "redis://localhost:6379/0", prefix: str = "kvhive:idx:",
@@ -216,13 +271,18 @@ class RedisIndex:
 
         self._redis = client if client is not None else redis.Redis.from_url(url)
         self._prefix = prefix.encode()
+        self._value_prefix = self._prefix + b"v:"
         self._ttl = key_ttl_s
         self._add = self._redis.register_script(_ADD_LUA)
         self._remove = self._redis.register_script(_REMOVE_LUA)
         self._lookup = self._redis.register_script(_LOOKUP_LUA)
+        # A reply line (one block's value) -> its holders dict. Few distinct lines occur (one per
+        # set of holders), so parsing is one dict lookup per block. Event-loop and pool threads
+        # share it; a lost insert under a race only costs a re-parse.
+        self._parsed: dict[bytes, dict[str, str]] = {}
 
     def _key(self, key: bytes) -> bytes:
-        return self._prefix + b"b:" + key
+        return self._value_prefix + key
 
     def _set(self, replica: str) -> bytes:
         return self._prefix + b"r:" + replica.encode()
@@ -246,33 +306,32 @@ class RedisIndex:
         for key in self._redis.sscan_iter(members, count=chunk):
             batch.append(key)
             if len(batch) >= chunk:
-                self._hdel_all(batch, replica)
+                self._remove(keys=[members, *batch], args=[replica, _ALL_MEDIA])
                 batch = []
-        self._hdel_all(batch, replica)
+        if batch:
+            self._remove(keys=[members, *batch], args=[replica, _ALL_MEDIA])
         self._redis.delete(members)
 
-    def _hdel_all(self, keys: list[bytes], replica: str) -> None:
-        if keys:
-            pipe = self._redis.pipeline(transaction=False)
-            for key in keys:
-                pipe.hdel(key, replica)
-            pipe.execute()
-
     def lookup(self, keys: Sequence[bytes]) -> list[dict[str, str]]:
-        """Replica -> fastest medium for each key of the held prefix, in one round trip."""
+        """Replica -> fastest medium for each key of the held prefix, in one round trip.
+        The dicts are shared between calls: callers must not change them."""
         if not keys:
             return []
-        raw = self._lookup(keys=[self._key(k) for k in keys])
-        out: list[dict[str, str]] = []
-        for line in raw.split(b"\n") if raw else ():
-            holders = {}
-            for field in line.split(b"\t"):
-                name, _, mask = field.rpartition(b"=")
-                if int(mask) & _ALL_MEDIA:
-                    holders[name.decode()] = _fastest(int(mask))
-            if not holders:
-                break
-            out.append(holders)
+        width = len(keys[0])
+        blob = b"".join(keys)
+        if len(blob) != width * len(keys):
+            raise ValueError("RedisIndex.lookup: block keys must all have the same length")
+        raw = self._lookup(keys=[], args=[self._value_prefix, blob, width])
+        if not raw:
+            return []
+        parsed, lines = self._parsed, raw.split(b"\n")
+        out = list(map(parsed.get, lines))
+        if None in out:
+            if len(parsed) >= 4096:
+                parsed.clear()
+            out = [parsed.get(line) or parsed.setdefault(line, _parse_holders(line)) for line in lines]
+        if {} in out:                    # a value whose masks are all 0 (not written by this class)
+            del out[out.index({}):]
         return out
 
     def close(self) -> None:

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import httpx
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from kvhive.router.upstream import UpstreamClient, UpstreamError, UpstreamResponse
 
 # Headers that describe one connection, not the message: never forwarded either way.
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                          "trailer", "trailers", "transfer-encoding", "upgrade", "host"})
+_HOP_BY_HOP_RAW = frozenset(name.encode() for name in _HOP_BY_HOP)
+# A forwarded request's own: the upstream client frames the body it sends.
+_NOT_FORWARDED = _HOP_BY_HOP_RAW | {b"content-length"}
 
 
 def openai_error(status: int, message: str, code: str | None = None,
@@ -44,49 +49,77 @@ def as_openai_error(status: int, raw: bytes) -> dict[str, Any]:
                       "param": None, "code": None}}
 
 
-async def open_upstream(client: httpx.AsyncClient, base_url: str, request: Request, body: bytes,
-                        path: str | None = None) -> httpx.Response:
+async def open_upstream(client: UpstreamClient, base_url: str, request: Request, body: bytes,
+                        path: str | None = None) -> UpstreamResponse:
     """Send ``request`` (with ``body``) to the replica at ``base_url``; the answer is left unread."""
-    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP
-               and k.lower() != "content-length"]
-    upstream = client.build_request(request.method, base_url + (path or request.url.path),
-                                    params=request.url.query or None, headers=headers,
-                                    content=body if body else None)
-    return await client.send(upstream, stream=True)
+    scope = request.scope
+    query = scope.get("query_string") or b""
+    url = base_url + (path or scope["path"]) + (f"?{query.decode('latin-1')}" if query else "")
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _NOT_FORWARDED]
+    return await client.send(scope["method"], url, headers, body)
 
 
-async def relay(upstream: httpx.Response, headers: Mapping[str, str],
+async def relay(upstream: UpstreamResponse, headers: Mapping[str, str],
                 on_done: Callable[[], None]) -> Response:
-    """The replica's answer as the gateway's: the body streamed through as it arrives, an error
-    re-shaped as OpenAI's. ``on_done`` runs once, when the upstream response is closed."""
-    done = False
-
-    async def finish() -> None:
-        nonlocal done
-        if not done:
-            done = True
-            await upstream.aclose()
-            on_done()
-
+    """The replica's answer as the gateway's: the body passed through as it arrives, an error
+    re-shaped as OpenAI's. ``on_done`` runs once, when the upstream answer is closed."""
     if upstream.status_code >= 400:
         try:
-            raw = await upstream.aread()
+            raw = await upstream.read()
+        except UpstreamError:
+            raw = b""
         finally:
-            await finish()
+            upstream.close()
+            on_done()
         return JSONResponse(status_code=upstream.status_code,
                             content=as_openai_error(upstream.status_code, raw), headers=dict(headers))
+    return RelayResponse(upstream, headers, on_done)
 
-    async def body() -> AsyncIterator[bytes]:
+
+class RelayResponse(Response):
+    """Streams an upstream answer to the client, each piece as one ASGI body message.
+
+    While it streams, a task waits for the client to leave; if it does, the upstream connection is
+    closed at once, so the replica stops generating (uvicorn's h11 server only reports a departed
+    client through ``receive``)."""
+
+    def __init__(self, upstream: UpstreamResponse, headers: Mapping[str, str],
+                 on_done: Callable[[], None]) -> None:
+        self.status_code = upstream.status_code
+        self.background = None
+        self.raw_headers = [(k, v) for k, v in upstream.headers if k.lower() not in _HOP_BY_HOP_RAW]
+        self.raw_headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        self._upstream = upstream
+        self._on_done = on_done
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Send the status, headers and body pieces; close the upstream answer in every case."""
+        upstream = self._upstream
+        finished = False
+
+        def client_left(_: asyncio.Future[None]) -> None:
+            if not finished:
+                upstream.close()        # aborts the read in progress below
+
+        watcher = asyncio.ensure_future(_until_disconnect(receive))
+        watcher.add_done_callback(client_left)
         try:
-            async for chunk in upstream.aiter_raw():
-                yield chunk
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            async for chunk in upstream.chunks():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            finished = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except UpstreamError:
+            if not watcher.done():
+                raise                   # the replica cut its answer: the client sees a broken one
         finally:
-            await finish()
+            finished = True
+            watcher.cancel()
+            upstream.close()
+            self._on_done()
 
-    response = StreamingResponse(body(), status_code=upstream.status_code, background=BackgroundTask(finish))
-    response.raw_headers = [
-        (k.encode("latin-1"), v.encode("latin-1"))
-        for k, v in [*upstream.headers.multi_items(), *headers.items()]
-        if k.lower() not in _HOP_BY_HOP
-    ]
-    return response
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

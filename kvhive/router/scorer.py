@@ -7,14 +7,17 @@ that with load; see ``RoutingWeights`` for the formula.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
 from types import MappingProxyType
 from typing import Protocol
 
 from kvhive.events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, MEDIUM_REMOTE
 
 Hits = Sequence[Mapping[str, str]]
+_TIER_ATTR = MappingProxyType({MEDIUM_GPU: "gpu", MEDIUM_CPU: "cpu", MEDIUM_DISK: "disk",
+                               MEDIUM_REMOTE: "remote"})
 
 
 @dataclass(frozen=True)
@@ -33,8 +36,7 @@ class TierWeights:
 
     def of(self, medium: str) -> float:
         """The weight of a hit in ``medium`` (a MEDIA name)."""
-        return {MEDIUM_GPU: self.gpu, MEDIUM_CPU: self.cpu, MEDIUM_DISK: self.disk,
-                MEDIUM_REMOTE: self.remote}.get(medium, self.remote)
+        return getattr(self, _TIER_ATTR.get(medium, "remote"))
 
 
 class KVBlockScorer(Protocol):
@@ -45,19 +47,27 @@ class KVBlockScorer(Protocol):
         ...
 
 
+def runs(hits: Hits) -> Iterator[tuple[Mapping[str, str], int]]:
+    """(holders, n) for each run of n consecutive blocks with the very same holders object. Indexes
+    share one holders object per set of holders, so a long prompt is a few runs, not one per block."""
+    for _, run in groupby(hits, key=id):
+        blocks = list(run)
+        yield blocks[0], len(blocks)
+
+
 class LongestPrefixMatch:
     """The weighted length of the unbroken run of blocks, from block 0, that one replica holds."""
 
     def score(self, hits: Hits, tiers: TierWeights) -> dict[str, float]:
         """Sum of tier weights over each replica's leading run of hits."""
         scores: dict[str, float] = {}
-        running = set(hits[0]) if hits else set()
-        for holders in hits:
-            running &= holders.keys()    # replicas whose run is unbroken so far
+        running: set[str] | None = None     # replicas whose run is unbroken so far
+        for holders, n in runs(hits):
+            running = set(holders) if running is None else running & holders.keys()
             if not running:
                 break
             for replica in running:
-                scores[replica] = scores.get(replica, 0.0) + tiers.of(holders[replica])
+                scores[replica] = scores.get(replica, 0.0) + n * tiers.of(holders[replica])
         return scores
 
 
@@ -67,9 +77,11 @@ class HighestBlockHit:
     def score(self, hits: Hits, tiers: TierWeights) -> dict[str, float]:
         """(index + 1) * tier weight of each replica's highest hit."""
         scores: dict[str, float] = {}
-        for i, holders in enumerate(hits):
+        end = 0
+        for holders, n in runs(hits):
+            end += n
             for replica, medium in holders.items():
-                scores[replica] = (i + 1) * tiers.of(medium)
+                scores[replica] = end * tiers.of(medium)
         return scores
 
 
@@ -79,9 +91,9 @@ class CoverageBasedMatching:
     def score(self, hits: Hits, tiers: TierWeights) -> dict[str, float]:
         """Sum of tier weights over all of each replica's hits."""
         scores: dict[str, float] = {}
-        for holders in hits:
+        for holders, n in runs(hits):
             for replica, medium in holders.items():
-                scores[replica] = scores.get(replica, 0.0) + tiers.of(medium)
+                scores[replica] = scores.get(replica, 0.0) + n * tiers.of(medium)
         return scores
 
 

@@ -102,25 +102,44 @@ class PromptTokenizer:
         self.prefix_store_enabled = max_chunks > 0 and all(self._cuts_are_exact(p) for p in _PROBES)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvhive-tokenize")
 
-    def token_ids(self, prompt: Prompt) -> list[int]:
-        """The ids the replica computes for ``prompt`` (raises what the tokenizer or template raises)."""
+    def token_ids(self, prompt: Prompt, max_new_chars: int | None = None) -> list[int] | None:
+        """The ids the replica computes for ``prompt`` (raises what the tokenizer or template raises).
+        With ``max_new_chars``: None, having tokenized nothing, when more characters than that are
+        not in the prefix store (the caller then tokenizes off the event loop)."""
         if prompt.token_ids is not None:
             return list(prompt.token_ids)
         if prompt.messages is not None:
-            return self.encode(self.tokenizer.apply_chat_template(list(prompt.messages)))
-        return self.encode(prompt.text or "")
+            return self.encode(self.tokenizer.apply_chat_template(list(prompt.messages)), max_new_chars)
+        return self.encode(prompt.text or "", max_new_chars)
 
     async def run(self, fn: Any, *args: Any) -> Any:
         """Run ``fn(*args)`` on the tokenizer pool, off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    def encode(self, text: str) -> list[int]:
-        """``tokenizer.encode(text)``, built from cached chunks where the store allows."""
+    def encode(self, text: str, max_new_chars: int | None = None) -> list[int] | None:
+        """``tokenizer.encode(text)``, built from cached chunks where the store allows; None (nothing
+        tokenized) when more than ``max_new_chars`` characters would need tokenizing."""
         if not self.prefix_store_enabled or len(text) <= self.chunk_chars:
+            if max_new_chars is not None and len(text) > max_new_chars:
+                return None
             return self.tokenizer.encode(text)
+        chunks = self.chunks(text)
+        keys = [xxhash.xxh3_128_digest(c.encode("utf-8", "surrogatepass")) for c in chunks]
+        with self._lock:
+            found = list(map(self._chunks.get, keys))
+        if max_new_chars is not None:
+            new_chars = sum(len(c) for c, ids in zip(chunks, found, strict=True) if ids is None)
+            if new_chars > max_new_chars:
+                return None
         ids: list[int] = []
-        for chunk in self.chunks(text):
-            ids.extend(self._chunk_ids(chunk))
+        for chunk, key, cached in zip(chunks, keys, found, strict=True):
+            ids.extend(cached if cached is not None else self._tokenize_chunk(chunk, key))
+        with self._lock:
+            hits = len(chunks) - found.count(None)
+            self.chunk_hits += hits
+            for key, cached in zip(keys, found, strict=True):
+                if cached is not None and key in self._chunks:
+                    self._chunks.move_to_end(key)
         return ids
 
     def chunks(self, text: str) -> list[str]:
@@ -149,14 +168,7 @@ class PromptTokenizer:
             match = _CUT_CANDIDATE.search(text, i + 1)
         return None
 
-    def _chunk_ids(self, chunk: str) -> tuple[int, ...]:
-        key = xxhash.xxh3_128_digest(chunk.encode("utf-8", "surrogatepass"))
-        with self._lock:
-            ids = self._chunks.get(key)
-            if ids is not None:
-                self._chunks.move_to_end(key)
-                self.chunk_hits += 1
-                return ids
+    def _tokenize_chunk(self, chunk: str, key: bytes) -> tuple[int, ...]:
         ids = tuple(self.tokenizer.encode(chunk))
         with self._lock:
             self.chunk_misses += 1
