@@ -153,8 +153,29 @@ class LLMEngine:
         return out
 
     def end_session(self, session_id: str) -> None:
-        """Free the blocks a session holds (loop thread only)."""
+        """Free the blocks a session holds (loop thread only); its store pins go with ``unpin_session``."""
         self.scheduler.end_session(session_id)
+
+    def pin_session(self, session_id: str, block_hashes) -> None:
+        """Keep these blocks of a live session in the store tiers until ``unpin_session``.
+
+        Replaces the session's previous pins; without store tiers nothing to do (the device pool
+        then keeps session blocks itself). Safe from any thread (touches only the store's pin table).
+        """
+        store = self.store
+        if store is not None:
+            store.pin_session(session_id, self.connector_scheduler.key_space.keys(block_hashes))
+
+    def unpin_session(self, session_id: str) -> None:
+        """Let the store tiers evict the session's blocks (those no other session pins); any thread."""
+        store = self.store
+        if store is not None:
+            store.unpin_session(session_id)
+
+    def pinned_blocks_by_tier(self) -> dict[str, int]:
+        """How many of the distinct blocks live sessions pin each store tier holds; any thread."""
+        store = self.store
+        return {} if store is None else store.pinned_blocks_by_tier()
 
     def close(self) -> None:
         """Flush and close the KV-event publisher; finish KV saves and close the store tiers."""
