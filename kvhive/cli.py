@@ -22,6 +22,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="weights, activations and KV cache dtype")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--no-quantized-matmul", dest="quantized_matmul", action="store_false",
+                   help="always multiply by the dequantised weights; by default, steps of up to 16 "
+                        "tokens (decode) read a GGUF file's Q4_1/Q8_0 blocks directly on CPU")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads (default: all cores)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -92,7 +95,8 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
                              max_sessions_per_key=args.max_sessions_per_key,
                              max_pinned_gb=args.max_pinned_gb, share_prefix_cache=args.share_prefix_cache)
     return EngineConfig(model_path=model_path, served_model_name=name, dtype=args.dtype,
-                        device=args.device, num_threads=args.num_threads, cache=cache,
+                        device=args.device, num_threads=args.num_threads,
+                        quantized_matmul=args.quantized_matmul, cache=cache,
                         kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
                         scheduler=sched, store=store, sessions=sessions)
 
@@ -118,14 +122,9 @@ def serve(args: argparse.Namespace) -> int:
 
     api_keys = args.api_key or ([os.environ["KVHIVE_API_KEY"]] if os.environ.get("KVHIVE_API_KEY")
                                 else [])
-    engine = AsyncEngine(LLMEngine(config))
-    engine.start()
-    try:
-        run_server(engine, host=args.host, port=args.port,
-                   served_model_name=config.served_model_name, api_keys=tuple(api_keys),
-                   log_level=args.log_level)
-    finally:
-        engine.shutdown()
+    run_server(AsyncEngine(LLMEngine(config)), host=args.host, port=args.port,
+               served_model_name=config.served_model_name, api_keys=tuple(api_keys),
+               log_level=args.log_level)
     return 0
 
 

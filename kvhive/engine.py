@@ -81,7 +81,8 @@ class LLMEngine:
 
         self.config = config
         if loaded is None:
-            loaded = load_model(config.model_path, dtype=config.dtype, device=config.device)
+            loaded = load_model(config.model_path, dtype=config.dtype, device=config.device,
+                                quantized_matmul=config.quantized_matmul)
         if tokenizer is None:
             from kvhive.tokenizer import Tokenizer
 
@@ -268,7 +269,11 @@ class LLMEngine:
 
 
 class AsyncEngine:
-    """Runs ``LLMEngine.step`` on a background thread; each request reads its own asyncio queue.
+    """Runs ``LLMEngine.step`` on one loop thread; each request reads its own asyncio queue.
+
+    The loop runs either on a background thread (``start``: tests, embedding) or on the caller's
+    thread (``run``: ``kvhive serve`` runs it on the main thread and the HTTP server beside it,
+    because oneDNN's linear layers run ~25% slower when called from a non-main thread here).
 
     Invariant: the engine is touched only by the loop thread. Other threads enqueue commands
     (add / abort) under ``_lock``; the loop thread applies them before each step.
@@ -293,8 +298,18 @@ class AsyncEngine:
             self._thread = threading.Thread(target=self._run, name="kvhive-engine", daemon=True)
             self._thread.start()
 
+    def run(self) -> None:
+        """Run the loop on the calling thread until ``stop()`` or until the loop fails."""
+        if self._thread is not None:
+            raise RuntimeError("the engine loop already runs on a background thread")
+        self._run()
+
+    def stop(self) -> None:
+        """Ask the loop to return after the current step; safe from a signal handler (no lock)."""
+        self._stopping = True
+
     def shutdown(self) -> None:
-        """Stop the loop thread after the current step."""
+        """Stop the loop after the current step and close the engine."""
         with self._lock:
             self._stopping = True
             self._wakeup.notify()
@@ -386,7 +401,7 @@ class AsyncEngine:
                 with self._lock:
                     while (not self._stopping and not self._pending_adds and not self._pending_aborts
                            and not self._pending_session_ends and not self.engine.has_unfinished()):
-                        self._wakeup.wait()
+                        self._wakeup.wait(timeout=0.5)      # stop() does not notify
                     if self._stopping:
                         return
                 self._apply_commands()

@@ -159,4 +159,6 @@ def test_hf_directory_gives_the_gguf_logits(reference, kvhive_gguf: LoadedModel,
         with torch.inference_mode():
             hidden = loaded.model(inputs.input_ids, inputs.positions, inputs.attn, runner.kv_cache)
             logits.append(loaded.model.compute_logits(hidden[-4:]))
-    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+    # The GGUF model runs these 4 rows' LM head from its Q8_0 blocks (kvhive.model.quant): the
+    # same weight values as the directory's, summed in another order.
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)

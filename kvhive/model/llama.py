@@ -15,11 +15,15 @@ from torch import nn
 
 from kvhive.config import ModelConfig
 from kvhive.model.attention import AttnMetadata, paged_attention
+from kvhive.model.quant import QuantMatmul, QuantWeight
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Below this many rows the fused rms_norm kernel wins (one op); above it the composite is faster on CPU.
 _FUSED_NORM_MAX_ROWS = 64
+# Steps with at most this many rows multiply by GGUF's quantised blocks when the model has them
+# (weight bytes dominate); above it the dense oneDNN copy wins (compute dominates).
+QUANT_MAX_ROWS = 16
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -124,6 +128,10 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, self.dtype, device, qkv_bias)
                                     for _ in range(config.num_layers))
         self.norm = nn.Parameter(torch.empty(h, dtype=self.dtype, device=device), requires_grad=False)
+        # GGUF blocks for few-row steps (attach_quantized): per layer qkv, o, gate_up, down; LM head.
+        self.qmatmul: QuantMatmul | None = None
+        self.quant_layers: list[dict[str, QuantWeight]] = []
+        self.quant_lm_head: QuantWeight | None = None
         # Tied embeddings: lm_head is the embedding matrix itself (one tensor, not a copy).
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else nn.Parameter(
             torch.empty(v, h, dtype=self.dtype, device=device), requires_grad=False)
@@ -175,6 +183,29 @@ class LlamaModel(nn.Module):
             fill(layer.gate_up_proj, [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")])
             fill(layer.down_proj, [p + "mlp.down_proj.weight"])
 
+    def attach_quantized(self, weights: Mapping[str, QuantWeight]) -> bool:
+        """Keep GGUF Q4_1/Q8_0 blocks (HF names) for few-row steps; False (and unused) unless every
+        projection and the LM head have them and the kernel builds. Load the dense weights first:
+        prefill and any step above ``QUANT_MAX_ROWS`` rows still use them."""
+        if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        fused = {"qkv": [f"self_attn.{n}_proj.weight" for n in "qkv"], "o": ["self_attn.o_proj.weight"],
+                 "gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "down": ["mlp.down_proj.weight"]}
+        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        layers = []
+        try:
+            for i in range(self.config.num_layers):
+                p = f"model.layers.{i}."
+                layers.append({k: QuantWeight.concat([weights[p + n] for n in names]) for k, names in fused.items()})
+            lm_head = weights[head]
+        except (KeyError, ValueError):       # some matrices are not quantised (or mixed kinds)
+            return False
+        kernel = QuantMatmul.load()
+        if kernel is None:
+            return False
+        self.qmatmul, self.quant_layers, self.quant_lm_head = kernel, layers, lm_head
+        return True
+
     def pack_weights(self) -> None:
         """Reorder every projection and the LM head into oneDNN's layout; no-op where unsupported.
 
@@ -219,26 +250,33 @@ class LlamaModel(nn.Module):
         sin = self.rope_sin[positions].unsqueeze(1)
         x = F.embedding(input_ids, self.embed_tokens)
         hooks = attn_metadata.layer_hooks
+        qmm = self.qmatmul if n <= QUANT_MAX_ROWS else None
         for i, layer in enumerate(self.layers):
             if hooks is not None:
                 hooks.wait_for_layer_load(i)
+            q = self.quant_layers[i] if qmm is not None else None
             h = rms_norm(x, layer.input_norm, eps)
-            qkv = linear(h, layer.qkv_proj, layer.qkv_bias)
+            if q is None:
+                qkv = linear(h, layer.qkv_proj, layer.qkv_bias)
+            else:
+                qkv = qmm(h, q["qkv"]) if layer.qkv_bias is None else qmm(h, q["qkv"]) + layer.qkv_bias
             # RoPE on q and k together (adjacent in qkv), written back in place.
             qk = qkv[:, :qk_width].view(n, nh + nkv, hd)
             torch.addcmul(qk * cos, torch.roll(qk, hd // 2, -1), sin, out=qk)
             attn = paged_attention(qk[:, :nh], qkv[:, nh * hd:].view(n, 2, nkv, hd), kv_cache, i,
                                    attn_metadata)
-            x = linear_add(attn, layer.o_proj, x)
+            x = linear_add(attn, layer.o_proj, x) if q is None else qmm(attn, q["o"], x)
             if hooks is not None:
                 hooks.save_kv_layer(i)
             h = rms_norm(x, layer.post_attn_norm, eps)
-            gate_up = linear(h, layer.gate_up_proj)
+            gate_up = linear(h, layer.gate_up_proj) if q is None else qmm(h, q["gate_up"])
             act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            x = linear_add(act, layer.down_proj, x)
+            x = linear_add(act, layer.down_proj, x) if q is None else qmm(act, q["down"], x)
         return x
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the sampled rows only: [n, H] -> float32 [n, vocab]."""
         h = rms_norm(hidden_rows, self.norm, self.config.rms_norm_eps)
+        if self.qmatmul is not None and h.shape[0] <= QUANT_MAX_ROWS:
+            return self.qmatmul(h, self.quant_lm_head).float()
         return linear(h, self.lm_head).float()

@@ -19,6 +19,8 @@ import torch
 
 from kvhive.config import ModelConfig
 from kvhive.model.llama import LlamaModel
+from kvhive.model.quant import KINDS as QUANT_KINDS
+from kvhive.model.quant import QuantWeight
 
 # Architectures whose GGUF converter permutes attn_q / attn_k rows (llama.cpp's rotary layout).
 _PERMUTED_QK_ARCHS = {"llama", "mistral"}
@@ -55,18 +57,26 @@ class LoadedModel:
 
 
 def load_model(path: str | os.PathLike[str], dtype: str = "float32", device: str = "cpu",
-               pack_weights: bool = True) -> LoadedModel:
-    """Load a GGUF file or a Hugging Face model directory (weights packed for oneDNN on CPU)."""
+               pack_weights: bool = True, quantized_matmul: bool = True) -> LoadedModel:
+    """Load a GGUF file or a Hugging Face model directory (weights packed for oneDNN on CPU).
+
+    ``quantized_matmul``: on CPU, also keep a GGUF file's Q4_1/Q8_0 blocks so that steps with few
+    rows (decode) multiply by them directly (see ``kvhive.model.quant``).
+    """
     path = os.fspath(path)
+    quantized: dict[str, QuantWeight] = {}
     if os.path.isdir(path):
         config, weights, qkv_bias, digest = _read_hf_dir(path)
     elif path.endswith(".gguf") and os.path.isfile(path):
-        config, weights, qkv_bias, digest = _read_gguf(path)
+        keep = quantized_matmul and torch.device(device).type == "cpu"
+        config, weights, qkv_bias, digest = _read_gguf(path, quantized if keep else None)
     else:
         raise ValueError(f"model path {path!r} is neither a .gguf file nor a model directory")
     model = LlamaModel(config, dtype=dtype, device=device, qkv_bias=qkv_bias)
     model.load_hf_weights(weights)
     del weights
+    if quantized:
+        model.attach_quantized(quantized)
     if pack_weights:
         model.pack_weights()
     model.eval()
@@ -115,7 +125,12 @@ def _fast_gguf_reader(path: str):  # noqa: ANN202 - returns a gguf.GGUFReader
         return gguf.GGUFReader(path)
 
 
-def _read_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], bool, bytes]:
+def _read_gguf(path: str, quantized: dict[str, QuantWeight] | None = None,
+               ) -> tuple[ModelConfig, dict[str, torch.Tensor], bool, bytes]:
+    """Config, dequantised float32 weights (HF names), qkv-bias flag, digest.
+
+    With ``quantized`` given, Q4_1/Q8_0 matrices are also put there as their GGUF blocks.
+    """
     from gguf.quants import dequantize
 
     reader = _fast_gguf_reader(path)
@@ -157,9 +172,17 @@ def _read_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], bool, b
         hf_name = _gguf_to_hf_name(name)
         if hf_name is None:
             continue
-        arr = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
-        if arch in _PERMUTED_QK_ARCHS and name.endswith(("attn_q.weight", "attn_k.weight")):
+        shape = [int(d) for d in reversed(t.shape)]
+        arr = dequantize(t.data, t.tensor_type).reshape(shape)
+        permuted = arch in _PERMUTED_QK_ARCHS and name.endswith(("attn_q.weight", "attn_k.weight"))
+        if permuted:
             arr = _unpermute_rows(arr, heads if "attn_q" in name else kv_heads)
+        if quantized is not None and t.tensor_type.name in QUANT_KINDS and len(shape) == 2:
+            qw = QuantWeight.from_gguf(t.tensor_type.name, t.data, *shape)
+            if permuted:
+                rows = np.arange(shape[0])[:, None]
+                qw = qw.take_rows(_unpermute_rows(rows, heads if "attn_q" in name else kv_heads)[:, 0])
+            quantized[hf_name] = qw
         if not arr.flags.writeable:            # F32 tensors are views of the read-only file map
             arr = arr.copy()
         weights[hf_name] = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))

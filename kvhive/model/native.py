@@ -1,0 +1,59 @@
+"""Small C++ kernels compiled once per machine with the system compiler and loaded through ctypes.
+
+A library is keyed by its source, the compiler, the flags and the CPU model (``-march=native``), so
+a cached build never runs on a CPU it was not built for. Builds are atomic (compile to a temporary
+file, then rename), so concurrent processes that build the same library agree on one file.
+``-fopenmp`` libraries share PyTorch's OpenMP runtime: torch loads ``libgomp.so.1`` first and the
+dynamic linker reuses it, so kernels and torch ops use one thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+
+def cpu_model() -> str:
+    """The CPU's model name and flags line (part of every library's cache key)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "".join(line for line in f if line.startswith(("model name", "flags")))
+    except OSError:
+        return platform.processor()
+
+
+def build_library(name: str, source: str, flags: tuple[str, ...] = DEFAULT_FLAGS,
+                  cache_dir: str | None = None) -> ctypes.CDLL | None:
+    """Compile ``source`` (cached) and load it; None, with a warning, without a working compiler."""
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        logger.warning("no C++ compiler found: the %s kernel is unavailable", name)
+        return None
+    key = hashlib.sha256("\n".join([source, compiler, *flags, platform.machine(),
+                                    cpu_model()]).encode()).hexdigest()[:16]
+    path = os.path.join(cache_dir or tempfile.gettempdir(), f"kvhive-{name}-{key}.so")
+    try:
+        if not os.path.exists(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with tempfile.TemporaryDirectory() as tmp:
+                src, lib = os.path.join(tmp, f"{name}.cpp"), os.path.join(tmp, f"{name}.so")
+                with open(src, "w") as f:
+                    f.write(source)
+                subprocess.run([compiler, *flags, "-o", lib, src], check=True, capture_output=True)
+                shutil.copyfile(lib, path + f".{os.getpid()}")
+                os.replace(path + f".{os.getpid()}", path)
+        return ctypes.CDLL(path)
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = e.stderr.decode(errors="replace")[-2000:] if isinstance(e, subprocess.CalledProcessError) else e
+        logger.warning("the %s kernel is unavailable: %s", name, detail)
+        return None
