@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import secrets
+import signal
+import threading
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import uvicorn
@@ -149,12 +151,30 @@ def session_backend(config, served_model_name: str) -> FileBackend | RedisBacken
 
 def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_name: str,
                api_keys: tuple[str, ...] = (), log_level: str = "info") -> None:
-    """Start the engine loop, serve HTTP until interrupted, then shut the engine down."""
+    """Serve HTTP on a thread and run the engine loop on this (main) thread until interrupted.
+
+    SIGINT/SIGTERM start uvicorn's graceful shutdown; the engine keeps stepping until the HTTP
+    server has finished, so in-flight streams complete. If the engine loop dies, HTTP keeps
+    answering (``/health`` says 503) until a signal.
+    """
     app = create_app(async_engine, served_model_name=served_model_name, api_keys=api_keys)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=5)
-    async_engine.start()
+    server = uvicorn.Server(config)
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:
+            async_engine.stop()
+
+    http = threading.Thread(target=serve_http, name="kvhive-http", daemon=True)
+    previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    http.start()
     try:
-        uvicorn.Server(config).run()
+        async_engine.run()
+        http.join()
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         async_engine.shutdown()
