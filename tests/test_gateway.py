@@ -61,6 +61,7 @@ class ReplicaProcess:
     replay_port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
     log_path: str = ""
+    extra_args: tuple[str, ...] = ()
 
     @property
     def url(self) -> str:
@@ -79,7 +80,7 @@ class ReplicaProcess:
              "--max-model-len", "1024", "--kv-cache-gb", "0.2", "--num-threads", "1",
              "--log-level", "warning",
              "--kv-events", f"tcp://*:{self.events_port}",
-             "--kv-events-replay", f"tcp://*:{self.replay_port}"],
+             "--kv-events-replay", f"tcp://*:{self.replay_port}", *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=_env())
 
     def wait_healthy(self) -> None:
