@@ -56,6 +56,10 @@ class BlockStored:
     lora_id: int | None = None
     medium: str | None = MEDIUM_GPU
     lora_name: str | None = None
+    # vLLM's per-block extra hash keys, one entry (a list, or None) per block hash, untagged: the LoRA
+    # name, (multimodal id, offset) pairs, the cache salt (block 0 only), prompt-embedding digests.
+    # kvhive's own events leave it None: their salt is already in their hashes.
+    extra_keys: list[Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,8 @@ def _decode_event(raw: Any) -> KVEvent | None:
     for name, kind in (("block_hashes", list), ("token_ids", list), ("block_size", int)):
         if name in values and not isinstance(values[name], kind):
             raise ValueError(f"{tag}.{name} must be a {kind.__name__}, got {type(values[name]).__name__}")
+    if values.get("extra_keys") is not None and not isinstance(values["extra_keys"], list):
+        raise ValueError(f"{tag}.extra_keys must be a list or nil, got {type(values['extra_keys']).__name__}")
     return _EVENT_TYPES[tag](**values)
 
 

@@ -26,7 +26,7 @@ from kvhive.events import (
 # vLLM's documented schema (vllm/distributed/kv_events.py), field order as declared there.
 VLLM_FIELDS = {
     "BlockStored": ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                    "lora_name"],
+                    "lora_name", "extra_keys"],
     "BlockRemoved": ["block_hashes", "medium"],
     "AllBlocksCleared": [],
 }
@@ -79,7 +79,7 @@ def test_map_encoding_has_type_tags_and_names() -> None:
     assert body["ts"] == 1234.5 and body["data_parallel_rank"] == 0
     assert body["events"][1] == {"type": "BlockStored", "block_hashes": [2**63 + 5], "parent_block_hash": 77,
                                  "token_ids": list(range(16)), "block_size": 16, "lora_id": 3,
-                                 "medium": "CPU", "lora_name": "adapter-a"}
+                                 "medium": "CPU", "lora_name": "adapter-a", "extra_keys": None}
     assert body["events"][3] == {"type": "AllBlocksCleared"}
 
 
@@ -158,7 +158,7 @@ def test_publisher_frames_decode_with_independent_decoder(as_map: bool) -> None:
     first, second = (independent_decode(f[2]) for f in frames)
     assert first["events"] == [{"type": "BlockStored", "block_hashes": [b"\xaa" * 16, b"\xbb" * 16],
                                 "parent_block_hash": None, "token_ids": list(range(32)), "block_size": 16,
-                                "lora_id": None, "medium": "GPU", "lora_name": None}]
+                                "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": None}]
     assert second["events"] == [{"type": "BlockRemoved", "block_hashes": [b"\xaa" * 16], "medium": "CPU"}]
     assert abs(first["ts"] - time.time()) < 60
 

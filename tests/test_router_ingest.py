@@ -249,3 +249,47 @@ def test_sequence_rules_without_sockets() -> None:
     assert index.lookup([h(0)]) == [] and ingest.last_applied is None
     ingest.on_batch(5, msgpack.packb("garbage"))   # undecodable: counted, sequence still advances
     assert ingest.stats.decode_errors == 1 and ingest.last_applied == 5
+
+
+def test_vllm_extra_keys_map_a_salted_request_to_salted_kvhive_keys() -> None:
+    """vLLM's BlockStored carries each block's extra hash keys (untagged): a cache salt on block 0
+    maps to kvhive's salted chain, the gateway's keys for a body with that ``cache_salt``."""
+    tokens = list(range(2000, 2064))
+    salted = hash_blocks(tokens, B, ROOT, ExtraKeys(cache_salt="tenant-a"))
+    payload = msgpack.packb([1.0, [
+        # vLLM's positional encoding, extra fields after extra_keys (group_idx, ...) included.
+        ["BlockStored", [11, 12], None, tokens[:32], B, None, "GPU", None, [["tenant-a"], None], 0],
+        ["BlockStored", [13, 14], 12, tokens[32:], B, None, "GPU", None, None, 0]]])
+    index = InMemoryIndex()
+    ingest = ReplicaIngest("vllm-1", index, BlockKeyMapper(True, B, ROOT))
+    ingest.on_batch(0, payload)
+    assert index.lookup(salted) == [{"vllm-1": "GPU"}] * 4
+    assert index.lookup(hash_blocks(tokens, B, ROOT)) == []       # an unsalted prompt finds nothing
+    assert index.lookup(hash_blocks(tokens, B, ROOT, ExtraKeys(cache_salt="tenant-b"))) == []
+    # The map encoding, with a LoRA adapter: its name leads every block's keys; the salt follows.
+    lora = BlockKeyMapper(True, B, ROOT)
+    batch = decode_batch(msgpack.packb({"ts": 2.0, "events": [
+        {"type": "BlockStored", "block_hashes": [21, 22], "parent_block_hash": None,
+         "token_ids": tokens[:32], "block_size": B, "lora_id": 1, "medium": "GPU", "lora_name": "ad-1",
+         "extra_keys": [["ad-1", "tenant-a"], ["ad-1"]]}]}))
+    assert lora.stored(batch.events[0]) == hash_blocks(
+        tokens[:32], B, ROOT, ExtraKeys(cache_salt="tenant-a", adapter_id="ad-1"))
+
+
+def test_vllm_blocks_with_multimodal_or_embedding_keys_are_not_indexed() -> None:
+    """kvhive's hash has no image or prompt-embedding keys, so such blocks (and the blocks chained
+    after them) stay out of the index and are counted as unmapped, never indexed as text."""
+    tokens = list(range(3000, 3064))
+    mapper = BlockKeyMapper(True, B, ROOT)
+    image = BlockStored([31, 32, 33], None, tokens[:48], B, None, "GPU", None,
+                        [None, [["img-digest", 4]], None])
+    assert mapper.stored(image) == hash_blocks(tokens[:16], B, ROOT)          # the text block before it
+    assert mapper.num_unmapped == 2
+    assert mapper.stored(BlockStored([34], 33, tokens[48:], B)) == []        # chained after the image
+    assert mapper.num_unmapped == 3
+    embeds = BlockStored([41], None, tokens[:16], B, None, "GPU", None, [[b"\x00" * 32]])
+    assert mapper.stored(embeds) == [] and mapper.num_unmapped == 4
+    two_strings = BlockStored([51], None, tokens[:16], B, None, "GPU", None, [["x", "y"]])
+    assert mapper.stored(two_strings) == [] and mapper.num_unmapped == 5
+    later_salt = BlockStored([61, 62], None, tokens[:32], B, None, "GPU", None, [None, ["late"]])
+    assert mapper.stored(later_salt) == hash_blocks(tokens[:16], B, ROOT)    # a salt is block 0's only
