@@ -33,6 +33,19 @@ SESSIONS_FILE = "sessions.json"
 _FORMAT_VERSION = 1
 
 
+@dataclass(frozen=True)
+class SessionStats:
+    """A snapshot of the registry for metrics; the ``*_total`` fields are cumulative since start."""
+
+    num_live: int                  # sessions not expired (busy ones included)
+    num_tokens: int                # tokens the live sessions hold
+    num_blocks: int                # full blocks of those tokens (a block two sessions share counts twice)
+    turns_total: int = 0           # turns finished in a session
+    hit_tokens_total: int = 0      # prompt tokens of those turns served from cached KV
+    expired_total: int = 0         # sessions dropped at their expiry
+    deleted_total: int = 0         # sessions ended by DELETE or end_conversation
+
+
 class SessionError(Exception):
     """A request about a session that cannot be served; carries its HTTP status and OpenAI code."""
 
@@ -63,6 +76,7 @@ class Session:
     num_tokens: int = 0            # tokens the session holds (prompt + output of its last turn)
     block_hashes: list[str] = field(default_factory=list)    # hex, full blocks of those tokens
     busy: bool = False             # a turn is running (not persisted)
+    turn: int = 0                  # turns begun since load (not persisted): tells one turn's end from a later one's
 
     @property
     def engine_id(self) -> str:
@@ -125,6 +139,16 @@ class RedisBackend:
         self.client.set(self.key, data)
 
 
+def format_bytes(num_bytes: float) -> str:
+    """A byte count in the largest binary unit that keeps it >= 1, e.g. ``52.4 KiB``."""
+    value, unit = float(num_bytes), "B"
+    for bigger in ("KiB", "MiB", "GiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
 def parse_ttl(value: object, max_ttl_s: int, param: str = "x-session-ttl") -> int:
     """A TTL in whole seconds in (0, max_ttl_s], from a header string or a JSON number; 400 otherwise."""
     if value is None or value == "":
@@ -157,6 +181,7 @@ class SessionRegistry:
         self.backend = backend
         self.clock = clock
         self._sessions: dict[tuple[str | None, str], Session] = {}
+        self._turns = self._hit_tokens = self._expired = self._deleted = 0
         if backend is not None:
             self._load()
 
@@ -175,6 +200,17 @@ class SessionRegistry:
         return sorted((s for (o, _), s in self._sessions.items() if o == owner and (s.busy or s.expires > now)),
                       key=lambda s: s.created)
 
+    def live_sessions(self) -> list[Session]:
+        """Every owner's live sessions (to pin their blocks again after a restart)."""
+        now = self.clock()
+        return [s for s in self._sessions.values() if s.busy or s.expires > now]
+
+    def stats(self) -> SessionStats:
+        """Live sessions, what they hold, and the cumulative counters."""
+        live = self.live_sessions()
+        return SessionStats(len(live), sum(s.num_tokens for s in live), sum(len(s.block_hashes) for s in live),
+                            self._turns, self._hit_tokens, self._expired, self._deleted)
+
     def pinned_bytes(self, owner: str | None) -> int:
         """KV bytes the owner's sessions hold."""
         return int(sum(s.num_tokens for (o, _), s in self._sessions.items() if o == owner)
@@ -191,7 +227,7 @@ class SessionRegistry:
                                "too_many_sessions")
         now = self.clock()
         session = Session(session_id or f"sess-{uuid.uuid4().hex}", owner, model, ttl_s, now, now + ttl_s,
-                          busy=True)
+                          busy=True, turn=1)
         self._sessions[(owner, session.session_id)] = session
         self._persist()
         return session
@@ -206,22 +242,30 @@ class SessionRegistry:
                                     f"send one request at a time per session", "session_busy")
         self.check_pinned(session.owner, new_tokens, exclude=session)
         session.busy = True
+        session.turn += 1
 
     def check_pinned(self, owner: str | None, num_tokens: int, exclude: Session | None = None) -> None:
         """429 when the owner's sessions would hold more than --max-pinned-gb with num_tokens more."""
         if self.config.max_pinned_gb is None:
             return
         limit = self.config.max_pinned_gb * 2**30
-        held = self.pinned_bytes(owner) - (exclude.num_tokens * self.bytes_per_token if exclude else 0)
-        wanted = held + num_tokens * self.bytes_per_token
+        held_tokens = sum(s.num_tokens for (o, _), s in self._sessions.items() if o == owner and s is not exclude)
+        wanted_tokens = held_tokens + num_tokens
+        wanted = wanted_tokens * self.bytes_per_token
         if wanted > limit:
-            raise SessionError(429, f"This API key's sessions would hold {wanted / 2**30:.3f} GiB of KV; "
-                                    f"the limit is {self.config.max_pinned_gb} GiB (--max-pinned-gb). "
-                                    f"Delete a session or use a shorter prompt", "session_kv_limit")
+            raise SessionError(429, f"This API key's sessions would hold {wanted_tokens} tokens "
+                                    f"({format_bytes(wanted)}) of KV, over its limit of {format_bytes(limit)} "
+                                    f"(--max-pinned-gb {self.config.max_pinned_gb:g}): {held_tokens} tokens held "
+                                    f"by its sessions, {num_tokens} for this request (prompt + max_tokens). "
+                                    f"Delete a session, let one expire, or send a shorter request",
+                               "session_kv_limit")
 
-    def end_turn(self, session: Session, num_tokens: int | None, block_hashes: list[str] | None) -> None:
+    def end_turn(self, session: Session, num_tokens: int | None, block_hashes: list[str] | None,
+                 cached_tokens: int = 0) -> None:
         """A turn ended: record what the session holds now (when known) and slide its expiry."""
         session.busy = False
+        self._turns += 1
+        self._hit_tokens += cached_tokens
         if num_tokens is not None:
             session.num_tokens = num_tokens
             session.block_hashes = block_hashes or []
@@ -236,7 +280,9 @@ class SessionRegistry:
 
     def delete(self, session: Session) -> None:
         """Forget the session (the caller frees its blocks in the engine)."""
-        self._sessions.pop((session.owner, session.session_id), None)
+        session.busy = False
+        if self._sessions.pop((session.owner, session.session_id), None) is not None:
+            self._deleted += 1
         self._persist()
 
     def pop_expired(self) -> list[Session]:
@@ -245,6 +291,7 @@ class SessionRegistry:
         expired = [s for s in self._sessions.values() if not s.busy and s.expires <= now]
         for session in expired:
             del self._sessions[(session.owner, session.session_id)]
+        self._expired += len(expired)
         if expired:
             self._persist()
         return expired

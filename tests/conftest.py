@@ -73,7 +73,7 @@ def start_server(model: str, *, api_keys: tuple[str, ...] = (), max_model_len: i
     """Start a server subprocess and wait until /health answers 200.
 
     ``extra_args``: more flags of the server script (``--num-blocks``, ``--cpu-offload-gb``,
-    ``--disk-cache-dir``, the session flags, ``--no-prefix-caching``).
+    ``--disk-cache-dir``, ``--redis-url``, the session flags, ``--no-prefix-caching``).
     """
     port = free_port()
     cmd = [sys.executable, os.path.join(TESTS_DIR, "conftest.py"), "--model", model, "--port", str(port),
@@ -150,7 +150,8 @@ def _build_engine(args: argparse.Namespace):  # -> AsyncEngine (imports stay ins
     from kvhive.model_files import default_model_path
 
     scheduler = SchedulerConfig(max_model_len=args.max_model_len or 8192)
-    store = StoreConfig(cpu_offload_gb=args.cpu_offload_gb, disk_cache_dir=args.disk_cache_dir)
+    store = StoreConfig(cpu_offload_gb=args.cpu_offload_gb, disk_cache_dir=args.disk_cache_dir,
+                        redis_url=args.redis_url)
     sessions = SessionConfig(default_ttl_s=args.default_session_ttl, max_ttl_s=args.max_session_ttl,
                              max_sessions_per_key=args.max_sessions_per_key, max_pinned_gb=args.max_pinned_gb,
                              share_prefix_cache=args.share_prefix_cache)
@@ -204,6 +205,7 @@ def _serve_main() -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--cpu-offload-gb", type=float, default=0.0)
     parser.add_argument("--disk-cache-dir", default=None)
+    parser.add_argument("--redis-url", default=None)
     parser.add_argument("--default-session-ttl", type=int, default=600)
     parser.add_argument("--max-session-ttl", type=int, default=86400)
     parser.add_argument("--max-sessions-per-key", type=int, default=None)

@@ -195,3 +195,51 @@ def test_create_with_chat_body_and_stream(server):
             r.read()
         assert c.get(f"/v1/context/{sid}").json()["tokens"] > 4
         c.delete(f"/v1/context/{sid}")
+
+
+def test_session_metrics(server):
+    def metric(name, labels=None):
+        return server.metric(name, labels)
+
+    turns, hits, deletes = (metric("kvhive_session_turns_total"), metric("kvhive_session_hit_tokens_total"),
+                            metric("kvhive_session_deletes_total"))
+    with client(server) as c:
+        sid, first = create(c)                # its prompt may hit blocks earlier tests left cached
+        r = c.post("/v1/completions", json=completion(PROMPT + [5, 6, 7]), headers={"x-session-id": sid})
+        cached = [x["usage"]["prompt_tokens_details"]["cached_tokens"] for x in (first, r.json())]
+        assert cached[1] == 32
+        assert metric("kvhive_session_turns_total") == turns + 2
+        assert metric("kvhive_session_hit_tokens_total") == hits + sum(cached)
+        assert metric("kvhive_sessions_live") >= 1
+        assert metric("kvhive_session_tokens") >= len(PROMPT) + 3 + 8
+        # Idle, the session holds its blocks in the device pool (no store tiers on this server).
+        assert metric("kvhive_session_blocks", {"tier": "device"}) >= (len(PROMPT) + 3 + 8) // 16
+        c.delete(f"/v1/context/{sid}")
+        assert metric("kvhive_session_deletes_total") == deletes + 1
+
+
+def test_max_pinned_gb_answers_429():
+    # The tiny model keeps 512 bytes of KV per token: 0.00005 GiB is 104 tokens per API key.
+    srv = start_server("tiny", api_keys=(KEY_A, KEY_B), max_model_len=512,
+                       extra_args=("--max-pinned-gb", "0.00005"))
+    try:
+        with client(srv) as a, client(srv, KEY_B) as b:
+            sid, _ = create(a)                                         # 40 + 8 tokens
+            second, _ = create(a)                                      # 96 tokens held
+            err = error(a.post("/v1/context", json=completion(PROMPT), headers={"x-session-ttl": "60"}), 429)
+            assert err["code"] == "session_kv_limit" and err["type"] == "rate_limit_error"
+            assert err["message"].startswith("This API key's sessions would hold 144 tokens (72.0 KiB) of KV, "
+                                             "over its limit of 52.4 KiB (--max-pinned-gb 5e-05): 96 tokens held")
+            assert len(a.get("/v1/context").json()["data"]) == 2          # nothing was created
+            # Extending a session past the limit is refused too, and the session is left as it was.
+            err = error(a.post("/v1/completions", json=completion(PROMPT + [1] * 20),
+                               headers={"x-session-id": sid}), 429)
+            assert "would hold 116 tokens" in err["message"] and "--max-pinned-gb" in err["message"]
+            info = a.get(f"/v1/context/{sid}").json()
+            assert info["tokens"] == len(PROMPT) + 8 and info["busy"] is False
+            # The limit is per key, and deleting a session gives its share back.
+            create(b)
+            a.delete(f"/v1/context/{second}")
+            create(a)
+    finally:
+        stop_server(srv)

@@ -1,11 +1,17 @@
-"""Sessions survive SIGKILL + restart with a disk cache dir, and a 10-turn conversation on the
-default model gives the same greedy tokens with sessions, plain prefix caching and no caching."""
+"""Sessions and their expiries survive SIGKILL + restart with a disk cache dir or with Redis, and a
+10-turn conversation on the default model gives the same greedy tokens with sessions, plain
+prefix caching and no caching."""
 
 from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 from conftest import SERVED_MODEL_NAME, start_server, stop_server
+from test_store_redis import RedisServer, _free_port
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvhive.engine import LLMEngine
@@ -16,33 +22,63 @@ KEY = "restart-key"
 PROMPT = [(i * 13) % 200 + 3 for i in range(70)]
 
 
-def test_sessions_survive_sigkill_and_restart(tmp_path):
-    args = ("--disk-cache-dir", str(tmp_path), "--max-session-ttl", "3600")
+@pytest.fixture(params=["disk", "redis"])
+def persistence(request, tmp_path) -> Iterator[tuple[str, tuple[str, ...]]]:
+    """The tier the sessions persist with, and the server flags that configure it."""
+    if request.param == "disk":
+        yield "disk", ("--disk-cache-dir", str(tmp_path))
+        return
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    redis_server = RedisServer(_free_port(), str(tmp_path))
+    redis_server.start()
+    yield "redis", ("--redis-url", redis_server.url)
+    redis_server.stop()
+
+
+def test_sessions_and_expiries_survive_sigkill_and_restart(persistence):
+    tier, store_args = persistence
+    args = (*store_args, "--max-session-ttl", "3600")
     server = start_server("tiny", api_keys=(KEY,), max_model_len=512, extra_args=args)
     headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": SERVED_MODEL_NAME, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     try:
         with httpx.Client(base_url=server.base_url, headers=headers, timeout=60) as c:
-            body = {"model": SERVED_MODEL_NAME, "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
-                    "ignore_eos": True}
             r = c.post("/v1/context", json=body, headers={"x-session-ttl": "900"})
             sid = r.headers["x-session-id"]
+            short = c.post("/v1/context", json={**body, "prompt": PROMPT[::-1]},
+                           headers={"x-session-ttl": "2"}).headers["x-session-id"]
             before = c.get(f"/v1/context/{sid}").json()
-            assert before["blocks"]["disk"] == len(PROMPT + [0] * 4) // 16
+            num_blocks = len(PROMPT + [0] * 4) // 16
+            assert before["blocks"][tier] == num_blocks
+            short_expires = c.get(f"/v1/context/{short}").json()["expires_at"]
+        assert server.metric("kvhive_sessions_live") == 2
     finally:
         server.process.kill()                       # SIGKILL: no graceful shutdown
         server.process.wait()
+    time.sleep(max(0.0, short_expires + 1 - time.time()))   # the short session expires while down
     server = start_server("tiny", api_keys=(KEY,), max_model_len=512, extra_args=args)
     try:
         with httpx.Client(base_url=server.base_url, headers=headers, timeout=60) as c:
             after = c.get(f"/v1/context/{sid}").json()
             assert (after["tokens"], after["expires_at"], after["ttl"]) == \
                 (before["tokens"], before["expires_at"], before["ttl"])
-            assert after["blocks"]["disk"] == before["blocks"]["disk"]
+            assert after["blocks"][tier] == before["blocks"][tier]
+            assert c.get(f"/v1/context/{short}").status_code == 404
+            # The restarted server pinned the live session's blocks again (and only those).
+            assert server.metric("kvhive_session_blocks", {"tier": tier}) == num_blocks
+            deadline = time.monotonic() + 5
+            while server.metric("kvhive_session_expiries_total") < 1 and time.monotonic() < deadline:
+                time.sleep(0.2)                     # the sweep drops the expired one within a second
+            assert server.metric("kvhive_session_expiries_total") == 1
+            assert server.metric("kvhive_sessions_live") == 1
             r = c.post("/v1/completions", json={**body, "prompt": PROMPT + [1, 2]},
                        headers={"x-session-id": sid})
             assert r.status_code == 200
-            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 64   # loaded from disk
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 64   # loaded from the tier
+            assert server.metric("kvhive_session_hit_tokens_total") == 64
             assert c.delete(f"/v1/context/{sid}").status_code == 200
+            assert server.metric("kvhive_session_blocks", {"tier": tier}) == 0
     finally:
         stop_server(server)
 

@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 
 from kvhive.server.errors import bad_request
@@ -22,7 +22,6 @@ from kvhive.server.protocol import (
 )
 from kvhive.server.serving import (
     SSE_DONE,
-    SSE_HEADERS,
     GenerationService,
     new_request_id,
     sse_event,
@@ -123,5 +122,4 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
                                                         choices=[], usage=delta.usage()))
         yield SSE_DONE
 
-    return StreamingResponse(service.sse_with_errors(events()), media_type="text/event-stream",
-                             headers={**SSE_HEADERS, **headers})
+    return service.sse_response(events(), headers, session, end_session=body.end_conversation)

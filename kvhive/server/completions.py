@@ -6,13 +6,12 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvhive.server.errors import bad_request
 from kvhive.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from kvhive.server.serving import (
     SSE_DONE,
-    SSE_HEADERS,
     GenerationService,
     TextDelta,
     new_request_id,
@@ -96,5 +95,4 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
                     yield sse_event(usage_chunk)
         yield SSE_DONE
 
-    return StreamingResponse(service.sse_with_errors(events()), media_type="text/event-stream",
-                             headers={**SSE_HEADERS, **headers})
+    return service.sse_response(events(), headers, session)

@@ -49,7 +49,7 @@ async def sweep_expired(service: GenerationService) -> None:
     while True:
         await asyncio.sleep(SWEEP_INTERVAL_S)
         for session in service.sessions.pop_expired():
-            service.engine.end_session(session.engine_id)
+            service.free_session_kv(session)
 
 
 def install_context_routes(app: FastAPI, service: GenerationService,
@@ -57,6 +57,7 @@ def install_context_routes(app: FastAPI, service: GenerationService,
     """Add the /v1/context routes over the service's session registry."""
     registry = service.sessions
     assert registry is not None
+    service.metrics.watch_sessions(registry.stats, service.engine.engine.pinned_blocks_by_tier)
 
     def lookup(raw_request: Request, session_id: str) -> Session:
         try:
@@ -133,13 +134,17 @@ def install_context_routes(app: FastAPI, service: GenerationService,
         """Forget the session and free its blocks (a running turn frees its own when it ends)."""
         session = lookup(raw_request, session_id)
         registry.delete(session)
-        service.engine.end_session(session.engine_id)
+        service.free_session_kv(session)
         return {"id": session.session_id, "object": "context.deleted", "deleted": True}
 
 
 @contextlib.asynccontextmanager
 async def session_sweeper(service: GenerationService):
-    """Run ``sweep_expired`` for the app's lifetime."""
+    """Pin the blocks of the sessions loaded at start (restart), then run ``sweep_expired`` for the
+    app's lifetime."""
+    assert service.sessions is not None
+    for session in service.sessions.live_sessions():
+        service.pin_session_kv(session)
     task = asyncio.create_task(sweep_expired(service))
     try:
         yield

@@ -19,11 +19,21 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from kvhive.engine import EngineStats
+    from kvhive.sessions import SessionStats
 
 logger = logging.getLogger(__name__)
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+def model_families(labels: list[str], gauges, counters) -> Iterator[Metric]:
+    """One gauge or counter family per ``(name, doc, value)``, labelled with the model name only."""
+    for family_type, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+        for name, doc, value in rows:
+            family = family_type(name, doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            yield family
 
 
 class EngineStatsCollector(Collector):
@@ -55,14 +65,7 @@ class EngineStatsCollector(Collector):
             ("kvhive_num_preemptions", "Requests preempted (to be recomputed) for lack of blocks.",
              s.num_preemptions),
         )
-        for name, doc, value in gauges:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric(self._labels, value)
-            yield family
-        for name, doc, value in counters:
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric(self._labels, value)
-            yield family
+        yield from model_families(self._labels, gauges, counters)
         yield from self._tier_metrics(s)
 
     def _tier_metrics(self, s: EngineStats) -> Iterator[Metric]:
@@ -121,12 +124,58 @@ class EngineStatsCollector(Collector):
         yield wait
 
 
+class SessionStatsCollector(Collector):
+    """Session metrics at each scrape: the registry's counts, and where the sessions' blocks are."""
+
+    def __init__(self, sessions: Callable[[], SessionStats], engine_stats: Callable[[], EngineStats],
+                 pinned_by_tier: Callable[[], dict[str, int]], model_name: str) -> None:
+        self._sessions = sessions
+        self._engine_stats = engine_stats
+        self._pinned_by_tier = pinned_by_tier
+        self._labels = [model_name]
+
+    def collect(self) -> Iterator[Metric]:
+        """Read the registry, the engine snapshot and the store's pins once; yield the families."""
+        try:
+            s, e, pinned = self._sessions(), self._engine_stats(), self._pinned_by_tier()
+        except Exception:  # noqa: BLE001 - a scrape must not fail because a tier is down
+            logger.exception("session stats failed; session metrics left out of this scrape")
+            return
+        gauges = (
+            ("kvhive_sessions_live", "Sessions not expired (busy ones included).", s.num_live),
+            ("kvhive_session_tokens", "Tokens the live sessions hold (prompt + output of their last turn).",
+             s.num_tokens),
+        )
+        counters = (
+            ("kvhive_session_turns", "Turns finished in a session.", s.turns_total),
+            ("kvhive_session_hit_tokens", "Prompt tokens of session turns served from cached KV.",
+             s.hit_tokens_total),
+            ("kvhive_session_expiries", "Sessions dropped at their expiry (their blocks released).",
+             s.expired_total),
+            ("kvhive_session_deletes", "Sessions ended by DELETE or end_conversation.", s.deleted_total),
+            ("kvhive_session_spills", "Idle session holdings moved off the device to the store tiers.",
+             e.num_session_spills),
+        )
+        yield from model_families(self._labels, gauges, counters)
+        # device: blocks idle sessions hold in the pool; a store tier: pinned blocks it holds.
+        blocks = GaugeMetricFamily("kvhive_session_blocks", "Session blocks held, by tier (device = pinned "
+                                   "in the pool by idle sessions; a store tier = session-pinned blocks it holds).",
+                                   labels=["model_name", "tier"])
+        tokens = GaugeMetricFamily("kvhive_session_tier_tokens", "Tokens of the session blocks each tier holds.",
+                                   labels=["model_name", "tier"])
+        for tier, num_blocks in {"device": e.num_session_blocks, **pinned}.items():
+            blocks.add_metric(self._labels + [tier], num_blocks)
+            tokens.add_metric(self._labels + [tier], num_blocks * e.block_size)
+        yield from (blocks, tokens)
+
+
 class ServerMetrics:
     """The app's registry: request counters and latency histograms, plus the engine collector."""
 
     def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self._engine_stats = stats
         labels = ["model_name"]
         self.requests = Counter("kvhive_request_finished", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=self.registry)
@@ -141,6 +190,12 @@ class ServerMetrics:
                              "Time between consecutive generated tokens of one request.",
                              labels, buckets=_ITL_BUCKETS, registry=self.registry)
         self.registry.register(EngineStatsCollector(stats, model_name))
+
+    def watch_sessions(self, sessions: Callable[[], SessionStats],
+                       pinned_by_tier: Callable[[], dict[str, int]]) -> None:
+        """Export session metrics from the registry's stats and the store's pinned blocks per tier."""
+        self.registry.register(SessionStatsCollector(sessions, self._engine_stats, pinned_by_tier,
+                                                     self.model_name))
 
     def track_request(self) -> RequestMetrics:
         """Start timing one request (call at arrival)."""

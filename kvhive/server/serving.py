@@ -14,12 +14,15 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import anyio
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from kvhive.request import SamplingParams
 from kvhive.server.errors import APIError, bad_request, server_error
@@ -81,6 +84,29 @@ def session_api_error(exc: SessionError) -> APIError:
     kind = "rate_limit_error" if exc.status_code == 429 else "invalid_request_error"
     return APIError(exc.status_code, exc.message, type=kind, param=exc.param, code=exc.code)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that closes its body iterator and calls ``on_close`` however sending
+    ends: done, failed or cancelled (the client gone).
+
+    Starlette neither closes a body iterator it stopped reading (its ``finally`` then waits for
+    garbage collection) nor starts one when the client is gone before the first byte (its
+    ``finally`` never runs); both leave a session busy unless closed here.
+    """
+
+    def __init__(self, content: AsyncGenerator[str, None], on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Send the response; then close the body and call ``on_close``, shielded from cancellation."""
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+            self.on_close()
 
 
 class GenerationService:
@@ -222,6 +248,7 @@ class GenerationService:
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=True)
         matcher = StopStringMatcher(stop_strings)
         kwargs = {} if session is None else {"session_id": session.engine_id, "end_session": end_session}
+        turn = 0 if session is None else session.turn
         outputs = self.engine.generate(request_id, prompt_token_ids, sampling, cache_salt=cache_salt, **kwargs)
         session_done = False
         counts = (len(prompt_token_ids), 0, 0)
@@ -230,8 +257,8 @@ class GenerationService:
             async for out in outputs:
                 counts = (out.num_prompt_tokens, max(0, out.num_cached_tokens), out.num_output_tokens)
                 if session is not None and out.session_block_hashes is not None:
-                    self._end_session_turn(session, end_session, out.num_prompt_tokens + out.num_output_tokens,
-                                           [h.hex() for h in out.session_block_hashes])
+                    self._end_session_turn(session, turn, end_session, out.num_prompt_tokens + out.num_output_tokens,
+                                           [h.hex() for h in out.session_block_hashes], counts[1])
                     session_done = True
                 tracker.on_tokens(len(out.new_token_ids))
                 delta = detokenizer.add(out.new_token_ids)
@@ -262,16 +289,30 @@ class GenerationService:
             await outputs.aclose()
             if session is not None and not session_done:
                 # Stopped early or failed: the engine keeps what was computed; slide the expiry.
-                self._end_session_turn(session, end_session, None, None)
+                self._end_session_turn(session, turn, end_session, None, None)
 
-    def _end_session_turn(self, session: Session, end_session: bool, num_tokens: int | None,
-                          block_hashes: list[str] | None) -> None:
+    def _end_session_turn(self, session: Session, turn: int, end_session: bool, num_tokens: int | None,
+                          block_hashes: list[str] | None, cached_tokens: int = 0) -> None:
+        """End turn ``turn`` of the session, once: a later call for it (or for an older turn) does nothing."""
         assert self.sessions is not None
+        if not session.busy or session.turn != turn:
+            return
         if end_session:
             self.sessions.delete(session)
-            self.engine.end_session(session.engine_id)
+            self.free_session_kv(session)
         else:
-            self.sessions.end_turn(session, num_tokens, block_hashes)
+            self.sessions.end_turn(session, num_tokens, block_hashes, cached_tokens)
+            if block_hashes is not None:
+                self.pin_session_kv(session)
+
+    def pin_session_kv(self, session: Session) -> None:
+        """Pin the blocks the session holds now in the store tiers (replacing its older pins)."""
+        self.engine.engine.pin_session(session.engine_id, [bytes.fromhex(h) for h in session.block_hashes])
+
+    def free_session_kv(self, session: Session) -> None:
+        """Release an expired or deleted session's blocks: on the device and its store pins."""
+        self.engine.end_session(session.engine_id)
+        self.engine.engine.unpin_session(session.engine_id)
 
     async def collect(self, deltas: AsyncIterator[TextDelta], raw_request: Request) -> TextDelta | None:
         """Join a whole stream into one delta; None if the client went away (the request is aborted)."""
@@ -311,6 +352,21 @@ class GenerationService:
         except Exception as exc:
             logger.exception("engine error")
             raise server_error(f"Engine error: {type(exc).__name__}: {exc}") from exc
+
+    def sse_response(self, events: AsyncIterator[str], headers: dict[str, str], session: Session | None,
+                     end_session: bool = False) -> StreamingResponse:
+        """The SSE response over ``events``; a session turn ends even if the stream never started."""
+        body = self.sse_with_errors(events)
+        headers = {**SSE_HEADERS, **headers}
+        if session is None:
+            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+        turn = session.turn
+
+        def end_unstarted_turn() -> None:
+            # A no-op when the stream ended the turn itself (the usual case).
+            self._end_session_turn(session, turn, end_session, None, None)
+
+        return ClosingStreamingResponse(body, end_unstarted_turn, media_type="text/event-stream", headers=headers)
 
     async def sse_with_errors(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
         """Pass SSE events through; an engine error after the headers went out becomes an error event."""
