@@ -118,6 +118,21 @@ def test_ttl_is_set_on_every_block(server: RedisServer):
     store.close()
 
 
+def test_pinned_blocks_carry_no_ttl_until_unpinned(server: RedisServer):
+    store = RedisStore(server.url, ttl_seconds=0.5)
+    admin = server.admin()
+    assert store.put(key(1), payload(1))
+    store.pin([key(1), key(2)])                       # key 2 is pinned before it is stored
+    assert store.put(key(2), payload(2)) and store.put(key(3), payload(3))
+    assert admin.pttl(key(1).encode()) == -1 and admin.pttl(key(2).encode()) == -1
+    time.sleep(0.7)
+    assert store.contains([key(1), key(2), key(3)]) == [True, True, False]
+    store.unpin([key(1)])
+    assert 0 < admin.pttl(key(1).encode()) <= 500
+    assert admin.pttl(key(2).encode()) == -1
+    store.close()
+
+
 def test_corrupt_or_misnamed_value_is_a_miss(store: RedisStore, server: RedisServer):
     admin = server.admin()
     store.put(key(1), payload(1))
