@@ -5,7 +5,7 @@ every session's next turn gets its tokens back (tiny random model, real store ti
 from __future__ import annotations
 
 import pytest
-from test_engine import GREEDY, make_engine
+from test_engine import make_engine
 from test_sessions_engine import turn
 
 from kvhive.config import StoreConfig
