@@ -79,19 +79,22 @@ def time_lookups(index, prompts, lookups: int, seed: int) -> dict[str, object]:
     rng = random.Random(seed)
     root = root_hash(0, "bench")
     scorer, tiers = LongestPrefixMatch(), TierWeights()
-    lookup_s, score_s, hits = [], [], 0
+    lookup_s, cpu_s, score_s, hits = [], [], [], 0
     for _ in range(lookups):
         ids, keys = prompts[rng.randrange(len(prompts))]
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         found = index.lookup(keys)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         lookup_s.append(t1 - t0)
+        cpu_s.append(c1 - c0)
         hits += len(found) == len(keys)
         # The gateway's scoring step for a token-id prompt: hash, look up, score.
         t0 = time.perf_counter()
         scorer.score(index.lookup(hash_blocks(ids, BLOCK, root)), tiers)
         score_s.append(time.perf_counter() - t0)
-    return {"lookup": summary(lookup_s), "hash_lookup_score": summary(score_s),
+    # Wall time includes waiting for a core on a busy machine; this thread's CPU time does not.
+    return {"lookup": summary(lookup_s), "lookup_thread_cpu": summary(cpu_s),
+            "hash_lookup_score": summary(score_s),
             "full_hits": hits, "lookups": lookups}
 
 
@@ -144,46 +147,58 @@ def bench_gateway(args) -> dict[str, object]:
                             "--prefill-ms-per-token", "0", "--prefill-overhead-ms", "0",
                             "--decode-ms-per-token", "0"], env=env, cwd=REPO,
                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    gw = None
+    gateways: dict[str, subprocess.Popen[bytes]] = {}
     try:
         direct = f"http://127.0.0.1:{sim_port}"
         wait(f"{direct}/health")
-        gw_env = dict(env)
-        if args.gateway_path:
-            gw_env["PYTHONPATH"] = args.gateway_path + os.pathsep + env["PYTHONPATH"]
-        gw = subprocess.Popen([sys.executable, "-m", "kvhive.cli", "gateway", "--port", str(gw_port),
-                               "--replica", replica_specs(1, sim_port, events_port)[0],
-                               "--log-level", "warning"], env=gw_env, cwd=REPO,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        gateway = f"http://127.0.0.1:{gw_port}"
-        wait(f"{gateway}/health")
+        # The gateway under test, and optionally the same gateway from another checkout, both
+        # interleaved with direct requests so that all see the same machine load.
+        paths = {"gateway": args.gateway_path, "baseline": args.baseline_path}
+        urls = {"direct": direct}
+        for label, path in paths.items():
+            if label == "baseline" and not path:
+                continue
+            gw_env = dict(env)
+            if path:
+                gw_env["PYTHONPATH"] = path + os.pathsep + env["PYTHONPATH"]
+            port = gw_port if label == "gateway" else free_port()
+            gateways[label] = subprocess.Popen(
+                [sys.executable, "-m", "kvhive.cli", "gateway", "--port", str(port),
+                 "--replica", replica_specs(1, sim_port, events_port)[0], "--log-level", "warning"],
+                env=gw_env, cwd=path or REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            urls[label] = f"http://127.0.0.1:{port}"
+            wait(f"{urls[label]}/health")
         rng = random.Random(4)
         words = "alpha beta gamma delta river mountain valley forest ocean garden castle".split()
-        doc = " ".join(rng.choice(words) for _ in range(3500))       # ~6k tokens, shared
+        doc = " ".join(rng.choice(words) for _ in range(3500))       # ~3.5k tokens, shared
         out: dict[str, object] = {}
         with httpx.Client(timeout=30) as client:
             for name, make in (("short prompt", lambda i: f"Hello number {i}, how are you?"),
-                               ("6k-token shared prefix", lambda i: f"{doc}\nQuestion {i}: why?")):
-                times: dict[str, list[float]] = {"direct": [], "gateway": []}
+                               ("3.5k-token shared prefix", lambda i: f"{doc}\nQuestion {i}: why?")):
+                times: dict[str, list[float]] = {label: [] for label in urls}
                 for i in range(args.gateway_requests + 20):
                     body = {"model": "smollm2-135m", "prompt": make(i), "max_tokens": 1}
-                    # Alternate so both see the same conditions; the first 20 warm up.
-                    for label, url in (("direct", direct), ("gateway", gateway)):
+                    # Alternate in a shuffled order so all see the same conditions; 20 warm up.
+                    order = list(urls.items())
+                    rng.shuffle(order)
+                    for label, url in order:
                         t0 = time.perf_counter()
                         r = client.post(f"{url}/v1/completions", json=body)
                         elapsed = time.perf_counter() - t0
                         assert r.status_code == 200, r.text
                         if i >= 20:
                             times[label].append(elapsed)
-                d, g = summary(times["direct"]), summary(times["gateway"])
-                out[name] = {"direct": d, "gateway": g,
-                             "overhead_p50_ms": round(g["p50_ms"] - d["p50_ms"], 3)}
+                d = summary(times["direct"])
+                out[name] = {label: summary(t) for label, t in times.items()}
+                for label in urls:
+                    if label != "direct":
+                        out[name][f"{label}_overhead_p50_ms"] = round(
+                            summary(times[label])["p50_ms"] - d["p50_ms"], 3)
         return out
     finally:
-        for proc in (gw, sim):
-            if proc is not None:
-                proc.terminate()
-                proc.wait(10)
+        for proc in (*gateways.values(), sim):
+            proc.terminate()
+            proc.wait(10)
 
 
 def wait(url: str, timeout_s: float = 60) -> None:
@@ -208,9 +223,13 @@ def main() -> int:
     p.add_argument("--gateway-path", default=None,
                    help="prepend this to the gateway's PYTHONPATH (e.g. a dir with httptools and uvloop, "
                         "which uvicorn then uses)")
+    p.add_argument("--baseline-path", default=None,
+                   help="also time a gateway run from this checkout (e.g. a `git worktree` of an older "
+                        "commit), interleaved with the one under test")
     p.add_argument("--skip", default="", help="comma list of memory,redis,gateway to leave out")
     p.add_argument("--out", default=os.path.join(REPO, "docs", "router_lookup.json"))
     args = p.parse_args()
+    load_before = os.getloadavg()
     skip = set(filter(None, args.skip.split(",")))
     results: dict[str, object] = {"setup": {k: v for k, v in vars(args).items() if k != "out"}}
     prompts = chains(args.blocks, args.chain_blocks, 1) if skip != {"memory", "redis"} else []
@@ -223,6 +242,8 @@ def main() -> int:
     if "gateway" not in skip:
         results["gateway_overhead"] = bench_gateway(args)
         print("gateway overhead:", json.dumps(results["gateway_overhead"]), flush=True)
+    results["load_average_1m"] = {"start": round(load_before[0], 2), "end": round(os.getloadavg()[0], 2)}
+    print("load average (1 min):", results["load_average_1m"], flush=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     return 0
