@@ -183,6 +183,8 @@ class LLMEngine:
         if self.publisher is not None:
             self.publisher.close()
             self.publisher = None
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.close()
         if self.connector_worker is not None:
             self.connector_worker.close()
             self.connector_worker = None
