@@ -26,6 +26,7 @@ from kvhive.router.scorer import SCORERS
 from kvhive.router.sessions import SESSION_HEADER, SessionAffinity
 from kvhive.router.tokenize import PromptTokenizer, prompt_from_body
 from kvhive.router.upstream import UpstreamClient
+from kvhive.tenancy import key_owner
 from kvhive.tokenizer import Tokenizer
 
 _ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -110,7 +111,8 @@ def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
     async def routed(request: Request) -> Response:
         body = await request.body()
         data = _json_object(body)
-        prompt = prompt_from_body(data) if data is not None else None
+        owner = key_owner(request.headers.get("authorization", "")) if config.salt_with_api_key else None
+        prompt = prompt_from_body(data, owner) if data is not None else None
         conversation = data.get("conversation_id") if data is not None else None
         session_id = request.headers.get(SESSION_HEADER) or (
             conversation if isinstance(conversation, str) else None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -54,6 +55,13 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-usage-weight", type=float, default=0.1, help="weight of KV pool usage")
     p.add_argument("--waiting-factor", type=float, default=2.0,
                    help="a waiting request counts as this many running ones")
+    p.add_argument("--salt-with-api-key", action="store_true",
+                   help="the replicas run with --api-key and without --share-prefix-cache, so each API "
+                        "key has its own prefix cache: salt each prompt's block keys with the caller's "
+                        "key as they do (without this, KV routing to such replicas falls back to load)")
+    p.add_argument("--replica-api-key", default=None,
+                   help="key the gateway sends to replicas started with --api-key when it reads their "
+                        "block-hash settings from /v1/models at start (default: $KVHIVE_API_KEY)")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
     p.add_argument("--failures-to-drop", type=int, default=2,
                    help="failed health checks in a row that drop a replica")
@@ -86,7 +94,8 @@ def build_gateway_config(args: argparse.Namespace) -> GatewayConfig:
         tiers=parse_tier_weights(args.tier_weights),
         weights=RoutingWeights(args.cache_weight, args.load_weight, args.kv_usage_weight,
                                args.waiting_factor),
-        health_interval_s=args.health_interval, failures_to_drop=args.failures_to_drop)
+        health_interval_s=args.health_interval, failures_to_drop=args.failures_to_drop,
+        salt_with_api_key=args.salt_with_api_key)
 
 
 @dataclass(frozen=True)
@@ -98,17 +107,24 @@ class ReplicaHashing:
     hash_seed: int | None = None
 
 
-def fetch_hashing(replicas: tuple[ReplicaSpec, ...], wait_s: float = 10.0) -> ReplicaHashing:
+def fetch_hashing(replicas: tuple[ReplicaSpec, ...], wait_s: float = 10.0,
+                  api_key: str | None = None) -> ReplicaHashing:
     """``kvhive_fingerprint``, ``kvhive_block_size`` and ``kvhive_hash_seed`` from the first kvhive
-    replica's /v1/models that answers; all None when no replica answers within ``wait_s``."""
+    replica's /v1/models that answers (sending ``api_key`` as a bearer token); all None when no
+    replica answers within ``wait_s`` or one refuses the key."""
     urls = [r.url for r in replicas if r.kind == "kvhive"]
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + wait_s
     while urls and time.monotonic() < deadline:
         for url in urls:
             try:
-                response = httpx.get(f"{url}/v1/models", timeout=2.0)
+                response = httpx.get(f"{url}/v1/models", headers=headers, timeout=2.0)
             except httpx.HTTPError:
                 continue
+            if response.status_code == 401:
+                logger.warning("%s/v1/models refused the gateway (401): give --replica-api-key (or "
+                               "--model-fingerprint, --block-size, --hash-seed)", url)
+                return ReplicaHashing()
             if response.status_code != 200:
                 continue
             try:
@@ -129,9 +145,10 @@ def _typed(entry: dict[str, Any], name: str, kind: type) -> Any:
     return value if isinstance(value, kind) and not isinstance(value, bool) else None
 
 
-def fetch_fingerprint(replicas: tuple[ReplicaSpec, ...], wait_s: float = 10.0) -> str | None:
+def fetch_fingerprint(replicas: tuple[ReplicaSpec, ...], wait_s: float = 10.0,
+                      api_key: str | None = None) -> str | None:
     """``kvhive_fingerprint`` of the first kvhive replica that answers (see ``fetch_hashing``)."""
-    return fetch_hashing(replicas, wait_s).fingerprint
+    return fetch_hashing(replicas, wait_s, api_key).fingerprint
 
 
 def run_gateway(args: argparse.Namespace) -> int:
@@ -152,7 +169,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     from kvhive.tokenizer import Tokenizer
 
     if None in (args.model_fingerprint, args.block_size, args.hash_seed):
-        learned = fetch_hashing(config.replicas)
+        learned = fetch_hashing(config.replicas,
+                                api_key=args.replica_api_key or os.environ.get("KVHIVE_API_KEY"))
         if args.model_fingerprint is None:
             if learned.fingerprint is None:
                 logger.warning("no --model-fingerprint and no replica reports 'kvhive_fingerprint': "

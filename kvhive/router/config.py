@@ -73,6 +73,8 @@ class GatewayConfig:
     prefix_max_chunks: int = 100_000
     tokenize_workers: int = 2
     max_sessions: int = 100_000
+    # The replicas run with --api-key and without --share-prefix-cache: each key salts its blocks.
+    salt_with_api_key: bool = False
 
     def __post_init__(self) -> None:
         if not self.replicas:

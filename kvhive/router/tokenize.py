@@ -25,6 +25,7 @@ from typing import Any
 
 import xxhash
 
+from kvhive.tenancy import cache_salt
 from kvhive.tokenizer import Tokenizer
 
 _CUT_CANDIDATE = re.compile(r"(?<=\w) (?=\w)")
@@ -42,9 +43,12 @@ class Prompt:
     cache_salt: str | None = None
 
 
-def prompt_from_body(body: Mapping[str, Any]) -> Prompt | None:
-    """The prompt of a completion or chat body, as the server reads it; None if it cannot tell."""
-    salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+def prompt_from_body(body: Mapping[str, Any], key_owner: str | None = None) -> Prompt | None:
+    """The prompt of a completion or chat body, as the server reads it; None if it cannot tell.
+    ``key_owner`` (``kvhive.tenancy.key_owner`` of the caller's key) salts the prompt the way a
+    replica with API keys and no ``--share-prefix-cache`` does."""
+    body_salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+    salt = cache_salt(key_owner, body_salt, share_prefix_cache=False)
     if "messages" in body:
         messages = chat_messages(body["messages"])
         return None if messages is None else Prompt(messages=messages, cache_salt=salt)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import time
@@ -30,6 +29,7 @@ from kvhive.server.metrics import ServerMetrics
 from kvhive.server.protocol import PromptTokensDetails, SamplingRequest, Usage
 from kvhive.server.stop import StopStringMatcher
 from kvhive.sessions import Session, SessionError, SessionRegistry
+from kvhive.tenancy import cache_salt, key_owner
 from kvhive.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -194,18 +194,11 @@ class GenerationService:
         """A digest of the caller's API key (None without API keys): owns sessions, salts the cache."""
         if not self.has_api_keys:
             return None
-        token = raw_request.headers.get("authorization", "").partition(" ")[2].strip()
-        return hashlib.sha256(token.encode()).hexdigest()[:32]
+        return key_owner(raw_request.headers.get("authorization", ""))
 
     def cache_salt_for(self, owner: str | None, body_salt: str | None) -> str | None:
-        """The prefix-cache salt: the key's digest joins the body's salt unless the cache is shared.
-
-        Separate salts mean separate block hashes, so one key can never time another key's
-        prefix hits (vLLM CVE-2025-46570).
-        """
-        if owner is None or self.share_prefix_cache:
-            return body_salt
-        return f"key:{owner}" if body_salt is None else f"key:{owner}:{body_salt}"
+        """The prefix-cache salt (``kvhive.tenancy.cache_salt``, which the gateway calls too)."""
+        return cache_salt(owner, body_salt, self.share_prefix_cache)
 
     def open_session(self, raw_request: Request, model: str, num_tokens: int, *,
                      conversation_id: str | None = None, new_ttl: int | None = None) -> Session | None:

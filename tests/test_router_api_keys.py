@@ -1,0 +1,96 @@
+"""A gateway in front of a replica with API keys (real processes): per-key salts, per-key routing.
+
+The replica runs ``kvhive serve --api-key A --api-key B`` (no ``--share-prefix-cache``), so it salts
+each request's blocks with a digest of the caller's key. A gateway started with
+``--salt-with-api-key`` computes the same salt from the Authorization header and finds the blocks in
+its index; one without it looks up unsalted keys and falls back to load.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from conftest import REPO_ROOT, SERVED_MODEL_NAME, free_port
+from test_gateway import Cluster, ReplicaProcess, _env, healthy, long_prompt, wait_until
+
+from kvhive.router.tokenize import prompt_from_body
+from kvhive.tenancy import cache_salt, key_owner
+
+KEYS = ("key-alpha", "key-beta")
+
+
+def start_gateway(replica: ReplicaProcess, *flags: str) -> Cluster:
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix="kvhive-gateway-keys-", suffix=".log", delete=False)
+    cmd = [sys.executable, "-m", "kvhive.cli", "gateway", "--port", str(port), "--replica", replica.spec,
+           "--replica-api-key", KEYS[0], "--health-interval", "0.3", "--log-level", "warning", *flags]
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=_env())
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: healthy(url), 60, f"gateway {flags}")
+    return Cluster([replica], url, process)
+
+
+@pytest.fixture(scope="module")
+def gateways() -> Iterator[tuple[Cluster, Cluster]]:
+    replica = ReplicaProcess(extra_args=("--api-key", KEYS[0], "--api-key", KEYS[1]))
+    replica.start()
+    started: list[Cluster] = []
+    try:
+        replica.wait_healthy()
+        started.append(start_gateway(replica, "--salt-with-api-key"))
+        started.append(start_gateway(replica))
+        yield started[0], started[1]
+    finally:
+        for cluster in started:
+            cluster.gateway.terminate()
+            try:
+                cluster.gateway.wait(10)
+            except subprocess.TimeoutExpired:
+                cluster.gateway.kill()
+        replica.kill()
+
+
+def complete(cluster: Cluster, prompt: str, key: str, **extra: object) -> httpx.Response:
+    body = {"model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0, **extra}
+    response = httpx.post(f"{cluster.gateway_url}/v1/completions", json=body, timeout=60,
+                          headers={"authorization": f"Bearer {key}"})
+    assert response.status_code == 200, response.text
+    return response
+
+
+def cached_tokens(response: httpx.Response) -> int:
+    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_the_body_salt_joins_the_key_digest_as_on_the_replica() -> None:
+    owner = key_owner(f"Bearer {KEYS[0]}")
+    assert prompt_from_body({"prompt": "hi"}).cache_salt is None
+    assert prompt_from_body({"prompt": "hi"}, owner).cache_salt == cache_salt(owner, None, False)
+    assert prompt_from_body({"prompt": "hi", "cache_salt": "s"}, owner).cache_salt == f"key:{owner}:s"
+    assert key_owner(f"Bearer {KEYS[1]}") != owner
+
+
+def test_same_key_routes_by_kv_and_other_keys_do_not_share(gateways: tuple[Cluster, Cluster]) -> None:
+    salted, plain = gateways
+    prompt = long_prompt(7)                     # ~15 full blocks
+    first = complete(salted, prompt, KEYS[0])
+    assert first.headers["x-kvhive-route-reason"] == "load"
+    wait_until(lambda: salted.metric("kvhive_gateway_index_keys") >= 12, 10,
+               "KV events to reach the salted gateway's index")
+    again = complete(salted, prompt, KEYS[0])
+    assert again.headers["x-kvhive-route-reason"] == "kv"          # an index hit under key A's salt
+    assert cached_tokens(again) > 0
+    # Key B: neither the gateway's index nor the replica's cache offers key A's blocks.
+    other = complete(salted, prompt, KEYS[1])
+    assert other.headers["x-kvhive-route-reason"] == "load"
+    assert cached_tokens(other) == 0
+    # Key A with a body cache_salt is yet another tenant of the cache.
+    assert complete(salted, prompt, KEYS[0], cache_salt="s").headers["x-kvhive-route-reason"] == "load"
+    # A gateway that does not salt with the key looks up unsalted keys: it never finds them.
+    wait_until(lambda: plain.metric("kvhive_gateway_index_keys") >= 12, 10, "events at the plain gateway")
+    assert complete(plain, prompt, KEYS[0]).headers["x-kvhive-route-reason"] == "load"
