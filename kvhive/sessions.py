@@ -2,7 +2,8 @@
 
 A session (a ``/v1/context`` cache or a chat ``conversation_id``) is one record here plus the
 blocks the engine holds for it under ``Session.engine_id`` (see ``kvhive.kv.manager``). The
-registry lives on the server's event loop; the engine is told only to free a session's blocks.
+registry lives on the server's event loop; the engine is told only to pin and free a session's
+blocks (``on_load`` pins the blocks of a session taken from the backend).
 
 Rules, in one place:
 
@@ -11,26 +12,50 @@ Rules, in one place:
 - Expiry is sliding: each finished turn sets ``expires = now + ttl``; TTLs are whole seconds in
   (0, max_ttl]. A session busy with a turn never expires under it.
 - One turn at a time: a second request on a busy session is refused (409), nothing changes.
-- Persistence: every change rewrites one small JSON document atomically (a temp file and
-  ``os.replace`` in the disk cache dir, or one Redis key), so sessions and expiries survive a kill.
+- Limits: per key (``--max-sessions-per-key``, ``--max-pinned-gb``) and server-wide (the blocks of
+  all sessions must fit in the keeper tier that pins them, less ``KEEPER_MARGIN``); a request over
+  one answers 429 before anything changes.
+- Persistence (``kvhive.session_backends``): every change writes that session's record. A local
+  backend (disk dir) is loaded whole at start. A shared one (Redis) is the truth for every
+  replica: a session this replica does not hold is loaded on first use, and one it holds is read
+  again on each use (another replica may have extended, re-TTL'd or deleted it since).
+- Across replicas the busy rule is per process: two replicas running a turn on one session at
+  once (the gateway sends a session to one replica, so only around a failover) both succeed, and
+  the last turn to end wins the record; the other turn's history is lost to the session.
+- Per-key limits count the sessions this replica holds; with a gateway they hold per replica.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvhive.config import SessionConfig
+from kvhive.session_backends import SessionBackend
 
 logger = logging.getLogger(__name__)
 
-SESSIONS_FILE = "sessions.json"
-_FORMAT_VERSION = 1
+# The share of the keeper tier's budget kept free of session pins: room for block headers, for the
+# disk tier's partly filled segments, and for the blocks other requests pass through the tier.
+KEEPER_MARGIN = 0.10
+
+
+@dataclass(frozen=True)
+class KeeperTier:
+    """The store tier that keeps pinned session blocks (the lowest one with a byte budget)."""
+
+    name: str              # "cpu" or "disk"
+    budget_bytes: int
+    option: str            # the flag that sets the budget, for messages: "--cpu-offload-gb 2"
+
+    @property
+    def session_budget_bytes(self) -> int:
+        """What all sessions together may pin in it."""
+        return int(self.budget_bytes * (1 - KEEPER_MARGIN))
 
 
 @dataclass(frozen=True)
@@ -96,49 +121,6 @@ class Session:
                    float(d["expires"]), int(d["num_tokens"]), list(d["block_hashes"]))
 
 
-class FileBackend:
-    """Persists the registry as one JSON file, replaced atomically (write temp, fsync, rename)."""
-
-    def __init__(self, directory: str) -> None:
-        os.makedirs(directory, exist_ok=True)
-        self.path = os.path.join(directory, SESSIONS_FILE)
-
-    def load(self) -> bytes | None:
-        """The last saved document, or None."""
-        try:
-            with open(self.path, "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
-
-    def save(self, data: bytes) -> None:
-        """Replace the document; a kill at any point leaves the old or the new one."""
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-
-
-class RedisBackend:
-    """Persists the registry as one Redis string (shared by replicas with the same key name)."""
-
-    def __init__(self, url: str, key: str) -> None:
-        import redis
-
-        self.client = redis.Redis.from_url(url, socket_timeout=2.0)
-        self.key = key
-
-    def load(self) -> bytes | None:
-        """The last saved document, or None."""
-        return self.client.get(self.key)
-
-    def save(self, data: bytes) -> None:
-        """Replace the document (one SET, atomic)."""
-        self.client.set(self.key, data)
-
-
 def format_bytes(num_bytes: float) -> str:
     """A byte count in the largest binary unit that keeps it >= 1, e.g. ``52.4 KiB``."""
     value, unit = float(num_bytes), "B"
@@ -171,37 +153,49 @@ def parse_ttl(value: object, max_ttl_s: int, param: str = "x-session-ttl") -> in
 
 
 class SessionRegistry:
-    """Session records by (owner, id), with sliding expiry, per-key limits and persistence."""
+    """Session records by (owner, id), with sliding expiry, limits and persistence."""
 
-    def __init__(self, config: SessionConfig, bytes_per_token: float,
-                 backend: FileBackend | RedisBackend | None = None,
+    def __init__(self, config: SessionConfig, block_bytes: int, block_size: int,
+                 backend: SessionBackend | None = None, keeper: KeeperTier | None = None,
+                 on_load: Callable[[Session], None] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.config = config
-        self.bytes_per_token = bytes_per_token
+        self.block_bytes = block_bytes
+        self.block_size = block_size
+        self.bytes_per_token = block_bytes / block_size
         self.backend = backend
+        self.keeper = keeper
+        self.on_load = on_load
         self.clock = clock
         self._sessions: dict[tuple[str | None, str], Session] = {}
+        # Invariant: _block_refs[h] == number of sessions in _sessions whose block_hashes hold h (> 0).
+        self._block_refs: Counter[str] = Counter()
         self._turns = self._hit_tokens = self._expired = self._deleted = 0
         if backend is not None:
-            self._load()
+            self._load_all()
 
     # ------------------------------------------------------------------ lookups
 
     def get(self, session_id: str, owner: str | None) -> Session:
-        """The caller's live session; SessionError 404 if unknown, expired, deleted or another key's."""
+        """The caller's live session; SessionError 404 if unknown, expired, deleted or another key's.
+
+        With a shared backend, an idle session is read from it again (and one this replica does
+        not hold yet is loaded and pinned)."""
         session = self._sessions.get((owner, session_id))
+        if self.backend is not None and self.backend.shared and (session is None or not session.busy):
+            session = self._fetch(owner, session_id, session)
         if session is None or (not session.busy and session.expires <= self.clock()):
             raise not_found(session_id)
         return session
 
     def list(self, owner: str | None) -> list[Session]:
-        """The caller's live sessions, oldest first."""
+        """The caller's live sessions on this replica, oldest first."""
         now = self.clock()
         return sorted((s for (o, _), s in self._sessions.items() if o == owner and (s.busy or s.expires > now)),
                       key=lambda s: s.created)
 
     def live_sessions(self) -> list[Session]:
-        """Every owner's live sessions (to pin their blocks again after a restart)."""
+        """Every owner's live sessions."""
         now = self.clock()
         return [s for s in self._sessions.values() if s.busy or s.expires > now]
 
@@ -216,6 +210,13 @@ class SessionRegistry:
         return int(sum(s.num_tokens for (o, _), s in self._sessions.items() if o == owner)
                    * self.bytes_per_token)
 
+    def pinned_block_bytes(self, exclude: Session | None = None) -> int:
+        """Bytes of the distinct full blocks all sessions pin (less those only ``exclude`` pins)."""
+        num_blocks = len(self._block_refs)
+        if exclude is not None:
+            num_blocks -= sum(1 for h in set(exclude.block_hashes) if self._block_refs[h] == 1)
+        return num_blocks * self.block_bytes
+
     # ------------------------------------------------------------------ changes
 
     def create(self, owner: str | None, model: str, ttl_s: int, session_id: str | None = None) -> Session:
@@ -228,8 +229,8 @@ class SessionRegistry:
         now = self.clock()
         session = Session(session_id or f"sess-{uuid.uuid4().hex}", owner, model, ttl_s, now, now + ttl_s,
                           busy=True, turn=1)
-        self._sessions[(owner, session.session_id)] = session
-        self._persist()
+        self._add(session)
+        self._save(session)
         return session
 
     def begin_turn(self, session: Session, model: str, new_tokens: int) -> None:
@@ -245,7 +246,12 @@ class SessionRegistry:
         session.turn += 1
 
     def check_pinned(self, owner: str | None, num_tokens: int, exclude: Session | None = None) -> None:
-        """429 when the owner's sessions would hold more than --max-pinned-gb with num_tokens more."""
+        """429 when a session holding ``num_tokens`` (prompt + max_tokens) in place of ``exclude``
+        would take the owner's sessions over --max-pinned-gb, or all sessions over the keeper tier."""
+        self._check_key_limit(owner, num_tokens, exclude)
+        self._check_keeper(num_tokens, exclude)
+
+    def _check_key_limit(self, owner: str | None, num_tokens: int, exclude: Session | None) -> None:
         if self.config.max_pinned_gb is None:
             return
         limit = self.config.max_pinned_gb * 2**30
@@ -260,6 +266,22 @@ class SessionRegistry:
                                     f"Delete a session, let one expire, or send a shorter request",
                                "session_kv_limit")
 
+    def _check_keeper(self, num_tokens: int, exclude: Session | None) -> None:
+        # The scheduler moves an idle session off the device only once the keeper holds its blocks:
+        # sessions pinning more than the keeper can hold would leave new requests waiting forever.
+        if self.keeper is None:
+            return
+        held = self.pinned_block_bytes(exclude)
+        new = num_tokens // self.block_size * self.block_bytes      # full blocks are what gets pinned
+        budget = self.keeper.session_budget_bytes
+        if held + new > budget:
+            raise SessionError(429, f"The server's sessions would pin {format_bytes(held + new)} of KV in its "
+                                    f"{self.keeper.name} tier, over the {format_bytes(budget)} it keeps for "
+                                    f"sessions ({1 - KEEPER_MARGIN:.0%} of {self.keeper.option}): "
+                                    f"{format_bytes(held)} pinned by live sessions, {format_bytes(new)} for this "
+                                    f"request (prompt + max_tokens). Retry when sessions have ended or expired, "
+                                    f"or send a shorter request", "session_tier_full")
+
     def end_turn(self, session: Session, num_tokens: int | None, block_hashes: list[str] | None,
                  cached_tokens: int = 0) -> None:
         """A turn ended: record what the session holds now (when known) and slide its expiry."""
@@ -268,56 +290,135 @@ class SessionRegistry:
         self._hit_tokens += cached_tokens
         if num_tokens is not None:
             session.num_tokens = num_tokens
-            session.block_hashes = block_hashes or []
+            self._set_blocks(session, block_hashes or [])
         session.expires = self.clock() + session.ttl_s
-        self._persist()
+        if (session.owner, session.session_id) in self._sessions:
+            self._save(session)
 
     def set_ttl(self, session: Session, ttl_s: int) -> None:
         """New TTL; the session now expires ttl_s from now."""
         session.ttl_s = ttl_s
         session.expires = self.clock() + ttl_s
-        self._persist()
+        self._save(session)
 
     def delete(self, session: Session) -> None:
-        """Forget the session (the caller frees its blocks in the engine)."""
+        """Forget the session, here and in the backend (the caller frees its blocks in the engine)."""
         session.busy = False
-        if self._sessions.pop((session.owner, session.session_id), None) is not None:
+        if self._remove(session):
             self._deleted += 1
-        self._persist()
+        if self.backend is not None:
+            try:
+                self.backend.delete(session.owner, session.session_id)
+            except Exception:  # noqa: BLE001 - the session is gone here; a shared record expires on its own
+                logger.exception("could not delete the record of session %s", session.session_id)
 
     def pop_expired(self) -> list[Session]:
-        """Remove and return every expired, idle session (the caller frees their blocks)."""
+        """Remove and return every expired, idle session (the caller frees their blocks).
+
+        A local backend's records go too; a shared backend's expire in Redis on their own (and a
+        record another replica extended since must stay)."""
         now = self.clock()
         expired = [s for s in self._sessions.values() if not s.busy and s.expires <= now]
         for session in expired:
-            del self._sessions[(session.owner, session.session_id)]
+            self._remove(session)
+            if self.backend is not None and not self.backend.shared:
+                try:
+                    self.backend.delete(session.owner, session.session_id)
+                except OSError:
+                    logger.exception("could not delete the record of session %s", session.session_id)
         self._expired += len(expired)
-        if expired:
-            self._persist()
         return expired
+
+    # ------------------------------------------------------------------ holdings
+
+    def _add(self, session: Session) -> None:
+        self._sessions[(session.owner, session.session_id)] = session
+        self._count_blocks(session.block_hashes, 1)
+
+    def _remove(self, session: Session) -> bool:
+        if self._sessions.get((session.owner, session.session_id)) is not session:
+            return False
+        del self._sessions[(session.owner, session.session_id)]
+        self._count_blocks(session.block_hashes, -1)
+        return True
+
+    def _set_blocks(self, session: Session, block_hashes: list[str]) -> None:
+        held = self._sessions.get((session.owner, session.session_id)) is session
+        if held:
+            self._count_blocks(session.block_hashes, -1)
+        session.block_hashes = block_hashes
+        if held:
+            self._count_blocks(block_hashes, 1)
+
+    def _count_blocks(self, block_hashes: list[str], delta: int) -> None:
+        for h in set(block_hashes):
+            count = self._block_refs[h] + delta
+            if count > 0:
+                self._block_refs[h] = count
+            else:
+                del self._block_refs[h]
 
     # ------------------------------------------------------------------ persistence
 
-    def _persist(self) -> None:
+    def _save(self, session: Session) -> None:
         if self.backend is None:
             return
-        doc = {"version": _FORMAT_VERSION, "sessions": [s.to_json() for s in self._sessions.values()]}
         try:
-            self.backend.save(json.dumps(doc).encode())
-        except Exception:  # noqa: BLE001 - a failed save must not fail the request; the next retries
-            logger.exception("could not persist the session registry")
+            self.backend.save(session.to_json())
+        except Exception:  # noqa: BLE001 - a failed save must not fail the request; the next one retries
+            logger.exception("could not persist session %s", session.session_id)
 
-    def _load(self) -> None:
+    @staticmethod
+    def _parse(record: dict | None) -> Session | None:
+        """A record as an idle session; None for no record or a corrupt one."""
+        if record is None:
+            return None
         try:
-            raw = self.backend.load()
-            if raw is None:
-                return
-            doc = json.loads(raw)
-            if doc.get("version") != _FORMAT_VERSION:
-                logger.warning("ignoring session registry of version %r", doc.get("version"))
-                return
-            for d in doc["sessions"]:
-                session = Session.from_json(d)
-                self._sessions[(session.owner, session.session_id)] = session
-        except Exception:  # noqa: BLE001 - a corrupt registry starts empty rather than not at all
+            return Session.from_json(record)
+        except (KeyError, TypeError, ValueError):
+            logger.exception("ignoring a corrupt session record")
+            return None
+
+    def _fetch(self, owner: str | None, session_id: str, held: Session | None) -> Session | None:
+        """The session as the shared backend has it now, held here (pinned via ``on_load``)."""
+        assert self.backend is not None
+        try:
+            record = self.backend.load(owner, session_id)
+        except Exception:  # noqa: BLE001 - backend down: what this replica holds is the best it knows
+            logger.exception("could not read session %s from the session backend", session_id)
+            return held
+        current = self._parse(record)
+        if current is None or current.expires <= self.clock():
+            if held is not None:
+                held.expires = min(held.expires, self.clock())   # ended elsewhere: the sweep frees it
+            return held
+        if held is None:
+            self._add(current)
+            self._pin(current)
+            return current
+        held.ttl_s, held.expires, held.num_tokens = current.ttl_s, current.expires, current.num_tokens
+        if held.block_hashes != current.block_hashes:      # another replica ran turns since
+            self._set_blocks(held, current.block_hashes)
+            self._pin(held)
+        return held
+
+    def _pin(self, session: Session) -> None:
+        if self.on_load is not None:
+            self.on_load(session)
+
+    def _load_all(self) -> None:
+        """Hold the backend's sessions (a local backend's all, expired ones for the sweep to drop;
+        a shared one's load on use) and pin the live ones."""
+        assert self.backend is not None
+        try:
+            records = self.backend.load_all()
+        except Exception:  # noqa: BLE001 - an unreadable registry starts empty rather than not at all
             logger.exception("could not load the session registry; starting with none")
+            return
+        now = self.clock()
+        for record in records:
+            session = self._parse(record)
+            if session is not None:
+                self._add(session)
+                if session.expires > now:
+                    self._pin(session)

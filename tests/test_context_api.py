@@ -243,3 +243,36 @@ def test_max_pinned_gb_answers_429():
             create(a)
     finally:
         stop_server(srv)
+
+
+def test_sessions_over_the_keeper_tier_answer_429():
+    # A CPU tier of 12 tiny-model blocks (8 KiB each) keeps the pins: sessions may pin 10.8 of them.
+    srv = start_server("tiny", api_keys=(KEY_A, KEY_B), max_model_len=512,
+                       extra_args=("--cpu-offload-gb", str(12 * 8192 / 2**30)))
+    prompts = [[(i * 11 + k * 5) % 200 + 3 for i in range(41)] for k in range(5)]
+    try:
+        with client(srv) as a, client(srv, KEY_B) as b:
+            first, _ = create(a, completion(prompts[0]))                 # 41 + 8 tokens: 3 full blocks
+            create(a, completion(prompts[1]))
+            create(b, completion(prompts[2]))                            # 9 blocks pinned, by two keys
+            assert a.get(f"/v1/context/{first}").json()["blocks"]["cpu"] == 3
+            err = error(b.post("/v1/context", json=completion(prompts[3]), headers={"x-session-ttl": "60"}), 429)
+            assert err["code"] == "session_tier_full" and err["type"] == "rate_limit_error"
+            assert err["message"].startswith("The server's sessions would pin 96.0 KiB of KV in its cpu tier, "
+                                             "over the 86.4 KiB it keeps for sessions (90% of --cpu-offload-gb")
+            # Nothing stored is lost, requests without a session still run, and a session may grow
+            # into the room its own blocks leave.
+            assert len(a.get("/v1/context").json()["data"]) == 2 and len(b.get("/v1/context").json()["data"]) == 1
+            assert b.post("/v1/completions", json=completion(prompts[3])).status_code == 200
+            r = a.post("/v1/completions", json=completion(prompts[0] + [5, 6, 7, 8]), headers={"x-session-id": first})
+            assert r.status_code == 200, r.text
+            err = error(a.post("/v1/completions", json=completion(prompts[0] + [5] * 40),
+                               headers={"x-session-id": first}), 429)
+            assert err["code"] == "session_tier_full"
+            info = a.get(f"/v1/context/{first}").json()
+            assert info["tokens"] == 41 + 4 + 8 and info["busy"] is False and info["blocks"]["cpu"] == 3
+            # Deleting a session gives its blocks back.
+            a.delete(f"/v1/context/{first}")
+            create(b, completion(prompts[3]))
+    finally:
+        stop_server(srv)

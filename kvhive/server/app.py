@@ -27,11 +27,13 @@ from kvhive.server.protocol import (
     ModelCard,
     ModelList,
 )
-from kvhive.server.serving import GenerationService, unix_time
-from kvhive.sessions import FileBackend, RedisBackend, SessionRegistry
+from kvhive.server.serving import GenerationService, pin_session_blocks, unix_time
+from kvhive.session_backends import FileBackend, RedisBackend, SessionBackend
+from kvhive.sessions import KeeperTier, SessionRegistry
 
 if TYPE_CHECKING:
-    from kvhive.engine import AsyncEngine
+    from kvhive.config import EngineConfig
+    from kvhive.engine import AsyncEngine, LLMEngine
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
@@ -87,10 +89,12 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
                api_keys: tuple[str, ...] = ()) -> FastAPI:
     """The OpenAI-compatible app over a started ``AsyncEngine`` (the caller owns its lifecycle)."""
     metrics = ServerMetrics(async_engine.stats, served_model_name)
-    config = async_engine.engine.config
-    registry = SessionRegistry(config.sessions,
-                               async_engine.engine.block_bytes / config.cache.block_size,
-                               backend=session_backend(config, served_model_name))
+    engine = async_engine.engine
+    config = engine.config
+    registry = SessionRegistry(config.sessions, engine.block_bytes, config.cache.block_size,
+                               backend=session_backend(config, served_model_name),
+                               keeper=keeper_tier(engine),
+                               on_load=lambda session: pin_session_blocks(engine, session))
     service = GenerationService(async_engine, metrics, served_model_name, sessions=registry,
                                 api_keys=api_keys, share_prefix_cache=config.sessions.share_prefix_cache)
     app = FastAPI(title="kvhive", version="0.1.0", lifespan=lambda _app: session_sweeper(service))
@@ -140,13 +144,28 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
     return app
 
 
-def session_backend(config, served_model_name: str) -> FileBackend | RedisBackend | None:
-    """Where the session registry persists: the disk cache dir, else Redis, else nowhere."""
-    if config.store.disk_cache_dir is not None:
-        return FileBackend(config.store.disk_cache_dir)
+def session_backend(config: EngineConfig, served_model_name: str) -> SessionBackend | None:
+    """Where session records persist: Redis (shared, so sessions move between replicas), else the
+    disk cache dir (this replica's own), else nowhere."""
     if config.store.redis_url is not None:
         return RedisBackend(config.store.redis_url, f"kvhive:sessions:{served_model_name}")
+    if config.store.disk_cache_dir is not None:
+        return FileBackend(config.store.disk_cache_dir)
     return None
+
+
+def keeper_tier(engine: LLMEngine) -> KeeperTier | None:
+    """The store tier that keeps pinned session blocks and its budget; None without a budgeted tier."""
+    store = engine.store
+    if store is None:
+        return None
+    tier = store.tiers[store.keeper]
+    budget = tier.store.stats().budget_bytes
+    if budget is None:
+        return None                     # Redis only: Redis's own memory limit applies
+    options = {"cpu": f"--cpu-offload-gb {engine.config.store.cpu_offload_gb:g}",
+               "disk": f"--disk-cache-gb {engine.config.store.disk_cache_gb:g}"}
+    return KeeperTier(tier.name, budget, options.get(tier.name, f"the {tier.name} tier's budget"))
 
 
 def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_name: str,

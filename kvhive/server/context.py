@@ -140,11 +140,7 @@ def install_context_routes(app: FastAPI, service: GenerationService,
 
 @contextlib.asynccontextmanager
 async def session_sweeper(service: GenerationService):
-    """Pin the blocks of the sessions loaded at start (restart), then run ``sweep_expired`` for the
-    app's lifetime."""
-    assert service.sessions is not None
-    for session in service.sessions.live_sessions():
-        service.pin_session_kv(session)
+    """Run ``sweep_expired`` for the app's lifetime (the registry pinned the sessions it loaded)."""
     task = asyncio.create_task(sweep_expired(service))
     try:
         yield

@@ -33,7 +33,7 @@ from kvhive.tenancy import cache_salt, key_owner
 from kvhive.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from kvhive.engine import AsyncEngine
+    from kvhive.engine import AsyncEngine, LLMEngine
     from kvhive.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,13 @@ def session_api_error(exc: SessionError) -> APIError:
     """A registry refusal as an OpenAI-shaped error."""
     kind = "rate_limit_error" if exc.status_code == 429 else "invalid_request_error"
     return APIError(exc.status_code, exc.message, type=kind, param=exc.param, code=exc.code)
+
+
+def pin_session_blocks(engine: LLMEngine, session: Session) -> None:
+    """Pin the blocks the session holds now in the engine's store tiers (replacing its older pins)."""
+    engine.pin_session(session.engine_id, [bytes.fromhex(h) for h in session.block_hashes])
+
+
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -300,7 +307,7 @@ class GenerationService:
 
     def pin_session_kv(self, session: Session) -> None:
         """Pin the blocks the session holds now in the store tiers (replacing its older pins)."""
-        self.engine.engine.pin_session(session.engine_id, [bytes.fromhex(h) for h in session.block_hashes])
+        pin_session_blocks(self.engine.engine, session)
 
     def free_session_kv(self, session: Session) -> None:
         """Release an expired or deleted session's blocks: on the device and its store pins."""

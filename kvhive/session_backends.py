@@ -1,0 +1,156 @@
+"""Where session records persist: one small JSON record per session, in a disk directory or Redis.
+
+A record is ``Session.to_json()``: id, owner, model, ttl, created, expires, tokens, block hashes.
+Both backends write one record per session, so a turn costs one small write whatever the number
+of sessions, and replicas sharing a Redis never overwrite each other's sessions.
+
+- ``FileBackend`` (``--disk-cache-dir`` without ``--redis-url``; local to one replica): one file
+  per session under ``sessions/``, replaced atomically (temp file, fsync, rename), so a kill
+  leaves the old record or the new one. The registry loads them all at start.
+- ``RedisBackend`` (``--redis-url``, with or without a disk dir; shared by replicas): one key per
+  session, ``kvhive:sessions:{model}:{owner}:{id}``, whose Redis expiry is the session's expiry,
+  so Redis drops dead sessions itself. ``shared``: another replica may change or delete a record
+  at any time, so the registry reads it again on each use and loads sessions on first use, never
+  all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from typing import Protocol
+
+logger = logging.getLogger(__name__)
+
+SESSIONS_DIR = "sessions"
+LEGACY_SESSIONS_FILE = "sessions.json"     # the whole registry as one document (earlier versions)
+
+
+class SessionBackend(Protocol):
+    """One record per session, keyed by (owner, id)."""
+
+    shared: bool     # other replicas write it too: re-read a record on each use, never load all
+
+    def load_all(self) -> list[dict]:
+        """The records to hold at start: every record of a local backend, none of a shared one."""
+
+    def load(self, owner: str | None, session_id: str) -> dict | None:
+        """The session's record, or None if there is none (never saved, deleted, or expired in Redis)."""
+
+    def save(self, record: dict) -> None:
+        """Create or replace the session's record (``record["expires"]`` is its unix expiry)."""
+
+    def delete(self, owner: str | None, session_id: str) -> None:
+        """Forget the session's record (no error if there is none)."""
+
+
+def record_name(owner: str | None, session_id: str) -> str:
+    """The session's record name: owner and id, with '-' for no owner (ids are the last part)."""
+    return f"{owner or '-'}:{session_id}"
+
+
+class FileBackend:
+    """One JSON file per session in ``{directory}/sessions``, each replaced atomically."""
+
+    shared = False
+
+    def __init__(self, directory: str) -> None:
+        self.root = directory
+        self.directory = os.path.join(directory, SESSIONS_DIR)
+        os.makedirs(self.directory, exist_ok=True)
+
+    def _path(self, owner: str | None, session_id: str) -> str:
+        # Ids come from clients (conversation_id): hash them into a safe file name.
+        digest = hashlib.sha256(record_name(owner, session_id).encode()).hexdigest()[:40]
+        return os.path.join(self.directory, f"{digest}.json")
+
+    def load_all(self) -> list[dict]:
+        """Every record in the directory (a corrupt one is logged and skipped)."""
+        self._migrate_legacy()
+        records = []
+        for name in sorted(os.listdir(self.directory)):
+            if not name.endswith(".json"):
+                continue                       # a temp file a kill left behind
+            path = os.path.join(self.directory, name)
+            try:
+                with open(path, "rb") as f:
+                    records.append(json.loads(f.read()))
+            except (OSError, ValueError):
+                logger.exception("skipping unreadable session record %s", path)
+        return records
+
+    def load(self, owner: str | None, session_id: str) -> dict | None:
+        """The session's record, or None."""
+        try:
+            with open(self._path(owner, session_id), "rb") as f:
+                return json.loads(f.read())
+        except FileNotFoundError:
+            return None
+
+    def save(self, record: dict) -> None:
+        """Replace the record; a kill at any point leaves the old or the new one."""
+        path = self._path(record["owner"], record["id"])
+        tmp = f"{path}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(json.dumps(record).encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def delete(self, owner: str | None, session_id: str) -> None:
+        """Remove the record's file."""
+        try:
+            os.unlink(self._path(owner, session_id))
+        except FileNotFoundError:
+            pass
+
+    def _migrate_legacy(self) -> None:
+        """Split an earlier version's one-document registry into per-session files, then drop it."""
+        legacy = os.path.join(self.root, LEGACY_SESSIONS_FILE)
+        try:
+            with open(legacy, "rb") as f:
+                doc = json.loads(f.read())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError):
+            logger.exception("ignoring unreadable %s", legacy)
+            return
+        for record in doc.get("sessions", []):
+            self.save(record)
+        os.unlink(legacy)
+
+
+class RedisBackend:
+    """One Redis key per session under ``prefix``, expiring when the session does."""
+
+    shared = True
+
+    def __init__(self, url: str, prefix: str) -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(url, socket_timeout=2.0)
+        self.prefix = prefix
+
+    def key(self, owner: str | None, session_id: str) -> str:
+        """The session's Redis key."""
+        return f"{self.prefix}:{record_name(owner, session_id)}"
+
+    def load_all(self) -> list[dict]:
+        """None: sessions load on first use (each replica holds the sessions it serves)."""
+        return []
+
+    def load(self, owner: str | None, session_id: str) -> dict | None:
+        """The session's record, or None (Redis drops a record at its expiry)."""
+        raw = self.client.get(self.key(owner, session_id))
+        return None if raw is None else json.loads(raw)
+
+    def save(self, record: dict) -> None:
+        """One SET with the session's expiry (PXAT): atomic, and Redis drops it when the session expires."""
+        self.client.set(self.key(record["owner"], record["id"]), json.dumps(record),
+                        pxat=max(1, int(record["expires"] * 1000)))
+
+    def delete(self, owner: str | None, session_id: str) -> None:
+        """Delete the session's key."""
+        self.client.delete(self.key(owner, session_id))

@@ -1,0 +1,191 @@
+"""SessionRegistry without a model: per-session records in a disk dir and in a real redis-server
+shared by two registries (two replicas), and the server-wide limit of the keeper tier."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+
+import pytest
+from test_store_redis import RedisServer, _free_port
+
+from kvhive.config import SessionConfig
+from kvhive.session_backends import LEGACY_SESSIONS_FILE, SESSIONS_DIR, FileBackend, RedisBackend
+from kvhive.sessions import KeeperTier, Session, SessionError, SessionRegistry
+
+BLOCK_SIZE, BLOCK_BYTES = 16, 8192
+CONFIG = SessionConfig(max_ttl_s=3600)
+
+
+def hashes(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}{i:04x}".ljust(32, "0") for i in range(n)]
+
+
+class Pins:
+    """Records what the registry asks the engine to pin (``on_load``)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[str]]] = []
+
+    def __call__(self, session: Session) -> None:
+        self.calls.append((session.engine_id, list(session.block_hashes)))
+
+
+def registry(backend=None, keeper=None, pins=None, config=CONFIG) -> SessionRegistry:
+    return SessionRegistry(config, BLOCK_BYTES, BLOCK_SIZE, backend=backend, keeper=keeper, on_load=pins)
+
+
+def run_turn(reg: SessionRegistry, owner: str | None, blocks: list[str], ttl: int = 600,
+             session_id: str | None = None) -> Session:
+    """Create a session and end its first turn holding ``blocks``."""
+    session = reg.create(owner, "m", ttl, session_id=session_id)
+    reg.end_turn(session, len(blocks) * BLOCK_SIZE + 3, blocks)
+    return session
+
+
+# ---------------------------------------------------------------- disk dir
+
+
+def test_file_backend_keeps_one_record_per_session_and_reloads_them(tmp_path):
+    pins = Pins()
+    reg = registry(FileBackend(str(tmp_path)))
+    a = run_turn(reg, "k1", hashes("a", 3), session_id="conv/../a")     # a client's id, not a path
+    b = run_turn(reg, None, hashes("b", 2), ttl=1)
+    files = os.listdir(tmp_path / SESSIONS_DIR)
+    assert len(files) == 2 and all(f.endswith(".json") for f in files)
+    time.sleep(1.1)                                                     # b expires
+    again = registry(FileBackend(str(tmp_path)), pins=pins)
+    got = again.get("conv/../a", "k1")
+    assert (got.num_tokens, got.block_hashes, got.expires) == (a.num_tokens, a.block_hashes, a.expires)
+    assert pins.calls == [(a.engine_id, a.block_hashes)]                 # the live one is pinned, once
+    with pytest.raises(SessionError):
+        again.get(b.session_id, None)
+    assert [s.session_id for s in again.pop_expired()] == [b.session_id]   # its blocks can be freed
+    assert len(os.listdir(tmp_path / SESSIONS_DIR)) == 1
+    again.delete(got)
+    assert os.listdir(tmp_path / SESSIONS_DIR) == []
+
+
+def test_file_backend_takes_over_the_one_document_registry(tmp_path):
+    old = Session("sess-old", None, "m", 600, time.time(), time.time() + 600, 35, hashes("o", 2))
+    (tmp_path / LEGACY_SESSIONS_FILE).write_text(json.dumps({"version": 1, "sessions": [old.to_json()]}))
+    reg = registry(FileBackend(str(tmp_path)))
+    assert reg.get("sess-old", None).block_hashes == old.block_hashes
+    assert not (tmp_path / LEGACY_SESSIONS_FILE).exists()
+    assert len(os.listdir(tmp_path / SESSIONS_DIR)) == 1
+
+
+# ---------------------------------------------------------------- Redis shared by two replicas
+
+
+@pytest.fixture()
+def redis_url(tmp_path) -> Iterator[str]:
+    if shutil.which("redis-server") is None and not os.environ.get("CI"):
+        pytest.skip("redis-server is not installed")
+    server = RedisServer(_free_port(), str(tmp_path))
+    server.start()
+    yield server.url
+    server.stop()
+
+
+def test_replicas_do_not_overwrite_each_others_sessions(redis_url):
+    one, two = registry(RedisBackend(redis_url, "kvhive:sessions:m")), registry(RedisBackend(redis_url, "kvhive:sessions:m"))
+    a = run_turn(one, "k", hashes("a", 2))
+    b = run_turn(two, "k", hashes("b", 2))
+    run_turn(one, "k", hashes("c", 1))                   # a later write on replica one
+    backend = RedisBackend(redis_url, "kvhive:sessions:m")
+    assert backend.load("k", a.session_id)["block_hashes"] == a.block_hashes
+    assert backend.load("k", b.session_id)["block_hashes"] == b.block_hashes
+    # Redis drops the record when the session expires.
+    pttl = backend.client.pttl(backend.key("k", a.session_id))
+    assert abs(pttl - (a.expires - time.time()) * 1000) < 2000
+
+
+def test_a_session_moves_between_replicas_through_redis(redis_url):
+    pins_one, pins_two = Pins(), Pins()
+    one = registry(RedisBackend(redis_url, "kvhive:sessions:m"), pins=pins_one)
+    s1 = run_turn(one, "k", hashes("a", 3))
+    two = registry(RedisBackend(redis_url, "kvhive:sessions:m"), pins=pins_two)   # started before or after: no matter
+    with pytest.raises(SessionError) as other_key:
+        two.get(s1.session_id, "another-key")
+    assert other_key.value.status_code == 404
+    s2 = two.get(s1.session_id, "k")                     # not held here: loaded from Redis and pinned
+    assert (s2.num_tokens, s2.block_hashes, s2.expires) == (s1.num_tokens, s1.block_hashes, s1.expires)
+    assert pins_two.calls == [(s1.engine_id, s1.block_hashes)]
+    two.begin_turn(s2, "m", 100)
+    two.end_turn(s2, 5 * BLOCK_SIZE, hashes("a", 5))
+    # Replica one reads its copy again on use: the history replica two extended, pinned anew.
+    again = one.get(s1.session_id, "k")
+    assert again is s1 and s1.block_hashes == hashes("a", 5) and s1.expires == s2.expires
+    assert pins_one.calls[-1] == (s1.engine_id, hashes("a", 5))
+    # A PATCH on one replica is seen by the other.
+    one.set_ttl(s1, 900)
+    assert two.get(s1.session_id, "k").ttl_s == 900
+    # A DELETE on replica two: replica one answers 404 and its sweep frees what it held.
+    two.delete(s2)
+    with pytest.raises(SessionError):
+        one.get(s1.session_id, "k")
+    assert one.pop_expired() == [s1]
+
+
+def test_an_expired_copy_does_not_delete_a_session_another_replica_extended(redis_url):
+    one = registry(RedisBackend(redis_url, "kvhive:sessions:m"))
+    two = registry(RedisBackend(redis_url, "kvhive:sessions:m"))
+    s1 = run_turn(one, None, hashes("a", 2), ttl=1)
+    two.set_ttl(two.get(s1.session_id, None), 600)
+    time.sleep(1.1)
+    assert one.pop_expired() == [s1]                     # replica one's copy expired: it lets go
+    assert one.get(s1.session_id, None).ttl_s == 600     # the record lives on, and loads again
+
+
+def test_a_busy_session_is_not_reread(redis_url):
+    one = registry(RedisBackend(redis_url, "kvhive:sessions:m"))
+    two = registry(RedisBackend(redis_url, "kvhive:sessions:m"))
+    s1 = run_turn(one, None, hashes("a", 2))
+    one.begin_turn(s1, "m", 50)
+    two.delete(two.get(s1.session_id, None))
+    assert one.get(s1.session_id, None) is s1            # a turn in progress keeps its session
+    with pytest.raises(SessionError) as busy:
+        one.begin_turn(s1, "m", 50)
+    assert busy.value.status_code == 409
+
+
+# ---------------------------------------------------------------- the keeper tier's budget
+
+
+def test_sessions_may_not_pin_more_than_the_keeper_tier_holds():
+    # 20 blocks of budget, 18 for sessions after the 10% margin.
+    keeper = KeeperTier("cpu", 20 * BLOCK_BYTES, "--cpu-offload-gb 0.00015")
+    reg = registry(keeper=keeper)
+    a = run_turn(reg, "k1", hashes("a", 8))
+    run_turn(reg, "k2", hashes("b", 8))                  # keys share the tier: the limit is server-wide
+    assert reg.pinned_block_bytes() == 16 * BLOCK_BYTES
+    with pytest.raises(SessionError) as full:
+        reg.check_pinned("k3", 3 * BLOCK_SIZE + 5)       # 3 full blocks more: 19 > 18
+    err = full.value
+    assert (err.status_code, err.code) == (429, "session_tier_full")
+    assert err.message.startswith("The server's sessions would pin 152.0 KiB of KV in its cpu tier, "
+                                  "over the 144.0 KiB it keeps for sessions (90% of --cpu-offload-gb 0.00015)")
+    reg.check_pinned("k3", 2 * BLOCK_SIZE + 15)          # 2 full blocks fit: 18
+    # A session's own blocks are replaced by its next turn: extending a to 10 blocks fits, 11 does not.
+    reg.begin_turn(a, "m", 10 * BLOCK_SIZE)
+    reg.end_turn(a, 10 * BLOCK_SIZE, hashes("a", 10))
+    with pytest.raises(SessionError):
+        reg.begin_turn(a, "m", 11 * BLOCK_SIZE)
+    assert not a.busy and a.block_hashes == hashes("a", 10)   # refused: nothing changed
+    # Blocks that sessions share count once; a deleted session gives its blocks back.
+    shared = run_turn(reg, "k3", hashes("a", 2))
+    assert reg.pinned_block_bytes() == 18 * BLOCK_BYTES
+    reg.delete(shared)
+    reg.delete(a)
+    assert reg.pinned_block_bytes() == 8 * BLOCK_BYTES
+    reg.check_pinned("k3", 10 * BLOCK_SIZE)
+
+
+def test_no_keeper_tier_means_no_server_wide_limit():
+    reg = registry()
+    run_turn(reg, None, hashes("a", 1000))
+    reg.check_pinned(None, 10**6)
