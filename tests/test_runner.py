@@ -8,6 +8,7 @@ import pytest
 import torch
 from tiny import dense_greedy, dense_logits, tiny_config, tiny_model
 
+from kvhive.model import attention
 from kvhive.model.attention import CpuDecodeKernel
 from kvhive.model.llama import LlamaModel
 from kvhive.request import SamplingParams
@@ -124,6 +125,23 @@ def test_chunked_prefill_over_several_steps(block_size: int, native: bool) -> No
     table: list[int] = []
     start = 0
     for chunk in (7, 1, 12, 3, 22):          # unaligned starts, and a 1-token chunk (decode path)
+        blocks.grow(table, start + chunk)
+        got = step_logits(runner, StepPlan([seq("x", p[start:start + chunk], start, table)]))["x"]
+        torch.testing.assert_close(got, dense[start:start + chunk], **F32_TOL)
+        start += chunk
+
+
+@pytest.mark.parametrize("blocked", [True, False], ids=["blocked", "sdpa"])
+def test_long_chunks_on_a_cached_prefix_match_dense(blocked: bool, monkeypatch) -> None:
+    """Prefill chunks spanning several query blocks of the blocked attention, first and cached-prefix."""
+    monkeypatch.setattr(attention, "PREFILL_QUERY_BLOCK", 8)
+    monkeypatch.setattr(attention, "PREFILL_BLOCKED_TOKENS", (2, 10 ** 9) if blocked else (10 ** 9, 0))
+    runner, blocks = make_runner(4), Blocks(256, 4, seed=17)
+    p = prompt(90, 18)
+    dense = dense_logits(runner.model, p)
+    table: list[int] = []
+    start = 0
+    for chunk in (37, 29, 24):
         blocks.grow(table, start + chunk)
         got = step_logits(runner, StepPlan([seq("x", p[start:start + chunk], start, table)]))["x"]
         torch.testing.assert_close(got, dense[start:start + chunk], **F32_TOL)
