@@ -127,10 +127,11 @@ class RedisBackend:
 
     shared = True
 
-    def __init__(self, url: str, prefix: str) -> None:
+    def __init__(self, url: str, prefix: str, timeout_s: float = 2.0) -> None:
         import redis
 
-        self.client = redis.Redis.from_url(url, socket_timeout=2.0)
+        # Calls run on the server's event loop: a hung Redis may stall it at most timeout_s per call.
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.prefix = prefix
 
     def key(self, owner: str | None, session_id: str) -> str:

@@ -82,13 +82,18 @@ def test_file_backend_takes_over_the_one_document_registry(tmp_path):
 
 
 @pytest.fixture()
-def redis_url(tmp_path) -> Iterator[str]:
+def redis_server(tmp_path) -> Iterator[RedisServer]:
     if shutil.which("redis-server") is None and not os.environ.get("CI"):
         pytest.skip("redis-server is not installed")
     server = RedisServer(_free_port(), str(tmp_path))
     server.start()
-    yield server.url
+    yield server
     server.stop()
+
+
+@pytest.fixture()
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url
 
 
 def test_replicas_do_not_overwrite_each_others_sessions(redis_url):
@@ -151,6 +156,21 @@ def test_a_busy_session_is_not_reread(redis_url):
     with pytest.raises(SessionError) as busy:
         one.begin_turn(s1, "m", 50)
     assert busy.value.status_code == 409
+
+
+def test_with_redis_down_a_replica_serves_the_sessions_it_holds(redis_server):
+    one = registry(RedisBackend(redis_server.url, "kvhive:sessions:m", timeout_s=0.2))
+    s1 = run_turn(one, None, hashes("a", 2))
+    redis_server.stop()
+    assert one.get(s1.session_id, None) is s1
+    one.begin_turn(s1, "m", 50)
+    one.end_turn(s1, 3 * BLOCK_SIZE, hashes("a", 3))      # the failed save is logged, not raised
+    with pytest.raises(SessionError):
+        one.get("sess-unknown", None)
+    redis_server.start()
+    one.set_ttl(s1, 60)                                   # the next change saves again
+    assert RedisBackend(redis_server.url, "kvhive:sessions:m").load(None, s1.session_id)["block_hashes"] == \
+        hashes("a", 3)
 
 
 # ---------------------------------------------------------------- the keeper tier's budget

@@ -148,7 +148,8 @@ def session_backend(config: EngineConfig, served_model_name: str) -> SessionBack
     """Where session records persist: Redis (shared, so sessions move between replicas), else the
     disk cache dir (this replica's own), else nowhere."""
     if config.store.redis_url is not None:
-        return RedisBackend(config.store.redis_url, f"kvhive:sessions:{served_model_name}")
+        return RedisBackend(config.store.redis_url, f"kvhive:sessions:{served_model_name}",
+                            timeout_s=config.store.redis_timeout_s)
     if config.store.disk_cache_dir is not None:
         return FileBackend(config.store.disk_cache_dir)
     return None
