@@ -8,7 +8,9 @@
    (hash the blocks, look them up, score).
 2. Redis: the same through ``RedisIndex`` on a ``redis-server`` this script starts on a free port.
 3. Gateway overhead: a simulated replica with zero costs, asked directly and through ``kvhive
-   gateway`` (KV policy, events on), one request at a time; the difference of the medians.
+   gateway`` (KV policy, events on), one request at a time; the difference of the medians. Also the
+   CPU time the gateway's event-loop thread spends per request (``/proc/PID/task/PID/schedstat``,
+   nanoseconds on a CPU), which a loaded machine inflates less than wall time.
 """
 
 from __future__ import annotations
@@ -176,29 +178,41 @@ def bench_gateway(args) -> dict[str, object]:
             for name, make in (("short prompt", lambda i: f"Hello number {i}, how are you?"),
                                ("3.5k-token shared prefix", lambda i: f"{doc}\nQuestion {i}: why?")):
                 times: dict[str, list[float]] = {label: [] for label in urls}
+                cpu_ns = dict.fromkeys(gateways, 0)
                 for i in range(args.gateway_requests + 20):
                     body = {"model": "smollm2-135m", "prompt": make(i), "max_tokens": 1}
                     # Alternate in a shuffled order so all see the same conditions; 20 warm up.
                     order = list(urls.items())
                     rng.shuffle(order)
                     for label, url in order:
+                        cpu0 = loop_cpu_ns(gateways[label].pid) if label in gateways else 0
                         t0 = time.perf_counter()
                         r = client.post(f"{url}/v1/completions", json=body)
                         elapsed = time.perf_counter() - t0
                         assert r.status_code == 200, r.text
                         if i >= 20:
                             times[label].append(elapsed)
+                            if label in gateways:
+                                cpu_ns[label] += loop_cpu_ns(gateways[label].pid) - cpu0
                 d = summary(times["direct"])
                 out[name] = {label: summary(t) for label, t in times.items()}
                 for label in urls:
                     if label != "direct":
                         out[name][f"{label}_overhead_p50_ms"] = round(
                             summary(times[label])["p50_ms"] - d["p50_ms"], 3)
+                        out[name][f"{label}_loop_cpu_ms_per_request"] = round(
+                            cpu_ns[label] / len(times[label]) / 1e6, 3)
         return out
     finally:
         for proc in (*gateways.values(), sim):
             proc.terminate()
             proc.wait(10)
+
+
+def loop_cpu_ns(pid: int) -> int:
+    """Nanoseconds the main (event-loop) thread of ``pid`` has run on a CPU."""
+    with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+        return int(f.read().split()[0])
 
 
 def wait(url: str, timeout_s: float = 60) -> None:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvhive.blocks import ExtraKeys, hash_blocks
 from kvhive.router.index import KVBlockIndex
 from kvhive.router.scorer import KVBlockScorer, TierWeights
-from kvhive.router.tokenize import Prompt, PromptTokenizer
+from kvhive.router.tokenize import Prompt, PromptPieces, PromptTokenizer
 
 
 @dataclass(frozen=True)
@@ -19,6 +21,69 @@ class KVScores:
     num_blocks: int = 0
     num_tokens: int = 0
     tokenize_s: float = 0.0
+
+
+class BlockKeyCache:
+    """A prompt's block keys, cached per prefix-store piece, so a repeated prefix is not hashed again.
+
+    Entry (salt encoding, piece key) -> the keys of the blocks that end inside that piece. A piece's
+    key names the pieces up to it (their ids and so the number of tokens before it), so with the
+    salt it fixes those blocks' keys. Bounded, LRU.
+    """
+
+    def __init__(self, block_size: int, root: bytes, max_pieces: int = 100_000) -> None:
+        self.block_size = block_size
+        self.root = root
+        self.max_pieces = max_pieces
+        self._lock = threading.Lock()
+        self._pieces: OrderedDict[tuple[bytes, bytes], tuple[bytes, ...]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._pieces)
+
+    def block_keys(self, pieces: PromptPieces, cache_salt: str | None) -> list[bytes]:
+        """``hash_blocks`` of the pieces' ids salted with ``cache_salt``: cached pieces first, then
+        the rest hashed (and cached) from the last cached block on."""
+        extra = ExtraKeys(cache_salt=cache_salt).encode()
+        entries = [(extra, key) for key in pieces.keys]     # unkeyed pieces are never found
+        keys: list[bytes] = []
+        done = 0                # pieces whose keys are cached
+        with self._lock:
+            for entry in entries:
+                cached = self._pieces.get(entry)
+                if cached is None:
+                    break
+                self._pieces.move_to_end(entry)
+                keys.extend(cached)
+                done += 1
+        if done == len(entries):
+            return keys
+        num_tokens = sum(map(len, pieces.ids[:done]))     # len(keys) == num_tokens // block_size
+        # 1. The ids from the first block not hashed yet: the partial block's tokens, then the rest.
+        ids: list[int] = []
+        back, need = done, num_tokens - len(keys) * self.block_size
+        while need > 0:
+            back -= 1
+            ids[:0] = pieces.ids[back][max(0, len(pieces.ids[back]) - need):]
+            need -= len(pieces.ids[back])
+        for piece_ids in pieces.ids[done:]:
+            ids.extend(piece_ids)
+        # 2. Chain on from the last cached block (block 0 alone carries the salt).
+        new = hash_blocks(ids, self.block_size, keys[-1] if keys else self.root,
+                          None if keys else ExtraKeys(cache_salt=cache_salt))
+        # 3. Cache each new piece's share of the new blocks.
+        first_new = len(keys)
+        keys.extend(new)
+        with self._lock:
+            for entry, piece_ids in zip(entries[done:], pieces.ids[done:], strict=True):
+                num_tokens += len(piece_ids)
+                end = num_tokens // self.block_size
+                if entry[1] is not None:
+                    self._pieces[entry] = tuple(keys[first_new:end])
+                first_new = end
+            while len(self._pieces) > self.max_pieces:
+                self._pieces.popitem(last=False)
+        return keys
 
 
 class KVCacheIndexer:
@@ -32,6 +97,7 @@ class KVCacheIndexer:
         self.tiers = tiers
         self.block_size = block_size
         self.root = root
+        self.block_keys = BlockKeyCache(block_size, root, max(1, tokenizer.max_chunks))
 
     # Up to this many characters of text not in the prefix store, scoring costs less than two
     # thread hops to the tokenizer pool (each a wake-up that waits for a core on a busy machine):
@@ -42,24 +108,25 @@ class KVCacheIndexer:
         """KV scores of ``prompt``: on the calling thread when little of its text needs tokenizing,
         else on the tokenizer pool (the event loop never waits on a long tokenization)."""
         start = time.perf_counter()
-        token_ids = self.tokenizer.token_ids(prompt, max_new_chars=self.inline_chars)
-        if token_ids is None:
+        pieces = self.tokenizer.pieces(prompt, max_new_chars=self.inline_chars)
+        if pieces is None:
             return await self.tokenizer.run(self.score_sync, prompt)
-        return self._score_ids(token_ids, prompt.cache_salt, time.perf_counter() - start)
+        return self._score_pieces(pieces, prompt.cache_salt, time.perf_counter() - start)
 
     def score_sync(self, prompt: Prompt) -> KVScores:
         """KV scores of ``prompt`` on the calling thread."""
         # 1. Token ids, exactly as the replica computes them (prefix store for long texts).
         start = time.perf_counter()
-        token_ids = self.tokenizer.token_ids(prompt)
-        assert token_ids is not None                 # no max_new_chars: always tokenized
-        return self._score_ids(token_ids, prompt.cache_salt, time.perf_counter() - start)
+        pieces = self.tokenizer.pieces(prompt)
+        assert pieces is not None                 # no max_new_chars: always tokenized
+        return self._score_pieces(pieces, prompt.cache_salt, time.perf_counter() - start)
 
-    def _score_ids(self, token_ids: list[int], cache_salt: str | None, tokenize_s: float) -> KVScores:
-        # 2. Block keys: kvhive's chained hash of the full blocks, salted as the replica salts them.
-        keys = hash_blocks(token_ids, self.block_size, self.root, ExtraKeys(cache_salt=cache_salt))
+    def _score_pieces(self, pieces: PromptPieces, cache_salt: str | None, tokenize_s: float) -> KVScores:
+        # 2. Block keys: kvhive's chained hash of the full blocks, salted as the replica salts them
+        #    (cached per prefix-store piece).
+        keys = self.block_keys.block_keys(pieces, cache_salt)
         # 3. Who holds each key, up to the first key nobody holds (one index round trip).
         hits = self.index.lookup(keys)
         # 4. Replica -> tier-weighted score in blocks.
         scores = self.scorer.score(hits, self.tiers)
-        return KVScores(scores, len(keys), len(token_ids), tokenize_s)
+        return KVScores(scores, len(keys), sum(map(len, pieces.ids)), tokenize_s)

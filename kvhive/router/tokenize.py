@@ -8,7 +8,8 @@ letter, a space and a letter meet ("...word| word..."). Every pre-tokenizer the 
 (GPT-2, llama3, qwen2 splits, digits first or not) starts a new pre-token at such a space and never
 joins it to the letter before, and BPE merges never cross pre-tokens, so
 ``encode(a + b) == encode(a) + encode(b)`` at those cuts. Each chunk's ids are cached by the chunk's
-text (LRU), so a repeated long prefix is not tokenized again. A probe at start-up checks the
+text and the chunks before it (LRU), so a repeated long prefix is not tokenized again, and the
+chunk's key names that whole prefix (the indexer caches block keys by it). A probe at start-up checks the
 property on the actual tokenizer; if it fails the store is off and texts are encoded whole.
 """
 
@@ -18,10 +19,10 @@ import asyncio
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -41,6 +42,22 @@ class Prompt:
     messages: tuple[dict[str, str], ...] | None = None
     token_ids: tuple[int, ...] | None = None
     cache_salt: str | None = None
+
+
+class PromptPieces(NamedTuple):
+    """A prompt's token ids in consecutive pieces (one per chunk of text). ``keys[i]`` (xxh3-128)
+    names chunks 0..i, their text and cuts; None where the text is not cached (token-id and short
+    prompts)."""
+
+    keys: list[bytes | None]
+    ids: list[Sequence[int]]
+
+    def joined(self) -> list[int]:
+        """All the token ids, one list."""
+        out: list[int] = []
+        for ids in self.ids:
+            out.extend(ids)
+        return out
 
 
 def prompt_from_body(body: Mapping[str, Any], key_owner: str | None = None) -> Prompt | None:
@@ -99,7 +116,7 @@ class PromptTokenizer:
         self.chunk_chars = chunk_chars
         self.max_chunks = max_chunks
         self._lock = threading.Lock()
-        # xxh3-128 of a chunk's UTF-8 text -> its ids; least recently used first.
+        # Key of a chunk (xxh3-128 over the text up to its end) -> its ids; least recently used first.
         self._chunks: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
         self.chunk_hits = 0
         self.chunk_misses = 0
@@ -110,11 +127,17 @@ class PromptTokenizer:
         """The ids the replica computes for ``prompt`` (raises what the tokenizer or template raises).
         With ``max_new_chars``: None, having tokenized nothing, when more characters than that are
         not in the prefix store (the caller then tokenizes off the event loop)."""
+        pieces = self.pieces(prompt, max_new_chars)
+        return None if pieces is None else pieces.joined()
+
+    def pieces(self, prompt: Prompt, max_new_chars: int | None = None) -> PromptPieces | None:
+        """``token_ids`` as the prefix store holds them: one piece per chunk of text."""
         if prompt.token_ids is not None:
-            return list(prompt.token_ids)
+            return PromptPieces([None], [prompt.token_ids])
         if prompt.messages is not None:
-            return self.encode(self.tokenizer.apply_chat_template(list(prompt.messages)), max_new_chars)
-        return self.encode(prompt.text or "", max_new_chars)
+            return self.encode_pieces(self.tokenizer.apply_chat_template(list(prompt.messages)),
+                                      max_new_chars)
+        return self.encode_pieces(prompt.text or "", max_new_chars)
 
     async def run(self, fn: Any, *args: Any) -> Any:
         """Run ``fn(*args)`` on the tokenizer pool, off the event loop."""
@@ -123,39 +146,50 @@ class PromptTokenizer:
     def encode(self, text: str, max_new_chars: int | None = None) -> list[int] | None:
         """``tokenizer.encode(text)``, built from cached chunks where the store allows; None (nothing
         tokenized) when more than ``max_new_chars`` characters would need tokenizing."""
+        pieces = self.encode_pieces(text, max_new_chars)
+        return None if pieces is None else pieces.joined()
+
+    def encode_pieces(self, text: str, max_new_chars: int | None = None) -> PromptPieces | None:
+        """``encode`` as one piece per chunk of text (one uncached piece for a short text)."""
         if not self.prefix_store_enabled or len(text) <= self.chunk_chars:
             if max_new_chars is not None and len(text) > max_new_chars:
                 return None
-            return self.tokenizer.encode(text)
+            return PromptPieces([None], [self.tokenizer.encode(text)])
         chunks = self.chunks(text)
-        keys = [xxhash.xxh3_128_digest(c.encode("utf-8", "surrogatepass")) for c in chunks]
+        # Key i names chunks 0..i: equal keys mean equal text up to the chunk's end.
+        keys: list[bytes | None] = []
+        key = b""
+        for chunk in chunks:
+            key = xxhash.xxh3_128_digest(key + chunk.encode("utf-8", "surrogatepass"))
+            keys.append(key)
         with self._lock:
             found = list(map(self._chunks.get, keys))
         if max_new_chars is not None:
             new_chars = sum(len(c) for c, ids in zip(chunks, found, strict=True) if ids is None)
             if new_chars > max_new_chars:
                 return None
-        ids: list[int] = []
-        for chunk, key, cached in zip(chunks, keys, found, strict=True):
-            ids.extend(cached if cached is not None else self._tokenize_chunk(chunk, key))
+        ids = [cached if cached is not None else self._tokenize_chunk(chunk, key)
+               for chunk, key, cached in zip(chunks, keys, found, strict=True)]
         with self._lock:
-            hits = len(chunks) - found.count(None)
-            self.chunk_hits += hits
+            self.chunk_hits += len(chunks) - found.count(None)
             for key, cached in zip(keys, found, strict=True):
                 if cached is not None and key in self._chunks:
                     self._chunks.move_to_end(key)
-        return ids
+        return PromptPieces(keys, ids)
 
     def chunks(self, text: str) -> list[str]:
-        """``text`` cut at letter-space-letter points, each piece at least ``chunk_chars`` long (but the
-        last); the space starts the next piece."""
+        """``text`` cut at letter-space-letter points, each piece at least ``chunk_chars`` long; the
+        last ``chunk_chars`` or less in pieces of at least ``chunk_chars // 8`` (the end of a shared
+        document then sits in a short piece, so a new question after it costs little to
+        tokenize). The space starts the next piece."""
         pieces, start, n = [], 0, len(text)
-        while n - start > self.chunk_chars:
-            cut = self._next_cut(text, start + self.chunk_chars)
-            if cut is None:
-                break
-            pieces.append(text[start:cut])
-            start = cut
+        for step in (self.chunk_chars, max(1, self.chunk_chars // 8)):
+            while n - start > step:
+                cut = self._next_cut(text, start + step)
+                if cut is None:
+                    break
+                pieces.append(text[start:cut])
+                start = cut
         pieces.append(text[start:])
         return pieces
 
@@ -189,4 +223,3 @@ class PromptTokenizer:
                 if self.tokenizer.encode(probe[:i]) + self.tokenizer.encode(probe[i:]) != whole:
                     return False
         return True
-

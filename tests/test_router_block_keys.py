@@ -1,0 +1,99 @@
+"""The indexer's block-key cache: per-piece cached keys always equal hashing the whole prompt."""
+
+from __future__ import annotations
+
+import random
+
+import xxhash
+
+from kvhive.blocks import ExtraKeys, hash_blocks, root_hash
+from kvhive.model_files import default_model_path
+from kvhive.router.indexer import BlockKeyCache, KVCacheIndexer
+from kvhive.router.scorer import SCORERS, TierWeights
+from kvhive.router.tokenize import PromptPieces, PromptTokenizer, prompt_from_body
+from kvhive.tokenizer import Tokenizer
+
+ROOT = root_hash(0, "fingerprint")
+
+
+def split(ids: list[int], rng: random.Random) -> PromptPieces:
+    """``ids`` in pieces of 1..40 tokens, each keyed by a chained hash of the pieces up to it (as the
+    prefix store keys chunks)."""
+    pieces, start, key = PromptPieces([], []), 0, b""
+    while start < len(ids):
+        end = min(len(ids), start + rng.randint(1, 40))
+        key = xxhash.xxh3_128_digest(key + repr(ids[start:end]).encode())
+        pieces.keys.append(key)
+        pieces.ids.append(tuple(ids[start:end]))
+        start = end
+    return pieces
+
+
+def expected(ids: list[int], block_size: int, salt: str | None) -> list[bytes]:
+    return hash_blocks(ids, block_size, ROOT, ExtraKeys(cache_salt=salt))
+
+
+def test_cached_keys_equal_whole_prompt_hashes() -> None:
+    rng = random.Random(1)
+    for block_size in (1, 4, 16, 64):
+        cache = BlockKeyCache(block_size, ROOT)
+        shared = [rng.randrange(1000) for _ in range(150)]
+        for _ in range(30):
+            ids = shared[:rng.randint(0, 150)] + [rng.randrange(1000) for _ in range(rng.randint(0, 60))]
+            salt = rng.choice([None, "a", "key:x"])
+            # The shared part is cut the same way each time (so its pieces are found again).
+            pieces = split(ids, random.Random(len(ids) % 3))
+            assert cache.block_keys(pieces, salt) == expected(ids, block_size, salt)
+            assert cache.block_keys(pieces, salt) == expected(ids, block_size, salt)    # all cached
+
+
+def test_salts_and_uncached_pieces() -> None:
+    cache = BlockKeyCache(4, ROOT)
+    ids = list(range(37))
+    pieces = split(ids, random.Random(2))
+    assert cache.block_keys(pieces, None) == expected(ids, 4, None)
+    # The same pieces under another salt are other blocks, not the cached ones.
+    assert cache.block_keys(pieces, "s") == expected(ids, 4, "s") != expected(ids, 4, None)
+    # A token-id prompt (one unkeyed piece) is hashed and not cached.
+    before = len(cache)
+    assert cache.block_keys(PromptPieces([None], [tuple(ids)]), None) == expected(ids, 4, None)
+    assert len(cache) == before
+    assert cache.block_keys(PromptPieces([], []), None) == []
+
+
+def test_bounded_lru() -> None:
+    cache = BlockKeyCache(4, ROOT, max_pieces=5)
+    ids = list(range(200))
+    pieces = split(ids, random.Random(3))
+    assert cache.block_keys(pieces, None) == expected(ids, 4, None)
+    assert len(cache) == 5
+    assert cache.block_keys(pieces, None) == expected(ids, 4, None)
+
+
+def test_indexer_keys_of_text_prompts_equal_hashing_their_ids() -> None:
+    class RecordingIndex:
+        def __init__(self) -> None:
+            self.looked_up: list[bytes] = []
+
+        def lookup(self, keys: list[bytes]) -> list:
+            self.looked_up = list(keys)
+            return []
+
+    prompts = PromptTokenizer(Tokenizer.from_model_path(default_model_path()), chunk_chars=128)
+    index = RecordingIndex()
+    indexer = KVCacheIndexer(prompts, index, SCORERS["longest_prefix"](), TierWeights(), 16, ROOT)
+    rng = random.Random(5)
+    doc = " ".join(rng.choice(["river", "stone", "café", "über", "data", "x_y", "42"]) for _ in range(900))
+    try:
+        for i in range(12):
+            body = {"prompt": doc[:rng.randint(3000, len(doc))] + f" question {i}?"}
+            if i % 3 == 1:
+                body["cache_salt"] = "tenant"
+            prompt = prompt_from_body(body)
+            ids = prompts.token_ids(prompt)
+            scores = indexer.score_sync(prompt)
+            assert index.looked_up == hash_blocks(ids, 16, ROOT, ExtraKeys(cache_salt=prompt.cache_salt))
+            assert (scores.num_tokens, scores.num_blocks) == (len(ids), len(ids) // 16)
+        assert len(indexer.block_keys) > 0
+    finally:
+        prompts.close()
