@@ -79,9 +79,10 @@ async def relay(upstream: UpstreamResponse, headers: Mapping[str, str],
 class RelayResponse(Response):
     """Streams an upstream answer to the client, each piece as one ASGI body message.
 
-    While it streams, a task waits for the client to leave; if it does, the upstream connection is
-    closed at once, so the replica stops generating (uvicorn's h11 server only reports a departed
-    client through ``receive``)."""
+    While a streamed answer (chunked or read to close) streams, a task waits for the client to
+    leave; if it does, the upstream connection is closed at once, so the replica stops generating
+    (uvicorn's h11 server only reports a departed client through ``receive``). An answer with a
+    Content-Length was generated in full before it began: it is passed on in one body message."""
 
     def __init__(self, upstream: UpstreamResponse, headers: Mapping[str, str],
                  on_done: Callable[[], None]) -> None:
@@ -95,6 +96,16 @@ class RelayResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Send the status, headers and body pieces; close the upstream answer in every case."""
         upstream = self._upstream
+        if not upstream.streamed:
+            try:
+                body = await upstream.read()
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+            finally:
+                upstream.close()
+                self._on_done()
+            return
         finished = False
 
         def client_left(_: asyncio.Future[None]) -> None:

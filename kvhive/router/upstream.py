@@ -60,6 +60,12 @@ class UpstreamResponse:
         self._complete = framing == "none"
         self._closed = False
 
+    @property
+    def streamed(self) -> bool:
+        """Whether the body's length was unknown when the answer began (chunked or read to close):
+        the replica may still be generating it."""
+        return self._framing in ("chunked", "close")
+
     def header(self, name: bytes) -> bytes | None:
         """The first value of header ``name`` (lower case), or None."""
         for key, value in self.headers:
