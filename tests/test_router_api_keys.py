@@ -18,6 +18,8 @@ import pytest
 from conftest import REPO_ROOT, SERVED_MODEL_NAME, free_port
 from test_gateway import Cluster, ReplicaProcess, _env, healthy, long_prompt, wait_until
 
+from kvhive.router.cli import fetch_hashing
+from kvhive.router.config import ReplicaSpec
 from kvhive.router.tokenize import prompt_from_body
 from kvhive.tenancy import cache_salt, key_owner
 
@@ -94,3 +96,11 @@ def test_same_key_routes_by_kv_and_other_keys_do_not_share(gateways: tuple[Clust
     # A gateway that does not salt with the key looks up unsalted keys: it never finds them.
     wait_until(lambda: plain.metric("kvhive_gateway_index_keys") >= 12, 10, "events at the plain gateway")
     assert complete(plain, prompt, KEYS[0]).headers["x-kvhive-route-reason"] == "load"
+
+
+def test_block_hash_settings_are_read_with_the_replica_key(gateways: tuple[Cluster, Cluster]) -> None:
+    spec = (ReplicaSpec.parse(gateways[0].replicas[0].spec),)
+    learned = fetch_hashing(spec, wait_s=5, api_key=KEYS[1])
+    assert learned.fingerprint and learned.block_size == 16
+    refused = fetch_hashing(spec, wait_s=5)            # 401: given up at once, not retried
+    assert refused.fingerprint is None and refused.block_size is None
