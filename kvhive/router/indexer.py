@@ -68,7 +68,8 @@ class BlockKeyCache:
             need -= len(pieces.ids[back])
         for piece_ids in pieces.ids[done:]:
             ids.extend(piece_ids)
-        # 2. Chain on from the last cached block (block 0 alone carries the salt).
+        # 2. Chain on from the last cached block: ``ids`` starts at a block boundary, so that block's
+        #    key stands in for the root (block 0 alone carries the salt).
         new = hash_blocks(ids, self.block_size, keys[-1] if keys else self.root,
                           None if keys else ExtraKeys(cache_salt=cache_salt))
         # 3. Cache each new piece's share of the new blocks.

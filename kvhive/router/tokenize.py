@@ -9,8 +9,9 @@ letter, a space and a letter meet ("...word| word..."). Every pre-tokenizer the 
 joins it to the letter before, and BPE merges never cross pre-tokens, so
 ``encode(a + b) == encode(a) + encode(b)`` at those cuts. Each chunk's ids are cached by the chunk's
 text and the chunks before it (LRU), so a repeated long prefix is not tokenized again, and the
-chunk's key names that whole prefix (the indexer caches block keys by it). A probe at start-up checks the
-property on the actual tokenizer; if it fails the store is off and texts are encoded whole.
+chunk's key names that whole prefix (the indexer caches block keys by it). A probe at start-up
+checks the property on the actual tokenizer; if it fails the store is off and texts are encoded
+whole.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ class PromptTokenizer:
         self.chunk_chars = chunk_chars
         self.max_chunks = max_chunks
         self._lock = threading.Lock()
-        # Key of a chunk (xxh3-128 over the text up to its end) -> its ids; least recently used first.
+        # Key of a chunk (chained xxh3-128 of the chunks up to it) -> its ids; least recently used first.
         self._chunks: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
         self.chunk_hits = 0
         self.chunk_misses = 0
