@@ -157,6 +157,16 @@ def cluster() -> Iterator[Cluster]:
             print("gateway log tail:\n" + f.read()[-3000:])
 
 
+def test_the_gateway_imports_no_torch_model_runner_or_server() -> None:
+    code = ("import json, sys\n"
+            "import kvhive.router.app, kvhive.router.cli, kvhive.router.simulator, kvhive.tenancy\n"
+            "print(json.dumps(sorted(sys.modules)))\n")
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                       check=True, cwd=REPO_ROOT, env=_env()).stdout)
+    forbidden = ("torch", "kvhive.model", "kvhive.runner", "kvhive.engine", "kvhive.server")
+    assert [m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden)] == []
+
+
 def test_replica_flags_and_gateway_config() -> None:
     spec = ReplicaSpec.parse("http://h:8000/,events=tcp://h:5557,replay=tcp://h:5558,kind=vllm")
     assert spec == ReplicaSpec("http://h:8000", "tcp://h:5557", "tcp://h:5558", "vllm")
@@ -171,6 +181,9 @@ def test_replica_flags_and_gateway_config() -> None:
     config = build_gateway_config(args)
     assert [r.kind for r in config.replicas] == ["kvhive", "vllm"]
     assert config.tiers.cpu == 0.5 and config.tiers.gpu == 1.0 and config.weights.load == 0.25
+    assert not config.salt_with_api_key
+    assert build_gateway_config(parser.parse_args(["--replica", "http://a:1", "--salt-with-api-key"])) \
+        .salt_with_api_key
     with pytest.raises(ValueError):
         build_gateway_config(parser.parse_args(["--replica", "http://a:1", "--replica", "http://a:1"]))
     with pytest.raises(ValueError):
