@@ -29,7 +29,10 @@ the session's tokens (no hashing, no prefix lookup), else the holding is release
 takes the ordinary prefix path. Held blocks are pinned in the device pool. With store tiers
 configured, when blocks run out the least recently used holding whose full blocks the lowest tier
 has (``held_below``) is released to the pool (spilled) before anything is preempted; its next
-request finds its blocks by prefix match, on the device or loaded back from the tiers.
+request finds its blocks by prefix match, on the device or loaded back from the tiers. Without
+tiers, when the head of the queue does not fit while nothing runs (so nothing else will ever free
+a block), the least recently used holding is released: idle sessions never stall a request
+forever; their full blocks stay cached in the pool until evicted.
 """
 
 from __future__ import annotations
@@ -226,17 +229,21 @@ class Scheduler:
                               num_session_blocks=self.kv.num_session_blocks,
                               num_session_spills=self.num_session_spills)
 
-    def _spill_session(self, keep: str | None = None) -> bool:
-        # Release the least recently used holding whose full blocks the lowest tier has a copy of
-        # (the partial last block is recomputed on resume). Without tiers nothing is spilled.
-        if self.held_below is None:
+    def _spill_session(self, keep: str | None = None, admitting: bool = False) -> bool:
+        """Release the least recently used holding (other than ``keep``) to the pool; False if none.
+
+        With tiers, only a holding whose full blocks the lowest tier has a copy of (the partial
+        last block is recomputed on resume); one whose saves may still read its blocks waits.
+        Without tiers, only for an admission stuck with nothing running (``admitting``).
+        """
+        if self.held_below is None and (not admitting or self.running):
             return False
         for session_id in self.kv.session_ids():
             if session_id == keep:
                 continue
             held = self.kv.session_blocks(session_id)
             hashes = held.block_hashes[:held.num_cached_blocks]
-            if hashes and not all(self.held_below(hashes)):
+            if self.held_below is not None and hashes and not all(self.held_below(hashes)):
                 continue
             self.kv.release_session(session_id)
             self.num_session_spills += 1
@@ -258,7 +265,7 @@ class Scheduler:
                 if held:
                     num_new = min(request.num_tokens - held, budget)
                     while not self.kv.resume_session(request, num_new):
-                        if not self._spill_session(keep=request.session_id):
+                        if not self._spill_session(keep=request.session_id, admitting=True):
                             return budget
                     self.waiting.popleft()
                     self.running.append(request)
@@ -286,7 +293,7 @@ class Scheduler:
             # An async load computes nothing until its blocks arrive; it takes no token budget.
             num_new = 0 if is_async else min(request.num_tokens - computed, budget)
             if not self.kv.allocate_slots(request, num_external + num_new, hit.blocks):
-                if self._spill_session():
+                if self._spill_session(keep=request.session_id, admitting=True):
                     continue        # look the request up again: the spill may have evicted hits
                 break
             self.waiting.popleft()

@@ -117,3 +117,17 @@ def test_spill_to_tier_under_pressure_and_come_back(tokenizer, tmp_path):
         assert tokens == expect
         assert cached >= 28, (sid, cached)
         engine.connector_worker.wait_for_save()
+
+
+def test_idle_sessions_never_stall_a_request_without_tiers(tokenizer):
+    # Three idle sessions hold 39 of the 39 usable blocks and no tier can take them: the request
+    # that does not fit takes the least recently used holding's blocks instead of waiting forever.
+    engine = make_engine(tokenizer, num_blocks=40)
+    for k in range(3):
+        turn(engine, f"s{k}", [10 + k + j % 50 for j in range(40)], f"s{k}")
+    assert engine.scheduler.kv.pool.num_free_blocks == 0
+    tokens, _, _ = turn(engine, "big", [200 + j % 30 for j in range(60)])
+    assert len(tokens) == GREEDY.max_tokens
+    kv = engine.scheduler.kv
+    assert kv.session_blocks("s0") is None and kv.session_blocks("s2") is not None
+    assert engine.scheduler.num_session_spills >= 1
