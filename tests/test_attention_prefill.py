@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -31,12 +33,24 @@ def inputs(n: int, prefix: int, heads: int, kv_heads: int, hd: int, dtype: torch
     return q, kv[:, 0], kv[:, 1]
 
 
-@pytest.fixture(params=["blocked", "sdpa"])
-def path(request, monkeypatch) -> str:
-    """Force one implementation; small query blocks so that chunks span several, with a ragged last one."""
+def use_blocked(monkeypatch, blocked: bool) -> None:
+    """Send every prefill to the blocked GEMMs (True) or to SDPA (False)."""
+    monkeypatch.setattr(attention, "PREFILL_BLOCKED_NEW_TOKENS", (1, 10 ** 9) if blocked else (1, 0))
+    monkeypatch.setattr(attention, "PREFILL_BLOCKED_MAX_KEYS", 10 ** 9)
+
+
+@pytest.fixture(params=["blocked-2-threads", "blocked-1-thread", "sdpa"])
+def path(request, monkeypatch) -> Iterator[str]:
+    """Force one implementation; small query blocks so that chunks span several, with a ragged last one.
+
+    With 3 KV heads, 2 threads cut each block into two parts; 1 thread keeps it whole.
+    """
     monkeypatch.setattr(attention, "PREFILL_QUERY_BLOCK", 16)
-    monkeypatch.setattr(attention, "PREFILL_BLOCKED_TOKENS", (1, 10 ** 9) if request.param == "blocked" else (0, 0))
-    return request.param
+    use_blocked(monkeypatch, request.param != "sdpa")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if request.param == "blocked-1-thread" else 2)
+    yield request.param
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("n", [1, 2, 16, 17, 50])
@@ -57,7 +71,7 @@ def test_matches_reference_bfloat16(path: str, prefix: int) -> None:
 
 def test_runner_mask_is_honoured_by_sdpa(monkeypatch) -> None:
     """The SDPA path uses the span's mask when the runner gives one (it equals the causal one)."""
-    monkeypatch.setattr(attention, "PREFILL_BLOCKED_TOKENS", (0, 0))
+    use_blocked(monkeypatch, False)
     q, k, v = inputs(12, 20, 4, 2, 16, torch.float32)
     mask = torch.ones(12, 32, dtype=torch.bool).tril(20)
     torch.testing.assert_close(prefill_attention(q, k, v, mask), reference(q, k, v), **F32_TOL)
@@ -66,7 +80,7 @@ def test_runner_mask_is_honoured_by_sdpa(monkeypatch) -> None:
 def test_blocked_equals_sdpa_at_a_real_shape(monkeypatch) -> None:
     """SmolLM2-135M's attention shape, several default-sized blocks, on a cached prefix."""
     q, k, v = inputs(300, 100, 9, 3, 64, torch.float32, seed=1)
-    monkeypatch.setattr(attention, "PREFILL_BLOCKED_TOKENS", (1, 10 ** 9))
+    use_blocked(monkeypatch, True)
     blocked = prefill_attention(q, k, v)
-    monkeypatch.setattr(attention, "PREFILL_BLOCKED_TOKENS", (0, 0))
+    use_blocked(monkeypatch, False)
     torch.testing.assert_close(blocked, prefill_attention(q, k, v), **F32_TOL)

@@ -135,7 +135,7 @@ def test_chunked_prefill_over_several_steps(block_size: int, native: bool) -> No
 def test_long_chunks_on_a_cached_prefix_match_dense(blocked: bool, monkeypatch) -> None:
     """Prefill chunks spanning several query blocks of the blocked attention, first and cached-prefix."""
     monkeypatch.setattr(attention, "PREFILL_QUERY_BLOCK", 8)
-    monkeypatch.setattr(attention, "PREFILL_BLOCKED_TOKENS", (2, 10 ** 9) if blocked else (10 ** 9, 0))
+    monkeypatch.setattr(attention, "PREFILL_BLOCKED_NEW_TOKENS", (2, 10 ** 9) if blocked else (2, 0))
     runner, blocks = make_runner(4), Blocks(256, 4, seed=17)
     p = prompt(90, 18)
     dense = dense_logits(runner.model, p)

@@ -142,17 +142,20 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     needed. Rows of q, k and v may be strided.
     """
     n, num_heads, head_dim = q.shape
-    min_new, max_keys = PREFILL_BLOCKED_TOKENS
-    if q.device.type == "cpu" and n >= min_new and k.shape[0] <= max_keys:
+    min_new, max_new = PREFILL_BLOCKED_NEW_TOKENS
+    if q.device.type == "cpu" and min_new <= n <= max_new and k.shape[0] <= PREFILL_BLOCKED_MAX_KEYS:
         o = _blocked_prefill(q, k, v)
     else:
         o = _sdpa_prefill(q, k, v, mask)
     return o.reshape(n, num_heads * head_dim)
 
 
-# (new tokens at least, keys at most) for the blocked GEMMs on CPU; elsewhere torch's flash SDPA
-# is as fast or faster (measured with SmolLM2-135M's 9 heads / 3 KV heads of 64).
-PREFILL_BLOCKED_TOKENS = (128, 1792)
+# Where the blocked GEMMs beat torch's flash SDPA on CPU (SmolLM2-135M: 9 heads / 3 KV heads of 64,
+# 1 and 2 threads): chunks of this many new tokens over at most this many keys. Outside, SDPA is
+# as fast or faster, and less hurt when other processes take the cores (one parallel region
+# instead of four per query block).
+PREFILL_BLOCKED_NEW_TOKENS = (128, 1024)
+PREFILL_BLOCKED_MAX_KEYS = 2048
 # Query rows per block of the blocked prefill: its scores, [kv_heads, block * group, ctx] float32,
 # should stay within the last-level cache.
 PREFILL_QUERY_BLOCK = 64
@@ -176,32 +179,48 @@ def _blocked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     """prefill_attention by batched GEMMs over query blocks, in float32: [n, heads, hd].
 
     The group of query heads sharing a KV head is folded into the query axis (rows ordered
-    (token, head in group)), so each block is one [kv_heads, block * group, keys] GEMM that reads
-    each KV head once. A block scores only the keys up to its own last position; of those, only
-    the block's own tokens (the diagonal square) need the causal mask.
+    (token, head in group)), so each block is one batched GEMM of [kv_heads, block * group, keys]
+    that reads each KV head once. A block scores only the keys up to its own last position; of
+    those, only the block's own tokens (the diagonal square) need the causal mask.
     """
     n, num_heads, head_dim = q.shape
     ctx, num_kv_heads, _ = k.shape
     group, prefix = num_heads // num_kv_heads, ctx - n
-    block = min(PREFILL_QUERY_BLOCK, n)
+    # MKL shares a batched GEMM out by whole batch items: with an odd number of KV heads and an even
+    # number of threads, each block is cut into `split` parts along the queries, one item per
+    # (part, KV head), and K/V are stored once per part.
+    split = 2 if num_kv_heads % 2 and torch.get_num_threads() % 2 == 0 else 1
+    part = -(-min(PREFILL_QUERY_BLOCK, n) // split)            # tokens per part; block = split parts
+    block, items, rows = part * split, split * num_kv_heads, part * group
+    padded = -(-n // block) * block                            # pad rows compute garbage, then dropped
     f32 = torch.float32
-    qg = q.to(f32).view(n, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads, n * group, head_dim)
-    kt = k.to(f32).permute(1, 2, 0)                  # [kv_heads, hd, ctx]
-    vs = v.to(f32).transpose(0, 1)                   # [kv_heads, ctx, hd]
-    # Added to a block's own keys: row r = (token i, head g) may not see key j of the block when j > i.
-    causal_bias = torch.zeros(block * group, block, dtype=f32).masked_fill_(
-        torch.ones(block, block, dtype=torch.bool).triu_(1).repeat_interleave(group, 0), float("-inf"))
-    scores = torch.empty(num_kv_heads * block * group * ctx, dtype=f32)
-    out = torch.empty(num_kv_heads, n * group, head_dim, dtype=f32)
+    # qp[c, h, (t, g)] = q[c * part + t, h * group + g]
+    qp = torch.zeros(padded, num_kv_heads, group, head_dim, dtype=f32)
+    qp[:n] = q.view(n, num_kv_heads, group, head_dim)
+    qp = qp.view(padded // part, part, num_kv_heads, rows // part, head_dim).transpose(1, 2).reshape(
+        padded // part, num_kv_heads, rows, head_dim)
+    kp = torch.empty(split, num_kv_heads, ctx, head_dim, dtype=f32)
+    vp = torch.empty(split, num_kv_heads, ctx, head_dim, dtype=f32)
+    kp.copy_(k.transpose(0, 1)[None])
+    vp.copy_(v.transpose(0, 1)[None])
+    kt, vs = kp.view(items, ctx, head_dim).transpose(1, 2), vp.view(items, ctx, head_dim)
+    # Added to a block's own keys: row (token i, head g) of part s may not see key j when j > s * part + i.
+    hidden = torch.ones(block, block, dtype=torch.bool).triu_(1).view(split, part, block)
+    causal_bias = torch.zeros(split, part, group, block, dtype=f32).masked_fill_(
+        hidden[:, :, None], float("-inf")).view(split, 1, rows, block)
+    scores = torch.empty(items * rows * ctx, dtype=f32)
+    out = torch.empty(padded // part, num_kv_heads, rows, head_dim, dtype=f32)
     for a in range(0, n, block):
-        b = min(a + block, n)
-        rows, keys = (b - a) * group, prefix + b
-        s = scores[:num_kv_heads * rows * keys].view(num_kv_heads, rows, keys)
-        torch.baddbmm(s, qg[:, a * group:b * group], kt[:, :, :keys], beta=0.0, alpha=head_dim ** -0.5, out=s)
-        s[:, :, prefix + a:].add_(causal_bias[:rows, :b - a])
+        own = min(block, n - a)                                # real tokens of the block
+        keys = prefix + a + own
+        s = scores[:items * rows * keys].view(items, rows, keys)
+        qb = qp[a // part:a // part + split].view(items, rows, head_dim)
+        torch.baddbmm(s, qb, kt[:, :, :keys], beta=0.0, alpha=head_dim ** -0.5, out=s)
+        s.view(split, num_kv_heads, rows, keys)[..., prefix + a:].add_(causal_bias[..., :own])
         torch._softmax(s, -1, False, out=s)            # in place (aten's out= form); float32
-        torch.bmm(s, vs[:, :keys], out=out[:, a * group:b * group])
-    return out.view(num_kv_heads, n, group, head_dim).transpose(0, 1).to(q.dtype).reshape(n, num_heads, head_dim)
+        torch.bmm(s, vs[:, :keys], out=out[a // part:a // part + split].view(items, rows, head_dim))
+    o = out.view(padded // part, num_kv_heads, part, group, head_dim).transpose(1, 2)
+    return o.reshape(padded, num_heads, head_dim)[:n].to(q.dtype)
 
 
 class _KernelArgs(ctypes.Structure):
