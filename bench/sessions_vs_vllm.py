@@ -314,19 +314,22 @@ def plot(results: dict, names: list[str], path: str) -> None:
 def write_doc(results: dict, names: list[str], path: str, png: str) -> None:
     """The markdown page: how it was run, both tables, the targets."""
     cfg = results["config"]
+    described = {
+        "sessions": "kvhive `sessions` (" + ("`conversation_id` in the chat body" if cfg["session_api"] == "conversation"
+                                             else "`POST /v1/context`, then `x-session-id`") + ")",
+        "prefix": "kvhive `prefix` (prefix caching only)",
+        "none": "kvhive `none` (`--no-enable-prefix-caching`)",
+        "vllm": f"`vllm` (vLLM for CPU 0.32.0, {cfg['vllm_dtype']}, prefix caching, `../shared/peers/vllm.sh serve`)",
+    }
     lines = ["# Sessions over HTTP: kvhive sessions vs prefix vs none, and vLLM for CPU", "",
              f"Machine: {results['machine']}. Command: `{results['command']}` ({results['date']}). "
              f"Greedy {cfg['max_tokens']}-token streamed chat replies; TTFT = send to the first non-empty "
              f"content delta; median of {cfg['repeats']} salted repeat(s) per turn. Servers side by side, "
-             "taking turns in a rotating order: kvhive `sessions` (`POST /v1/context`, then `x-session-id`"
-             + (", via `conversation_id`" if cfg["session_api"] == "conversation" else "")
-             + "), `prefix` (prefix caching only), `none` (`--no-enable-prefix-caching`)"
-             + (f" with `{cfg['kvhive_args']}`" if cfg["kvhive_args"] else "")
-             + f"; `vllm`: vLLM for CPU 0.32.0, {cfg['vllm_dtype']}, prefix caching "
-             "(`../shared/peers/vllm.sh serve`).", "",
+             "taking turns in a rotating order: " + ", ".join(described[n] for n in names)
+             + (f"; kvhive flags `{cfg['kvhive_args']}`" if cfg["kvhive_args"] else "") + ".", "",
              f"![TTFT per turn]({os.path.relpath(png, os.path.dirname(path))})", "",
-             f"## Seed 003: one conversation, {cfg['turns']} turns, {cfg['sentences']} sentences "
-             "(~500 tokens at 24) per user turn", ""]
+             f"## Seed 003: one conversation, {cfg['turns']} turns, {cfg['sentences']} sentences per user turn "
+             "(24: ~500 tokens)", ""]
     lines += table(results["seed003"], names, ["turn"])
     lines += ["", *targets(results["seed003"]), "",
               f"## ../shared/bench/multiturn.py workload (fixed history, {cfg['mt_convs']} conversations x "
