@@ -26,6 +26,7 @@ admission step (hashing + lookup + allocation), per turn. Over HTTP and against 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -193,6 +194,8 @@ def warm_up(loaded, tok) -> None:
 
 
 def main() -> None:
+    # No options; --help must not start a full run that rewrites docs/.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     path = default_model_path()
     loaded, tok = load_model(path, dtype="float32", device="cpu"), Tokenizer.from_model_path(path)
