@@ -13,7 +13,8 @@ import torch
 
 from kvhive.config import ModelConfig
 from kvhive.connector.base import ConnectorWorker
-from kvhive.model.attention import AttnMetadata, CpuDecodeKernel, DecodeBatch, PrefillSpan
+from kvhive.model.attention import AttnMetadata, DecodeBatch, PrefillSpan
+from kvhive.model.decode_kernel import CpuDecodeKernel
 from kvhive.model.llama import LlamaModel, resolve_dtype
 from kvhive.sampling import sample_tokens
 from kvhive.step import ScheduledSeq, StepPlan, StepResult

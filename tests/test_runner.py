@@ -9,7 +9,7 @@ import torch
 from tiny import dense_greedy, dense_logits, tiny_config, tiny_model
 
 from kvhive.model import attention
-from kvhive.model.attention import CpuDecodeKernel
+from kvhive.model.decode_kernel import CpuDecodeKernel
 from kvhive.model.llama import LlamaModel
 from kvhive.request import SamplingParams
 from kvhive.runner import ModelRunner
@@ -291,7 +291,7 @@ def test_cuda_runner_matches_cpu_dense_reference() -> None:
 
 
 def test_without_a_compiler_decode_falls_back_to_sdpa(monkeypatch, tmp_path) -> None:
-    monkeypatch.setattr("kvhive.model.attention.shutil.which", lambda name: None)
+    monkeypatch.setattr("kvhive.model.native.shutil.which", lambda name: None)
     assert CpuDecodeKernel.load(cache_dir=str(tmp_path)) is None
     model = tiny_model()
     runner = ModelRunner(model, model.config, num_blocks=64, block_size=4)
