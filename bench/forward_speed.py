@@ -60,6 +60,35 @@ def timed(runner: ModelRunner, plan: StepPlan, repeat: int) -> str:
     return f"{min(times):8.1f} / {statistics.median(times):8.1f} ms"
 
 
+def time_matmuls(repeat: int) -> None:
+    """The 120 fused projections of all layers at 1..128 rows: quantised kernel vs oneDNN float32."""
+    from kvhive.model.llama import linear
+
+    model = load_model(default_model_path(), dtype="float32").model
+    if model.qmatmul is None:
+        print("no quantised kernel (no compiler?)")
+        return
+    names = ("qkv", "o", "gate_up", "down")
+    quant = [layer_q[n] for layer_q in model.quant_layers for n in names]
+    dense = [getattr(layer, f"{n}_proj") for layer in model.layers for n in names]
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1000)
+        return min(times)
+
+    print("rows   GGUF blocks (ms)   dense oneDNN (ms)   (min of runs, all layers)")
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128):
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in quant}
+        q_ms = best(lambda xs=xs: [model.qmatmul(xs[w.shape[1]], w) for w in quant])
+        d_ms = best(lambda xs=xs: [linear(xs[w.shape[1]], d) for w, d in zip(quant, dense, strict=True)])
+        print(f"{rows:4d}   {q_ms:16.1f}   {d_ms:17.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: both)")
@@ -67,8 +96,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--context", type=int, default=1600)
     parser.add_argument("--profile", choices=["prefill", "warm", "decode1", "decode8"], default=None)
+    parser.add_argument("--matmuls", action="store_true",
+                        help="only time all layers' projections: GGUF blocks vs the dense copy, by rows")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.matmuls:
+        time_matmuls(args.repeat)
+        return
     for dtype in [args.dtype] if args.dtype else ["float32", "bfloat16"]:
         loaded = load_model(default_model_path(), dtype=dtype)
         num_blocks = 8 * (args.context // BLOCK + 2) + 2 * (1600 // BLOCK + 2)
