@@ -3,7 +3,6 @@ ownership, limits and bad input (one server with two API keys and small limits).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 
@@ -168,20 +167,16 @@ def test_wrong_model_and_concurrent_409(server):
                            headers={"x-session-id": sid}), 404)
         assert err["code"] == "model_not_found"
         # Two requests at once on one session: the second is refused with 409, the first completes.
-        results = {}
-
-        def long_turn():
-            with client(server) as c2:
-                results["long"] = c2.post("/v1/completions", json=completion(PROMPT + [1] * 8, max_tokens=300),
-                                          headers={"x-session-id": sid})
-
-        t = threading.Thread(target=long_turn)
-        t.start()
-        time.sleep(0.5)
-        err = error(c.post("/v1/completions", json=completion(PROMPT), headers={"x-session-id": sid}), 409)
-        assert err["code"] == "session_busy"
-        t.join()
-        assert results["long"].status_code == 200
+        # The first is streamed, so the second is sent while it is known to be running.
+        long_turn = {**completion(PROMPT + [1] * 8, max_tokens=300), "stream": True}
+        with client(server) as c2, c2.stream("POST", "/v1/completions", json=long_turn,
+                                             headers={"x-session-id": sid}) as running:
+            assert running.status_code == 200
+            lines = running.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            err = error(c.post("/v1/completions", json=completion(PROMPT), headers={"x-session-id": sid}), 409)
+            assert err["code"] == "session_busy"
+            assert any(line == "data: [DONE]" for line in lines)
         assert c.get(f"/v1/context/{sid}").json()["tokens"] == len(PROMPT) + 8 + 300
 
 
