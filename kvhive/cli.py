@@ -122,10 +122,10 @@ def serve(args: argparse.Namespace) -> int:
 
     api_keys = args.api_key or ([os.environ["KVHIVE_API_KEY"]] if os.environ.get("KVHIVE_API_KEY")
                                 else [])
-    run_server(AsyncEngine(LLMEngine(config)), host=args.host, port=args.port,
-               served_model_name=config.served_model_name, api_keys=tuple(api_keys),
-               log_level=args.log_level)
-    return 0
+    served = run_server(AsyncEngine(LLMEngine(config)), host=args.host, port=args.port,
+                        served_model_name=config.served_model_name, api_keys=tuple(api_keys),
+                        log_level=args.log_level)
+    return 0 if served else 1
 
 
 def main(argv: list[str] | None = None) -> int:

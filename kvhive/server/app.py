@@ -170,8 +170,10 @@ def keeper_tier(engine: LLMEngine) -> KeeperTier | None:
 
 
 def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_name: str,
-               api_keys: tuple[str, ...] = (), log_level: str = "info") -> None:
+               api_keys: tuple[str, ...] = (), log_level: str = "info") -> bool:
     """Serve HTTP on a thread and run the engine loop on this (main) thread until interrupted.
+
+    Returns False when the HTTP server never started (e.g. the port is taken).
 
     SIGINT/SIGTERM start uvicorn's graceful shutdown; the engine keeps stepping until the HTTP
     server has finished, so in-flight streams complete. If the engine loop dies, HTTP keeps
@@ -198,3 +200,4 @@ def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_nam
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         async_engine.shutdown()
+    return server.started
