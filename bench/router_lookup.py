@@ -32,6 +32,8 @@ import httpx
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from router_real import wait_for  # noqa: E402
+
 from kvhive.blocks import hash_blocks, root_hash  # noqa: E402
 from kvhive.router.index import InMemoryIndex, RedisIndex  # noqa: E402
 
@@ -216,15 +218,7 @@ def loop_cpu_ns(pid: int) -> int:
 
 
 def wait(url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} did not come up")
+    wait_for(url, lambda r: r.status_code == 200, timeout_s, url)
 
 
 def main() -> int:

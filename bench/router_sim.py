@@ -32,6 +32,8 @@ import httpx
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from router_real import wait_for  # noqa: E402  (bench/ is on sys.path: scripts run from there)
+
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case "
          "point government company number group problem fact market price contract clause party notice "
          "payment term service customer account order invoice shipment product warranty policy claim "
@@ -145,19 +147,6 @@ async def run_workload(gateway: str, docs: list[str], args: argparse.Namespace,
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
     return out, errors, wall
-
-
-def wait_for(url: str, ok, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            r = httpx.get(url, timeout=2)
-            if ok(r):
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"timed out waiting for {what}")
 
 
 def run_policy(policy: str, docs: list[str], args: argparse.Namespace) -> PolicyResult:

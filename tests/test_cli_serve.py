@@ -6,9 +6,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
+from conftest import free_port
+from test_gateway import healthy, wait_until
 
 
 def _serve(port: int) -> subprocess.Popen:
@@ -28,20 +29,11 @@ def test_a_taken_port_exits_nonzero() -> None:
 
 
 def test_sigint_stops_the_server_cleanly() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     proc = _serve(port)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
-            time.sleep(0.5)
+        wait_until(lambda: proc.poll() is not None or healthy(f"http://127.0.0.1:{port}"), 180, "kvhive serve")
+        assert proc.poll() is None
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"model": "smollm2-135m", "prompt": "Hello", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
