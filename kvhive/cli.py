@@ -25,6 +25,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-quantized-matmul", dest="quantized_matmul", action="store_false",
                    help="always multiply by the dequantised weights; by default, steps of up to 8 "
                         "tokens (decode) read a GGUF file's Q4_1/Q8_0 blocks directly on CPU")
+    p.add_argument("--no-native-attention", dest="native_attention", action="store_false",
+                   help="attend with torch's SDPA on gathered K/V; by default, decode and prefill "
+                        "attention read the KV pool directly in C++ kernels on CPU")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads (default: all cores)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -96,7 +99,8 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
                              max_pinned_gb=args.max_pinned_gb, share_prefix_cache=args.share_prefix_cache)
     return EngineConfig(model_path=model_path, served_model_name=name, dtype=args.dtype,
                         device=args.device, num_threads=args.num_threads,
-                        quantized_matmul=args.quantized_matmul, cache=cache,
+                        quantized_matmul=args.quantized_matmul,
+                        native_attention=args.native_attention, cache=cache,
                         kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
                         scheduler=sched, store=store, sessions=sessions)
 

@@ -143,6 +143,7 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None
     quantized_matmul: bool = True          # few-row steps read GGUF Q4_1/Q8_0 blocks directly (CPU)
+    native_attention: bool = True          # C++ attention kernels over the KV pool (CPU)
     kv_events: str | None = None           # ZMQ PUB endpoint for KV events, e.g. tcp://*:5557
     kv_events_replay: str | None = None    # ZMQ ROUTER endpoint serving replay of recent batches
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -104,7 +104,8 @@ class LLMEngine:
                 loaded.config, cache.block_size, config.dtype))
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks=num_blocks,
                                   block_size=cache.block_size, dtype=config.dtype,
-                                  device=config.device, connector=self.connector_worker)
+                                  device=config.device, native_attention=config.native_attention,
+                                  connector=self.connector_worker)
         sched_cfg = config.scheduler
         if sched_cfg.max_model_len != self.max_model_len:
             from dataclasses import replace

@@ -16,6 +16,7 @@ from kvhive.connector.base import ConnectorWorker
 from kvhive.model.attention import AttnMetadata, DecodeBatch, PrefillSpan
 from kvhive.model.decode_kernel import CpuDecodeKernel
 from kvhive.model.llama import LlamaModel, resolve_dtype
+from kvhive.model.prefill_kernel import CpuPrefillKernel
 from kvhive.sampling import sample_tokens
 from kvhive.step import ScheduledSeq, StepPlan, StepResult
 
@@ -36,7 +37,7 @@ class ModelRunner:
 
     def __init__(self, model: LlamaModel, model_config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: str | torch.dtype = "float32", device: torch.device | str = "cpu",
-                 native_decode: bool = True, connector: ConnectorWorker | None = None) -> None:
+                 native_attention: bool = True, connector: ConnectorWorker | None = None) -> None:
         self.model = model
         self.config = model_config
         self.num_blocks = num_blocks
@@ -57,9 +58,13 @@ class ModelRunner:
             connector.register_kv_caches(self.kv_cache)
         # Seeded requests keep their generator until they appear in finished_request_ids.
         self._generators: dict[str, torch.Generator] = {}
-        # Decode attention straight from the pool on CPU; None: gather + SDPA (CUDA, no compiler).
-        self.decode_kernel = (CpuDecodeKernel.load() if native_decode and self.device.type == "cpu"
-                              and self.dtype in (torch.float32, torch.bfloat16) else None)
+        # Attention straight from the pool on CPU (C++ kernels); None: gather + torch (CUDA, no
+        # compiler, no AVX-512 for prefill, or native_attention=False).
+        native = native_attention and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+        self.decode_kernel = CpuDecodeKernel.load() if native else None
+        prefill = CpuPrefillKernel.load() if native else None
+        self.prefill_kernel = (prefill if prefill is not None and prefill.supports(
+            self.dtype, c.num_heads, c.num_kv_heads, c.head_dim) else None)
 
     @staticmethod
     def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str | torch.dtype) -> int:
@@ -163,9 +168,10 @@ class ModelRunner:
             positions.append(pos)
             rows.append(table[pos // B] * rpb + pos % B)
             block_ids = mask = None
-            if s.start_pos > 0:
+            if s.start_pos > 0 or self.prefill_kernel is not None:
                 n_blocks = (s.context_len + B - 1) // B
                 block_ids = torch.from_numpy(table[:n_blocks]).to(self.device)
+            if s.start_pos > 0 and self.prefill_kernel is None:
                 keep = np.arange(s.context_len)[None, :] <= pos[:, None]
                 mask = torch.from_numpy(keep).to(self.device)
             spans.append(PrefillSpan(offset, offset + n, s.start_pos, block_ids, mask))
@@ -180,7 +186,8 @@ class ModelRunner:
         base = np.concatenate(rows)
         slot_rows = np.stack([base, base + B], axis=1)    # K row, V row (V follows K in a block)
         attn = AttnMetadata(slot_rows=torch.from_numpy(slot_rows).to(self.device), decode=decode,
-                            prefills=tuple(spans), layer_hooks=self.connector)
+                            prefills=tuple(spans), prefill_kernel=self.prefill_kernel,
+                            layer_hooks=self.connector)
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.from_numpy(np.concatenate(positions)).to(self.device),

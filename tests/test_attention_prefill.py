@@ -1,4 +1,4 @@
-"""prefill_attention (blocked GEMMs and SDPA) against an explicit masked-softmax reference."""
+"""Prefill attention (the C++ kernel over the pool, blocked GEMMs, SDPA) against an explicit masked-softmax reference."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from kvhive.model import attention
 from kvhive.model.attention import prefill_attention
+from kvhive.model.prefill_kernel import CpuPrefillKernel
 
 F32_TOL = dict(atol=1e-5, rtol=1e-5)
 BF16_TOL = dict(atol=2e-2, rtol=2e-2)
@@ -84,3 +85,66 @@ def test_blocked_equals_sdpa_at_a_real_shape(monkeypatch) -> None:
     blocked = prefill_attention(q, k, v)
     use_blocked(monkeypatch, False)
     torch.testing.assert_close(blocked, prefill_attention(q, k, v), **F32_TOL)
+
+
+KERNEL = CpuPrefillKernel.load()
+
+
+def pool_inputs(n: int, prefix: int, heads: int, kv_heads: int, hd: int, dtype: torch.dtype,
+                block_size: int, layer: int = 1, seed: int = 0):
+    """q and a 3-layer pool holding the sequence's K/V at `layer` in shuffled blocks; k, v gathered back."""
+    g = torch.Generator().manual_seed(seed)
+    ctx = prefix + n
+    used = -(-ctx // block_size)
+    pool = torch.randn(used + 5, 3, 2, block_size, kv_heads, hd, generator=g).to(dtype)
+    block_ids = torch.randperm(used + 5, generator=g)[:used].to(torch.int64)
+    q = torch.randn(n, heads + 2 * kv_heads, hd, generator=g).to(dtype)[:, :heads]
+    k = pool[block_ids, layer, 0].reshape(-1, kv_heads, hd)[:ctx]
+    v = pool[block_ids, layer, 1].reshape(-1, kv_heads, hd)[:ctx]
+    return q, pool, block_ids, k, v
+
+
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler or no AVX-512 on this CPU")
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,prefix", [(1, 0), (1, 40), (15, 0), (16, 16), (17, 3), (50, 0), (33, 100), (200, 0)])
+@pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (4, 4, 16), (8, 2, 32), (4, 1, 128)])
+@pytest.mark.parametrize("block_size", [16, 5, 32])
+def test_kernel_matches_reference_float32(n: int, prefix: int, heads: int, kv_heads: int, hd: int,
+                                          block_size: int) -> None:
+    q, pool, ids, k, v = pool_inputs(n, prefix, heads, kv_heads, hd, torch.float32, block_size)
+    torch.testing.assert_close(KERNEL(q, pool, 1, ids, prefix), reference(q, k, v), **F32_TOL)
+
+
+@needs_kernel
+@pytest.mark.skipif(KERNEL is not None and torch.bfloat16 not in KERNEL.dtypes, reason="no AVX512-BF16")
+@pytest.mark.parametrize("n,prefix", [(1, 0), (17, 3), (40, 21), (130, 600)])
+@pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (8, 2, 32)])
+def test_kernel_matches_reference_bfloat16(n: int, prefix: int, heads: int, kv_heads: int, hd: int) -> None:
+    q, pool, ids, k, v = pool_inputs(n, prefix, heads, kv_heads, hd, torch.bfloat16, 16)
+    got = KERNEL(q, pool, 1, ids, prefix)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), reference(q, k, v), **BF16_TOL)
+
+
+@needs_kernel
+def test_kernel_reads_only_its_layer_and_context() -> None:
+    """Other layers and blocks past the context may hold anything (here NaN): the result is unchanged."""
+    q, pool, ids, k, v = pool_inputs(20, 30, 9, 3, 64, torch.float32, 16)
+    want = KERNEL(q, pool, 1, ids, 30)
+    poisoned = pool.clone()
+    poisoned[:, [0, 2]] = float("nan")
+    keep = torch.zeros(poisoned.shape[0], dtype=torch.bool)
+    keep[ids] = True
+    poisoned[~keep] = float("nan")
+    last = ids[-1]
+    poisoned[last, 1, :, 50 % 16:] = float("nan")        # the last block's slots past position 49
+    torch.testing.assert_close(KERNEL(q, poisoned, 1, ids, 30), want, rtol=0, atol=0)
+
+
+@needs_kernel
+def test_kernel_rejects_a_short_block_table() -> None:
+    q, pool, ids, _, _ = pool_inputs(20, 30, 9, 3, 64, torch.float32, 16)
+    with pytest.raises(ValueError, match="cannot hold"):
+        KERNEL(q, pool, 1, ids[:-1], 30)

@@ -11,6 +11,7 @@ from tiny import dense_greedy, dense_logits, tiny_config, tiny_model
 from kvhive.model import attention
 from kvhive.model.decode_kernel import CpuDecodeKernel
 from kvhive.model.llama import LlamaModel
+from kvhive.model.prefill_kernel import CpuPrefillKernel
 from kvhive.request import SamplingParams
 from kvhive.runner import ModelRunner
 from kvhive.sampling import sample_tokens
@@ -18,6 +19,7 @@ from kvhive.step import ScheduledSeq, StepPlan
 
 GREEDY = SamplingParams(temperature=0.0)
 HAS_KERNEL = CpuDecodeKernel.load() is not None       # False where no C++ compiler is installed
+_PREFILL = CpuPrefillKernel.load()                     # None also without AVX-512
 DECODE_PATHS = pytest.mark.parametrize("native", [True, False], ids=["kernel", "sdpa"])
 F32_TOL = dict(atol=1e-4, rtol=1e-4)
 BF16_TOL = dict(atol=0.15, rtol=0.05)
@@ -42,8 +44,10 @@ def make_runner(block_size: int, dtype: str = "float32", num_blocks: int = 256,
                 model: LlamaModel | None = None, pack: bool = False, native: bool = True) -> ModelRunner:
     model = model or tiny_model(dtype=dtype, pack=pack)
     runner = ModelRunner(model, model.config, num_blocks=num_blocks, block_size=block_size, dtype=dtype,
-                         native_decode=native)
+                         native_attention=native)
     assert (runner.decode_kernel is not None) == (native and HAS_KERNEL)
+    has_prefill = _PREFILL is not None and runner.dtype in _PREFILL.dtypes
+    assert (runner.prefill_kernel is not None) == (native and has_prefill)
     return runner
 
 

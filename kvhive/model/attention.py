@@ -11,9 +11,11 @@ The runner orders a step's tokens as: decode sequences first (exactly one new to
 prefill chunks (one contiguous span each). Every layer reuses the one ``AttnMetadata`` built per step.
 Decode reads K/V straight from the pool with a small C++ kernel on CPU
 (``decode_kernel.CpuDecodeKernel``, built once per machine with the system compiler); elsewhere, or without a compiler, it gathers the
-sequences' blocks and runs one padded SDPA. Prefill chunks run causal attention over their own K/V
-(first chunk) or the gathered context (cached prefix): on CPU as batched GEMMs over query blocks
-(``prefill_attention``) where that beats torch's flash SDPA, else with SDPA.
+sequences' blocks and runs one padded SDPA. Prefill chunks attend causally to their whole context
+(cached prefix + the chunk itself): on CPU with AVX-512 straight from the pool in a C++ flash
+kernel (``prefill_kernel.CpuPrefillKernel``); elsewhere over their own K/V (first chunk) or the
+gathered context, as batched GEMMs over query blocks (``prefill_attention``) where that beats
+torch's flash SDPA, else with SDPA.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from kvhive.model.decode_kernel import CpuDecodeKernel
+    from kvhive.model.prefill_kernel import CpuPrefillKernel
 
 
 @dataclass(frozen=True)
@@ -35,11 +38,11 @@ class PrefillSpan:
     begin: int
     end: int
     start_pos: int
-    # Pool blocks holding positions 0..context_len-1; None when start_pos == 0 (nothing cached:
-    # attention uses the chunk's own K/V and a causal mask, the pool is only written).
+    # Pool blocks holding positions 0..context_len-1 (int64). None only when start_pos == 0 and no
+    # prefill kernel runs: torch then attends over the chunk's own K/V; the pool is only written.
     block_ids: torch.Tensor | None
-    # [num_new, context_len] bool, True where query i may see key j (j <= start_pos + i); None
-    # when start_pos == 0 (plain causal attention).
+    # [num_new, context_len] bool, True where query i may see key j (j <= start_pos + i), for
+    # torch's SDPA over a cached prefix; None when start_pos == 0 or the prefill kernel runs.
     mask: torch.Tensor | None
 
     @property
@@ -69,6 +72,8 @@ class AttnMetadata:
     slot_rows: torch.Tensor
     decode: DecodeBatch | None
     prefills: tuple[PrefillSpan, ...]
+    # Prefill attention straight from the pool (CPU C++ kernel); None: torch over gathered K/V.
+    prefill_kernel: CpuPrefillKernel | None = None
     # KV connector worker: ``wait_for_layer_load(l)`` before layer l reads the pool, then
     # ``save_kv_layer(l)`` after it; None without a connector.
     layer_hooks: LayerHooks | None = None
@@ -116,6 +121,9 @@ def paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_cache: torch.Tenso
         out_parts.append(o.reshape(n, num_heads * head_dim))
     for span in meta.prefills:
         qs = q[span.begin:span.end]
+        if meta.prefill_kernel is not None:
+            out_parts.append(meta.prefill_kernel(qs, kv_cache, layer, span.block_ids, span.start_pos))
+            continue
         if span.block_ids is None:
             k, v = kv_new[span.begin:span.end, 0], kv_new[span.begin:span.end, 1]   # [n, kv_heads, hd]
         else:

@@ -1,0 +1,358 @@
+"""Prefill attention read straight from the paged KV pool by a C++ flash-attention kernel (CPU).
+
+A prefill chunk of n new tokens at positions start_pos..start_pos+n-1 attends causally to every key
+0..start_pos+n-1 of its sequence, which the layer has already written into the pool. The kernel
+first packs each KV head's keys and values into tiles of 16 keys (transposed for the score
+products, paired for AVX512-BF16's two-element dot products), then runs one work item per (KV
+head, tile of 16 query tokens): the group of query heads sharing a KV head are rows of the same
+item, so each K/V tile is read once for all of them. Scores and the running softmax stay in float32;
+on a bfloat16 pool the score and value products run on ``vdpbf16ps`` (bf16 inputs, float32 sums)
+with the probabilities rounded to bf16, as flash attention does on GPUs.
+
+Built once per machine by ``kvhive.model.native``; needs AVX-512 (and AVX512-BF16 for bf16 pools).
+Elsewhere ``load`` or ``supports`` say no and attention falls back to torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvhive.model.native import build_library
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [("q", ctypes.c_void_p), ("q_stride", ctypes.c_int64), ("pool", ctypes.c_void_p),
+                ("table", ctypes.c_void_p)] + [
+        (name, ctypes.c_int64) for name in ("n", "start_pos", "num_layers", "layer", "block_size",
+                                            "kv_heads", "group", "head_dim")] + [
+        ("scale", ctypes.c_float), ("out", ctypes.c_void_p), ("ws", ctypes.c_void_p),
+        ("n_threads", ctypes.c_int)]
+
+
+# Capability bits reported by the library (what it was compiled for on this CPU).
+_CAP_FLOAT32, _CAP_BFLOAT16 = 1, 2
+_TILE = 16              # keys per packed tile (one 512-bit vector of float32 scores)
+
+
+class CpuPrefillKernel:
+    """Causal prefill attention from the pool: float32 (AVX-512F) and bfloat16 (AVX512-BF16) pools."""
+
+    HEAD_DIMS = (16, 32, 64, 128)
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.kvhive_prefill_attention
+        self._fn.argtypes = [ctypes.POINTER(_Args), ctypes.c_int]
+        self._fn.restype = ctypes.c_int
+        caps = lib.kvhive_prefill_caps
+        caps.restype = ctypes.c_int
+        bits = caps()
+        self.dtypes = frozenset(dt for bit, dt in ((_CAP_FLOAT32, torch.float32), (_CAP_BFLOAT16, torch.bfloat16))
+                                if bits & bit)
+        self._ws = torch.empty(0, dtype=torch.uint8)
+
+    @classmethod
+    def load(cls, cache_dir: str | None = None) -> CpuPrefillKernel | None:
+        """The kernel, compiled on first use per machine; None without a compiler or AVX-512."""
+        lib = build_library("prefill", _KERNEL_SOURCE,
+                            ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"), cache_dir)
+        if lib is None:
+            return None
+        kernel = cls(lib)
+        return kernel if kernel.dtypes else None
+
+    def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        """True where this kernel can run a model of these shapes and dtype."""
+        return dtype in self.dtypes and head_dim in self.HEAD_DIMS and num_heads % num_kv_heads == 0
+
+    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_ids: torch.Tensor,
+                 start_pos: int) -> torch.Tensor:
+        """Attention of q [n, heads, head_dim] (rows may be strided) -> [n, heads * head_dim].
+
+        block_ids (int64, contiguous) lists the pool blocks of positions 0..start_pos+n-1; the
+        chunk's own K/V must already be written there.
+        """
+        n, heads, head_dim = q.shape
+        _, num_layers, _, block_size, kv_heads, _ = kv_cache.shape
+        if q.dtype != kv_cache.dtype or q.stride(2) != 1 or q.stride(1) != head_dim:
+            raise ValueError("prefill kernel: q must match the pool's dtype with contiguous heads")
+        ctx = start_pos + n
+        if block_ids.dtype != torch.int64 or not block_ids.is_contiguous() or block_ids.numel() * block_size < ctx:
+            raise ValueError(f"prefill kernel: {block_ids.numel()} blocks cannot hold {ctx} tokens")
+        tiles = -(-ctx // _TILE)
+        need = 2 * kv_heads * tiles * _TILE * head_dim * kv_cache.element_size()
+        if self._ws.numel() < need:
+            self._ws = torch.empty(need + (need >> 2), dtype=torch.uint8)
+        out = torch.empty(n, heads * head_dim, dtype=q.dtype)
+        args = _Args(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_ids.data_ptr(), n, start_pos,
+                     num_layers, layer, block_size, kv_heads, heads // kv_heads, head_dim, head_dim ** -0.5,
+                     out.data_ptr(), self._ws.data_ptr(), torch.get_num_threads())
+        if self._fn(ctypes.byref(args), int(kv_cache.dtype == torch.bfloat16)):
+            raise ValueError(f"prefill kernel: unsupported shape (head_dim {head_dim}, dtype {q.dtype})")
+        return out
+
+
+_KERNEL_SOURCE = r"""
+// Causal prefill attention over kvhive's KV pool [blocks, layers, 2, block_size, kv_heads, head_dim].
+// Phase 1 packs each KV head's keys and values into tiles of 16 keys:
+//   float32: K as [d][16 keys], V as [16 keys][d]
+//   bf16:    K as [d/2][16 keys][2] (dword = the pair of dims a vdpbf16ps multiplies),
+//            V as [8 key pairs][d][2]
+// Phase 2: one item per (KV head, 16 query tokens); its rows are (token, head of the group). For
+// each key tile and each block of 8 rows: scores, an online softmax in float32 (exp2 with scaled
+// logits), then the value products into float32 accumulators.
+#include <immintrin.h>
+#include <cfloat>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+struct Args {
+  const void* q; int64_t q_stride; const void* pool; const int64_t* table;
+  int64_t n, start_pos, num_layers, layer, block_size, kv_heads, group, head_dim;
+  float scale; void* out; void* ws; int n_threads;
+};
+
+constexpr int kTile = 16;   // keys per tile
+constexpr int kQTok = 16;   // query tokens per item
+constexpr int kRB = 8;      // rows per register block
+
+#if defined(__AVX512F__)
+inline __m512 exp2_ps(__m512 x) {   // 2^x for x <= 0; ~1e-7 relative; very negative x -> ~0
+  x = _mm512_max_ps(x, _mm512_set1_ps(-125.f));   // stays clear of denormals
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.540353e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.333355e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550411e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <typename T>
+inline const T* key_row(const Args& a, int64_t key, int kv) {  // K row of `key`; V row is bs rows later
+  const int64_t row = a.kv_heads * a.head_dim;
+  const int64_t block = a.table[key / a.block_size];
+  return static_cast<const T*>(a.pool) +
+         ((block * a.num_layers + a.layer) * 2 + kv) * a.block_size * row + (key % a.block_size) * row;
+}
+
+// Per-dtype parts: packing one tile, scores of 8 rows, value products of one row.
+struct F32 {
+  using T = float;
+  template <int HD>
+  static void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, float* kt, float* vt) {
+    for (int j = 0; j < kTile; ++j) {
+      const int64_t key = t * kTile + j;
+      if (key < ctx) {
+        const float* k = key_row<float>(a, key, 0) + h * HD;
+        const float* v = key_row<float>(a, key, 1) + h * HD;
+        for (int d = 0; d < HD; ++d) kt[d * kTile + j] = k[d];
+        std::memcpy(vt + j * HD, v, HD * 4);
+      } else {
+        for (int d = 0; d < HD; ++d) kt[d * kTile + j] = 0.f;
+        std::memset(vt + j * HD, 0, HD * 4);
+      }
+    }
+  }
+  template <int HD>
+  static void load_q(const float* src, float* dst) { std::memcpy(dst, src, HD * 4); }
+  template <int HD>
+  static void scores(const float* q, const float* kt, __m512* s) {   // q: 8 rows of HD floats
+    for (int r = 0; r < kRB; ++r) s[r] = _mm512_setzero_ps();
+    for (int d = 0; d < HD; ++d) {
+      const __m512 k = _mm512_loadu_ps(kt + d * kTile);
+      for (int r = 0; r < kRB; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * HD + d]), k, s[r]);
+    }
+  }
+  template <int HD>
+  static void values(__m512 p, const float* vt, __m512* o) {
+    alignas(64) float pv[kTile];
+    _mm512_store_ps(pv, p);
+    for (int j = 0; j < kTile; ++j) {
+      const __m512 w = _mm512_set1_ps(pv[j]);
+      for (int c = 0; c < HD / 16; ++c) o[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vt + j * HD + c * 16), o[c]);
+    }
+  }
+  static void store(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
+};
+
+#if defined(__AVX512BF16__)
+struct BF16 {
+  using T = uint16_t;
+  template <int HD>
+  static void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, uint16_t* kt, uint16_t* vt) {
+    uint32_t* kt32 = reinterpret_cast<uint32_t*>(kt);   // [HD/2][16]
+    for (int j = 0; j < kTile; ++j) {
+      const int64_t key = t * kTile + j;
+      if (key < ctx) {
+        const uint32_t* k = reinterpret_cast<const uint32_t*>(key_row<uint16_t>(a, key, 0) + h * HD);
+        const uint16_t* v = key_row<uint16_t>(a, key, 1) + h * HD;
+        for (int dp = 0; dp < HD / 2; ++dp) kt32[dp * kTile + j] = k[dp];
+        for (int d = 0; d < HD; ++d) vt[((j >> 1) * HD + d) * 2 + (j & 1)] = v[d];
+      } else {
+        for (int dp = 0; dp < HD / 2; ++dp) kt32[dp * kTile + j] = 0;
+        for (int d = 0; d < HD; ++d) vt[((j >> 1) * HD + d) * 2 + (j & 1)] = 0;
+      }
+    }
+  }
+  template <int HD>
+  static void load_q(const uint16_t* src, uint16_t* dst) { std::memcpy(dst, src, HD * 2); }
+  template <int HD>
+  static void scores(const uint16_t* q, const uint16_t* kt, __m512* s) {
+    const uint32_t* q32 = reinterpret_cast<const uint32_t*>(q);
+    for (int r = 0; r < kRB; ++r) s[r] = _mm512_setzero_ps();
+    for (int dp = 0; dp < HD / 2; ++dp) {
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(kt + dp * kTile * 2);
+      for (int r = 0; r < kRB; ++r)
+        s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)_mm512_set1_epi32(q32[r * HD / 2 + dp]), k);
+    }
+  }
+  template <int HD>
+  static void values(__m512 p, const uint16_t* vt, __m512* o) {
+    alignas(32) uint32_t pp[kTile / 2];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(p));
+    for (int kp = 0; kp < kTile / 2; ++kp) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(pp[kp]);
+      for (int c = 0; c < HD / 16; ++c)
+        o[c] = _mm512_dpbf16_ps(o[c], w, (__m512bh)_mm512_loadu_si512(vt + (kp * HD + c * 16) * 2));
+    }
+  }
+  static void store(const float* src, uint16_t* dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+    for (; i < n; ++i) {
+      uint32_t bits; std::memcpy(&bits, src + i, 4);
+      dst[i] = uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    }
+  }
+};
+#endif
+
+template <typename D, int HD>
+void prefill(const Args& a) {
+  using T = typename D::T;
+  const int64_t ctx = a.start_pos + a.n, tiles = (ctx + kTile - 1) / kTile, heads = a.kv_heads * a.group;
+  const int64_t tile_elems = kTile * HD;
+  T* kpack = static_cast<T*>(a.ws);                            // [kv_heads][tiles][tile_elems]
+  T* vpack = kpack + a.kv_heads * tiles * tile_elems;
+  const int64_t q_items = (a.n + kQTok - 1) / kQTok, rows_max = kQTok * a.group;
+  const float scale = a.scale * 1.4426950408889634f;          // scores in log2 units
+#pragma omp parallel num_threads(a.n_threads)
+  {
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t h = 0; h < a.kv_heads; ++h)
+      for (int64_t t = 0; t < tiles; ++t)
+        D::template pack<HD>(a, h, t, ctx, kpack + (h * tiles + t) * tile_elems, vpack + (h * tiles + t) * tile_elems);
+    T* qb = new T[rows_max * HD];
+    float* o = static_cast<float*>(_mm_malloc(rows_max * HD * sizeof(float), 64));
+    float* m = new float[rows_max];
+    float* l = new float[rows_max];
+    int64_t* pos = new int64_t[rows_max];
+    // Later query tiles see more keys: hand them out first.
+#pragma omp for collapse(2) schedule(dynamic, 1)
+    for (int64_t qi = q_items - 1; qi >= 0; --qi)
+      for (int64_t h = 0; h < a.kv_heads; ++h) {
+        const int64_t t0 = qi * kQTok, ntok = (a.n - t0 < kQTok) ? a.n - t0 : kQTok;
+        const int64_t rows = ntok * a.group, rows_pad = (rows + kRB - 1) / kRB * kRB;
+        for (int64_t r = 0; r < rows_pad; ++r) {
+          if (r < rows) {
+            const int64_t t = r / a.group, g = r % a.group;
+            D::template load_q<HD>(static_cast<const T*>(a.q) + (t0 + t) * a.q_stride + (h * a.group + g) * HD, qb + r * HD);
+            pos[r] = a.start_pos + t0 + t;
+          } else {
+            std::memset(qb + r * HD, 0, HD * sizeof(T));
+            pos[r] = a.start_pos + t0 + ntok - 1;
+          }
+          m[r] = -FLT_MAX;
+          l[r] = 0.f;
+        }
+        std::memset(o, 0, rows_pad * HD * sizeof(float));
+        const int64_t last = a.start_pos + t0 + ntok - 1;   // the item's last position
+        const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        for (int64_t t = 0; t * kTile <= last; ++t) {
+          const T* kt = kpack + (h * tiles + t) * tile_elems;
+          const T* vt = vpack + (h * tiles + t) * tile_elems;
+          const bool diagonal = t * kTile + kTile - 1 > a.start_pos + t0;   // some key past some row
+          const __m512i keys = _mm512_add_epi32(lane, _mm512_set1_epi32(int(t * kTile)));
+          for (int64_t rb = 0; rb < rows_pad; rb += kRB) {
+            __m512 s[kRB];
+            D::template scores<HD>(qb + rb * HD, kt, s);
+            for (int r = 0; r < kRB; ++r) {
+              __m512 x = _mm512_mul_ps(s[r], _mm512_set1_ps(scale));
+              __mmask16 seen = 0xFFFF;
+              if (diagonal) {
+                seen = _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32(int(pos[rb + r])));
+                x = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), seen, x);
+              }
+              const float m_old = m[rb + r], m_tile = _mm512_reduce_max_ps(x);
+              const float m_new = m_old > m_tile ? m_old : m_tile;
+              const __m512 p = _mm512_maskz_mov_ps(seen, exp2_ps(_mm512_sub_ps(x, _mm512_set1_ps(m_new))));
+              float* orow = o + (rb + r) * HD;
+              __m512 acc[HD / 16];
+              if (m_new > m_old) {
+                const float alpha = _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(m_old - m_new)));
+                l[rb + r] *= alpha;
+                for (int c = 0; c < HD / 16; ++c) acc[c] = _mm512_mul_ps(_mm512_load_ps(orow + c * 16), _mm512_set1_ps(alpha));
+                m[rb + r] = m_new;
+              } else {
+                for (int c = 0; c < HD / 16; ++c) acc[c] = _mm512_load_ps(orow + c * 16);
+              }
+              l[rb + r] += _mm512_reduce_add_ps(p);
+              D::template values<HD>(p, vt, acc);
+              for (int c = 0; c < HD / 16; ++c) _mm512_store_ps(orow + c * 16, acc[c]);
+            }
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t tk = r / a.group, g = r % a.group;
+          float* orow = o + r * HD;
+          const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+          for (int c = 0; c < HD / 16; ++c) _mm512_store_ps(orow + c * 16, _mm512_mul_ps(_mm512_load_ps(orow + c * 16), inv));
+          D::store(orow, static_cast<T*>(a.out) + (t0 + tk) * heads * HD + (h * a.group + g) * HD, HD);
+        }
+      }
+    delete[] qb; _mm_free(o); delete[] m; delete[] l; delete[] pos;
+  }
+}
+
+template <typename D>
+int run(const Args& a) {
+  switch (a.head_dim) {
+    case 16: prefill<D, 16>(a); return 0;
+    case 32: prefill<D, 32>(a); return 0;
+    case 64: prefill<D, 64>(a); return 0;
+    case 128: prefill<D, 128>(a); return 0;
+    default: return 1;
+  }
+}
+#endif
+}  // namespace
+
+extern "C" int kvhive_prefill_caps() {
+  int caps = 0;
+#if defined(__AVX512F__)
+  caps |= 1;
+#endif
+#if defined(__AVX512BF16__)
+  caps |= 2;
+#endif
+  return caps;
+}
+
+extern "C" int kvhive_prefill_attention(const Args* a, int is_bf16) {
+  if (a->n <= 0 || a->group <= 0) return 1;
+#if defined(__AVX512BF16__)
+  if (is_bf16) return run<BF16>(*a);
+#endif
+#if defined(__AVX512F__)
+  if (!is_bf16) return run<F32>(*a);
+#endif
+  return 1;
+}
+"""
