@@ -202,7 +202,7 @@ def main() -> int:
         serve_and_run(cmd, args.port, peer, args.out, os.path.join(args.out, f"{peer}.log"), [],
                       env=env, runs=runs)
     names = [ours, peer]
-    png = os.path.join(ROOT, "docs", f"ttft_per_turn_{args.tag}.png")
+    png = os.path.join(os.path.dirname(os.path.abspath(args.doc)), f"ttft_per_turn_{args.tag}.png")
     plot(args.out, names, png)
     doc = [f"Machine: {machine()}.", "",
            f"Command: `python bench/multiturn_vs_vllm.py {' '.join(sys.argv[1:])}` "

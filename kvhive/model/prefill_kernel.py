@@ -2,7 +2,7 @@
 
 A prefill chunk of n new tokens at positions start_pos..start_pos+n-1 attends causally to every key
 0..start_pos+n-1 of its sequence, which the layer has already written into the pool. The kernel
-first packs each KV head's keys and values into tiles of 16 keys (transposed for the score
+first packs each KV head's keys and values into tiles of 32 keys (transposed for the score
 products, paired for AVX512-BF16's two-element dot products), then runs one work item per (KV
 head, tile of 16 query tokens): the group of query heads sharing a KV head are rows of the same
 item, so each K/V tile is read once for all of them. Scores and the running softmax stay in float32;
@@ -33,7 +33,7 @@ class _Args(ctypes.Structure):
 
 # Capability bits reported by the library (what it was compiled for on this CPU).
 _CAP_FLOAT32, _CAP_BFLOAT16 = 1, 2
-_TILE = 16              # keys per packed tile (one 512-bit vector of float32 scores)
+_TILE = 32              # keys per packed tile (two 512-bit vectors of float32 scores)
 
 
 class CpuPrefillKernel:
@@ -95,10 +95,10 @@ class CpuPrefillKernel:
 
 _KERNEL_SOURCE = r"""
 // Causal prefill attention over kvhive's KV pool [blocks, layers, 2, block_size, kv_heads, head_dim].
-// Phase 1 packs each KV head's keys and values into tiles of 16 keys:
-//   float32: K as [d][16 keys], V as [16 keys][d]
-//   bf16:    K as [d/2][16 keys][2] (dword = the pair of dims a vdpbf16ps multiplies),
-//            V as [8 key pairs][d][2]
+// Phase 1 packs each KV head's keys and values into tiles of kTile keys:
+//   float32: K as [d][kTile keys], V as [kTile keys][d]
+//   bf16:    K as [d/2][kTile keys][2] (dword = the pair of dims a vdpbf16ps multiplies),
+//            V as [kTile/2 key pairs][d][2]
 // Phase 2: one item per (KV head, 16 query tokens); its rows are (token, head of the group). For
 // each key tile and each block of 8 rows: scores, an online softmax in float32 (exp2 with scaled
 // logits), then the value products into float32 accumulators.
@@ -114,7 +114,8 @@ struct Args {
   float scale; void* out; void* ws; int n_threads;
 };
 
-constexpr int kTile = 16;   // keys per tile
+constexpr int kTile = 32;   // keys per tile
+constexpr int kNV = kTile / 16;   // score vectors per row and tile
 constexpr int kQTok = 16;   // query tokens per item
 constexpr int kRB = 8;      // rows per register block
 
@@ -141,7 +142,7 @@ inline const T* key_row(const Args& a, int64_t key, int kv) {  // K row of `key`
          ((block * a.num_layers + a.layer) * 2 + kv) * a.block_size * row + (key % a.block_size) * row;
 }
 
-// Per-dtype parts: packing one tile, scores of 8 rows, value products of one row.
+// Per-dtype parts: packing one tile, scores of kRB rows, value products of one row.
 struct F32 {
   using T = float;
   template <int HD>
@@ -160,19 +161,22 @@ struct F32 {
     }
   }
   template <int HD>
-  static void load_q(const float* src, float* dst) { std::memcpy(dst, src, HD * 4); }
-  template <int HD>
-  static void scores(const float* q, const float* kt, __m512* s) {   // q: 8 rows of HD floats
-    for (int r = 0; r < kRB; ++r) s[r] = _mm512_setzero_ps();
+  static void scores(const float* q, const float* kt, __m512 (*s)[kNV]) {   // q: kRB rows of HD
+    for (int r = 0; r < kRB; ++r)
+      for (int v = 0; v < kNV; ++v) s[r][v] = _mm512_setzero_ps();
     for (int d = 0; d < HD; ++d) {
-      const __m512 k = _mm512_loadu_ps(kt + d * kTile);
-      for (int r = 0; r < kRB; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * HD + d]), k, s[r]);
+      __m512 k[kNV];
+      for (int v = 0; v < kNV; ++v) k[v] = _mm512_loadu_ps(kt + d * kTile + v * 16);
+      for (int r = 0; r < kRB; ++r) {
+        const __m512 b = _mm512_set1_ps(q[r * HD + d]);
+        for (int v = 0; v < kNV; ++v) s[r][v] = _mm512_fmadd_ps(b, k[v], s[r][v]);
+      }
     }
   }
   template <int HD>
-  static void values(__m512 p, const float* vt, __m512* o) {
+  static void values(const __m512* p, const float* vt, __m512* o) {
     alignas(64) float pv[kTile];
-    _mm512_store_ps(pv, p);
+    for (int v = 0; v < kNV; ++v) _mm512_store_ps(pv + v * 16, p[v]);
     for (int j = 0; j < kTile; ++j) {
       const __m512 w = _mm512_set1_ps(pv[j]);
       for (int c = 0; c < HD / 16; ++c) o[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vt + j * HD + c * 16), o[c]);
@@ -186,7 +190,7 @@ struct BF16 {
   using T = uint16_t;
   template <int HD>
   static void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, uint16_t* kt, uint16_t* vt) {
-    uint32_t* kt32 = reinterpret_cast<uint32_t*>(kt);   // [HD/2][16]
+    uint32_t* kt32 = reinterpret_cast<uint32_t*>(kt);   // [HD/2][kTile]
     for (int j = 0; j < kTile; ++j) {
       const int64_t key = t * kTile + j;
       if (key < ctx) {
@@ -201,21 +205,24 @@ struct BF16 {
     }
   }
   template <int HD>
-  static void load_q(const uint16_t* src, uint16_t* dst) { std::memcpy(dst, src, HD * 2); }
-  template <int HD>
-  static void scores(const uint16_t* q, const uint16_t* kt, __m512* s) {
+  static void scores(const uint16_t* q, const uint16_t* kt, __m512 (*s)[kNV]) {
     const uint32_t* q32 = reinterpret_cast<const uint32_t*>(q);
-    for (int r = 0; r < kRB; ++r) s[r] = _mm512_setzero_ps();
+    for (int r = 0; r < kRB; ++r)
+      for (int v = 0; v < kNV; ++v) s[r][v] = _mm512_setzero_ps();
     for (int dp = 0; dp < HD / 2; ++dp) {
-      const __m512bh k = (__m512bh)_mm512_loadu_si512(kt + dp * kTile * 2);
-      for (int r = 0; r < kRB; ++r)
-        s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)_mm512_set1_epi32(q32[r * HD / 2 + dp]), k);
+      __m512bh k[kNV];
+      for (int v = 0; v < kNV; ++v) k[v] = (__m512bh)_mm512_loadu_si512(kt + (dp * kTile + v * 16) * 2);
+      for (int r = 0; r < kRB; ++r) {
+        const __m512bh b = (__m512bh)_mm512_set1_epi32(q32[r * HD / 2 + dp]);
+        for (int v = 0; v < kNV; ++v) s[r][v] = _mm512_dpbf16_ps(s[r][v], b, k[v]);
+      }
     }
   }
   template <int HD>
-  static void values(__m512 p, const uint16_t* vt, __m512* o) {
-    alignas(32) uint32_t pp[kTile / 2];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(p));
+  static void values(const __m512* p, const uint16_t* vt, __m512* o) {
+    alignas(64) uint32_t pp[kTile / 2];
+    for (int v = 0; v < kNV; ++v)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pp + v * 8), (__m256i)_mm512_cvtneps_pbh(p[v]));
     for (int kp = 0; kp < kTile / 2; ++kp) {
       const __m512bh w = (__m512bh)_mm512_set1_epi32(pp[kp]);
       for (int c = 0; c < HD / 16; ++c)
@@ -241,7 +248,7 @@ void prefill(const Args& a) {
   const int64_t tile_elems = kTile * HD;
   T* kpack = static_cast<T*>(a.ws);                            // [kv_heads][tiles][tile_elems]
   T* vpack = kpack + a.kv_heads * tiles * tile_elems;
-  const int64_t q_items = (a.n + kQTok - 1) / kQTok, rows_max = kQTok * a.group;
+  const int64_t q_items = (a.n + kQTok - 1) / kQTok, rows_max = (kQTok * a.group + kRB - 1) / kRB * kRB;
   const float scale = a.scale * 1.4426950408889634f;          // scores in log2 units
 #pragma omp parallel num_threads(a.n_threads)
   {
@@ -254,6 +261,7 @@ void prefill(const Args& a) {
     float* m = new float[rows_max];
     float* l = new float[rows_max];
     int64_t* pos = new int64_t[rows_max];
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     // Later query tiles see more keys: hand them out first.
 #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t qi = q_items - 1; qi >= 0; --qi)
@@ -263,7 +271,8 @@ void prefill(const Args& a) {
         for (int64_t r = 0; r < rows_pad; ++r) {
           if (r < rows) {
             const int64_t t = r / a.group, g = r % a.group;
-            D::template load_q<HD>(static_cast<const T*>(a.q) + (t0 + t) * a.q_stride + (h * a.group + g) * HD, qb + r * HD);
+            std::memcpy(qb + r * HD, static_cast<const T*>(a.q) + (t0 + t) * a.q_stride + (h * a.group + g) * HD,
+                        HD * sizeof(T));
             pos[r] = a.start_pos + t0 + t;
           } else {
             std::memset(qb + r * HD, 0, HD * sizeof(T));
@@ -274,25 +283,33 @@ void prefill(const Args& a) {
         }
         std::memset(o, 0, rows_pad * HD * sizeof(float));
         const int64_t last = a.start_pos + t0 + ntok - 1;   // the item's last position
-        const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
         for (int64_t t = 0; t * kTile <= last; ++t) {
           const T* kt = kpack + (h * tiles + t) * tile_elems;
           const T* vt = vpack + (h * tiles + t) * tile_elems;
           const bool diagonal = t * kTile + kTile - 1 > a.start_pos + t0;   // some key past some row
-          const __m512i keys = _mm512_add_epi32(lane, _mm512_set1_epi32(int(t * kTile)));
           for (int64_t rb = 0; rb < rows_pad; rb += kRB) {
-            __m512 s[kRB];
+            __m512 s[kRB][kNV];
             D::template scores<HD>(qb + rb * HD, kt, s);
             for (int r = 0; r < kRB; ++r) {
-              __m512 x = _mm512_mul_ps(s[r], _mm512_set1_ps(scale));
-              __mmask16 seen = 0xFFFF;
-              if (diagonal) {
-                seen = _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32(int(pos[rb + r])));
-                x = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), seen, x);
+              __mmask16 seen[kNV];
+              __m512 mx = _mm512_set1_ps(-FLT_MAX);
+              for (int v = 0; v < kNV; ++v) {
+                s[r][v] = _mm512_mul_ps(s[r][v], _mm512_set1_ps(scale));
+                seen[v] = 0xFFFF;
+                if (diagonal) {
+                  const __m512i keys = _mm512_add_epi32(lane, _mm512_set1_epi32(int(t * kTile + v * 16)));
+                  seen[v] = _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32(int(pos[rb + r])));
+                  s[r][v] = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), seen[v], s[r][v]);
+                }
+                mx = _mm512_max_ps(mx, s[r][v]);
               }
-              const float m_old = m[rb + r], m_tile = _mm512_reduce_max_ps(x);
+              const float m_old = m[rb + r], m_tile = _mm512_reduce_max_ps(mx);
               const float m_new = m_old > m_tile ? m_old : m_tile;
-              const __m512 p = _mm512_maskz_mov_ps(seen, exp2_ps(_mm512_sub_ps(x, _mm512_set1_ps(m_new))));
+              __m512 p[kNV], psum = _mm512_setzero_ps();
+              for (int v = 0; v < kNV; ++v) {
+                p[v] = _mm512_maskz_mov_ps(seen[v], exp2_ps(_mm512_sub_ps(s[r][v], _mm512_set1_ps(m_new))));
+                psum = _mm512_add_ps(psum, p[v]);
+              }
               float* orow = o + (rb + r) * HD;
               __m512 acc[HD / 16];
               if (m_new > m_old) {
@@ -303,7 +320,7 @@ void prefill(const Args& a) {
               } else {
                 for (int c = 0; c < HD / 16; ++c) acc[c] = _mm512_load_ps(orow + c * 16);
               }
-              l[rb + r] += _mm512_reduce_add_ps(p);
+              l[rb + r] += _mm512_reduce_add_ps(psum);
               D::template values<HD>(p, vt, acc);
               for (int c = 0; c < HD / 16; ++c) _mm512_store_ps(orow + c * 16, acc[c]);
             }
