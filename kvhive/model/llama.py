@@ -15,6 +15,7 @@ from torch import nn
 
 from kvhive.config import ModelConfig
 from kvhive.model.attention import AttnMetadata, paged_attention
+from kvhive.model.fused import FusedOps
 from kvhive.model.quant import QuantMatmul, QuantWeight
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -138,6 +139,9 @@ class LlamaModel(nn.Module):
         cos, sin = rope_tables(config, self.dtype, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # RMSNorm, SiLU-and-multiply and RoPE in one C++ call each (CPU); None: torch composites.
+        self.fused = (FusedOps.load() if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+                      and config.head_dim % 2 == 0 and config.head_dim <= 512 else None)
 
     @torch.inference_mode()
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
@@ -246,8 +250,15 @@ class LlamaModel(nn.Module):
         eps = c.rms_norm_eps
         n = input_ids.shape[0]
         qk_width = (nh + nkv) * hd
-        cos = self.rope_cos[positions].unsqueeze(1)        # [T, 1, hd], shared by all layers
-        sin = self.rope_sin[positions].unsqueeze(1)
+        fused = self.fused
+        if fused is None:
+            cos = self.rope_cos[positions].unsqueeze(1)    # [T, 1, hd], shared by all layers
+            sin = self.rope_sin[positions].unsqueeze(1)
+        else:
+            positions = positions.to(torch.int64).contiguous()
+            if n and int(positions.max()) >= self.rope_cos.shape[0]:      # the kernel reads the tables unchecked
+                raise IndexError(f"position {int(positions.max())} is past the model's "
+                                 f"{self.rope_cos.shape[0]} rotary positions")
         x = F.embedding(input_ids, self.embed_tokens)
         hooks = attn_metadata.layer_hooks
         qmm = self.qmatmul if n <= QUANT_MAX_ROWS else None
@@ -255,28 +266,32 @@ class LlamaModel(nn.Module):
             if hooks is not None:
                 hooks.wait_for_layer_load(i)
             q = self.quant_layers[i] if qmm is not None else None
-            h = rms_norm(x, layer.input_norm, eps)
+            h = rms_norm(x, layer.input_norm, eps) if fused is None else fused.rms_norm(x, layer.input_norm, eps)
             if q is None:
                 qkv = linear(h, layer.qkv_proj, layer.qkv_bias)
             else:
                 qkv = qmm(h, q["qkv"]) if layer.qkv_bias is None else qmm(h, q["qkv"]) + layer.qkv_bias
             # RoPE on q and k together (adjacent in qkv), written back in place.
             qk = qkv[:, :qk_width].view(n, nh + nkv, hd)
-            torch.addcmul(qk * cos, torch.roll(qk, hd // 2, -1), sin, out=qk)
+            if fused is None:
+                torch.addcmul(qk * cos, torch.roll(qk, hd // 2, -1), sin, out=qk)
+            else:
+                fused.rope_(qk, positions, self.rope_cos, self.rope_sin)
             attn = paged_attention(qk[:, :nh], qkv[:, nh * hd:].view(n, 2, nkv, hd), kv_cache, i,
                                    attn_metadata)
             x = linear_add(attn, layer.o_proj, x) if q is None else qmm(attn, q["o"], x)
             if hooks is not None:
                 hooks.save_kv_layer(i)
-            h = rms_norm(x, layer.post_attn_norm, eps)
+            h = rms_norm(x, layer.post_attn_norm, eps) if fused is None else fused.rms_norm(x, layer.post_attn_norm, eps)
             gate_up = linear(h, layer.gate_up_proj) if q is None else qmm(h, q["gate_up"])
-            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:] if fused is None else fused.silu_mul(gate_up)
             x = linear_add(act, layer.down_proj, x) if q is None else qmm(act, q["down"], x)
         return x
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the sampled rows only: [n, H] -> float32 [n, vocab]."""
-        h = rms_norm(hidden_rows, self.norm, self.config.rms_norm_eps)
+        eps = self.config.rms_norm_eps
+        h = rms_norm(hidden_rows, self.norm, eps) if self.fused is None else self.fused.rms_norm(hidden_rows, self.norm, eps)
         if self.qmatmul is not None and h.shape[0] <= QUANT_MAX_ROWS:
             return self.qmatmul(h, self.quant_lm_head).float()
         return linear(h, self.lm_head).float()

@@ -1,0 +1,227 @@
+"""The decoder layer's small elementwise steps fused into one C++ call each (CPU).
+
+RMSNorm, SiLU(gate) * up and rotary embedding are a handful of tiny torch ops each; at decode the
+per-op dispatch (10–25 µs) costs more than the arithmetic, and at prefill every op is another pass
+over the activations. Each function here is one pass, with the same roundings as the torch
+composites in ``kvhive.model.llama`` (statistics and products in float32, rounded to the model's
+dtype where torch rounds), so float32 results agree to float32 rounding and bfloat16 results bit
+for bit in the usual case. Rows are split over OpenMP threads when there are many.
+
+Built once per machine by ``kvhive.model.native``; ``FusedOps.load()`` is None without a compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvhive.model.native import build_library
+
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class FusedOps:
+    """One-call RMSNorm, SiLU-and-multiply and in-place RoPE for float32 / bfloat16 CPU tensors."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._rms = lib.kvhive_rms_norm
+        self._rms.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, ctypes.c_int, ctypes.c_int]
+        self._silu = lib.kvhive_silu_mul
+        self._silu.argtypes = [_PTR, _I64, _PTR, _I64, _I64, ctypes.c_int, ctypes.c_int]
+        self._rope = lib.kvhive_rope
+        self._rope.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_int]
+        for fn in (self._rms, self._silu, self._rope):
+            fn.restype = None
+
+    @classmethod
+    def load(cls, cache_dir: str | None = None) -> FusedOps | None:
+        lib = build_library("fused", _SOURCE, ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared",
+                                               "-fPIC"), cache_dir)
+        return None if lib is None else cls(lib)
+
+    @staticmethod
+    def supports(t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16)
+
+    @staticmethod
+    def _threads(rows: int) -> int:
+        return 1 if rows < 16 else torch.get_num_threads()
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [rows, h] (rows may be strided) -> weight * normalised x, a new contiguous tensor."""
+        rows, h = x.shape
+        if x.stride(1) != 1 or not weight.is_contiguous() or weight.dtype != x.dtype:
+            raise ValueError("rms_norm: x needs contiguous rows and a weight of its dtype")
+        out = torch.empty(rows, h, dtype=x.dtype)
+        self._rms(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, h, eps,
+                  int(x.dtype == torch.bfloat16), self._threads(rows))
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [rows, 2 * inter] (gate, then up) -> silu(gate) * up [rows, inter]."""
+        rows, width = gate_up.shape
+        if gate_up.stride(1) != 1 or width % 2:
+            raise ValueError("silu_mul: gate_up needs contiguous rows of even width")
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        self._silu(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2,
+                   int(gate_up.dtype == torch.bfloat16), self._threads(rows))
+        return out
+
+    def rope_(self, qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
+        """Rotate-half RoPE in place on qk [rows, heads, head_dim] (rows may be strided).
+
+        cos / sin_signed are the model's [max_positions, head_dim] tables (``rope_tables``);
+        positions is int64 [rows].
+        """
+        rows, heads, hd = qk.shape
+        if qk.stride(2) != 1 or qk.stride(1) != hd or hd % 2 or hd > 512:
+            raise ValueError("rope_: qk needs contiguous heads of an even head_dim <= 512")
+        if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.shape[0] != rows:
+            raise ValueError("rope_: positions must be contiguous int64, one per row")
+        if cos.dtype != qk.dtype or not (cos.is_contiguous() and sin_signed.is_contiguous()):
+            raise ValueError("rope_: tables must be contiguous and of qk's dtype")
+        self._rope(qk.data_ptr(), qk.stride(0), rows, heads * hd, positions.data_ptr(), cos.data_ptr(),
+                   sin_signed.data_ptr(), hd | (int(qk.dtype == torch.bfloat16) << 16), self._threads(rows))
+
+
+_SOURCE = r"""
+// Fused elementwise steps of a Llama layer, float32 or bfloat16 (is_bf16), rows split over threads.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define KVHIVE_AVX512 1
+#endif
+
+namespace {
+inline float bf2f(uint16_t v) { uint32_t b = uint32_t(v) << 16; float f; std::memcpy(&f, &b, 4); return f; }
+inline uint16_t f2bf(float f) {   // round to nearest even, as torch does
+  uint32_t b; std::memcpy(&b, &f, 4);
+  return uint16_t((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
+}
+inline float round_bf(float f) { return bf2f(f2bf(f)); }
+
+template <typename T> inline float ld(const T* p, int64_t i);
+template <> inline float ld<float>(const float* p, int64_t i) { return p[i]; }
+template <> inline float ld<uint16_t>(const uint16_t* p, int64_t i) { return bf2f(p[i]); }
+inline void st(float* p, int64_t i, float v) { p[i] = v; }
+inline void st(uint16_t* p, int64_t i, float v) { p[i] = f2bf(v); }
+template <typename T> inline float rnd(float v) { return sizeof(T) == 2 ? round_bf(v) : v; }
+
+// out = w * round(x * rsqrt(mean(x^2) + eps)), statistics in float32 (Hugging Face's LlamaRMSNorm).
+template <typename T>
+void rms_norm(const T* x, int64_t xs, const T* w, T* out, int64_t rows, int64_t h, float eps, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * xs;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < h; ++i) { const float v = ld(xr, i); ss += v * v; }
+    const float inv = 1.f / std::sqrt(ss / float(h) + eps);
+    T* o = out + r * h;
+#pragma omp simd
+    for (int64_t i = 0; i < h; ++i) st(o, i, ld(w, i) * rnd<T>(ld(xr, i) * inv));
+  }
+}
+
+#ifdef KVHIVE_AVX512
+inline __m512 exp_ps(__m512 x) {   // e^x, ~1e-7 relative; saturates to 0 below about -87
+  const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)), _mm512_set1_ps(-125.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_min_ps(t, _mm512_set1_ps(127.f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(_mm512_min_ps(t, _mm512_set1_ps(127.f)), n);
+  __m512 p = _mm512_set1_ps(1.540353e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.333355e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550411e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline __m512 round16(__m512 v, float*) { return v; }
+inline __m512 round16(__m512 v, uint16_t*) {   // to bf16 and back, nearest even
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)),
+                                     _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round16(v, p)), 16)));
+}
+#endif
+
+// out = round(silu(gate)) * up, gate and up the two halves of each row.
+template <typename T>
+void silu_mul(const T* gu, int64_t gs, T* out, int64_t rows, int64_t inter, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gu + r * gs;
+    T* o = out + r * inter;
+    int64_t i = 0;
+#ifdef KVHIVE_AVX512
+    for (; i + 16 <= inter; i += 16) {
+      const __m512 v = load16(g + i);
+      const __m512 silu = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), v))));
+      store16(o + i, _mm512_mul_ps(round16(silu, o), load16(g + inter + i)));
+    }
+#endif
+    for (; i < inter; ++i) {
+      const float v = ld(g, i);
+      st(o, i, rnd<T>(v / (1.f + std::exp(-v))) * ld(g, inter + i));
+    }
+  }
+}
+
+// x' = round(x * cos) + roll(x, hd/2) * sin_signed, per head, in place.
+template <typename T>
+void rope(T* qk, int64_t qs, int64_t rows, int64_t width, int64_t hd, const int64_t* pos, const T* cos,
+          const T* sin, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* c = cos + pos[r] * hd;
+    const T* s = sin + pos[r] * hd;
+    T* row = qk + r * qs;
+    const int64_t half = hd / 2;
+    for (int64_t h0 = 0; h0 < width; h0 += hd) {
+      T* x = row + h0;
+      float tmp[512];
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = ld(x, i), b = ld(x, i + half);
+        tmp[i] = rnd<T>(a * ld(c, i)) + b * ld(s, i);
+        tmp[i + half] = rnd<T>(b * ld(c, i + half)) + a * ld(s, i + half);
+      }
+      for (int64_t i = 0; i < hd; ++i) st(x, i, tmp[i]);
+    }
+  }
+}
+}  // namespace
+
+extern "C" void kvhive_rms_norm(const void* x, int64_t xs, const void* w, void* out, int64_t rows, int64_t h,
+                                float eps, int is_bf16, int nt) {
+  if (is_bf16) rms_norm((const uint16_t*)x, xs, (const uint16_t*)w, (uint16_t*)out, rows, h, eps, nt);
+  else rms_norm((const float*)x, xs, (const float*)w, (float*)out, rows, h, eps, nt);
+}
+
+extern "C" void kvhive_silu_mul(const void* gu, int64_t gs, void* out, int64_t rows, int64_t inter, int is_bf16,
+                                int nt) {
+  if (is_bf16) silu_mul((const uint16_t*)gu, gs, (uint16_t*)out, rows, inter, nt);
+  else silu_mul((const float*)gu, gs, (float*)out, rows, inter, nt);
+}
+
+// hd_flags: head_dim in the low 16 bits, bit 16 = bfloat16.
+extern "C" void kvhive_rope(void* qk, int64_t qs, int64_t rows, int64_t width, const int64_t* pos, const void* cos,
+                            const void* sin, int hd_flags, int nt) {
+  const int64_t hd = hd_flags & 0xFFFF;
+  if (hd > 512) return;
+  if (hd_flags >> 16) rope((uint16_t*)qk, qs, rows, width, hd, pos, (const uint16_t*)cos, (const uint16_t*)sin, nt);
+  else rope((float*)qk, qs, rows, width, hd, pos, (const float*)cos, (const float*)sin, nt);
+}
+"""

@@ -1,0 +1,85 @@
+"""The fused C++ RMSNorm, SiLU-and-multiply and RoPE equal the torch composites they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny import tiny_config
+
+from kvhive.model.fused import FusedOps
+from kvhive.model.llama import rope_tables
+
+FUSED = FusedOps.load()
+pytestmark = pytest.mark.skipif(FUSED is None, reason="no C++ compiler")
+ROWS = pytest.mark.parametrize("rows", [1, 3, 17, 200])
+F32_TOL = dict(atol=2e-5, rtol=1e-5)
+
+
+def hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: statistics in float32, the normalised x rounded, then scaled."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in bfloat16 steps between two bf16 tensors of the same sign pattern."""
+    ia, ib = (t.view(torch.int16).to(torch.int32) for t in (a, b))
+    return int((ia - ib).abs().max()) if a.numel() else 0
+
+
+@ROWS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm(rows: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = (3 * torch.randn(rows, 80, generator=g)).to(dtype)[:, :64]          # strided rows
+    w = (1 + 0.1 * torch.randn(64, generator=g)).to(dtype)
+    got, want = FUSED.rms_norm(x, w, 1e-5), hf_rms_norm(x, w, 1e-5)
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, **F32_TOL)
+    else:
+        assert torch.equal(got, want)
+
+
+@ROWS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(rows: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(rows)
+    gate_up = (4 * torch.randn(rows, 2 * 72, generator=g)).to(dtype)     # 72: a vector tail too
+    got = FUSED.silu_mul(gate_up)
+    want = F.silu(gate_up[:, :72]) * gate_up[:, 72:]
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, **F32_TOL)
+    else:
+        assert ulps_bf16(got, want) <= 1      # exp may round the other way at a bf16 boundary
+
+
+@ROWS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place(rows: int, dtype: torch.dtype) -> None:
+    cfg = tiny_config(head_dim=32, max_position_embeddings=512, rope_theta=10000.0)
+    cos, sin = rope_tables(cfg, dtype, "cpu")
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, 7, 32, generator=g).to(dtype)
+    positions = torch.randint(0, 512, (rows,), generator=g)
+    got, want = qkv.clone(), qkv.clone()
+    FUSED.rope_(got[:, :5], positions, cos, sin)
+    qk = want[:, :5]
+    torch.addcmul(qk * cos[positions].unsqueeze(1), torch.roll(qk, 16, -1), sin[positions].unsqueeze(1), out=qk)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, **F32_TOL)
+    else:
+        assert torch.equal(got, want)
+    assert torch.equal(got[:, 5:], qkv[:, 5:])          # the V heads are untouched
+
+
+def test_bad_shapes_are_refused() -> None:
+    cfg = tiny_config(head_dim=32, max_position_embeddings=64)
+    cos, sin = rope_tables(cfg, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="int64"):
+        FUSED.rope_(torch.zeros(2, 3, 32), torch.zeros(2, dtype=torch.int32), cos, sin)
+    with pytest.raises(ValueError, match="even width"):
+        FUSED.silu_mul(torch.zeros(2, 7))
+    with pytest.raises(ValueError, match="weight"):
+        FUSED.rms_norm(torch.zeros(2, 8), torch.zeros(8, dtype=torch.bfloat16), 1e-5)
