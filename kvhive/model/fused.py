@@ -16,7 +16,7 @@ import ctypes
 
 import torch
 
-from kvhive.model.native import build_library
+from kvhive.model.native import AVX512_EXP2, build_library
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -127,19 +127,8 @@ void rms_norm(const T* x, int64_t xs, const T* w, T* out, int64_t rows, int64_t 
 }
 
 #ifdef KVHIVE_AVX512
-inline __m512 exp_ps(__m512 x) {   // e^x, ~1e-7 relative; saturates to 0 below about -87
-  const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)), _mm512_set1_ps(-125.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_min_ps(t, _mm512_set1_ps(127.f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(_mm512_min_ps(t, _mm512_set1_ps(127.f)), n);
-  __m512 p = _mm512_set1_ps(1.540353e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.333355e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550411e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+// @EXP2@
+inline __m512 exp_ps(__m512 x) { return exp2_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f))); }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
@@ -225,3 +214,4 @@ extern "C" void kvhive_rope(void* qk, int64_t qs, int64_t rows, int64_t width, c
   else rope((float*)qk, qs, rows, width, hd, pos, (const float*)cos, (const float*)sin, nt);
 }
 """
+_SOURCE = _SOURCE.replace("// @EXP2@", AVX512_EXP2)

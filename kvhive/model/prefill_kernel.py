@@ -19,7 +19,7 @@ import ctypes
 
 import torch
 
-from kvhive.model.native import build_library
+from kvhive.model.native import AVX512_EXP2, build_library
 
 
 class _Args(ctypes.Structure):
@@ -120,19 +120,7 @@ constexpr int kQTok = 16;   // query tokens per item
 constexpr int kRB = 8;      // rows per register block
 
 #if defined(__AVX512F__)
-inline __m512 exp2_ps(__m512 x) {   // 2^x for x <= 0; ~1e-7 relative; very negative x -> ~0
-  x = _mm512_max_ps(x, _mm512_set1_ps(-125.f));   // stays clear of denormals
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.540353e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.333355e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550411e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+// @EXP2@
 
 template <typename T>
 inline const T* key_row(const Args& a, int64_t key, int kv) {  // K row of `key`; V row is bs rows later
@@ -373,3 +361,4 @@ extern "C" int kvhive_prefill_attention(const Args* a, int is_bf16) {
   return 1;
 }
 """
+_KERNEL_SOURCE = _KERNEL_SOURCE.replace("// @EXP2@", AVX512_EXP2)
