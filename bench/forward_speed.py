@@ -3,6 +3,7 @@
 
     python bench/forward_speed.py                       # prefill 1024/1600, decode batch 1/8 at 1600
     python bench/forward_speed.py --dtype bfloat16 --profile decode8
+    python bench/forward_speed.py --matmuls             # projections by rows: GGUF blocks vs dense
 
 Times are medians of --repeat runs after one warm-up, with torch.set_num_threads(--threads).
 """
@@ -60,33 +61,48 @@ def timed(runner: ModelRunner, plan: StepPlan, repeat: int) -> str:
     return f"{min(times):8.1f} / {statistics.median(times):8.1f} ms"
 
 
-def time_matmuls(repeat: int) -> None:
-    """The 120 fused projections of all layers at 1..128 rows: quantised kernel vs oneDNN float32."""
-    from kvhive.model.llama import linear
+def time_matmuls(repeat: int, dtypes: list[str]) -> None:
+    """The 120 fused projections of all layers (o and down adding the residual, as the model does),
+    by rows: the GGUF-block kernel vs the dense oneDNN copy, float32 and/or bfloat16 activations."""
+    for dtype in dtypes:
+        model = load_model(default_model_path(), dtype=dtype).model
+        if model.qmatmul is None:
+            print("no quantised kernel (no compiler?)")
+            return
+        print(f"{dtype} activations: rows, GGUF blocks (ms), dense oneDNN (ms); min of {repeat} interleaved runs")
+        for rows in (1, 2, 4, 8, 12, 16, 24, 32, 64):
+            blocks_ms, dense_ms = _time_projections(model, rows, repeat)
+            print(f"  {rows:4d}   {blocks_ms:8.1f}   {dense_ms:8.1f}")
 
-    model = load_model(default_model_path(), dtype="float32").model
-    if model.qmatmul is None:
-        print("no quantised kernel (no compiler?)")
-        return
-    names = ("qkv", "o", "gate_up", "down")
-    quant = [layer_q[n] for layer_q in model.quant_layers for n in names]
+
+def _time_projections(model, rows: int, repeat: int) -> tuple[float, float]:
+    """Min ms of all layers' projections at ``rows`` rows: (GGUF blocks, dense oneDNN), interleaved."""
+    from kvhive.model.llama import linear, linear_add
+
+    names, with_residual = ("qkv", "o", "gate_up", "down"), {"o", "down"}
+    quant = [(n, layer_q[n]) for layer_q in model.quant_layers for n in names]
     dense = [getattr(layer, f"{n}_proj") for layer in model.layers for n in names]
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(model.dtype) for _, w in quant}
+    res = {w.shape[0]: torch.randn(rows, w.shape[0]).to(model.dtype) for _, w in quant}
 
-    def best(fn) -> float:
+    def blocks() -> None:
+        for n, w in quant:
+            model.qmatmul(xs[w.shape[1]], w, res[w.shape[0]] if n in with_residual else None)
+
+    def onednn() -> None:
+        for (n, w), d in zip(quant, dense, strict=True):
+            x = xs[w.shape[1]]
+            linear_add(x, d, res[w.shape[0]]) if n in with_residual else linear(x, d)
+
+    best = {blocks: float("inf"), onednn: float("inf")}
+    for fn in best:
         fn()
-        times = []
-        for _ in range(repeat):
+    for _ in range(repeat):
+        for fn in best:
             t = time.perf_counter()
             fn()
-            times.append((time.perf_counter() - t) * 1000)
-        return min(times)
-
-    print("rows   GGUF blocks (ms)   dense oneDNN (ms)   (min of runs, all layers)")
-    for rows in (1, 2, 4, 8, 16, 32, 64, 128):
-        xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in quant}
-        q_ms = best(lambda xs=xs: [model.qmatmul(xs[w.shape[1]], w) for w in quant])
-        d_ms = best(lambda xs=xs: [linear(xs[w.shape[1]], d) for w, d in zip(quant, dense, strict=True)])
-        print(f"{rows:4d}   {q_ms:16.1f}   {d_ms:17.1f}")
+            best[fn] = min(best[fn], (time.perf_counter() - t) * 1000)
+    return best[blocks], best[onednn]
 
 
 def main() -> None:
@@ -97,11 +113,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1600)
     parser.add_argument("--profile", choices=["prefill", "warm", "decode1", "decode8"], default=None)
     parser.add_argument("--matmuls", action="store_true",
-                        help="only time all layers' projections: GGUF blocks vs the dense copy, by rows")
+                        help="only time all layers' projections: GGUF blocks vs the dense copy, by rows "
+                             "(activations in --dtype, default both)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.matmuls:
-        time_matmuls(args.repeat)
+        time_matmuls(args.repeat, [args.dtype] if args.dtype else ["float32", "bfloat16"])
         return
     for dtype in [args.dtype] if args.dtype else ["float32", "bfloat16"]:
         loaded = load_model(default_model_path(), dtype=dtype)

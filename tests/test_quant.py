@@ -69,6 +69,20 @@ def test_kernel_reads_strided_rows_and_bfloat16(kernel, gguf_tensors) -> None:
     assert (y.double() - expected).abs().max() / expected.abs().max() < 2e-2
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8, 12])
+def test_bfloat16_in_and_out_equal_the_float32_path_rounded_once(kernel, gguf_tensors, rows) -> None:
+    """bf16 x and residual are read by the kernel: the same sums as float32 copies, one rounding."""
+    w, _ = _weight(gguf_tensors["blk.4.attn_output.weight"])
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, w.shape[1], generator=gen).bfloat16()
+    residual = torch.randn(rows, w.shape[0], generator=gen).bfloat16()
+    for res in (None, residual, residual.float()):
+        y = kernel(x, w, res)
+        assert y.dtype == torch.bfloat16
+        assert torch.equal(y, kernel(x.float(), w, None if res is None else res.float()).bfloat16())
+    assert kernel(x[:0], w).shape == (0, w.shape[0])
+
+
 def test_fused_and_reordered_weights_keep_their_rows(gguf_tensors) -> None:
     a, ra = _weight(gguf_tensors["blk.2.ffn_gate.weight"])
     b, rb = _weight(gguf_tensors["blk.2.ffn_up.weight"])
@@ -109,4 +123,4 @@ def test_decode_through_blocks_gives_the_dense_tokens() -> None:
             tokens.append(result.sampled["r"])
         outputs.append(tokens[len(prompt):])
     assert outputs[0] == outputs[1]
-    assert QUANT_MAX_ROWS >= 8                   # a batch of 8 decodes stays on the blocks
+    assert min(QUANT_MAX_ROWS.values()) >= 8     # a batch of 8 decodes stays on the blocks

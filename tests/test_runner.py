@@ -276,6 +276,29 @@ def test_decode_kernel_equals_sdpa_over_long_ragged_contexts(dtype: str, tol: di
         torch.testing.assert_close(results[0][r], results[1][r], **tol)
 
 
+@pytest.mark.skipif(not HAS_KERNEL, reason="no C++ compiler for the decode kernel")
+@pytest.mark.parametrize("dtype,tol", [("float32", F32_TOL), ("bfloat16", BF16_TOL)])
+def test_decode_kernel_over_a_shared_prefix_equals_sdpa(dtype: str, tol: dict) -> None:
+    """Sequences whose tables share a cached prefix's blocks (the kernel reads them once for all)."""
+    config = tiny_config(max_position_embeddings=2048, head_dim=64, num_heads=6, num_kv_heads=2)
+    model = tiny_model(config, dtype=dtype)
+    shared = prompt(600, 30)                  # 37 blocks of 16 and a partial one, which is not shared
+    own = {"a": 0, "b": 9, "c": 40, "d": 300, "e": 9}
+    results = []
+    for native in (True, False):
+        runner, blocks = make_runner(16, dtype, num_blocks=200, model=model, native=native), Blocks(200, 16)
+        first = blocks.grow([], len(shared) + 1)
+        step_logits(runner, StepPlan([seq("a", shared, 0, first, sample=False)]))
+        cached = len(shared) // 16 * 16
+        tables = {r: first if r == "a" else blocks.grow(first[:cached // 16], len(shared) + n + 1) for r, n in own.items()}
+        suffixes = {r: shared[cached:] + prompt(n, 31 + i) for i, (r, n) in enumerate(own.items()) if r != "a"}
+        step_logits(runner, StepPlan([seq(r, t, cached, tables[r], sample=False) for r, t in suffixes.items()]))
+        lengths = {r: len(shared) + n for r, n in own.items()}
+        results.append(step_logits(runner, StepPlan([seq(r, [9], n, tables[r]) for r, n in lengths.items()])))
+    for r in own:
+        torch.testing.assert_close(results[0][r], results[1][r], **tol)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_runner_matches_cpu_dense_reference() -> None:

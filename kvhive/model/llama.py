@@ -23,8 +23,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Below this many rows the fused rms_norm kernel wins (one op); above it the composite is faster on CPU.
 _FUSED_NORM_MAX_ROWS = 64
 # Steps with at most this many rows multiply by GGUF's quantised blocks when the model has them
-# (weight bytes dominate); above it the dense oneDNN copy wins (compute dominates).
-QUANT_MAX_ROWS = 8       # measured: 1 row 9.9 vs 27.3 ms, 8 rows 28 vs 33, 16 rows 59 vs 29 (all layers)
+# (weight bytes dominate); above it the dense oneDNN copy wins (compute dominates). Measured, all
+# layers' projections, blocks vs dense (`bench/forward_speed.py --matmuls`): float32 8 rows 14.9 vs
+# 27.1 ms, 16 rows 25.9 vs 30.4, 24 rows 41.3 vs 43.0; bfloat16 8 rows 14.8 vs 15.8, 12 rows 23.5 vs 18.2.
+QUANT_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 8}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -261,7 +263,7 @@ class LlamaModel(nn.Module):
                                  f"{self.rope_cos.shape[0]} rotary positions")
         x = F.embedding(input_ids, self.embed_tokens)
         hooks = attn_metadata.layer_hooks
-        qmm = self.qmatmul if n <= QUANT_MAX_ROWS else None
+        qmm = self.qmatmul if n <= QUANT_MAX_ROWS.get(self.dtype, 0) else None
         for i, layer in enumerate(self.layers):
             if hooks is not None:
                 hooks.wait_for_layer_load(i)
@@ -292,6 +294,6 @@ class LlamaModel(nn.Module):
         """Final norm + LM head on the sampled rows only: [n, H] -> float32 [n, vocab]."""
         eps = self.config.rms_norm_eps
         h = rms_norm(hidden_rows, self.norm, eps) if self.fused is None else self.fused.rms_norm(hidden_rows, self.norm, eps)
-        if self.qmatmul is not None and h.shape[0] <= QUANT_MAX_ROWS:
+        if self.qmatmul is not None and h.shape[0] <= QUANT_MAX_ROWS.get(self.dtype, 0):
             return self.qmatmul(h, self.quant_lm_head).float()
         return linear(h, self.lm_head).float()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvhive.model.native import build_library
+from kvhive.model.native import AVX512_SUM16, build_library
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +98,15 @@ class _Args(ctypes.Structure):
                 ("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p),
                 ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("kind", ctypes.c_int),
                 ("residual", ctypes.c_void_p), ("res_stride", ctypes.c_int64),
-                ("out", ctypes.c_void_p), ("n_threads", ctypes.c_int)]
+                ("out", ctypes.c_void_p), ("n_threads", ctypes.c_int),
+                ("x_bf16", ctypes.c_int), ("res_bf16", ctypes.c_int)]
+
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)     # read and written by the kernel itself
 
 
 class QuantMatmul:
-    """``residual + x @ W.T`` for float32 x [rows, in] and a ``QuantWeight`` W, on CPU."""
+    """``residual + x @ W.T`` for x [rows, in] (float32 or bfloat16) and a ``QuantWeight`` W, on CPU."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.kvhive_qmatmul
@@ -123,34 +127,46 @@ class QuantMatmul:
         return None if lib is None else cls(lib)
 
     def __call__(self, x: torch.Tensor, w: QuantWeight, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [rows, in] (float32 or bfloat16, rows may be strided) -> [rows, out] in x's dtype."""
+        """x [rows, in] (rows may be strided) -> [rows, out] in x's dtype.
+
+        float32 and bfloat16 x, residual and output are read and written by the kernel (sums in
+        float32, the residual added in float32, one rounding to bfloat16); other dtypes go through
+        float32 copies.
+        """
         n, k = w.shape
         dtype = x.dtype
-        if x.dtype != torch.float32:
+        if dtype not in _NATIVE_DTYPES:
             x = x.float()
         if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
             raise ValueError(f"x must be [rows, {k}] with contiguous rows, got {tuple(x.shape)}")
         res = None
         if residual is not None:
-            res = residual if residual.dtype == torch.float32 else residual.float()
+            res = residual if residual.dtype in _NATIVE_DTYPES else residual.float()
             if res.shape != (x.shape[0], n) or res.stride(1) != 1:
                 raise ValueError(f"residual must be [{x.shape[0]}, {n}] with contiguous rows")
-        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
         args = _Args(x.data_ptr(), x.stride(0), x.shape[0], w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr(),
                      n, k, KINDS[w.kind], 0 if res is None else res.data_ptr(),
-                     0 if res is None else res.stride(0), out.data_ptr(), torch.get_num_threads())
+                     0 if res is None else res.stride(0), out.data_ptr(), torch.get_num_threads(),
+                     int(x.dtype == torch.bfloat16), int(res is not None and res.dtype == torch.bfloat16))
         if self._fn(ctypes.byref(args)):
             raise ValueError(f"qmatmul: unsupported shape {w.kind} {n}x{k}")
-        return out if dtype == torch.float32 else out.to(dtype)
+        return out if out.dtype == dtype else out.to(dtype)
 
 
 _KERNEL_SOURCE = r"""
 // residual + x @ W^T with W in GGUF blocks of 32 along k: Q4_1 (w = d*q + m, q in 0..15) or
 // Q8_0 (w = d*q, q int8). Each weight is rebuilt in float32 exactly as gguf's dequantiser does
-// (product, then sum: built without FP contraction), then multiplied into up to 8 rows at once.
-// Threads split the output features; every row tile re-reads a weight row from L1, not memory.
+// (product, then sum: built without FP contraction) and multiplied into a tile of R rows x F
+// features held in R*F vector accumulators, so one rebuilt weight vector feeds R FMAs and one x
+// load feeds F. A tile's R*F accumulators are reduced together (a transpose-add tree) into a
+// scratch [rows, kChunk]; the residual and the bfloat16 rounding are applied per chunk of features.
+// Threads take contiguous ranges of features; x (at most a few rows) stays in L1/L2.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+#include <omp.h>
 #if defined(__AVX512F__) && !defined(KVHIVE_PORTABLE)
 #include <immintrin.h>
 #define KVHIVE_AVX512 1
@@ -158,24 +174,43 @@ _KERNEL_SOURCE = r"""
 
 namespace {
 struct Args {
-  const float* x; int64_t x_stride, rows; const uint8_t* qs; const float* d; const float* m;
-  int64_t n, k; int kind; const float* residual; int64_t res_stride; float* out; int n_threads;
+  const void* x; int64_t x_stride, rows; const uint8_t* qs; const float* d; const float* m;
+  int64_t n, k; int kind; const void* residual; int64_t res_stride; void* out; int n_threads;
+  int x_bf16, res_bf16;   // x and out are bfloat16 (else float32); residual is bfloat16 (else float32)
 };
 
-constexpr int kTile = 8;
+// What a tile reads: float32 x rows (stride xs) and the weight's blocks (nb per feature).
+struct Tiles { const float* x; int64_t xs, nb; const uint8_t* qs; const float* d; const float* m; };
+
+constexpr int64_t kChunk = 32;    // features per epilogue pass (scratch [rows, kChunk] per thread)
+constexpr int64_t kMaxRows = 8;   // rows per tile
+
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {   // round to nearest even, NaN -> 0x7FC0 (as torch does)
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint16_t rounded = uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+  return (bits & 0x7FFFFFFF) > 0x7F800000 ? uint16_t(0x7FC0) : rounded;
+}
 
 #ifdef KVHIVE_AVX512
-// The 32 weights of one block as two vectors (values 0-15 and 16-31).
+// The 32 weights of one block as two vectors (values 0-15 and 16-31). Q4_1 looks the nibbles up
+// in the block's 16 possible weights (d*q + m for q = 0..15, rounded as gguf rounds them).
 template <int KIND>
 inline void block_weights(const uint8_t* q, float d, float m, __m512& w0, __m512& w1) {
   const __m512 vd = _mm512_set1_ps(d);
   if (KIND == 0) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    const __m128i low = _mm_set1_epi8(0x0F);
-    const __m512 vm = _mm512_set1_ps(m);
-    w0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low))), vd), vm);
-    w1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(
-        _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low))), vd), vm);
+    const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = _mm512_add_ps(_mm512_mul_ps(levels, vd), _mm512_set1_ps(m));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    w0 = _mm512_permutexvar_ps(bytes, table);                        // uses the low 4 bits only
+    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
   } else {
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
@@ -184,29 +219,57 @@ inline void block_weights(const uint8_t* q, float d, float m, __m512& w0, __m512
   }
 }
 
-template <int KIND, int R>
-void row_tile(const Args& a, int64_t r0, int64_t j) {
-  const int64_t nb = a.k / 32, qb = KIND == 0 ? 16 : 32;
-  const uint8_t* q = a.qs + j * nb * qb;
-  const float* d = a.d + j * nb;
-  const float* m = a.m + j * nb;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512 w0, w1;
-    block_weights<KIND>(q + b * qb, d[b], m[b], w0, w1);
+// @SUM16@
+
+// sums[i] = horizontal sum of acc[i], for N accumulators.
+template <int N>
+inline void sum_all(const __m512* acc, float* sums) {
+  if (N <= 2) {
+    for (int i = 0; i < N; ++i) sums[i] = _mm512_reduce_add_ps(acc[i]);
+    return;
+  }
+  for (int base = 0; base < N; base += 16) _mm512_storeu_ps(sums + base, sum16(acc + base, std::min(16, N - base)));
+}
+
+// dst[r * stride + f] = x[r0 + r] . w[j0 + f] for an R x F tile.
+template <int KIND, int R, int F>
+void tile(const Tiles& t, int64_t r0, int64_t j0, float* dst, int64_t stride) {
+  constexpr int64_t QB = KIND == 0 ? 16 : 32;
+  __m512 acc[R * F];
+  for (int i = 0; i < R * F; ++i) acc[i] = _mm512_setzero_ps();
+  const float* x = t.x + r0 * t.xs;
+  const uint8_t* q = t.qs + j0 * t.nb * QB;
+  const float* d = t.d + j0 * t.nb;
+  const float* m = t.m + j0 * t.nb;
+  for (int64_t b = 0; b < t.nb; ++b) {
+    for (int f = 0; f < F; ++f) {            // the same block of the tile after next: DRAM latency
+      const int64_t ahead = (2 * F + f) * t.nb + b;
+      _mm_prefetch(reinterpret_cast<const char*>(q + ahead * QB), _MM_HINT_T0);
+      if (b % 16 == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(d + ahead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(m + ahead), _MM_HINT_T0);
+      }
+    }
+    __m512 w0[F], w1[F];
+    for (int f = 0; f < F; ++f) block_weights<KIND>(q + (f * t.nb + b) * QB, d[f * t.nb + b], m[f * t.nb + b], w0[f], w1[f]);
     for (int r = 0; r < R; ++r) {
-      const float* x = a.x + (r0 + r) * a.x_stride + b * 32;
-      acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x), acc[r]);
-      acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + 16), acc[r]);
+      __m512 x0 = _mm512_loadu_ps(x + r * t.xs + b * 32), x1 = _mm512_loadu_ps(x + r * t.xs + b * 32 + 16);
+      if (F > 1) __asm__("" : "+v"(x0), "+v"(x1));   // one load per x vector, not one per feature
+      for (int f = 0; f < F; ++f) {
+        acc[r * F + f] = _mm512_fmadd_ps(w0[f], x0, acc[r * F + f]);
+        acc[r * F + f] = _mm512_fmadd_ps(w1[f], x1, acc[r * F + f]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float s = _mm512_reduce_add_ps(acc[r]);
-    if (a.residual) s += a.residual[(r0 + r) * a.res_stride + j];
-    a.out[(r0 + r) * a.n + j] = s;
-  }
+  alignas(64) float sums[(R * F + 15) / 16 * 16];
+  sum_all<R * F>(acc, sums);
+  for (int r = 0; r < R; ++r)
+    for (int f = 0; f < F; ++f) dst[r * stride + f] = sums[r * F + f];
 }
+
+// Features per tile for a step of `rows` rows: F x min(rows, 16 / F) accumulators. (One Q8_0 row
+// streams its large blocks faster one feature at a time: measured on the 49152 x 576 LM head.)
+inline int features_per_tile(int kind, int64_t rows) { return kind == 1 && rows == 1 ? 1 : rows <= 4 ? 4 : 2; }
 #else
 template <int KIND>
 inline void block_weights(const uint8_t* q, float d, float m, float* w) {
@@ -223,55 +286,124 @@ inline void block_weights(const uint8_t* q, float d, float m, float* w) {
   }
 }
 
-template <int KIND, int R>
-void row_tile(const Args& a, int64_t r0, int64_t j) {
-  const int64_t nb = a.k / 32, qb = KIND == 0 ? 16 : 32;
-  const uint8_t* q = a.qs + j * nb * qb;
-  float acc[R][32] = {};
-  float w[32];
-  for (int64_t b = 0; b < nb; ++b) {
-    block_weights<KIND>(q + b * qb, a.d[j * nb + b], a.m[j * nb + b], w);
-    for (int r = 0; r < R; ++r) {
-      const float* x = a.x + (r0 + r) * a.x_stride + b * 32;
+template <int KIND, int R, int F>
+void tile(const Tiles& t, int64_t r0, int64_t j0, float* dst, int64_t stride) {
+  const int64_t QB = KIND == 0 ? 16 : 32;
+  for (int f = 0; f < F; ++f) {
+    const int64_t j = j0 + f;
+    float acc[R][32] = {};
+    float w[32];
+    for (int64_t b = 0; b < t.nb; ++b) {
+      block_weights<KIND>(t.qs + (j * t.nb + b) * QB, t.d[j * t.nb + b], t.m[j * t.nb + b], w);
+      for (int r = 0; r < R; ++r) {
+        const float* x = t.x + (r0 + r) * t.xs + b * 32;
 #pragma omp simd
-      for (int i = 0; i < 32; ++i) acc[r][i] += w[i] * x[i];
+        for (int i = 0; i < 32; ++i) acc[r][i] += w[i] * x[i];
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float s = 0.f;
+      for (int i = 0; i < 32; ++i) s += acc[r][i];
+      dst[r * stride + f] = s;
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float s = 0.f;
-    for (int i = 0; i < 32; ++i) s += acc[r][i];
-    if (a.residual) s += a.residual[(r0 + r) * a.res_stride + j];
-    a.out[(r0 + r) * a.n + j] = s;
-  }
 }
+
+inline int features_per_tile(int, int64_t) { return 1; }
 #endif
 
-template <int KIND>
-void rows_of_feature(const Args& a, int64_t j) {
-  int64_t r = 0;
-  for (; r + kTile <= a.rows; r += kTile) row_tile<KIND, kTile>(a, r, j);
-  switch (a.rows - r) {
-    case 1: row_tile<KIND, 1>(a, r, j); break;
-    case 2: row_tile<KIND, 2>(a, r, j); break;
-    case 3: row_tile<KIND, 3>(a, r, j); break;
-    case 4: row_tile<KIND, 4>(a, r, j); break;
-    case 5: row_tile<KIND, 5>(a, r, j); break;
-    case 6: row_tile<KIND, 6>(a, r, j); break;
-    case 7: row_tile<KIND, 7>(a, r, j); break;
-    default: break;
+using TileFn = void (*)(const Tiles&, int64_t, int64_t, float*, int64_t);
+
+template <int KIND, int F>
+TileFn tile_for(int64_t rows) {   // rows <= min(kMaxRows, 16 / F)
+  switch (rows) {
+    case 1: return tile<KIND, 1, F>;
+    case 2: return tile<KIND, 2, F>;
+    case 3: return tile<KIND, 3, F>;
+    case 4: return tile<KIND, 4, F>;
+  }
+  if constexpr (F <= 2) {
+    switch (rows) {
+      case 5: return tile<KIND, 5, F>;
+      case 6: return tile<KIND, 6, F>;
+      case 7: return tile<KIND, 7, F>;
+      case 8: return tile<KIND, 8, F>;
+    }
+  }
+  return nullptr;
+}
+
+// out[rows, j0:j0+nf] = sums (+ residual), rounded to bfloat16 where out is.
+void finish(const Args& a, const float* sums, int64_t j0, int64_t nf) {
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const float* s = sums + r * kChunk;
+    float row[kChunk];
+    if (!a.residual) {
+      std::memcpy(row, s, nf * 4);
+    } else if (a.res_bf16) {
+      const uint16_t* res = static_cast<const uint16_t*>(a.residual) + r * a.res_stride + j0;
+      for (int64_t j = 0; j < nf; ++j) row[j] = s[j] + bf16_to_float(res[j]);
+    } else {
+      const float* res = static_cast<const float*>(a.residual) + r * a.res_stride + j0;
+      for (int64_t j = 0; j < nf; ++j) row[j] = s[j] + res[j];
+    }
+    if (a.x_bf16) {
+      uint16_t* out = static_cast<uint16_t*>(a.out) + r * a.n + j0;
+      for (int64_t j = 0; j < nf; ++j) out[j] = float_to_bf16(row[j]);
+    } else {
+      std::memcpy(static_cast<float*>(a.out) + r * a.n + j0, row, nf * 4);
+    }
+  }
+}
+
+template <int KIND, int F>
+void qmatmul(const Args& a, const Tiles& t) {
+  const int64_t row_tile = std::min<int64_t>(kMaxRows, 16 / F);
+#pragma omp parallel num_threads(a.n_threads)
+  {
+    const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num(), tiles = (a.n + F - 1) / F;
+    const int64_t begin = std::min(a.n, tiles * id / nt * F), end = std::min(a.n, tiles * (id + 1) / nt * F);
+    std::vector<float> sums(a.rows * kChunk);
+    for (int64_t c0 = begin; c0 < end; c0 += kChunk) {
+      const int64_t c1 = std::min(end, c0 + kChunk);
+      for (int64_t r0 = 0; r0 < a.rows; r0 += row_tile) {
+        const int64_t nr = std::min(row_tile, a.rows - r0);
+        const TileFn full = tile_for<KIND, F>(nr), single = tile_for<KIND, 1>(nr);
+        float* dst = sums.data() + r0 * kChunk - c0;
+        int64_t j = c0;
+        for (; j + F <= c1; j += F) full(t, r0, j, dst + j, kChunk);
+        for (; j < c1; ++j) single(t, r0, j, dst + j, kChunk);
+      }
+      finish(a, sums.data(), c0, c1 - c0);
+    }
   }
 }
 
 template <int KIND>
 void qmatmul(const Args& a) {
-#pragma omp parallel for num_threads(a.n_threads) schedule(static)
-  for (int64_t j = 0; j < a.n; ++j) rows_of_feature<KIND>(a, j);
+  Tiles t{static_cast<const float*>(a.x), a.x_stride, a.k / 32, a.qs, a.d, a.m};
+  std::vector<float> x;
+  if (a.x_bf16) {                               // x as float32 once (a few rows)
+    x.resize(a.rows * a.k);
+    const uint16_t* src = static_cast<const uint16_t*>(a.x);
+    for (int64_t r = 0; r < a.rows; ++r)
+      for (int64_t i = 0; i < a.k; ++i) x[r * a.k + i] = bf16_to_float(src[r * a.x_stride + i]);
+    t.x = x.data();
+    t.xs = a.k;
+  }
+  switch (features_per_tile(KIND, a.rows)) {
+    case 4: qmatmul<KIND, 4>(a, t); break;
+    case 2: qmatmul<KIND, 2>(a, t); break;
+    default: qmatmul<KIND, 1>(a, t); break;
+  }
 }
 }  // namespace
 
 extern "C" int kvhive_qmatmul(const Args* a) {
   if (a->k % 32 || a->rows < 0 || (a->kind != 0 && a->kind != 1)) return 1;
+  if (a->rows == 0 || a->n == 0) return 0;
   if (a->kind == 0) qmatmul<0>(*a); else qmatmul<1>(*a);
   return 0;
 }
 """
+_KERNEL_SOURCE = _KERNEL_SOURCE.replace("// @SUM16@", AVX512_SUM16)
