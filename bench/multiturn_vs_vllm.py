@@ -205,7 +205,7 @@ def main() -> int:
     png = os.path.join(os.path.dirname(os.path.abspath(args.doc)), f"ttft_per_turn_{args.tag}.png")
     plot(args.out, names, png)
     doc = [f"Machine: {machine()}.", "",
-           f"Command: `python bench/multiturn_vs_vllm.py {' '.join(sys.argv[1:])}` "
+           f"Command: `python bench/multiturn_vs_vllm.py {shlex.join(sys.argv[1:])}` "
            f"({time.strftime('%Y-%m-%d')}); workload `../shared/bench/multiturn.py` defaults "
            "(1,500-token shared system prompt, 8 conversations x 4 turns, 32 output tokens, greedy), "
            f"vLLM for CPU 0.32.0 via `../shared/peers/vllm.sh serve {args.vllm_dtype}`"

@@ -23,8 +23,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="weights, activations and KV cache dtype")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--no-quantized-matmul", dest="quantized_matmul", action="store_false",
-                   help="always multiply by the dequantised weights; by default, steps of up to 8 "
-                        "tokens (decode) read a GGUF file's Q4_1/Q8_0 blocks directly on CPU")
+                   help="always multiply by the dequantised weights; by default, steps of up to 16 "
+                        "(float32) or 8 (bfloat16) tokens (decode) read a GGUF file's Q4_1/Q8_0 "
+                        "blocks directly on CPU")
     p.add_argument("--no-native-attention", dest="native_attention", action="store_false",
                    help="attend with torch's SDPA on gathered K/V; by default, decode and prefill "
                         "attention read the KV pool directly in C++ kernels on CPU")
