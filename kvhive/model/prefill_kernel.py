@@ -80,17 +80,21 @@ class CpuPrefillKernel:
         ctx = start_pos + n
         if block_ids.dtype != torch.int64 or not block_ids.is_contiguous() or block_ids.numel() * block_size < ctx:
             raise ValueError(f"prefill kernel: {block_ids.numel()} blocks cannot hold {ctx} tokens")
-        tiles = -(-ctx // _TILE)
-        need = 2 * kv_heads * tiles * _TILE * head_dim * kv_cache.element_size()
-        if self._ws.numel() < need:
-            self._ws = torch.empty(need + (need >> 2), dtype=torch.uint8)
         out = torch.empty(n, heads * head_dim, dtype=q.dtype)
         args = _Args(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_ids.data_ptr(), n, start_pos,
                      num_layers, layer, block_size, kv_heads, heads // kv_heads, head_dim, head_dim ** -0.5,
-                     out.data_ptr(), self._ws.data_ptr(), torch.get_num_threads())
+                     out.data_ptr(), self._workspace(ctx, kv_cache), torch.get_num_threads())
         if self._fn(ctypes.byref(args), int(kv_cache.dtype == torch.bfloat16)):
             raise ValueError(f"prefill kernel: unsupported shape (head_dim {head_dim}, dtype {q.dtype})")
         return out
+
+    def _workspace(self, keys: int, kv_cache: torch.Tensor) -> int:
+        """Address of room for the packed K/V tiles of ``keys`` keys (grown as needed)."""
+        _, _, _, _, kv_heads, head_dim = kv_cache.shape
+        need = 2 * kv_heads * -(-keys // _TILE) * _TILE * head_dim * kv_cache.element_size()
+        if self._ws.numel() < need:
+            self._ws = torch.empty(need + (need >> 2), dtype=torch.uint8)
+        return self._ws.data_ptr()
 
 
 _KERNEL_SOURCE = r"""
@@ -229,6 +233,47 @@ struct BF16 {
 };
 #endif
 
+// One row's online-softmax step over one tile: raw scores s (kNV vectors of 16 keys from key0 on),
+// keys outside [lo, hi] hidden (lo < 0: the whole tile is visible); updates m, l and the float32
+// accumulator row o (unnormalised) with the tile's values vt.
+template <typename D, int HD>
+inline void row_update(__m512* s, int64_t key0, int64_t lo, int64_t hi, float scale, float& m, float& l, float* o,
+                       const typename D::T* vt) {
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  __mmask16 seen[kNV];
+  __m512 mx = _mm512_set1_ps(-FLT_MAX);
+  for (int v = 0; v < kNV; ++v) {
+    s[v] = _mm512_mul_ps(s[v], _mm512_set1_ps(scale));
+    seen[v] = 0xFFFF;
+    if (lo >= 0) {
+      const __m512i keys = _mm512_add_epi32(lane, _mm512_set1_epi32(int(key0 + v * 16)));
+      seen[v] = _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32(int(hi))) &
+                _mm512_cmpge_epi32_mask(keys, _mm512_set1_epi32(int(lo)));
+      s[v] = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), seen[v], s[v]);
+    }
+    mx = _mm512_max_ps(mx, s[v]);
+  }
+  const float m_old = m, m_tile = _mm512_reduce_max_ps(mx);
+  const float m_new = m_old > m_tile ? m_old : m_tile;
+  __m512 p[kNV], psum = _mm512_setzero_ps();
+  for (int v = 0; v < kNV; ++v) {
+    p[v] = _mm512_maskz_mov_ps(seen[v], exp2_ps(_mm512_sub_ps(s[v], _mm512_set1_ps(m_new))));
+    psum = _mm512_add_ps(psum, p[v]);
+  }
+  __m512 acc[HD / 16];
+  if (m_new > m_old) {
+    const float alpha = _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(m_old - m_new)));
+    l *= alpha;
+    for (int c = 0; c < HD / 16; ++c) acc[c] = _mm512_mul_ps(_mm512_load_ps(o + c * 16), _mm512_set1_ps(alpha));
+    m = m_new;
+  } else {
+    for (int c = 0; c < HD / 16; ++c) acc[c] = _mm512_load_ps(o + c * 16);
+  }
+  l += _mm512_reduce_add_ps(psum);
+  D::template values<HD>(p, vt, acc);
+  for (int c = 0; c < HD / 16; ++c) _mm512_store_ps(o + c * 16, acc[c]);
+}
+
 template <typename D, int HD>
 void prefill(const Args& a) {
   using T = typename D::T;
@@ -249,7 +294,6 @@ void prefill(const Args& a) {
     float* m = new float[rows_max];
     float* l = new float[rows_max];
     int64_t* pos = new int64_t[rows_max];
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     // Later query tiles see more keys: hand them out first.
 #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t qi = q_items - 1; qi >= 0; --qi)
@@ -278,40 +322,9 @@ void prefill(const Args& a) {
           for (int64_t rb = 0; rb < rows_pad; rb += kRB) {
             __m512 s[kRB][kNV];
             D::template scores<HD>(qb + rb * HD, kt, s);
-            for (int r = 0; r < kRB; ++r) {
-              __mmask16 seen[kNV];
-              __m512 mx = _mm512_set1_ps(-FLT_MAX);
-              for (int v = 0; v < kNV; ++v) {
-                s[r][v] = _mm512_mul_ps(s[r][v], _mm512_set1_ps(scale));
-                seen[v] = 0xFFFF;
-                if (diagonal) {
-                  const __m512i keys = _mm512_add_epi32(lane, _mm512_set1_epi32(int(t * kTile + v * 16)));
-                  seen[v] = _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32(int(pos[rb + r])));
-                  s[r][v] = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), seen[v], s[r][v]);
-                }
-                mx = _mm512_max_ps(mx, s[r][v]);
-              }
-              const float m_old = m[rb + r], m_tile = _mm512_reduce_max_ps(mx);
-              const float m_new = m_old > m_tile ? m_old : m_tile;
-              __m512 p[kNV], psum = _mm512_setzero_ps();
-              for (int v = 0; v < kNV; ++v) {
-                p[v] = _mm512_maskz_mov_ps(seen[v], exp2_ps(_mm512_sub_ps(s[r][v], _mm512_set1_ps(m_new))));
-                psum = _mm512_add_ps(psum, p[v]);
-              }
-              float* orow = o + (rb + r) * HD;
-              __m512 acc[HD / 16];
-              if (m_new > m_old) {
-                const float alpha = _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(m_old - m_new)));
-                l[rb + r] *= alpha;
-                for (int c = 0; c < HD / 16; ++c) acc[c] = _mm512_mul_ps(_mm512_load_ps(orow + c * 16), _mm512_set1_ps(alpha));
-                m[rb + r] = m_new;
-              } else {
-                for (int c = 0; c < HD / 16; ++c) acc[c] = _mm512_load_ps(orow + c * 16);
-              }
-              l[rb + r] += _mm512_reduce_add_ps(psum);
-              D::template values<HD>(p, vt, acc);
-              for (int c = 0; c < HD / 16; ++c) _mm512_store_ps(orow + c * 16, acc[c]);
-            }
+            for (int r = 0; r < kRB; ++r)
+              row_update<D, HD>(s[r], t * kTile, diagonal ? 0 : -1, pos[rb + r], scale, m[rb + r], l[rb + r],
+                                o + (rb + r) * HD, vt);
           }
         }
         for (int64_t r = 0; r < rows; ++r) {
