@@ -184,6 +184,8 @@ class ModelRunner:
                 sample_rows.append(end - 1)
 
         base = np.concatenate(rows)
+        if base.size and (base.min() < 0 or base.max() >= self.num_blocks * rpb):
+            raise ValueError("a block table points outside the KV pool")     # writes are unchecked in C++
         slot_rows = np.stack([base, base + B], axis=1)    # K row, V row (V follows K in a block)
         attn = AttnMetadata(slot_rows=torch.from_numpy(slot_rows).to(self.device), decode=decode,
                             prefills=tuple(spans), prefill_kernel=self.prefill_kernel,

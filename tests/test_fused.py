@@ -83,3 +83,18 @@ def test_bad_shapes_are_refused() -> None:
         FUSED.silu_mul(torch.zeros(2, 7))
     with pytest.raises(ValueError, match="weight"):
         FUSED.rms_norm(torch.zeros(2, 8), torch.zeros(8, dtype=torch.bfloat16), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_equals_index_put(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(5)
+    pool = torch.randn(40, 6, generator=g).to(dtype)
+    qkv = torch.randn(7, 20, generator=g).to(dtype)               # per token: 8 q values, then K (6), V (6)
+    kv_new = qkv[:, 8:].view(7, 2, 3, 2)
+    slots = torch.randperm(40, generator=g)[:14].view(7, 2).contiguous()
+    want = pool.clone()
+    want.index_put_((slots,), kv_new.reshape(7, 2, 6))
+    FUSED.kv_write_(pool, slots, kv_new)
+    assert torch.equal(pool, want)
+    with pytest.raises(ValueError, match="do not match"):
+        FUSED.kv_write_(pool, slots.to(torch.int32), kv_new)

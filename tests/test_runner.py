@@ -324,3 +324,10 @@ def test_without_a_compiler_decode_falls_back_to_sdpa(monkeypatch, tmp_path) -> 
     runner = ModelRunner(model, model.config, num_blocks=64, block_size=4)
     assert runner.decode_kernel is None
     assert generate(runner, {"a": prompt(6, 70)}, 5, {}) == {"a": dense_greedy(model, prompt(6, 70), 5)}
+
+
+def test_a_block_table_outside_the_pool_is_refused() -> None:
+    """The C++ KV write does not check rows: the runner refuses block ids past the pool first."""
+    runner = make_runner(16, num_blocks=8)
+    with pytest.raises(ValueError, match="outside the KV pool"):
+        runner.prepare_inputs(StepPlan([seq("r", prompt(20, 1), 0, [3, 8])]))

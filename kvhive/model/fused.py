@@ -31,7 +31,9 @@ class FusedOps:
         self._silu.argtypes = [_PTR, _I64, _PTR, _I64, _I64, ctypes.c_int, ctypes.c_int]
         self._rope = lib.kvhive_rope
         self._rope.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_int]
-        for fn in (self._rms, self._silu, self._rope):
+        self._kv_write = lib.kvhive_kv_write
+        self._kv_write.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64]
+        for fn in (self._rms, self._silu, self._rope, self._kv_write):
             fn.restype = None
 
     @classmethod
@@ -67,6 +69,24 @@ class FusedOps:
         self._silu(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2,
                    int(gate_up.dtype == torch.bfloat16), self._threads(rows))
         return out
+
+    def kv_write_(self, rows: torch.Tensor, slot_rows: torch.Tensor, kv_new: torch.Tensor) -> None:
+        """``rows[slot_rows[t, i]] = kv_new[t, i]`` for K (i = 0) and V (i = 1) of every token t.
+
+        rows is a contiguous [R, width] view of the pool; kv_new [T, 2, ...] has contiguous K then V
+        per token (its rows may be strided); slot_rows int64 [T, 2], every entry below R.
+        """
+        t = kv_new.shape[0]
+        width = rows.shape[1]
+        if (not rows.is_contiguous() or kv_new.dtype != rows.dtype or kv_new[0].numel() != 2 * width
+                or slot_rows.dtype != torch.int64 or not slot_rows.is_contiguous() or slot_rows.shape != (t, 2)):
+            raise ValueError("kv_write_: shapes or dtypes do not match")
+        flat = kv_new.reshape(t, 2 * width) if t else kv_new
+        if t and flat.stride(1) != 1:
+            raise ValueError("kv_write_: each token's K and V must be contiguous")
+        if t:
+            self._kv_write(flat.data_ptr(), flat.stride(0) * flat.element_size(), slot_rows.data_ptr(),
+                           rows.data_ptr(), width * rows.element_size(), t)
 
     def rope_(self, qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
         """Rotate-half RoPE in place on qk [rows, heads, head_dim] (rows may be strided).
@@ -203,6 +223,17 @@ extern "C" void kvhive_silu_mul(const void* gu, int64_t gs, void* out, int64_t r
                                 int nt) {
   if (is_bf16) silu_mul((const uint16_t*)gu, gs, (uint16_t*)out, rows, inter, nt);
   else silu_mul((const float*)gu, gs, (float*)out, rows, inter, nt);
+}
+
+// Scatter each token's K and V rows (contiguous, row_bytes each) to their pool rows.
+extern "C" void kvhive_kv_write(const void* src, int64_t src_stride_bytes, const int64_t* slots, void* dst,
+                                int64_t row_bytes, int64_t tokens) {
+  const char* s = static_cast<const char*>(src);
+  char* d = static_cast<char*>(dst);
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::memcpy(d + slots[2 * t] * row_bytes, s + t * src_stride_bytes, row_bytes);
+    std::memcpy(d + slots[2 * t + 1] * row_bytes, s + t * src_stride_bytes + row_bytes, row_bytes);
+  }
 }
 
 // hd_flags: head_dim in the low 16 bits, bit 16 = bfloat16.

@@ -280,7 +280,7 @@ class LlamaModel(nn.Module):
             else:
                 fused.rope_(qk, positions, self.rope_cos, self.rope_sin)
             attn = paged_attention(qk[:, :nh], qkv[:, nh * hd:].view(n, 2, nkv, hd), kv_cache, i,
-                                   attn_metadata)
+                                   attn_metadata, fused)
             x = linear_add(attn, layer.o_proj, x) if q is None else qmm(attn, q["o"], x)
             if hooks is not None:
                 hooks.save_kv_layer(i)
