@@ -185,7 +185,7 @@ class ModelRunner:
 
         base = np.concatenate(rows)
         if base.size and (base.min() < 0 or base.max() >= self.num_blocks * rpb):
-            raise ValueError("a block table points outside the KV pool")     # writes are unchecked in C++
+            raise ValueError("a block table points outside the KV pool")     # the C++ kernels read unchecked
         slot_rows = np.stack([base, base + B], axis=1)    # K row, V row (V follows K in a block)
         attn = AttnMetadata(slot_rows=torch.from_numpy(slot_rows).to(self.device), decode=decode,
                             prefills=tuple(spans), prefill_kernel=self.prefill_kernel,

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from tiny import tiny_config
 
 from kvhive.model.fused import FusedOps
-from kvhive.model.llama import rope_tables
+from kvhive.model.llama import TorchOps, rope_tables
 
 FUSED = FusedOps.load()
 pytestmark = pytest.mark.skipif(FUSED is None, reason="no C++ compiler")
@@ -49,6 +49,7 @@ def test_silu_mul(rows: int, dtype: torch.dtype) -> None:
     gate_up = (4 * torch.randn(rows, 2 * 72, generator=g)).to(dtype)     # 72: a vector tail too
     got = FUSED.silu_mul(gate_up)
     want = F.silu(gate_up[:, :72]) * gate_up[:, 72:]
+    assert torch.equal(TorchOps.silu_mul(gate_up), want)
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, **F32_TOL)
     else:
@@ -63,10 +64,12 @@ def test_rope_in_place(rows: int, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(rows)
     qkv = torch.randn(rows, 7, 32, generator=g).to(dtype)
     positions = torch.randint(0, 512, (rows,), generator=g)
-    got, want = qkv.clone(), qkv.clone()
-    FUSED.rope_(got[:, :5], positions, cos, sin)
+    got, want, torch_ops = qkv.clone(), qkv.clone(), qkv.clone()
+    FUSED.rope(got[:, :5], FUSED.prepare_rope(positions, cos, sin))
     qk = want[:, :5]
     torch.addcmul(qk * cos[positions].unsqueeze(1), torch.roll(qk, 16, -1), sin[positions].unsqueeze(1), out=qk)
+    TorchOps.rope(torch_ops[:, :5], TorchOps.prepare_rope(positions, cos, sin))
+    assert torch.equal(torch_ops, want)
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, **F32_TOL)
     else:
@@ -77,6 +80,8 @@ def test_rope_in_place(rows: int, dtype: torch.dtype) -> None:
 def test_bad_shapes_are_refused() -> None:
     cfg = tiny_config(head_dim=32, max_position_embeddings=64)
     cos, sin = rope_tables(cfg, torch.float32, "cpu")
+    with pytest.raises(IndexError, match="past the model's 64 rotary positions"):
+        FUSED.prepare_rope(torch.tensor([3, 64]), cos, sin)
     with pytest.raises(ValueError, match="int64"):
         FUSED.rope_(torch.zeros(2, 3, 32), torch.zeros(2, dtype=torch.int32), cos, sin)
     with pytest.raises(ValueError, match="even width"):
@@ -84,17 +89,3 @@ def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match="weight"):
         FUSED.rms_norm(torch.zeros(2, 8), torch.zeros(8, dtype=torch.bfloat16), 1e-5)
 
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kv_write_equals_index_put(dtype: torch.dtype) -> None:
-    g = torch.Generator().manual_seed(5)
-    pool = torch.randn(40, 6, generator=g).to(dtype)
-    qkv = torch.randn(7, 20, generator=g).to(dtype)               # per token: 8 q values, then K (6), V (6)
-    kv_new = qkv[:, 8:].view(7, 2, 3, 2)
-    slots = torch.randperm(40, generator=g)[:14].view(7, 2).contiguous()
-    want = pool.clone()
-    want.index_put_((slots,), kv_new.reshape(7, 2, 6))
-    FUSED.kv_write_(pool, slots, kv_new)
-    assert torch.equal(pool, want)
-    with pytest.raises(ValueError, match="do not match"):
-        FUSED.kv_write_(pool, slots.to(torch.int32), kv_new)

@@ -10,6 +10,8 @@ import pytest
 from kvhive.cli import _add_serve_args, build_engine_config
 from kvhive.config import EngineConfig
 from kvhive.engine import LLMEngine
+from kvhive.model.decode_kernel import CpuDecodeKernel
+from kvhive.model.prefill_kernel import CpuPrefillKernel
 from kvhive.model_files import default_model_path
 from kvhive.request import SamplingParams
 from kvhive.tokenizer import Tokenizer
@@ -45,7 +47,9 @@ def test_kernels_and_sdpa_give_the_same_greedy_tokens(dtype: str) -> None:
                                       {"role": "user", "content": q}], True)
                for q in ("Which block does fact 7 keep?", "Summarise the facts in one line.", "Say hi.")]
     native, engine = greedy(dtype, True, prompts)
-    assert engine.runner.decode_kernel is not None or engine.runner.prefill_kernel is None
+    prefill = CpuPrefillKernel.load()
+    assert (engine.runner.decode_kernel is not None) == (CpuDecodeKernel.load() is not None)
+    assert (engine.runner.prefill_kernel is not None) == (prefill is not None and engine.runner.dtype in prefill.dtypes)
     reference, plain = greedy(dtype, False, prompts)
     assert plain.runner.decode_kernel is None and plain.runner.prefill_kernel is None
     assert native == reference

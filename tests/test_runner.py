@@ -10,7 +10,7 @@ from tiny import dense_greedy, dense_logits, tiny_config, tiny_model
 
 from kvhive.model import attention
 from kvhive.model.decode_kernel import CpuDecodeKernel
-from kvhive.model.llama import LlamaModel
+from kvhive.model.llama import LlamaModel, TorchOps
 from kvhive.model.prefill_kernel import CpuPrefillKernel
 from kvhive.request import SamplingParams
 from kvhive.runner import ModelRunner
@@ -203,6 +203,17 @@ def test_greedy_generation_matches_dense(pack: bool, native: bool) -> None:
         assert got[rid] == dense_greedy(runner.model, p, 8), rid
 
 
+def test_torch_element_wise_ops_match_dense() -> None:
+    """The torch composites (CUDA, or no compiler) in place of the fused C++ ops: same greedy tokens."""
+    model = tiny_model()
+    model.ops = TorchOps()
+    runner = make_runner(4, model=model, native=False)
+    prompts = {"a": prompt(11, 20), "b": prompt(26, 22)}
+    got = generate(runner, prompts, 8, join_at={"b": 3})
+    for rid, p in prompts.items():
+        assert got[rid] == dense_greedy(model, p, 8), rid
+
+
 def test_seeded_sampling_is_reproducible_and_released() -> None:
     model = tiny_model()
     p = {"a": prompt(10, 30), "b": prompt(10, 30)}
@@ -327,7 +338,7 @@ def test_without_a_compiler_decode_falls_back_to_sdpa(monkeypatch, tmp_path) -> 
 
 
 def test_a_block_table_outside_the_pool_is_refused() -> None:
-    """The C++ KV write does not check rows: the runner refuses block ids past the pool first."""
+    """The C++ attention kernels read blocks unchecked: the runner refuses block ids past the pool first."""
     runner = make_runner(16, num_blocks=8)
     with pytest.raises(ValueError, match="outside the KV pool"):
         runner.prepare_inputs(StepPlan([seq("r", prompt(20, 1), 0, [3, 8])]))

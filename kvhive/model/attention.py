@@ -28,7 +28,6 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from kvhive.model.decode_kernel import CpuDecodeKernel
-    from kvhive.model.fused import FusedOps
     from kvhive.model.prefill_kernel import CpuPrefillKernel
 
 
@@ -93,7 +92,7 @@ class LayerHooks(Protocol):
 
 
 def paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-                    meta: AttnMetadata, fused: FusedOps | None = None) -> torch.Tensor:
+                    meta: AttnMetadata) -> torch.Tensor:
     """Store kv_new ([T, 2, kv_heads, head_dim]) for ``layer``, attend, return [T, heads * head_dim].
 
     q is [T, heads, head_dim] (rotary already applied; rows may be strided); query head h reads
@@ -103,10 +102,7 @@ def paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_cache: torch.Tenso
     _, _, _, block_size, num_kv_heads, _ = kv_cache.shape
     # Write first: decode queries and cached-prefix prefills then read their own new K/V back.
     rows = kv_cache.view(-1, num_kv_heads * head_dim)[layer * 2 * block_size:]
-    if fused is not None and kv_cache.device.type == "cpu":
-        fused.kv_write_(rows, meta.slot_rows, kv_new)       # one call instead of an index_put_ per layer
-    else:
-        rows.index_put_((meta.slot_rows,), kv_new.reshape(num_tokens, 2, num_kv_heads * head_dim))
+    rows.index_put_((meta.slot_rows,), kv_new.reshape(num_tokens, 2, num_kv_heads * head_dim))
 
     k_layer, v_layer = kv_cache[:, layer, 0], kv_cache[:, layer, 1]   # [blocks, B, kv_heads, hd]
     out_parts: list[torch.Tensor] = []

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvhive.model.native import AVX512_EXP2, AVX512_SUM16, build_library
+from kvhive.model.native import AVX512_EXP2, AVX512_SUM16, BF16_SCALAR, build_library
 
 if TYPE_CHECKING:
     from kvhive.model.attention import DecodeBatch
@@ -91,6 +91,7 @@ _KERNEL_SOURCE = r"""
 #endif
 
 namespace {
+// @BF16@
 inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
 inline void to_float(const uint16_t* src, float* dst, int64_t n) {  // bfloat16: the top half of a float
   uint32_t bits[256];
@@ -99,11 +100,8 @@ inline void to_float(const uint16_t* src, float* dst, int64_t n) {  // bfloat16:
   std::memcpy(dst, bits, n * 4);
 }
 inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
-inline void from_float(const float* src, uint16_t* dst, int64_t n) {  // round to nearest even
-  uint32_t bits[256];
-  std::memcpy(bits, src, n * 4);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = uint16_t((bits[i] + 0x7FFF + ((bits[i] >> 16) & 1)) >> 16);
+inline void from_float(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
 }
 
 struct Args {
@@ -468,4 +466,4 @@ extern "C" int kvhive_decode_attention(const Args* a, int is_bf16) {
   return 0;
 }
 """
-_KERNEL_SOURCE = _KERNEL_SOURCE.replace("// @EXP2@", AVX512_EXP2).replace("// @SUM16@", AVX512_SUM16)
+_KERNEL_SOURCE = _KERNEL_SOURCE.replace("// @EXP2@", AVX512_EXP2).replace("// @SUM16@", AVX512_SUM16).replace("// @BF16@", BF16_SCALAR)

@@ -16,7 +16,7 @@ import ctypes
 
 import torch
 
-from kvhive.model.native import AVX512_EXP2, build_library
+from kvhive.model.native import AVX512_EXP2, BF16_SCALAR, build_library
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -31,9 +31,7 @@ class FusedOps:
         self._silu.argtypes = [_PTR, _I64, _PTR, _I64, _I64, ctypes.c_int, ctypes.c_int]
         self._rope = lib.kvhive_rope
         self._rope.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_int]
-        self._kv_write = lib.kvhive_kv_write
-        self._kv_write.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64]
-        for fn in (self._rms, self._silu, self._rope, self._kv_write):
+        for fn in (self._rms, self._silu, self._rope):
             fn.restype = None
 
     @classmethod
@@ -70,23 +68,17 @@ class FusedOps:
                    int(gate_up.dtype == torch.bfloat16), self._threads(rows))
         return out
 
-    def kv_write_(self, rows: torch.Tensor, slot_rows: torch.Tensor, kv_new: torch.Tensor) -> None:
-        """``rows[slot_rows[t, i]] = kv_new[t, i]`` for K (i = 0) and V (i = 1) of every token t.
+    def prepare_rope(self, positions: torch.Tensor, cos: torch.Tensor,
+                     sin_signed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A step's RoPE arguments for ``rope``, checked once (the kernel reads the tables unchecked)."""
+        positions = positions.to(torch.int64).contiguous()
+        if positions.numel() and int(positions.max()) >= cos.shape[0]:
+            raise IndexError(f"position {int(positions.max())} is past the model's {cos.shape[0]} rotary positions")
+        return positions, cos, sin_signed
 
-        rows is a contiguous [R, width] view of the pool; kv_new [T, 2, ...] has contiguous K then V
-        per token (its rows may be strided); slot_rows int64 [T, 2], every entry below R.
-        """
-        t = kv_new.shape[0]
-        width = rows.shape[1]
-        if (not rows.is_contiguous() or kv_new.dtype != rows.dtype or kv_new[0].numel() != 2 * width
-                or slot_rows.dtype != torch.int64 or not slot_rows.is_contiguous() or slot_rows.shape != (t, 2)):
-            raise ValueError("kv_write_: shapes or dtypes do not match")
-        flat = kv_new.reshape(t, 2 * width) if t else kv_new
-        if t and flat.stride(1) != 1:
-            raise ValueError("kv_write_: each token's K and V must be contiguous")
-        if t:
-            self._kv_write(flat.data_ptr(), flat.stride(0) * flat.element_size(), slot_rows.data_ptr(),
-                           rows.data_ptr(), width * rows.element_size(), t)
+    def rope(self, qk: torch.Tensor, prepared: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """``rope_`` with a step's ``prepare_rope`` arguments."""
+        self.rope_(qk, *prepared)
 
     def rope_(self, qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
         """Rotate-half RoPE in place on qk [rows, heads, head_dim] (rows may be strided).
@@ -116,18 +108,14 @@ _SOURCE = r"""
 #endif
 
 namespace {
-inline float bf2f(uint16_t v) { uint32_t b = uint32_t(v) << 16; float f; std::memcpy(&f, &b, 4); return f; }
-inline uint16_t f2bf(float f) {   // round to nearest even, as torch does
-  uint32_t b; std::memcpy(&b, &f, 4);
-  return uint16_t((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
-}
-inline float round_bf(float f) { return bf2f(f2bf(f)); }
+// @BF16@
+inline float round_bf(float f) { return bf16_to_float(float_to_bf16(f)); }
 
 template <typename T> inline float ld(const T* p, int64_t i);
 template <> inline float ld<float>(const float* p, int64_t i) { return p[i]; }
-template <> inline float ld<uint16_t>(const uint16_t* p, int64_t i) { return bf2f(p[i]); }
+template <> inline float ld<uint16_t>(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
 inline void st(float* p, int64_t i, float v) { p[i] = v; }
-inline void st(uint16_t* p, int64_t i, float v) { p[i] = f2bf(v); }
+inline void st(uint16_t* p, int64_t i, float v) { p[i] = float_to_bf16(v); }
 template <typename T> inline float rnd(float v) { return sizeof(T) == 2 ? round_bf(v) : v; }
 
 // out = w * round(x * rsqrt(mean(x^2) + eps)), statistics in float32 (Hugging Face's LlamaRMSNorm).
@@ -225,17 +213,6 @@ extern "C" void kvhive_silu_mul(const void* gu, int64_t gs, void* out, int64_t r
   else silu_mul((const float*)gu, gs, (float*)out, rows, inter, nt);
 }
 
-// Scatter each token's K and V rows (contiguous, row_bytes each) to their pool rows.
-extern "C" void kvhive_kv_write(const void* src, int64_t src_stride_bytes, const int64_t* slots, void* dst,
-                                int64_t row_bytes, int64_t tokens) {
-  const char* s = static_cast<const char*>(src);
-  char* d = static_cast<char*>(dst);
-  for (int64_t t = 0; t < tokens; ++t) {
-    std::memcpy(d + slots[2 * t] * row_bytes, s + t * src_stride_bytes, row_bytes);
-    std::memcpy(d + slots[2 * t + 1] * row_bytes, s + t * src_stride_bytes + row_bytes, row_bytes);
-  }
-}
-
 // hd_flags: head_dim in the low 16 bits, bit 16 = bfloat16.
 extern "C" void kvhive_rope(void* qk, int64_t qs, int64_t rows, int64_t width, const int64_t* pos, const void* cos,
                             const void* sin, int hd_flags, int nt) {
@@ -245,4 +222,4 @@ extern "C" void kvhive_rope(void* qk, int64_t qs, int64_t rows, int64_t width, c
   else rope((float*)qk, qs, rows, width, hd, pos, (const float*)cos, (const float*)sin, nt);
 }
 """
-_SOURCE = _SOURCE.replace("// @EXP2@", AVX512_EXP2)
+_SOURCE = _SOURCE.replace("// @EXP2@", AVX512_EXP2).replace("// @BF16@", BF16_SCALAR)

@@ -47,6 +47,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+class TorchOps:
+    """The element-wise steps as torch composites, where ``FusedOps`` is unavailable (CUDA, no compiler)."""
+
+    rms_norm = staticmethod(rms_norm)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        inter = gate_up.shape[1] // 2
+        return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+    @staticmethod
+    def prepare_rope(positions: torch.Tensor, cos: torch.Tensor,
+                     sin_signed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin rows [T, 1, hd] of a step's positions, gathered once for all layers."""
+        return cos[positions].unsqueeze(1), sin_signed[positions].unsqueeze(1)
+
+    @staticmethod
+    def rope(qk: torch.Tensor, prepared: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Rotate-half RoPE in place on qk [T, heads, hd]."""
+        cos, sin = prepared
+        torch.addcmul(qk * cos, torch.roll(qk, qk.shape[-1] // 2, -1), sin, out=qk)
+
+
 def can_pack_weights(dtype: torch.dtype, device: torch.device) -> bool:
     """True where oneDNN-packed linear weights are available (CPU float32 / bfloat16)."""
     return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
@@ -141,9 +164,10 @@ class LlamaModel(nn.Module):
         cos, sin = rope_tables(config, self.dtype, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # RMSNorm, SiLU-and-multiply and RoPE in one C++ call each (CPU); None: torch composites.
-        self.fused = (FusedOps.load() if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
-                      and config.head_dim % 2 == 0 and config.head_dim <= 512 else None)
+        # RMSNorm, SiLU-and-multiply and RoPE: one C++ call each on CPU, else torch composites.
+        fused = (FusedOps.load() if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+                 and config.head_dim % 2 == 0 and config.head_dim <= 512 else None)
+        self.ops: FusedOps | TorchOps = fused or TorchOps()
 
     @torch.inference_mode()
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
@@ -248,19 +272,12 @@ class LlamaModel(nn.Module):
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """Run all layers over a flat batch [T]; write K/V into kv_cache; return hidden [T, H]."""
         c = self.config
-        nh, nkv, hd, inter = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+        nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
         eps = c.rms_norm_eps
         n = input_ids.shape[0]
         qk_width = (nh + nkv) * hd
-        fused = self.fused
-        if fused is None:
-            cos = self.rope_cos[positions].unsqueeze(1)    # [T, 1, hd], shared by all layers
-            sin = self.rope_sin[positions].unsqueeze(1)
-        else:
-            positions = positions.to(torch.int64).contiguous()
-            if n and int(positions.max()) >= self.rope_cos.shape[0]:      # the kernel reads the tables unchecked
-                raise IndexError(f"position {int(positions.max())} is past the model's "
-                                 f"{self.rope_cos.shape[0]} rotary positions")
+        ops = self.ops
+        rope = ops.prepare_rope(positions, self.rope_cos, self.rope_sin)   # once for all layers
         x = F.embedding(input_ids, self.embed_tokens)
         hooks = attn_metadata.layer_hooks
         qmm = self.qmatmul if n <= QUANT_MAX_ROWS.get(self.dtype, 0) else None
@@ -268,32 +285,28 @@ class LlamaModel(nn.Module):
             if hooks is not None:
                 hooks.wait_for_layer_load(i)
             q = self.quant_layers[i] if qmm is not None else None
-            h = rms_norm(x, layer.input_norm, eps) if fused is None else fused.rms_norm(x, layer.input_norm, eps)
+            h = ops.rms_norm(x, layer.input_norm, eps)
             if q is None:
                 qkv = linear(h, layer.qkv_proj, layer.qkv_bias)
             else:
                 qkv = qmm(h, q["qkv"]) if layer.qkv_bias is None else qmm(h, q["qkv"]) + layer.qkv_bias
             # RoPE on q and k together (adjacent in qkv), written back in place.
             qk = qkv[:, :qk_width].view(n, nh + nkv, hd)
-            if fused is None:
-                torch.addcmul(qk * cos, torch.roll(qk, hd // 2, -1), sin, out=qk)
-            else:
-                fused.rope_(qk, positions, self.rope_cos, self.rope_sin)
+            ops.rope(qk, rope)
             attn = paged_attention(qk[:, :nh], qkv[:, nh * hd:].view(n, 2, nkv, hd), kv_cache, i,
-                                   attn_metadata, fused)
+                                   attn_metadata)
             x = linear_add(attn, layer.o_proj, x) if q is None else qmm(attn, q["o"], x)
             if hooks is not None:
                 hooks.save_kv_layer(i)
-            h = rms_norm(x, layer.post_attn_norm, eps) if fused is None else fused.rms_norm(x, layer.post_attn_norm, eps)
+            h = ops.rms_norm(x, layer.post_attn_norm, eps)
             gate_up = linear(h, layer.gate_up_proj) if q is None else qmm(h, q["gate_up"])
-            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:] if fused is None else fused.silu_mul(gate_up)
+            act = ops.silu_mul(gate_up)
             x = linear_add(act, layer.down_proj, x) if q is None else qmm(act, q["down"], x)
         return x
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the sampled rows only: [n, H] -> float32 [n, vocab]."""
-        eps = self.config.rms_norm_eps
-        h = rms_norm(hidden_rows, self.norm, eps) if self.fused is None else self.fused.rms_norm(hidden_rows, self.norm, eps)
+        h = self.ops.rms_norm(hidden_rows, self.norm, self.config.rms_norm_eps)
         if self.qmatmul is not None and h.shape[0] <= QUANT_MAX_ROWS.get(self.dtype, 0):
             return self.qmatmul(h, self.quant_lm_head).float()
         return linear(h, self.lm_head).float()

@@ -22,6 +22,24 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
+# C++ for any kernel (after ``<cstdint>`` and ``<cstring>``): bfloat16 <-> float32 one value at a
+# time, rounding to nearest even and keeping NaN a NaN, as torch does.
+BF16_SCALAR = r"""
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {   // round to nearest even, NaN -> 0x7FC0 (as torch does)
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint16_t rounded = uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+  return (bits & 0x7FFFFFFF) > 0x7F800000 ? uint16_t(0x7FC0) : rounded;
+}
+"""
+
 # C++ for AVX-512 kernels (after ``#include <immintrin.h>``): 2^x in float32 lanes, ~1e-7 relative,
 # a degree-6 polynomial on the fraction scaled by the integer part. Inputs are clamped to
 # [-125, 127], so very negative x gives ~2^-125 (never a denormal) and callers mask exact zeros.

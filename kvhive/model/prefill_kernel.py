@@ -19,7 +19,7 @@ import ctypes
 
 import torch
 
-from kvhive.model.native import AVX512_EXP2, build_library
+from kvhive.model.native import AVX512_EXP2, BF16_SCALAR, build_library
 
 
 class _Args(ctypes.Structure):
@@ -112,6 +112,7 @@ _KERNEL_SOURCE = r"""
 #include <cstring>
 
 namespace {
+// @BF16@
 struct Args {
   const void* q; int64_t q_stride; const void* pool; const int64_t* table;
   int64_t n, start_pos, num_layers, layer, block_size, kv_heads, group, head_dim;
@@ -225,10 +226,7 @@ struct BF16 {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
-    for (; i < n; ++i) {
-      uint32_t bits; std::memcpy(&bits, src + i, 4);
-      dst[i] = uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-    }
+    for (; i < n; ++i) dst[i] = float_to_bf16(src[i]);
   }
 };
 #endif
@@ -374,4 +372,4 @@ extern "C" int kvhive_prefill_attention(const Args* a, int is_bf16) {
   return 1;
 }
 """
-_KERNEL_SOURCE = _KERNEL_SOURCE.replace("// @EXP2@", AVX512_EXP2)
+_KERNEL_SOURCE = _KERNEL_SOURCE.replace("// @EXP2@", AVX512_EXP2).replace("// @BF16@", BF16_SCALAR)

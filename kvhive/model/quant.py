@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvhive.model.native import AVX512_SUM16, build_library
+from kvhive.model.native import AVX512_SUM16, BF16_SCALAR, build_library
 
 logger = logging.getLogger(__name__)
 
@@ -185,19 +185,7 @@ struct Tiles { const float* x; int64_t xs, nb; const uint8_t* qs; const float* d
 constexpr int64_t kChunk = 32;    // features per epilogue pass (scratch [rows, kChunk] per thread)
 constexpr int64_t kMaxRows = 8;   // rows per tile
 
-inline float bf16_to_float(uint16_t v) {
-  const uint32_t bits = uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {   // round to nearest even, NaN -> 0x7FC0 (as torch does)
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  const uint16_t rounded = uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-  return (bits & 0x7FFFFFFF) > 0x7F800000 ? uint16_t(0x7FC0) : rounded;
-}
+// @BF16@
 
 #ifdef KVHIVE_AVX512
 // The 32 weights of one block as two vectors (values 0-15 and 16-31). Q4_1 looks the nibbles up
@@ -406,4 +394,4 @@ extern "C" int kvhive_qmatmul(const Args* a) {
   return 0;
 }
 """
-_KERNEL_SOURCE = _KERNEL_SOURCE.replace("// @SUM16@", AVX512_SUM16)
+_KERNEL_SOURCE = _KERNEL_SOURCE.replace("// @SUM16@", AVX512_SUM16).replace("// @BF16@", BF16_SCALAR)
