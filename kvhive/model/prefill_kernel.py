@@ -166,13 +166,18 @@ struct F32 {
       }
     }
   }
-  template <int HD>
-  static void values(const __m512* p, const float* vt, __m512* o) {
-    alignas(64) float pv[kTile];
-    for (int v = 0; v < kNV; ++v) _mm512_store_ps(pv + v * 16, p[v]);
+  template <int HD, int R>
+  static void values(__m512 (*p)[kNV], const float* vt, __m512 (*o)[HD / 16]) {
+    alignas(64) float pv[R][kTile];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kNV; ++v) _mm512_store_ps(pv[r] + v * 16, p[r][v]);
     for (int j = 0; j < kTile; ++j) {
-      const __m512 w = _mm512_set1_ps(pv[j]);
-      for (int c = 0; c < HD / 16; ++c) o[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vt + j * HD + c * 16), o[c]);
+      __m512 vv[HD / 16];
+      for (int c = 0; c < HD / 16; ++c) vv[c] = _mm512_loadu_ps(vt + j * HD + c * 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 w = _mm512_set1_ps(pv[r][j]);
+        for (int c = 0; c < HD / 16; ++c) o[r][c] = _mm512_fmadd_ps(w, vv[c], o[r][c]);
+      }
     }
   }
   static void store(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
@@ -211,15 +216,19 @@ struct BF16 {
       }
     }
   }
-  template <int HD>
-  static void values(const __m512* p, const uint16_t* vt, __m512* o) {
-    alignas(64) uint32_t pp[kTile / 2];
-    for (int v = 0; v < kNV; ++v)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pp + v * 8), (__m256i)_mm512_cvtneps_pbh(p[v]));
+  template <int HD, int R>
+  static void values(__m512 (*p)[kNV], const uint16_t* vt, __m512 (*o)[HD / 16]) {
+    alignas(64) uint32_t pp[R][kTile / 2];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kNV; ++v)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r] + v * 8), (__m256i)_mm512_cvtneps_pbh(p[r][v]));
     for (int kp = 0; kp < kTile / 2; ++kp) {
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(pp[kp]);
-      for (int c = 0; c < HD / 16; ++c)
-        o[c] = _mm512_dpbf16_ps(o[c], w, (__m512bh)_mm512_loadu_si512(vt + (kp * HD + c * 16) * 2));
+      __m512bh vv[HD / 16];
+      for (int c = 0; c < HD / 16; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vt + (kp * HD + c * 16) * 2);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(pp[r][kp]);
+        for (int c = 0; c < HD / 16; ++c) o[r][c] = _mm512_dpbf16_ps(o[r][c], w, vv[c]);
+      }
     }
   }
   static void store(const float* src, uint16_t* dst, int64_t n) {
@@ -232,11 +241,10 @@ struct BF16 {
 #endif
 
 // One row's online-softmax step over one tile: raw scores s (kNV vectors of 16 keys from key0 on),
-// keys outside [lo, hi] hidden (lo < 0: the whole tile is visible); updates m, l and the float32
-// accumulator row o (unnormalised) with the tile's values vt.
-template <typename D, int HD>
-inline void row_update(__m512* s, int64_t key0, int64_t lo, int64_t hi, float scale, float& m, float& l, float* o,
-                       const typename D::T* vt) {
+// keys outside [lo, hi] hidden (lo < 0: the whole tile is visible). Leaves the tile's probabilities
+// in s, updates the row's max m and its per-lane sum l, and returns the factor (1 or less) by which
+// the row's earlier accumulator must be scaled.
+inline float softmax_step(__m512* s, int64_t key0, int64_t lo, int64_t hi, float scale, float& m, __m512& l) {
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   __mmask16 seen[kNV];
   __m512 mx = _mm512_set1_ps(-FLT_MAX);
@@ -253,23 +261,30 @@ inline void row_update(__m512* s, int64_t key0, int64_t lo, int64_t hi, float sc
   }
   const float m_old = m, m_tile = _mm512_reduce_max_ps(mx);
   const float m_new = m_old > m_tile ? m_old : m_tile;
-  __m512 p[kNV], psum = _mm512_setzero_ps();
-  for (int v = 0; v < kNV; ++v) {
-    p[v] = _mm512_maskz_mov_ps(seen[v], exp2_ps(_mm512_sub_ps(s[v], _mm512_set1_ps(m_new))));
-    psum = _mm512_add_ps(psum, p[v]);
-  }
-  __m512 acc[HD / 16];
+  float alpha = 1.f;
   if (m_new > m_old) {
-    const float alpha = _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(m_old - m_new)));
-    l *= alpha;
-    for (int c = 0; c < HD / 16; ++c) acc[c] = _mm512_mul_ps(_mm512_load_ps(o + c * 16), _mm512_set1_ps(alpha));
+    alpha = _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(m_old - m_new)));
+    l = _mm512_mul_ps(l, _mm512_set1_ps(alpha));
     m = m_new;
-  } else {
-    for (int c = 0; c < HD / 16; ++c) acc[c] = _mm512_load_ps(o + c * 16);
   }
-  l += _mm512_reduce_add_ps(psum);
-  D::template values<HD>(p, vt, acc);
-  for (int c = 0; c < HD / 16; ++c) _mm512_store_ps(o + c * 16, acc[c]);
+  for (int v = 0; v < kNV; ++v) {
+    s[v] = _mm512_maskz_mov_ps(seen[v], exp2_ps(_mm512_sub_ps(s[v], _mm512_set1_ps(m_new))));
+    l = _mm512_add_ps(l, s[v]);
+  }
+  return alpha;
+}
+
+// Value products of R rows over one tile: o[r] = o[r] * alpha[r] + p[r] . V, the R x HD float32
+// accumulators held in registers so that each V vector loaded serves every row.
+template <typename D, int HD, int R>
+inline void values(__m512 (*p)[kNV], const float* alpha, const typename D::T* vt, float* o) {
+  __m512 acc[R][HD / 16];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < HD / 16; ++c)
+      acc[r][c] = _mm512_mul_ps(_mm512_load_ps(o + r * HD + c * 16), _mm512_set1_ps(alpha[r]));
+  D::template values<HD, R>(p, vt, acc);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < HD / 16; ++c) _mm512_store_ps(o + r * HD + c * 16, acc[r][c]);
 }
 
 template <typename D, int HD>
@@ -277,6 +292,7 @@ void prefill(const Args& a) {
   using T = typename D::T;
   const int64_t ctx = a.start_pos + a.n, tiles = (ctx + kTile - 1) / kTile, heads = a.kv_heads * a.group;
   const int64_t tile_elems = kTile * HD;
+  constexpr int kRV = HD >= 128 ? 2 : HD >= 64 ? 4 : 8;   // rows per value block: 16 accumulators
   T* kpack = static_cast<T*>(a.ws);                            // [kv_heads][tiles][tile_elems]
   T* vpack = kpack + a.kv_heads * tiles * tile_elems;
   const int64_t q_items = (a.n + kQTok - 1) / kQTok, rows_max = (kQTok * a.group + kRB - 1) / kRB * kRB;
@@ -290,7 +306,7 @@ void prefill(const Args& a) {
     T* qb = new T[rows_max * HD];
     float* o = static_cast<float*>(_mm_malloc(rows_max * HD * sizeof(float), 64));
     float* m = new float[rows_max];
-    float* l = new float[rows_max];
+    __m512* l = static_cast<__m512*>(_mm_malloc(rows_max * sizeof(__m512), 64));
     int64_t* pos = new int64_t[rows_max];
     // Later query tiles see more keys: hand them out first.
 #pragma omp for collapse(2) schedule(dynamic, 1)
@@ -309,7 +325,7 @@ void prefill(const Args& a) {
             pos[r] = a.start_pos + t0 + ntok - 1;
           }
           m[r] = -FLT_MAX;
-          l[r] = 0.f;
+          l[r] = _mm512_setzero_ps();
         }
         std::memset(o, 0, rows_pad * HD * sizeof(float));
         const int64_t last = a.start_pos + t0 + ntok - 1;   // the item's last position
@@ -319,21 +335,23 @@ void prefill(const Args& a) {
           const bool diagonal = t * kTile + kTile - 1 > a.start_pos + t0;   // some key past some row
           for (int64_t rb = 0; rb < rows_pad; rb += kRB) {
             __m512 s[kRB][kNV];
+            float alpha[kRB];
             D::template scores<HD>(qb + rb * HD, kt, s);
             for (int r = 0; r < kRB; ++r)
-              row_update<D, HD>(s[r], t * kTile, diagonal ? 0 : -1, pos[rb + r], scale, m[rb + r], l[rb + r],
-                                o + (rb + r) * HD, vt);
+              alpha[r] = softmax_step(s[r], t * kTile, diagonal ? 0 : -1, pos[rb + r], scale, m[rb + r], l[rb + r]);
+            for (int r = 0; r < kRB; r += kRV)
+              values<D, HD, kRV>(s + r, alpha + r, vt, o + (rb + r) * HD);
           }
         }
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t tk = r / a.group, g = r % a.group;
           float* orow = o + r * HD;
-          const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+          const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[r]));
           for (int c = 0; c < HD / 16; ++c) _mm512_store_ps(orow + c * 16, _mm512_mul_ps(_mm512_load_ps(orow + c * 16), inv));
           D::store(orow, static_cast<T*>(a.out) + (t0 + tk) * heads * HD + (h * a.group + g) * HD, HD);
         }
       }
-    delete[] qb; _mm_free(o); delete[] m; delete[] l; delete[] pos;
+    delete[] qb; _mm_free(o); delete[] m; _mm_free(l); delete[] pos;
   }
 }
 
