@@ -135,23 +135,80 @@ inline const T* key_row(const Args& a, int64_t key, int kv) {  // K row of `key`
          ((block * a.num_layers + a.layer) * 2 + kv) * a.block_size * row + (key % a.block_size) * row;
 }
 
+alignas(64) const uint32_t kZeroRow[128] = {};   // stands in for rows of keys past ctx (up to 128 floats)
+
+// K and V rows of the kTile keys of tile t for KV head h; keys past ctx read kZeroRow.
+template <typename T, int HD>
+inline void tile_rows(const Args& a, int64_t h, int64_t t, int64_t ctx, const T** k, const T** v) {
+  const int64_t stride = a.kv_heads * HD, v_off = a.block_size * stride;   // V rows: block_size rows after K's
+  int64_t off = t * kTile % a.block_size;   // the key's row within its pool block
+  const T* row = nullptr;
+  for (int j = 0; j < kTile; ++j, ++off) {
+    const int64_t key = t * kTile + j;
+    if (key >= ctx) {
+      k[j] = v[j] = reinterpret_cast<const T*>(kZeroRow);
+      continue;
+    }
+    if (j == 0 || off == a.block_size) {   // first key of the tile or of a pool block: look it up
+      row = key_row<T>(a, key, 0) + h * HD;
+      off %= a.block_size;
+    } else {
+      row += stride;
+    }
+    k[j] = row;
+    v[j] = row + v_off;
+  }
+}
+
+// In-place transpose of a 16x16 dword matrix: r[i] holds row i before, column i after.
+inline void transpose16x16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {   // interleave dwords of row pairs
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {   // then qwords: 4x4 blocks transposed within each 128-bit lane
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {       // then transpose the 4x4 grid of lanes: column 4L+c = lane L of r[c + 4i]
+    const __m512i a0 = _mm512_shuffle_i32x4(r[c], r[c + 4], 0x44), a1 = _mm512_shuffle_i32x4(r[c], r[c + 4], 0xEE);
+    const __m512i b0 = _mm512_shuffle_i32x4(r[c + 8], r[c + 12], 0x44), b1 = _mm512_shuffle_i32x4(r[c + 8], r[c + 12], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(a0, b0, 0x88);
+    t[c + 4] = _mm512_shuffle_i32x4(a0, b0, 0xDD);
+    t[c + 8] = _mm512_shuffle_i32x4(a1, b1, 0x88);
+    t[c + 12] = _mm512_shuffle_i32x4(a1, b1, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// K tile transpose: kTile rows of W dwords -> [W][kTile] (dword w of key j at w * kTile + j),
+// in 16 keys x 16 dwords blocks (W = 8 loads half rows and keeps half the columns). The row
+// pointers are read as their own type T (reading them as uint32_t* would break strict aliasing).
+template <int W, typename T>
+inline void transpose_rows(const T* const* rows, uint32_t* kt) {
+  constexpr int kC = W < 16 ? W : 16;
+  constexpr __mmask16 mask = __mmask16((1u << kC) - 1);
+  for (int w = 0; w < W; w += kC)
+    for (int g = 0; g < kTile; g += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_maskz_loadu_epi32(mask, reinterpret_cast<const uint32_t*>(rows[g + i]) + w);
+      transpose16x16(r);
+      for (int i = 0; i < kC; ++i) _mm512_storeu_si512(kt + (w + i) * kTile + g, r[i]);
+    }
+}
+
 // Per-dtype parts: packing one tile, scores of kRB rows, value products of one row.
 struct F32 {
   using T = float;
   template <int HD>
   static void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, float* kt, float* vt) {
-    for (int j = 0; j < kTile; ++j) {
-      const int64_t key = t * kTile + j;
-      if (key < ctx) {
-        const float* k = key_row<float>(a, key, 0) + h * HD;
-        const float* v = key_row<float>(a, key, 1) + h * HD;
-        for (int d = 0; d < HD; ++d) kt[d * kTile + j] = k[d];
-        std::memcpy(vt + j * HD, v, HD * 4);
-      } else {
-        for (int d = 0; d < HD; ++d) kt[d * kTile + j] = 0.f;
-        std::memset(vt + j * HD, 0, HD * 4);
-      }
-    }
+    const float *k[kTile], *v[kTile];
+    tile_rows<float, HD>(a, h, t, ctx, k, v);
+    transpose_rows<HD>(k, reinterpret_cast<uint32_t*>(kt));   // K: [d][kTile]
+    for (int j = 0; j < kTile; ++j) std::memcpy(vt + j * HD, v[j], HD * 4);   // V: plain rows
   }
   template <int HD>
   static void scores(const float* q, const float* kt, __m512 (*s)[kNV]) {   // q: kRB rows of HD
@@ -188,19 +245,17 @@ struct BF16 {
   using T = uint16_t;
   template <int HD>
   static void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, uint16_t* kt, uint16_t* vt) {
-    uint32_t* kt32 = reinterpret_cast<uint32_t*>(kt);   // [HD/2][kTile]
-    for (int j = 0; j < kTile; ++j) {
-      const int64_t key = t * kTile + j;
-      if (key < ctx) {
-        const uint32_t* k = reinterpret_cast<const uint32_t*>(key_row<uint16_t>(a, key, 0) + h * HD);
-        const uint16_t* v = key_row<uint16_t>(a, key, 1) + h * HD;
-        for (int dp = 0; dp < HD / 2; ++dp) kt32[dp * kTile + j] = k[dp];
-        for (int d = 0; d < HD; ++d) vt[((j >> 1) * HD + d) * 2 + (j & 1)] = v[d];
-      } else {
-        for (int dp = 0; dp < HD / 2; ++dp) kt32[dp * kTile + j] = 0;
-        for (int d = 0; d < HD; ++d) vt[((j >> 1) * HD + d) * 2 + (j & 1)] = 0;
+    const uint16_t *k[kTile], *v[kTile];
+    tile_rows<uint16_t, HD>(a, h, t, ctx, k, v);
+    // K: rows of HD/2 dwords (dim pairs) -> [HD/2][kTile].
+    transpose_rows<HD / 2>(k, reinterpret_cast<uint32_t*>(kt));
+    // V: keys 2p and 2p+1 interleaved per dim, 16 dims at a time (zero-extend to dwords, merge).
+    for (int p = 0; p < kTile / 2; ++p)
+      for (int d = 0; d < HD; d += 16) {
+        const __m512i even = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v[2 * p] + d)));
+        const __m512i odd = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v[2 * p + 1] + d)));
+        _mm512_storeu_si512(vt + (p * HD + d) * 2, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
       }
-    }
   }
   template <int HD>
   static void scores(const uint16_t* q, const uint16_t* kt, __m512 (*s)[kNV]) {
@@ -299,9 +354,10 @@ void prefill(const Args& a) {
   const float scale = a.scale * 1.4426950408889634f;          // scores in log2 units
 #pragma omp parallel num_threads(a.n_threads)
   {
+    // Each thread packs a run of whole tiles for every KV head: it streams contiguous pool rows.
 #pragma omp for collapse(2) schedule(static)
-    for (int64_t h = 0; h < a.kv_heads; ++h)
-      for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t t = 0; t < tiles; ++t)
+      for (int64_t h = 0; h < a.kv_heads; ++h)
         D::template pack<HD>(a, h, t, ctx, kpack + (h * tiles + t) * tile_elems, vpack + (h * tiles + t) * tile_elems);
     T* qb = new T[rows_max * HD];
     float* o = static_cast<float*>(_mm_malloc(rows_max * HD * sizeof(float), 64));
