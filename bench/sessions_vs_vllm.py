@@ -255,35 +255,52 @@ def ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or not b else f"{a / b:.2f}"
 
 
+def paired_ratio(a: dict, b: dict) -> float | None:
+    """Median over the repeats of a's TTFT / b's TTFT in the same repeat: the two requests ran one
+    right after the other, so the host's load, which moves both, cancels out of each ratio."""
+    pairs = [x / y for x, y in zip(a.get("ttft_all_s", [a["ttft_s"]]), b.get("ttft_all_s", [b["ttft_s"]]),
+                                   strict=True) if x is not None and y]
+    return statistics.median(pairs) if pairs else None
+
+
 def table(rows: dict[str, list[dict]], names: list[str], keys: list[str]) -> list[str]:
     """Markdown rows: the turn keys, prompt tokens, TTFT per server, ratios, cached tokens per server."""
     ratios = [(a, b) for a, b in (("sessions", "none"), ("sessions", "prefix"), ("sessions", "vllm"),
                                   ("prefix", "vllm")) if a in names and b in names]
+    paired = {"sessions", "prefix"} <= set(names)
     head = ([*keys, "prompt tok"] + [f"TTFT {n} (ms)" for n in names] + [f"{a}/{b}" for a, b in ratios]
-            + [f"cached {n}" for n in names])
+            + (["sessions/prefix paired"] if paired else []) + [f"cached {n}" for n in names])
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for i, first in enumerate(rows[names[0]]):
         by = {n: rows[n][i] for n in names}
+        pr = paired_ratio(by["sessions"], by["prefix"]) if paired else None
         cells = ([str(first[k]) for k in keys] + [str(first["prompt_tokens"])]
                  + [ms(by[n]["ttft_s"]) for n in names]
                  + [ratio(by[a]["ttft_s"], by[b]["ttft_s"]) for a, b in ratios]
+                 + ([ratio(pr, 1.0)] if paired else [])
                  + ["-" if by[n]["cached_tokens"] is None else str(by[n]["cached_tokens"]) for n in names])
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
 def targets(rows: dict[str, list[dict]]) -> list[str]:
-    """Acceptance point 8's TTFT targets on seed 003, each with met / not met."""
+    """Acceptance point 8's TTFT targets on seed 003, each with met / not met. 'Sessions <= prefix'
+    is judged on the paired ratio (``paired_ratio``) as well as on the per-turn medians."""
     if not {"sessions", "prefix", "none"} <= rows.keys():
         return []
     s, p, n = (rows[k] for k in ("sessions", "prefix", "none"))
     later = range(1, len(s))
     half = all(s[i]["ttft_s"] <= 0.5 * n[i]["ttft_s"] for i in later)
     not_slower = all(s[i]["ttft_s"] <= p[i]["ttft_s"] for i in range(len(s)))
+    paired = [paired_ratio(s[i], p[i]) for i in range(len(s))]
     worst = max((s[i]["ttft_s"] / n[i]["ttft_s"] for i in later), default=0.0)
     return [f"- turns >= 2: sessions TTFT <= 0.5x no caching: {'met' if half else 'not met'} "
             f"(worst {worst:.2f}x)",
-            f"- sessions TTFT <= prefix caching TTFT at every turn: {'met' if not_slower else 'not met'}"]
+            f"- sessions TTFT <= prefix caching TTFT at every turn, per-turn medians: "
+            f"{'met' if not_slower else 'not met'}",
+            f"- the same, paired (median over repeats of sessions / prefix in the same repeat): "
+            f"{'met' if all(r is not None and r <= 1.0 for r in paired) else 'not met'} "
+            f"(worst {max((r for r in paired if r is not None), default=0.0):.2f}x)"]
 
 
 def plot(results: dict, names: list[str], path: str) -> None:
