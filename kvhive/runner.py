@@ -20,6 +20,12 @@ from kvhive.model.prefill_kernel import CpuPrefillKernel
 from kvhive.sampling import sample_tokens
 from kvhive.step import ScheduledSeq, StepPlan, StepResult
 
+# A chunk of at most this many new tokens over a cached prefix attends as decode rows, one per token
+# (each sees the keys up to its own position), through the decode kernel, which reads the pool as it
+# is: the prefill kernel would pack the whole prefix's K/V, every layer, for a handful of queries
+# (a re-sent prompt whose last partial block is recomputed, a short follow-up turn).
+DECODE_ROWS_MAX = 8
+
 
 @dataclass(frozen=True)
 class StepInputs:
@@ -62,6 +68,7 @@ class ModelRunner:
         # compiler, no AVX-512 for prefill, or native_attention=False).
         native = native_attention and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
         self.decode_kernel = CpuDecodeKernel.load() if native else None
+        self.decode_rows_max = DECODE_ROWS_MAX if self.decode_kernel is not None else 1
         prefill = CpuPrefillKernel.load() if native else None
         self.prefill_kernel = (prefill if prefill is not None and prefill.supports(
             self.dtype, c.num_heads, c.num_kv_heads, c.head_dim) else None)
@@ -114,31 +121,38 @@ class ModelRunner:
         return gen
 
     def _decode_batch(self, decodes: list[ScheduledSeq]) -> DecodeBatch:
-        """Padded block tables and context lengths of the decode sequences (and what their path needs)."""
+        """Padded block tables and context lengths of the decode rows (and what their path needs):
+        one row per new token of each sequence, seeing the keys up to its own position."""
         B, c = self.block_size, self.config
         max_blocks = max((s.context_len + B - 1) // B for s in decodes)
-        tables = np.zeros((len(decodes), max_blocks), dtype=np.int64)
-        ctx = np.empty(len(decodes), dtype=np.int64)
-        for j, s in enumerate(decodes):
-            n = (s.context_len + B - 1) // B
-            tables[j, :n] = s.block_table[:n]       # padding points at block 0, never read unmasked
-            ctx[j] = s.context_len
+        num_rows = sum(s.num_new_tokens for s in decodes)
+        tables = np.zeros((num_rows, max_blocks), dtype=np.int64)
+        ctx = np.empty(num_rows, dtype=np.int64)
+        j = 0
+        for s in decodes:
+            for length in range(s.start_pos + 1, s.context_len + 1):
+                n = (length + B - 1) // B
+                tables[j, :n] = s.block_table[:n]   # padding points at block 0, never read unmasked
+                ctx[j] = length
+                j += 1
         mask = workspace = None
         if self.decode_kernel is None:
             keep = np.arange(max_blocks * B)[None, :] < ctx[:, None]
             mask = torch.from_numpy(keep[:, None, None, :]).to(self.device)
         else:
-            size = CpuDecodeKernel.workspace_size(len(decodes), max_blocks * B, c.num_heads, c.head_dim)
+            size = CpuDecodeKernel.workspace_size(num_rows, max_blocks * B, c.num_heads, c.head_dim)
             workspace = torch.empty(size, dtype=torch.float32)
-        return DecodeBatch(num_seqs=len(decodes), block_tables=torch.from_numpy(tables).to(self.device),
+        return DecodeBatch(num_seqs=num_rows, block_tables=torch.from_numpy(tables).to(self.device),
                            context_lens=torch.from_numpy(ctx).to(self.device), mask=mask,
                            kernel=self.decode_kernel, workspace=workspace)
 
     def prepare_inputs(self, plan: StepPlan) -> StepInputs:
         """Flatten the plan into ids, positions, slot rows and attention metadata (decode first)."""
         B, rpb = self.block_size, self._rows_per_block
-        decodes = [s for s in plan.seqs if s.num_new_tokens == 1]
-        prefills = [s for s in plan.seqs if s.num_new_tokens > 1]
+        as_rows = [s.num_new_tokens == 1 or (s.start_pos > 0 and s.num_new_tokens <= self.decode_rows_max)
+                   for s in plan.seqs]
+        decodes = [s for s, rows in zip(plan.seqs, as_rows, strict=True) if rows]
+        prefills = [s for s, rows in zip(plan.seqs, as_rows, strict=True) if not rows]
         for s in plan.seqs:
             if s.num_new_tokens == 0:
                 raise ValueError(f"request {s.request_id}: nothing to compute")
@@ -150,16 +164,16 @@ class ModelRunner:
         positions: list[np.ndarray] = []
         rows: list[np.ndarray] = []
         sample_rows: list[int] = []
-        # Decode sequences: one token each, at position start_pos.
+        # Decode rows: one token (or a short chunk over a cached prefix) per sequence from start_pos on.
         for s in decodes:
-            p = s.start_pos
+            pos = range(s.start_pos, s.context_len)
             ids.extend(s.token_ids)
-            positions.append(np.array([p]))
-            rows.append(np.array([s.block_table[p // B] * rpb + p % B]))
+            positions.append(np.array(pos))
+            rows.append(np.array([s.block_table[p // B] * rpb + p % B for p in pos]))
         decode = self._decode_batch(decodes) if decodes else None
         # Prefill chunks: contiguous spans.
         spans = []
-        offset = len(decodes)
+        offset = sum(s.num_new_tokens for s in decodes)
         for s in prefills:
             n = s.num_new_tokens
             pos = np.arange(s.start_pos, s.start_pos + n)

@@ -135,6 +135,29 @@ def test_chunked_prefill_over_several_steps(block_size: int, native: bool) -> No
         start += chunk
 
 
+@pytest.mark.parametrize("dtype,tol", [("float32", F32_TOL), ("bfloat16", BF16_TOL)])
+def test_short_chunk_on_a_cached_prefix_attends_as_decode_rows(dtype: str, tol: dict) -> None:
+    runner, blocks = make_runner(16, dtype), Blocks(256, 16, seed=13)
+    a, b, c = prompt(20, 14), prompt(37, 15), prompt(9, 16)
+    ta, tb, tc = blocks.grow([], 21), blocks.grow([], 41), blocks.grow([], 9)
+    step_logits(runner, StepPlan([seq("a", a, 0, ta), seq("b", b[:33], 0, tb)]))
+    # One decode, a 4-token chunk over b's 33 cached tokens (crossing a block edge), a fresh prefill.
+    plan = StepPlan([seq("a", [7], 20, ta), seq("b", b[33:], 33, tb), seq("c", c, 0, tc)])
+    inputs = runner.prepare_inputs(plan)
+    short_rows = runner.decode_kernel is not None
+    assert inputs.attn.decode.num_seqs == (5 if short_rows else 1)
+    assert inputs.sample_rows == [0, 4, 13]          # a's token, b's last token, c's last token
+    got = step_logits(runner, plan)
+    torch.testing.assert_close(got["a"][0], dense_logits(runner.model, a + [7])[-1], **tol)
+    torch.testing.assert_close(got["b"], dense_logits(runner.model, b)[33:], **tol)
+    torch.testing.assert_close(got["c"], dense_logits(runner.model, c), **tol)
+    # The same step with every chunk through the prefill path gives the same greedy tokens.
+    sampled = runner.execute(plan).sampled
+    runner.decode_rows_max = 1
+    assert runner.prepare_inputs(plan).attn.decode.num_seqs == 1
+    assert runner.execute(plan).sampled == sampled
+
+
 @pytest.mark.parametrize("blocked", [True, False], ids=["blocked", "sdpa"])
 def test_long_chunks_on_a_cached_prefix_match_dense(blocked: bool, monkeypatch) -> None:
     """Prefill chunks spanning several query blocks of the blocked attention, first and cached-prefix."""

@@ -7,8 +7,9 @@ Pool layout (one tensor, shared by every layer)::
 A block is contiguous across all layers, so one block can be copied out (CPU, disk, Redis) as a
 single slice. Token at position p of a sequence lives at ``kv_cache[block_table[p // B], :, :, p % B]``.
 
-The runner orders a step's tokens as: decode sequences first (exactly one new token each), then
-prefill chunks (one contiguous span each). Every layer reuses the one ``AttnMetadata`` built per step.
+The runner orders a step's tokens as: decode rows first (one new token each, each seeing the keys
+up to its own position; a short chunk over a cached prefix is one row per token), then prefill
+chunks (one contiguous span each). Every layer reuses the one ``AttnMetadata`` built per step.
 Decode reads K/V straight from the pool with a small C++ kernel on CPU
 (``decode_kernel.CpuDecodeKernel``, built once per machine with the system compiler); elsewhere, or without a compiler, it gathers the
 sequences' blocks and runs one padded SDPA. Prefill chunks attend causally to their whole context
@@ -53,7 +54,7 @@ class PrefillSpan:
 
 @dataclass(frozen=True)
 class DecodeBatch:
-    """The step's decode sequences: the first num_seqs tokens of the batch, one per sequence."""
+    """The step's decode rows: the first num_seqs tokens of the batch, each with its own context."""
 
     num_seqs: int
     block_tables: torch.Tensor          # [num_seqs, max_blocks] int64; padding points at block 0
