@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""One layer of prefill attention: the C++ kernel at an earlier commit against the working tree's.
+
+    python bench/prefill_kernel_ab.py --rev bdd002e          # session 3's kernel vs now
+
+Both kernels run on the same pool (the default model's shapes: 30 layers, 3 KV heads, 9 query heads,
+head_dim 64, shuffled blocks of 16), alternating, min of --repeat runs per round; the table gives ms,
+GFLOP/s and the largest output difference between the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYERS, BLOCK, KV_HEADS, HEADS, HEAD_DIM = 30, 16, 3, 9, 64
+SHAPES = ((1600, 100), (0, 1600), (1536, 64))        # (cached tokens, new tokens)
+
+
+def kernel_at(rev: str | None):
+    """CpuPrefillKernel of ``rev`` (None: the working tree)."""
+    if rev is None:
+        from kvhive.model.prefill_kernel import CpuPrefillKernel
+        return CpuPrefillKernel.load()
+    source = subprocess.run(["git", "show", f"{rev}:kvhive/model/prefill_kernel.py"], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout
+    path = os.path.join(tempfile.mkdtemp(), f"prefill_kernel_{rev}.py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(f"prefill_kernel_{rev}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CpuPrefillKernel.load()
+
+
+def min_ms(kernel, call_args: tuple, repeat: int) -> float:
+    kernel(*call_args)
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        kernel(*call_args)
+        best = min(best, time.perf_counter() - t)
+    return best * 1000
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rev", required=True, help="git revision of the kernel to compare against")
+    ap.add_argument("--repeat", type=int, default=9)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    kernels = {args.rev: kernel_at(args.rev), "now": kernel_at(None)}
+    if None in kernels.values():
+        print("no compiler or no AVX-512: nothing to compare")
+        return 1
+    print(f"| dtype | cached + new | {args.rev} (ms) | now (ms) | GFLOP/s {args.rev} -> now | max diff |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for dtype in (torch.bfloat16, torch.float32):
+        for start, n in SHAPES:
+            blocks = -(-(start + n) // BLOCK)
+            pool = torch.randn(blocks + 3, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
+            ids = torch.randperm(blocks + 3, generator=torch.Generator().manual_seed(0))[:blocks].contiguous()
+            q = torch.randn(n, HEADS, HEAD_DIM).to(dtype)
+            call_args = (q, pool, 5, ids, start)         # layer 5 of the pool
+            outs = {name: k(*call_args).float() for name, k in kernels.items()}
+            best = {name: float("inf") for name in kernels}
+            for _ in range(args.rounds):
+                for name, k in kernels.items():
+                    best[name] = min(best[name], min_ms(k, call_args, args.repeat))
+            gflop = 4 * HEADS * HEAD_DIM * n * (start + n / 2) / 1e9
+            old, now = best[args.rev], best["now"]
+            diff = (outs[args.rev] - outs["now"]).abs().max().item()
+            print(f"| {str(dtype).split('.')[-1]} | {start} + {n} | {old:.2f} | {now:.2f} | "
+                  f"{gflop / old * 1e3:.0f} -> {gflop / now * 1e3:.0f} | {diff:.2g} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
