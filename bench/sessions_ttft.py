@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """TTFT per turn of multi-turn chats: sessions vs prefix caching only vs no caching (kvhive).
 
-    python bench/sessions_ttft.py        # writes bench/results/sessions_ttft.json,
-                                         # docs/benchmarks_sessions.md, docs/sessions_ttft.png
+    python bench/sessions_ttft.py             # writes bench/results/sessions_ttft.json,
+                                              # docs/benchmarks_sessions.md, docs/sessions_ttft.png
+    python bench/sessions_ttft.py --turns 14  # seed 003 up to ~7,700 tokens (context 8,192)
 
 Two workloads on the default model (float32, CPU), in process (``LLMEngine``, no HTTP):
 
-- seed 003: one conversation of 10 turns, ~500 new user tokens per turn plus a 16-token reply
+- seed 003: one conversation of ``--turns`` (10) turns, ~500 new user tokens per turn plus a 16-token reply
   (greedy), the history re-sent each turn, as a chat client does;
 - ../shared/bench/multiturn.py: its shared ~1500-token system prompt, user turns and canned
   replies (the fixed history), 2 conversations x 4 turns, sequential.
@@ -151,7 +152,7 @@ def write_doc(results, path):
              "prefix lookup + allocation). Over real HTTP, with vLLM for CPU beside it: "
              "`bench/sessions_vs_vllm.py` (below).", "",
              "![TTFT per turn](sessions_ttft.png)", "",
-             "## Seed 003: one conversation, 10 turns, ~500 new tokens per turn", "",
+             f"## Seed 003: one conversation, {len(s3['sessions'])} turns, ~500 new tokens per turn", "",
              "| turn | prompt tok | TTFT sessions (ms) | TTFT prefix (ms) | TTFT none (ms) | sessions/none "
              "| sessions/prefix | cached sessions | cached prefix | computed sessions | computed prefix "
              "| schedule sessions (µs) | schedule prefix (µs) |",
@@ -183,7 +184,9 @@ HTTP_SECTION = """## Over HTTP, with vLLM for CPU (bench/sessions_vs_vllm.py)
 
 The same two workloads through `kvhive serve` (sessions via `POST /v1/context` + `x-session-id`,
 prefix caching only, `--no-enable-prefix-caching`) and vLLM for CPU's prefix caching, TTFT from
-streamed responses: [benchmarks_sessions_http.md](benchmarks_sessions_http.md)."""
+streamed responses: session 4 in [sessions_s4/benchmarks_sessions_http.md](sessions_s4/benchmarks_sessions_http.md)
+(vLLM: [sessions_s4_vllm/benchmarks_sessions_http.md](sessions_s4_vllm/benchmarks_sessions_http.md)),
+session 2 in [benchmarks_sessions_http.md](benchmarks_sessions_http.md)."""
 
 
 def warm_up(loaded, tok) -> None:
@@ -194,16 +197,19 @@ def warm_up(loaded, tok) -> None:
 
 
 def main() -> None:
-    # No options; --help must not start a full run that rewrites docs/.
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--turns", type=int, default=10, help="seed 003: turns (14 reach ~7,700 of 8,192 tokens)")
+    args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     path = default_model_path()
     loaded, tok = load_model(path, dtype="float32", device="cpu"), Tokenizer.from_model_path(path)
     results = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "seed003": {}, "multiturn": {}}
     warm_up(loaded, tok)
-    for name, workload in (("seed003", seed003), ("multiturn", multiturn)):
+    workloads = (("seed003", lambda engine, mode: seed003(engine, tok, mode, num_turns=args.turns)),
+                 ("multiturn", lambda engine, mode: multiturn(engine, tok, mode)))
+    for name, workload in workloads:
         engines = {mode: make_engine(loaded, tok, mode) for mode in MODES}
-        results[name] = interleave({mode: workload(engines[mode], tok, mode) for mode in MODES})
+        results[name] = interleave({mode: workload(engines[mode], mode) for mode in MODES})
         del engines
         for mode in MODES:
             print(name, mode, [round(r["ttft_s"] * 1000) for r in results[name][mode]], flush=True)
