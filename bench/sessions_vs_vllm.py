@@ -277,7 +277,7 @@ def table(rows: dict[str, list[dict]], names: list[str], keys: list[str]) -> lis
         cells = ([str(first[k]) for k in keys] + [str(first["prompt_tokens"])]
                  + [ms(by[n]["ttft_s"]) for n in names]
                  + [ratio(by[a]["ttft_s"], by[b]["ttft_s"]) for a, b in ratios]
-                 + ([ratio(pr, 1.0)] if paired else [])
+                 + (["-" if pr is None else f"{pr:.2f}"] if paired else [])
                  + ["-" if by[n]["cached_tokens"] is None else str(by[n]["cached_tokens"]) for n in names])
         lines.append("| " + " | ".join(cells) + " |")
     return lines

@@ -149,16 +149,16 @@ class ModelRunner:
     def prepare_inputs(self, plan: StepPlan) -> StepInputs:
         """Flatten the plan into ids, positions, slot rows and attention metadata (decode first)."""
         B, rpb = self.block_size, self._rows_per_block
-        as_rows = [s.num_new_tokens == 1 or (s.start_pos > 0 and s.num_new_tokens <= self.decode_rows_max)
-                   for s in plan.seqs]
-        decodes = [s for s, rows in zip(plan.seqs, as_rows, strict=True) if rows]
-        prefills = [s for s, rows in zip(plan.seqs, as_rows, strict=True) if not rows]
+        decodes: list[ScheduledSeq] = []
+        prefills: list[ScheduledSeq] = []
         for s in plan.seqs:
             if s.num_new_tokens == 0:
                 raise ValueError(f"request {s.request_id}: nothing to compute")
             if len(s.block_table) * B < s.context_len:
                 raise ValueError(f"request {s.request_id}: {len(s.block_table)} blocks cannot hold "
                                  f"{s.context_len} tokens")
+            as_rows = s.num_new_tokens == 1 or (s.start_pos > 0 and s.num_new_tokens <= self.decode_rows_max)
+            (decodes if as_rows else prefills).append(s)
 
         ids: list[int] = []
         positions: list[np.ndarray] = []
@@ -171,9 +171,9 @@ class ModelRunner:
             positions.append(np.array(pos))
             rows.append(np.array([s.block_table[p // B] * rpb + p % B for p in pos]))
         decode = self._decode_batch(decodes) if decodes else None
-        # Prefill chunks: contiguous spans.
+        # Prefill chunks: contiguous spans after the decode rows.
         spans = []
-        offset = sum(s.num_new_tokens for s in decodes)
+        offset = len(ids)
         for s in prefills:
             n = s.num_new_tokens
             pos = np.arange(s.start_pos, s.start_pos + n)

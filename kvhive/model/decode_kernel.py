@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvhive.model.native import AVX512_EXP2, AVX512_SUM16, BF16_SCALAR, build_library
+from kvhive.model.native import AVX512_EXP2, AVX512_SUM16, BF16_SCALAR, DEFAULT_FLAGS, build_library
 
 if TYPE_CHECKING:
     from kvhive.model.attention import DecodeBatch
@@ -42,8 +42,7 @@ class CpuDecodeKernel:
     @classmethod
     def load(cls, cache_dir: str | None = None) -> CpuDecodeKernel | None:
         """The kernel, compiled on first use per machine into cache_dir; None without a compiler."""
-        lib = build_library("decode", _KERNEL_SOURCE,
-                            ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"), cache_dir)
+        lib = build_library("decode", _KERNEL_SOURCE, (*DEFAULT_FLAGS, "-ffast-math"), cache_dir)
         return None if lib is None else cls(lib)
 
     @staticmethod

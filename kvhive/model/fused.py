@@ -16,7 +16,7 @@ import ctypes
 
 import torch
 
-from kvhive.model.native import AVX512_EXP2, BF16_SCALAR, build_library
+from kvhive.model.native import AVX512_EXP2, BF16_SCALAR, DEFAULT_FLAGS, build_library
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -36,13 +36,8 @@ class FusedOps:
 
     @classmethod
     def load(cls, cache_dir: str | None = None) -> FusedOps | None:
-        lib = build_library("fused", _SOURCE, ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared",
-                                               "-fPIC"), cache_dir)
+        lib = build_library("fused", _SOURCE, (*DEFAULT_FLAGS, "-ffast-math"), cache_dir)
         return None if lib is None else cls(lib)
-
-    @staticmethod
-    def supports(t: torch.Tensor) -> bool:
-        return t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16)
 
     @staticmethod
     def _threads(rows: int) -> int:

@@ -55,8 +55,7 @@ class CpuPrefillKernel:
     @classmethod
     def load(cls, cache_dir: str | None = None) -> CpuPrefillKernel | None:
         """The kernel, compiled on first use per machine; None without a compiler or AVX-512."""
-        lib = build_library("prefill", _KERNEL_SOURCE,
-                            ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"), cache_dir)
+        lib = build_library("prefill", _KERNEL_SOURCE, cache_dir=cache_dir)
         if lib is None:
             return None
         kernel = cls(lib)
@@ -200,7 +199,7 @@ inline void transpose_rows(const T* const* rows, uint32_t* kt) {
     }
 }
 
-// Per-dtype parts: packing one tile, scores of kRB rows, value products of one row.
+// Per-dtype parts: packing one tile, scores of kRB rows, value products of R rows into their accumulators.
 struct F32 {
   using T = float;
   template <int HD>

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvhive.model.native import AVX512_SUM16, BF16_SCALAR, build_library
+from kvhive.model.native import AVX512_SUM16, BF16_SCALAR, DEFAULT_FLAGS, build_library
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class QuantMatmul:
         ``portable`` forces the portable path (tests use it to check both).
         """
         # No -ffast-math, no contraction: d * q + m must round twice, as gguf's numpy code does.
-        flags = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
+        flags = (*DEFAULT_FLAGS, "-ffp-contract=off")
         if portable:
             flags = ("-DKVHIVE_PORTABLE", *flags)
         lib = build_library("qmatmul", _KERNEL_SOURCE, flags, cache_dir)
