@@ -4,6 +4,7 @@
     python bench/forward_speed.py                       # prefill 1024/1600, decode batch 1/8 at 1600
     python bench/forward_speed.py --dtype bfloat16 --profile decode8
     python bench/forward_speed.py --matmuls             # projections by rows: GGUF blocks vs dense
+    python bench/forward_speed.py --device cuda --dtype float32 --profile long   # on a GPU
 
 Times are medians of --repeat runs after one warm-up, with torch.set_num_threads(--threads).
 """
@@ -50,13 +51,20 @@ def warm_prefill_plan(prefix: int, new: int) -> StepPlan:
     return StepPlan([ScheduledSeq("warm", tokens, prefix, table, True, GREEDY)])
 
 
+def sync(runner: ModelRunner) -> None:
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+
+
 def timed(runner: ModelRunner, plan: StepPlan, repeat: int) -> str:
     """'min / median ms' over repeat runs after one warm-up (the machine may be shared: min is the signal)."""
     runner.execute(plan)
     times = []
     for _ in range(repeat):
+        sync(runner)
         t = time.perf_counter()
         runner.execute(plan)
+        sync(runner)
         times.append((time.perf_counter() - t) * 1000)
     return f"{min(times):8.1f} / {statistics.median(times):8.1f} ms"
 
@@ -111,7 +119,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--context", type=int, default=1600)
-    parser.add_argument("--profile", choices=["prefill", "warm", "decode1", "decode8"], default=None)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--profile", choices=["prefill", "warm", "long", "decode1", "decode8"], default=None,
+                        help="profile one step instead (long: 2,048 new tokens on a cached 3,456)")
     parser.add_argument("--matmuls", action="store_true",
                         help="only time all layers' projections: GGUF blocks vs the dense copy, by rows "
                              "(activations in --dtype, default both)")
@@ -121,24 +131,30 @@ def main() -> None:
         time_matmuls(args.repeat, [args.dtype] if args.dtype else ["float32", "bfloat16"])
         return
     for dtype in [args.dtype] if args.dtype else ["float32", "bfloat16"]:
-        loaded = load_model(default_model_path(), dtype=dtype)
-        num_blocks = 8 * (args.context // BLOCK + 2) + 2 * (1600 // BLOCK + 2)
-        runner = ModelRunner(loaded.model, loaded.config, num_blocks, BLOCK, dtype)
+        loaded = load_model(default_model_path(), dtype=dtype, device=args.device)
+        num_blocks = max(8 * (args.context // BLOCK + 2), 5504 // BLOCK + 2) + 2 * (1600 // BLOCK + 2)
+        runner = ModelRunner(loaded.model, loaded.config, num_blocks, BLOCK, dtype, device=args.device)
         plans = {"prefill": prefill_plan(1600), "warm": warm_prefill_plan(1536, 64),
+                 "long": warm_prefill_plan(3456, 2048),
                  "decode1": decode_plan(1, args.context), "decode8": decode_plan(8, args.context)}
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
+            cuda = runner.device.type == "cuda"
             runner.execute(plans[args.profile])
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            sync(runner)
+            with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
                 runner.execute(plans[args.profile])
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+                sync(runner)
+            sort = "cuda_time_total" if cuda else "self_cpu_time_total"
+            print(prof.key_averages().table(sort_by=sort, row_limit=25))
             continue
         print(f"{dtype}: min / median of {args.repeat} runs (decode: {4 * args.repeat} steps)")
         for n in (1024, 1600):
             print(f"  prefill {n:5d} tokens:               {timed(runner, prefill_plan(n), args.repeat)}")
         runner.execute(prefill_plan(1600))                       # the prefix the warm turn reads
         print(f"  prefill 64 on a cached 1536 prefix:  {timed(runner, warm_prefill_plan(1536, 64), args.repeat)}")
+        print(f"  prefill 2048 on a cached 3456:       {timed(runner, plans['long'], args.repeat)}")
         for batch in (1, 8):
             ms = timed(runner, decode_plan(batch, args.context), args.repeat * 4)
             print(f"  decode batch {batch}, context {args.context}:     {ms} per step")

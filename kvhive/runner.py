@@ -185,7 +185,8 @@ class ModelRunner:
             if s.start_pos > 0 or self.prefill_kernel is not None:
                 n_blocks = (s.context_len + B - 1) // B
                 block_ids = torch.from_numpy(table[:n_blocks]).to(self.device)
-            if s.start_pos > 0 and self.prefill_kernel is None:
+            if s.start_pos > 0 and self.prefill_kernel is None and self.device.type == "cpu":
+                # (CUDA needs no mask tensor: its SDPA takes the lower-right causal bias.)
                 keep = np.arange(s.context_len)[None, :] <= pos[:, None]
                 mask = torch.from_numpy(keep).to(self.device)
             spans.append(PrefillSpan(offset, offset + n, s.start_pos, block_ids, mask))

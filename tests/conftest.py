@@ -32,6 +32,9 @@ SERVED_MODEL_NAME = "smollm2-135m"
 FAULT_TOKEN_IDS = [0, 0, 0, 0]          # a completion prompt starting with these fails in --faulty servers
 TINY_API_KEY = "tiny-test-key"
 TINY_MAX_MODEL_LEN = 512
+# The device the servers these fixtures start run on: "cpu" (CI), or e.g. "cuda" to run the HTTP
+# end-to-end tests on a GPU (``KVHIVE_TEST_DEVICE=cuda pytest -m e2e``).
+TEST_DEVICE = os.environ.get("KVHIVE_TEST_DEVICE", "cpu")
 
 
 @dataclass
@@ -158,6 +161,7 @@ def _build_engine(args: argparse.Namespace):  # -> AsyncEngine (imports stay ins
     prefix = not args.no_prefix_caching
     if args.model == "default":
         config = EngineConfig(model_path=default_model_path(), served_model_name=SERVED_MODEL_NAME,
+                              device=TEST_DEVICE,
                               cache=CacheConfig(kv_cache_gb=0.25, num_blocks=args.num_blocks,
                                                 enable_prefix_caching=prefix),
                               scheduler=scheduler, store=store, sessions=sessions)
@@ -172,8 +176,9 @@ def _build_engine(args: argparse.Namespace):  # -> AsyncEngine (imports stay ins
         tokenizer = Tokenizer.from_model_path(default_model_path())
         model_config = tiny.tiny_config(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_token_id,
                                         eos_token_ids=tokenizer.eos_token_ids)
-        loaded = LoadedModel(model_config, tiny.tiny_model(model_config), "tiny-server-test")
+        loaded = LoadedModel(model_config, tiny.tiny_model(model_config, device=TEST_DEVICE), "tiny-server-test")
         config = EngineConfig(model_path=default_model_path(), served_model_name=SERVED_MODEL_NAME,
+                              device=TEST_DEVICE,
                               cache=CacheConfig(num_blocks=args.num_blocks or 256, enable_prefix_caching=prefix),
                               scheduler=scheduler, store=store, sessions=sessions)
         engine = LLMEngine(config, loaded=loaded, tokenizer=tokenizer)

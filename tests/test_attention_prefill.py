@@ -78,6 +78,17 @@ def test_runner_mask_is_honoured_by_sdpa(monkeypatch) -> None:
     torch.testing.assert_close(prefill_attention(q, k, v, mask), reference(q, k, v), **F32_TOL)
 
 
+@pytest.mark.parametrize("n,prefix", [(1, 0), (17, 0), (17, 37), (50, 5), (3, 61)])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_fused_sdpa_path_matches_reference(n: int, prefix: int, heads: int, kv_heads: int, device: str) -> None:
+    """The path CUDA takes (KV heads repeated, lower-right causal bias instead of a mask tensor)."""
+    q, k, v = inputs(n, prefix, heads, kv_heads, 16, torch.float32)
+    got = attention._fused_sdpa_prefill(q.to(device), k.to(device), v.to(device))
+    torch.testing.assert_close(got.reshape(n, -1).cpu(), reference(q, k, v), **F32_TOL)
+
+
 def test_blocked_equals_sdpa_at_a_real_shape(monkeypatch) -> None:
     """SmolLM2-135M's attention shape, several default-sized blocks, on a cached prefix."""
     q, k, v = inputs(300, 100, 9, 3, 64, torch.float32, seed=1)

@@ -14,6 +14,7 @@ import threading
 import time
 
 import httpx
+from conftest import TEST_DEVICE
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LONG_PROMPT = " ".join(f"Item {i}: the {['red', 'blue', 'green'][i % 3]} box holds {i * 7 % 50} marbles."
@@ -30,8 +31,8 @@ class ServeProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="kvhive-tiers-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "kvhive.cli", "serve", "--port", str(self.port), "--num-threads", "2",
-               "--log-level", "warning", *flags]
-        env = {**os.environ, "PYTHONPATH": REPO_ROOT}
+               "--log-level", "warning", "--device", TEST_DEVICE, *flags]
+        env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -23,9 +23,10 @@ def tiny_config(**overrides: object) -> ModelConfig:
 
 
 def tiny_model(config: ModelConfig | None = None, seed: int = 0, dtype: str = "float32",
-               qkv_bias: bool = False, pack: bool = False) -> LlamaModel:
-    """A deterministic random-weight LlamaModel on CPU (oneDNN-packed weights when pack=True)."""
-    model = LlamaModel.random_init(config or tiny_config(), seed=seed, dtype=dtype, qkv_bias=qkv_bias)
+               qkv_bias: bool = False, pack: bool = False, device: str = "cpu") -> LlamaModel:
+    """A deterministic random-weight LlamaModel (oneDNN-packed weights when pack=True, CPU only)."""
+    model = LlamaModel.random_init(config or tiny_config(), seed=seed, dtype=dtype, device=device,
+                                   qkv_bias=qkv_bias)
     if pack:
         model.pack_weights()
     return model

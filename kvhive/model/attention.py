@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 if TYPE_CHECKING:
     from kvhive.model.decode_kernel import CpuDecodeKernel
@@ -166,6 +167,8 @@ PREFILL_QUERY_BLOCK = 64
 def _sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """prefill_attention by torch's SDPA: [n, heads, hd]."""
     n, ctx = q.shape[0], k.shape[0]
+    if q.device.type == "cuda":
+        return _fused_sdpa_prefill(q, k, v)
     # SDPA gets 4-D [1, heads, len, hd] views: 3-D inputs fall back to the slow math kernel on CPU.
     qs, ks, vs = (t[None].transpose(1, 2) for t in (q, k, v))
     if ctx == n:
@@ -174,6 +177,28 @@ def _sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
         if mask is None:
             mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril_(ctx - n)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+def _fused_sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """prefill_attention as CUDA runs it: [n, heads, hd], by the fused SDPA kernels (flash for 16-bit
+    types, memory-efficient for float32). It runs on CPU too (tests check it there).
+
+    Two things would send SDPA to its unfused math kernel, which writes the whole [heads, n, ctx]
+    score matrix (3.5x slower for 2,048 new tokens on 3,456 cached, H100, float32): ``enable_gqa``
+    and a dense boolean mask. So KV heads are repeated to the query heads, and a chunk over a cached
+    prefix gets the lower-right causal bias (query i sees keys up to ctx - n + i), which the fused
+    kernels apply without a mask tensor.
+    """
+    n, ctx = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    qs, ks, vs = (t[None].transpose(1, 2) for t in (q, k, v))
+    if ctx == n:
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+    else:
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=causal_lower_right(n, ctx))
     return o[0].transpose(0, 1)
 
 
