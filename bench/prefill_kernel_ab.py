@@ -26,19 +26,33 @@ SHAPES = ((1600, 100), (0, 1600), (1536, 64))        # (cached tokens, new token
 
 
 def kernel_at(rev: str | None):
-    """CpuPrefillKernel of ``rev`` (None: the working tree)."""
+    """CpuPrefillKernel of ``rev`` (None: the working tree): that commit's ``kvhive/model`` (its
+    prefill_kernel.py, native.py and C++ sources) is unpacked and loaded beside the installed package."""
     if rev is None:
         from kvhive.model.prefill_kernel import CpuPrefillKernel
         return CpuPrefillKernel.load()
-    source = subprocess.run(["git", "show", f"{rev}:kvhive/model/prefill_kernel.py"], cwd=ROOT, check=True,
-                            capture_output=True, text=True).stdout
-    path = os.path.join(tempfile.mkdtemp(), f"prefill_kernel_{rev}.py")
+    archive = subprocess.run(["git", "archive", rev, "kvhive/model"], cwd=ROOT, check=True,
+                             capture_output=True).stdout
+    tmp = tempfile.mkdtemp()
+    subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+    model_dir = os.path.join(tmp, "kvhive", "model")
+    native_name = f"native_{rev}"
+    load_module(native_name, os.path.join(model_dir, "native.py"))
+    path = os.path.join(model_dir, "prefill_kernel.py")
+    with open(path) as f:
+        source = f.read().replace("from kvhive.model.native import", f"from {native_name} import")
     with open(path, "w") as f:
         f.write(source)
-    spec = importlib.util.spec_from_file_location(f"prefill_kernel_{rev}", path)
+    return load_module(f"prefill_kernel_{rev}", path).CpuPrefillKernel.load()
+
+
+def load_module(name: str, path: str):
+    """Import the file at ``path`` as module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
-    return module.CpuPrefillKernel.load()
+    return module
 
 
 def min_ms(kernel, call_args: tuple, repeat: int) -> float:

@@ -1,0 +1,391 @@
+// Decode attention read straight from kvhive's KV pool [blocks, layers, 2, block_size, kv_heads, head_dim].
+// Work items are (kv head, chunk of keys, sequences): the sequences of a batch whose chunk lies in the
+// same pool blocks (a shared cached prefix) are one item, which reads each K/V row once for all of
+// them. Each (sequence, head, chunk) leaves a partial softmax; the partials merge by their maxima.
+// head_dim 64 with up to 4 queries per KV head (SmolLM2, Llama-style GQA) has an AVX-512 path;
+// other shapes take a generic one.
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+#include "bf16.h"
+inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
+inline void to_float(const uint16_t* src, float* dst, int64_t n) {  // bfloat16: the top half of a float
+  uint32_t bits[256];
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) bits[i] = uint32_t(src[i]) << 16;
+  std::memcpy(dst, bits, n * 4);
+}
+inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
+inline void from_float(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+}
+
+struct Args {
+  const void* q; int64_t q_stride; const void* pool; const int64_t* tables; const int64_t* ctx_lens;
+  int64_t n_seqs, max_blocks, num_layers, layer, block_size, kv_heads, group, head_dim;
+  float scale; int64_t chunk; void* out; float* ws; int n_threads;
+};
+
+constexpr int64_t kMaxShare = 8;   // sequences per work item
+
+// One work item: keys [begin, end) of kv head h, chunk c, for sequences seqs[0:count] (same blocks).
+struct Work { int64_t h, c, begin, end; const int64_t* seqs; int64_t count, n_chunks; };
+
+// Per-thread scratch: scores [group, chunk], the chunk's row pointers, running softmax states.
+struct Scratch { float* scores; const void** rows; float* state; };
+
+// Where the partial of (sequence n, item w) goes: per query of the group, acc[head_dim], max, sum.
+inline float* partial(const Args& a, const Work& w, int64_t n) {
+  return a.ws + ((n * a.kv_heads + w.h) * w.n_chunks + w.c) * a.group * (a.head_dim + 2);
+}
+
+// Generic path, one sequence at a time. HD, G: 0 = runtime.
+template <typename T, int HD, int G>
+void chunk_partials(const Args& a, int64_t n, int64_t h, int64_t begin, int64_t end, float* scores, float* ws) {
+  const int64_t hd = HD ? HD : a.head_dim, group = G ? G : a.group, bs = a.block_size, len = end - begin;
+  const int64_t row_stride = a.kv_heads * hd, layer_stride = 2 * bs * row_stride;
+  const T* pool = static_cast<const T*>(a.pool) + a.layer * layer_stride + h * hd;
+  const int64_t* table = a.tables + n * a.max_blocks;
+  float q[16 * 256], row[256], acc[16 * 256];
+  for (int64_t g = 0; g < group; ++g) {
+    to_float(static_cast<const T*>(a.q) + n * a.q_stride + (h * group + g) * hd, q + g * hd, hd);
+    for (int64_t d = 0; d < hd; ++d) q[g * hd + d] *= a.scale;
+  }
+  const T* block = nullptr;                 // chunks start on block boundaries
+  for (int64_t j = 0; j < len; ++j) {
+    if ((begin + j) % bs == 0) block = pool + table[(begin + j) / bs] * a.num_layers * layer_stride;
+    to_float(block + ((begin + j) % bs) * row_stride, row, hd);
+    for (int64_t g = 0; g < group; ++g) {
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < hd; ++d) s += q[g * hd + d] * row[d];
+      scores[g * len + j] = s;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * len;
+    float m = -FLT_MAX, l = 0.f;
+    for (int64_t j = 0; j < len; ++j) m = std::max(m, sg[j]);
+#pragma omp simd reduction(+ : l)
+    for (int64_t j = 0; j < len; ++j) { sg[j] = std::exp(sg[j] - m); l += sg[j]; }
+    ws[g * (hd + 2) + hd] = m;
+    ws[g * (hd + 2) + hd + 1] = l;
+    std::fill(acc + g * hd, acc + (g + 1) * hd, 0.f);
+  }
+  for (int64_t j = 0; j < len; ++j) {
+    if ((begin + j) % bs == 0) block = pool + table[(begin + j) / bs] * a.num_layers * layer_stride + bs * row_stride;
+    to_float(block + ((begin + j) % bs) * row_stride, row, hd);
+    for (int64_t g = 0; g < group; ++g) {
+      const float w = scores[g * len + j];
+#pragma omp simd
+      for (int64_t d = 0; d < hd; ++d) acc[g * hd + d] += w * row[d];
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) std::memcpy(ws + g * (hd + 2), acc + g * hd, hd * 4);
+}
+
+template <typename T, int HD, int G>
+void each_sequence(const Args& a, const Work& w, Scratch& tmp) {
+  for (int64_t s = 0; s < w.count; ++s)
+    chunk_partials<T, HD, G>(a, w.seqs[s], w.h, w.begin, w.end, tmp.scores, partial(a, w, w.seqs[s]));
+}
+
+#ifdef __AVX512F__
+constexpr int64_t kStepKeys = 32;  // keys per online-softmax step: their K and V rows stay in L1
+constexpr int64_t kAhead = 8;      // rows prefetched ahead into L1
+
+#include "avx512_sum16.h"
+
+#include "avx512_exp2.h"
+
+// A row of 64 values as four float32 vectors. bfloat16 rows come out as the even then the odd dims
+// of each half (0 2 .. 30 | 1 3 .. 31 | 32 34 .. 62 | 33 35 .. 63): a shift and a mask, no
+// shuffles. Dot products with a query loaded the same way do not care; the V sums are put back
+// in order once per item (natural_order).
+inline void load_row(const float* p, __m512 (&r)[4]) {
+  for (int c = 0; c < 4; ++c) r[c] = _mm512_loadu_ps(p + 16 * c);
+}
+inline void load_row(const uint16_t* p, __m512 (&r)[4]) {
+  const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
+  for (int c = 0; c < 2; ++c) {
+    const __m512i w = _mm512_loadu_si512(p + 32 * c);
+    r[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    r[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(w, high));
+  }
+}
+inline void natural_order(const float* loaded, float* out, float) { std::memcpy(out, loaded, 64 * 4); }
+inline void natural_order(const float* loaded, float* out, uint16_t) {
+  for (int half = 0; half < 2; ++half)
+    for (int i = 0; i < 16; ++i) {
+      out[32 * half + 2 * i] = loaded[32 * half + i];
+      out[32 * half + 2 * i + 1] = loaded[32 * half + 16 + i];
+    }
+}
+
+// The pool is read in block-table order, which hardware prefetchers cannot follow across blocks.
+template <int HINT = _MM_HINT_T0, typename T>
+inline void prefetch_row(const T* p) {
+  for (int line = 0; line < int(64 * sizeof(T) / 64); ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + 64 * line, _mm_hint(HINT));
+}
+
+
+// part[g][jj] = a vector whose sum is q[g] . row, for G queries loaded by load_queries.
+template <int G, typename T>
+inline void dot_rows(const __m512 (&q)[G][4], const T* row, __m512 (*part)[16], int jj) {
+  __m512 k[4];
+  load_row(row, k);
+  for (int g = 0; g < G; ++g)
+    part[g][jj] = _mm512_fmadd_ps(q[g][3], k[3], _mm512_fmadd_ps(q[g][2], k[2],
+                  _mm512_fmadd_ps(q[g][1], k[1], _mm512_mul_ps(q[g][0], k[0]))));
+}
+template <int G, typename T>
+inline void load_queries(const T* first, __m512 (&q)[G][4]) {
+  for (int g = 0; g < G; ++g) load_row(first + g * 64, q[g]);
+}
+#ifdef __AVX512BF16__
+// bfloat16 keys: pairs of products summed by vdpbf16ps (exact products, float32 sums), with the
+// queries' raw bfloat16 pairs in q[g][0:2].
+template <int G>
+inline void dot_rows(const __m512 (&q)[G][4], const uint16_t* row, __m512 (*part)[16], int jj) {
+  const __m512bh k0 = (__m512bh)_mm512_loadu_si512(row), k1 = (__m512bh)_mm512_loadu_si512(row + 32);
+  for (int g = 0; g < G; ++g)
+    part[g][jj] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q[g][0], k0),
+                                   (__m512bh)q[g][1], k1);
+}
+template <int G>
+inline void load_queries(const uint16_t* first, __m512 (&q)[G][4]) {
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 2; ++c) q[g][c] = _mm512_castsi512_ps(_mm512_loadu_si512(first + g * 64 + 32 * c));
+}
+#endif
+
+// Scores of one step's keys [j0, j0 + nk) for the G queries: log2(e) * scale * q . k, 16 keys per
+// horizontal-sum tree. The first member of an item prefetches the rows the others then find in L1.
+template <typename T, int G>
+void step_scores(const Args& a, const __m512 (&q)[G][4], const T* const* rows, int64_t len, int64_t j0,
+                 int64_t nk, bool first, float* scores) {
+  for (int64_t k0 = 0; k0 < nk; k0 += 16) {
+    const int nkk = int(std::min<int64_t>(16, nk - k0));
+    __m512 part[G][16];
+    for (int jj = 0; jj < nkk; ++jj) {
+      const int64_t j = j0 + k0 + jj;
+      if (first) prefetch_row(rows[std::min(len - 1, j + kAhead)]);
+      dot_rows(q, rows[j], part, jj);
+    }
+    const __m512 scale = _mm512_set1_ps(a.scale * float(M_LOG2E));
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * kStepKeys + k0, _mm512_mul_ps(sum16(part[g], nkk), scale));
+  }
+}
+
+// Online softmax over one step: scores become 2^(score - new max) (0 past nk); a query's running
+// max and sum update in its state; returns how much its earlier V sums shrink.
+inline float softmax_step(float* sg, int64_t nk, float* st) {
+  constexpr int hd = 64;
+  __m512 top = _mm512_set1_ps(st[hd]);
+  for (int64_t k0 = 0; k0 < nk; k0 += 16)
+    top = _mm512_mask_max_ps(top, __mmask16((1u << std::min<int64_t>(16, nk - k0)) - 1), top, _mm512_loadu_ps(sg + k0));
+  const float m = _mm512_reduce_max_ps(top);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < nk; k0 += 16) {
+    const __mmask16 valid = __mmask16((1u << std::min<int64_t>(16, nk - k0)) - 1);
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + k0), _mm512_set1_ps(m))));
+    _mm512_storeu_ps(sg + k0, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  const float rescale = st[hd] == -FLT_MAX ? 0.f : _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(st[hd] - m)));
+  st[hd] = m;
+  st[hd + 1] = st[hd + 1] * rescale + _mm512_reduce_add_ps(sum);
+  return rescale;
+}
+
+// state acc = rescale * acc + sum over the step's keys of p_j v_j, in G x 4 vector accumulators.
+template <typename T, int G>
+void step_values(const T* const* rows, int64_t len, int64_t j0, int64_t nk, int64_t v_offset, bool first,
+                 const float* scores, const float (&rescale)[G], float* state) {
+  constexpr int64_t kState = 66;
+  __m512 acc[G][4];                                   // constant indices only, so: registers
+#pragma GCC unroll 16
+  for (int i = 0; i < 4 * G; ++i)
+    acc[i / 4][i % 4] = _mm512_mul_ps(_mm512_loadu_ps(state + (i / 4) * kState + 16 * (i % 4)),
+                                      _mm512_set1_ps(rescale[i / 4]));
+  for (int64_t j = 0; j < nk; ++j) {
+    if (first) prefetch_row(rows[std::min(len - 1, j0 + j + kAhead)] + v_offset);
+    __m512 v[4];
+    load_row(rows[j0 + j] + v_offset, v);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * kStepKeys + j]);
+      for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < 4 * G; ++i) _mm512_storeu_ps(state + (i / 4) * kState + 16 * (i % 4), acc[i / 4][i % 4]);
+}
+
+// One item for head_dim 64 and G <= 4 queries per kv head: online softmax over steps of kStepKeys
+// keys, each step's K and V rows read from memory once and then from L1 by every member sequence.
+template <typename T, int G>
+void shared_chunk(const Args& a, const Work& w, Scratch& tmp) {
+  constexpr int64_t hd = 64, kState = hd + 2;   // state per query: acc (load_row's order), max, sum
+  const int64_t bs = a.block_size, len = w.end - w.begin, row_stride = a.kv_heads * hd;
+  const int64_t layer_stride = 2 * bs * row_stride, block_stride = a.num_layers * layer_stride;
+  const int64_t v_offset = bs * row_stride;
+  const T* pool = static_cast<const T*>(a.pool) + a.layer * layer_stride + w.h * hd;
+  const int64_t* table = a.tables + w.seqs[0] * a.max_blocks;   // every member has these blocks
+  const T** rows = reinterpret_cast<const T**>(tmp.rows);
+  for (int64_t j = 0; j < len; j += bs) {                       // chunks start on block boundaries
+    const T* block = pool + table[(w.begin + j) / bs] * block_stride;
+    for (int64_t r = 0; r < std::min(bs, len - j); ++r) rows[j + r] = block + r * row_stride;
+  }
+  for (int64_t i = 0; i < w.count * G; ++i) {
+    std::fill(tmp.state + i * kState, tmp.state + i * kState + hd, 0.f);
+    tmp.state[i * kState + hd] = -FLT_MAX;
+    tmp.state[i * kState + hd + 1] = 0.f;
+  }
+  for (int64_t j0 = 0; j0 < len; j0 += kStepKeys) {
+    const int64_t nk = std::min(kStepKeys, len - j0);
+    for (int64_t j = j0 == 0 ? 0 : j0 + kStepKeys; j < std::min(len, j0 + 2 * kStepKeys); ++j) {
+      prefetch_row<_MM_HINT_T1>(rows[j]);                       // this and the next step into L2
+      prefetch_row<_MM_HINT_T1>(rows[j] + v_offset);
+    }
+    for (int64_t s = 0; s < w.count; ++s) {
+      float* state = tmp.state + s * G * kState;
+      __m512 q[G][4];
+      load_queries(static_cast<const T*>(a.q) + w.seqs[s] * a.q_stride + w.h * G * hd, q);
+      step_scores(a, q, rows, len, j0, nk, s == 0, tmp.scores);
+      float rescale[G];
+      for (int g = 0; g < G; ++g) rescale[g] = softmax_step(tmp.scores + g * kStepKeys, nk, state + g * kState);
+      step_values(rows, len, j0, nk, v_offset, s == 0, tmp.scores, rescale, state);
+    }
+  }
+  for (int64_t s = 0; s < w.count; ++s) {
+    float* out = partial(a, w, w.seqs[s]);
+    for (int g = 0; g < G; ++g) {
+      const float* st = tmp.state + (s * G + g) * kState;
+      natural_order(st, out + g * kState, T());
+      out[g * kState + hd] = st[hd] * float(M_LN2);           // the merge works in natural log units
+      out[g * kState + hd + 1] = st[hd + 1];
+    }
+  }
+}
+#endif
+
+template <typename T>
+using ItemFn = void (*)(const Args&, const Work&, Scratch&);
+
+template <typename T>
+ItemFn<T> pick(int64_t hd, int64_t g) {
+#ifdef __AVX512F__
+  if (hd == 64) switch (g) { case 1: return shared_chunk<T, 1>; case 2: return shared_chunk<T, 2>;
+    case 3: return shared_chunk<T, 3>; case 4: return shared_chunk<T, 4>; }
+#endif
+#define CASES(H) if (hd == H) switch (g) { case 1: return each_sequence<T, H, 1>; \
+  case 2: return each_sequence<T, H, 2>; case 3: return each_sequence<T, H, 3>; \
+  case 4: return each_sequence<T, H, 4>; case 6: return each_sequence<T, H, 6>; \
+  case 8: return each_sequence<T, H, 8>; }
+  CASES(64) CASES(128)
+#undef CASES
+  return each_sequence<T, 0, 0>;
+}
+
+// Keys [begin, end) of sequence n in chunk c; empty past its context.
+inline void chunk_range(const Args& a, int64_t n, int64_t c, int64_t& begin, int64_t& end) {
+  begin = c * a.chunk;
+  end = std::min(a.ctx_lens[n], begin + a.chunk);
+}
+
+// Whether sequences n and m read the same keys, from the same blocks, in chunk c.
+inline bool same_chunk(const Args& a, int64_t n, int64_t m, int64_t c) {
+  int64_t begin, end, begin_m, end_m;
+  chunk_range(a, n, c, begin, end);
+  chunk_range(a, m, c, begin_m, end_m);
+  if (end != end_m) return false;
+  const int64_t* tn = a.tables + n * a.max_blocks;
+  const int64_t* tm = a.tables + m * a.max_blocks;
+  for (int64_t b = begin / a.block_size; b * a.block_size < end; ++b)
+    if (tn[b] != tm[b]) return false;
+  return true;
+}
+
+// The work items, heads x chunks x groups; a group is up to kMaxShare sequences that read chunk c
+// from the same blocks, members[first : first + count].
+std::vector<Work> plan_work(const Args& a, int64_t n_chunks, std::vector<int64_t>& members) {
+  struct Group { int64_t c, first, count; };
+  std::vector<Group> groups;
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    std::vector<int64_t> left, rest;
+    for (int64_t n = 0; n < a.n_seqs; ++n) {
+      int64_t begin, end;
+      chunk_range(a, n, c, begin, end);
+      if (begin < end) left.push_back(n);
+    }
+    while (!left.empty()) {
+      const int64_t first = int64_t(members.size());
+      members.push_back(left[0]);
+      rest.clear();
+      for (size_t i = 1; i < left.size(); ++i) {
+        if (int64_t(members.size()) - first < kMaxShare && same_chunk(a, left[0], left[i], c)) members.push_back(left[i]);
+        else rest.push_back(left[i]);
+      }
+      groups.push_back(Group{c, first, int64_t(members.size()) - first});
+      left.swap(rest);
+    }
+  }
+  std::vector<Work> items;
+  for (int64_t h = 0; h < a.kv_heads; ++h)
+    for (const Group& g : groups) {
+      int64_t begin, end;
+      chunk_range(a, members[g.first], g.c, begin, end);
+      items.push_back(Work{h, g.c, begin, end, members.data() + g.first, g.count, n_chunks});
+    }
+  return items;
+}
+
+template <typename T>
+void decode_attention(const Args& a) {
+  const int64_t hd = a.head_dim, n_chunks = (a.max_blocks * a.block_size + a.chunk - 1) / a.chunk;
+  const int64_t item = a.group * (hd + 2), heads = a.kv_heads * a.group;
+  const ItemFn<T> fn = pick<T>(hd, a.group);
+  std::vector<int64_t> members;
+  const std::vector<Work> items = plan_work(a, n_chunks, members);
+#pragma omp parallel num_threads(a.n_threads)
+  {
+    Scratch tmp{new float[a.group * a.chunk], new const void*[a.chunk], new float[kMaxShare * item]};
+#pragma omp for schedule(dynamic, 1)
+    for (size_t i = 0; i < items.size(); ++i) fn(a, items[i], tmp);
+    delete[] tmp.scores;
+    delete[] tmp.rows;
+    delete[] tmp.state;
+#pragma omp for collapse(2)
+    for (int64_t n = 0; n < a.n_seqs; ++n)
+      for (int64_t qh = 0; qh < heads; ++qh) {
+        const int64_t used = (a.ctx_lens[n] + a.chunk - 1) / a.chunk;
+        const float* part = a.ws + (n * a.kv_heads + qh / a.group) * n_chunks * item + (qh % a.group) * (hd + 2);
+        float m = -FLT_MAX, l = 0.f, o[256] = {0.f};
+        for (int64_t c = 0; c < used; ++c) m = std::max(m, part[c * item + hd]);
+        for (int64_t c = 0; c < used; ++c) {
+          const float f = std::exp(part[c * item + hd] - m);
+          l += f * part[c * item + hd + 1];
+#pragma omp simd
+          for (int64_t d = 0; d < hd; ++d) o[d] += f * part[c * item + d];
+        }
+        for (int64_t d = 0; d < hd; ++d) o[d] /= l;
+        from_float(o, static_cast<T*>(a.out) + (n * heads + qh) * hd, hd);
+      }
+  }
+}
+}  // namespace
+
+extern "C" int kvhive_decode_attention(const Args* a, int is_bf16) {
+  if (a->group > 16 || a->head_dim > 256 || a->chunk % a->block_size) return 1;
+  if (is_bf16) decode_attention<uint16_t>(*a); else decode_attention<float>(*a);
+  return 0;
+}

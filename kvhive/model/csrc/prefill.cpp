@@ -1,0 +1,347 @@
+// Causal prefill attention over kvhive's KV pool [blocks, layers, 2, block_size, kv_heads, head_dim].
+// Phase 1 packs each KV head's keys and values into tiles of kTile keys:
+//   float32: K as [d][kTile keys], V as [kTile keys][d]
+//   bf16:    K as [d/2][kTile keys][2] (dword = the pair of dims a vdpbf16ps multiplies),
+//            V as [kTile/2 key pairs][d][2]
+// Phase 2: one item per (KV head, 16 query tokens); its rows are (token, head of the group). For
+// each key tile and each block of 8 rows: scores, an online softmax in float32 (exp2 with scaled
+// logits), then the value products into float32 accumulators.
+#include <immintrin.h>
+#include <cfloat>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+#include "bf16.h"
+struct Args {
+  const void* q; int64_t q_stride; const void* pool; const int64_t* table;
+  int64_t n, start_pos, num_layers, layer, block_size, kv_heads, group, head_dim;
+  float scale; void* out; void* ws; int n_threads;
+};
+
+constexpr int kTile = 32;   // keys per tile
+constexpr int kNV = kTile / 16;   // score vectors per row and tile
+constexpr int kQTok = 16;   // query tokens per item
+constexpr int kRB = 8;      // rows per register block
+
+#if defined(__AVX512F__)
+#include "avx512_exp2.h"
+
+template <typename T>
+inline const T* key_row(const Args& a, int64_t key, int kv) {  // K row of `key`; V row is bs rows later
+  const int64_t row = a.kv_heads * a.head_dim;
+  const int64_t block = a.table[key / a.block_size];
+  return static_cast<const T*>(a.pool) +
+         ((block * a.num_layers + a.layer) * 2 + kv) * a.block_size * row + (key % a.block_size) * row;
+}
+
+alignas(64) const uint32_t kZeroRow[128] = {};   // stands in for rows of keys past ctx (up to 128 floats)
+
+// K and V rows of the kTile keys of tile t for KV head h; keys past ctx read kZeroRow.
+template <typename T, int HD>
+inline void tile_rows(const Args& a, int64_t h, int64_t t, int64_t ctx, const T** k, const T** v) {
+  const int64_t stride = a.kv_heads * HD, v_off = a.block_size * stride;   // V rows: block_size rows after K's
+  int64_t off = t * kTile % a.block_size;   // the key's row within its pool block
+  const T* row = nullptr;
+  for (int j = 0; j < kTile; ++j, ++off) {
+    const int64_t key = t * kTile + j;
+    if (key >= ctx) {
+      k[j] = v[j] = reinterpret_cast<const T*>(kZeroRow);
+      continue;
+    }
+    if (j == 0 || off == a.block_size) {   // first key of the tile or of a pool block: look it up
+      row = key_row<T>(a, key, 0) + h * HD;
+      off %= a.block_size;
+    } else {
+      row += stride;
+    }
+    k[j] = row;
+    v[j] = row + v_off;
+  }
+}
+
+// In-place transpose of a 16x16 dword matrix: r[i] holds row i before, column i after.
+inline void transpose16x16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {   // interleave dwords of row pairs
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {   // then qwords: 4x4 blocks transposed within each 128-bit lane
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {       // then transpose the 4x4 grid of lanes: column 4L+c = lane L of r[c + 4i]
+    const __m512i a0 = _mm512_shuffle_i32x4(r[c], r[c + 4], 0x44), a1 = _mm512_shuffle_i32x4(r[c], r[c + 4], 0xEE);
+    const __m512i b0 = _mm512_shuffle_i32x4(r[c + 8], r[c + 12], 0x44), b1 = _mm512_shuffle_i32x4(r[c + 8], r[c + 12], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(a0, b0, 0x88);
+    t[c + 4] = _mm512_shuffle_i32x4(a0, b0, 0xDD);
+    t[c + 8] = _mm512_shuffle_i32x4(a1, b1, 0x88);
+    t[c + 12] = _mm512_shuffle_i32x4(a1, b1, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// K tile transpose: kTile rows of W dwords -> [W][kTile] (dword w of key j at w * kTile + j),
+// in 16 keys x 16 dwords blocks (W = 8 loads half rows and keeps half the columns). The row
+// pointers are read as their own type T (reading them as uint32_t* would break strict aliasing).
+template <int W, typename T>
+inline void transpose_rows(const T* const* rows, uint32_t* kt) {
+  constexpr int kC = W < 16 ? W : 16;
+  constexpr __mmask16 mask = __mmask16((1u << kC) - 1);
+  for (int w = 0; w < W; w += kC)
+    for (int g = 0; g < kTile; g += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_maskz_loadu_epi32(mask, reinterpret_cast<const uint32_t*>(rows[g + i]) + w);
+      transpose16x16(r);
+      for (int i = 0; i < kC; ++i) _mm512_storeu_si512(kt + (w + i) * kTile + g, r[i]);
+    }
+}
+
+// Per-dtype parts: packing one tile, scores of kRB rows, value products of R rows into their accumulators.
+struct F32 {
+  using T = float;
+  template <int HD>
+  static void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, float* kt, float* vt) {
+    const float *k[kTile], *v[kTile];
+    tile_rows<float, HD>(a, h, t, ctx, k, v);
+    transpose_rows<HD>(k, reinterpret_cast<uint32_t*>(kt));   // K: [d][kTile]
+    for (int j = 0; j < kTile; ++j) std::memcpy(vt + j * HD, v[j], HD * 4);   // V: plain rows
+  }
+  template <int HD>
+  static void scores(const float* q, const float* kt, __m512 (*s)[kNV]) {   // q: kRB rows of HD
+    for (int r = 0; r < kRB; ++r)
+      for (int v = 0; v < kNV; ++v) s[r][v] = _mm512_setzero_ps();
+    for (int d = 0; d < HD; ++d) {
+      __m512 k[kNV];
+      for (int v = 0; v < kNV; ++v) k[v] = _mm512_loadu_ps(kt + d * kTile + v * 16);
+      for (int r = 0; r < kRB; ++r) {
+        const __m512 b = _mm512_set1_ps(q[r * HD + d]);
+        for (int v = 0; v < kNV; ++v) s[r][v] = _mm512_fmadd_ps(b, k[v], s[r][v]);
+      }
+    }
+  }
+  template <int HD, int R>
+  static void values(__m512 (*p)[kNV], const float* vt, __m512 (*o)[HD / 16]) {
+    alignas(64) float pv[R][kTile];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kNV; ++v) _mm512_store_ps(pv[r] + v * 16, p[r][v]);
+    for (int j = 0; j < kTile; ++j) {
+      __m512 vv[HD / 16];
+      for (int c = 0; c < HD / 16; ++c) vv[c] = _mm512_loadu_ps(vt + j * HD + c * 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 w = _mm512_set1_ps(pv[r][j]);
+        for (int c = 0; c < HD / 16; ++c) o[r][c] = _mm512_fmadd_ps(w, vv[c], o[r][c]);
+      }
+    }
+  }
+  static void store(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
+};
+
+#if defined(__AVX512BF16__)
+struct BF16 {
+  using T = uint16_t;
+  template <int HD>
+  static void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, uint16_t* kt, uint16_t* vt) {
+    const uint16_t *k[kTile], *v[kTile];
+    tile_rows<uint16_t, HD>(a, h, t, ctx, k, v);
+    // K: rows of HD/2 dwords (dim pairs) -> [HD/2][kTile].
+    transpose_rows<HD / 2>(k, reinterpret_cast<uint32_t*>(kt));
+    // V: keys 2p and 2p+1 interleaved per dim, 16 dims at a time (zero-extend to dwords, merge).
+    for (int p = 0; p < kTile / 2; ++p)
+      for (int d = 0; d < HD; d += 16) {
+        const __m512i even = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v[2 * p] + d)));
+        const __m512i odd = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v[2 * p + 1] + d)));
+        _mm512_storeu_si512(vt + (p * HD + d) * 2, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+      }
+  }
+  template <int HD>
+  static void scores(const uint16_t* q, const uint16_t* kt, __m512 (*s)[kNV]) {
+    const uint32_t* q32 = reinterpret_cast<const uint32_t*>(q);
+    for (int r = 0; r < kRB; ++r)
+      for (int v = 0; v < kNV; ++v) s[r][v] = _mm512_setzero_ps();
+    for (int dp = 0; dp < HD / 2; ++dp) {
+      __m512bh k[kNV];
+      for (int v = 0; v < kNV; ++v) k[v] = (__m512bh)_mm512_loadu_si512(kt + (dp * kTile + v * 16) * 2);
+      for (int r = 0; r < kRB; ++r) {
+        const __m512bh b = (__m512bh)_mm512_set1_epi32(q32[r * HD / 2 + dp]);
+        for (int v = 0; v < kNV; ++v) s[r][v] = _mm512_dpbf16_ps(s[r][v], b, k[v]);
+      }
+    }
+  }
+  template <int HD, int R>
+  static void values(__m512 (*p)[kNV], const uint16_t* vt, __m512 (*o)[HD / 16]) {
+    alignas(64) uint32_t pp[R][kTile / 2];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kNV; ++v)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r] + v * 8), (__m256i)_mm512_cvtneps_pbh(p[r][v]));
+    for (int kp = 0; kp < kTile / 2; ++kp) {
+      __m512bh vv[HD / 16];
+      for (int c = 0; c < HD / 16; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vt + (kp * HD + c * 16) * 2);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(pp[r][kp]);
+        for (int c = 0; c < HD / 16; ++c) o[r][c] = _mm512_dpbf16_ps(o[r][c], w, vv[c]);
+      }
+    }
+  }
+  static void store(const float* src, uint16_t* dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+    for (; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+  }
+};
+#endif
+
+// One row's online-softmax step over one tile: raw scores s (kNV vectors of 16 keys from key0 on),
+// keys outside [lo, hi] hidden (lo < 0: the whole tile is visible). Leaves the tile's probabilities
+// in s, updates the row's max m and its per-lane sum l, and returns the factor (1 or less) by which
+// the row's earlier accumulator must be scaled.
+inline float softmax_step(__m512* s, int64_t key0, int64_t lo, int64_t hi, float scale, float& m, __m512& l) {
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  __mmask16 seen[kNV];
+  __m512 mx = _mm512_set1_ps(-FLT_MAX);
+  for (int v = 0; v < kNV; ++v) {
+    s[v] = _mm512_mul_ps(s[v], _mm512_set1_ps(scale));
+    seen[v] = 0xFFFF;
+    if (lo >= 0) {
+      const __m512i keys = _mm512_add_epi32(lane, _mm512_set1_epi32(int(key0 + v * 16)));
+      seen[v] = _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32(int(hi))) &
+                _mm512_cmpge_epi32_mask(keys, _mm512_set1_epi32(int(lo)));
+      s[v] = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), seen[v], s[v]);
+    }
+    mx = _mm512_max_ps(mx, s[v]);
+  }
+  const float m_old = m, m_tile = _mm512_reduce_max_ps(mx);
+  const float m_new = m_old > m_tile ? m_old : m_tile;
+  float alpha = 1.f;
+  if (m_new > m_old) {
+    alpha = _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(m_old - m_new)));
+    l = _mm512_mul_ps(l, _mm512_set1_ps(alpha));
+    m = m_new;
+  }
+  for (int v = 0; v < kNV; ++v) {
+    s[v] = _mm512_maskz_mov_ps(seen[v], exp2_ps(_mm512_sub_ps(s[v], _mm512_set1_ps(m_new))));
+    l = _mm512_add_ps(l, s[v]);
+  }
+  return alpha;
+}
+
+// Value products of R rows over one tile: o[r] = o[r] * alpha[r] + p[r] . V, the R x HD float32
+// accumulators held in registers so that each V vector loaded serves every row.
+template <typename D, int HD, int R>
+inline void values(__m512 (*p)[kNV], const float* alpha, const typename D::T* vt, float* o) {
+  __m512 acc[R][HD / 16];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < HD / 16; ++c)
+      acc[r][c] = _mm512_mul_ps(_mm512_load_ps(o + r * HD + c * 16), _mm512_set1_ps(alpha[r]));
+  D::template values<HD, R>(p, vt, acc);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < HD / 16; ++c) _mm512_store_ps(o + r * HD + c * 16, acc[r][c]);
+}
+
+template <typename D, int HD>
+void prefill(const Args& a) {
+  using T = typename D::T;
+  const int64_t ctx = a.start_pos + a.n, tiles = (ctx + kTile - 1) / kTile, heads = a.kv_heads * a.group;
+  const int64_t tile_elems = kTile * HD;
+  constexpr int kRV = HD >= 128 ? 2 : HD >= 64 ? 4 : 8;   // rows per value block: 16 accumulators
+  T* kpack = static_cast<T*>(a.ws);                            // [kv_heads][tiles][tile_elems]
+  T* vpack = kpack + a.kv_heads * tiles * tile_elems;
+  const int64_t q_items = (a.n + kQTok - 1) / kQTok, rows_max = (kQTok * a.group + kRB - 1) / kRB * kRB;
+  const float scale = a.scale * 1.4426950408889634f;          // scores in log2 units
+#pragma omp parallel num_threads(a.n_threads)
+  {
+    // Each thread packs a run of whole tiles for every KV head: it streams contiguous pool rows.
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t t = 0; t < tiles; ++t)
+      for (int64_t h = 0; h < a.kv_heads; ++h)
+        D::template pack<HD>(a, h, t, ctx, kpack + (h * tiles + t) * tile_elems, vpack + (h * tiles + t) * tile_elems);
+    T* qb = new T[rows_max * HD];
+    float* o = static_cast<float*>(_mm_malloc(rows_max * HD * sizeof(float), 64));
+    float* m = new float[rows_max];
+    __m512* l = static_cast<__m512*>(_mm_malloc(rows_max * sizeof(__m512), 64));
+    int64_t* pos = new int64_t[rows_max];
+    // Later query tiles see more keys: hand them out first.
+#pragma omp for collapse(2) schedule(dynamic, 1)
+    for (int64_t qi = q_items - 1; qi >= 0; --qi)
+      for (int64_t h = 0; h < a.kv_heads; ++h) {
+        const int64_t t0 = qi * kQTok, ntok = (a.n - t0 < kQTok) ? a.n - t0 : kQTok;
+        const int64_t rows = ntok * a.group, rows_pad = (rows + kRB - 1) / kRB * kRB;
+        for (int64_t r = 0; r < rows_pad; ++r) {
+          if (r < rows) {
+            const int64_t t = r / a.group, g = r % a.group;
+            std::memcpy(qb + r * HD, static_cast<const T*>(a.q) + (t0 + t) * a.q_stride + (h * a.group + g) * HD,
+                        HD * sizeof(T));
+            pos[r] = a.start_pos + t0 + t;
+          } else {
+            std::memset(qb + r * HD, 0, HD * sizeof(T));
+            pos[r] = a.start_pos + t0 + ntok - 1;
+          }
+          m[r] = -FLT_MAX;
+          l[r] = _mm512_setzero_ps();
+        }
+        std::memset(o, 0, rows_pad * HD * sizeof(float));
+        const int64_t last = a.start_pos + t0 + ntok - 1;   // the item's last position
+        for (int64_t t = 0; t * kTile <= last; ++t) {
+          const T* kt = kpack + (h * tiles + t) * tile_elems;
+          const T* vt = vpack + (h * tiles + t) * tile_elems;
+          const bool diagonal = t * kTile + kTile - 1 > a.start_pos + t0;   // some key past some row
+          for (int64_t rb = 0; rb < rows_pad; rb += kRB) {
+            __m512 s[kRB][kNV];
+            float alpha[kRB];
+            D::template scores<HD>(qb + rb * HD, kt, s);
+            for (int r = 0; r < kRB; ++r)
+              alpha[r] = softmax_step(s[r], t * kTile, diagonal ? 0 : -1, pos[rb + r], scale, m[rb + r], l[rb + r]);
+            for (int r = 0; r < kRB; r += kRV)
+              values<D, HD, kRV>(s + r, alpha + r, vt, o + (rb + r) * HD);
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t tk = r / a.group, g = r % a.group;
+          float* orow = o + r * HD;
+          const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[r]));
+          for (int c = 0; c < HD / 16; ++c) _mm512_store_ps(orow + c * 16, _mm512_mul_ps(_mm512_load_ps(orow + c * 16), inv));
+          D::store(orow, static_cast<T*>(a.out) + (t0 + tk) * heads * HD + (h * a.group + g) * HD, HD);
+        }
+      }
+    delete[] qb; _mm_free(o); delete[] m; _mm_free(l); delete[] pos;
+  }
+}
+
+template <typename D>
+int run(const Args& a) {
+  switch (a.head_dim) {
+    case 16: prefill<D, 16>(a); return 0;
+    case 32: prefill<D, 32>(a); return 0;
+    case 64: prefill<D, 64>(a); return 0;
+    case 128: prefill<D, 128>(a); return 0;
+    default: return 1;
+  }
+}
+#endif
+}  // namespace
+
+extern "C" int kvhive_prefill_caps() {
+  int caps = 0;
+#if defined(__AVX512F__)
+  caps |= 1;
+#endif
+#if defined(__AVX512BF16__)
+  caps |= 2;
+#endif
+  return caps;
+}
+
+extern "C" int kvhive_prefill_attention(const Args* a, int is_bf16) {
+  if (a->n <= 0 || a->group <= 0) return 1;
+#if defined(__AVX512BF16__)
+  if (is_bf16) return run<BF16>(*a);
+#endif
+#if defined(__AVX512F__)
+  if (!is_bf16) return run<F32>(*a);
+#endif
+  return 1;
+}
