@@ -19,7 +19,7 @@ from kvhive.config import EngineConfig
 from kvhive.connector.base import TierStats
 from kvhive.request import FinishReason, Request, SamplingParams
 from kvhive.scheduler import Scheduler
-from kvhive.step import StepResult
+from kvhive.step import StepResult, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,8 @@ class RequestOutput:
     num_output_tokens: int
     # Set on the last output of a session's request: the block hashes the session now holds.
     session_block_hashes: tuple[bytes, ...] | None = None
+    # One entry per new token when the request's sampling params ask for logprobs, else None.
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -239,6 +241,7 @@ class LLMEngine:
         outputs = []
         for req in self.scheduler.update_from_result(plan, result):
             token = result.sampled.get(req.request_id)
+            logprobs = result.logprobs.get(req.request_id) if token is not None else None
             outputs.append(RequestOutput(
                 request_id=req.request_id, new_token_ids=[] if token is None else [token],
                 finished=req.is_finished, finish_reason=req.finish_reason,
@@ -246,7 +249,8 @@ class LLMEngine:
                 num_cached_tokens=max(req.num_cached_tokens, 0),
                 num_output_tokens=req.num_output_tokens,
                 session_block_hashes=(tuple(req.block_hashes) if req.session_id and req.is_finished
-                                      else None)))
+                                      else None),
+                logprobs=None if logprobs is None else (logprobs,)))
         if self.publisher is not None:
             events = self.scheduler.kv.take_events()
             if events:

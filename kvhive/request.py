@@ -6,6 +6,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+# Most top logprobs a request may ask for per token (OpenAI caps chat at 20).
+MAX_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -18,6 +21,8 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    # Report each sampled token's logprob and this many top alternatives (None: no logprobs).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -28,6 +33,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

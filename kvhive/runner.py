@@ -17,7 +17,7 @@ from kvhive.model.attention import AttnMetadata, DecodeBatch, PrefillSpan
 from kvhive.model.decode_kernel import CpuDecodeKernel
 from kvhive.model.llama import LlamaModel, resolve_dtype
 from kvhive.model.prefill_kernel import CpuPrefillKernel
-from kvhive.sampling import sample_tokens
+from kvhive.sampling import sample_tokens, token_logprobs
 from kvhive.step import ScheduledSeq, StepPlan, StepResult
 
 # A chunk of at most this many new tokens over a cached prefix attends as decode rows, one per token
@@ -103,7 +103,13 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, rows))
             tokens = sample_tokens(logits, [s.sampling for s in sampled_seqs],
                                    [self._generator(s) for s in sampled_seqs])
-        return StepResult(sampled={s.request_id: t for s, t in zip(sampled_seqs, tokens, strict=True)})
+            sampled = {s.request_id: t for s, t in zip(sampled_seqs, tokens, strict=True)}
+            num_top = [s.sampling.logprobs for s in sampled_seqs]
+            if all(k is None for k in num_top):
+                return StepResult(sampled=sampled)      # the common case: no log-softmax at all
+            logprobs = token_logprobs(logits, tokens, num_top)
+        asked = {s.request_id: lp for s, lp in zip(sampled_seqs, logprobs, strict=True) if lp is not None}
+        return StepResult(sampled=sampled, logprobs=asked)
 
     def release(self, request_ids: list[str]) -> None:
         """Forget the per-request state (seeded generators) of finished requests."""

@@ -1,4 +1,5 @@
-"""Token sampling from logits: greedy, temperature, top-k, top-p, per-request seeded generators."""
+"""Token sampling from logits (greedy, temperature, top-k, top-p, per-request seeded generators),
+and the logprobs of the sampled tokens for the rows that ask for them."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from kvhive.request import SamplingParams
+from kvhive.step import TokenLogprobs
 
 
 def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -51,3 +53,29 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
     return torch.softmax(filtered, dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int],
+                   num_top: Sequence[int | None]) -> list[TokenLogprobs | None]:
+    """Logprob of token_ids[i] and the num_top[i] most likely tokens, for each row of ``logits``.
+
+    Rows whose num_top is None get None and cost nothing. Values are the log-softmax of the raw
+    float32 logits, before temperature, top-k and top-p (what vLLM reports by default). The top
+    tokens are ranked by the raw logits, so a greedy row's token is always its top-1 entry.
+    """
+    out: list[TokenLogprobs | None] = [None] * len(num_top)
+    rows = [i for i, k in enumerate(num_top) if k is not None]
+    if not rows:
+        return out
+    device = logits.device
+    picked = logits.index_select(0, torch.tensor(rows, device=device)).float()
+    logprobs = torch.log_softmax(picked, dim=-1)
+    chosen = logprobs.gather(1, torch.tensor([[token_ids[i]] for i in rows], device=device))
+    k = min(max(num_top[i] or 0 for i in rows), picked.shape[-1])
+    top_ids = picked.topk(k, dim=-1).indices
+    top_values = logprobs.gather(1, top_ids)
+    chosen_list, ids, values = chosen.squeeze(1).tolist(), top_ids.tolist(), top_values.tolist()
+    for j, i in enumerate(rows):
+        n = num_top[i] or 0
+        out[i] = TokenLogprobs(token_ids[i], chosen_list[j], tuple(zip(ids[j][:n], values[j][:n], strict=True)))
+    return out

@@ -67,7 +67,22 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """One sampled token's log-probability and the most likely tokens at its position.
+
+    Values are the log-softmax of the model's raw float32 logits, before temperature, top-k and
+    top-p; ``top`` is (token id, logprob) pairs, most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
 class StepResult:
-    """Sampled tokens, one per sequence whose ``sample`` flag was set."""
+    """Sampled tokens, one per sequence whose ``sample`` flag was set, and the logprobs of the
+    sequences whose sampling params asked for them."""
 
     sampled: dict[str, int]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)

@@ -38,6 +38,11 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+# GPT-2's byte-level alphabet, reversed: the character a byte-level BPE vocabulary writes -> the byte.
+# Printable Latin-1 bytes stand for themselves; the other 68 bytes take the code points from 256 on.
+_PRINTABLE_BYTES = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+_BYTE_OF_CHAR = {chr(b): b for b in _PRINTABLE_BYTES} | {
+    chr(256 + n): b for n, b in enumerate(b for b in range(256) if b not in _PRINTABLE_BYTES)}
 # Tokens of the prompt decoded with the first output tokens, so a tokenizer whose decoding depends on
 # the preceding token (sentencepiece's leading space) streams the same text it would decode in context.
 _PROMPT_CONTEXT_TOKENS = 5
@@ -63,6 +68,8 @@ class Tokenizer:
         if self.chat_template is not None:
             eos_ids += [self._id_of(t) for t in END_OF_TURN_TOKENS if self.chat_template.uses_token(t)]
         self._eos_token_ids = tuple(dict.fromkeys(i for i in eos_ids if i is not None))
+        self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+        self._token_bytes: dict[int, bytes] = {}       # filled as token_bytes is asked
 
     @classmethod
     def from_model_path(cls, path: str) -> Tokenizer:
@@ -171,6 +178,30 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; bytes that do not form a whole UTF-8 character come out as U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (b"" for an id outside the vocabulary).
+
+        With a byte-level BPE (every GGUF this loads) they are exact, and a token may hold part of
+        a UTF-8 character; a control token gives its text. Other tokenizers give the UTF-8 of the
+        token decoded alone (a byte-fallback piece then comes out as U+FFFD).
+        """
+        data = self._token_bytes.get(token_id)
+        if data is None:
+            data = self._token_bytes[token_id] = self._bytes_of(token_id)
+        return data
+
+    def _bytes_of(self, token_id: int) -> bytes:
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if not self._byte_level:
+            return self._backend.decode([token_id], skip_special_tokens=False).encode()
+        try:
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        except KeyError:
+            # As the ByteLevel decoder does: a piece outside the alphabet (an added token) is its own text.
+            return piece.encode()
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any
