@@ -51,6 +51,21 @@ def record_name(owner: str | None, session_id: str) -> str:
     return f"{owner or '-'}:{session_id}"
 
 
+def record_digest(owner: str | None, record_id: str) -> str:
+    """A file-name-safe digest of ``record_name`` (ids come from clients, e.g. conversation_id)."""
+    return hashlib.sha256(record_name(owner, record_id).encode()).hexdigest()[:40]
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data``; a kill at any point leaves the old or the new file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class FileBackend:
     """One JSON file per session in ``{directory}/sessions``, each replaced atomically."""
 
@@ -62,9 +77,7 @@ class FileBackend:
         os.makedirs(self.directory, exist_ok=True)
 
     def _path(self, owner: str | None, session_id: str) -> str:
-        # Ids come from clients (conversation_id): hash them into a safe file name.
-        digest = hashlib.sha256(record_name(owner, session_id).encode()).hexdigest()[:40]
-        return os.path.join(self.directory, f"{digest}.json")
+        return os.path.join(self.directory, f"{record_digest(owner, session_id)}.json")
 
     def load_all(self) -> list[dict]:
         """Every record in the directory (a corrupt one is logged and skipped)."""
@@ -91,13 +104,7 @@ class FileBackend:
 
     def save(self, record: dict) -> None:
         """Replace the record; a kill at any point leaves the old or the new one."""
-        path = self._path(record["owner"], record["id"])
-        tmp = f"{path}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(json.dumps(record).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write(self._path(record["owner"], record["id"]), json.dumps(record).encode())
 
     def delete(self, owner: str | None, session_id: str) -> None:
         """Remove the record's file."""
@@ -122,8 +129,8 @@ class FileBackend:
         os.unlink(legacy)
 
 
-class RedisBackend:
-    """One Redis key per session under ``prefix``, expiring when the session does."""
+class RedisRecords:
+    """Records shared by every replica: one Redis key per (owner, id) under ``prefix``."""
 
     shared = True
 
@@ -134,13 +141,17 @@ class RedisBackend:
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.prefix = prefix
 
-    def key(self, owner: str | None, session_id: str) -> str:
-        """The session's Redis key."""
-        return f"{self.prefix}:{record_name(owner, session_id)}"
+    def key(self, owner: str | None, record_id: str) -> str:
+        """The record's Redis key."""
+        return f"{self.prefix}:{record_name(owner, record_id)}"
 
     def load_all(self) -> list[dict]:
-        """None: sessions load on first use (each replica holds the sessions it serves)."""
+        """None: records load on first use (each replica holds the ones it serves)."""
         return []
+
+
+class RedisBackend(RedisRecords):
+    """One Redis key per session under ``prefix``, expiring when the session does."""
 
     def load(self, owner: str | None, session_id: str) -> dict | None:
         """The session's record, or None (Redis drops a record at its expiry)."""

@@ -29,7 +29,7 @@ from kvhive.router.upstream import UpstreamClient
 from kvhive.tenancy import key_owner
 from kvhive.tokenizer import Tokenizer
 
-_ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+_ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 def build_index(config: GatewayConfig) -> KVBlockIndex:
@@ -113,9 +113,10 @@ def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
         data = _json_object(body)
         owner = key_owner(request.headers.get("authorization", "")) if config.salt_with_api_key else None
         prompt = prompt_from_body(data, owner) if data is not None else None
-        conversation = data.get("conversation_id") if data is not None else None
-        session_id = request.headers.get(SESSION_HEADER) or (
-            conversation if isinstance(conversation, str) else None)
+        # The session a request continues: x-session-id, a chat conversation_id, or the stored
+        # response a /v1/responses request continues (its replica holds its conversation's KV).
+        named = [data.get(k) for k in ("conversation_id", "previous_response_id")] if data is not None else []
+        session_id = request.headers.get(SESSION_HEADER) or next((n for n in named if isinstance(n, str)), None)
         candidates, reason = await gateway.choose(prompt, session_id)
         if not candidates:
             return openai_error(503, "No healthy replica", code="no_replica")
@@ -138,9 +139,9 @@ def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
             return await routed(request)
         return _merge_lists(await gateway.fan_out(request, "/v1/context"), key="id")
 
-    @app.api_route("/v1/context/{session_id}", methods=["GET", "PATCH", "DELETE"], response_model=None)
-    async def context(request: Request, session_id: str) -> Response:
-        """Sent to the replica holding the session (asking each in turn when the gateway forgot)."""
+    async def to_holder(request: Request, session_id: str) -> Response:
+        """Sent to the replica holding the session or stored response (asking each in turn when the
+        gateway forgot); a DELETE that succeeds forgets it."""
         holder = gateway.sessions.get(session_id)
         healthy = replica_set.healthy()
         first = [r for r in healthy if r.name == holder]
@@ -153,10 +154,25 @@ def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
             gateway.sessions.forget(session_id)
         return response
 
+    @app.api_route("/v1/context/{session_id}", methods=["GET", "PATCH", "DELETE"], response_model=None)
+    async def context(request: Request, session_id: str) -> Response:
+        """One session: on the replica that holds it."""
+        return await to_holder(request, session_id)
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"], response_model=None)
+    async def stored_response(request: Request, response_id: str) -> Response:
+        """One stored response: on the replica that stored it."""
+        return await to_holder(request, response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items", response_model=None)
+    async def stored_input_items(request: Request, response_id: str) -> Response:
+        """A stored response's input items: on the replica that stored it."""
+        return await to_holder(request, response_id)
+
     @app.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
                    response_model=None)
     async def other(request: Request, rest: str) -> Response:
-        """Any other OpenAI route (e.g. /v1/responses): session affinity, else load."""
+        """Any other OpenAI route: session affinity, else load."""
         return await routed(request)
 
     return app

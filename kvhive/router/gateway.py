@@ -17,7 +17,7 @@ from kvhive.router.metrics import GatewayMetrics
 from kvhive.router.proxy import open_upstream, openai_error, relay
 from kvhive.router.replicas import Replica, ReplicaSet
 from kvhive.router.scorer import RoutingWeights, pick_replica
-from kvhive.router.sessions import SESSION_HEADER, SessionAffinity
+from kvhive.router.sessions import RESPONSE_ID_HEADER, SESSION_HEADER, SessionAffinity
 from kvhive.router.tokenize import Prompt
 from kvhive.router.upstream import UpstreamClient, UpstreamConnectError, UpstreamError
 
@@ -93,7 +93,9 @@ class Gateway:
         """Send the request to the first candidate that can be reached (a refused connection marks
         that replica down and tries the next). With ``find_session``, a 404 also moves on to the next
         candidate: the first replica that knows the session answers, and is remembered. A replica
-        that answers a request naming ``session_id`` is remembered as its holder."""
+        that answers a request naming ``session_id`` (a session, or the response a request continues)
+        is remembered as its holder, and as the holder of a response it names in
+        ``x-kvhive-response-id``."""
         last_404: Response | None = None
         for attempt, replica in enumerate(candidates):
             if attempt >= 2 and find_session is None:
@@ -119,11 +121,13 @@ class Gateway:
                 last_404 = await relay(upstream, headers, lambda r=replica: self._done(r))
                 continue
             # A replica that answers a request naming a session now holds it (it creates unknown
-            # ones implicitly), whether or not it echoes the header.
+            # ones implicitly), whether or not it echoes the header; and it holds a response it stored.
             echoed = upstream.header(SESSION_HEADER.encode())
+            stored = upstream.header(RESPONSE_ID_HEADER.encode())
             held = (echoed.decode("latin-1") if echoed else None) or find_session or session_id
-            if held and status < 400:
-                self.sessions.remember(held, replica.name)
+            for key in (held, stored.decode("latin-1") if stored else None):
+                if key and status < 400:
+                    self.sessions.remember(key, replica.name)
             return await relay(upstream, headers, lambda r=replica: self._done(r))
         if last_404 is not None:
             return last_404

@@ -1,14 +1,18 @@
-"""Session affinity: which replica holds each session (``x-session-id``, ``conversation_id``)."""
+"""Session affinity: which replica holds each session (``x-session-id``, ``conversation_id``) and
+each stored response (``previous_response_id``, ``/v1/responses/{id}``)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
 SESSION_HEADER = "x-session-id"
+# A replica names a response it stored in this header (kvhive.server.responses).
+RESPONSE_ID_HEADER = "x-kvhive-response-id"
 
 
 class SessionAffinity:
-    """session id -> replica name, learned from responses that carry ``x-session-id`` (bounded LRU)."""
+    """session or response id -> replica name, learned from answers that carry ``x-session-id`` or
+    ``x-kvhive-response-id`` (bounded LRU; session and response ids never look alike)."""
 
     def __init__(self, max_sessions: int = 100_000) -> None:
         self.max_sessions = max_sessions

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import signal
 import threading
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import uvicorn
@@ -14,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvhive.responses import ResponseStore
 from kvhive.server.chat import create_chat_completion
 from kvhive.server.completions import create_completion
 from kvhive.server.context import install_context_routes, session_sweeper
@@ -27,6 +30,7 @@ from kvhive.server.protocol import (
     ModelCard,
     ModelList,
 )
+from kvhive.server.responses import ResponsesAPI, install_response_routes, response_backend, response_sweeper
 from kvhive.server.serving import GenerationService, pin_session_blocks, unix_time
 from kvhive.session_backends import FileBackend, RedisBackend, SessionBackend
 from kvhive.sessions import KeeperTier, SessionRegistry
@@ -97,7 +101,14 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
                                on_load=lambda session: pin_session_blocks(engine, session))
     service = GenerationService(async_engine, metrics, served_model_name, sessions=registry,
                                 api_keys=api_keys, share_prefix_cache=config.sessions.share_prefix_cache)
-    app = FastAPI(title="kvhive", version="0.1.0", lifespan=lambda _app: session_sweeper(service))
+    responses = ResponsesAPI(service, ResponseStore(response_backend(config)))
+
+    @contextlib.asynccontextmanager
+    async def sweepers(_app: FastAPI) -> AsyncIterator[None]:
+        async with session_sweeper(service), response_sweeper(responses):
+            yield
+
+    app = FastAPI(title="kvhive", version="0.1.0", lifespan=sweepers)
     app.state.service = service
     app.state.metrics = metrics
     created = unix_time()
@@ -141,6 +152,7 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
         return await create_chat_completion(service, body, raw_request)
 
     install_context_routes(app, service, parse_body)
+    install_response_routes(app, responses, parse_body)
     return app
 
 

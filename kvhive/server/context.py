@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -139,12 +139,17 @@ def install_context_routes(app: FastAPI, service: GenerationService,
 
 
 @contextlib.asynccontextmanager
-async def session_sweeper(service: GenerationService):
-    """Run ``sweep_expired`` for the app's lifetime (the registry pinned the sessions it loaded)."""
-    task = asyncio.create_task(sweep_expired(service))
+async def background_task(coroutine: Coroutine[Any, Any, None]) -> AsyncIterator[None]:
+    """Run ``coroutine`` as a task while the context is open; cancel it on exit."""
+    task = asyncio.create_task(coroutine)
     try:
         yield
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+def session_sweeper(service: GenerationService) -> contextlib.AbstractAsyncContextManager[None]:
+    """Run ``sweep_expired`` for the app's lifetime (the registry pinned the sessions it loaded)."""
+    return background_task(sweep_expired(service))

@@ -1,0 +1,148 @@
+"""Where stored responses persist: per conversation, in a disk directory or Redis.
+
+A conversation record is ``{"id", "owner", "expires", "responses": [StoredResponse.to_json()...]}``.
+Both backends write one response at a time (a turn costs one record, whatever the length of its
+conversation) and keep the conversation's expiry beside its responses.
+
+- ``FileResponseBackend`` (``--disk-cache-dir`` without ``--redis-url``; local to one replica): one
+  directory per conversation under ``responses/``, holding ``conversation.json`` (id, owner,
+  expires) and one file per response, each replaced atomically. Loaded whole at start.
+- ``RedisResponseBackend`` (``--redis-url``; shared by replicas): one hash per conversation,
+  ``kvhive:responses:{owner}:{id}``, with a field per response and a ``conversation`` field, whose
+  Redis expiry is the conversation's, so Redis drops dead conversations itself. ``shared``: read
+  again on each use, never loaded whole.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from typing import Any, Protocol
+
+from kvhive.session_backends import RedisRecords, atomic_write, record_digest
+
+logger = logging.getLogger(__name__)
+
+RESPONSES_DIR = "responses"
+CONVERSATION_FILE = "conversation.json"
+CONVERSATION_FIELD = "conversation"
+
+
+class ResponseBackend(Protocol):
+    """Conversation records keyed by (owner, conversation id)."""
+
+    shared: bool     # other replicas write it too: re-read a conversation on each use, never load all
+
+    def load_all(self) -> list[dict[str, Any]]:
+        """The conversations to hold at start: all of a local backend's, none of a shared one's."""
+
+    def load_conversation(self, owner: str | None, conversation_id: str) -> dict[str, Any] | None:
+        """The conversation's record, or None (never saved, deleted, or expired in Redis)."""
+
+    def save(self, owner: str | None, conversation_id: str, expires: float, response: dict[str, Any]) -> None:
+        """Add or replace one response of the conversation, whose expiry becomes ``expires``."""
+
+    def delete(self, owner: str | None, conversation_id: str, response_id: str) -> None:
+        """Forget one response (no error if there is none)."""
+
+    def delete_conversation(self, owner: str | None, conversation_id: str) -> None:
+        """Forget the conversation and all its responses (no error if there is none)."""
+
+
+def _header(owner: str | None, conversation_id: str, expires: float) -> dict[str, Any]:
+    return {"id": conversation_id, "owner": owner, "expires": expires}
+
+
+class FileResponseBackend:
+    """A directory per conversation in ``{directory}/responses``; every file replaced atomically."""
+
+    shared = False
+
+    def __init__(self, directory: str) -> None:
+        self.directory = os.path.join(directory, RESPONSES_DIR)
+        os.makedirs(self.directory, exist_ok=True)
+
+    def _dir(self, owner: str | None, conversation_id: str) -> str:
+        return os.path.join(self.directory, record_digest(owner, conversation_id))
+
+    def load_all(self) -> list[dict[str, Any]]:
+        """Every conversation in the directory (an unreadable one is logged and skipped)."""
+        records = []
+        for name in sorted(os.listdir(self.directory)):
+            record = self._read(os.path.join(self.directory, name))
+            if record is not None:
+                records.append(record)
+        return records
+
+    def load_conversation(self, owner: str | None, conversation_id: str) -> dict[str, Any] | None:
+        """The conversation's record, or None."""
+        return self._read(self._dir(owner, conversation_id))
+
+    def _read(self, path: str) -> dict[str, Any] | None:
+        try:
+            with open(os.path.join(path, CONVERSATION_FILE), "rb") as f:
+                record = json.loads(f.read())
+            record["responses"] = []
+            for name in sorted(os.listdir(path)):
+                if name.endswith(".json") and name != CONVERSATION_FILE:      # not a kill's temp file
+                    with open(os.path.join(path, name), "rb") as f:
+                        record["responses"].append(json.loads(f.read()))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, TypeError):
+            logger.exception("skipping unreadable stored responses in %s", path)
+            return None
+        return record
+
+    def save(self, owner: str | None, conversation_id: str, expires: float, response: dict[str, Any]) -> None:
+        """Write the response's file, then the conversation's new expiry."""
+        path = self._dir(owner, conversation_id)
+        os.makedirs(path, exist_ok=True)
+        atomic_write(os.path.join(path, f"{response['response']['id']}.json"), json.dumps(response).encode())
+        header = _header(owner, conversation_id, expires)
+        atomic_write(os.path.join(path, CONVERSATION_FILE), json.dumps(header).encode())
+
+    def delete(self, owner: str | None, conversation_id: str, response_id: str) -> None:
+        """Remove the response's file."""
+        try:
+            os.unlink(os.path.join(self._dir(owner, conversation_id), f"{response_id}.json"))
+        except FileNotFoundError:
+            pass
+
+    def delete_conversation(self, owner: str | None, conversation_id: str) -> None:
+        """Remove the conversation's directory."""
+        shutil.rmtree(self._dir(owner, conversation_id), ignore_errors=True)
+
+
+class RedisResponseBackend(RedisRecords):
+    """One Redis hash per conversation under ``prefix``, expiring when the conversation does."""
+
+    def load_conversation(self, owner: str | None, conversation_id: str) -> dict[str, Any] | None:
+        """The conversation's record, or None (Redis drops it at its expiry)."""
+        fields = self.client.hgetall(self.key(owner, conversation_id))
+        header = fields.pop(CONVERSATION_FIELD.encode(), None)
+        if header is None:
+            return None
+        record = json.loads(header)
+        record["responses"] = [json.loads(value) for value in fields.values()]
+        return record
+
+    def save(self, owner: str | None, conversation_id: str, expires: float, response: dict[str, Any]) -> None:
+        """One transaction: the response's field, the conversation's field, the key's expiry (PEXPIREAT)."""
+        key = self.key(owner, conversation_id)
+        fields = {CONVERSATION_FIELD: json.dumps(_header(owner, conversation_id, expires)),
+                  response["response"]["id"]: json.dumps(response)}
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(key, mapping=fields)
+        pipe.pexpireat(key, max(1, int(expires * 1000)))
+        pipe.execute()
+
+    def delete(self, owner: str | None, conversation_id: str, response_id: str) -> None:
+        """Delete the response's field."""
+        self.client.hdel(self.key(owner, conversation_id), response_id)
+
+    def delete_conversation(self, owner: str | None, conversation_id: str) -> None:
+        """Delete the conversation's key."""
+        self.client.delete(self.key(owner, conversation_id))

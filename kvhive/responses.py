@@ -1,0 +1,271 @@
+"""Stored responses of ``/v1/responses``, grouped in conversations (torch-free).
+
+A conversation is the tree of responses linked by ``previous_response_id``; its KV lives in one
+session of the ``SessionRegistry`` whose id is the conversation's id, so each turn continues the
+KV of the turn before it. This module holds only the records; the server runs the turns.
+
+Rules, in one place:
+
+- Ids: a conversation is ``conv-<24 hex>`` (its session has that id); a response is
+  ``resp_<the conversation's 24 hex><24 hex of its own>``, so a response id names its
+  conversation without an index (a replica sharing Redis finds it by id alone).
+- Keys: conversations are keyed by (owner, id); another API key's response is not found (404).
+- Lifetime: a conversation lives until ``expires``, which each stored turn sets to its session's
+  expiry (now + the session's TTL): a conversation and its session expire together, and all its
+  responses live as long as its newest turn, so expiry never breaks a conversation in the middle.
+- Bound: at most ``max_per_conversation`` responses per conversation (429 above). Each
+  conversation is a session, so ``--max-sessions-per-key`` bounds the conversations of a key.
+- Delete removes one response; the caller ends the session when its conversation has no response
+  left. A response whose history lost a response to DELETE cannot be continued (404).
+- Persistence (``kvhive.response_backends``): each stored turn writes its record and the
+  conversation's expiry. A local backend is loaded whole at start; a shared one (Redis) is read
+  again on each use, since another replica may have added responses or deleted some since.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvhive.response_backends import ResponseBackend
+from kvhive.sessions import SessionError
+
+logger = logging.getLogger(__name__)
+
+# Stored responses of one conversation (a tree of branches from one first turn): with the context
+# length, this bounds the text one conversation keeps.
+MAX_RESPONSES_PER_CONVERSATION = 1000
+
+_RESPONSE_ID = re.compile(r"^resp_([0-9a-f]{24})[0-9a-f]{24}$")
+
+
+def new_conversation_id() -> str:
+    """A fresh conversation id (also the id of the session that holds its KV)."""
+    return f"conv-{uuid.uuid4().hex[:24]}"
+
+
+def new_response_id(conversation_id: str | None) -> str:
+    """A fresh response id in the conversation (None: a response that is not stored)."""
+    prefix = conversation_id[len("conv-"):] if conversation_id else uuid.uuid4().hex[:24]
+    return f"resp_{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def conversation_of(response_id: str) -> str | None:
+    """The conversation a response id names, or None for an id kvhive never hands out."""
+    match = _RESPONSE_ID.match(response_id)
+    return None if match is None else f"conv-{match.group(1)}"
+
+
+def response_not_found(response_id: str, param: str | None = None) -> SessionError:
+    """404 for an id that is unknown, expired, deleted, not stored or another key's."""
+    what = "Previous response" if param == "previous_response_id" else "Response"
+    code = "previous_response_not_found" if param == "previous_response_id" else "response_not_found"
+    return SessionError(404, f"{what} with id '{response_id}' not found (unknown, expired, deleted, "
+                             f"or created with store: false)", code, param)
+
+
+@dataclass
+class StoredResponse:
+    """One stored response: the object GET answers, and the input items of its request."""
+
+    owner: str | None
+    response: dict[str, Any]           # the response object, as served
+    input_items: list[dict[str, Any]]  # this request's input items (messages), as listed
+
+    @property
+    def response_id(self) -> str:
+        """The response's id."""
+        return self.response["id"]
+
+    @property
+    def model(self) -> str:
+        """The model that wrote it."""
+        return self.response["model"]
+
+    @property
+    def previous_response_id(self) -> str | None:
+        """The response it continued, or None for a first turn."""
+        return self.response.get("previous_response_id")
+
+    def to_json(self) -> dict[str, Any]:
+        """The persisted record."""
+        return {"owner": self.owner, "response": self.response, "input_items": self.input_items}
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> StoredResponse:
+        """Inverse of ``to_json``."""
+        return cls(record["owner"], dict(record["response"]), list(record["input_items"]))
+
+
+@dataclass
+class Conversation:
+    """The stored responses of one conversation and when they expire."""
+
+    conversation_id: str
+    owner: str | None
+    expires: float                     # unix time: the expiry of its session after the newest turn
+    responses: dict[str, StoredResponse] = field(default_factory=dict)
+
+
+class ResponseStore:
+    """Stored responses by (owner, conversation), with expiry, a bound and persistence."""
+
+    def __init__(self, backend: ResponseBackend | None = None,
+                 max_per_conversation: int = MAX_RESPONSES_PER_CONVERSATION,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.backend = backend
+        self.max_per_conversation = max_per_conversation
+        self.clock = clock
+        self._conversations: dict[tuple[str | None, str], Conversation] = {}
+        if backend is not None:
+            self._load_all()
+
+    def get(self, response_id: str, owner: str | None, param: str | None = None) -> StoredResponse:
+        """The caller's live stored response; SessionError 404 otherwise (``param`` names the field)."""
+        conversation = self._conversation(conversation_of(response_id), owner)
+        stored = None if conversation is None else conversation.responses.get(response_id)
+        if stored is None:
+            raise response_not_found(response_id, param)
+        return stored
+
+    def history(self, stored: StoredResponse) -> list[StoredResponse]:
+        """The responses from the first turn of ``stored``'s conversation to ``stored`` itself;
+        SessionError 404 when one of them was deleted."""
+        conversation = self._conversations.get((stored.owner, conversation_of(stored.response_id) or ""))
+        responses = {} if conversation is None else conversation.responses
+        chain = [stored]
+        while chain[-1].previous_response_id is not None:
+            previous = responses.get(chain[-1].previous_response_id)
+            if previous is None or len(chain) > len(responses):
+                raise SessionError(404, f"Response '{stored.response_id}' continues response "
+                                        f"'{chain[-1].previous_response_id}', which was deleted: its "
+                                        f"conversation cannot be continued", "previous_response_not_found",
+                                   "previous_response_id")
+            chain.append(previous)
+        return chain[::-1]
+
+    def check_room(self, conversation_id: str, owner: str | None) -> None:
+        """429 when the conversation already holds ``max_per_conversation`` responses."""
+        conversation = self._conversations.get((owner, conversation_id))
+        if conversation is not None and len(conversation.responses) >= self.max_per_conversation:
+            raise SessionError(429, f"Conversation '{conversation_id}' already stores "
+                                    f"{self.max_per_conversation} responses; delete some, or start a new "
+                                    f"conversation (a request without previous_response_id)",
+                               "too_many_responses", "previous_response_id")
+
+    def add(self, stored: StoredResponse, expires: float) -> None:
+        """Store a response in its conversation, whose expiry becomes ``expires``."""
+        conversation_id = conversation_of(stored.response_id)
+        assert conversation_id is not None, stored.response_id
+        key = (stored.owner, conversation_id)
+        conversation = self._conversations.setdefault(key, Conversation(conversation_id, stored.owner, expires))
+        conversation.expires = expires
+        conversation.responses[stored.response_id] = stored
+        if self.backend is not None:
+            try:
+                self.backend.save(stored.owner, conversation_id, expires, stored.to_json())
+            except Exception:  # noqa: BLE001 - a failed save must not fail the request
+                logger.exception("could not persist response %s", stored.response_id)
+
+    def delete(self, stored: StoredResponse) -> bool:
+        """Forget one response, here and in the backend; True when its conversation is now empty
+        (and forgotten too: the caller ends its session)."""
+        conversation_id = conversation_of(stored.response_id) or ""
+        conversation = self._conversations.get((stored.owner, conversation_id))
+        if conversation is not None:
+            conversation.responses.pop(stored.response_id, None)
+        empty = conversation is None or not conversation.responses
+        if empty:
+            self._conversations.pop((stored.owner, conversation_id), None)
+        if self.backend is not None:
+            try:
+                if empty:
+                    self.backend.delete_conversation(stored.owner, conversation_id)
+                else:
+                    self.backend.delete(stored.owner, conversation_id, stored.response_id)
+            except Exception:  # noqa: BLE001 - gone here; a shared record expires on its own
+                logger.exception("could not delete the record of response %s", stored.response_id)
+        return empty
+
+    def is_empty(self, conversation_id: str, owner: str | None) -> bool:
+        """True when the conversation stores no response (here, and in a shared backend)."""
+        conversation = self._conversation(conversation_id, owner)
+        return conversation is None or not conversation.responses
+
+    def pop_expired(self) -> list[Conversation]:
+        """Remove and return the expired conversations (a local backend's records go too; a shared
+        backend's expire in Redis on their own)."""
+        now = self.clock()
+        expired = [c for c in self._conversations.values() if c.expires <= now]
+        for conversation in expired:
+            del self._conversations[(conversation.owner, conversation.conversation_id)]
+            if self.backend is not None and not self.backend.shared:
+                try:
+                    self.backend.delete_conversation(conversation.owner, conversation.conversation_id)
+                except OSError:
+                    logger.exception("could not delete the records of %s", conversation.conversation_id)
+        return expired
+
+    def num_responses(self) -> int:
+        """Stored responses this replica holds (live or not yet swept)."""
+        return sum(len(c.responses) for c in self._conversations.values())
+
+    # ------------------------------------------------------------------ persistence
+
+    def _conversation(self, conversation_id: str | None, owner: str | None) -> Conversation | None:
+        """The live conversation; with a shared backend, as the backend has it now."""
+        if conversation_id is None:
+            return None
+        key = (owner, conversation_id)
+        if self.backend is not None and self.backend.shared:
+            self._refresh(key)
+        conversation = self._conversations.get(key)
+        if conversation is None or conversation.expires <= self.clock():
+            return None
+        return conversation
+
+    def _refresh(self, key: tuple[str | None, str]) -> None:
+        assert self.backend is not None
+        try:
+            record = self.backend.load_conversation(*key)
+        except Exception:  # noqa: BLE001 - backend down: what this replica holds is the best it knows
+            logger.exception("could not read conversation %s from the response backend", key[1])
+            return
+        conversation = self._parse(record)
+        if conversation is None:
+            self._conversations.pop(key, None)
+        else:
+            self._conversations[key] = conversation
+
+    @staticmethod
+    def _parse(record: dict[str, Any] | None) -> Conversation | None:
+        """A backend record as a conversation; None for no record or a corrupt one."""
+        if record is None:
+            return None
+        try:
+            conversation = Conversation(record["id"], record["owner"], float(record["expires"]))
+            for item in record["responses"]:
+                stored = StoredResponse.from_json(item)
+                conversation.responses[stored.response_id] = stored
+        except (KeyError, TypeError, ValueError):
+            logger.exception("ignoring a corrupt conversation record")
+            return None
+        return conversation
+
+    def _load_all(self) -> None:
+        """Hold a local backend's conversations (expired ones for the sweep to drop)."""
+        assert self.backend is not None
+        try:
+            records = self.backend.load_all()
+        except Exception:  # noqa: BLE001 - unreadable records start empty rather than not at all
+            logger.exception("could not load the stored responses; starting with none")
+            return
+        for record in records:
+            conversation = self._parse(record)
+            if conversation is not None:
+                self._conversations[(conversation.owner, conversation.conversation_id)] = conversation

@@ -1,0 +1,328 @@
+"""``/v1/responses`` (OpenAI's Responses API, text only): create, continue, fetch, list input, delete.
+
+The prompt of a request is the model's chat template (as ``/v1/chat/completions`` renders it) over
+this request's ``instructions`` as a system message (never carried over), the stored conversation
+of ``previous_response_id`` (the inputs and outputs of every response back to its first turn,
+without their instructions), then this request's ``input``.
+
+A stored response (``store``, the default) keeps its conversation's KV in a session whose id is the
+conversation's (``kvhive.responses``): a follow-up continues that session and computes only its new
+tokens; a branch (a second follow-up of one response) diverges from what the session holds, falls
+back to prefix matching, and the session then follows the branch. One request at a time per
+conversation, as for any session: a request continuing a response of a conversation whose session
+is busy gets 409 ``session_busy``. ``store: false`` runs outside any session (prefix caching still
+finds the conversation's blocks) and stores nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response
+from jinja2 import TemplateError
+
+from kvhive.response_backends import FileResponseBackend, RedisResponseBackend, ResponseBackend
+from kvhive.responses import (
+    ResponseStore,
+    StoredResponse,
+    conversation_of,
+    new_conversation_id,
+    new_response_id,
+)
+from kvhive.server.chat import template_messages
+from kvhive.server.context import SWEEP_INTERVAL_S, background_task
+from kvhive.server.errors import APIError, bad_request
+from kvhive.server.protocol import ChatMessage, SamplingRequest
+from kvhive.server.responses_protocol import (
+    EventWriter,
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputMessage,
+    OutputText,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+    chat_message,
+    check_unsupported,
+    input_items,
+    new_item_id,
+)
+from kvhive.server.serving import GenerationService, TextDelta, session_api_error, unix_time
+from kvhive.sessions import Session, SessionError
+
+if TYPE_CHECKING:
+    from kvhive.config import EngineConfig
+
+# A stored response's answer names it in this header, so a gateway learns which replica holds it.
+RESPONSE_ID_HEADER = "x-kvhive-response-id"
+
+
+def response_backend(config: EngineConfig) -> ResponseBackend | None:
+    """Where stored responses persist: where sessions do (Redis, else the disk cache dir, else nowhere)."""
+    if config.store.redis_url is not None:
+        return RedisResponseBackend(config.store.redis_url, "kvhive:responses",
+                                    timeout_s=config.store.redis_timeout_s)
+    if config.store.disk_cache_dir is not None:
+        return FileResponseBackend(config.store.disk_cache_dir)
+    return None
+
+
+class ResponsesAPI:
+    """Runs Responses-API requests over the generation service, the session registry and the store."""
+
+    def __init__(self, service: GenerationService, store: ResponseStore) -> None:
+        assert service.sessions is not None
+        self.service = service
+        self.sessions = service.sessions
+        self.store = store
+
+    # ------------------------------------------------------------ lookups
+
+    def lookup(self, raw_request: Request, response_id: str, param: str | None = None) -> StoredResponse:
+        """The caller's stored response; 404 otherwise."""
+        try:
+            return self.store.get(response_id, self.service.owner_of(raw_request), param)
+        except SessionError as exc:
+            raise session_api_error(exc) from None
+
+    def history(self, raw_request: Request, body: ResponsesRequest) -> list[StoredResponse]:
+        """The stored responses that ``previous_response_id`` continues, first turn first."""
+        if body.previous_response_id is None:
+            return []
+        previous = self.lookup(raw_request, body.previous_response_id, "previous_response_id")
+        if previous.model != body.model:
+            raise bad_request(f"Response '{previous.response_id}' was written by model '{previous.model}', "
+                              f"not '{body.model}'", param="model", code="response_model_mismatch")
+        try:
+            return self.store.history(previous)
+        except SessionError as exc:
+            raise session_api_error(exc) from None
+
+    def prompt_token_ids(self, body: ResponsesRequest, history: list[StoredResponse],
+                         items: list[dict[str, Any]]) -> list[int]:
+        """The chat template over instructions, the stored conversation and the new input."""
+        messages = [] if body.instructions is None else [ChatMessage(role="system", content=body.instructions)]
+        for stored in history:
+            messages += [chat_message(item) for item in stored.input_items]
+            messages += [chat_message(item) for item in stored.response["output"]]
+        messages += [chat_message(item) for item in items]
+        try:
+            return self.service.tokenizer.encode_chat(template_messages(messages))
+        except (TemplateError, ValueError) as exc:
+            raise bad_request(f"Could not apply the chat template: {exc}", param="input") from exc
+
+    # ------------------------------------------------------------ sessions
+
+    def open_session(self, raw_request: Request, body: ResponsesRequest, conversation_id: str,
+                     num_tokens: int) -> Session:
+        """The conversation's session, busy with this turn (created when it has none)."""
+        owner = self.service.owner_of(raw_request)
+        try:
+            self.store.check_room(conversation_id, owner)
+        except SessionError as exc:
+            raise session_api_error(exc) from None
+        try:
+            session = self.service.open_session(raw_request, body.model, num_tokens, conversation_id=conversation_id)
+        except APIError as exc:
+            if exc.code == "session_busy":
+                raise APIError(409, f"Response '{body.previous_response_id}' is being continued by another "
+                                    f"request: the responses of one conversation share a session, which runs "
+                                    f"one request at a time. Retry when it has finished",
+                               param="previous_response_id", code="session_busy") from None
+            raise
+        assert session is not None
+        return session
+
+    def end_unused_session(self, conversation_id: str, owner: str | None) -> None:
+        """End the session of a conversation that stores no response (its first turn failed or
+        its last response was deleted): its KV is freed."""
+        if not self.store.is_empty(conversation_id, owner):
+            return
+        try:
+            session = self.sessions.get(conversation_id, owner)
+        except SessionError:
+            return                                          # expired or deleted already
+        self.sessions.delete(session)
+        self.service.free_session_kv(session)
+
+    # ------------------------------------------------------------ create
+
+    async def create(self, body: ResponsesRequest, raw_request: Request) -> Response:
+        """Validate, run, store (with ``store``) and answer one request, streamed or whole."""
+        service = self.service
+        service.check_model(body.model)
+        check_unsupported(body)
+        if raw_request.headers.get("x-session-id"):
+            raise bad_request("x-session-id cannot be used with /v1/responses; continue a response with "
+                              "'previous_response_id'", param="x-session-id")
+        items = input_items(body)
+        owner = service.owner_of(raw_request)
+        history = self.history(raw_request, body)
+        token_ids = self.prompt_token_ids(body, history, items)
+        max_tokens = service.resolve_max_tokens(body.max_output_tokens, len(token_ids), "max_output_tokens", "input")
+        sampling = service.sampling_params(
+            SamplingRequest(model=body.model, temperature=body.temperature, top_p=body.top_p), max_tokens)
+        conversation_id = session = None
+        if body.store:
+            conversation_id = (conversation_of(body.previous_response_id) if body.previous_response_id
+                               else new_conversation_id())
+            assert conversation_id is not None
+            session = self.open_session(raw_request, body, conversation_id, len(token_ids) + max_tokens)
+        response_id = new_response_id(conversation_id)
+        deltas = service.stream(response_id, token_ids, sampling, (), service.cache_salt_for(owner, None),
+                                session=session)
+        turn = Turn(self, body, owner, response_id, conversation_id, items, session)
+        headers = {RESPONSE_ID_HEADER: response_id} if body.store else {}
+        if body.stream:
+            return service.sse_response(turn.events(deltas), headers, session)
+        try:
+            result = await service.collect(deltas, raw_request)
+            if result is None:
+                return Response(status_code=499)          # the client is gone; nobody reads this
+            return JSONResponse(turn.finish(result), headers=headers)
+        finally:
+            turn.close()
+
+
+@dataclass
+class Turn:
+    """One request's response object as it is built, and its storing once it is done."""
+
+    api: ResponsesAPI
+    body: ResponsesRequest
+    owner: str | None
+    response_id: str
+    conversation_id: str | None                  # None: not stored
+    items: list[dict[str, Any]]                  # this request's input items
+    session: Session | None
+    stored: bool = False
+    message_id: str = field(default_factory=new_item_id)
+    response: ResponseObject = field(init=False)
+
+    def __post_init__(self) -> None:
+        body = self.body
+        self.response = ResponseObject(
+            id=self.response_id, created_at=unix_time(), status="in_progress", instructions=body.instructions,
+            max_output_tokens=body.max_output_tokens, model=body.model, output=[],
+            previous_response_id=body.previous_response_id, store=body.store,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, user=body.user, metadata=body.metadata or {},
+            parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls)
+
+    def message(self, status: Literal["in_progress", "completed", "incomplete"], text: str | None) -> OutputMessage:
+        """The output message, with its text part once there is one."""
+        content = [] if text is None else [OutputText(text=text)]
+        return OutputMessage(id=self.message_id, status=status, content=content)
+
+    def finish(self, result: TextDelta) -> dict[str, Any]:
+        """The final response object for the whole output ``result``; stored when asked."""
+        incomplete = result.finish_reason == "length"
+        status = "incomplete" if incomplete else "completed"
+        self.response.status = status
+        self.response.incomplete_details = IncompleteDetails() if incomplete else None
+        self.response.output = [self.message(status, result.text)]
+        self.response.usage = ResponseUsage(
+            input_tokens=result.num_prompt_tokens, output_tokens=result.num_output_tokens,
+            input_tokens_details=InputTokensDetails(cached_tokens=result.num_cached_tokens),
+            total_tokens=result.num_prompt_tokens + result.num_output_tokens)
+        answer = self.response.model_dump(mode="json")
+        if self.body.store:
+            session = self.session
+            expires = session.expires if session is not None else unix_time()
+            self.api.store.add(StoredResponse(self.owner, answer, self.items), expires)
+            self.stored = True
+        return answer
+
+    def close(self) -> None:
+        """After the turn: a new conversation whose first response was not stored ends its session."""
+        if self.conversation_id is not None and not self.stored:
+            self.api.end_unused_session(self.conversation_id, self.owner)
+
+    async def events(self, deltas: AsyncIterator[TextDelta]) -> AsyncIterator[str]:
+        """The stream events of the turn, ending with response.completed (or response.incomplete)."""
+        event = EventWriter()
+        ids = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        try:
+            yield event("response.created", response=self.response)
+            yield event("response.in_progress", response=self.response)
+            yield event("response.output_item.added", output_index=0, item=self.message("in_progress", None))
+            yield event("response.content_part.added", **ids, part=OutputText(text=""))
+            parts: list[str] = []
+            last: TextDelta | None = None
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    last = delta
+                    if delta.text:
+                        parts.append(delta.text)
+                        yield event("response.output_text.delta", **ids, delta=delta.text, logprobs=[])
+            assert last is not None
+            text = "".join(parts)
+            answer = self.finish(TextDelta(text, last.finish_reason, last.num_prompt_tokens,
+                                           last.num_cached_tokens, last.num_output_tokens))
+            item = answer["output"][0]
+            yield event("response.output_text.done", **ids, text=text, logprobs=[])
+            yield event("response.content_part.done", **ids, part=item["content"][0])
+            yield event("response.output_item.done", output_index=0, item=item)
+            yield event(f"response.{answer['status']}", response=answer)
+        finally:
+            self.close()
+
+
+async def sweep_expired_responses(api: ResponsesAPI) -> None:
+    """Forever: drop expired conversations (their sessions expire with them and free their KV)."""
+    while True:
+        await asyncio.sleep(SWEEP_INTERVAL_S)
+        api.store.pop_expired()
+
+
+def response_sweeper(api: ResponsesAPI) -> contextlib.AbstractAsyncContextManager[None]:
+    """Run ``sweep_expired_responses`` for the app's lifetime."""
+    return background_task(sweep_expired_responses(api))
+
+
+def install_response_routes(app: FastAPI, api: ResponsesAPI,
+                            parse_body: Callable[[Request, type], Awaitable[Any]]) -> None:
+    """Add the /v1/responses routes."""
+
+    @app.post("/v1/responses", response_model=None)
+    async def create_response(raw_request: Request) -> Response:
+        """Create a response (continuing ``previous_response_id``), streamed with SSE when ``stream``."""
+        body = await parse_body(raw_request, ResponsesRequest)
+        return await api.create(body, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, raw_request: Request) -> dict[str, Any]:
+        """A stored response object."""
+        return api.lookup(raw_request, response_id).response
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, raw_request: Request,
+                               limit: int = Query(20, ge=1, le=100),
+                               order: Literal["asc", "desc"] = "desc",
+                               after: str | None = None) -> dict[str, Any]:
+        """The input items of a stored response's request (OpenAI's list shape, newest first by default)."""
+        items = api.lookup(raw_request, response_id).input_items
+        items = items if order == "asc" else items[::-1]
+        ids = [item["id"] for item in items]
+        if after is not None:
+            if after not in ids:
+                raise bad_request(f"No input item '{after}' in response '{response_id}'", param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, raw_request: Request) -> dict[str, Any]:
+        """Forget a stored response; its conversation's KV is freed when no response of it is left."""
+        stored = api.lookup(raw_request, response_id)
+        if api.store.delete(stored):
+            conversation_id = conversation_of(response_id)
+            assert conversation_id is not None
+            api.end_unused_session(conversation_id, stored.owner)
+        return {"id": response_id, "object": "response", "deleted": True}

@@ -1,0 +1,267 @@
+"""Schemas of ``/v1/responses`` (text only): the request, its input items, the response object, events.
+
+Requests are strict like the other endpoints' (unknown fields ignored). Every field that would
+change the result and that kvhive does not implement answers 400 in ``check_unsupported`` unless it
+asks for the default, so nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvhive.server.errors import bad_request
+from kvhive.server.protocol import ChatMessage, ContentPart
+
+INPUT_ROLES = ("user", "system", "developer", "assistant")
+TEXT_PART_TYPES = ("input_text", "output_text")
+# OpenAI's bounds on ``metadata``.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+
+# ---------------------------------------------------------------- request
+
+
+class InputPart(BaseModel):
+    """One content part of an input message; only text parts are supported."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class InputItem(BaseModel):
+    """One input item; only messages (``type`` "message" or absent) are supported."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: str | None = None
+    role: str | None = None
+    content: str | list[InputPart] | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str
+    input: str | list[InputItem]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    max_output_tokens: int | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stream: bool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    parallel_tool_calls: bool | None = None
+    # Not implemented: 400 unless absent or the default (check_unsupported).
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[Any] | None = None
+    background: bool | None = None
+    truncation: str | None = None
+    top_logprobs: int | None = None
+    conversation: Any = None
+    prompt: Any = None
+
+
+def check_unsupported(body: ResponsesRequest) -> None:
+    """400 for every feature that would change the result and that kvhive does not implement."""
+    if body.tools:
+        raise bad_request("'tools' are not supported", param="tools")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise bad_request("'tool_choice' needs tools, which are not supported", param="tool_choice")
+    text = body.text or {}
+    fmt = text.get("format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise bad_request("Only text.format {\"type\": \"text\"} is supported", param="text.format")
+    if text.get("verbosity") not in (None, "medium"):
+        raise bad_request("'text.verbosity' is not supported", param="text.verbosity")
+    if body.reasoning and any(v is not None for v in body.reasoning.values()):
+        raise bad_request("'reasoning' is not supported (the model does not reason)", param="reasoning")
+    if body.include:
+        raise bad_request("'include' is not supported", param="include")
+    if body.background:
+        raise bad_request("'background' responses are not supported", param="background")
+    if body.truncation not in (None, "disabled"):
+        raise bad_request("Only truncation 'disabled' is supported", param="truncation")
+    if body.top_logprobs:
+        raise bad_request("'top_logprobs' is not supported", param="top_logprobs")
+    if body.conversation is not None:
+        raise bad_request("'conversation' is not supported; continue a response with "
+                          "'previous_response_id'", param="conversation")
+    if body.prompt is not None:
+        raise bad_request("Prompt templates ('prompt') are not supported", param="prompt")
+    if body.metadata is not None:
+        check_metadata(body.metadata)
+
+
+def check_metadata(metadata: dict[str, str]) -> None:
+    """400 beyond OpenAI's bounds: 16 pairs, keys up to 64 characters, values up to 512."""
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise bad_request(f"'metadata' holds at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}",
+                          param="metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
+            raise bad_request(f"'metadata' keys are at most {MAX_METADATA_KEY_CHARS} characters and values "
+                              f"at most {MAX_METADATA_VALUE_CHARS} (key {key[:80]!r})", param="metadata")
+
+
+def new_item_id() -> str:
+    """A fresh message item id."""
+    return f"msg_{uuid.uuid4().hex}"
+
+
+def message_item(role: str, texts: list[str]) -> dict[str, Any]:
+    """A message item as it is stored and listed (assistant parts are output_text)."""
+    if role == "assistant":
+        content = [{"type": "output_text", "text": t, "annotations": []} for t in texts]
+    else:
+        content = [{"type": "input_text", "text": t} for t in texts]
+    return {"id": new_item_id(), "type": "message", "role": role, "status": "completed", "content": content}
+
+
+def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as message items (a string is one user message); 400 for anything else."""
+    if isinstance(body.input, str):
+        return [message_item("user", [body.input])]
+    if not body.input:
+        raise bad_request("'input' must contain at least one item", param="input")
+    items = []
+    for i, item in enumerate(body.input):
+        if item.type not in (None, "message"):
+            raise bad_request(f"Input items of type '{item.type}' are not supported; only text messages",
+                              param=f"input[{i}].type")
+        if item.role not in INPUT_ROLES:
+            raise bad_request(f"Invalid role {item.role!r}: expected one of {', '.join(INPUT_ROLES)}",
+                              param=f"input[{i}].role")
+        if item.content is None:
+            raise bad_request(f"Missing required parameter 'input[{i}].content'", param=f"input[{i}].content")
+        if isinstance(item.content, str):
+            items.append(message_item(item.role, [item.content]))
+            continue
+        texts = []
+        for j, part in enumerate(item.content):
+            if part.type not in TEXT_PART_TYPES or part.text is None:
+                raise bad_request(f"Content parts of type '{part.type}' are not supported; only "
+                                  f"{' and '.join(TEXT_PART_TYPES)} with text", param=f"input[{i}].content[{j}].type")
+            texts.append(part.text)
+        items.append(message_item(item.role, texts))
+    return items
+
+
+def chat_message(item: dict[str, Any]) -> ChatMessage:
+    """A stored message item (input, or output of an earlier response) as a chat message."""
+    parts = [ContentPart(type="text", text=part["text"]) for part in item["content"]]
+    return ChatMessage(role=item["role"], content=parts)
+
+
+# ---------------------------------------------------------------- response object
+
+
+class OutputText(BaseModel):
+    """The text part of the output message."""
+
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    """The output message."""
+
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+class InputTokensDetails(BaseModel):
+    """Input tokens served from cached KV."""
+
+    cached_tokens: int
+
+
+class OutputTokensDetails(BaseModel):
+    """Always zero: the model does not reason."""
+
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    """Token counts of one response."""
+
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    """Why a response is incomplete."""
+
+    reason: Literal["max_output_tokens"] = "max_output_tokens"
+
+
+class ResponseObject(BaseModel):
+    """The response object (``POST`` and ``GET /v1/responses/{id}``, and inside stream events)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    background: bool = False
+    error: None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None
+    max_output_tokens: int | None
+    max_tool_calls: None = None
+    model: str
+    output: list[OutputMessage]
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None
+    reasoning: dict[str, None] = Field(default_factory=lambda: {"effort": None, "summary": None})
+    service_tier: str = "default"
+    store: bool
+    temperature: float
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    tool_choice: str = "auto"
+    tools: list[Any] = Field(default_factory=list)
+    top_logprobs: int = 0
+    top_p: float
+    truncation: str = "disabled"
+    usage: ResponseUsage | None = None
+    user: str | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+def output_text(response: dict[str, Any]) -> str:
+    """The text of a (stored) response object's output message."""
+    return "".join(part["text"] for item in response["output"] for part in item["content"])
+
+
+# ---------------------------------------------------------------- stream events
+
+
+class EventWriter:
+    """Frames stream events as SSE (``event: <type>`` and JSON data) with increasing sequence numbers."""
+
+    def __init__(self) -> None:
+        self.sequence_number = 0
+
+    def __call__(self, event_type: str, **fields: Any) -> str:
+        """One event; ``BaseModel`` fields are dumped as JSON objects."""
+        data = {"type": event_type, "sequence_number": self.sequence_number,
+                **{k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in fields.items()}}
+        self.sequence_number += 1
+        return f"event: {event_type}\ndata: {json.dumps(data)}\n\n"
