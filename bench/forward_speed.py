@@ -120,6 +120,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--context", type=int, default=1600)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode graphs")
     parser.add_argument("--profile", choices=["prefill", "warm", "long", "decode1", "decode8"], default=None,
                         help="profile one step instead (long: 2,048 new tokens on a cached 3,456)")
     parser.add_argument("--matmuls", action="store_true",
@@ -133,7 +134,8 @@ def main() -> None:
     for dtype in [args.dtype] if args.dtype else ["float32", "bfloat16"]:
         loaded = load_model(default_model_path(), dtype=dtype, device=args.device)
         num_blocks = max(8 * (args.context // BLOCK + 2), 5504 // BLOCK + 2) + 2 * (1600 // BLOCK + 2)
-        runner = ModelRunner(loaded.model, loaded.config, num_blocks, BLOCK, dtype, device=args.device)
+        runner = ModelRunner(loaded.model, loaded.config, num_blocks, BLOCK, dtype, device=args.device,
+                             cuda_graphs=not args.enforce_eager)
         plans = {"prefill": prefill_plan(1600), "warm": warm_prefill_plan(1536, 64),
                  "long": warm_prefill_plan(3456, 2048),
                  "decode1": decode_plan(1, args.context), "decode8": decode_plan(8, args.context)}

@@ -29,6 +29,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-native-attention", dest="native_attention", action="store_false",
                    help="attend with torch's SDPA on gathered K/V; by default, decode and prefill "
                         "attention read the KV pool directly in C++ kernels on CPU")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: launch every decode step kernel by kernel; by default decode-only steps "
+                        "replay CUDA graphs (one per batch-size and context bucket, captured when the engine starts)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads (default: all cores)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -101,7 +104,8 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model_path=model_path, served_model_name=name, dtype=args.dtype,
                         device=args.device, num_threads=args.num_threads,
                         quantized_matmul=args.quantized_matmul,
-                        native_attention=args.native_attention, cache=cache,
+                        native_attention=args.native_attention, enforce_eager=args.enforce_eager,
+                        cache=cache,
                         kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
                         scheduler=sched, store=store, sessions=sessions)
 

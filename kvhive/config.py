@@ -144,6 +144,7 @@ class EngineConfig:
     num_threads: int | None = None
     quantized_matmul: bool = True          # few-row steps read GGUF Q4_1/Q8_0 blocks directly (CPU)
     native_attention: bool = True          # C++ attention kernels over the KV pool (CPU)
+    enforce_eager: bool = False            # CUDA: no decode graphs (kvhive.model.cuda_graphs)
     kv_events: str | None = None           # ZMQ PUB endpoint for KV events, e.g. tcp://*:5557
     kv_events_replay: str | None = None    # ZMQ ROUTER endpoint serving replay of recent batches
     cache: CacheConfig = field(default_factory=CacheConfig)

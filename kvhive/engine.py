@@ -107,7 +107,8 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks=num_blocks,
                                   block_size=cache.block_size, dtype=config.dtype,
                                   device=config.device, native_attention=config.native_attention,
-                                  connector=self.connector_worker)
+                                  connector=self.connector_worker, cuda_graphs=not config.enforce_eager,
+                                  max_num_seqs=config.scheduler.max_num_seqs)
         sched_cfg = config.scheduler
         if sched_cfg.max_model_len != self.max_model_len:
             from dataclasses import replace

@@ -14,6 +14,7 @@ import torch
 from kvhive.config import ModelConfig
 from kvhive.connector.base import ConnectorWorker
 from kvhive.model.attention import AttnMetadata, DecodeBatch, PrefillSpan
+from kvhive.model.cuda_graphs import DecodeGraphs
 from kvhive.model.decode_kernel import CpuDecodeKernel
 from kvhive.model.llama import LlamaModel, resolve_dtype
 from kvhive.model.prefill_kernel import CpuPrefillKernel
@@ -43,7 +44,8 @@ class ModelRunner:
 
     def __init__(self, model: LlamaModel, model_config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: str | torch.dtype = "float32", device: torch.device | str = "cpu",
-                 native_attention: bool = True, connector: ConnectorWorker | None = None) -> None:
+                 native_attention: bool = True, connector: ConnectorWorker | None = None,
+                 cuda_graphs: bool = True, max_num_seqs: int = 32) -> None:
         self.model = model
         self.config = model_config
         self.num_blocks = num_blocks
@@ -72,6 +74,12 @@ class ModelRunner:
         prefill = CpuPrefillKernel.load() if native else None
         self.prefill_kernel = (prefill if prefill is not None and prefill.supports(
             self.dtype, c.num_heads, c.num_kv_heads, c.head_dim) else None)
+        # CUDA: decode-only steps replay per-bucket graphs (kvhive.model.cuda_graphs).
+        self.decode_graphs: DecodeGraphs | None = None
+        if cuda_graphs and self.device.type == "cuda":
+            self.decode_graphs = DecodeGraphs(model, self.kv_cache, -(-c.max_position_embeddings // block_size),
+                                              max_rows=max_num_seqs)
+            self.decode_graphs.capture_all()
 
     @staticmethod
     def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str | torch.dtype) -> int:
@@ -95,7 +103,9 @@ class ModelRunner:
             return StepResult(sampled={})
         inputs = self.prepare_inputs(plan)
         with torch.inference_mode():
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache)
+            hidden = self._graphed_decode(plan, inputs)
+            if hidden is None:
+                hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache)
             sampled_seqs = [s for s in inputs.seqs if s.sample]
             if not sampled_seqs:
                 return StepResult(sampled={})
@@ -110,6 +120,16 @@ class ModelRunner:
             logprobs = token_logprobs(logits, tokens, num_top)
         asked = {s.request_id: lp for s, lp in zip(sampled_seqs, logprobs, strict=True) if lp is not None}
         return StepResult(sampled=sampled, logprobs=asked)
+
+    def _graphed_decode(self, plan: StepPlan, inputs: StepInputs) -> torch.Tensor | None:
+        """Hidden states of a decode-only step through a CUDA graph; None when the step needs the
+        eager forward (prefill chunks, a layer-by-layer KV load, no bucket, or no graphs)."""
+        attn, meta = inputs.attn, plan.connector_meta
+        if self.decode_graphs is None or attn.decode is None or attn.prefills:
+            return None
+        if meta is not None and any(not spec.is_async for spec in meta.loads):
+            return None
+        return self.decode_graphs.forward(inputs.input_ids, inputs.positions, attn.slot_rows, attn.decode)
 
     def release(self, request_ids: list[str]) -> None:
         """Forget the per-request state (seeded generators) of finished requests."""

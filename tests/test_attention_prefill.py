@@ -89,6 +89,19 @@ def test_fused_sdpa_path_matches_reference(n: int, prefix: int, heads: int, kv_h
     torch.testing.assert_close(got.reshape(n, -1).cpu(), reference(q, k, v), **F32_TOL)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_decode_matmuls_match_sdpa(device: str) -> None:
+    """The float32 CUDA decode path (two GEMMs and a softmax) against SDPA, padded keys masked."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(5, 3, n, 16, generator=g) for n in (3, 40, 40))
+    lens = torch.tensor([1, 7, 16, 33, 40])
+    mask = (torch.arange(40)[None, :] < lens[:, None])[:, None, None, :]
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    got = attention._decode_matmuls(*(t.to(device) for t in (q, k, v, mask)))
+    torch.testing.assert_close(got.cpu(), expected, **F32_TOL)
+
+
 def test_blocked_equals_sdpa_at_a_real_shape(monkeypatch) -> None:
     """SmolLM2-135M's attention shape, several default-sized blocks, on a cached prefix."""
     q, k, v = inputs(300, 100, 9, 3, 64, torch.float32, seed=1)
