@@ -112,6 +112,22 @@ def test_seed_reproducibility(client: OpenAI) -> None:
     assert sample(7) == sample(7)
 
 
+def test_logprobs_and_n(client: OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, temperature=0.8, seed=3,
+                                       n=2, logprobs=True, top_logprobs=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
+    for choice in r.choices:
+        joined = b"".join(bytes(t.bytes) for t in choice.logprobs.content).decode(errors="replace")
+        assert joined.startswith(choice.message.content)       # plus the end-of-turn token, if it came
+        assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in choice.logprobs.content)
+    whole = client.completions.create(model=MODEL, prompt="The three primary colours are", max_tokens=5,
+                                      temperature=0, logprobs=3)
+    lp = whole.choices[0].logprobs
+    assert "".join(lp.tokens) == whole.choices[0].text
+    assert [next(iter(top)) for top in lp.top_logprobs] == lp.tokens      # greedy: the top-1 token
+
+
 def test_wrong_api_key_is_rejected(server: ServerProcess, client: OpenAI) -> None:
     bad = OpenAI(base_url=f"{server.base_url}/v1", api_key="not-the-key", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as info:
@@ -120,6 +136,6 @@ def test_wrong_api_key_is_rejected(server: ServerProcess, client: OpenAI) -> Non
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=QUESTION, max_tokens=2)
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, n=2)
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, n=17)
     assert info.value.param == "n"
     assert client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2).usage.completion_tokens

@@ -141,13 +141,13 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
 
     @app.post("/v1/completions", response_model=None)
     async def completions(raw_request: Request) -> Response | CompletionResponse:
-        """OpenAI completions (one prompt, n=1), streamed with SSE when ``stream`` is true."""
+        """OpenAI completions (one prompt, n choices), streamed with SSE when ``stream`` is true."""
         body = await parse_body(raw_request, CompletionRequest)
         return await create_completion(service, body, raw_request)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(raw_request: Request) -> Response | ChatCompletionResponse:
-        """OpenAI chat completions (n=1), streamed with SSE when ``stream`` is true."""
+        """OpenAI chat completions (n choices), streamed with SSE when ``stream`` is true."""
         body = await parse_body(raw_request, ChatCompletionRequest)
         return await create_chat_completion(service, body, raw_request)
 

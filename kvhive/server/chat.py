@@ -1,4 +1,5 @@
-"""``POST /v1/chat/completions``: messages rendered with the model's chat template, one reply."""
+"""``POST /v1/chat/completions``: messages rendered with the model's chat template, ``n`` replies
+(one by default), with the logprobs of their tokens when asked."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 
+from kvhive.request import MAX_LOGPROBS
 from kvhive.server.errors import bad_request
+from kvhive.server.logprobs import SentToken, chat_logprobs
 from kvhive.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -17,12 +20,16 @@ from kvhive.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatMessage,
     DeltaMessage,
 )
 from kvhive.server.serving import (
     SSE_DONE,
     GenerationService,
+    TextDelta,
+    combined_usage,
+    merge_streams,
     new_request_id,
     sse_event,
     unix_time,
@@ -30,14 +37,20 @@ from kvhive.server.serving import (
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
-    if body.logprobs:
-        raise bad_request("'logprobs' is not supported", param="logprobs")
-    if body.top_logprobs is not None:
-        raise bad_request("'top_logprobs' is not supported", param="top_logprobs")
     if body.tools:
         raise bad_request("'tools' are not supported", param="tools")
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise bad_request("Only response_format {\"type\": \"text\"} is supported", param="response_format")
+
+
+def logprobs_wanted(body: ChatCompletionRequest) -> int | None:
+    """How many top alternatives per token the request wants (None: no logprobs); 400 if malformed."""
+    top = body.top_logprobs
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise bad_request(f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}, got {top}", param="top_logprobs")
+    if top is not None and not body.logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if body.logprobs else None
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
@@ -70,6 +83,7 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
     ``conversation_id``, or a new one with ``new_session_ttl``; the answer carries ``x-session-id``)."""
     service.check_common(body)
     _check_unsupported(body)
+    num_logprobs = logprobs_wanted(body)
     messages = template_messages(body.messages)
     try:
         token_ids = service.tokenizer.encode_chat(messages)
@@ -78,48 +92,57 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
     requested, param = ((body.max_completion_tokens, "max_completion_tokens")
                         if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
     max_tokens = service.resolve_max_tokens(requested, len(token_ids), param, "messages")
-    sampling = service.sampling_params(body, max_tokens)
+    sampling = service.sampling_params(body, max_tokens, num_logprobs)
     owner = service.owner_of(raw_request)
     session = service.open_session(raw_request, body.model, len(token_ids) + max_tokens,
-                                   conversation_id=body.conversation_id, new_ttl=new_session_ttl)
+                                   conversation_id=body.conversation_id, new_ttl=new_session_ttl, n=body.n)
     headers = {} if session is None else {"x-session-id": session.session_id}
     request_id = new_request_id("chatcmpl")
     created = unix_time()
     model = service.served_model_name
-    deltas = service.stream(request_id, token_ids, sampling, body.stop_strings,
-                            service.cache_salt_for(owner, body.cache_salt), session=session,
-                            end_session=body.end_conversation)
+    streams = service.choice_streams(request_id, body.n, token_ids, sampling, body.stop_strings,
+                                     service.cache_salt_for(owner, body.cache_salt), session=session,
+                                     end_session=body.end_conversation)
+
+    def logprobs_of(tokens: tuple[SentToken, ...]) -> ChatLogprobs | None:
+        return None if num_logprobs is None else chat_logprobs(tokens, service.tokenizer)
 
     if not body.stream:
-        result = await service.collect(deltas, raw_request)
-        if result is None:
+        results = await service.collect_choices(streams, raw_request)
+        if results is None:
             return Response(status_code=499)          # the client is gone; nobody reads this
-        choice = ChatChoice(message=AssistantMessage(content=result.text),
-                            finish_reason=result.finish_reason)
-        answer = ChatCompletionResponse(id=request_id, created=created, model=model, choices=[choice],
-                                        usage=result.usage())
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=r.text), logprobs=logprobs_of(r.tokens),
+                              finish_reason=r.finish_reason) for i, r in enumerate(results)]
+        answer = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                        usage=combined_usage(results))
         return JSONResponse(answer.model_dump(mode="json"), headers=headers) if headers else answer
 
     include_usage = body.include_usage
     exclude = None if include_usage else {"usage"}
 
-    def chunk(delta: DeltaMessage, finish_reason: str | None = None) -> str:
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+    def chunk(index: int, delta: DeltaMessage, finish_reason: str | None = None,
+              logprobs: ChatLogprobs | None = None) -> str:
+        choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
         return sse_event(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]),
                          exclude=exclude)
 
     async def events() -> AsyncIterator[str]:
-        yield chunk(DeltaMessage(role="assistant", content=""))
-        async with contextlib.aclosing(deltas):
-            async for delta in deltas:
-                if delta.text:
-                    yield chunk(DeltaMessage(content=delta.text))
+        for index in range(body.n):
+            yield chunk(index, DeltaMessage(role="assistant", content=""))
+        finals: dict[int, TextDelta] = {}
+        async with contextlib.aclosing(merge_streams(streams)) as merged:
+            async for index, delta in merged:
+                # A token without text of its own (the end-of-turn token) still has logprobs to send.
+                if delta.text or delta.tokens:
+                    yield chunk(index, DeltaMessage(content=delta.text), logprobs=logprobs_of(delta.tokens))
                 if delta.finish_reason is None:
                     continue
-                yield chunk(DeltaMessage(), delta.finish_reason)
-                if include_usage:
-                    yield sse_event(ChatCompletionChunk(id=request_id, created=created, model=model,
-                                                        choices=[], usage=delta.usage()))
+                yield chunk(index, DeltaMessage(), delta.finish_reason)
+                finals[index] = delta
+        if include_usage:
+            usage = combined_usage([finals[i] for i in range(body.n)])
+            yield sse_event(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
+                                                usage=usage))
         yield SSE_DONE
 
     return service.sse_response(events(), headers, session, end_session=body.end_conversation)

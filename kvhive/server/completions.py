@@ -1,4 +1,5 @@
-"""``POST /v1/completions``: one prompt (text or token ids) in, text out, streamed or whole."""
+"""``POST /v1/completions``: one prompt (text or token ids) in, ``n`` texts out (one by default),
+streamed or whole, with the logprobs of their tokens when asked and the prompt first with ``echo``."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from kvhive.request import MAX_LOGPROBS
 from kvhive.server.errors import bad_request
-from kvhive.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from kvhive.server.logprobs import SentToken, completion_logprobs
+from kvhive.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from kvhive.server.serving import (
     SSE_DONE,
     GenerationService,
     TextDelta,
+    combined_usage,
+    merge_streams,
     new_request_id,
     sse_event,
     unix_time,
@@ -21,24 +26,35 @@ from kvhive.server.serving import (
 
 
 def _check_unsupported(body: CompletionRequest) -> None:
-    if body.echo:
-        raise bad_request("'echo' is not supported", param="echo")
-    if body.logprobs is not None:
-        raise bad_request("'logprobs' is not supported", param="logprobs")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"'logprobs' must be between 0 and {MAX_LOGPROBS}, got {body.logprobs}",
+                          param="logprobs")
+    if body.echo and body.logprobs is not None:
+        # That would need the logprobs of the prompt's tokens, which kvhive does not compute.
+        raise bad_request("'echo' together with 'logprobs' is not supported (the prompt's tokens have "
+                          "no logprobs here); drop one of them", param="echo")
     if body.best_of is not None and body.best_of != 1:
         raise bad_request("Only best_of=1 is supported", param="best_of")
+    if body.best_of is not None and body.n > 1:
+        raise bad_request(f"'best_of' must be at least 'n' ({body.n}); leave it unset", param="best_of")
     if body.suffix:
         raise bad_request("'suffix' is not supported", param="suffix")
 
 
-def prompt_token_ids(service: GenerationService, prompt: str | list[int] | list[str] | list[list[int]]
-                     ) -> list[int]:
-    """The one prompt of the request as token ids (a list holding one prompt is unwrapped)."""
+def single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+    """The one prompt of the request, text or token ids (a list holding one prompt is unwrapped)."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
             raise bad_request(f"Several prompts in one request are not supported (got {len(prompt)}); "
                               f"send one request per prompt", param="prompt")
-        prompt = prompt[0]
+        return prompt[0]
+    return prompt
+
+
+def prompt_token_ids(service: GenerationService, prompt: str | list[int] | list[str] | list[list[int]]
+                     ) -> list[int]:
+    """The one prompt of the request as token ids."""
+    prompt = single_prompt(prompt)
     if isinstance(prompt, str):
         token_ids = service.tokenizer.encode(prompt)
     else:
@@ -49,6 +65,12 @@ def prompt_token_ids(service: GenerationService, prompt: str | list[int] | list[
     return token_ids
 
 
+def echoed_prompt(service: GenerationService, prompt: str | list[int]) -> str:
+    """The prompt text ``echo`` puts before the completion: as sent, or token ids decoded (special
+    tokens included: they are part of what was sent)."""
+    return prompt if isinstance(prompt, str) else service.tokenizer.decode(prompt, skip_special_tokens=False)
+
+
 async def create_completion(service: GenerationService, body: CompletionRequest,
                             raw_request: Request, new_session_ttl: int | None = None
                             ) -> Response | CompletionResponse:
@@ -57,42 +79,51 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
     service.check_common(body)
     _check_unsupported(body)
     token_ids = prompt_token_ids(service, body.prompt)
+    echo = echoed_prompt(service, single_prompt(body.prompt)) if body.echo else ""
     max_tokens = service.resolve_max_tokens(body.max_tokens, len(token_ids), "max_tokens", "prompt")
-    sampling = service.sampling_params(body, max_tokens)
+    sampling = service.sampling_params(body, max_tokens, body.logprobs)
     owner = service.owner_of(raw_request)
     session = service.open_session(raw_request, body.model, len(token_ids) + max_tokens,
-                                   new_ttl=new_session_ttl)
+                                   new_ttl=new_session_ttl, n=body.n)
     headers = {} if session is None else {"x-session-id": session.session_id}
     request_id = new_request_id("cmpl")
     created = unix_time()
-    deltas = service.stream(request_id, token_ids, sampling, body.stop_strings,
-                            service.cache_salt_for(owner, body.cache_salt), session=session)
+    model = service.served_model_name
+    streams = service.choice_streams(request_id, body.n, token_ids, sampling, body.stop_strings,
+                                     service.cache_salt_for(owner, body.cache_salt), session=session)
 
-    def response(delta: TextDelta, final: bool) -> CompletionResponse:
-        choice = CompletionChoice(text=delta.text, finish_reason=delta.finish_reason)
-        return CompletionResponse(id=request_id, created=created, model=service.served_model_name,
-                                  choices=[choice],
-                                  usage=delta.usage() if final else None)
+    def choice(index: int, text: str, finish_reason: str | None, tokens: tuple[SentToken, ...]) -> CompletionChoice:
+        logprobs = None if body.logprobs is None else completion_logprobs(tokens, service.tokenizer)
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
 
     if not body.stream:
-        result = await service.collect(deltas, raw_request)
-        if result is None:
+        results = await service.collect_choices(streams, raw_request)
+        if results is None:
             return Response(status_code=499)          # the client is gone; nobody reads this
-        if headers:
-            return JSONResponse(response(result, final=True).model_dump(mode="json"), headers=headers)
-        return response(result, final=True)
+        answer = CompletionResponse(id=request_id, created=created, model=model, usage=combined_usage(results),
+                                    choices=[choice(i, echo + r.text, r.finish_reason, r.tokens)
+                                             for i, r in enumerate(results)])
+        return JSONResponse(answer.model_dump(mode="json"), headers=headers) if headers else answer
 
     include_usage = body.include_usage
     exclude = None if include_usage else {"usage"}
 
+    def chunk(*choices: CompletionChoice, usage: Usage | None = None) -> str:
+        return sse_event(CompletionResponse(id=request_id, created=created, model=model, choices=list(choices),
+                                            usage=usage), exclude=exclude)
+
     async def events() -> AsyncIterator[str]:
-        async with contextlib.aclosing(deltas):
-            async for delta in deltas:
-                yield sse_event(response(delta, final=False), exclude=exclude)
-                if delta.finish_reason is not None and include_usage:
-                    usage_chunk = CompletionResponse(id=request_id, created=created, choices=[],
-                                                     model=service.served_model_name, usage=delta.usage())
-                    yield sse_event(usage_chunk)
+        if echo:
+            for index in range(body.n):
+                yield chunk(CompletionChoice(index=index, text=echo))
+        finals: dict[int, TextDelta] = {}
+        async with contextlib.aclosing(merge_streams(streams)) as merged:
+            async for index, delta in merged:
+                yield chunk(choice(index, delta.text, delta.finish_reason, delta.tokens))
+                if delta.finish_reason is not None:
+                    finals[index] = delta
+        if include_usage:
+            yield chunk(usage=combined_usage([finals[i] for i in range(body.n)]))
         yield SSE_DONE
 
     return service.sse_response(events(), headers, session)

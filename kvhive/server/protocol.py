@@ -117,12 +117,21 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class CompletionLogprobs(BaseModel):
+    """``logprobs`` of a completion choice: one entry per token in each list (legacy OpenAI shape)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]     # the top tokens, and the chosen one, per position
+    text_offset: list[int]                   # where each token's text starts in the choice's text
+
+
 class CompletionChoice(BaseModel):
     """One choice of a completion (or a streamed completion chunk)."""
 
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -144,12 +153,33 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    """A token and its logprob; ``token`` is ``bytes:\\x..`` when its bytes are not whole UTF-8."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    """A generated token's logprob, with the most likely tokens at its position."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """``logprobs`` of a chat choice (or of a streamed chunk's tokens)."""
+
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
 class ChatChoice(BaseModel):
     """One choice of a chat completion."""
 
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -181,7 +211,7 @@ class ChatChunkChoice(BaseModel):
 
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

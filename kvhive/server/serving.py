@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 from fastapi import Request
@@ -25,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvhive.request import SamplingParams
 from kvhive.server.errors import APIError, bad_request, server_error
+from kvhive.server.logprobs import SentToken, TokensAwaitingText
 from kvhive.server.metrics import ServerMetrics
 from kvhive.server.protocol import PromptTokensDetails, SamplingRequest, Usage
 from kvhive.server.stop import StopStringMatcher
@@ -38,8 +40,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 # How often a non-streamed request checks whether its client is still connected.
 DISCONNECT_POLL_S = 0.1
+# Most choices (``n``) one request may ask for: each is an engine request of its own.
+MAX_CHOICES = 16
 
 
 def new_request_id(prefix: str) -> str:
@@ -61,12 +67,12 @@ class TextDelta:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    # The tokens whose text is in this delta, when the request asked for logprobs.
+    tokens: tuple[SentToken, ...] = ()
 
     def usage(self) -> Usage:
         """OpenAI usage as of this delta."""
-        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_output_tokens,
-                     total_tokens=self.num_prompt_tokens + self.num_output_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens))
+        return combined_usage([self])
 
 
 def sse_event(payload: BaseModel | dict[str, Any], exclude: set[str] | None = None) -> str:
@@ -77,6 +83,72 @@ def sse_event(payload: BaseModel | dict[str, Any], exclude: set[str] | None = No
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index``: choice 0 keeps the request's (so n=1 samples as before), the
+    others get distinct seeds derived from it, the same on every repeat of the request."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1          # non-negative, below 2**63
+
+
+def combined_usage(finals: Sequence[TextDelta]) -> Usage:
+    """Usage of a request's choices (their last deltas): the prompt counted once, with the cached
+    tokens the first choice found; completion tokens summed over the choices."""
+    first = finals[0]
+    completion = sum(d.num_output_tokens for d in finals)
+    return Usage(prompt_tokens=first.num_prompt_tokens, completion_tokens=completion,
+                 total_tokens=first.num_prompt_tokens + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=first.num_cached_tokens))
+
+
+@dataclass(frozen=True)
+class _StreamEnded:
+    """What ``merge_streams``' pump sends when its stream ends: nothing, or the error it raised."""
+
+    error: Exception | None
+
+
+async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """The items of several streams as they come, each with its stream's index.
+
+    A stream that fails fails the merge; leaving the merge early (or failing) closes every stream.
+    One stream is passed through directly (no task, no queue).
+    """
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:
+            async for item in only:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, T] | _StreamEnded] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    queue.put_nowait((index, item))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            queue.put_nowait(_StreamEnded(exc))
+            return
+        queue.put_nowait(_StreamEnded(None))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            event = await queue.get()
+            if isinstance(event, _StreamEnded):
+                if event.error is not None:
+                    raise event.error
+                running -= 1
+                continue
+            yield event
+    finally:
+        for task in tasks:
+            task.cancel()              # closes its stream, which aborts its engine request
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def session_api_error(exc: SessionError) -> APIError:
@@ -143,8 +215,8 @@ class GenerationService:
     def check_common(self, body: SamplingRequest) -> None:
         """400 for sampling fields kvhive does not implement, instead of silently ignoring them."""
         self.check_model(body.model)
-        if body.n != 1:
-            raise bad_request(f"Only n=1 is supported, got n={body.n}", param="n")
+        if not 1 <= body.n <= MAX_CHOICES:
+            raise bad_request(f"'n' must be between 1 and {MAX_CHOICES}, got {body.n}", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(body, name) != 0:
                 raise bad_request(f"'{name}' is not supported; leave it unset or 0", param=name)
@@ -180,8 +252,10 @@ class GenerationService:
                 param=param, code="context_length_exceeded")
         return requested
 
-    def sampling_params(self, body: SamplingRequest, max_tokens: int) -> SamplingParams:
-        """Engine sampling parameters from the request (OpenAI defaults: temperature 1, top_p 1)."""
+    def sampling_params(self, body: SamplingRequest, max_tokens: int, logprobs: int | None = None
+                        ) -> SamplingParams:
+        """Engine sampling parameters from the request (OpenAI defaults: temperature 1, top_p 1);
+        ``logprobs``: how many top alternatives to report per token (None: no logprobs)."""
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -191,6 +265,7 @@ class GenerationService:
                 seed=body.seed,
                 ignore_eos=body.ignore_eos,
                 stop_token_ids=tuple(body.stop_token_ids or ()),
+                logprobs=logprobs,
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
@@ -208,12 +283,17 @@ class GenerationService:
         return cache_salt(owner, body_salt, self.share_prefix_cache)
 
     def open_session(self, raw_request: Request, model: str, num_tokens: int, *,
-                     conversation_id: str | None = None, new_ttl: int | None = None) -> Session | None:
+                     conversation_id: str | None = None, new_ttl: int | None = None,
+                     n: int = 1) -> Session | None:
         """The session this request runs in, marked busy: a new one (``new_ttl``), the one named by
         ``x-session-id`` or ``conversation_id`` (an unknown conversation_id starts one with the
-        default TTL), or None. ``num_tokens`` (prompt + max output) is checked against the limits."""
+        default TTL), or None. ``num_tokens`` (prompt + max output) is checked against the limits.
+        A request of ``n`` > 1 choices cannot run in a session (400, before any session is touched)."""
         registry = self.sessions
         session_id = raw_request.headers.get("x-session-id") or conversation_id
+        if n > 1 and (session_id or new_ttl is not None):
+            raise bad_request(f"'n' must be 1 in a session (x-session-id, conversation_id or POST "
+                              f"/v1/context): a session holds one continuation, got n={n}", param="n")
         if registry is None or (new_ttl is None and not session_id):
             return None
         owner = self.owner_of(raw_request)
@@ -247,6 +327,8 @@ class GenerationService:
         tracker = self.metrics.track_request()
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=True)
         matcher = StopStringMatcher(stop_strings)
+        awaiting = TokensAwaitingText() if sampling.logprobs is not None else None
+        num_sent = 0                  # characters of text yielded so far
         kwargs = {} if session is None else {"session_id": session.engine_id, "end_session": end_session}
         turn = 0 if session is None else session.turn
         outputs = self.engine.generate(request_id, prompt_token_ids, sampling, cache_salt=cache_salt, **kwargs)
@@ -264,22 +346,29 @@ class GenerationService:
                 delta = detokenizer.add(out.new_token_ids)
                 if out.finished:
                     delta += detokenizer.flush()
+                if awaiting is not None:
+                    awaiting.add(out.logprobs or (), delta)
                 text = matcher.feed(delta)
+                num_sent += len(text)
                 if matcher.stopped:
                     reason = "stop"
                     if not out.finished:
                         self.engine.abort(request_id)    # else the engine goes on to max_tokens
+                    # Logprobs of the tokens whose text, or part of it, went out before the stop string.
+                    tokens = () if awaiting is None else awaiting.release(num_sent)
                 elif out.finished:
                     reason = out.finish_reason.value if out.finish_reason else "stop"
                     text += matcher.flush()
+                    tokens = () if awaiting is None else awaiting.release_all()
                 else:
                     if text:
-                        yield TextDelta(text, None, *counts)
+                        tokens = () if awaiting is None else awaiting.release(num_sent)
+                        yield TextDelta(text, None, *counts, tokens)
                     continue
                 done = True
                 tracker.finish(reason, counts[0], counts[2])
                 await outputs.aclose()
-                yield TextDelta(text, reason, *counts)
+                yield TextDelta(text, reason, *counts, tokens)
                 return
             raise RuntimeError(f"engine stream of {request_id} ended without a finished output")
         finally:
@@ -314,19 +403,48 @@ class GenerationService:
         self.engine.end_session(session.engine_id)
         self.engine.engine.unpin_session(session.engine_id)
 
+    def choice_streams(self, request_id: str, n: int, prompt_token_ids: list[int], sampling: SamplingParams,
+                       stop_strings: Sequence[str], cache_salt: str | None, session: Session | None = None,
+                       end_session: bool = False) -> list[AsyncIterator[TextDelta]]:
+        """One ``stream`` per choice. n == 1: the engine request is ``request_id`` itself. n > 1:
+        engine requests ``{request_id}-{i}``, each with its own seed (``choice_seed``), never in a
+        session; they run concurrently, and the scheduler computes the prompt's full blocks once
+        (the other choices wait a step and hit them)."""
+        if n == 1:
+            return [self.stream(request_id, prompt_token_ids, sampling, stop_strings, cache_salt,
+                                session=session, end_session=end_session)]
+        assert session is None, "open_session refuses n > 1 in a session"
+        streams = []
+        for i in range(n):
+            seeded = replace(sampling, seed=choice_seed(sampling.seed, i))
+            streams.append(self.stream(f"{request_id}-{i}", prompt_token_ids, seeded, stop_strings, cache_salt))
+        return streams
+
     async def collect(self, deltas: AsyncIterator[TextDelta], raw_request: Request) -> TextDelta | None:
         """Join a whole stream into one delta; None if the client went away (the request is aborted)."""
+        joined = await self.collect_choices([deltas], raw_request)
+        return None if joined is None else joined[0]
 
-        async def join() -> TextDelta:
-            parts: list[str] = []
-            last: TextDelta | None = None
-            async with contextlib.aclosing(deltas):
-                async for delta in deltas:
-                    parts.append(delta.text)
-                    last = delta
-            assert last is not None
-            return TextDelta("".join(parts), last.finish_reason, last.num_prompt_tokens,
-                             last.num_cached_tokens, last.num_output_tokens)
+    async def collect_choices(self, streams: Sequence[AsyncIterator[TextDelta]], raw_request: Request
+                              ) -> list[TextDelta] | None:
+        """Join each choice's stream into one delta (all run concurrently); None if the client went
+        away (then every choice's engine request is aborted)."""
+
+        async def join() -> list[TextDelta]:
+            parts: list[list[str]] = [[] for _ in streams]
+            tokens: list[list[SentToken]] = [[] for _ in streams]
+            last: list[TextDelta | None] = [None] * len(streams)
+            async with contextlib.aclosing(merge_streams(streams)) as merged:
+                async for index, delta in merged:
+                    parts[index].append(delta.text)
+                    tokens[index].extend(delta.tokens)
+                    last[index] = delta
+            joined = []
+            for texts, sent, final in zip(parts, tokens, last, strict=True):
+                assert final is not None
+                joined.append(TextDelta("".join(texts), final.finish_reason, final.num_prompt_tokens,
+                                        final.num_cached_tokens, final.num_output_tokens, tuple(sent)))
+            return joined
 
         task = asyncio.create_task(join())
         try:
@@ -339,12 +457,12 @@ class GenerationService:
                     return None
         finally:
             if not task.done():
-                task.cancel()      # closes the stream, which aborts the engine request
+                task.cancel()      # closes the streams, which aborts the engine requests
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
     @staticmethod
-    def _result(task: asyncio.Task[TextDelta]) -> TextDelta:
+    def _result(task: asyncio.Task[list[TextDelta]]) -> list[TextDelta]:
         try:
             return task.result()
         except APIError:

@@ -1,0 +1,111 @@
+"""Logprobs as the API shows them: which tokens go out with which text, and their JSON shapes.
+
+A token's logprobs go out in the chunk that carries the start of its text. Text can lag its token:
+the detokenizer holds back a partial UTF-8 character until the token that completes it, and the
+stop matcher holds back what could start a stop string. ``TokensAwaitingText`` keeps each token
+with the span of generated text it produced and lets it go once part of that span has been sent.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvhive.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from kvhive.step import TokenLogprobs
+
+if TYPE_CHECKING:
+    from kvhive.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class SentToken:
+    """A generated token whose text (or part of it) went out, with where that text starts."""
+
+    logprobs: TokenLogprobs
+    text_offset: int          # in the choice's generated text, in characters
+
+
+class TokensAwaitingText:
+    """Generated tokens waiting for their text to be sent, oldest first.
+
+    Invariant: the waiting tokens' text spans [start, end) of the generated text (before stop
+    strings) follow each other: one's ``start`` is the ``end`` of the one before.
+    """
+
+    def __init__(self) -> None:
+        self._waiting: deque[tuple[TokenLogprobs, int]] = deque()    # (logprobs, start)
+        self._text_len = 0
+
+    def add(self, logprobs: Sequence[TokenLogprobs], text: str) -> None:
+        """Record the tokens of one engine output and the text the detokenizer gave for them.
+
+        Tokens of one output share its text span (the engine gives one token per output).
+        """
+        for token in logprobs:
+            self._waiting.append((token, self._text_len))
+        self._text_len += len(text)
+
+    def release(self, num_sent: int) -> tuple[SentToken, ...]:
+        """The waiting tokens whose text starts within the first ``num_sent`` characters sent.
+
+        A token split by what is held back goes with the part sent first; a token without text of
+        its own (the first bytes of a character, a skipped special token) waits for the next text,
+        which is where its character appears. After a stop string, the tokens still waiting are
+        the ones none of whose text went out: they are never sent.
+        """
+        out = []
+        while self._waiting and self._waiting[0][1] < num_sent:
+            token, start = self._waiting.popleft()
+            out.append(SentToken(token, start))
+        return tuple(out)
+
+    def release_all(self) -> tuple[SentToken, ...]:
+        """Every waiting token: generation ended without a stop string, so all their text went out
+        (tokens without text at the end, such as the end-of-turn token, included)."""
+        out = tuple(SentToken(token, start) for token, start in self._waiting)
+        self._waiting.clear()
+        return out
+
+
+def token_string(data: bytes) -> str:
+    """A token's text; a token that is not whole UTF-8 (part of a character) as ``bytes:\\xe6\\x97``
+    (OpenAI's and vLLM's convention), its raw bytes still in the ``bytes`` field."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+def chat_logprobs(tokens: Sequence[SentToken], tokenizer: Tokenizer) -> ChatLogprobs:
+    """The chat shape: per token its string, logprob, bytes and the top alternatives."""
+
+    def described(token_id: int, logprob: float) -> dict[str, Any]:
+        data = tokenizer.token_bytes(token_id)
+        return {"token": token_string(data), "logprob": logprob, "bytes": list(data)}
+
+    content = [ChatTokenLogprob(**described(s.logprobs.token_id, s.logprobs.logprob),
+                                top_logprobs=[TopLogprob(**described(t, v)) for t, v in s.logprobs.top])
+               for s in tokens]
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(tokens: Sequence[SentToken], tokenizer: Tokenizer) -> CompletionLogprobs:
+    """The legacy completions shape: parallel lists; each top dict holds the top tokens and the
+    chosen one (up to N + 1 entries, as OpenAI documents). Tokens with the same string share a key;
+    the more likely one's value is kept."""
+    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    for sent in tokens:
+        lp = sent.logprobs
+        chosen = token_string(tokenizer.token_bytes(lp.token_id))
+        top: dict[str, float] = {}
+        for token_id, value in lp.top:
+            top.setdefault(token_string(tokenizer.token_bytes(token_id)), value)
+        top.setdefault(chosen, lp.logprob)
+        out.tokens.append(chosen)
+        out.token_logprobs.append(lp.logprob)
+        out.top_logprobs.append(top)
+        out.text_offset.append(sent.text_offset)
+    return out
