@@ -1,7 +1,8 @@
 """Shared fixtures: real kvhive servers in subprocesses on free ports, reached over real HTTP.
 
 Run as a script, this file is also the server process the fixtures start:
-``python tests/conftest.py --model tiny|default --port N [--api-key K] [--max-model-len N] [--faulty]``.
+``python tests/conftest.py --model tiny|default --port N [--api-key K] [--max-model-len N] [--faulty]
+[--served-model-name NAME]``.
 ``tiny`` is a random-weight Llama (``tests/tiny.py``) behind the real tokenizer of the default GGUF;
 ``default`` is the real default model. ``--faulty`` makes prompts that start with
 ``FAULT_TOKEN_IDS`` fail inside the engine, so tests can see how engine errors reach clients.
@@ -76,7 +77,8 @@ def start_server(model: str, *, api_keys: tuple[str, ...] = (), max_model_len: i
     """Start a server subprocess and wait until /health answers 200.
 
     ``extra_args``: more flags of the server script (``--num-blocks``, ``--cpu-offload-gb``,
-    ``--disk-cache-dir``, ``--redis-url``, the session flags, ``--no-prefix-caching``).
+    ``--disk-cache-dir``, ``--redis-url``, the session flags, ``--no-prefix-caching``,
+    ``--served-model-name``).
     """
     port = free_port()
     cmd = [sys.executable, os.path.join(TESTS_DIR, "conftest.py"), "--model", model, "--port", str(port),
@@ -114,6 +116,12 @@ def stop_server(server: ServerProcess) -> None:
         server.process.kill()
         server.process.wait()
     os.unlink(server.log_path)
+
+
+def kill_server(server: ServerProcess) -> None:
+    """SIGKILL: no graceful shutdown (what a crash leaves behind); the log stays for a restart."""
+    server.process.kill()
+    server.process.wait()
 
 
 def read_sse(response: httpx.Response) -> list[dict[str, Any] | str]:
@@ -216,6 +224,7 @@ def _serve_main() -> None:
     parser.add_argument("--max-sessions-per-key", type=int, default=None)
     parser.add_argument("--max-pinned-gb", type=float, default=None)
     parser.add_argument("--share-prefix-cache", action="store_true")
+    parser.add_argument("--served-model-name", default=SERVED_MODEL_NAME)
     args = parser.parse_args()
     import torch
 
@@ -223,7 +232,7 @@ def _serve_main() -> None:
     from kvhive.server.app import run_server
 
     run_server(_build_engine(args), host="127.0.0.1", port=args.port,
-               served_model_name=SERVED_MODEL_NAME, api_keys=tuple(args.api_key), log_level="warning")
+               served_model_name=args.served_model_name, api_keys=tuple(args.api_key), log_level="warning")
 
 
 if __name__ == "__main__":

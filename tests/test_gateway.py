@@ -309,6 +309,37 @@ def test_sessions_stick_to_their_replica(cluster: Cluster) -> None:
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "session_not_found"
 
 
+def test_responses_stick_to_the_replica_that_stored_them(cluster: Cluster) -> None:
+    body = {"model": SERVED_MODEL_NAME, "input": "Name a color.", "max_output_tokens": 8, "temperature": 0}
+    with cluster.client() as client:
+        first = client.post("/v1/responses", json=body)
+        assert first.status_code == 200, first.text
+        holder, previous = first.headers["x-kvhive-replica"], first.json()
+        for turn in range(3):               # follow-ups go where the conversation's KV is
+            r = client.post("/v1/responses", json={**body, "input": f"And another? ({turn})",
+                                                   "previous_response_id": previous["id"], "stream": turn == 2})
+            assert r.status_code == 200, r.text
+            assert (r.headers["x-kvhive-replica"], r.headers["x-kvhive-route-reason"]) == (holder, "session")
+            if turn < 2:
+                previous = r.json()
+                assert previous["usage"]["input_tokens_details"]["cached_tokens"] > 0
+        for path in (f"/v1/responses/{previous['id']}", f"/v1/responses/{previous['id']}/input_items"):
+            got = client.get(path)
+            assert got.status_code == 200 and got.headers["x-kvhive-replica"] == holder
+        assert client.get(f"/v1/responses/{previous['id']}").json() == previous
+        deleted = client.delete(f"/v1/responses/{previous['id']}")
+        assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+        gone = client.get(f"/v1/responses/{previous['id']}")     # asked of every replica: none has it
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "response_not_found"
+        # A response the gateway never saw (stored by a replica directly) is found by asking each.
+        other = next(r for r in cluster.replicas if r.url != holder)
+        direct = httpx.post(f"{other.url}/v1/responses", json=body, timeout=60).json()
+        found = client.get(f"/v1/responses/{direct['id']}")
+        assert found.status_code == 200 and found.headers["x-kvhive-replica"] == other.url
+        follow = client.post("/v1/responses", json={**body, "previous_response_id": direct["id"]})
+        assert follow.status_code == 200 and follow.headers["x-kvhive-replica"] == other.url
+
+
 def test_a_client_that_leaves_mid_stream_frees_the_replica(cluster: Cluster) -> None:
     body = {"model": SERVED_MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
             "ignore_eos": True, "stream": True}

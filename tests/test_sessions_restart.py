@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import SERVED_MODEL_NAME, start_server, stop_server
+from conftest import SERVED_MODEL_NAME, kill_server, start_server, stop_server
 from test_store_redis import RedisServer, _free_port
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -54,8 +54,7 @@ def test_sessions_and_expiries_survive_sigkill_and_restart(persistence):
             short_expires = c.get(f"/v1/context/{short}").json()["expires_at"]
         assert server.metric("kvhive_sessions_live") == 2
     finally:
-        server.process.kill()                       # SIGKILL: no graceful shutdown
-        server.process.wait()
+        kill_server(server)
     time.sleep(max(0.0, short_expires + 1 - time.time()))   # the short session expires while down
     server = start_server("tiny", api_keys=(KEY,), max_model_len=512, extra_args=args)
     try:

@@ -1,0 +1,91 @@
+"""``/v1/responses`` on the real default model: a chain served from kept KV gives the greedy tokens of
+the whole history computed without cache, and the official ``openai`` client drives it."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+from conftest import SERVED_MODEL_NAME, ServerProcess
+from openai import NotFoundError, OpenAI
+from test_openai_client import API_KEY, client, server  # noqa: F401 - fixtures: the default-model server
+
+pytestmark = pytest.mark.e2e
+
+INSTRUCTIONS = "You are a concise assistant. Answer in one short sentence."
+TURNS = ["What is the capital of France?", "And of Italy?", "Which of the two is further south?"]
+
+
+def test_a_chain_from_kept_kv_gives_the_uncached_greedy_tokens(server: ServerProcess) -> None:  # noqa: F811
+    with httpx.Client(base_url=server.base_url, timeout=120,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        messages = [{"role": "system", "content": INSTRUCTIONS}]
+        previous = None
+        for turn, question in enumerate(TURNS):
+            body = {"model": SERVED_MODEL_NAME, "input": question, "instructions": INSTRUCTIONS,
+                    "previous_response_id": previous["id"] if previous else None, "max_output_tokens": 24,
+                    "temperature": 0}
+            response = http.post("/v1/responses", json=body).json()
+            text = response["output"][0]["content"][0]["text"]
+            messages.append({"role": "user", "content": question})
+            reference = http.post("/v1/chat/completions", json={
+                "model": SERVED_MODEL_NAME, "messages": messages, "max_tokens": 24, "temperature": 0,
+                "cache_salt": uuid.uuid4().hex}).json()      # a fresh salt: nothing cached
+            assert reference["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            assert text == reference["choices"][0]["message"]["content"], f"turn {turn}"
+            assert response["usage"]["input_tokens"] == reference["usage"]["prompt_tokens"]
+            assert response["usage"]["output_tokens"] == reference["usage"]["completion_tokens"]
+            cached = response["usage"]["input_tokens_details"]["cached_tokens"]
+            if previous is None:
+                assert cached == 0
+            else:
+                # The session held the whole previous prompt and output; only the last sampled token
+                # (never fed back) and the new turn are computed.
+                usage = previous["usage"]
+                assert cached == usage["input_tokens"] + usage["output_tokens"] - 1
+            messages.append({"role": "assistant", "content": text})
+            previous = response
+    assert "Paris" in messages[2]["content"] and "Rome" in messages[4]["content"]
+
+
+def test_openai_client_creates_continues_retrieves_and_deletes(client: OpenAI) -> None:  # noqa: F811
+    first = client.responses.create(model=SERVED_MODEL_NAME, input=TURNS[0], instructions=INSTRUCTIONS,
+                                    temperature=0, max_output_tokens=32, metadata={"run": "sdk"})
+    assert first.object == "response" and first.status == "completed"
+    assert "Paris" in first.output_text and first.metadata == {"run": "sdk"}
+    second = client.responses.create(model=SERVED_MODEL_NAME, input=TURNS[1], instructions=INSTRUCTIONS,
+                                     previous_response_id=first.id, temperature=0, max_output_tokens=32)
+    assert second.previous_response_id == first.id and "Rome" in second.output_text
+    assert second.usage.input_tokens_details.cached_tokens == \
+        first.usage.input_tokens + first.usage.output_tokens - 1
+    fetched = client.responses.retrieve(second.id)
+    assert fetched.output_text == second.output_text and fetched.usage == second.usage
+    (item,) = client.responses.input_items.list(second.id).data
+    assert item.role == "user" and item.content[0].text == TURNS[1]
+    client.responses.delete(second.id)
+    with pytest.raises(NotFoundError):
+        client.responses.retrieve(second.id)
+    with pytest.raises(NotFoundError):
+        client.responses.create(model=SERVED_MODEL_NAME, input="?", previous_response_id=second.id)
+
+
+def test_openai_client_streams(client: OpenAI) -> None:  # noqa: F811
+    whole = client.responses.create(model=SERVED_MODEL_NAME, input=TURNS[0], temperature=0,
+                                    max_output_tokens=32, store=False)
+    with client.responses.stream(model=SERVED_MODEL_NAME, input=TURNS[0], temperature=0,
+                                 max_output_tokens=32) as stream:
+        deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == whole.output_text
+    assert final.status == "completed" and client.responses.retrieve(final.id).output_text == final.output_text
+    # create(stream=True) continuing the streamed response: raw events, then the completed response.
+    events = list(client.responses.create(model=SERVED_MODEL_NAME, input=TURNS[1], previous_response_id=final.id,
+                                          temperature=0, max_output_tokens=32, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    done = events[-1].response
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == done.output_text and "Rome" in text
+    assert done.usage.input_tokens_details.cached_tokens == \
+        final.usage.input_tokens + final.usage.output_tokens - 1

@@ -1,0 +1,182 @@
+"""The stored-response store (``kvhive.responses``) and its backends, without a model or a server."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from test_store_redis import RedisServer, _free_port
+
+from kvhive.response_backends import FileResponseBackend, RedisResponseBackend, ResponseBackend
+from kvhive.responses import (
+    ResponseStore,
+    StoredResponse,
+    conversation_of,
+    new_conversation_id,
+    new_response_id,
+)
+from kvhive.sessions import SessionError
+
+
+class Clock:
+    """A clock the test moves; it starts at the real time, which Redis expiries are set against."""
+
+    def __init__(self) -> None:
+        self.now = float(int(time.time()))
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stored(owner: str | None, conversation: str | None, previous: StoredResponse | None = None,
+           text: str = "out") -> StoredResponse:
+    response = {"id": new_response_id(conversation), "model": "m", "output": [
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}],
+        "previous_response_id": previous.response_id if previous else None}
+    items = [{"id": "msg_1", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "in"}]}]
+    return StoredResponse(owner, response, items)
+
+
+def chain(store: ResponseStore, owner: str | None, n: int, expires: float) -> list[StoredResponse]:
+    conversation = new_conversation_id()
+    responses: list[StoredResponse] = []
+    for _ in range(n):
+        responses.append(stored(owner, conversation, responses[-1] if responses else None))
+        store.add(responses[-1], expires)
+    return responses
+
+
+def test_ids_name_their_conversation() -> None:
+    conversation = new_conversation_id()
+    rid = new_response_id(conversation)
+    assert rid.startswith("resp_") and len(rid) == 53 and conversation_of(rid) == conversation
+    assert conversation_of(new_response_id(None)) != conversation
+    for bad in ("resp_x", "resp_" + "g" * 48, "sess-1", "resp_" + "0" * 49):
+        assert conversation_of(bad) is None
+
+
+def test_get_history_owner_and_bound() -> None:
+    clock = Clock()
+    store = ResponseStore(max_per_conversation=3, clock=clock)
+    r1, r2, r3 = chain(store, "alice", 3, expires=clock.now + 60)
+    assert store.get(r3.response_id, "alice") is r3
+    assert store.history(r3) == [r1, r2, r3]
+    with pytest.raises(SessionError) as other:
+        store.get(r3.response_id, "bob")                # another key: as if it did not exist
+    assert other.value.status_code == 404 and other.value.code == "response_not_found"
+    with pytest.raises(SessionError) as previous:
+        store.get("resp_" + "0" * 48, "alice", "previous_response_id")
+    assert (previous.value.code, previous.value.param) == ("previous_response_not_found", "previous_response_id")
+    conversation = conversation_of(r1.response_id)
+    assert conversation is not None
+    with pytest.raises(SessionError) as full:
+        store.check_room(conversation, "alice")
+    assert full.value.status_code == 429 and full.value.code == "too_many_responses"
+    store.check_room(conversation, "bob")               # bob's conversation of that id is empty
+    # Deleting the middle breaks what continues it; the rest of the conversation stays.
+    assert store.delete(r2) is False
+    with pytest.raises(SessionError) as broken:
+        store.history(r3)
+    assert broken.value.status_code == 404
+    assert store.history(r1) == [r1]
+    store.check_room(conversation, "alice")
+    assert store.delete(r1) is False and store.delete(r3) is True      # the last one empties it
+    assert store.is_empty(conversation, "alice") and store.num_responses() == 0
+
+
+def test_conversations_expire_whole_and_each_turn_moves_the_expiry() -> None:
+    clock = Clock()
+    store = ResponseStore(clock=clock)
+    start = clock.now
+    r1, r2 = chain(store, None, 2, expires=start + 10)
+    later = chain(store, None, 1, expires=start + 100)
+    store.add(stored(None, conversation_of(r1.response_id), r2), expires=start + 20)    # a new turn slides it
+    clock.now = start + 15
+    assert store.pop_expired() == [] and store.get(r1.response_id, None) is r1
+    clock.now = start + 20
+    with pytest.raises(SessionError):
+        store.get(r1.response_id, None)                 # expired, not swept yet: already gone
+    (expired,) = store.pop_expired()
+    assert expired.conversation_id == conversation_of(r1.response_id) and len(expired.responses) == 3
+    assert store.get(later[0].response_id, None) is later[0]
+
+
+@pytest.fixture(params=["file", "redis"])
+def backend(request, tmp_path) -> Iterator[ResponseBackend]:
+    if request.param == "file":
+        yield FileResponseBackend(str(tmp_path))
+        return
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    server = RedisServer(_free_port(), str(tmp_path))
+    server.start()
+    yield RedisResponseBackend(server.url, "kvhive:responses")
+    server.stop()
+
+
+def reopened(backend: ResponseBackend, clock: Clock) -> ResponseStore:
+    """A store over the same records, as a restarted server (or another replica) has it."""
+    return ResponseStore(backend, clock=clock)
+
+
+def test_backends_persist_adds_deletes_and_expiry(backend: ResponseBackend) -> None:
+    clock = Clock()
+    store = ResponseStore(backend, clock=clock)
+    r1, r2, r3 = chain(store, "alice", 3, expires=clock.now + 60)
+    other = chain(store, None, 1, expires=clock.now + 60)[0]
+    store.delete(r2)
+    again = reopened(backend, clock)
+    got: dict[str, Any] = {r.response_id: again.get(r.response_id, "alice").to_json() for r in (r1, r3)}
+    assert got == {r1.response_id: r1.to_json(), r3.response_id: r3.to_json()}
+    with pytest.raises(SessionError):
+        again.get(r2.response_id, "alice")
+    assert again.get(other.response_id, None).to_json() == other.to_json()
+    # Deleting the rest drops the conversation's record as a whole.
+    assert again.delete(r1) is False and again.delete(r3) is True
+    assert backend.load_conversation("alice", conversation_of(r1.response_id) or "") is None
+    clock.now += 61
+    assert reopened(backend, clock).is_empty(conversation_of(other.response_id) or "", None)
+
+
+def test_a_shared_backend_sees_other_replicas_turns(tmp_path) -> None:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    server = RedisServer(_free_port(), str(tmp_path))
+    server.start()
+    try:
+        clock = Clock()
+        one = ResponseStore(RedisResponseBackend(server.url, "kvhive:responses"), clock=clock)
+        two = ResponseStore(RedisResponseBackend(server.url, "kvhive:responses"), clock=clock)
+        (r1,) = chain(one, "k", 1, expires=clock.now + 60)
+        r2 = stored("k", conversation_of(r1.response_id), r1)
+        two.add(r2, clock.now + 60)                     # replica two continues it
+        assert [r.response_id for r in one.history(one.get(r2.response_id, "k"))] == [r1.response_id,
+                                                                                       r2.response_id]
+        two.delete(r1)
+        with pytest.raises(SessionError):
+            one.get(r1.response_id, "k")                # read again on use: deleted elsewhere
+        key = one.backend.key("k", conversation_of(r1.response_id) or "")      # type: ignore[union-attr]
+        assert 0 < server.admin().pttl(key) <= 60_000   # Redis drops it with the conversation
+    finally:
+        server.stop()
+
+
+def test_a_corrupt_record_is_skipped(tmp_path) -> None:
+    backend = FileResponseBackend(str(tmp_path))
+    clock = Clock()
+    store = ResponseStore(backend, clock=clock)
+    (good,) = chain(store, None, 1, expires=clock.now + 60)
+    (bad,) = chain(store, None, 1, expires=clock.now + 60)
+    directory = os.path.join(backend.directory, os.listdir(backend.directory)[0])
+    victim = bad if os.path.exists(os.path.join(directory, f"{bad.response_id}.json")) else good
+    with open(os.path.join(directory, f"{victim.response_id}.json"), "w") as f:
+        f.write("{not json")
+    again = reopened(backend, clock)
+    survivor = good if victim is bad else bad
+    assert again.get(survivor.response_id, None).to_json() == survivor.to_json()
+    with pytest.raises(SessionError):
+        again.get(victim.response_id, None)
