@@ -215,6 +215,23 @@ def test_two_requests_on_one_conversation_the_second_gets_409(tiny_client: httpx
     ok(create(tiny_client, "Me too", previous_response_id=r1["id"]))
 
 
+def test_a_first_turn_the_client_leaves_stores_nothing_and_ends_its_session(tiny_client: httpx.Client) -> None:
+    body = {"model": SERVED_MODEL_NAME, "input": "A long story please", "max_output_tokens": 200,
+            "temperature": 0, "stream": True}
+    with tiny_client.stream("POST", "/v1/responses", json=body) as running:
+        lines = running.iter_lines()
+        while not (line := next(lines)).startswith("data: "):
+            pass
+        response_id = json.loads(line[len("data: "):])["response"]["id"]
+        conversation = conversation_of(response_id)
+        assert ok(tiny_client.get(f"/v1/context/{conversation}"))["busy"] is True
+    deadline = time.monotonic() + 10
+    while tiny_client.get(f"/v1/context/{conversation}").status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tiny_client.get(f"/v1/context/{conversation}").status_code == 404
+    assert tiny_client.get(f"/v1/responses/{response_id}").status_code == 404
+
+
 BAD_BODIES = [
     ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),

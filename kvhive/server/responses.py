@@ -52,7 +52,13 @@ from kvhive.server.responses_protocol import (
     input_items,
     new_item_id,
 )
-from kvhive.server.serving import GenerationService, TextDelta, session_api_error, unix_time
+from kvhive.server.serving import (
+    ClosingStreamingResponse,
+    GenerationService,
+    TextDelta,
+    session_api_error,
+    unix_time,
+)
 from kvhive.sessions import Session, SessionError
 
 if TYPE_CHECKING:
@@ -179,7 +185,18 @@ class ResponsesAPI:
         turn = Turn(self, body, owner, response_id, conversation_id, items, session)
         headers = {RESPONSE_ID_HEADER: response_id} if body.store else {}
         if body.stream:
-            return service.sse_response(turn.events(deltas), headers, session)
+            streaming = service.sse_response(turn.events(deltas), headers, session)
+            if isinstance(streaming, ClosingStreamingResponse):
+                # Called however sending ends, after the turn has ended; also when the client left
+                # before the stream started (then the events' code never ran).
+                end_turn = streaming.on_close
+
+                def end_turn_and_close() -> None:
+                    end_turn()
+                    turn.close()
+
+                streaming.on_close = end_turn_and_close
+            return streaming
         try:
             result = await service.collect(deltas, raw_request)
             if result is None:
@@ -247,30 +264,27 @@ class Turn:
         """The stream events of the turn, ending with response.completed (or response.incomplete)."""
         event = EventWriter()
         ids = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-        try:
-            yield event("response.created", response=self.response)
-            yield event("response.in_progress", response=self.response)
-            yield event("response.output_item.added", output_index=0, item=self.message("in_progress", None))
-            yield event("response.content_part.added", **ids, part=OutputText(text=""))
-            parts: list[str] = []
-            last: TextDelta | None = None
-            async with contextlib.aclosing(deltas):
-                async for delta in deltas:
-                    last = delta
-                    if delta.text:
-                        parts.append(delta.text)
-                        yield event("response.output_text.delta", **ids, delta=delta.text, logprobs=[])
-            assert last is not None
-            text = "".join(parts)
-            answer = self.finish(TextDelta(text, last.finish_reason, last.num_prompt_tokens,
-                                           last.num_cached_tokens, last.num_output_tokens))
-            item = answer["output"][0]
-            yield event("response.output_text.done", **ids, text=text, logprobs=[])
-            yield event("response.content_part.done", **ids, part=item["content"][0])
-            yield event("response.output_item.done", output_index=0, item=item)
-            yield event(f"response.{answer['status']}", response=answer)
-        finally:
-            self.close()
+        yield event("response.created", response=self.response)
+        yield event("response.in_progress", response=self.response)
+        yield event("response.output_item.added", output_index=0, item=self.message("in_progress", None))
+        yield event("response.content_part.added", **ids, part=OutputText(text=""))
+        parts: list[str] = []
+        last: TextDelta | None = None
+        async with contextlib.aclosing(deltas):
+            async for delta in deltas:
+                last = delta
+                if delta.text:
+                    parts.append(delta.text)
+                    yield event("response.output_text.delta", **ids, delta=delta.text, logprobs=[])
+        assert last is not None
+        text = "".join(parts)
+        answer = self.finish(TextDelta(text, last.finish_reason, last.num_prompt_tokens,
+                                       last.num_cached_tokens, last.num_output_tokens))
+        item = answer["output"][0]
+        yield event("response.output_text.done", **ids, text=text, logprobs=[])
+        yield event("response.content_part.done", **ids, part=item["content"][0])
+        yield event("response.output_item.done", output_index=0, item=item)
+        yield event(f"response.{answer['status']}", response=answer)
 
 
 async def sweep_expired_responses(api: ResponsesAPI) -> None:
