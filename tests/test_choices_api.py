@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from conftest import TINY_API_KEY, ServerProcess
+from conftest import FAULT_TOKEN_IDS, TINY_API_KEY, ServerProcess
 from test_server_api import LONG_PROMPT, MODEL, chat, complete, stream
 from tiny import dense_greedy, dense_logits, tiny_config, tiny_model
 
@@ -274,3 +274,12 @@ def test_n_is_refused_in_a_session_and_the_session_survives(tiny_client: httpx.C
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
     assert tiny_client.delete(f"/v1/context/{sid}").status_code == 200
+
+
+def test_an_engine_error_in_one_choice_fails_the_request(tiny_client: httpx.Client) -> None:
+    body = {"model": MODEL, "prompt": FAULT_TOKEN_IDS, "max_tokens": 2, "n": 2}
+    r = tiny_client.post("/v1/completions", json=body)
+    assert r.status_code == 500 and "injected engine failure" in r.json()["error"]["message"]
+    events = stream(tiny_client, "/v1/completions", **{k: v for k, v in body.items() if k != "model"})
+    assert events[-1] == "[DONE]" and "injected engine failure" in events[-2]["error"]["message"]
+    assert complete(tiny_client, prompt="still here", n=2, max_tokens=2)["usage"]["completion_tokens"] == 4
