@@ -117,9 +117,12 @@ def test_create_continue_fetch_list_and_delete(tiny_client: httpx.Client) -> Non
 
 
 def test_cached_tokens_grow_over_a_three_turn_chain(tiny_client: httpx.Client) -> None:
-    r1 = ok(create(tiny_client, "Tell me a story about a fox " * 4))
-    r2 = ok(create(tiny_client, "Go on", previous_response_id=r1["id"]))
-    r3 = ok(create(tiny_client, "And the end?", previous_response_id=r2["id"]))
+    # Instructions of its own (sent on every turn: they are not carried over) make the first
+    # prompt block new to the shared server, whatever ran before.
+    system = f"You are storyteller {uuid.uuid4().hex}."
+    r1 = ok(create(tiny_client, "Tell me a story about a fox " * 4, instructions=system))
+    r2 = ok(create(tiny_client, "Go on", previous_response_id=r1["id"], instructions=system))
+    r3 = ok(create(tiny_client, "And the end?", previous_response_id=r2["id"], instructions=system))
     assert cached(r1) == 0
     # Each turn finds at least the whole previous prompt (all but a partial block, if the session's
     # tokens and the re-rendered history ever differ), so cached tokens grow with the history.
