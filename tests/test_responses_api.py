@@ -17,6 +17,7 @@ from kvhive.responses import conversation_of
 
 RESPONSE_EVENTS_HEAD = ["response.created", "response.in_progress", "response.output_item.added",
                         "response.content_part.added"]
+LOGPROBS = "message.output_text.logprobs"
 RESPONSE_EVENTS_TAIL = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
 
 
@@ -77,7 +78,7 @@ def test_create_continue_fetch_list_and_delete(tiny_client: httpx.Client) -> Non
     (message,) = r1["output"]
     assert message["type"] == "message" and message["id"].startswith("msg_")
     assert (message["role"], message["status"]) == ("assistant", "incomplete")
-    assert message["content"] == [{"type": "output_text", "text": text_of(r1), "annotations": []}]
+    assert message["content"] == [{"type": "output_text", "text": text_of(r1), "annotations": [], "logprobs": []}]
     usage = r1["usage"]
     assert usage["output_tokens"] == 6 and usage["output_tokens_details"] == {"reasoning_tokens": 0}
     assert usage["total_tokens"] == usage["input_tokens"] + 6 and cached(r1) == 0
@@ -235,15 +236,80 @@ def test_a_first_turn_the_client_leaves_stores_nothing_and_ends_its_session(tiny
     assert tiny_client.get(f"/v1/responses/{response_id}").status_code == 404
 
 
+def chat_logprobs(client: httpx.Client, messages: list[dict[str, str]], top: int, max_tokens: int = 6
+                  ) -> list[dict[str, Any]]:
+    """The token logprobs /v1/chat/completions gives for the greedy reply to ``messages``, uncached."""
+    body = {"model": SERVED_MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "logprobs": True, "top_logprobs": top, "cache_salt": uuid.uuid4().hex}
+    return ok(client.post("/v1/chat/completions", json=body))["choices"][0]["logprobs"]["content"]
+
+
+def assert_same_logprobs(got: list[dict[str, Any]], expected: list[dict[str, Any]]) -> None:
+    """The same tokens, strings, bytes and alternatives; values equal up to float noise (the KV of a
+    continued turn comes from the cache, the reference's is computed anew)."""
+    def strip(entries: list[dict[str, Any]]) -> list[Any]:
+        return [(e["token"], e["bytes"], [(t["token"], t["bytes"]) for t in e["top_logprobs"]]) for e in entries]
+
+    def values(entries: list[dict[str, Any]]) -> list[float]:
+        return [v for e in entries for v in (e["logprob"], *(t["logprob"] for t in e["top_logprobs"]))]
+
+    assert strip(got) == strip(expected)
+    assert values(got) == pytest.approx(values(expected), abs=1e-4)
+
+
+def test_logprobs_are_the_ones_chat_gives_for_the_same_conversation(tiny_client: httpx.Client) -> None:
+    question = f"Spell {uuid.uuid4().hex}"
+    r1 = ok(create(tiny_client, question, include=[LOGPROBS], top_logprobs=3))
+    assert r1["top_logprobs"] == 3
+    (part,) = r1["output"][0]["content"]
+    assert len(part["logprobs"]) == r1["usage"]["output_tokens"] == 6
+    assert all(len(entry["top_logprobs"]) == 3 for entry in part["logprobs"])
+    messages = [{"role": "user", "content": question}]
+    assert_same_logprobs(part["logprobs"], chat_logprobs(tiny_client, messages, 3))
+    # A turn continued from the conversation's kept KV: the logprobs of the whole history sent to chat.
+    r2 = ok(create(tiny_client, "Again", previous_response_id=r1["id"], include=[LOGPROBS]))
+    messages += [{"role": "assistant", "content": part["text"]}, {"role": "user", "content": "Again"}]
+    expected = chat_logprobs(tiny_client, messages, 0)
+    assert_same_logprobs(r2["output"][0]["content"][0]["logprobs"], expected)
+    assert all(entry["top_logprobs"] == [] for entry in expected)
+    # Stored with the response; asking for none gives none.
+    assert ok(tiny_client.get(f"/v1/responses/{r2['id']}")) == r2
+    plain = ok(create(tiny_client, "Again", previous_response_id=r1["id"], store=False))
+    assert plain["output"][0]["content"][0]["logprobs"] == [] and plain["top_logprobs"] == 0
+
+
+def test_streamed_deltas_carry_the_logprobs_of_their_tokens(tiny_client: httpx.Client) -> None:
+    question = f"Stream {uuid.uuid4().hex}"
+    whole = ok(create(tiny_client, question, include=[LOGPROBS], top_logprobs=2, max_output_tokens=12,
+                      store=False))
+    body = {"model": SERVED_MODEL_NAME, "input": question, "include": [LOGPROBS], "top_logprobs": 2,
+            "max_output_tokens": 12, "temperature": 0, "stream": True}
+    with tiny_client.stream("POST", "/v1/responses", json=body) as response:
+        events = [data for _, data in read_events(response)]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    final = events[-1]["response"]
+    streamed = [entry for d in deltas for entry in d["logprobs"]]
+    expected = final["output"][0]["content"][0]["logprobs"]
+    assert len(expected) == 12 and streamed == expected
+    (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+    assert done["logprobs"] == expected
+    # Each delta's tokens are the ones whose text starts in it.
+    assert all(d["delta"] or d["logprobs"] for d in deltas)
+    assert_same_logprobs(expected, whole["output"][0]["content"][0]["logprobs"])
+
+
 BAD_BODIES = [
     ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"text": {"format": {"type": "json_object"}}}, "text.format"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"include": [LOGPROBS, "message.input_image.image_url"]}, "include"),
     ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
-    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),                              # without include
+    ({"include": [LOGPROBS], "top_logprobs": 21}, "top_logprobs"),
+    ({"include": [LOGPROBS], "top_logprobs": -1}, "top_logprobs"),
     ({"conversation": "conv_123"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].type"),

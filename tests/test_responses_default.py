@@ -89,3 +89,29 @@ def test_openai_client_streams(client: OpenAI) -> None:  # noqa: F811
     assert text == done.output_text and "Rome" in text
     assert done.usage.input_tokens_details.cached_tokens == \
         final.usage.input_tokens + final.usage.output_tokens - 1
+
+
+def test_openai_client_parses_logprobs_equal_to_chat(client: OpenAI) -> None:  # noqa: F811
+    logprobs = ["message.output_text.logprobs"]
+    response = client.responses.create(model=SERVED_MODEL_NAME, input=TURNS[0], instructions=INSTRUCTIONS,
+                                       temperature=0, max_output_tokens=12, include=logprobs, top_logprobs=2,
+                                       store=False)
+    (part,) = response.output[0].content
+    assert response.top_logprobs == 2 and len(part.logprobs) == response.usage.output_tokens
+    chat = client.chat.completions.create(
+        model=SERVED_MODEL_NAME, temperature=0, max_tokens=12, logprobs=True, top_logprobs=2,
+        messages=[{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": TURNS[0]}])
+    expected = chat.choices[0].logprobs.content
+    assert [(e.token, e.bytes) for e in part.logprobs] == [(e.token, e.bytes) for e in expected]
+    assert [e.logprob for e in part.logprobs] == pytest.approx([e.logprob for e in expected], abs=1e-4)
+    assert [[t.token for t in e.top_logprobs] for e in part.logprobs] == \
+        [[t.token for t in e.top_logprobs] for e in expected]
+    # Streamed: each text delta's logprobs parse, and together they are the whole output's.
+    with client.responses.stream(model=SERVED_MODEL_NAME, input=TURNS[0], instructions=INSTRUCTIONS,
+                                 temperature=0, max_output_tokens=12, include=logprobs, top_logprobs=2,
+                                 store=False) as stream:
+        streamed = [lp for event in stream if event.type == "response.output_text.delta" for lp in event.logprobs]
+        final = stream.get_final_response()
+    assert [(lp.token, lp.logprob) for lp in streamed] == \
+        [(lp.token, lp.logprob) for lp in final.output[0].content[0].logprobs]
+    assert final.output_text == response.output_text

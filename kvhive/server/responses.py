@@ -37,7 +37,8 @@ from kvhive.responses import (
 from kvhive.server.chat import template_messages
 from kvhive.server.context import SWEEP_INTERVAL_S, background_task
 from kvhive.server.errors import APIError, bad_request
-from kvhive.server.protocol import ChatMessage, SamplingRequest
+from kvhive.server.logprobs import SentToken, chat_logprobs
+from kvhive.server.protocol import ChatMessage, ChatTokenLogprob, SamplingRequest
 from kvhive.server.responses_protocol import (
     EventWriter,
     IncompleteDetails,
@@ -50,6 +51,7 @@ from kvhive.server.responses_protocol import (
     chat_message,
     check_unsupported,
     input_items,
+    logprobs_wanted,
     new_item_id,
 )
 from kvhive.server.serving import (
@@ -163,6 +165,7 @@ class ResponsesAPI:
         service = self.service
         service.check_model(body.model)
         check_unsupported(body)
+        num_logprobs = logprobs_wanted(body)
         if raw_request.headers.get("x-session-id"):
             raise bad_request("x-session-id cannot be used with /v1/responses; continue a response with "
                               "'previous_response_id'", param="x-session-id")
@@ -172,7 +175,8 @@ class ResponsesAPI:
         token_ids = self.prompt_token_ids(body, history, items)
         max_tokens = service.resolve_max_tokens(body.max_output_tokens, len(token_ids), "max_output_tokens", "input")
         sampling = service.sampling_params(
-            SamplingRequest(model=body.model, temperature=body.temperature, top_p=body.top_p), max_tokens)
+            SamplingRequest(model=body.model, temperature=body.temperature, top_p=body.top_p), max_tokens,
+            num_logprobs)
         conversation_id = session = None
         if body.store:
             conversation_id = (conversation_of(body.previous_response_id) if body.previous_response_id
@@ -182,7 +186,7 @@ class ResponsesAPI:
         response_id = new_response_id(conversation_id)
         deltas = service.stream(response_id, token_ids, sampling, (), service.cache_salt_for(owner, None),
                                 session=session)
-        turn = Turn(self, body, owner, response_id, conversation_id, items, session)
+        turn = Turn(self, body, owner, response_id, conversation_id, items, session, num_logprobs is not None)
         headers = {RESPONSE_ID_HEADER: response_id} if body.store else {}
         if body.stream:
             streaming = service.sse_response(turn.events(deltas), headers, session)
@@ -217,6 +221,7 @@ class Turn:
     conversation_id: str | None                  # None: not stored
     items: list[dict[str, Any]]                  # this request's input items
     session: Session | None
+    with_logprobs: bool                          # ``include`` asks for the output tokens' logprobs
     stored: bool = False
     message_id: str = field(default_factory=new_item_id)
     response: ResponseObject = field(init=False)
@@ -228,13 +233,21 @@ class Turn:
             max_output_tokens=body.max_output_tokens, model=body.model, output=[],
             previous_response_id=body.previous_response_id, store=body.store,
             temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, user=body.user, metadata=body.metadata or {},
+            top_p=1.0 if body.top_p is None else body.top_p, top_logprobs=body.top_logprobs or 0,
+            user=body.user, metadata=body.metadata or {},
             parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls)
 
-    def message(self, status: Literal["in_progress", "completed", "incomplete"], text: str | None) -> OutputMessage:
-        """The output message, with its text part once there is one."""
-        content = [] if text is None else [OutputText(text=text)]
+    def message(self, status: Literal["in_progress", "completed", "incomplete"], text: str | None,
+                tokens: tuple[SentToken, ...] = ()) -> OutputMessage:
+        """The output message, with its text part (and its tokens' logprobs) once there is one."""
+        content = [] if text is None else [OutputText(text=text, logprobs=self.logprobs(tokens))]
         return OutputMessage(id=self.message_id, status=status, content=content)
+
+    def logprobs(self, tokens: tuple[SentToken, ...]) -> list[ChatTokenLogprob]:
+        """The tokens' logprobs as ``output_text`` parts and text deltas carry them (as chat's)."""
+        if not self.with_logprobs:
+            return []
+        return chat_logprobs(tokens, self.api.service.tokenizer).content
 
     def finish(self, result: TextDelta) -> dict[str, Any]:
         """The final response object for the whole output ``result``; stored when asked."""
@@ -242,7 +255,7 @@ class Turn:
         status = "incomplete" if incomplete else "completed"
         self.response.status = status
         self.response.incomplete_details = IncompleteDetails() if incomplete else None
-        self.response.output = [self.message(status, result.text)]
+        self.response.output = [self.message(status, result.text, result.tokens)]
         self.response.usage = ResponseUsage(
             input_tokens=result.num_prompt_tokens, output_tokens=result.num_output_tokens,
             input_tokens_details=InputTokensDetails(cached_tokens=result.num_cached_tokens),
@@ -269,19 +282,23 @@ class Turn:
         yield event("response.output_item.added", output_index=0, item=self.message("in_progress", None))
         yield event("response.content_part.added", **ids, part=OutputText(text=""))
         parts: list[str] = []
+        tokens: list[SentToken] = []
         last: TextDelta | None = None
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
                 last = delta
-                if delta.text:
-                    parts.append(delta.text)
-                    yield event("response.output_text.delta", **ids, delta=delta.text, logprobs=[])
+                parts.append(delta.text)
+                tokens.extend(delta.tokens)
+                # A token without text of its own (the end-of-turn token) still has logprobs to send.
+                if delta.text or (self.with_logprobs and delta.tokens):
+                    yield event("response.output_text.delta", **ids, delta=delta.text,
+                                logprobs=self.logprobs(delta.tokens))
         assert last is not None
         text = "".join(parts)
         answer = self.finish(TextDelta(text, last.finish_reason, last.num_prompt_tokens,
-                                       last.num_cached_tokens, last.num_output_tokens))
+                                       last.num_cached_tokens, last.num_output_tokens, tuple(tokens)))
         item = answer["output"][0]
-        yield event("response.output_text.done", **ids, text=text, logprobs=[])
+        yield event("response.output_text.done", **ids, text=text, logprobs=item["content"][0]["logprobs"])
         yield event("response.content_part.done", **ids, part=item["content"][0])
         yield event("response.output_item.done", output_index=0, item=item)
         yield event(f"response.{answer['status']}", response=answer)

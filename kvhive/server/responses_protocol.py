@@ -13,11 +13,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvhive.request import MAX_LOGPROBS
 from kvhive.server.errors import bad_request
-from kvhive.server.protocol import ChatMessage, ContentPart
+from kvhive.server.protocol import ChatMessage, ChatTokenLogprob, ContentPart
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PART_TYPES = ("input_text", "output_text")
+# The one ``include`` value supported: the logprobs of the output text's tokens.
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
 # OpenAI's bounds on ``metadata``.
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
@@ -87,14 +90,19 @@ def check_unsupported(body: ResponsesRequest) -> None:
         raise bad_request("'text.verbosity' is not supported", param="text.verbosity")
     if body.reasoning and any(v is not None for v in body.reasoning.values()):
         raise bad_request("'reasoning' is not supported (the model does not reason)", param="reasoning")
-    if body.include:
-        raise bad_request("'include' is not supported", param="include")
+    for value in body.include or ():
+        if value != INCLUDE_LOGPROBS:
+            raise bad_request(f"'include' value {value!r} is not supported; only {INCLUDE_LOGPROBS!r}",
+                              param="include")
     if body.background:
         raise bad_request("'background' responses are not supported", param="background")
     if body.truncation not in (None, "disabled"):
         raise bad_request("Only truncation 'disabled' is supported", param="truncation")
-    if body.top_logprobs:
-        raise bad_request("'top_logprobs' is not supported", param="top_logprobs")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}, got {body.top_logprobs}",
+                          param="top_logprobs")
+    if body.top_logprobs and INCLUDE_LOGPROBS not in (body.include or ()):
+        raise bad_request(f"'top_logprobs' needs 'include': [{INCLUDE_LOGPROBS!r}]", param="top_logprobs")
     if body.conversation is not None:
         raise bad_request("'conversation' is not supported; continue a response with "
                           "'previous_response_id'", param="conversation")
@@ -102,6 +110,14 @@ def check_unsupported(body: ResponsesRequest) -> None:
         raise bad_request("Prompt templates ('prompt') are not supported", param="prompt")
     if body.metadata is not None:
         check_metadata(body.metadata)
+
+
+def logprobs_wanted(body: ResponsesRequest) -> int | None:
+    """How many top alternatives per output token to report (None: no logprobs); call after
+    ``check_unsupported``."""
+    if INCLUDE_LOGPROBS not in (body.include or ()):
+        return None
+    return body.top_logprobs or 0
 
 
 def check_metadata(metadata: dict[str, str]) -> None:
@@ -173,6 +189,9 @@ class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = Field(default_factory=list)
+    # Per token: its string, logprob, bytes and top alternatives (the chat shape); empty unless
+    # ``include`` asks for them.
+    logprobs: list[ChatTokenLogprob] = Field(default_factory=list)
 
 
 class OutputMessage(BaseModel):
@@ -237,7 +256,7 @@ class ResponseObject(BaseModel):
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     tool_choice: str = "auto"
     tools: list[Any] = Field(default_factory=list)
-    top_logprobs: int = 0
+    top_logprobs: int
     top_p: float
     truncation: str = "disabled"
     usage: ResponseUsage | None = None
@@ -253,6 +272,15 @@ def output_text(response: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- stream events
 
 
+def jsonable(value: Any) -> Any:
+    """A field of an event as JSON data: models dumped, lists of them too."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, list):
+        return [jsonable(v) for v in value]
+    return value
+
+
 class EventWriter:
     """Frames stream events as SSE (``event: <type>`` and JSON data) with increasing sequence numbers."""
 
@@ -260,8 +288,8 @@ class EventWriter:
         self.sequence_number = 0
 
     def __call__(self, event_type: str, **fields: Any) -> str:
-        """One event; ``BaseModel`` fields are dumped as JSON objects."""
+        """One event; ``BaseModel`` fields (and lists of them) are dumped as JSON objects."""
         data = {"type": event_type, "sequence_number": self.sequence_number,
-                **{k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in fields.items()}}
+                **{k: jsonable(v) for k, v in fields.items()}}
         self.sequence_number += 1
         return f"event: {event_type}\ndata: {json.dumps(data)}\n\n"
