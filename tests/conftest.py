@@ -5,7 +5,9 @@ Run as a script, this file is also the server process the fixtures start:
 [--served-model-name NAME]``.
 ``tiny`` is a random-weight Llama (``tests/tiny.py``) behind the real tokenizer of the default GGUF;
 ``default`` is the real default model. ``--faulty`` makes prompts that start with
-``FAULT_TOKEN_IDS`` fail inside the engine, so tests can see how engine errors reach clients.
+``FAULT_TOKEN_IDS`` fail inside the engine, and prompts whose text contains ``FAULT_MARKER`` (which
+a chat-templated prompt can carry) fail after ``FAULT_AFTER_OUTPUTS`` outputs, so tests can see how
+engine errors reach clients, also in the middle of a stream.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 SERVED_MODEL_NAME = "smollm2-135m"
 FAULT_TOKEN_IDS = [0, 0, 0, 0]          # a completion prompt starting with these fails in --faulty servers
+FAULT_MARKER = "<<kvhive: inject an engine failure>>"     # a prompt whose text holds this fails mid-way
+FAULT_AFTER_OUTPUTS = 3                 # outputs sent before that failure (fewer if generation ends first)
 TINY_API_KEY = "tiny-test-key"
 TINY_MAX_MODEL_LEN = 512
 # The device the servers these fixtures start run on: "cpu" (CI), or e.g. "cuda" to run the HTTP
@@ -194,14 +198,20 @@ def _build_engine(args: argparse.Namespace):  # -> AsyncEngine (imports stay ins
         return AsyncEngine(engine)
 
     class FaultyAsyncEngine(AsyncEngine):
-        """Fails requests whose prompt starts with FAULT_TOKEN_IDS, as a broken engine would."""
+        """Fails requests whose prompt starts with FAULT_TOKEN_IDS at once, and those whose text
+        holds FAULT_MARKER after FAULT_AFTER_OUTPUTS outputs (or at their last), as a broken engine would."""
 
         async def generate(self, request_id, prompt_token_ids, sampling, cache_salt=None, **session):
             if list(prompt_token_ids[:len(FAULT_TOKEN_IDS)]) == FAULT_TOKEN_IDS:
                 raise RuntimeError("injected engine failure")
+            fails_mid_way = FAULT_MARKER in self.engine.tokenizer.decode(prompt_token_ids)
             outputs = super().generate(request_id, prompt_token_ids, sampling, cache_salt, **session)
             async with contextlib.aclosing(outputs):
+                num_sent = 0
                 async for out in outputs:
+                    if fails_mid_way and (num_sent == FAULT_AFTER_OUTPUTS or out.finished):
+                        raise RuntimeError("injected engine failure mid-way")
+                    num_sent += 1
                     yield out
 
     return FaultyAsyncEngine(engine)

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import SERVED_MODEL_NAME, ServerProcess, start_server, stop_server
+from conftest import FAULT_MARKER, SERVED_MODEL_NAME, ServerProcess, start_server, stop_server
 
 from kvhive.responses import conversation_of
 
@@ -296,6 +296,60 @@ def test_streamed_deltas_carry_the_logprobs_of_their_tokens(tiny_client: httpx.C
     # Each delta's tokens are the ones whose text starts in it.
     assert all(d["delta"] or d["logprobs"] for d in deltas)
     assert_same_logprobs(expected, whole["output"][0]["content"][0]["logprobs"])
+
+
+def wait_until(condition: Any, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def stream_events(client: httpx.Client, **fields: Any) -> list[dict[str, Any]]:
+    body = {"model": SERVED_MODEL_NAME, "max_output_tokens": 8, "temperature": 0, "stream": True, **fields}
+    with client.stream("POST", "/v1/responses", json=body) as response:
+        assert response.status_code == 200
+        return [data for _, data in read_events(response)]       # OpenAI framing only: no [DONE]
+
+
+def test_an_engine_error_mid_stream_ends_it_with_response_failed_and_stores_nothing(
+        tiny_client: httpx.Client) -> None:
+    r1 = ok(create(tiny_client, "Keep this"))
+    conversation = conversation_of(r1["id"])
+    events = stream_events(tiny_client, input=f"Now fail {FAULT_MARKER}", previous_response_id=r1["id"])
+    names = [e["type"] for e in events]
+    assert names == [*RESPONSE_EVENTS_HEAD, *["response.output_text.delta"] * (len(names) - 5), "response.failed"]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["id"] == events[0]["response"]["id"]
+    assert failed["error"]["code"] == "server_error"
+    assert "injected engine failure mid-way" in failed["error"]["message"]
+    assert tiny_client.get(f"/v1/responses/{failed['id']}").status_code == 404
+    # The conversation's session holds r1's turn as before, free for the next request.
+    assert wait_until(lambda: not tiny_client.get(f"/v1/context/{conversation}").json()["busy"])
+    assert ok(tiny_client.get(f"/v1/context/{conversation}"))["tokens"] == r1["usage"]["total_tokens"]
+    r2 = ok(create(tiny_client, "Go on", previous_response_id=r1["id"]))
+    assert text_of(r2) == uncached_chat(tiny_client, [
+        {"role": "user", "content": "Keep this"}, {"role": "assistant", "content": text_of(r1)},
+        {"role": "user", "content": "Go on"}])
+    # A failed first turn stores nothing and ends the session of its new conversation.
+    events = stream_events(tiny_client, input=f"Fail at once {FAULT_MARKER}")
+    assert events[-1]["type"] == "response.failed"
+    first = conversation_of(events[-1]["response"]["id"])
+    assert wait_until(lambda: tiny_client.get(f"/v1/context/{first}").status_code == 404)
+    assert tiny_client.get(f"/v1/responses/{events[-1]['response']['id']}").status_code == 404
+
+
+def test_an_engine_error_unstreamed_is_a_500_and_stores_nothing(tiny_client: httpx.Client) -> None:
+    r1 = ok(create(tiny_client, "Keep this too"))
+    for fields in ({"previous_response_id": r1["id"]}, {}):
+        failed = create(tiny_client, f"Fail {FAULT_MARKER}", **fields)
+        assert failed.status_code == 500 and "x-kvhive-response-id" not in failed.headers
+        error = failed.json()["error"]
+        assert error["type"] == "server_error" and "injected engine failure mid-way" in error["message"]
+    conversation = conversation_of(r1["id"])
+    session = ok(tiny_client.get(f"/v1/context/{conversation}"))
+    assert session["busy"] is False and session["tokens"] == r1["usage"]["total_tokens"]
+    ok(create(tiny_client, "Go on", previous_response_id=r1["id"]))
 
 
 BAD_BODIES = [

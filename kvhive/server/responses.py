@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -45,6 +46,7 @@ from kvhive.server.responses_protocol import (
     InputTokensDetails,
     OutputMessage,
     OutputText,
+    ResponseError,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
@@ -65,6 +67,8 @@ from kvhive.sessions import Session, SessionError
 
 if TYPE_CHECKING:
     from kvhive.config import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 # A stored response's answer names it in this header, so a gateway learns which replica holds it.
 RESPONSE_ID_HEADER = "x-kvhive-response-id"
@@ -268,13 +272,20 @@ class Turn:
             self.stored = True
         return answer
 
+    def fail(self, exc: Exception) -> ResponseObject:
+        """The response object of a turn the engine failed (never stored)."""
+        self.response.status = "failed"
+        self.response.error = ResponseError(message=f"Engine error: {type(exc).__name__}: {exc}")
+        return self.response
+
     def close(self) -> None:
         """After the turn: a new conversation whose first response was not stored ends its session."""
         if self.conversation_id is not None and not self.stored:
             self.api.end_unused_session(self.conversation_id, self.owner)
 
     async def events(self, deltas: AsyncIterator[TextDelta]) -> AsyncIterator[str]:
-        """The stream events of the turn, ending with response.completed (or response.incomplete)."""
+        """The stream events of the turn, ending with response.completed (or response.incomplete);
+        an engine error ends them with response.failed (the response is not stored)."""
         event = EventWriter()
         ids = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
         yield event("response.created", response=self.response)
@@ -284,15 +295,20 @@ class Turn:
         parts: list[str] = []
         tokens: list[SentToken] = []
         last: TextDelta | None = None
-        async with contextlib.aclosing(deltas):
-            async for delta in deltas:
-                last = delta
-                parts.append(delta.text)
-                tokens.extend(delta.tokens)
-                # A token without text of its own (the end-of-turn token) still has logprobs to send.
-                if delta.text or (self.with_logprobs and delta.tokens):
-                    yield event("response.output_text.delta", **ids, delta=delta.text,
-                                logprobs=self.logprobs(delta.tokens))
+        try:
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    last = delta
+                    parts.append(delta.text)
+                    tokens.extend(delta.tokens)
+                    # A token without text of its own (the end-of-turn token) still has logprobs to send.
+                    if delta.text or (self.with_logprobs and delta.tokens):
+                        yield event("response.output_text.delta", **ids, delta=delta.text,
+                                    logprobs=self.logprobs(delta.tokens))
+        except Exception as exc:  # noqa: BLE001 - reported to the client as OpenAI's response.failed
+            logger.exception("engine error while streaming response %s", self.response_id)
+            yield event("response.failed", response=self.fail(exc))
+            return
         assert last is not None
         text = "".join(parts)
         answer = self.finish(TextDelta(text, last.finish_reason, last.num_prompt_tokens,

@@ -232,15 +232,22 @@ class IncompleteDetails(BaseModel):
     reason: Literal["max_output_tokens"] = "max_output_tokens"
 
 
+class ResponseError(BaseModel):
+    """Why a response failed (an engine error)."""
+
+    code: Literal["server_error"] = "server_error"
+    message: str
+
+
 class ResponseObject(BaseModel):
     """The response object (``POST`` and ``GET /v1/responses/{id}``, and inside stream events)."""
 
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete"]
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
     background: bool = False
-    error: None = None
+    error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None
     max_output_tokens: int | None
