@@ -69,6 +69,15 @@ def response_not_found(response_id: str, param: str | None = None) -> SessionErr
                              f"or created with store: false)", code, param)
 
 
+@dataclass(frozen=True)
+class ResponseStats:
+    """A snapshot for metrics: what the store holds, and the responses created since start by status."""
+
+    num_stored: int                    # stored responses (live or not yet swept)
+    num_conversations: int             # conversations holding them
+    created_total: dict[str, int] = field(default_factory=dict)   # completed, incomplete, failed
+
+
 @dataclass
 class StoredResponse:
     """One stored response: the object GET answers, and the input items of its request."""
@@ -214,6 +223,10 @@ class ResponseStore:
     def num_responses(self) -> int:
         """Stored responses this replica holds (live or not yet swept)."""
         return sum(len(c.responses) for c in self._conversations.values())
+
+    def stats(self) -> ResponseStats:
+        """The responses and conversations this replica holds (live or not yet swept)."""
+        return ResponseStats(self.num_responses(), len(self._conversations))
 
     # ------------------------------------------------------------------ persistence
 

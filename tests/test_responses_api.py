@@ -488,3 +488,36 @@ def test_conversations_per_key_are_bounded_by_the_session_limit(keyed_server: Se
         # Deleting a conversation's responses ends its session and makes room.
         ok(b.delete(f"/v1/responses/{second['id']}"))
         ok(create(b, "Three"))
+
+
+def test_metrics_count_stored_responses_conversations_and_created_by_status() -> None:
+    server = start_server("tiny", max_model_len=512, faulty=True)       # its own: nothing else runs there
+    try:
+        def stored() -> tuple[float, float]:
+            return server.metric("kvhive_responses_stored"), server.metric("kvhive_response_conversations")
+
+        def created(status: str) -> float:
+            return server.metric("kvhive_responses_created_total", {"status": status})
+
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            assert stored() == (0, 0) and created("incomplete") == 0
+            r1 = ok(create(client, "One"))
+            r2 = ok(create(client, "Two", previous_response_id=r1["id"]))
+            other = ok(create(client, "Another conversation", max_output_tokens=64))
+            assert stored() == (3, 2)
+            ok(create(client, "Not kept", store=False))
+            assert stored() == (3, 2)
+            statuses = [r["status"] for r in (r1, r2, other)] + ["incomplete"]
+            for status in ("completed", "incomplete"):
+                assert created(status) == statuses.count(status)
+            assert create(client, f"Fail {FAULT_MARKER}").status_code == 500
+            assert stream_events(client, input=f"Fail {FAULT_MARKER}")[-1]["type"] == "response.failed"
+            assert created("failed") == 2 and stored() == (3, 2)
+            ok(client.delete(f"/v1/responses/{r2['id']}"))
+            assert stored() == (2, 2)
+            ok(client.delete(f"/v1/responses/{r1['id']}"))
+            assert stored() == (1, 1)
+            assert server.metric("kvhive_responses_created_total", {"status": "failed",
+                                                                    "model_name": SERVED_MODEL_NAME}) == 2
+    finally:
+        stop_server(server)

@@ -13,6 +13,7 @@ from test_store_redis import RedisServer, _free_port
 
 from kvhive.response_backends import FileResponseBackend, RedisResponseBackend, ResponseBackend
 from kvhive.responses import (
+    ResponseStats,
     ResponseStore,
     StoredResponse,
     conversation_of,
@@ -103,6 +104,17 @@ def test_conversations_expire_whole_and_each_turn_moves_the_expiry() -> None:
     (expired,) = store.pop_expired()
     assert expired.conversation_id == conversation_of(r1.response_id) and len(expired.responses) == 3
     assert store.get(later[0].response_id, None) is later[0]
+    assert store.stats() == ResponseStats(num_stored=1, num_conversations=1)
+
+
+def test_stats_count_responses_and_conversations_through_deletes() -> None:
+    store = ResponseStore()
+    a1, a2 = chain(store, "alice", 2, expires=time.time() + 60)
+    (b1,) = chain(store, "bob", 1, expires=time.time() + 60)
+    assert store.stats() == ResponseStats(num_stored=3, num_conversations=2)
+    assert store.delete(a2) is False and store.stats() == ResponseStats(2, 2)
+    assert store.delete(a1) is True and store.stats() == ResponseStats(1, 1)
+    assert store.delete(b1) is True and store.stats() == ResponseStats(0, 0)
 
 
 @pytest.fixture(params=["file", "redis"])

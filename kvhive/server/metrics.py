@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from kvhive.engine import EngineStats
+    from kvhive.responses import ResponseStats
     from kvhive.sessions import SessionStats
 
 logger = logging.getLogger(__name__)
@@ -169,6 +170,29 @@ class SessionStatsCollector(Collector):
         yield from (blocks, tokens)
 
 
+class ResponseStatsCollector(Collector):
+    """``/v1/responses`` metrics at each scrape: stored responses and conversations, responses created."""
+
+    def __init__(self, stats: Callable[[], ResponseStats], model_name: str) -> None:
+        self._stats = stats
+        self._labels = [model_name]
+
+    def collect(self) -> Iterator[Metric]:
+        """Read the stats once; yield the gauges and the created counter (label ``status``)."""
+        s = self._stats()
+        gauges = (
+            ("kvhive_responses_stored", "Stored responses this replica holds.", s.num_stored),
+            ("kvhive_response_conversations", "Conversations of stored responses this replica holds.",
+             s.num_conversations),
+        )
+        yield from model_families(self._labels, gauges, ())
+        created = CounterMetricFamily("kvhive_responses_created", "Responses created, by final status "
+                                      "(completed, incomplete, failed).", labels=["model_name", "status"])
+        for status, count in sorted(s.created_total.items()):
+            created.add_metric(self._labels + [status], count)
+        yield created
+
+
 class ServerMetrics:
     """The app's registry: request counters and latency histograms, plus the engine collector."""
 
@@ -196,6 +220,10 @@ class ServerMetrics:
         """Export session metrics from the registry's stats and the store's pinned blocks per tier."""
         self.registry.register(SessionStatsCollector(sessions, self._engine_stats, pinned_by_tier,
                                                      self.model_name))
+
+    def watch_responses(self, stats: Callable[[], ResponseStats]) -> None:
+        """Export ``/v1/responses`` metrics from the API's stats."""
+        self.registry.register(ResponseStatsCollector(stats, self.model_name))
 
     def track_request(self) -> RequestMetrics:
         """Start timing one request (call at arrival)."""

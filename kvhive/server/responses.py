@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Query, Request
@@ -29,6 +30,7 @@ from jinja2 import TemplateError
 
 from kvhive.response_backends import FileResponseBackend, RedisResponseBackend, ResponseBackend
 from kvhive.responses import (
+    ResponseStats,
     ResponseStore,
     StoredResponse,
     conversation_of,
@@ -92,6 +94,11 @@ class ResponsesAPI:
         self.service = service
         self.sessions = service.sessions
         self.store = store
+        self.created: Counter[str] = Counter()       # responses created, by final status
+
+    def stats(self) -> ResponseStats:
+        """The store's counts and the responses created by status."""
+        return replace(self.store.stats(), created_total=dict(self.created))
 
     # ------------------------------------------------------------ lookups
 
@@ -206,7 +213,11 @@ class ResponsesAPI:
                 streaming.on_close = end_turn_and_close
             return streaming
         try:
-            result = await service.collect(deltas, raw_request)
+            try:
+                result = await service.collect(deltas, raw_request)
+            except APIError:
+                self.created["failed"] += 1            # the engine failed: collect's 500
+                raise
             if result is None:
                 return Response(status_code=499)          # the client is gone; nobody reads this
             return JSONResponse(turn.finish(result), headers=headers)
@@ -258,6 +269,7 @@ class Turn:
         incomplete = result.finish_reason == "length"
         status = "incomplete" if incomplete else "completed"
         self.response.status = status
+        self.api.created[status] += 1
         self.response.incomplete_details = IncompleteDetails() if incomplete else None
         self.response.output = [self.message(status, result.text, result.tokens)]
         self.response.usage = ResponseUsage(
@@ -275,6 +287,7 @@ class Turn:
     def fail(self, exc: Exception) -> ResponseObject:
         """The response object of a turn the engine failed (never stored)."""
         self.response.status = "failed"
+        self.api.created["failed"] += 1
         self.response.error = ResponseError(message=f"Engine error: {type(exc).__name__}: {exc}")
         return self.response
 
@@ -334,7 +347,8 @@ def response_sweeper(api: ResponsesAPI) -> contextlib.AbstractAsyncContextManage
 
 def install_response_routes(app: FastAPI, api: ResponsesAPI,
                             parse_body: Callable[[Request, type], Awaitable[Any]]) -> None:
-    """Add the /v1/responses routes."""
+    """Add the /v1/responses routes, and export their metrics."""
+    api.service.metrics.watch_responses(api.stats)
 
     @app.post("/v1/responses", response_model=None)
     async def create_response(raw_request: Request) -> Response:
