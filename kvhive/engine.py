@@ -39,6 +39,9 @@ class RequestOutput:
     session_block_hashes: tuple[bytes, ...] | None = None
     # One entry per new token when the request's sampling params ask for logprobs, else None.
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    # On the request's first output when it asks for prompt_logprobs: one entry per prompt token
+    # after the first (token i scored given tokens < i), else None.
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,8 @@ class LLMEngine:
 
             sched_cfg = replace(sched_cfg, max_model_len=self.max_model_len)
         self.block_bytes = ModelRunner.kv_bytes_per_block(loaded.config, cache.block_size, config.dtype)
+        # Prompt logprobs of requests that asked, gathered chunk by chunk until their first output.
+        self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self.scheduler = Scheduler(sched_cfg, cache, num_blocks,
                                    root_hash(cache.hash_seed, loaded.fingerprint),
                                    connector=self.connector_scheduler,
@@ -209,14 +214,20 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context "
                              f"is {self.max_model_len} tokens")
+        if sampling.prompt_logprobs is not None and session_id is not None:
+            raise ValueError("prompt logprobs cannot be asked in a session: the session's tokens "
+                             "are not computed again")
         self.scheduler.add_request(Request(request_id=request_id,
                                            prompt_token_ids=list(prompt_token_ids),
                                            sampling=sampling, eos_token_ids=self.eos_token_ids,
                                            cache_salt=cache_salt, session_id=session_id,
                                            end_session=end_session))
+        if sampling.prompt_logprobs is not None:
+            self._prompt_logprobs[request_id] = []
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks; unknown ids are ignored."""
+        self._prompt_logprobs.pop(request_id, None)
         self.scheduler.abort_request(request_id)
 
     def has_unfinished(self) -> bool:
@@ -239,10 +250,14 @@ class LLMEngine:
             result = StepResult(sampled={})
         else:
             result = self.runner.execute(plan)
+        for request_id, values in result.prompt_logprobs.items():
+            if request_id in self._prompt_logprobs:     # else aborted since: nobody reads them
+                self._prompt_logprobs[request_id].extend(values)
         outputs = []
         for req in self.scheduler.update_from_result(plan, result):
             token = result.sampled.get(req.request_id)
             logprobs = result.logprobs.get(req.request_id) if token is not None else None
+            prompt = self._prompt_logprobs.pop(req.request_id, None)
             outputs.append(RequestOutput(
                 request_id=req.request_id, new_token_ids=[] if token is None else [token],
                 finished=req.is_finished, finish_reason=req.finish_reason,
@@ -251,7 +266,8 @@ class LLMEngine:
                 num_output_tokens=req.num_output_tokens,
                 session_block_hashes=(tuple(req.block_hashes) if req.session_id and req.is_finished
                                       else None),
-                logprobs=None if logprobs is None else (logprobs,)))
+                logprobs=None if logprobs is None else (logprobs,),
+                prompt_logprobs=None if prompt is None else tuple(prompt)))
         if self.publisher is not None:
             events = self.scheduler.kv.take_events()
             if events:

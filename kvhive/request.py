@@ -23,6 +23,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     # Report each sampled token's logprob and this many top alternatives (None: no logprobs).
     logprobs: int | None = None
+    # Report each prompt token's logprob (after the first) and this many top alternatives; the
+    # request then computes its whole prompt (no prefix-cache hits) and cannot run in a session.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -35,6 +38,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -80,6 +85,9 @@ class Request:
     # Prompt tokens served from the prefix cache at first schedule; reported as cached_tokens.
     num_cached_tokens: int = -1
     finish_reason: FinishReason | None = None
+    # With prompt_logprobs: prompt positions 0..n-1 whose row's logprob of the next prompt token
+    # went out (row i scores token i + 1); all of them once it reaches num_prompt_tokens - 1.
+    num_prompt_logprob_rows: int = 0
     # Chained hashes of the full blocks of all_token_ids, extended as tokens arrive.
     block_hashes: list[bytes] = field(default_factory=list)
 
@@ -110,6 +118,13 @@ class Request:
     def num_prompt_tokens(self) -> int:
         """Length of the prompt."""
         return len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_rows(self) -> bool:
+        """True while prompt logprobs are asked for and some are still to come: the prompt is then
+        computed from position 0, without prefix-cache hits."""
+        return (self.sampling.prompt_logprobs is not None
+                and self.num_prompt_logprob_rows < self.num_prompt_tokens - 1)
 
     @property
     def is_finished(self) -> bool:

@@ -19,13 +19,17 @@ from kvhive.model.decode_kernel import CpuDecodeKernel
 from kvhive.model.llama import LlamaModel, resolve_dtype
 from kvhive.model.prefill_kernel import CpuPrefillKernel
 from kvhive.sampling import sample_tokens, token_logprobs
-from kvhive.step import ScheduledSeq, StepPlan, StepResult
+from kvhive.step import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
 
 # A chunk of at most this many new tokens over a cached prefix attends as decode rows, one per token
 # (each sees the keys up to its own position), through the decode kernel, which reads the pool as it
 # is: the prefill kernel would pack the whole prefix's K/V, every layer, for a handful of queries
 # (a re-sent prompt whose last partial block is recomputed, a short follow-up turn).
 DECODE_ROWS_MAX = 8
+
+# Prompt logprobs take the logits of this many prompt rows at a time (x vocab x 4 bytes: 48 MiB
+# for a 49,152-token vocabulary), reduced to the chosen token and the top ones before the next.
+PROMPT_LOGPROBS_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class StepInputs:
     attn: AttnMetadata
     seqs: list[ScheduledSeq]            # in flat-batch order
     sample_rows: list[int]              # flat row of the last token of each seq with sample=True
+    has_prompt_logprobs: bool = False   # some seq carries a PromptLogprobsSpan
 
 
 class ModelRunner:
@@ -106,9 +111,10 @@ class ModelRunner:
             hidden = self._graphed_decode(plan, inputs)
             if hidden is None:
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache)
+            prompt = self._prompt_logprobs(hidden, inputs.seqs) if inputs.has_prompt_logprobs else {}
             sampled_seqs = [s for s in inputs.seqs if s.sample]
             if not sampled_seqs:
-                return StepResult(sampled={})
+                return StepResult(sampled={}, prompt_logprobs=prompt)
             rows = torch.tensor(inputs.sample_rows, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
             tokens = sample_tokens(logits, [s.sampling for s in sampled_seqs],
@@ -116,10 +122,33 @@ class ModelRunner:
             sampled = {s.request_id: t for s, t in zip(sampled_seqs, tokens, strict=True)}
             num_top = [s.sampling.logprobs for s in sampled_seqs]
             if all(k is None for k in num_top):
-                return StepResult(sampled=sampled)      # the common case: no log-softmax at all
+                # The common case: no log-softmax at all.
+                return StepResult(sampled=sampled, prompt_logprobs=prompt)
             logprobs = token_logprobs(logits, tokens, num_top)
         asked = {s.request_id: lp for s, lp in zip(sampled_seqs, logprobs, strict=True) if lp is not None}
-        return StepResult(sampled=sampled, logprobs=asked)
+        return StepResult(sampled=sampled, logprobs=asked, prompt_logprobs=prompt)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, seqs: list[ScheduledSeq]
+                         ) -> dict[str, tuple[TokenLogprobs, ...]]:
+        """The logprobs of the prompt rows each seq's ``PromptLogprobsSpan`` names.
+
+        Logits are computed PROMPT_LOGPROBS_ROWS rows at a time and reduced to the chosen token's
+        logprob and the top alternatives at once: a whole chunk's [rows, vocab] never exists.
+        """
+        out: dict[str, tuple[TokenLogprobs, ...]] = {}
+        offset = 0                          # flat row of the seq's first token
+        for s in seqs:
+            span = s.prompt_logprobs
+            if span is not None:
+                first = offset + span.first_pos - s.start_pos
+                values: list[TokenLogprobs] = []
+                for lo in range(0, len(span.next_token_ids), PROMPT_LOGPROBS_ROWS):
+                    targets = span.next_token_ids[lo:lo + PROMPT_LOGPROBS_ROWS]
+                    logits = self.model.compute_logits(hidden[first + lo:first + lo + len(targets)])
+                    values += token_logprobs(logits, targets, [span.num_top] * len(targets))
+                out[s.request_id] = tuple(values)
+            offset += s.num_new_tokens
+        return out
 
     def _graphed_decode(self, plan: StepPlan, inputs: StepInputs) -> torch.Tensor | None:
         """Hidden states of a decode-only step through a CUDA graph; None when the step needs the
@@ -237,4 +266,5 @@ class ModelRunner:
             attn=attn,
             seqs=seqs,
             sample_rows=sample_rows,
+            has_prompt_logprobs=any(s.prompt_logprobs is not None for s in seqs),
         )

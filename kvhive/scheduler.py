@@ -23,6 +23,10 @@ request aborted while its load is in flight keeps its blocks until the load repo
 next plan tells the worker to cut that load short. Blocks a step computed are handed to the
 connector in the next plan's ``connector_meta`` to be saved.
 
+A request asking for prompt logprobs needs the logits of every prompt row: until they have all
+gone out it is admitted with no prefix hits and no tier lookup (it still publishes its blocks), and
+each chunk's plan names the rows it reports (``PromptLogprobsSpan``; none twice after a preemption).
+
 Sessions: a finished request with a ``session_id`` parks its blocks in the KV manager instead of
 freeing them; the session's next request resumes them at admission when its prompt continues
 the session's tokens (no hashing, no prefix lookup), else the holding is released and the request
@@ -45,7 +49,7 @@ from kvhive.config import CacheConfig, SchedulerConfig
 from kvhive.connector.base import CachedBlock, ConnectorScheduler, FinishedTransfers, SchedulerOutput
 from kvhive.kv.manager import KVCacheManager, KVCacheStats
 from kvhive.request import FinishReason, Request, RequestStatus
-from kvhive.step import ScheduledSeq, StepPlan, StepResult
+from kvhive.step import PromptLogprobsSpan, ScheduledSeq, StepPlan, StepResult
 
 
 @dataclass(frozen=True)
@@ -195,6 +199,9 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue                    # aborted after the plan was made
             request.num_computed_tokens = seq.context_len
+            if seq.prompt_logprobs is not None:
+                span = seq.prompt_logprobs
+                request.num_prompt_logprob_rows = span.first_pos + len(span.next_token_ids)
             reason = None
             if seq.sample:
                 token = result.sampled.get(seq.request_id)
@@ -267,18 +274,20 @@ class Scheduler:
                     while not self.kv.resume_session(request, num_new):
                         if not self._spill_session(keep=request.session_id, admitting=True):
                             return budget
-                    self.waiting.popleft()
-                    self.running.append(request)
-                    if self.connector is not None:      # drop a lookup an earlier attempt kept
-                        self.connector.update_state_after_alloc(request, (), 0)
-                    if request.num_cached_tokens < 0:
-                        request.num_cached_tokens = held
-                    request.status = RequestStatus.RUNNING
-                    planned[request.request_id] = num_new
+                    self._start_running(request, held, num_new, planned)
                     budget -= num_new
                     continue
                 # Diverged (or nothing held): the session follows this request's history.
                 self.kv.release_session(request.session_id)
+            if request.needs_prompt_rows:
+                # Its prompt logprobs need every prompt row computed: no device or tier hits (its
+                # blocks are still published to the prefix cache as they fill).
+                num_new = min(request.num_tokens, budget)
+                if not self._allocate_or_spill(request, num_new):
+                    break
+                self._start_running(request, 0, num_new, planned)
+                budget -= num_new
+                continue
             hit = self.kv.get_computed_blocks(request)
             if self._prefix_in_flight(request, len(hit.blocks)):
                 # Next step the block is a device hit instead of computed twice; checked before
@@ -315,6 +324,26 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def _allocate_or_spill(self, request: Request, num_new: int) -> bool:
+        """Blocks for ``num_new`` tokens of a request admitted without prefix hits, spilling idle
+        sessions while short; False when they do not fit."""
+        while not self.kv.allocate_slots(request, num_new):
+            if not self._spill_session(keep=request.session_id, admitting=True):
+                return False
+        return True
+
+    def _start_running(self, request: Request, num_cached: int, num_new: int, planned: dict[str, int]) -> None:
+        """Move the head of the queue, its blocks allocated and no tier load pending, to running:
+        ``num_cached`` tokens already in its blocks, ``num_new`` computed this step."""
+        self.waiting.popleft()
+        self.running.append(request)
+        if self.connector is not None:      # drop a lookup an earlier attempt kept
+            self.connector.update_state_after_alloc(request, (), 0)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+        request.status = RequestStatus.RUNNING
+        planned[request.request_id] = num_new
+
     def _prefix_in_flight(self, request: Request, num_hit_blocks: int) -> bool:
         """True when a running prefill is computing the block this request needs next.
 
@@ -348,6 +377,7 @@ class Scheduler:
                 sample=end == request.num_tokens,   # never re-samples tokens it already has
                 sampling=request.sampling,
                 num_output_tokens=request.num_output_tokens,
+                prompt_logprobs=self._prompt_logprobs_span(request, start, end),
             ))
         finished, self._finished_ids = self._finished_ids, []
         meta = None
@@ -358,6 +388,19 @@ class Scheduler:
             meta = self.connector.build_connector_meta(output)
             meta = None if meta.is_empty else meta
         return StepPlan(seqs=seqs, finished_request_ids=finished, connector_meta=meta)
+
+    @staticmethod
+    def _prompt_logprobs_span(request: Request, start: int, end: int) -> PromptLogprobsSpan | None:
+        """The prompt rows of chunk [start, end) whose logprobs have not gone out yet (a chunk
+        recomputed after a preemption reports nothing twice); None for most requests."""
+        if not request.needs_prompt_rows:
+            return None
+        first = max(start, request.num_prompt_logprob_rows)
+        last = min(end, request.num_prompt_tokens - 1)     # row P - 1 scores the first output token
+        if first >= last:
+            return None
+        return PromptLogprobsSpan(first, tuple(request.prompt_token_ids[first + 1:last + 1]),
+                                  request.sampling.prompt_logprobs)
 
     def _preempt(self, request: Request) -> None:
         # Recompute later: drop all KV (full blocks stay cached), keep the tokens, go to the front.

@@ -16,6 +16,16 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class PromptLogprobsSpan:
+    """Prompt logprobs one chunk reports: rows at positions ``first_pos``.. (one per entry of
+    ``next_token_ids``), row p scored against prompt token p + 1, with ``num_top`` alternatives."""
+
+    first_pos: int
+    next_token_ids: tuple[int, ...]
+    num_top: int
+
+
+@dataclass(frozen=True)
 class ScheduledSeq:
     """One request's share of a step: compute ``token_ids`` at positions start_pos.. and maybe sample.
 
@@ -32,6 +42,8 @@ class ScheduledSeq:
     sampling: SamplingParams
     # Tokens generated so far (for penalties and seeded generators); empty during prefill.
     num_output_tokens: int = 0
+    # The prompt logprobs this chunk reports (None: none, the common case).
+    prompt_logprobs: PromptLogprobsSpan | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -81,8 +93,10 @@ class TokenLogprobs:
 
 @dataclass(frozen=True)
 class StepResult:
-    """Sampled tokens, one per sequence whose ``sample`` flag was set, and the logprobs of the
-    sequences whose sampling params asked for them."""
+    """Sampled tokens, one per sequence whose ``sample`` flag was set, the logprobs of the
+    sequences whose sampling params asked for them, and the prompt logprobs of the chunks that
+    carried a ``PromptLogprobsSpan`` (one entry per row of the span, in order)."""
 
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from kvhive.request import MAX_LOGPROBS
 from kvhive.server.errors import bad_request
-from kvhive.server.logprobs import SentToken, completion_logprobs
+from kvhive.server.logprobs import SentToken, completion_logprobs, prompt_completion_logprobs
 from kvhive.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from kvhive.server.serving import (
     SSE_DONE,
@@ -23,16 +24,16 @@ from kvhive.server.serving import (
     sse_event,
     unix_time,
 )
+from kvhive.step import TokenLogprobs
 
 
 def _check_unsupported(body: CompletionRequest) -> None:
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
         raise bad_request(f"'logprobs' must be between 0 and {MAX_LOGPROBS}, got {body.logprobs}",
                           param="logprobs")
-    if body.echo and body.logprobs is not None:
-        # That would need the logprobs of the prompt's tokens, which kvhive does not compute.
-        raise bad_request("'echo' together with 'logprobs' is not supported (the prompt's tokens have "
-                          "no logprobs here); drop one of them", param="echo")
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request("'max_tokens' must be at least 1 (0 only with 'echo', to score the prompt)",
+                          param="max_tokens")
     if body.best_of is not None and body.best_of != 1:
         raise bad_request("Only best_of=1 is supported", param="best_of")
     if body.best_of is not None and body.n > 1:
@@ -80,8 +81,17 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
     _check_unsupported(body)
     token_ids = prompt_token_ids(service, body.prompt)
     echo = echoed_prompt(service, single_prompt(body.prompt)) if body.echo else ""
-    max_tokens = service.resolve_max_tokens(body.max_tokens, len(token_ids), "max_tokens", "prompt")
-    sampling = service.sampling_params(body, max_tokens, body.logprobs)
+    # echo + logprobs: the prompt's tokens get logprobs too, ahead of the generated ones.
+    prompt_logprobs = body.logprobs if body.echo else None
+    # max_tokens 0 with echo scores the prompt: the engine samples one token (it always does), which
+    # is dropped (vLLM does the same).
+    scoring_only = body.echo and body.max_tokens == 0
+    max_tokens = service.resolve_max_tokens(1 if scoring_only else body.max_tokens, len(token_ids),
+                                            "max_tokens", "prompt")
+    sampling = service.sampling_params(body, max_tokens, body.logprobs, prompt_logprobs)
+    if prompt_logprobs is not None and (raw_request.headers.get("x-session-id") or new_session_ttl is not None):
+        raise bad_request("'echo' with 'logprobs' cannot run in a session: the prompt logprobs need "
+                          "every prompt token computed, and a session reuses its tokens' KV", param="logprobs")
     owner = service.owner_of(raw_request)
     session = service.open_session(raw_request, body.model, len(token_ids) + max_tokens,
                                    new_ttl=new_session_ttl, n=body.n)
@@ -92,16 +102,29 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
     streams = service.choice_streams(request_id, body.n, token_ids, sampling, body.stop_strings,
                                      service.cache_salt_for(owner, body.cache_salt), session=session)
 
-    def choice(index: int, text: str, finish_reason: str | None, tokens: tuple[SentToken, ...]) -> CompletionChoice:
-        logprobs = None if body.logprobs is None else completion_logprobs(tokens, service.tokenizer)
+    def choice(index: int, text: str, finish_reason: str | None, tokens: tuple[SentToken, ...],
+               prompt_values: tuple[TokenLogprobs, ...] | None = None) -> CompletionChoice:
+        logprobs = None
+        if body.logprobs is not None:
+            prompt = (None if prompt_values is None
+                      else prompt_completion_logprobs(token_ids, prompt_values, service.tokenizer))
+            logprobs = completion_logprobs(tokens, service.tokenizer, len(echo), prompt)
         return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
+
+    def shown(delta: TextDelta) -> TextDelta:
+        """The delta as the client sees it: with max_tokens 0, the sampled token is dropped."""
+        if not scoring_only:
+            return delta
+        return replace(delta, text="", tokens=(), num_output_tokens=0,
+                       finish_reason=None if delta.finish_reason is None else "length")
 
     if not body.stream:
         results = await service.collect_choices(streams, raw_request)
         if results is None:
             return Response(status_code=499)          # the client is gone; nobody reads this
+        results = [shown(r) for r in results]
         answer = CompletionResponse(id=request_id, created=created, model=model, usage=combined_usage(results),
-                                    choices=[choice(i, echo + r.text, r.finish_reason, r.tokens)
+                                    choices=[choice(i, echo + r.text, r.finish_reason, r.tokens, r.prompt_logprobs)
                                              for i, r in enumerate(results)])
         return JSONResponse(answer.model_dump(mode="json"), headers=headers) if headers else answer
 
@@ -113,12 +136,18 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
                                             usage=usage), exclude=exclude)
 
     async def events() -> AsyncIterator[str]:
-        if echo:
+        if echo and prompt_logprobs is None:
             for index in range(body.n):
                 yield chunk(CompletionChoice(index=index, text=echo))
         finals: dict[int, TextDelta] = {}
         async with contextlib.aclosing(merge_streams(streams)) as merged:
             async for index, delta in merged:
+                delta = shown(delta)
+                if delta.prompt_logprobs is not None:
+                    # The echo waited for its logprobs, which come with the choice's first delta.
+                    yield chunk(choice(index, echo, None, (), delta.prompt_logprobs))
+                if scoring_only and delta.finish_reason is None:
+                    continue
                 yield chunk(choice(index, delta.text, delta.finish_reason, delta.tokens))
                 if delta.finish_reason is not None:
                     finals[index] = delta

@@ -4,6 +4,7 @@ A token's logprobs go out in the chunk that carries the start of its text. Text 
 the detokenizer holds back a partial UTF-8 character until the token that completes it, and the
 stop matcher holds back what could start a stop string. ``TokensAwaitingText`` keeps each token
 with the span of generated text it produced and lets it go once part of that span has been sent.
+With ``echo``, a completion's logprobs start with the prompt's tokens (``prompt_completion_logprobs``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvhive.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from kvhive.step import TokenLogprobs
+from kvhive.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from kvhive.tokenizer import Tokenizer
@@ -92,20 +94,52 @@ def chat_logprobs(tokens: Sequence[SentToken], tokenizer: Tokenizer) -> ChatLogp
     return ChatLogprobs(content=content)
 
 
-def completion_logprobs(tokens: Sequence[SentToken], tokenizer: Tokenizer) -> CompletionLogprobs:
+def completion_logprobs(tokens: Sequence[SentToken], tokenizer: Tokenizer, text_offset: int = 0,
+                        prompt: CompletionLogprobs | None = None) -> CompletionLogprobs:
     """The legacy completions shape: parallel lists; each top dict holds the top tokens and the
     chosen one (up to N + 1 entries, as OpenAI documents). Tokens with the same string share a key;
-    the more likely one's value is kept."""
-    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    the more likely one's value is kept. ``text_offset`` (the echoed prompt's length) is added to
+    the tokens' offsets; ``prompt`` (the echoed prompt's logprobs) comes first."""
+    out = (CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+           if prompt is None else prompt.model_copy(deep=True))
     for sent in tokens:
-        lp = sent.logprobs
-        chosen = token_string(tokenizer.token_bytes(lp.token_id))
-        top: dict[str, float] = {}
-        for token_id, value in lp.top:
-            top.setdefault(token_string(tokenizer.token_bytes(token_id)), value)
-        top.setdefault(chosen, lp.logprob)
-        out.tokens.append(chosen)
-        out.token_logprobs.append(lp.logprob)
-        out.top_logprobs.append(top)
-        out.text_offset.append(sent.text_offset)
+        _append_token(out, sent.logprobs, text_offset + sent.text_offset, tokenizer)
     return out
+
+
+def prompt_completion_logprobs(prompt_ids: Sequence[int], values: Sequence[TokenLogprobs],
+                               tokenizer: Tokenizer) -> CompletionLogprobs:
+    """The echoed prompt's logprobs in the completions shape: the first token with null entries
+    (nothing comes before it), then ``values`` (token i given the tokens before it, i >= 1); text
+    offsets into the prompt decoded with its special tokens (the echoed text)."""
+    if len(values) != len(prompt_ids) - 1:
+        raise ValueError(f"{len(values)} prompt logprobs for a prompt of {len(prompt_ids)} tokens")
+    offsets = _prompt_token_offsets(prompt_ids, tokenizer)
+    out = CompletionLogprobs(tokens=[token_string(tokenizer.token_bytes(prompt_ids[0]))],
+                             token_logprobs=[None], top_logprobs=[None], text_offset=[0])
+    for lp, offset in zip(values, offsets[1:], strict=True):
+        _append_token(out, lp, offset, tokenizer)
+    return out
+
+
+def _prompt_token_offsets(prompt_ids: Sequence[int], tokenizer: Tokenizer) -> list[int]:
+    """Where each prompt token's text starts in the decoded prompt; a token without text of its
+    own (the first bytes of a character) starts where its character does."""
+    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    offsets, length = [], 0
+    for token_id in prompt_ids:
+        offsets.append(length)
+        length += len(detokenizer.add([token_id]))
+    return offsets
+
+
+def _append_token(out: CompletionLogprobs, lp: TokenLogprobs, text_offset: int, tokenizer: Tokenizer) -> None:
+    chosen = token_string(tokenizer.token_bytes(lp.token_id))
+    top: dict[str, float] = {}
+    for token_id, value in lp.top:
+        top.setdefault(token_string(tokenizer.token_bytes(token_id)), value)
+    top.setdefault(chosen, lp.logprob)
+    out.tokens.append(chosen)
+    out.token_logprobs.append(lp.logprob)
+    out.top_logprobs.append(top)
+    out.text_offset.append(text_offset)

@@ -121,8 +121,9 @@ class CompletionLogprobs(BaseModel):
     """``logprobs`` of a completion choice: one entry per token in each list (legacy OpenAI shape)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]     # the top tokens, and the chosen one, per position
+    # With echo, the prompt's tokens come first; the first one's entries are null (nothing before it).
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]  # the top tokens, and the chosen one, per position
     text_offset: list[int]                   # where each token's text starts in the choice's text
 
 

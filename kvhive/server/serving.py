@@ -31,6 +31,7 @@ from kvhive.server.metrics import ServerMetrics
 from kvhive.server.protocol import PromptTokensDetails, SamplingRequest, Usage
 from kvhive.server.stop import StopStringMatcher
 from kvhive.sessions import Session, SessionError, SessionRegistry
+from kvhive.step import TokenLogprobs
 from kvhive.tenancy import cache_salt, key_owner
 from kvhive.tokenizer import IncrementalDetokenizer
 
@@ -69,6 +70,9 @@ class TextDelta:
     num_output_tokens: int
     # The tokens whose text is in this delta, when the request asked for logprobs.
     tokens: tuple[SentToken, ...] = ()
+    # On the first delta of a request that asked for prompt logprobs: the prompt tokens' after the
+    # first (``RequestOutput.prompt_logprobs``).
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
     def usage(self) -> Usage:
         """OpenAI usage as of this delta."""
@@ -252,10 +256,11 @@ class GenerationService:
                 param=param, code="context_length_exceeded")
         return requested
 
-    def sampling_params(self, body: SamplingRequest, max_tokens: int, logprobs: int | None = None
-                        ) -> SamplingParams:
+    def sampling_params(self, body: SamplingRequest, max_tokens: int, logprobs: int | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """Engine sampling parameters from the request (OpenAI defaults: temperature 1, top_p 1);
-        ``logprobs``: how many top alternatives to report per token (None: no logprobs)."""
+        ``logprobs``: how many top alternatives to report per token (None: no logprobs);
+        ``prompt_logprobs``: the same for the prompt's tokens."""
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -266,6 +271,7 @@ class GenerationService:
                 ignore_eos=body.ignore_eos,
                 stop_token_ids=tuple(body.stop_token_ids or ()),
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
@@ -334,10 +340,13 @@ class GenerationService:
         outputs = self.engine.generate(request_id, prompt_token_ids, sampling, cache_salt=cache_salt, **kwargs)
         session_done = False
         counts = (len(prompt_token_ids), 0, 0)
+        prompt_logprobs = None          # until the first delta carries them
         done = False
         try:
             async for out in outputs:
                 counts = (out.num_prompt_tokens, max(0, out.num_cached_tokens), out.num_output_tokens)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs = out.prompt_logprobs
                 if session is not None and out.session_block_hashes is not None:
                     self._end_session_turn(session, turn, end_session, out.num_prompt_tokens + out.num_output_tokens,
                                            [h.hex() for h in out.session_block_hashes], counts[1])
@@ -363,12 +372,13 @@ class GenerationService:
                 else:
                     if text:
                         tokens = () if awaiting is None else awaiting.release(num_sent)
-                        yield TextDelta(text, None, *counts, tokens)
+                        yield TextDelta(text, None, *counts, tokens, prompt_logprobs)
+                        prompt_logprobs = None
                     continue
                 done = True
                 tracker.finish(reason, counts[0], counts[2])
                 await outputs.aclose()
-                yield TextDelta(text, reason, *counts, tokens)
+                yield TextDelta(text, reason, *counts, tokens, prompt_logprobs)
                 return
             raise RuntimeError(f"engine stream of {request_id} ended without a finished output")
         finally:
@@ -433,17 +443,21 @@ class GenerationService:
         async def join() -> list[TextDelta]:
             parts: list[list[str]] = [[] for _ in streams]
             tokens: list[list[SentToken]] = [[] for _ in streams]
+            prompt: list[tuple[TokenLogprobs, ...] | None] = [None] * len(streams)
             last: list[TextDelta | None] = [None] * len(streams)
             async with contextlib.aclosing(merge_streams(streams)) as merged:
                 async for index, delta in merged:
                     parts[index].append(delta.text)
                     tokens[index].extend(delta.tokens)
+                    if delta.prompt_logprobs is not None:
+                        prompt[index] = delta.prompt_logprobs
                     last[index] = delta
             joined = []
-            for texts, sent, final in zip(parts, tokens, last, strict=True):
+            for texts, sent, final, prompt_logprobs in zip(parts, tokens, last, prompt, strict=True):
                 assert final is not None
                 joined.append(TextDelta("".join(texts), final.finish_reason, final.num_prompt_tokens,
-                                        final.num_cached_tokens, final.num_output_tokens, tuple(sent)))
+                                        final.num_cached_tokens, final.num_output_tokens, tuple(sent),
+                                        prompt_logprobs))
             return joined
 
         task = asyncio.create_task(join())
