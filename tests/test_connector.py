@@ -52,6 +52,17 @@ def engine_on(tokenizer, store: TieredStore, num_blocks: int = 64) -> LLMEngine:
                      tokenizer=tokenizer, store=store)
 
 
+def step_until_done(engine, timeout_s: float = 120.0) -> list:
+    """Step until nothing waits, runs or transfers: the outputs. Bounded by time, not by a step
+    count: a step while a load is in flight returns at once, however long the load takes."""
+    outputs = []
+    deadline = time.monotonic() + timeout_s
+    while engine.has_unfinished():
+        assert time.monotonic() < deadline, "the engine did not finish"
+        outputs += engine.step()
+    return outputs
+
+
 def settle(engine) -> None:
     """Let every queued save reach the store."""
     engine.connector_worker.wait_for_save()
@@ -229,12 +240,7 @@ def test_slow_tier_parks_only_its_request(tokenizer, fresh):
         assert engine.scheduler.get_request("slow").status is RequestStatus.WAITING_FOR_KV
         assert engine.stats().num_waiting == 1
         slow.release.set()
-        tokens = []
-        for _ in range(500):
-            for out in engine.step():
-                tokens += out.new_token_ids
-            if not engine.has_unfinished():
-                break
+        tokens = [t for out in step_until_done(engine) for t in out.new_token_ids]
         assert tokens == fresh
     finally:
         engine.close()
@@ -264,10 +270,7 @@ def test_abort_while_loading_frees_blocks_after_the_load(tokenizer):
         engine.abort_request("gone")
         assert engine.scheduler.kv.pool.stats().num_used > 0    # held until the load reports back
         slow.release.set()
-        for _ in range(500):
-            engine.step()
-            if not engine.has_unfinished():
-                break
+        step_until_done(engine)
         settle(engine)
         assert_pool_clean(engine)
     finally:
