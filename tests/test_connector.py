@@ -52,15 +52,17 @@ def engine_on(tokenizer, store: TieredStore, num_blocks: int = 64) -> LLMEngine:
                      tokenizer=tokenizer, store=store)
 
 
-def step_until_done(engine, timeout_s: float = 120.0) -> list:
-    """Step until nothing waits, runs or transfers: the outputs. Bounded by time, not by a step
-    count: a step while a load is in flight returns at once, however long the load takes."""
-    outputs = []
+def step_until(engine, done, timeout_s: float = 20.0) -> dict[str, list[int]]:
+    """Step until ``done()``; the tokens each request produced meanwhile. Bounded by time, not by a
+    step count: a step returns at once while a load or a slow tier's lookup (on a thread) is in
+    flight, so the steps a transfer takes depend on the load on the machine."""
+    tokens: dict[str, list[int]] = {}
     deadline = time.monotonic() + timeout_s
-    while engine.has_unfinished():
-        assert time.monotonic() < deadline, "the engine did not finish"
-        outputs += engine.step()
-    return outputs
+    while not done():
+        assert time.monotonic() < deadline, "no progress"
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
 
 
 def settle(engine) -> None:
@@ -240,8 +242,8 @@ def test_slow_tier_parks_only_its_request(tokenizer, fresh):
         assert engine.scheduler.get_request("slow").status is RequestStatus.WAITING_FOR_KV
         assert engine.stats().num_waiting == 1
         slow.release.set()
-        tokens = [t for out in step_until_done(engine) for t in out.new_token_ids]
-        assert tokens == fresh
+        tokens = step_until(engine, lambda: not engine.has_unfinished(), timeout_s=120)
+        assert tokens["slow"] == fresh
     finally:
         engine.close()
 
@@ -265,12 +267,11 @@ def test_abort_while_loading_frees_blocks_after_the_load(tokenizer):
     try:
         slow.release.clear()
         engine.add_request("gone", PROMPT, GREEDY)
-        engine.step()
-        assert engine.scheduler.get_request("gone").status is RequestStatus.WAITING_FOR_KV
+        step_until(engine, lambda: engine.scheduler.get_request("gone").status is RequestStatus.WAITING_FOR_KV)
         engine.abort_request("gone")
         assert engine.scheduler.kv.pool.stats().num_used > 0    # held until the load reports back
         slow.release.set()
-        step_until_done(engine)
+        step_until(engine, lambda: not engine.has_unfinished(), timeout_s=120)
         settle(engine)
         assert_pool_clean(engine)
     finally:
@@ -324,17 +325,6 @@ def test_engine_close_persists_the_disk_tier(tokenizer, tmp_path):
         assert store.stats().used_bytes > 0
     finally:
         store.close()
-
-
-def step_until(engine, done, timeout_s: float = 20.0) -> dict[str, list[int]]:
-    """Step until ``done()``; the tokens each request produced meanwhile."""
-    tokens: dict[str, list[int]] = {}
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < deadline, "no progress"
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    return tokens
 
 
 HOG = [(3 * i + 1) % 250 + 3 for i in range(80)]       # 20 blocks: PROMPT's 25 cannot fit beside it
