@@ -27,6 +27,7 @@ import tempfile
 import time
 
 import httpx
+from router_real import wait_for  # bench/ is on sys.path: scripts run from there
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LONG = " ".join(f"Sentence {i} about the weather in town number {i * 7}." for i in range(60))
@@ -42,18 +43,12 @@ def start(root: str, extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
                                 "--log-level", "warning", *extra], cwd=root, env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server in {root} exited with {process.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise SystemExit(f"the server in {root} did not start")
+    try:
+        wait_for(f"{url}/health", lambda r: r.status_code == 200, 300, f"the server in {root}", process)
+    except RuntimeError:
+        process.kill()
+        raise
+    return process, url
 
 
 def timed_chat(url: str, content: str, max_tokens: int) -> tuple[float, float]:

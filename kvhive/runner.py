@@ -13,7 +13,7 @@ import torch
 
 from kvhive.config import ModelConfig
 from kvhive.connector.base import ConnectorWorker
-from kvhive.model.attention import AttnMetadata, DecodeBatch, PrefillSpan
+from kvhive.model.attention import AttnMetadata, DecodeBatch, PrefillSpan, decode_mask
 from kvhive.model.cuda_graphs import DecodeGraphs
 from kvhive.model.decode_kernel import CpuDecodeKernel
 from kvhive.model.llama import LlamaModel, resolve_dtype
@@ -190,16 +190,15 @@ class ModelRunner:
                 tables[j, :n] = s.block_table[:n]   # padding points at block 0, never read unmasked
                 ctx[j] = length
                 j += 1
+        context_lens = torch.from_numpy(ctx).to(self.device)
         mask = workspace = None
-        if self.decode_kernel is None:
-            keep = np.arange(max_blocks * B)[None, :] < ctx[:, None]
-            mask = torch.from_numpy(keep[:, None, None, :]).to(self.device)
-        else:
+        if self.decode_kernel is not None:
             size = CpuDecodeKernel.workspace_size(num_rows, max_blocks * B, c.num_heads, c.head_dim)
             workspace = torch.empty(size, dtype=torch.float32)
+        else:
+            mask = decode_mask(context_lens, max_blocks * B)
         return DecodeBatch(num_seqs=num_rows, block_tables=torch.from_numpy(tables).to(self.device),
-                           context_lens=torch.from_numpy(ctx).to(self.device), mask=mask,
-                           kernel=self.decode_kernel, workspace=workspace)
+                           context_lens=context_lens, mask=mask, kernel=self.decode_kernel, workspace=workspace)
 
     def prepare_inputs(self, plan: StepPlan) -> StepInputs:
         """Flatten the plan into ids, positions, slot rows and attention metadata (decode first)."""

@@ -136,6 +136,12 @@ def paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_cache: torch.Tenso
     return out_parts[0] if len(out_parts) == 1 else torch.cat(out_parts)
 
 
+def decode_mask(context_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[rows, 1, 1, num_keys] bool: row i sees its first context_lens[i] keys (the SDPA decode path)."""
+    keys = torch.arange(num_keys, device=context_lens.device)
+    return (keys[None, :] < context_lens[:, None])[:, None, None, :]
+
+
 def decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Decode attention over gathered K/V: q [n, kv_heads, group, hd], k and v [n, kv_heads, keys,
     hd], mask [n, 1, 1, keys] -> [n, kv_heads, group, hd].

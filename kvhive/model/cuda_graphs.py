@@ -18,11 +18,12 @@ to check the padding against the plain forward.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
-from kvhive.model.attention import AttnMetadata, DecodeBatch
+from kvhive.model.attention import AttnMetadata, DecodeBatch, decode_mask
 from kvhive.model.llama import LlamaModel
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -51,17 +52,12 @@ class DecodeGraphs:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.shape[3]
-        self.rows_per_block = kv_cache.shape[1] * 2 * self.block_size
         self.capture = capture
         # Buckets up to the first that holds max_rows; a step with more rows runs eagerly.
         self.row_buckets = [r for r in ROW_BUCKETS if r < max_rows] + [r for r in ROW_BUCKETS if r >= max_rows][:1]
-        self.block_buckets: list[int] = []
-        blocks = MIN_BLOCK_BUCKET
-        while True:
-            self.block_buckets.append(min(blocks, max_blocks_per_seq))
-            if blocks >= max_blocks_per_seq:
-                break
-            blocks *= 2
+        # Powers of two from MIN_BLOCK_BUCKET, then the longest context itself.
+        doublings = (MIN_BLOCK_BUCKET << i for i in itertools.count())
+        self.block_buckets = [*itertools.takewhile(lambda b: b < max_blocks_per_seq, doublings), max_blocks_per_seq]
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.num_steps = 0              # steps run through a bucket (replayed, or eagerly without capture)
@@ -129,9 +125,8 @@ class DecodeGraphs:
     def _run(self, g: _Graph) -> torch.Tensor:
         """The model over the bucket's static inputs (recorded when capturing)."""
         rows, blocks = g.block_tables.shape
-        keys = torch.arange(blocks * self.block_size, device=g.block_tables.device)
-        mask = (keys[None, :] < g.context_lens[:, None])[:, None, None, :]
         decode = DecodeBatch(num_seqs=rows, block_tables=g.block_tables, context_lens=g.context_lens,
-                             mask=mask, kernel=None, workspace=None)
+                             mask=decode_mask(g.context_lens, blocks * self.block_size), kernel=None,
+                             workspace=None)
         attn = AttnMetadata(slot_rows=g.slot_rows, decode=decode, prefills=())
         return self.model(g.input_ids, g.positions, attn, self.kv_cache)
