@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, SessionConfig, StoreConfig
+from kvhive.config import CPU_ISAS, CacheConfig, EngineConfig, SchedulerConfig, SessionConfig, StoreConfig
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -29,6 +29,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-native-attention", dest="native_attention", action="store_false",
                    help="attend with torch's SDPA on gathered K/V; by default, decode and prefill "
                         "attention read the KV pool directly in C++ kernels on CPU")
+    p.add_argument("--cpu-isa", choices=CPU_ISAS, default="auto",
+                   help="instruction-set level of the C++ CPU kernels (default: auto, the best this CPU "
+                        "runs); a lower level runs the kernels a CPU without the higher ISA would run")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: launch every decode step kernel by kernel; by default decode-only steps "
                         "replay CUDA graphs (one per batch-size and context bucket, captured when the engine starts)")
@@ -105,6 +108,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
                         device=args.device, num_threads=args.num_threads,
                         quantized_matmul=args.quantized_matmul,
                         native_attention=args.native_attention, enforce_eager=args.enforce_eager,
+                        cpu_isa=args.cpu_isa,
                         cache=cache,
                         kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
                         scheduler=sched, store=store, sessions=sessions)

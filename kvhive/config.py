@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# ISA levels of the CPU kernels, best first (kvhive.model.cpu), and "auto": the best the CPU runs.
+CPU_ISAS = ("auto", "avx512_bf16", "avx512", "avx2", "portable")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -145,6 +148,7 @@ class EngineConfig:
     quantized_matmul: bool = True          # few-row steps read GGUF Q4_1/Q8_0 blocks directly (CPU)
     native_attention: bool = True          # C++ attention kernels over the KV pool (CPU)
     enforce_eager: bool = False            # CUDA: no decode graphs (kvhive.model.cuda_graphs)
+    cpu_isa: str = "auto"                  # ISA level of the C++ kernels (kvhive.model.cpu.LEVELS)
     kv_events: str | None = None           # ZMQ PUB endpoint for KV events, e.g. tcp://*:5557
     kv_events_replay: str | None = None    # ZMQ ROUTER endpoint serving replay of recent batches
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -157,6 +161,8 @@ class EngineConfig:
             raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
+        if self.cpu_isa not in CPU_ISAS:
+            raise ValueError(f"--cpu-isa must be one of {', '.join(CPU_ISAS)}, got {self.cpu_isa!r}")
         if self.kv_events_replay and not self.kv_events:
             raise ValueError("--kv-events-replay needs --kv-events")
         if self.num_threads is not None and self.num_threads <= 0:

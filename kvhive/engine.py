@@ -85,9 +85,14 @@ class LLMEngine:
         from kvhive.runner import ModelRunner
 
         self.config = config
+        isa = None
+        if config.device == "cpu":
+            from kvhive.model import cpu
+
+            isa = cpu.detect().level(config.cpu_isa)        # ValueError naming what the CPU lacks
         if loaded is None:
             loaded = load_model(config.model_path, dtype=config.dtype, device=config.device,
-                                quantized_matmul=config.quantized_matmul)
+                                quantized_matmul=config.quantized_matmul, isa=isa)
         if tokenizer is None:
             from kvhive.tokenizer import Tokenizer
 
@@ -111,7 +116,7 @@ class LLMEngine:
                                   block_size=cache.block_size, dtype=config.dtype,
                                   device=config.device, native_attention=config.native_attention,
                                   connector=self.connector_worker, cuda_graphs=not config.enforce_eager,
-                                  max_num_seqs=config.scheduler.max_num_seqs)
+                                  max_num_seqs=config.scheduler.max_num_seqs, isa=isa)
         sched_cfg = config.scheduler
         if sched_cfg.max_model_len != self.max_model_len:
             from dataclasses import replace

@@ -50,7 +50,8 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, model_config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: str | torch.dtype = "float32", device: torch.device | str = "cpu",
                  native_attention: bool = True, connector: ConnectorWorker | None = None,
-                 cuda_graphs: bool = True, max_num_seqs: int = 32) -> None:
+                 cuda_graphs: bool = True, max_num_seqs: int = 32, isa: str | None = None) -> None:
+        """``isa``: the CPU ISA level of the attention kernels (``kvhive.model.cpu``; None: the CPU's best)."""
         self.model = model
         self.config = model_config
         self.num_blocks = num_blocks
@@ -74,9 +75,9 @@ class ModelRunner:
         # Attention straight from the pool on CPU (C++ kernels); None: gather + torch (CUDA, no
         # compiler, no AVX-512 for prefill, or native_attention=False).
         native = native_attention and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
-        self.decode_kernel = CpuDecodeKernel.load() if native else None
+        self.decode_kernel = CpuDecodeKernel.load(isa) if native else None
         self.decode_rows_max = DECODE_ROWS_MAX if self.decode_kernel is not None else 1
-        prefill = CpuPrefillKernel.load() if native else None
+        prefill = CpuPrefillKernel.load(isa) if native else None
         self.prefill_kernel = (prefill if prefill is not None and prefill.supports(
             self.dtype, c.num_heads, c.num_kv_heads, c.head_dim) else None)
         # CUDA: decode-only steps replay per-bucket graphs (kvhive.model.cuda_graphs).
@@ -85,6 +86,13 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(model, self.kv_cache, -(-c.max_position_embeddings // block_size),
                                               max_rows=max_num_seqs)
             self.decode_graphs.capture_all()
+
+    def paths(self) -> dict[str, str]:
+        """Which implementation decode and prefill attention run here (for the startup log and /version)."""
+        sdpa = f"torch SDPA on {self.device}" if self.device.type != "cpu" else "torch SDPA on gathered K/V"
+        prefill = self.prefill_kernel
+        return {"decode_attention": f"C++ {self.decode_kernel.isa}" if self.decode_kernel is not None else sdpa,
+                "prefill_attention": f"C++ {prefill.isa}" if prefill is not None else sdpa}
 
     @staticmethod
     def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str | torch.dtype) -> int:

@@ -10,6 +10,7 @@ from gguf.quants import dequantize
 
 from kvhive.model.llama import QUANT_MAX_ROWS
 from kvhive.model.loader import load_model
+from kvhive.model import cpu
 from kvhive.model.quant import QuantMatmul, QuantWeight
 from kvhive.model_files import default_model_path
 from kvhive.request import SamplingParams
@@ -23,9 +24,9 @@ def gguf_tensors():
     return {t.name: t for t in reader.tensors}
 
 
-@pytest.fixture(scope="module", params=["native", "portable"])
+@pytest.fixture(scope="module", params=[lvl for lvl in cpu.LEVELS if cpu.detect().supports(lvl)])
 def kernel(request) -> QuantMatmul:
-    kern = QuantMatmul.load(portable=request.param == "portable")
+    kern = QuantMatmul.load(request.param)
     if kern is None:
         pytest.skip("no C++ compiler")
     return kern

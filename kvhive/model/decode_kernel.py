@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvhive.model.cpu import resolve
 from kvhive.model.native import DEFAULT_FLAGS, build_library, kernel_source
 
 if TYPE_CHECKING:
@@ -34,16 +35,19 @@ class CpuDecodeKernel:
 
     CHUNK_KEYS = 256        # keys per work item; items are (kv head, chunk, sequences sharing it)
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
+        self.isa = isa                  # the ISA level the library was built for (kvhive.model.cpu)
         self._fn = lib.kvhive_decode_attention
         self._fn.argtypes = [ctypes.POINTER(_KernelArgs), ctypes.c_int]
         self._fn.restype = ctypes.c_int
 
     @classmethod
-    def load(cls, cache_dir: str | None = None) -> CpuDecodeKernel | None:
-        """The kernel, compiled on first use per machine into cache_dir; None without a compiler."""
-        lib = build_library("decode", kernel_source("decode"), (*DEFAULT_FLAGS, "-ffast-math"), cache_dir)
-        return None if lib is None else cls(lib)
+    def load(cls, isa: str | None = None, cache_dir: str | None = None) -> CpuDecodeKernel | None:
+        """The kernel built for ISA level ``isa`` (default: the CPU's best), compiled on first use per
+        machine into cache_dir; None without a compiler."""
+        isa = resolve(isa)
+        lib = build_library("decode", kernel_source("decode"), (*DEFAULT_FLAGS, "-ffast-math"), cache_dir, isa)
+        return None if lib is None else cls(lib, isa)
 
     @staticmethod
     def workspace_size(num_seqs: int, max_context: int, num_heads: int, head_dim: int) -> int:

@@ -16,6 +16,7 @@ import ctypes
 
 import torch
 
+from kvhive.model.cpu import resolve
 from kvhive.model.native import DEFAULT_FLAGS, build_library, kernel_source
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -24,7 +25,8 @@ _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 class FusedOps:
     """One-call RMSNorm, SiLU-and-multiply and in-place RoPE for float32 / bfloat16 CPU tensors."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
+        self.isa = isa                  # the ISA level the library was built for (kvhive.model.cpu)
         self._rms = lib.kvhive_rms_norm
         self._rms.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, ctypes.c_int, ctypes.c_int]
         self._silu = lib.kvhive_silu_mul
@@ -35,9 +37,11 @@ class FusedOps:
             fn.restype = None
 
     @classmethod
-    def load(cls, cache_dir: str | None = None) -> FusedOps | None:
-        lib = build_library("fused", kernel_source("fused"), (*DEFAULT_FLAGS, "-ffast-math"), cache_dir)
-        return None if lib is None else cls(lib)
+    def load(cls, isa: str | None = None, cache_dir: str | None = None) -> FusedOps | None:
+        """The ops built for ISA level ``isa`` (default: the CPU's best); None without a compiler."""
+        isa = resolve(isa)
+        lib = build_library("fused", kernel_source("fused"), (*DEFAULT_FLAGS, "-ffast-math"), cache_dir, isa)
+        return None if lib is None else cls(lib, isa)
 
     @staticmethod
     def _threads(rows: int) -> int:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvhive.config import ModelConfig
+from kvhive.model import cpu
 from kvhive.model.attention import AttnMetadata, paged_attention
 from kvhive.model.fused import FusedOps
 from kvhive.model.quant import QuantMatmul, QuantWeight
@@ -70,10 +71,14 @@ class TorchOps:
         torch.addcmul(qk * cos, torch.roll(qk, qk.shape[-1] // 2, -1), sin, out=qk)
 
 
-def can_pack_weights(dtype: torch.dtype, device: torch.device) -> bool:
-    """True where oneDNN-packed linear weights are available (CPU float32 / bfloat16)."""
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
+def can_pack_weights(dtype: torch.dtype, device: torch.device, isa: str | None = None) -> bool:
+    """True where oneDNN-packed linear weights are available: CPU float32, and bfloat16 where oneDNN
+    packs bf16 on this CPU at ISA level ``isa`` (it needs AVX-512 or AVX-NE-CONVERT)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return cpu.detect().bf16_packing(cpu.resolve(isa))
+    return dtype == torch.float32
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -141,11 +146,13 @@ class LlamaModel(nn.Module):
     """Llama-family causal LM over a flat batch of tokens and a paged KV pool."""
 
     def __init__(self, config: ModelConfig, dtype: str | torch.dtype = "float32",
-                 device: torch.device | str = "cpu", qkv_bias: bool = False) -> None:
+                 device: torch.device | str = "cpu", qkv_bias: bool = False, isa: str | None = None) -> None:
+        """``isa``: the CPU ISA level of the C++ kernels (``kvhive.model.cpu``; None: the CPU's best)."""
         super().__init__()
         self.config = config
         self.dtype = resolve_dtype(dtype)
         self.device = torch.device(device)
+        self.isa = cpu.resolve(isa) if self.device.type == "cpu" else None
         self.qkv_bias = qkv_bias
         self.packed = False         # True once pack_weights() has run
         v, h = config.vocab_size, config.hidden_size
@@ -165,7 +172,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         # RMSNorm, SiLU-and-multiply and RoPE: one C++ call each on CPU, else torch composites.
-        fused = (FusedOps.load() if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+        fused = (FusedOps.load(self.isa) if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
                  and config.head_dim % 2 == 0 and config.head_dim <= 512 else None)
         self.ops: FusedOps | TorchOps = fused or TorchOps()
 
@@ -230,7 +237,7 @@ class LlamaModel(nn.Module):
             lm_head = weights[head]
         except (KeyError, ValueError):       # some matrices are not quantised (or mixed kinds)
             return False
-        kernel = QuantMatmul.load()
+        kernel = QuantMatmul.load(self.isa)
         if kernel is None:
             return False
         self.qmatmul, self.quant_layers, self.quant_lm_head = kernel, layers, lm_head
@@ -242,7 +249,7 @@ class LlamaModel(nn.Module):
         Tied embeddings stay dense for the lookup and the LM head becomes a packed copy. After
         this the weights are read-only (``dense_weight`` gives a plain copy of one).
         """
-        if self.packed or not can_pack_weights(self.dtype, self.device):
+        if self.packed or not can_pack_weights(self.dtype, self.device, self.isa):
             return
         with torch.inference_mode():
             for layer in self.layers:
@@ -252,11 +259,29 @@ class LlamaModel(nn.Module):
             self.lm_head = nn.Parameter(pack_weight(self.lm_head), requires_grad=False)
         self.packed = True
 
+    def paths(self) -> dict[str, str]:
+        """Which implementation each of the model's ops runs here (for the startup log and /version)."""
+        dt = str(self.dtype).removeprefix("torch.")
+        if self.device.type != "cpu":
+            proj = f"torch {dt} on {self.device}"
+        elif self.packed:
+            proj = f"oneDNN packed {dt}"
+        else:
+            proj = f"torch {dt}" + (" (oneDNN bf16 packing needs AVX-512 here)" if self.dtype == torch.bfloat16 else "")
+        limit = QUANT_MAX_ROWS.get(self.dtype, 0)
+        return {
+            "projections": proj,
+            "quantized_matmul": (f"C++ {self.qmatmul.isa} on GGUF blocks, steps of <= {limit} rows"
+                                 if self.qmatmul is not None else "off"),
+            "elementwise": f"C++ {self.ops.isa}" if isinstance(self.ops, FusedOps) else "torch",
+        }
+
     @classmethod
     def random_init(cls, config: ModelConfig, seed: int = 0, dtype: str | torch.dtype = "float32",
-                    device: torch.device | str = "cpu", qkv_bias: bool = False) -> LlamaModel:
+                    device: torch.device | str = "cpu", qkv_bias: bool = False,
+                    isa: str | None = None) -> LlamaModel:
         """A model with small random weights (for tests; deterministic for a given seed)."""
-        model = cls(config, dtype, device, qkv_bias)
+        model = cls(config, dtype, device, qkv_bias, isa)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -57,11 +57,12 @@ class LoadedModel:
 
 
 def load_model(path: str | os.PathLike[str], dtype: str = "float32", device: str = "cpu",
-               pack_weights: bool = True, quantized_matmul: bool = True) -> LoadedModel:
+               pack_weights: bool = True, quantized_matmul: bool = True, isa: str | None = None) -> LoadedModel:
     """Load a GGUF file or a Hugging Face model directory (weights packed for oneDNN on CPU).
 
     ``quantized_matmul``: on CPU, also keep a GGUF file's Q4_1/Q8_0 blocks so that steps with few
-    rows (decode) multiply by them directly (see ``kvhive.model.quant``).
+    rows (decode) multiply by them directly (see ``kvhive.model.quant``). ``isa``: the CPU ISA
+    level of the C++ kernels (``kvhive.model.cpu``; None: the CPU's best).
     """
     path = os.fspath(path)
     quantized: dict[str, QuantWeight] = {}
@@ -72,7 +73,7 @@ def load_model(path: str | os.PathLike[str], dtype: str = "float32", device: str
         config, weights, qkv_bias, digest = _read_gguf(path, quantized if keep else None)
     else:
         raise ValueError(f"model path {path!r} is neither a .gguf file nor a model directory")
-    model = LlamaModel(config, dtype=dtype, device=device, qkv_bias=qkv_bias)
+    model = LlamaModel(config, dtype=dtype, device=device, qkv_bias=qkv_bias, isa=isa)
     model.load_hf_weights(weights)
     del weights
     if quantized:

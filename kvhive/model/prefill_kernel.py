@@ -19,6 +19,7 @@ import ctypes
 
 import torch
 
+from kvhive.model.cpu import resolve
 from kvhive.model.native import build_library, kernel_source
 
 
@@ -41,7 +42,8 @@ class CpuPrefillKernel:
 
     HEAD_DIMS = (16, 32, 64, 128)
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
+        self.isa = isa                  # the ISA level the library was built for (kvhive.model.cpu)
         self._fn = lib.kvhive_prefill_attention
         self._fn.argtypes = [ctypes.POINTER(_Args), ctypes.c_int]
         self._fn.restype = ctypes.c_int
@@ -53,12 +55,14 @@ class CpuPrefillKernel:
         self._ws = torch.empty(0, dtype=torch.uint8)
 
     @classmethod
-    def load(cls, cache_dir: str | None = None) -> CpuPrefillKernel | None:
-        """The kernel, compiled on first use per machine; None without a compiler or AVX-512."""
-        lib = build_library("prefill", kernel_source("prefill"), cache_dir=cache_dir)
+    def load(cls, isa: str | None = None, cache_dir: str | None = None) -> CpuPrefillKernel | None:
+        """The kernel built for ISA level ``isa`` (default: the CPU's best), compiled on first use per
+        machine; None without a compiler or where the level has no path for any dtype."""
+        isa = resolve(isa)
+        lib = build_library("prefill", kernel_source("prefill"), cache_dir=cache_dir, isa=isa)
         if lib is None:
             return None
-        kernel = cls(lib)
+        kernel = cls(lib, isa)
         return kernel if kernel.dtypes else None
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:

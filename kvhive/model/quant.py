@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvhive.model.cpu import resolve
 from kvhive.model.native import DEFAULT_FLAGS, build_library, kernel_source
 
 logger = logging.getLogger(__name__)
@@ -108,23 +109,21 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16)     # read and written by the k
 class QuantMatmul:
     """``residual + x @ W.T`` for x [rows, in] (float32 or bfloat16) and a ``QuantWeight`` W, on CPU."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
+        self.isa = isa                  # the ISA level the library was built for (kvhive.model.cpu)
         self._fn = lib.kvhive_qmatmul
         self._fn.argtypes = [ctypes.POINTER(_Args)]
         self._fn.restype = ctypes.c_int
 
     @classmethod
-    def load(cls, portable: bool = False, cache_dir: str | None = None) -> QuantMatmul | None:
-        """The kernel (AVX-512 where the CPU has it, else portable C++); None without a compiler.
-
-        ``portable`` forces the portable path (tests use it to check both).
-        """
+    def load(cls, isa: str | None = None, cache_dir: str | None = None) -> QuantMatmul | None:
+        """The kernel built for ISA level ``isa`` (default: the CPU's best; ``portable`` is plain
+        C++); None without a compiler."""
+        isa = resolve(isa)
         # No -ffast-math, no contraction: d * q + m must round twice, as gguf's numpy code does.
         flags = (*DEFAULT_FLAGS, "-ffp-contract=off")
-        if portable:
-            flags = ("-DKVHIVE_PORTABLE", *flags)
-        lib = build_library("qmatmul", kernel_source("qmatmul"), flags, cache_dir)
-        return None if lib is None else cls(lib)
+        lib = build_library("qmatmul", kernel_source("qmatmul"), flags, cache_dir, isa)
+        return None if lib is None else cls(lib, isa)
 
     def __call__(self, x: torch.Tensor, w: QuantWeight, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] (rows may be strided) -> [rows, out] in x's dtype.
