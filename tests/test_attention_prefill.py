@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvhive.model import attention
+from kvhive.model import attention, cpu
 from kvhive.model.attention import prefill_attention
 from kvhive.model.prefill_kernel import CpuPrefillKernel
 
@@ -111,7 +111,18 @@ def test_blocked_equals_sdpa_at_a_real_shape(monkeypatch) -> None:
     torch.testing.assert_close(blocked, prefill_attention(q, k, v), **F32_TOL)
 
 
-KERNEL = CpuPrefillKernel.load()
+# The prefill kernel at every ISA level this CPU runs (None where the level has no prefill path).
+KERNELS = {level: CpuPrefillKernel.load(level) for level in cpu.LEVELS if cpu.detect().supports(level)}
+
+
+def kernel_levels(dtype: torch.dtype) -> list:
+    """The levels to run a kernel test at; those without a kernel for ``dtype`` are skipped."""
+    params = []
+    for level, kernel in KERNELS.items():
+        reason = ("no C++ compiler or no prefill path at this level" if kernel is None else
+                  f"no {dtype} path at this level" if dtype not in kernel.dtypes else None)
+        params.append(pytest.param(level, marks=pytest.mark.skipif(reason is not None, reason=reason or "")))
+    return params
 
 
 def pool_inputs(n: int, prefix: int, heads: int, kv_heads: int, hd: int, dtype: torch.dtype,
@@ -128,35 +139,71 @@ def pool_inputs(n: int, prefix: int, heads: int, kv_heads: int, hd: int, dtype: 
     return q, pool, block_ids, k, v
 
 
-needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler or no AVX-512 on this CPU")
+def test_levels_with_a_prefill_path() -> None:
+    """Every SIMD level runs both pool dtypes; the portable level has no prefill path."""
+    if all(kernel is None for kernel in KERNELS.values()):
+        pytest.skip("no C++ compiler, or a CPU with no SIMD level")
+    for level, kernel in KERNELS.items():
+        if level == "portable":
+            assert kernel is None
+        else:
+            assert kernel is not None and kernel.isa == level
+            assert kernel.dtypes == {torch.float32, torch.bfloat16}
 
 
-@needs_kernel
+@pytest.mark.parametrize("level", kernel_levels(torch.float32))
 @pytest.mark.parametrize("n,prefix", [(1, 0), (1, 40), (15, 0), (16, 16), (17, 3), (50, 0), (33, 100), (200, 0)])
 @pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (4, 4, 16), (8, 2, 32), (4, 1, 128)])
 @pytest.mark.parametrize("block_size", [16, 5, 32])
-def test_kernel_matches_reference_float32(n: int, prefix: int, heads: int, kv_heads: int, hd: int,
+def test_kernel_matches_reference_float32(level: str, n: int, prefix: int, heads: int, kv_heads: int, hd: int,
                                           block_size: int) -> None:
     q, pool, ids, k, v = pool_inputs(n, prefix, heads, kv_heads, hd, torch.float32, block_size)
-    torch.testing.assert_close(KERNEL(q, pool, 1, ids, prefix), reference(q, k, v), **F32_TOL)
+    torch.testing.assert_close(KERNELS[level](q, pool, 1, ids, prefix), reference(q, k, v), **F32_TOL)
 
 
-@needs_kernel
-@pytest.mark.skipif(KERNEL is not None and torch.bfloat16 not in KERNEL.dtypes, reason="no AVX512-BF16")
-@pytest.mark.parametrize("n,prefix", [(1, 0), (17, 3), (40, 21), (130, 600)])
-@pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (8, 2, 32)])
-def test_kernel_matches_reference_bfloat16(n: int, prefix: int, heads: int, kv_heads: int, hd: int) -> None:
-    q, pool, ids, k, v = pool_inputs(n, prefix, heads, kv_heads, hd, torch.bfloat16, 16)
-    got = KERNEL(q, pool, 1, ids, prefix)
+@pytest.mark.parametrize("level", kernel_levels(torch.bfloat16))
+@pytest.mark.parametrize("n,prefix,block_size", [(1, 0, 16), (17, 3, 5), (40, 21, 16), (33, 100, 5), (130, 600, 16)])
+@pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (4, 4, 16), (8, 2, 32), (4, 1, 128)])
+def test_kernel_matches_reference_bfloat16(level: str, n: int, prefix: int, heads: int, kv_heads: int, hd: int,
+                                           block_size: int) -> None:
+    q, pool, ids, k, v = pool_inputs(n, prefix, heads, kv_heads, hd, torch.bfloat16, block_size)
+    got = KERNELS[level](q, pool, 1, ids, prefix)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), reference(q, k, v), **BF16_TOL)
 
 
-@needs_kernel
-def test_kernel_reads_only_its_layer_and_context() -> None:
+@pytest.mark.parametrize("level", kernel_levels(torch.bfloat16))
+def test_kernel_workspace_holds_the_packed_tiles(level: str) -> None:
+    """A fresh kernel's first call (a bf16 pool) gets room for every packed tile in the kernel's
+    own element width (float32 where bf16 is widened when packed)."""
+    kernel = CpuPrefillKernel.load(level)
+    q, pool, ids, k, v = pool_inputs(70, 130, 8, 2, 32, torch.bfloat16, 16)
+    torch.testing.assert_close(kernel(q, pool, 1, ids, 130).float(), reference(q, k, v), **BF16_TOL)
+    packed_bytes = 2 if level == "avx512_bf16" else 4   # vdpbf16ps reads bf16 tiles; AVX2 widens them
+    tiles = -(-200 // 32)
+    assert kernel._ws.numel() >= 2 * 2 * tiles * 32 * 32 * packed_bytes
+
+
+@pytest.mark.parametrize("level", kernel_levels(torch.float32))
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_matches_reference_at_1_and_2_threads(level: str, threads: int) -> None:
+    """However the packing and the items are shared out between threads."""
+    q, pool, ids, k, v = pool_inputs(90, 50, 9, 3, 64, torch.float32, 16)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = KERNELS[level](q, pool, 1, ids, 50)
+    finally:
+        torch.set_num_threads(saved)
+    torch.testing.assert_close(got, reference(q, k, v), **F32_TOL)
+
+
+@pytest.mark.parametrize("level", kernel_levels(torch.float32))
+def test_kernel_reads_only_its_layer_and_context(level: str) -> None:
     """Other layers and blocks past the context may hold anything (here NaN): the result is unchanged."""
+    kernel = KERNELS[level]
     q, pool, ids, k, v = pool_inputs(20, 30, 9, 3, 64, torch.float32, 16)
-    want = KERNEL(q, pool, 1, ids, 30)
+    want = kernel(q, pool, 1, ids, 30)
     poisoned = pool.clone()
     poisoned[:, [0, 2]] = float("nan")
     keep = torch.zeros(poisoned.shape[0], dtype=torch.bool)
@@ -164,11 +211,11 @@ def test_kernel_reads_only_its_layer_and_context() -> None:
     poisoned[~keep] = float("nan")
     last = ids[-1]
     poisoned[last, 1, :, 50 % 16:] = float("nan")        # the last block's slots past position 49
-    torch.testing.assert_close(KERNEL(q, poisoned, 1, ids, 30), want, rtol=0, atol=0)
+    torch.testing.assert_close(kernel(q, poisoned, 1, ids, 30), want, rtol=0, atol=0)
 
 
-@needs_kernel
-def test_kernel_rejects_a_short_block_table() -> None:
+@pytest.mark.parametrize("level", kernel_levels(torch.float32))
+def test_kernel_rejects_a_short_block_table(level: str) -> None:
     q, pool, ids, _, _ = pool_inputs(20, 30, 9, 3, 64, torch.float32, 16)
     with pytest.raises(ValueError, match="cannot hold"):
-        KERNEL(q, pool, 1, ids[:-1], 30)
+        KERNELS[level](q, pool, 1, ids[:-1], 30)

@@ -33,7 +33,7 @@ class _Args(ctypes.Structure):
 
 
 # Capability bits reported by the library (what it was compiled for on this CPU).
-_CAP_FLOAT32, _CAP_BFLOAT16 = 1, 2
+_CAP_FLOAT32, _CAP_BFLOAT16, _CAP_BF16_AS_FLOAT32 = 1, 2, 4
 _TILE = 32              # keys per packed tile (two 512-bit vectors of float32 scores)
 
 
@@ -52,6 +52,8 @@ class CpuPrefillKernel:
         bits = caps()
         self.dtypes = frozenset(dt for bit, dt in ((_CAP_FLOAT32, torch.float32), (_CAP_BFLOAT16, torch.bfloat16))
                                 if bits & bit)
+        # Bytes per packed K/V element of a bf16 pool: 4 where the bf16 tiles are widened to float32.
+        self._bf16_packed_bytes = 4 if bits & _CAP_BF16_AS_FLOAT32 else 2
         self._ws = torch.empty(0, dtype=torch.uint8)
 
     @classmethod
@@ -94,7 +96,8 @@ class CpuPrefillKernel:
     def _workspace(self, keys: int, kv_cache: torch.Tensor) -> int:
         """Address of room for the packed K/V tiles of ``keys`` keys (grown as needed)."""
         _, _, _, _, kv_heads, head_dim = kv_cache.shape
-        need = 2 * kv_heads * -(-keys // _TILE) * _TILE * head_dim * kv_cache.element_size()
+        elem = self._bf16_packed_bytes if kv_cache.dtype == torch.bfloat16 else kv_cache.element_size()
+        need = 2 * kv_heads * -(-keys // _TILE) * _TILE * head_dim * elem
         if self._ws.numel() < need:
             self._ws = torch.empty(need + (need >> 2), dtype=torch.uint8)
         return self._ws.data_ptr()

@@ -20,12 +20,7 @@ struct Args {
 };
 
 constexpr int kTile = 32;   // keys per tile
-constexpr int kNV = kTile / 16;   // score vectors per row and tile
 constexpr int kQTok = 16;   // query tokens per item
-constexpr int kRB = 8;      // rows per register block
-
-#if defined(__AVX512F__)
-#include "avx512_exp2.h"
 
 template <typename T>
 inline const T* key_row(const Args& a, int64_t key, int kv) {  // K row of `key`; V row is bs rows later
@@ -59,6 +54,12 @@ inline void tile_rows(const Args& a, int64_t h, int64_t t, int64_t ctx, const T*
     v[j] = row + v_off;
   }
 }
+
+#if defined(__AVX512F__)
+#include "avx512_exp2.h"
+
+constexpr int kNV = kTile / 16;   // score vectors per row and tile
+constexpr int kRB = 8;      // rows per register block
 
 // In-place transpose of a 16x16 dword matrix: r[i] holds row i before, column i after.
 inline void transpose16x16(__m512i* r) {
@@ -322,15 +323,253 @@ int run(const Args& a) {
   }
 }
 #endif
+
+// AVX2 + FMA: 8-wide float32 throughout. Compiled where the AVX-512 bf16 products are not: at the
+// "avx2" level for both dtypes, and at the "avx512" level for bf16 pools.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
+#define KVHIVE_PREFILL_AVX2 1
+#include "avx2_exp2.h"
+
+namespace avx2 {
+constexpr int kRows = 6;            // rows per register block: 6 x 16 float32 = 12 accumulators
+constexpr int kVecs = kTile / 8;    // score vectors per row and tile
+
+// 8 values as float32: a plain load, or bf16 widened to the high half of each dword.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+// 8 float32 stored as the pool's dtype; bf16 rounds to nearest even with NaN kept a NaN (as bf16.h).
+inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+inline void store8(uint16_t* p, __m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)),
+                                         _mm256_set1_epi32(0x7F800000));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+// In-place transpose of an 8x8 float32 matrix: r[i] holds row i before, column i after.
+inline void transpose8x8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {   // interleave row pairs within each 128-bit lane
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {   // then pairs of pairs: lane L of u[i + c] is column 4L + c of rows i..i+3
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {      // then join the rows 0..3 and 4..7 halves of each column
+    r[c] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x20);
+    r[c + 4] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x31);
+  }
+}
+
+// One tile of KV head h packed as float32 (bf16 widened once here, not in the products):
+// K as [HD][kTile] (dim d of key j at d * kTile + j), V as [kTile][HD].
+template <typename T, int HD>
+void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, float* kt, float* vt) {
+  const T *k[kTile], *v[kTile];
+  tile_rows<T, HD>(a, h, t, ctx, k, v);
+  for (int g = 0; g < kTile; g += 8)
+    for (int d = 0; d < HD; d += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = load8(k[g + i] + d);
+      transpose8x8(r);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d + i) * kTile + g, r[i]);
+    }
+  for (int j = 0; j < kTile; ++j)
+    for (int d = 0; d < HD; d += 8) _mm256_storeu_ps(vt + j * HD + d, load8(v[j] + d));
+}
+
+// Raw scores of kRows query rows (q: kRows rows of HD, already scaled) against one packed K tile,
+// into s[kRows][kTile]: 16 keys at a time, 6 x 2 accumulators.
+template <int HD>
+inline void scores(const float* q, const float* kt, float (*s)[kTile]) {
+  for (int k0 = 0; k0 < kTile; k0 += 16) {
+    __m256 acc[kRows][2];
+    for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int d = 0; d < HD; ++d) {
+      const __m256 k0v = _mm256_loadu_ps(kt + d * kTile + k0), k1v = _mm256_loadu_ps(kt + d * kTile + k0 + 8);
+      for (int r = 0; r < kRows; ++r) {
+        const __m256 b = _mm256_broadcast_ss(q + r * HD + d);
+        acc[r][0] = _mm256_fmadd_ps(b, k0v, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(b, k1v, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      _mm256_store_ps(s[r] + k0, acc[r][0]);
+      _mm256_store_ps(s[r] + k0 + 8, acc[r][1]);
+    }
+  }
+}
+
+// One row's online-softmax step over one tile: s holds the tile's kTile scores (log2 units) of keys
+// key0.. and is left holding their probabilities; keys past `last` are hidden (last < 0: none is).
+// Updates the row's max m and per-lane sum l, and returns the factor (1 or less) by which the row's
+// earlier accumulator must be scaled.
+inline float softmax_step(float* s, int64_t key0, int64_t last, float& m, __m256& l) {
+  __m256 x[kVecs], hidden[kVecs];
+  __m256 mx = _mm256_set1_ps(-FLT_MAX);
+  for (int v = 0; v < kVecs; ++v) {
+    x[v] = _mm256_load_ps(s + v * 8);
+    hidden[v] = _mm256_setzero_ps();
+    if (last >= 0) {
+      const __m256i keys = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                            _mm256_set1_epi32(int(key0 + v * 8)));
+      hidden[v] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(keys, _mm256_set1_epi32(int(last))));
+      x[v] = _mm256_blendv_ps(x[v], _mm256_set1_ps(-FLT_MAX), hidden[v]);
+    }
+    mx = _mm256_max_ps(mx, x[v]);
+  }
+  mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 0x01));   // every lane: the tile's max
+  mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4E));
+  mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xB1));
+  const float m_old = m, m_tile = _mm256_cvtss_f32(mx);
+  float alpha = 1.f;
+  if (m_tile > m_old) {
+    alpha = _mm256_cvtss_f32(exp2_ps(_mm256_set1_ps(m_old - m_tile)));
+    l = _mm256_mul_ps(l, _mm256_set1_ps(alpha));
+    m = m_tile;
+  }
+  const __m256 m_new = _mm256_set1_ps(m);
+  for (int v = 0; v < kVecs; ++v) {
+    __m256 p = exp2_ps(_mm256_sub_ps(x[v], m_new));
+    if (last >= 0) p = _mm256_andnot_ps(hidden[v], p);
+    l = _mm256_add_ps(l, p);
+    _mm256_store_ps(s + v * 8, p);
+  }
+  return alpha;
+}
+
+// Value products of kRows rows over one tile: o[r] = o[r] * alpha[r] + p[r] . V, 16 dims at a time
+// (6 x 2 accumulators), so that each V vector loaded serves every row.
+template <int HD>
+inline void values(const float (*p)[kTile], const float* alpha, const float* vt, float* o) {
+  for (int c = 0; c < HD; c += 16) {
+    __m256 acc[kRows][2];
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 a = _mm256_set1_ps(alpha[r]);
+      acc[r][0] = _mm256_mul_ps(_mm256_load_ps(o + r * HD + c), a);
+      acc[r][1] = _mm256_mul_ps(_mm256_load_ps(o + r * HD + c + 8), a);
+    }
+    for (int j = 0; j < kTile; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(vt + j * HD + c), v1 = _mm256_loadu_ps(vt + j * HD + c + 8);
+      for (int r = 0; r < kRows; ++r) {
+        const __m256 w = _mm256_broadcast_ss(p[r] + j);
+        acc[r][0] = _mm256_fmadd_ps(w, v0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w, v1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      _mm256_store_ps(o + r * HD + c, acc[r][0]);
+      _mm256_store_ps(o + r * HD + c + 8, acc[r][1]);
+    }
+  }
+}
+
+template <typename T, int HD>
+void prefill(const Args& a) {
+  const int64_t ctx = a.start_pos + a.n, tiles = (ctx + kTile - 1) / kTile, heads = a.kv_heads * a.group;
+  const int64_t tile_elems = kTile * HD;
+  float* kpack = static_cast<float*>(a.ws);                    // [kv_heads][tiles][tile_elems] float32
+  float* vpack = kpack + a.kv_heads * tiles * tile_elems;
+  const int64_t q_items = (a.n + kQTok - 1) / kQTok, rows_max = (kQTok * a.group + kRows - 1) / kRows * kRows;
+  const __m256 qscale = _mm256_set1_ps(a.scale * 1.4426950408889634f);   // scores in log2 units
+#pragma omp parallel num_threads(a.n_threads)
+  {
+    // Each thread packs a run of whole tiles for every KV head: it streams contiguous pool rows.
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t t = 0; t < tiles; ++t)
+      for (int64_t h = 0; h < a.kv_heads; ++h)
+        pack<T, HD>(a, h, t, ctx, kpack + (h * tiles + t) * tile_elems, vpack + (h * tiles + t) * tile_elems);
+    float* qb = static_cast<float*>(_mm_malloc(rows_max * HD * sizeof(float), 32));   // scaled float32 queries
+    float* o = static_cast<float*>(_mm_malloc(rows_max * HD * sizeof(float), 32));
+    float* m = new float[rows_max];
+    __m256* l = static_cast<__m256*>(_mm_malloc(rows_max * sizeof(__m256), 32));
+    int64_t* pos = new int64_t[rows_max];
+    alignas(32) float s[kRows][kTile];
+    // Later query tiles see more keys: hand them out first.
+#pragma omp for collapse(2) schedule(dynamic, 1)
+    for (int64_t qi = q_items - 1; qi >= 0; --qi)
+      for (int64_t h = 0; h < a.kv_heads; ++h) {
+        const int64_t t0 = qi * kQTok, ntok = (a.n - t0 < kQTok) ? a.n - t0 : kQTok;
+        const int64_t rows = ntok * a.group, rows_pad = (rows + kRows - 1) / kRows * kRows;
+        for (int64_t r = 0; r < rows_pad; ++r) {
+          float* qr = qb + r * HD;
+          if (r < rows) {
+            const int64_t tk = r / a.group, g = r % a.group;
+            const T* src = static_cast<const T*>(a.q) + (t0 + tk) * a.q_stride + (h * a.group + g) * HD;
+            for (int d = 0; d < HD; d += 8) _mm256_store_ps(qr + d, _mm256_mul_ps(load8(src + d), qscale));
+            pos[r] = a.start_pos + t0 + tk;
+          } else {
+            std::memset(qr, 0, HD * sizeof(float));
+            pos[r] = a.start_pos + t0 + ntok - 1;
+          }
+          m[r] = -FLT_MAX;
+          l[r] = _mm256_setzero_ps();
+        }
+        std::memset(o, 0, rows_pad * HD * sizeof(float));
+        const int64_t last = a.start_pos + t0 + ntok - 1;   // the item's last position
+        for (int64_t t = 0; t * kTile <= last; ++t) {
+          const float* kt = kpack + (h * tiles + t) * tile_elems;
+          const float* vt = vpack + (h * tiles + t) * tile_elems;
+          const bool diagonal = t * kTile + kTile - 1 > a.start_pos + t0;   // some key past some row
+          for (int64_t rb = 0; rb < rows_pad; rb += kRows) {
+            float alpha[kRows];
+            scores<HD>(qb + rb * HD, kt, s);
+            for (int r = 0; r < kRows; ++r)
+              alpha[r] = softmax_step(s[r], t * kTile, diagonal ? pos[rb + r] : -1, m[rb + r], l[rb + r]);
+            values<HD>(s, alpha, vt, o + rb * HD);
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t tk = r / a.group, g = r % a.group;
+          __m256 sum = _mm256_add_ps(l[r], _mm256_permute2f128_ps(l[r], l[r], 0x01));
+          sum = _mm256_add_ps(sum, _mm256_shuffle_ps(sum, sum, 0x4E));
+          sum = _mm256_add_ps(sum, _mm256_shuffle_ps(sum, sum, 0xB1));
+          const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.f), sum);
+          T* dst = static_cast<T*>(a.out) + (t0 + tk) * heads * HD + (h * a.group + g) * HD;
+          for (int d = 0; d < HD; d += 8) store8(dst + d, _mm256_mul_ps(_mm256_load_ps(o + r * HD + d), inv));
+        }
+      }
+    _mm_free(qb); _mm_free(o); delete[] m; _mm_free(l); delete[] pos;
+  }
+}
+
+template <typename T>
+int run(const Args& a) {
+  switch (a.head_dim) {
+    case 16: avx2::prefill<T, 16>(a); return 0;
+    case 32: avx2::prefill<T, 32>(a); return 0;
+    case 64: avx2::prefill<T, 64>(a); return 0;
+    case 128: avx2::prefill<T, 128>(a); return 0;
+    default: return 1;
+  }
+}
+}  // namespace avx2
+#endif
 }  // namespace
 
+// Capability bits: 1 float32 pools, 2 bf16 pools, 4 bf16 tiles packed as float32 (the workspace
+// then takes 4 bytes per packed element for both dtypes).
 extern "C" int kvhive_prefill_caps() {
   int caps = 0;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(KVHIVE_PREFILL_AVX2)
   caps |= 1;
 #endif
 #if defined(__AVX512BF16__)
   caps |= 2;
+#elif defined(KVHIVE_PREFILL_AVX2)
+  caps |= 2 | 4;
 #endif
   return caps;
 }
@@ -339,9 +578,14 @@ extern "C" int kvhive_prefill_attention(const Args* a, int is_bf16) {
   if (a->n <= 0 || a->group <= 0) return 1;
 #if defined(__AVX512BF16__)
   if (is_bf16) return run<BF16>(*a);
+#elif defined(KVHIVE_PREFILL_AVX2)
+  if (is_bf16) return avx2::run<uint16_t>(*a);
 #endif
 #if defined(__AVX512F__)
   if (!is_bf16) return run<F32>(*a);
+#elif defined(KVHIVE_PREFILL_AVX2)
+  if (!is_bf16) return avx2::run<float>(*a);
 #endif
+  (void)is_bf16;
   return 1;
 }
