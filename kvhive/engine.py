@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -89,10 +90,17 @@ class LLMEngine:
         if config.device == "cpu":
             from kvhive.model import cpu
 
-            isa = cpu.detect().level(config.cpu_isa)        # ValueError naming what the CPU lacks
+            features = cpu.detect()
+            isa = features.level(config.cpu_isa)        # ValueError naming what the CPU lacks
+            logger.info("CPU: %s; kernels for %s%s", features.describe(), isa,
+                        "" if config.cpu_isa == "auto" else " (forced by --cpu-isa)")
+        self.isa = isa
         if loaded is None:
+            started = time.perf_counter()
             loaded = load_model(config.model_path, dtype=config.dtype, device=config.device,
                                 quantized_matmul=config.quantized_matmul, isa=isa)
+            logger.info("loaded %s (%s, %s) in %.1f s", os.path.basename(config.model_path.rstrip("/")),
+                        config.dtype, config.device, time.perf_counter() - started)
         if tokenizer is None:
             from kvhive.tokenizer import Tokenizer
 
@@ -112,11 +120,18 @@ class LLMEngine:
                 raise ValueError("KV tiers need prefix caching")
             self._build_connector(loaded, store, ModelRunner.kv_bytes_per_block(
                 loaded.config, cache.block_size, config.dtype))
+        started = time.perf_counter()
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks=num_blocks,
                                   block_size=cache.block_size, dtype=config.dtype,
                                   device=config.device, native_attention=config.native_attention,
                                   connector=self.connector_worker, cuda_graphs=not config.enforce_eager,
                                   max_num_seqs=config.scheduler.max_num_seqs, isa=isa)
+        block_bytes = ModelRunner.kv_bytes_per_block(loaded.config, cache.block_size, config.dtype)
+        logger.info("KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB %s on %s) in %.1f s", num_blocks,
+                    cache.block_size, num_blocks * cache.block_size, num_blocks * block_bytes / 2**30,
+                    config.dtype, config.device, time.perf_counter() - started)
+        self.paths = {**loaded.model.paths(), **self.runner.paths()}
+        logger.info("paths: %s", "; ".join(f"{op} {path}" for op, path in self.paths.items()))
         sched_cfg = config.scheduler
         if sched_cfg.max_model_len != self.max_model_len:
             from dataclasses import replace
@@ -137,13 +152,26 @@ class LLMEngine:
             self.publisher = KVEventPublisher(config.kv_events, config.kv_events_replay)
             self.scheduler.kv.enable_events()
 
+    def runtime_info(self) -> dict:
+        """What this engine runs on and which implementation each op takes (``GET /version``)."""
+        cpu_line = None
+        if self.isa is not None:
+            from kvhive.model import cpu
+
+            cpu_line = cpu.detect().describe()
+        return {"device": self.config.device, "dtype": self.config.dtype, "cpu": cpu_line,
+                "cpu_isa": self.isa, "paths": dict(self.paths)}
+
     def _build_connector(self, loaded, store, block_bytes: int) -> None:
         """The store tiers and both halves of the offload connector over them."""
         from kvhive.connector.offload import KV_LAYOUT_VERSION, OffloadScheduler, build_tiered_store
         from kvhive.connector.offload_worker import OffloadWorker
         from kvhive.store.key import KeySpace
 
+        started = time.perf_counter()
         self.store = store if store is not None else build_tiered_store(self.config.store)
+        logger.info("KV tiers: %s opened in %.1f s", ", ".join(t.name for t in self.store.tiers),
+                    time.perf_counter() - started)
         key_space = KeySpace(loaded.fingerprint, KV_LAYOUT_VERSION, self.config.dtype,
                              self.config.cache.block_size)
         self.connector_scheduler = OffloadScheduler(self.store, key_space, block_bytes)

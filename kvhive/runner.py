@@ -6,6 +6,8 @@ sampling generators; it never imports the scheduler (they share only ``kvhive.st
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +22,8 @@ from kvhive.model.llama import LlamaModel, resolve_dtype
 from kvhive.model.prefill_kernel import CpuPrefillKernel
 from kvhive.sampling import sample_tokens, token_logprobs
 from kvhive.step import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
+
+logger = logging.getLogger(__name__)
 
 # A chunk of at most this many new tokens over a cached prefix attends as decode rows, one per token
 # (each sees the keys up to its own position), through the decode kernel, which reads the pool as it
@@ -85,7 +89,10 @@ class ModelRunner:
         if cuda_graphs and self.device.type == "cuda":
             self.decode_graphs = DecodeGraphs(model, self.kv_cache, -(-c.max_position_embeddings // block_size),
                                               max_rows=max_num_seqs)
+            started = time.perf_counter()
             self.decode_graphs.capture_all()
+            logger.info("captured %d CUDA graphs for decode steps in %.1f s", len(self.decode_graphs.row_buckets) * len(self.decode_graphs.block_buckets),
+                        time.perf_counter() - started)
 
     def paths(self) -> dict[str, str]:
         """Which implementation decode and prefill attention run here (for the startup log and /version)."""

@@ -6,6 +6,8 @@ prompt at a time. kvhive runs all prompts through ``ModelRunner`` in one continu
 join at different steps, long prompts are prefilled in chunks, so steps mix prefills (some on a
 cached prefix) and decodes. Both sides ignore EOS and generate 32 tokens; the greedy tokens must
 be equal (a step where transformers' own top-2 logits are within float32 noise may flip, once).
+kvhive runs once per CPU kernel ISA level the host supports (the best one, AVX2, portable), so every
+path a CPU of another kind would take is checked on whatever host runs the suite.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import random
 import pytest
 import torch
 
+from kvhive.model import cpu
 from kvhive.model.loader import LoadedModel, load_model
 from kvhive.model_files import default_model_path
 from kvhive.request import SamplingParams
@@ -80,6 +83,18 @@ def kvhive_gguf() -> LoadedModel:
     return load_model(default_model_path(), dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def hf_greedy(reference, kvhive_gguf: LoadedModel) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """transformers' greedy tokens and scores per prompt (computed once for every ISA level)."""
+    hf_model, prompts = reference
+    return [_hf_greedy(hf_model, p, pad=kvhive_gguf.config.eos_token_ids[0]) for p in prompts]
+
+
+# The best level, and each lower one a CPU of another kind would run (x86 hosts: avx2, portable).
+ISA_LEVELS = list(dict.fromkeys([cpu.detect().best] + [lvl for lvl in ("avx2", "portable")
+                                                       if cpu.detect().supports(lvl)]))
+
+
 def _hf_greedy(model: torch.nn.Module, prompt: list[int], pad: int) -> tuple[list[int], list[torch.Tensor]]:
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -88,12 +103,12 @@ def _hf_greedy(model: torch.nn.Module, prompt: list[int], pad: int) -> tuple[lis
     return out.sequences[0, len(prompt):].tolist(), [s[0] for s in out.scores]
 
 
-def _kvhive_greedy(loaded: LoadedModel, prompts: list[list[int]]) -> list[list[int]]:
+def _kvhive_greedy(loaded: LoadedModel, prompts: list[list[int]], isa: str | None = None) -> list[list[int]]:
     """All prompts in one continuous batch: prompt i joins at step i // 3, prefills in CHUNK pieces."""
     c = loaded.config
     total = sum(len(p) + NEW_TOKENS for p in prompts)
     num_blocks = total // BLOCK_SIZE + 2 * len(prompts)
-    runner = ModelRunner(loaded.model, c, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype="float32")
+    runner = ModelRunner(loaded.model, c, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype="float32", isa=isa)
     free = list(range(num_blocks))
     random.Random(0).shuffle(free)                       # non-contiguous block tables
     tables: list[list[int]] = [[] for _ in prompts]
@@ -122,14 +137,18 @@ def _kvhive_greedy(loaded: LoadedModel, prompts: list[list[int]]) -> list[list[i
     return outputs
 
 
-def test_greedy_tokens_equal_transformers(reference, kvhive_gguf: LoadedModel) -> None:
-    hf_model, prompts = reference
+@pytest.mark.parametrize("isa", ISA_LEVELS)
+def test_greedy_tokens_equal_transformers(reference, hf_greedy, kvhive_gguf: LoadedModel, isa: str) -> None:
+    _, prompts = reference
     lengths = [len(p) for p in prompts]
     assert lengths[0] < 40 and 1200 < lengths[-1] < 1700, lengths
-    ours = _kvhive_greedy(kvhive_gguf, prompts)
+    loaded = kvhive_gguf if isa == cpu.detect().best else load_model(default_model_path(), dtype="float32", isa=isa)
+    paths = {**loaded.model.paths(), **ModelRunner(loaded.model, loaded.config, 2, BLOCK_SIZE, isa=isa).paths()}
+    assert all(isa in paths[op] for op in ("quantized_matmul", "elementwise", "decode_attention")), paths
+    ours = _kvhive_greedy(loaded, prompts, isa)
     ties = []
     for i, prompt in enumerate(prompts):
-        theirs, scores = _hf_greedy(hf_model, prompt, pad=kvhive_gguf.config.eos_token_ids[0])
+        theirs, scores = hf_greedy[i]
         mine = ours[i]
         assert len(theirs) == len(mine) == NEW_TOKENS
         for j, (a, b) in enumerate(zip(theirs, mine, strict=True)):

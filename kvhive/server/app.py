@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from kvhive.engine import AsyncEngine, LLMEngine
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
+KVHIVE_VERSION = "0.1.0"
 
 
 class APIKeyMiddleware:
@@ -94,6 +95,7 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
     """The OpenAI-compatible app over a started ``AsyncEngine`` (the caller owns its lifecycle)."""
     metrics = ServerMetrics(async_engine.stats, served_model_name)
     engine = async_engine.engine
+    metrics.show_paths(engine.runtime_info())
     config = engine.config
     registry = SessionRegistry(config.sessions, engine.block_bytes, config.cache.block_size,
                                backend=session_backend(config, served_model_name),
@@ -108,7 +110,7 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
         async with session_sweeper(service), response_sweeper(responses):
             yield
 
-    app = FastAPI(title="kvhive", version="0.1.0", lifespan=sweepers)
+    app = FastAPI(title="kvhive", version=KVHIVE_VERSION, lifespan=sweepers)
     app.state.service = service
     app.state.metrics = metrics
     created = unix_time()
@@ -122,6 +124,11 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
         if not async_engine.is_healthy:
             return JSONResponse(status_code=503, content={"status": "engine loop stopped"})
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version() -> dict:
+        """kvhive's version, the device and dtype, the CPU and kernel ISA level, and each op's path."""
+        return {"version": KVHIVE_VERSION, **async_engine.engine.runtime_info()}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
@@ -214,6 +214,16 @@ class ServerMetrics:
                              "Time between consecutive generated tokens of one request.",
                              labels, buckets=_ITL_BUCKETS, registry=self.registry)
         self.registry.register(EngineStatsCollector(stats, model_name))
+
+    def show_paths(self, info: dict) -> None:
+        """``kvhive_runtime_info`` (device, dtype, ISA level) and ``kvhive_kernel_path_info`` (per op), value 1."""
+        runtime = Gauge("kvhive_runtime_info", "Device, dtype and CPU kernel ISA level of this replica.",
+                        ["model_name", "device", "dtype", "cpu_isa"], registry=self.registry)
+        runtime.labels(self.model_name, info["device"], info["dtype"], info["cpu_isa"] or "").set(1)
+        paths = Gauge("kvhive_kernel_path_info", "The implementation each op runs on this replica.",
+                      ["model_name", "op", "path"], registry=self.registry)
+        for op, path in info["paths"].items():
+            paths.labels(self.model_name, op, path).set(1)
 
     def watch_sessions(self, sessions: Callable[[], SessionStats],
                        pinned_by_tier: Callable[[], dict[str, int]]) -> None:
