@@ -3,14 +3,21 @@
 A prefill chunk of n new tokens at positions start_pos..start_pos+n-1 attends causally to every key
 0..start_pos+n-1 of its sequence, which the layer has already written into the pool. The kernel
 first packs each KV head's keys and values into tiles of 32 keys (transposed for the score
-products, paired for AVX512-BF16's two-element dot products), then runs one work item per (KV
-head, tile of 16 query tokens): the group of query heads sharing a KV head are rows of the same
-item, so each K/V tile is read once for all of them. Scores and the running softmax stay in float32;
-on a bfloat16 pool the score and value products run on ``vdpbf16ps`` (bf16 inputs, float32 sums)
-with the probabilities rounded to bf16, as flash attention does on GPUs.
+products), then runs one work item per (KV head, tile of 16 query tokens): the group of query heads
+sharing a KV head are rows of the same item, so each K/V tile is read once for all of them. Scores,
+the running softmax and the output accumulators stay in float32; the output is in the pool's dtype.
 
-Built once per machine by ``kvhive.model.native``; needs AVX-512 (and AVX512-BF16 for bf16 pools).
-Elsewhere ``load`` or ``supports`` say no and attention falls back to torch.
+The path depends on the ISA level the library is built for (``kvhive.model.cpu``):
+
+* ``avx512_bf16`` and ``avx512``: 512-bit float32 for float32 pools. On a bfloat16 pool with
+  AVX512-BF16 the score and value products run on ``vdpbf16ps`` (bf16 inputs, float32 sums; tiles
+  packed in pairs of bf16) with the probabilities rounded to bf16, as flash attention does on GPUs.
+* ``avx2`` (AVX2 + FMA), and bfloat16 pools at ``avx512``: 256-bit float32. A bfloat16 pool's keys
+  and values are widened to float32 as they are packed (its workspace then takes 4 bytes an
+  element) and the output is rounded back to bf16 (nearest even).
+* ``portable``: no path; ``load`` returns None and attention falls back to torch.
+
+Built once per machine and level by ``kvhive.model.native``.
 """
 
 from __future__ import annotations
@@ -32,13 +39,14 @@ class _Args(ctypes.Structure):
         ("n_threads", ctypes.c_int)]
 
 
-# Capability bits reported by the library (what it was compiled for on this CPU).
+# Capability bits reported by the library (what it was compiled for): float32 pools, bfloat16 pools,
+# and bfloat16 tiles packed as float32 (the AVX2 path: 4 workspace bytes an element).
 _CAP_FLOAT32, _CAP_BFLOAT16, _CAP_BF16_AS_FLOAT32 = 1, 2, 4
-_TILE = 32              # keys per packed tile (two 512-bit vectors of float32 scores)
+_TILE = 32              # keys per packed tile (both paths)
 
 
 class CpuPrefillKernel:
-    """Causal prefill attention from the pool: float32 (AVX-512F) and bfloat16 (AVX512-BF16) pools."""
+    """Causal prefill attention from the pool: float32 and bfloat16 pools (AVX2 + FMA or AVX-512)."""
 
     HEAD_DIMS = (16, 32, 64, 128)
 

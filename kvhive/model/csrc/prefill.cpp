@@ -1,11 +1,18 @@
 // Causal prefill attention over kvhive's KV pool [blocks, layers, 2, block_size, kv_heads, head_dim].
-// Phase 1 packs each KV head's keys and values into tiles of kTile keys:
-//   float32: K as [d][kTile keys], V as [kTile keys][d]
-//   bf16:    K as [d/2][kTile keys][2] (dword = the pair of dims a vdpbf16ps multiplies),
+// Two paths, chosen by the ISA level the library is compiled for:
+//   AVX-512: 16-wide float32 for float32 pools; bf16 pools on vdpbf16ps where AVX512-BF16 is there.
+//   AVX2 + FMA: 8-wide float32 for both dtypes; at the avx512 level it serves bf16 pools when
+//            AVX512-BF16 is missing.
+// Without AVX2 + FMA (the portable level) there is no path and kvhive_prefill_caps() is 0.
+// Phase 1 packs each KV head's keys and values into tiles of kTile keys in the caller's workspace:
+//   float32 (AVX-512 float32 pools; AVX2 for both dtypes, bf16 widened by a 16-bit shift):
+//            K as [d][kTile keys], V as [kTile keys][d]
+//   bf16 (AVX512-BF16): K as [d/2][kTile keys][2] (dword = the pair of dims a vdpbf16ps multiplies),
 //            V as [kTile/2 key pairs][d][2]
-// Phase 2: one item per (KV head, 16 query tokens); its rows are (token, head of the group). For
-// each key tile and each block of 8 rows: scores, an online softmax in float32 (exp2 with scaled
-// logits), then the value products into float32 accumulators.
+// Phase 2: one item per (KV head, 16 query tokens); its rows are (token, head of the group), so a
+// tile is read once for the whole group. For each key tile and each block of rows (8 for AVX-512,
+// 6 for AVX2): scores, an online softmax in float32 (exp2 with scaled logits), then the value
+// products into float32 accumulators. Output is in the pool's dtype (bf16 rounded to nearest even).
 #include <immintrin.h>
 #include <cfloat>
 #include <cstdint>
@@ -324,8 +331,8 @@ int run(const Args& a) {
 }
 #endif
 
-// AVX2 + FMA: 8-wide float32 throughout. Compiled where the AVX-512 bf16 products are not: at the
-// "avx2" level for both dtypes, and at the "avx512" level for bf16 pools.
+// AVX2 + FMA: 8-wide float32 throughout. Compiled wherever vdpbf16ps is not: it serves both dtypes
+// at the avx2 level and bf16 pools at the avx512 level.
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
 #define KVHIVE_PREFILL_AVX2 1
 #include "avx2_exp2.h"
@@ -413,16 +420,16 @@ inline void scores(const float* q, const float* kt, float (*s)[kTile]) {
 }
 
 // One row's online-softmax step over one tile: s holds the tile's kTile scores (log2 units) of keys
-// key0.. and is left holding their probabilities; keys past `last` are hidden (last < 0: none is).
+// key0.. and is left holding their probabilities; with kMasked, keys past `last` are hidden.
 // Updates the row's max m and per-lane sum l, and returns the factor (1 or less) by which the row's
 // earlier accumulator must be scaled.
+template <bool kMasked>
 inline float softmax_step(float* s, int64_t key0, int64_t last, float& m, __m256& l) {
   __m256 x[kVecs], hidden[kVecs];
   __m256 mx = _mm256_set1_ps(-FLT_MAX);
   for (int v = 0; v < kVecs; ++v) {
     x[v] = _mm256_load_ps(s + v * 8);
-    hidden[v] = _mm256_setzero_ps();
-    if (last >= 0) {
+    if (kMasked) {
       const __m256i keys = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                             _mm256_set1_epi32(int(key0 + v * 8)));
       hidden[v] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(keys, _mm256_set1_epi32(int(last))));
@@ -443,7 +450,7 @@ inline float softmax_step(float* s, int64_t key0, int64_t last, float& m, __m256
   const __m256 m_new = _mm256_set1_ps(m);
   for (int v = 0; v < kVecs; ++v) {
     __m256 p = exp2_ps(_mm256_sub_ps(x[v], m_new));
-    if (last >= 0) p = _mm256_andnot_ps(hidden[v], p);
+    if (kMasked) p = _mm256_andnot_ps(hidden[v], p);
     l = _mm256_add_ps(l, p);
     _mm256_store_ps(s + v * 8, p);
   }
@@ -527,7 +534,8 @@ void prefill(const Args& a) {
             float alpha[kRows];
             scores<HD>(qb + rb * HD, kt, s);
             for (int r = 0; r < kRows; ++r)
-              alpha[r] = softmax_step(s[r], t * kTile, diagonal ? pos[rb + r] : -1, m[rb + r], l[rb + r]);
+              alpha[r] = diagonal ? softmax_step<true>(s[r], t * kTile, pos[rb + r], m[rb + r], l[rb + r])
+                                  : softmax_step<false>(s[r], t * kTile, 0, m[rb + r], l[rb + r]);
             values<HD>(s, alpha, vt, o + rb * HD);
           }
         }
@@ -545,6 +553,7 @@ void prefill(const Args& a) {
   }
 }
 
+// avx2:: qualified: argument-dependent lookup on Args would also find the AVX-512 prefill.
 template <typename T>
 int run(const Args& a) {
   switch (a.head_dim) {
