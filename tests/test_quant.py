@@ -59,6 +59,18 @@ def test_kernel_equals_float64_matmul(kernel, gguf_tensors, name, rows) -> None:
     assert (kernel(x, w, residual).double() - (expected + residual.double())).abs().max() / scale < 1e-6
 
 
+@pytest.mark.parametrize("name", ["blk.5.ffn_gate.weight", "token_embd.weight"])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16])
+def test_kernel_rebuilds_each_weight_exactly(kernel, gguf_tensors, name, rows) -> None:
+    """One-hot rows pick single columns: each sum is one weight times 1 plus zeros, so it equals
+    gguf's dequantised weight bit for bit."""
+    w, ref = _weight(gguf_tensors[name])
+    cols = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(rows))[:rows]
+    x = torch.zeros(rows, w.shape[1])
+    x[torch.arange(rows), cols] = 1.0
+    assert torch.equal(kernel(x, w), ref[:, cols].T)
+
+
 def test_kernel_reads_strided_rows_and_bfloat16(kernel, gguf_tensors) -> None:
     w, ref = _weight(gguf_tensors["blk.1.ffn_gate.weight"])
     wide = torch.randn(5, w.shape[1] + 64)
@@ -108,12 +120,13 @@ def test_decode_through_blocks_gives_the_dense_tokens() -> None:
     """Few-row steps (decode) through the GGUF blocks; the same greedy tokens as the dense copy."""
     if QuantMatmul.load() is None:
         pytest.skip("no C++ compiler")
-    quant = load_model(default_model_path(), quantized_matmul=True)
-    dense = load_model(default_model_path(), quantized_matmul=False)
-    assert quant.model.qmatmul is not None and dense.model.qmatmul is None
+    loaded = load_model(default_model_path(), quantized_matmul=True)
+    kernel = loaded.model.qmatmul
+    assert kernel is not None
     prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3717, 411, 1789, 28, 2, 198, 1]
     outputs = []
-    for loaded in (quant, dense):
+    for qmatmul in (kernel, None):               # the blocks, then the same model's dense weights
+        loaded.model.qmatmul = qmatmul
         runner = ModelRunner(loaded.model, loaded.config, num_blocks=8, block_size=16)
         tokens, computed = list(prompt), 0
         for _ in range(24):                      # prefill (dense in both), then 23 decode steps

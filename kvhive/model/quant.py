@@ -4,9 +4,15 @@ Decode reads every weight once per step, so its speed is the bytes it reads: the
 float32 copy of SmolLM2's layers and LM head is ~540 MB, the file's own Q4_1/Q8_0 blocks ~90 MB.
 ``QuantWeight`` keeps a GGUF tensor's blocks (nibbles or int8 plus float32 scales converted exactly
 from the file's float16); ``QuantMatmul`` multiplies float32 rows by them in a small C++ kernel.
-Each weight is rebuilt as ``d * q + m`` in float32 with two roundings, exactly what
-``gguf.quants.dequantize`` computes, so results differ from the dense path only in summation order.
+Each weight is rebuilt as ``d * q + m`` in float32, exactly what ``gguf.quants.dequantize``
+computes (``d`` is a float16 value, so ``d * q`` is exact and only the ``+ m`` rounds), so results
+differ from the dense path only in summation order.
 Prefill (many rows) stays on the dense oneDNN copy, where the CPU is compute-bound instead.
+
+The kernel is built per ISA level (``kvhive.model.cpu``): AVX-512 (Q4_1 weights looked up in a
+per-block table of 16 values), AVX2 + FMA (nibbles converted and scaled 8 at a time) and plain C++
+that the compiler vectorises. Each multiplies a tile of rows x features per pass over the blocks,
+so a rebuilt weight serves every row of a step and an x load several features.
 """
 
 from __future__ import annotations

@@ -1,10 +1,14 @@
 // residual + x @ W^T with W in GGUF blocks of 32 along k: Q4_1 (w = d*q + m, q in 0..15) or
 // Q8_0 (w = d*q, q int8). Each weight is rebuilt in float32 exactly as gguf's dequantiser does
-// (product, then sum: built without FP contraction) and multiplied into a tile of R rows x F
+// (product, then sum: built without FP contraction; d is a float16 value, so d*q is exact and a
+// fused d*q + m rounds the same) and multiplied into a tile of R rows x F
 // features held in R*F vector accumulators, so one rebuilt weight vector feeds R FMAs and one x
 // load feeds F. A tile's R*F accumulators are reduced together (a transpose-add tree) into a
 // scratch [rows, kChunk]; the residual and the bfloat16 rounding are applied per chunk of features.
 // Threads take contiguous ranges of features; x (at most a few rows) stays in L1/L2.
+// Three builds of the tile: AVX-512 (16-lane vectors, up to 16 accumulators), AVX2 + FMA (8-lane
+// vectors, up to 8 accumulators) and plain C++ for the compiler to vectorise. All rebuild the same
+// float32 weights; they differ only in the order the products are summed.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -13,6 +17,9 @@
 #if defined(__AVX512F__) && !defined(KVHIVE_PORTABLE)
 #include <immintrin.h>
 #define KVHIVE_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(KVHIVE_PORTABLE)
+#include <immintrin.h>
+#define KVHIVE_AVX2 1
 #endif
 
 namespace {
@@ -27,6 +34,11 @@ struct Tiles { const float* x; int64_t xs, nb; const uint8_t* qs; const float* d
 
 constexpr int64_t kChunk = 32;    // features per epilogue pass (scratch [rows, kChunk] per thread)
 constexpr int64_t kMaxRows = 8;   // rows per tile
+#ifdef KVHIVE_AVX512
+constexpr int kMaxAcc = 16;       // accumulators per tile (R * F): half the vector registers
+#else
+constexpr int kMaxAcc = 8;
+#endif
 
 #include "bf16.h"
 
@@ -101,6 +113,76 @@ void tile(const Tiles& t, int64_t r0, int64_t j0, float* dst, int64_t stride) {
 // Features per tile for a step of `rows` rows: F x min(rows, 16 / F) accumulators. (One Q8_0 row
 // streams its large blocks faster one feature at a time: measured on the 49152 x 576 LM head.)
 inline int features_per_tile(int kind, int64_t rows) { return kind == 1 && rows == 1 ? 1 : rows <= 4 ? 4 : 2; }
+#elif defined(KVHIVE_AVX2)
+// The 32 weights of one block as four vectors (values 0-7, 8-15, 16-23, 24-31): d*q + m (Q4_1)
+// or d*q (Q8_0). Q4_1 byte j holds value j in its low nibble and value j + 16 in its high nibble.
+// d is a float16 value (11 significant bits) and |q| <= 128, so d*q is exact in float32 and the
+// one rounding of fmadd(q, d, m) gives gguf's multiply-then-add weight bit for bit.
+template <int KIND>
+inline void block_weights(const uint8_t* q, float d, float m, __m256 (&w)[4]) {
+  const __m256 vd = _mm256_set1_ps(d);
+  if (KIND == 0) {
+    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
+    const __m256i low4 = _mm256_set1_epi32(0x0F);
+    const __m256 vm = _mm256_set1_ps(m);
+    const __m256i v[4] = {_mm256_and_si256(lo, low4), _mm256_and_si256(hi, low4), _mm256_srli_epi32(lo, 4),
+                          _mm256_srli_epi32(hi, 4)};
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v[i]), vd, vm);
+  } else {
+    for (int i = 0; i < 4; ++i)
+      w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i)))), vd);
+  }
+}
+
+#include "avx2d_sum8.h"
+
+// dst[r * stride + f] = x[r0 + r] . w[j0 + f] for an R x F tile. Small tiles keep two
+// accumulators per (row, feature), so the four FMAs of a block are two chains, not one.
+template <int KIND, int R, int F>
+void tile(const Tiles& t, int64_t r0, int64_t j0, float* dst, int64_t stride) {
+  constexpr int64_t QB = KIND == 0 ? 16 : 32;
+  constexpr int A = R * F <= 4 ? 2 : 1, N = R * F;
+  __m256 acc[A][N];
+  for (int a = 0; a < A; ++a)
+    for (int i = 0; i < N; ++i) acc[a][i] = _mm256_setzero_ps();
+  const float* x = t.x + r0 * t.xs;
+  const uint8_t* q = t.qs + j0 * t.nb * QB;
+  const float* d = t.d + j0 * t.nb;
+  const float* m = t.m + j0 * t.nb;
+  for (int64_t b = 0; b < t.nb; ++b) {
+    for (int f = 0; f < F; ++f) {            // the same block of the tile after next: DRAM latency
+      const int64_t ahead = (2 * F + f) * t.nb + b;
+      for (int64_t line = 0; line < QB; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(q + ahead * QB + line), _MM_HINT_T0);
+      if (b % 16 == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(d + ahead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(m + ahead), _MM_HINT_T0);
+      }
+    }
+    for (int f = 0; f < F; ++f) {
+      __m256 w[4];
+      block_weights<KIND>(q + (f * t.nb + b) * QB, d[f * t.nb + b], m[f * t.nb + b], w);
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < 4; ++i)
+          acc[i % A][r * F + f] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(x + r * t.xs + b * 32 + 8 * i),
+                                                  acc[i % A][r * F + f]);
+    }
+  }
+  if (A == 2)
+    for (int i = 0; i < N; ++i) acc[0][i] = _mm256_add_ps(acc[0][i], acc[A - 1][i]);
+  alignas(32) float sums[(N + 7) / 8 * 8];
+  for (int base = 0; base < N; base += 8) _mm256_store_ps(sums + base, sum8(acc[0] + base, std::min(8, N - base)));
+  for (int r = 0; r < R; ++r)
+    for (int f = 0; f < F; ++f) dst[r * stride + f] = sums[r * F + f];
+}
+
+// Features per tile for a step of `rows` rows: F x min(rows, 8 / F) accumulators. (One or two
+// Q8_0 rows stream their large blocks faster one feature at a time: measured on the LM head.)
+inline int features_per_tile(int kind, int64_t rows) {
+  return kind == 1 && rows <= 2 ? 1 : rows <= 2 ? 4 : rows <= 4 ? 2 : 1;
+}
 #else
 template <int KIND>
 inline void block_weights(const uint8_t* q, float d, float m, float* w) {
@@ -145,23 +227,11 @@ inline int features_per_tile(int, int64_t) { return 1; }
 
 using TileFn = void (*)(const Tiles&, int64_t, int64_t, float*, int64_t);
 
-template <int KIND, int F>
-TileFn tile_for(int64_t rows) {   // rows <= min(kMaxRows, 16 / F)
-  switch (rows) {
-    case 1: return tile<KIND, 1, F>;
-    case 2: return tile<KIND, 2, F>;
-    case 3: return tile<KIND, 3, F>;
-    case 4: return tile<KIND, 4, F>;
-  }
-  if constexpr (F <= 2) {
-    switch (rows) {
-      case 5: return tile<KIND, 5, F>;
-      case 6: return tile<KIND, 6, F>;
-      case 7: return tile<KIND, 7, F>;
-      case 8: return tile<KIND, 8, F>;
-    }
-  }
-  return nullptr;
+// The R x F tile for `rows` rows; rows <= min(kMaxRows, kMaxAcc / F).
+template <int KIND, int F, int R = 1>
+TileFn tile_for(int64_t rows) {
+  if constexpr (R > kMaxRows || R * F > kMaxAcc) return nullptr;
+  else return rows == R ? tile<KIND, R, F> : tile_for<KIND, F, R + 1>(rows);
 }
 
 // out[rows, j0:j0+nf] = sums (+ residual), rounded to bfloat16 where out is.
@@ -189,7 +259,7 @@ void finish(const Args& a, const float* sums, int64_t j0, int64_t nf) {
 
 template <int KIND, int F>
 void qmatmul(const Args& a, const Tiles& t) {
-  const int64_t row_tile = std::min<int64_t>(kMaxRows, 16 / F);
+  const int64_t row_tile = std::min<int64_t>(kMaxRows, kMaxAcc / F);
 #pragma omp parallel num_threads(a.n_threads)
   {
     const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num(), tiles = (a.n + F - 1) / F;
