@@ -172,6 +172,17 @@ def test_kernel_matches_reference_bfloat16(level: str, n: int, prefix: int, head
     torch.testing.assert_close(got.float(), reference(q, k, v), **BF16_TOL)
 
 
+@pytest.mark.skipif(KERNELS.get("avx2") is None, reason="no AVX2 kernel on this CPU")
+def test_avx2_bfloat16_is_the_float32_path_rounded_once() -> None:
+    """AVX2 widens bf16 exactly and computes in float32: the bf16 result is the float32 result on
+    the same values, rounded to bf16 (nearest even) bit for bit."""
+    kernel = KERNELS["avx2"]
+    q, pool, ids, _, _ = pool_inputs(45, 70, 9, 3, 64, torch.bfloat16, 16)
+    got = kernel(q, pool, 1, ids, 70)
+    want = kernel(q.float(), pool.float(), 1, ids, 70).to(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("level", kernel_levels(torch.bfloat16))
 def test_kernel_workspace_holds_the_packed_tiles(level: str) -> None:
     """A fresh kernel's first call (a bf16 pool) gets room for every packed tile in the kernel's

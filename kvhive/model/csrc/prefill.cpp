@@ -1,8 +1,8 @@
 // Causal prefill attention over kvhive's KV pool [blocks, layers, 2, block_size, kv_heads, head_dim].
 // Two paths, chosen by the ISA level the library is compiled for:
 //   AVX-512: 16-wide float32 for float32 pools; bf16 pools on vdpbf16ps where AVX512-BF16 is there.
-//   AVX2 + FMA: 8-wide float32 for both dtypes; at the avx512 level it serves bf16 pools when
-//            AVX512-BF16 is missing.
+//   AVX2 + FMA: 8-wide float32 for both dtypes; it also serves bf16 pools at the avx512 level
+//            (built without AVX512-BF16).
 // Without AVX2 + FMA (the portable level) there is no path and kvhive_prefill_caps() is 0.
 // Phase 1 packs each KV head's keys and values into tiles of kTile keys in the caller's workspace:
 //   float32 (AVX-512 float32 pools; AVX2 for both dtypes, bf16 widened by a 16-bit shift):
