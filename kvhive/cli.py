@@ -260,7 +260,7 @@ SERVE_EPILOG = """\
 examples:
   kvhive serve --port 8000
   kvhive serve --kv-cache-gb 0.5 --max-model-len 4096
-  kvhive serve --cpu-offload-gb 4 --disk-cache-dir /var/cache/kvhive --redis-url redis://127.0.0.1:6379/0
+  kvhive serve --cpu-offload-gb 4 --disk-cache-dir ~/.cache/kvhive/kv-tier --redis-url redis://127.0.0.1:6379/0
   kvhive serve --api-key "$KEY" --host 0.0.0.0"""
 
 

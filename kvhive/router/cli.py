@@ -29,6 +29,7 @@ GATEWAY_EPILOG = """\
 examples:
   kvhive serve --port 8001 --kv-events 'tcp://*:5557' --kv-events-replay 'tcp://*:5558' &
   kvhive serve --port 8002 --kv-events 'tcp://*:5567' --kv-events-replay 'tcp://*:5568' &
+  # once both answer /health (the gateway reads their block-hash settings at start):
   kvhive gateway --port 8080 \\
     --replica 'http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558' \\
     --replica 'http://127.0.0.1:8002,events=tcp://127.0.0.1:5567,replay=tcp://127.0.0.1:5568'"""
