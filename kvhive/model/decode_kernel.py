@@ -3,7 +3,13 @@
 One work item per (KV head, chunk of keys, sequences): sequences whose chunk lies in the same pool
 blocks (a cached prefix shared by a batch) share an item, which reads each K/V row once for all of
 them. Every (sequence, head, chunk) leaves a partial softmax; the partials merge by their maxima.
-The library is built once per machine by ``kvhive.model.native``; without a compiler the runner
+
+The library is built per ISA level (``kvhive.model.cpu``). At ``avx512_bf16``, ``avx512`` and
+``avx2`` an item with head_dim 64 and at most 4 queries per KV head (SmolLM2's 3) runs an online
+softmax over steps of 32 keys in vector registers: bfloat16 rows are widened to float32 (at
+``avx512_bf16`` the scores use ``vdpbf16ps``), float32 compute, one read of each K/V row for all the
+item's sequences. Other shapes, and the ``portable`` level, take a generic path that the compiler
+vectorises. Built once per machine by ``kvhive.model.native``; without a compiler the runner
 gathers the blocks and uses SDPA instead.
 """
 

@@ -2,16 +2,21 @@
 // Work items are (kv head, chunk of keys, sequences): the sequences of a batch whose chunk lies in the
 // same pool blocks (a shared cached prefix) are one item, which reads each K/V row once for all of
 // them. Each (sequence, head, chunk) leaves a partial softmax; the partials merge by their maxima.
-// head_dim 64 with up to 4 queries per KV head (SmolLM2, Llama-style GQA) has an AVX-512 path;
-// other shapes take a generic one.
+// head_dim 64 with up to 4 queries per KV head (SmolLM2, Llama-style GQA) has an AVX-512 path and
+// an AVX2 + FMA path (same work items, online softmax over steps of 32 keys, float32 compute on
+// bfloat16 or float32 rows); other shapes, and builds with neither, take a generic one.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#define KVHIVE_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVHIVE_AVX2 1
 #endif
 
 namespace {
@@ -98,10 +103,19 @@ void each_sequence(const Args& a, const Work& w, Scratch& tmp) {
     chunk_partials<T, HD, G>(a, w.seqs[s], w.h, w.begin, w.end, tmp.scores, partial(a, w, w.seqs[s]));
 }
 
-#ifdef __AVX512F__
+#if defined(KVHIVE_AVX512) || defined(KVHIVE_AVX2)
 constexpr int64_t kStepKeys = 32;  // keys per online-softmax step: their K and V rows stay in L1
 constexpr int64_t kAhead = 8;      // rows prefetched ahead into L1
 
+// The pool is read in block-table order, which hardware prefetchers cannot follow across blocks.
+template <int HINT = _MM_HINT_T0, typename T>
+inline void prefetch_row(const T* p) {
+  for (int line = 0; line < int(64 * sizeof(T) / 64); ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + 64 * line, _mm_hint(HINT));
+}
+#endif
+
+#ifdef KVHIVE_AVX512
 #include "avx512_sum16.h"
 
 #include "avx512_exp2.h"
@@ -129,14 +143,6 @@ inline void natural_order(const float* loaded, float* out, uint16_t) {
       out[32 * half + 2 * i + 1] = loaded[32 * half + 16 + i];
     }
 }
-
-// The pool is read in block-table order, which hardware prefetchers cannot follow across blocks.
-template <int HINT = _MM_HINT_T0, typename T>
-inline void prefetch_row(const T* p) {
-  for (int line = 0; line < int(64 * sizeof(T) / 64); ++line)
-    _mm_prefetch(reinterpret_cast<const char*>(p) + 64 * line, _mm_hint(HINT));
-}
-
 
 // part[g][jj] = a vector whose sum is q[g] . row, for G queries loaded by load_queries.
 template <int G, typename T>
@@ -276,6 +282,191 @@ void shared_chunk(const Args& a, const Work& w, Scratch& tmp) {
     }
   }
 }
+#elif defined(KVHIVE_AVX2)
+#include "avx2d_sum8.h"
+
+#include "avx2d_exp2.h"
+
+// Vectors c0 .. c0 + N - 1 (N, c0 even) of a row of 64 values, as float32. bfloat16 rows come out
+// as the even then the odd dims of each 16 (0 2 .. 14 | 1 3 .. 15 | 16 18 .. 30 | 17 ..): a shift
+// and a mask, no shuffles. Dot products with a query loaded the same way do not care; the V sums
+// are put back in order once per item (natural_order).
+template <int N>
+inline void load_vecs(const float* p, int c0, __m256* r) {
+  for (int c = 0; c < N; ++c) r[c] = _mm256_loadu_ps(p + 8 * (c0 + c));
+}
+template <int N>
+inline void load_vecs(const uint16_t* p, int c0, __m256* r) {
+  const __m256i high = _mm256_set1_epi32(int(0xFFFF0000u));
+  for (int c = 0; c < N; c += 2) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8 * (c0 + c)));
+    r[c] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    r[c + 1] = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+  }
+}
+inline void natural_order(const float* loaded, float* out, float) { std::memcpy(out, loaded, 64 * 4); }
+inline void natural_order(const float* loaded, float* out, uint16_t) {
+  for (int part = 0; part < 4; ++part)
+    for (int i = 0; i < 8; ++i) {
+      out[16 * part + 2 * i] = loaded[16 * part + i];
+      out[16 * part + 2 * i + 1] = loaded[16 * part + 8 + i];
+    }
+}
+
+inline __m256 first_lanes(int n) {   // all-ones in lanes 0 .. n - 1
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+inline float hmax(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+inline float hsum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// The G queries of kv head h as float32 in load_vecs' order, times log2(e) * scale.
+template <typename T, int G>
+inline void load_queries(const Args& a, const T* first, float (*q)[64]) {
+  const __m256 scale = _mm256_set1_ps(a.scale * float(M_LOG2E));
+  for (int g = 0; g < G; ++g) {
+    __m256 r[8];
+    load_vecs<8>(first + g * 64, 0, r);
+    for (int c = 0; c < 8; ++c) _mm256_store_ps(q[g] + 8 * c, _mm256_mul_ps(r[c], scale));
+  }
+}
+
+// Scores of one step's keys [j0, j0 + nk) for the G queries (log2 units), 8 keys per horizontal-sum
+// tree; slots from nk up to the next multiple of 8 get -FLT_MAX. The first member of an item
+// prefetches the rows the others then find in L1.
+template <typename T, int G>
+void step_scores(const float (*q)[64], const T* const* rows, int64_t len, int64_t j0, int64_t nk, bool first,
+                 float* scores) {
+  for (int64_t k0 = 0; k0 < nk; k0 += 8) {
+    const int nkk = int(std::min<int64_t>(8, nk - k0));
+    __m256 part[G][8];
+    for (int jj = 0; jj < nkk; ++jj) {
+      const int64_t j = j0 + k0 + jj;
+      if (first) prefetch_row(rows[std::min(len - 1, j + kAhead)]);
+      __m256 k[8];
+      load_vecs<8>(rows[j], 0, k);
+      for (int g = 0; g < G; ++g) {           // two chains of four FMAs
+        __m256 s0 = _mm256_mul_ps(_mm256_load_ps(q[g]), k[0]), s1 = _mm256_mul_ps(_mm256_load_ps(q[g] + 8), k[1]);
+        for (int c = 2; c < 8; c += 2) {
+          s0 = _mm256_fmadd_ps(_mm256_load_ps(q[g] + 8 * c), k[c], s0);
+          s1 = _mm256_fmadd_ps(_mm256_load_ps(q[g] + 8 * c + 8), k[c + 1], s1);
+        }
+        part[g][jj] = _mm256_add_ps(s0, s1);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      __m256 s = sum8(part[g], nkk);
+      if (nkk < 8) s = _mm256_blendv_ps(_mm256_set1_ps(-FLT_MAX), s, first_lanes(nkk));
+      _mm256_storeu_ps(scores + g * kStepKeys + k0, s);
+    }
+  }
+}
+
+// Online softmax over one step: scores become 2^(score - new max) (0 past nk); a query's running
+// max and sum update in its state; returns how much its earlier V sums shrink.
+inline float softmax_step(float* sg, int64_t nk, float* st) {
+  constexpr int hd = 64;
+  __m256 top = _mm256_set1_ps(st[hd]);
+  for (int64_t k0 = 0; k0 < nk; k0 += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(sg + k0));
+  const float m = hmax(top);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t k0 = 0; k0 < nk; k0 += 8) {
+    __m256 p = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + k0), _mm256_set1_ps(m)));
+    if (nk - k0 < 8) p = _mm256_and_ps(p, first_lanes(int(nk - k0)));
+    _mm256_storeu_ps(sg + k0, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  const float rescale = st[hd] == -FLT_MAX ? 0.f : _mm256_cvtss_f32(exp2_ps(_mm256_set1_ps(st[hd] - m)));
+  st[hd] = m;
+  st[hd + 1] = st[hd + 1] * rescale + hsum(sum);
+  return rescale;
+}
+
+// state acc = rescale * acc + sum over the step's keys of p_j v_j. The 64 dims go in passes of
+// DC vectors, so the G x DC accumulators, G weights and the V vectors fit the 16 registers; each
+// pass reads other columns of the same V rows (L1 after the first).
+template <typename T, int G>
+void step_values(const T* const* rows, int64_t len, int64_t j0, int64_t nk, int64_t v_offset, bool first,
+                 const float* scores, const float (&rescale)[G], float* state) {
+  constexpr int64_t kState = 66;
+  // float32 V vectors can feed the FMAs from memory; bfloat16 ones take registers to widen
+  constexpr int DC = G == 1 ? 8 : G == 2 || (G == 3 && sizeof(T) == 4) ? 4 : 2;
+  for (int c0 = 0; c0 < 8; c0 += DC) {
+    __m256 acc[G][DC];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < DC; ++c)
+        acc[g][c] = _mm256_mul_ps(_mm256_loadu_ps(state + g * kState + 8 * (c0 + c)), _mm256_set1_ps(rescale[g]));
+    for (int64_t j = 0; j < nk; ++j) {
+      if (first && c0 == 0) prefetch_row(rows[std::min(len - 1, j0 + j + kAhead)] + v_offset);
+      __m256 p[G];
+      for (int g = 0; g < G; ++g) p[g] = _mm256_broadcast_ss(scores + g * kStepKeys + j);
+      for (int c = 0; c < DC; c += 2) {        // two V vectors live at a time
+        __m256 v[2];
+        load_vecs<2>(rows[j0 + j] + v_offset, c0 + c, v);
+        for (int g = 0; g < G; ++g) {
+          acc[g][c] = _mm256_fmadd_ps(p[g], v[0], acc[g][c]);
+          acc[g][c + 1] = _mm256_fmadd_ps(p[g], v[1], acc[g][c + 1]);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < DC; ++c) _mm256_storeu_ps(state + g * kState + 8 * (c0 + c), acc[g][c]);
+  }
+}
+
+// One item for head_dim 64 and G <= 4 queries per kv head: online softmax over steps of kStepKeys
+// keys, each step's K and V rows read from memory once and then from L1 by every member sequence.
+template <typename T, int G>
+void shared_chunk(const Args& a, const Work& w, Scratch& tmp) {
+  constexpr int64_t hd = 64, kState = hd + 2;   // state per query: acc (load_vecs' order), max, sum
+  const int64_t bs = a.block_size, len = w.end - w.begin, row_stride = a.kv_heads * hd;
+  const int64_t layer_stride = 2 * bs * row_stride, block_stride = a.num_layers * layer_stride;
+  const int64_t v_offset = bs * row_stride;
+  const T* pool = static_cast<const T*>(a.pool) + a.layer * layer_stride + w.h * hd;
+  const int64_t* table = a.tables + w.seqs[0] * a.max_blocks;   // every member has these blocks
+  const T** rows = reinterpret_cast<const T**>(tmp.rows);
+  for (int64_t j = 0; j < len; j += bs) {                       // chunks start on block boundaries
+    const T* block = pool + table[(w.begin + j) / bs] * block_stride;
+    for (int64_t r = 0; r < std::min(bs, len - j); ++r) rows[j + r] = block + r * row_stride;
+  }
+  for (int64_t i = 0; i < w.count * G; ++i) {
+    std::fill(tmp.state + i * kState, tmp.state + i * kState + hd, 0.f);
+    tmp.state[i * kState + hd] = -FLT_MAX;
+    tmp.state[i * kState + hd + 1] = 0.f;
+  }
+  alignas(32) float q[G][64];
+  for (int64_t j0 = 0; j0 < len; j0 += kStepKeys) {
+    const int64_t nk = std::min(kStepKeys, len - j0);
+    for (int64_t j = j0 == 0 ? 0 : j0 + kStepKeys; j < std::min(len, j0 + 2 * kStepKeys); ++j) {
+      prefetch_row<_MM_HINT_T1>(rows[j]);                       // this and the next step into L2
+      prefetch_row<_MM_HINT_T1>(rows[j] + v_offset);
+    }
+    for (int64_t s = 0; s < w.count; ++s) {
+      float* state = tmp.state + s * G * kState;
+      load_queries<T, G>(a, static_cast<const T*>(a.q) + w.seqs[s] * a.q_stride + w.h * G * hd, q);
+      step_scores<T, G>(q, rows, len, j0, nk, s == 0, tmp.scores);
+      float rescale[G];
+      for (int g = 0; g < G; ++g) rescale[g] = softmax_step(tmp.scores + g * kStepKeys, nk, state + g * kState);
+      step_values(rows, len, j0, nk, v_offset, s == 0, tmp.scores, rescale, state);
+    }
+  }
+  for (int64_t s = 0; s < w.count; ++s) {
+    float* out = partial(a, w, w.seqs[s]);
+    for (int g = 0; g < G; ++g) {
+      const float* st = tmp.state + (s * G + g) * kState;
+      natural_order(st, out + g * kState, T());
+      out[g * kState + hd] = st[hd] * float(M_LN2);           // the merge works in natural log units
+      out[g * kState + hd + 1] = st[hd + 1];
+    }
+  }
+}
 #endif
 
 template <typename T>
@@ -283,7 +474,7 @@ using ItemFn = void (*)(const Args&, const Work&, Scratch&);
 
 template <typename T>
 ItemFn<T> pick(int64_t hd, int64_t g) {
-#ifdef __AVX512F__
+#if defined(KVHIVE_AVX512) || defined(KVHIVE_AVX2)
   if (hd == 64) switch (g) { case 1: return shared_chunk<T, 1>; case 2: return shared_chunk<T, 2>;
     case 3: return shared_chunk<T, 3>; case 4: return shared_chunk<T, 4>; }
 #endif
