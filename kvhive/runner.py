@@ -76,8 +76,8 @@ class ModelRunner:
             connector.register_kv_caches(self.kv_cache)
         # Seeded requests keep their generator until they appear in finished_request_ids.
         self._generators: dict[str, torch.Generator] = {}
-        # Attention straight from the pool on CPU (C++ kernels); None: gather + torch (CUDA, no
-        # compiler, no AVX-512 for prefill, or native_attention=False).
+        # Attention straight from the pool on CPU (C++ kernels built for the ISA level ``isa``); None:
+        # gather + torch (CUDA, no compiler, the portable level for prefill, or native_attention=False).
         native = native_attention and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
         self.decode_kernel = CpuDecodeKernel.load(isa) if native else None
         self.decode_rows_max = DECODE_ROWS_MAX if self.decode_kernel is not None else 1

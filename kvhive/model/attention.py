@@ -13,8 +13,8 @@ chunks (one contiguous span each). Every layer reuses the one ``AttnMetadata`` b
 Decode reads K/V straight from the pool with a small C++ kernel on CPU
 (``decode_kernel.CpuDecodeKernel``, built once per machine with the system compiler); elsewhere, or without a compiler, it gathers the
 sequences' blocks and runs one padded SDPA. Prefill chunks attend causally to their whole context
-(cached prefix + the chunk itself): on CPU with AVX-512 straight from the pool in a C++ flash
-kernel (``prefill_kernel.CpuPrefillKernel``); elsewhere over their own K/V (first chunk) or the
+(cached prefix + the chunk itself): on CPU with AVX2 or AVX-512 straight from the pool in a C++
+flash kernel (``prefill_kernel.CpuPrefillKernel``); elsewhere over their own K/V (first chunk) or the
 gathered context, as batched GEMMs over query blocks (``prefill_attention``) where that beats
 torch's flash SDPA, else with SDPA.
 """
