@@ -1,0 +1,125 @@
+"""CPU capability detection and the kernel path each ISA level takes.
+
+The level rules are checked on described CPUs (an AVX2-only EPYC, an AVX-512 Xeon without BF16, an
+ARM server), so they hold whatever host runs the suite; the servers below run the levels this host
+has, with ``--dtype bfloat16`` among them, through the real ``kvhive serve``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from conftest import REPO_ROOT, free_port, log_file
+
+from kvhive.model import cpu
+
+ZEN3 = frozenset("fpu sse2 avx fma f16c avx2 bmi2".split())
+SKYLAKE_X = ZEN3 | frozenset("avx512f avx512bw avx512vl avx512dq avx512cd".split())
+SAPPHIRE_RAPIDS = SKYLAKE_X | frozenset("avx512_bf16 amx_tile amx_bf16 amx_int8".split())
+
+
+def features(flags: frozenset[str], machine: str = "x86_64", onednn_bf16: bool = True) -> cpu.CpuFeatures:
+    return cpu.CpuFeatures(machine=machine, model="test CPU", flags=flags, onednn_bf16=onednn_bf16)
+
+
+def test_best_level_per_cpu_kind() -> None:
+    assert features(ZEN3).best == "avx2"
+    assert features(SKYLAKE_X).best == "avx512"
+    assert features(SAPPHIRE_RAPIDS).best == "avx512_bf16"
+    assert features(SAPPHIRE_RAPIDS).amx and not features(SKYLAKE_X).amx
+    arm = features(frozenset("fp asimd sve".split()), machine="aarch64")
+    assert arm.best == "portable" and arm.neon and not arm.x86
+    assert features(frozenset(), machine="x86_64").best == "portable"
+
+
+def test_a_forced_level_the_cpu_lacks_names_the_missing_flags() -> None:
+    zen3 = features(ZEN3)
+    assert zen3.level("auto") == "avx2" and zen3.level("portable") == "portable"
+    with pytest.raises(ValueError, match="avx512bw.*avx512f"):
+        zen3.level("avx512")
+    with pytest.raises(ValueError, match="avx512_bf16"):
+        features(SKYLAKE_X).level("avx512_bf16")
+    with pytest.raises(ValueError, match="x86"):
+        features(frozenset(), machine="aarch64").level("avx2")
+    with pytest.raises(ValueError, match="unknown CPU ISA level"):
+        zen3.level("sse9")
+
+
+def test_bf16_weight_packing_only_where_onednn_packs_bf16() -> None:
+    """oneDNN refuses to pack bf16 weights without AVX-512 (or AVX-NE-CONVERT): no packing on an
+    AVX2 host, nor at a forced avx2 level on a bigger one, nor where torch says it cannot."""
+    assert not features(ZEN3, onednn_bf16=False).bf16_packing("avx2")
+    assert not features(SAPPHIRE_RAPIDS).bf16_packing("avx2")
+    assert features(SAPPHIRE_RAPIDS).bf16_packing("avx512_bf16")
+    assert not features(SAPPHIRE_RAPIDS, onednn_bf16=False).bf16_packing("avx512_bf16")
+
+
+def test_compile_flags_per_level() -> None:
+    assert "-march=x86-64-v3" in cpu.compile_flags("avx2", "x86_64")
+    assert "-mavx512bf16" in cpu.compile_flags("avx512_bf16", "x86_64")
+    assert "-march=x86-64" in cpu.compile_flags("portable", "x86_64")
+    assert not any("x86" in f for f in cpu.compile_flags("portable", "aarch64"))
+
+
+def test_this_host_is_described() -> None:
+    host = cpu.detect()
+    assert host.supports("portable") and host.level() == host.best
+    assert host.describe()
+
+
+def _serve(*args: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = log_file(f"kvhive-cli-{port}-")
+    proc = subprocess.Popen([sys.executable, "-m", "kvhive.cli", "serve", "--port", str(port),
+                             "--kv-cache-gb", "0.1", *args], stdout=log, stderr=subprocess.STDOUT,
+                            cwd=REPO_ROOT)
+    return proc, f"http://127.0.0.1:{port}", log.name
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            with open(log) as f:
+                raise AssertionError(f"server exited {proc.returncode}:\n{f.read()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("server did not start")
+
+
+# The host's best level, and AVX2 when the host has more (what an AVX2-only CPU runs).
+SERVED_LEVELS = list(dict.fromkeys([cpu.detect().best] + (["avx2"] if cpu.detect().supports("avx2") else [])))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("isa", SERVED_LEVELS)
+def test_bfloat16_server_answers_coherently(isa: str) -> None:
+    proc, url, log = _serve("--dtype", "bfloat16", "--cpu-isa", isa)
+    try:
+        _wait_healthy(proc, url, log)
+        version = httpx.get(f"{url}/version", timeout=10).json()
+        assert version["dtype"] == "bfloat16" and version["cpu_isa"] == isa
+        paths = version["paths"]
+        assert isa in paths["decode_attention"] and isa in paths["prefill_attention"], paths
+        if not cpu.detect().bf16_packing(isa):
+            assert not paths["projections"].startswith("oneDNN packed"), paths
+        with open(log) as f:
+            assert f"kernels for {isa}" in f.read()
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": "smollm2-135m", "max_tokens": 24, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert r.status_code == 200, r.text
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        os.unlink(log)
