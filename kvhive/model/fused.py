@@ -7,7 +7,9 @@ composites in ``kvhive.model.llama`` (statistics and products in float32, rounde
 dtype where torch rounds), so float32 results agree to float32 rounding and bfloat16 results bit
 for bit in the usual case. Rows are split over OpenMP threads when there are many.
 
-Built once per machine by ``kvhive.model.native``; ``FusedOps.load()`` is None without a compiler.
+Built per ISA level (``kvhive.model.cpu``) by ``kvhive.model.native``: SiLU has AVX-512 and AVX2 +
+FMA paths (a polynomial exp); RMSNorm, RoPE and the ``portable`` level are loops the compiler
+vectorises for the level. ``FusedOps.load()`` is None without a compiler.
 """
 
 from __future__ import annotations

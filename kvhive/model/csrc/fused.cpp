@@ -1,10 +1,15 @@
 // Fused elementwise steps of a Llama layer, float32 or bfloat16 (is_bf16), rows split over threads.
+// SiLU has AVX-512 and AVX2 + FMA paths (a polynomial exp2); RMSNorm, RoPE and SiLU's tail are
+// plain loops that the compiler vectorises for the build's ISA.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define KVHIVE_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVHIVE_AVX2 1
 #endif
 
 namespace {
@@ -52,6 +57,25 @@ inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(uint16_t* p, __m512 v) {
   _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round16(v, p)), 16)));
 }
+#elif defined(KVHIVE_AVX2)
+#include "avx2d_exp2.h"
+inline __m256 exp_ps(__m256 x) { return exp2_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f))); }
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline __m256 round8(__m256 v, float*) { return v; }
+inline __m256 round8(__m256 v, uint16_t*) {    // to bf16 and back, nearest even
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)),
+                                     _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1)));
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) {    // the rounded top halves, packed (no saturation: < 2^16)
+  const __m256i top = _mm256_srli_epi32(_mm256_castps_si256(round8(v, p)), 16);
+  _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1)));
+}
 #endif
 
 // out = round(silu(gate)) * up, gate and up the two halves of each row.
@@ -67,6 +91,12 @@ void silu_mul(const T* gu, int64_t gs, T* out, int64_t rows, int64_t inter, int 
       const __m512 v = load16(g + i);
       const __m512 silu = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), v))));
       store16(o + i, _mm512_mul_ps(round16(silu, o), load16(g + inter + i)));
+    }
+#elif defined(KVHIVE_AVX2)
+    for (; i + 8 <= inter; i += 8) {
+      const __m256 v = load8(g + i);
+      const __m256 silu = _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.f), exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), v))));
+      store8(o + i, _mm256_mul_ps(round8(silu, o), load8(g + inter + i)));
     }
 #endif
     for (; i < inter; ++i) {
