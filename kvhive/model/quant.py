@@ -40,7 +40,8 @@ class QuantWeight:
 
     ``qs`` is uint8 [out, in / 32, 16] for Q4_1 (byte j holds value j in its low nibble and value
     j + 16 in its high nibble, as in the file) or int8-as-uint8 [out, in / 32, 32] for Q8_0; ``d``
-    and ``m`` are float32 [out, in / 32] (``m`` is zero for Q8_0).
+    and ``m`` are float32 [out, in / 32] holding the file's float16 values (``m`` is zero for Q8_0).
+    The kernel relies on that: with ``d`` a float16 value, ``d * q`` is exact in float32.
     """
 
     kind: str
