@@ -8,11 +8,17 @@ Run as a script, this file is also the server process the fixtures start:
 ``FAULT_TOKEN_IDS`` fail inside the engine, and prompts whose text contains ``FAULT_MARKER`` (which
 a chat-templated prompt can carry) fail after ``FAULT_AFTER_OUTPUTS`` outputs, so tests can see how
 engine errors reach clients, also in the middle of a stream.
+
+Nothing a passing run writes stays in the system temp dir: tests write under ``tmp_path`` (removed
+once the test passes, the run's base temp dir once the run passes: ``tmp_path_retention_policy`` in
+pyproject.toml), the subprocesses' logs go to ``log_file`` (under the run's base temp dir too), and
+the run's summary lists any entry that appeared in the temp dir while it ran.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
@@ -24,7 +30,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import pytest
@@ -40,6 +46,11 @@ TINY_MAX_MODEL_LEN = 512
 # The device the servers these fixtures start run on: "cpu" (CI), or e.g. "cuda" to run the HTTP
 # end-to-end tests on a GPU (``KVHIVE_TEST_DEVICE=cuda pytest -m e2e``).
 TEST_DEVICE = os.environ.get("KVHIVE_TEST_DEVICE", "cpu")
+# Importing torch.nn.attention imports torch._dynamo, which makes its cache dir, by default
+# $TMPDIR/torchinductor_$USER (kvhive compiles nothing with it): for the tests and the servers they
+# start, that dir is one beside the kernels' cache instead.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "kvhive", "torchinductor"))
 
 
 @dataclass
@@ -68,6 +79,73 @@ class ServerProcess:
         return 0.0
 
 
+# ---------------------------------------------------------------- the temp dir stays clean
+
+_log_dir: str | None = None         # set for the run by the session fixture below
+_TEMP_ENTRIES = pytest.StashKey[set[str]]()
+
+
+def log_file(prefix: str) -> IO[bytes]:
+    """A new file (left open for writing) for a subprocess's output, under the run's base temp dir."""
+    return tempfile.NamedTemporaryFile(prefix=prefix, suffix=".log", dir=_log_dir, delete=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _subprocess_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    global _log_dir
+    _log_dir = str(tmp_path_factory.mktemp("logs"))
+    yield
+    _log_dir = None
+
+
+def _pytest_temp_root() -> str:
+    """The directory pytest keeps its numbered base temp dirs in (``pytest-of-USER``)."""
+    import getpass
+
+    try:
+        user = getpass.getuser()
+    except (ImportError, OSError, KeyError):
+        user = "unknown"
+    return os.path.join(tempfile.gettempdir(), f"pytest-of-{user}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Note the temp dir's entries before the run (see ``pytest_terminal_summary``)."""
+    temp_dir = tempfile.gettempdir()
+    config.stash[_TEMP_ENTRIES] = set(os.listdir(temp_dir))
+    root = _pytest_temp_root()
+    if not os.path.exists(root):
+        # pytest removes a passing run's base temp dir but keeps the pytest-of-USER dir above it:
+        # remove that too if this run made it and it is empty at exit. atexit runs handlers
+        # last-registered first, so this runs after pytest's own cleanup (registered later).
+        atexit.register(_remove_empty_dir, root)
+
+
+def _remove_empty_dir(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """List the entries that appeared in the temp dir during the run (other than pytest's own
+    ``pytest-of-USER``, see ``pytest_configure``): files the tests or their servers left behind, or
+    that another process on this machine made meanwhile."""
+    before = config.stash.get(_TEMP_ENTRIES, None)
+    if before is None:
+        return
+    temp_dir = tempfile.gettempdir()
+    new = sorted(set(os.listdir(temp_dir)) - before - {os.path.basename(_pytest_temp_root())})
+    if new:
+        terminalreporter.write_sep("-", f"new entries in {temp_dir}")
+        terminalreporter.write_line(f"appeared in {temp_dir} during the run (left by the tests, or made "
+                                    "by another process meanwhile):")
+        for name in new:
+            terminalreporter.write_line(f"  {os.path.join(temp_dir, name)}")
+
+
+# ---------------------------------------------------------------- servers
+
+
 def free_port() -> int:
     """A TCP port nobody listens on right now."""
     with socket.socket() as s:
@@ -93,7 +171,7 @@ def start_server(model: str, *, api_keys: tuple[str, ...] = (), max_model_len: i
         cmd += ["--max-model-len", str(max_model_len)]
     if faulty:
         cmd.append("--faulty")
-    log = tempfile.NamedTemporaryFile(prefix=f"kvhive-server-{port}-", suffix=".log", delete=False)
+    log = log_file(f"kvhive-server-{port}-")
     env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
     server = ServerProcess(f"http://127.0.0.1:{port}", process, log.name)
@@ -119,7 +197,8 @@ def stop_server(server: ServerProcess) -> None:
     except subprocess.TimeoutExpired:
         server.process.kill()
         server.process.wait()
-    os.unlink(server.log_path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(server.log_path)
 
 
 def kill_server(server: ServerProcess) -> None:

@@ -14,14 +14,13 @@ import random
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from conftest import REPO_ROOT, SERVED_MODEL_NAME, free_port
+from conftest import REPO_ROOT, SERVED_MODEL_NAME, free_port, log_file
 
 from kvhive.router.cli import add_gateway_args, build_gateway_config, parse_tier_weights, run_gateway
 from kvhive.router.config import ReplicaSpec
@@ -73,7 +72,7 @@ class ReplicaProcess:
                 f"replay=tcp://127.0.0.1:{self.replay_port},kind=kvhive")
 
     def start(self) -> None:
-        log = tempfile.NamedTemporaryFile(prefix=f"kvhive-replica-{self.port}-", suffix=".log", delete=False)
+        log = log_file(f"kvhive-replica-{self.port}-")
         self.log_path = log.name
         self.process = subprocess.Popen(
             [sys.executable, "-m", "kvhive.cli", "serve", "--port", str(self.port),
@@ -133,7 +132,7 @@ def cluster() -> Iterator[Cluster]:
            "--health-interval", "0.3", "--failures-to-drop", "1", "--log-level", "warning"]
     for r in replicas:
         cmd += ["--replica", r.spec]
-    log = tempfile.NamedTemporaryFile(prefix="kvhive-gateway-", suffix=".log", delete=False)
+    log = log_file("kvhive-gateway-")
     url = f"http://127.0.0.1:{port}"
     gateway = None
     try:

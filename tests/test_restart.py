@@ -9,12 +9,11 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
 import httpx
-from conftest import TEST_DEVICE
+from conftest import TEST_DEVICE, log_file
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LONG_PROMPT = " ".join(f"Item {i}: the {['red', 'blue', 'green'][i % 3]} box holds {i * 7 % 50} marbles."
@@ -29,7 +28,7 @@ class ServeProcess:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="kvhive-tiers-", suffix=".log", delete=False)
+        self.log = log_file("kvhive-tiers-")
         cmd = [sys.executable, "-m", "kvhive.cli", "serve", "--port", str(self.port), "--num-threads", "2",
                "--log-level", "warning", "--device", TEST_DEVICE, *flags]
         env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import REPO_ROOT, SERVED_MODEL_NAME, free_port
+from conftest import REPO_ROOT, SERVED_MODEL_NAME, free_port, log_file
 from test_gateway import Cluster, ReplicaProcess, _env, healthy, long_prompt, wait_until
 
 from kvhive.router.cli import fetch_hashing
@@ -28,7 +27,7 @@ KEYS = ("key-alpha", "key-beta")
 
 def start_gateway(replica: ReplicaProcess, *flags: str) -> Cluster:
     port = free_port()
-    log = tempfile.NamedTemporaryFile(prefix="kvhive-gateway-keys-", suffix=".log", delete=False)
+    log = log_file("kvhive-gateway-keys-")
     cmd = [sys.executable, "-m", "kvhive.cli", "gateway", "--port", str(port), "--replica", replica.spec,
            "--replica-api-key", KEYS[0], "--health-interval", "0.3", "--log-level", "warning", *flags]
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=_env())

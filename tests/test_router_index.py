@@ -6,7 +6,6 @@ import os
 import shutil
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ def keys(*ids: int) -> list[bytes]:
 
 
 @pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A throwaway redis-server on a free port, no persistence; stopped after the module."""
     if shutil.which("redis-server") is None and not os.environ.get("CI"):
         pytest.skip("redis-server is not installed")
@@ -35,7 +34,7 @@ def redis_url() -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    workdir = tempfile.mkdtemp(prefix="kvhive-redis-")
+    workdir = str(tmp_path_factory.mktemp("redis"))
     process = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                 "--appendonly", "no", "--dir", workdir],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -53,7 +52,6 @@ def redis_url() -> Iterator[str]:
     yield url
     process.terminate()
     process.wait(10)
-    shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture(params=["memory", "redis"])

@@ -12,12 +12,11 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import REPO_ROOT, SERVED_MODEL_NAME, free_port
+from conftest import REPO_ROOT, SERVED_MODEL_NAME, free_port, log_file
 from test_gateway import Cluster, ReplicaProcess, _env, healthy, long_prompt, wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None and not os.environ.get("CI"),
@@ -25,9 +24,9 @@ pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None and not os.
 
 
 @pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
-    workdir = tempfile.mkdtemp(prefix="kvhive-redis-")
+    workdir = str(tmp_path_factory.mktemp("redis"))
     process = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                 "--appendonly", "no", "--dir", workdir],
                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
@@ -46,7 +45,6 @@ def redis_url() -> Iterator[str]:
     finally:
         process.terminate()
         process.wait(10)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +57,7 @@ def redis_cluster(redis_url: str) -> Iterator[Cluster]:
            "--health-interval", "0.3", "--failures-to-drop", "1", "--log-level", "warning"]
     for r in replicas:
         cmd += ["--replica", r.spec]
-    log = tempfile.NamedTemporaryFile(prefix="kvhive-gateway-", suffix=".log", delete=False)
+    log = log_file("kvhive-gateway-")
     url = f"http://127.0.0.1:{port}"
     gateway = None
     try:
