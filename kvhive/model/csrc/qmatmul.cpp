@@ -112,7 +112,7 @@ void tile(const Tiles& t, int64_t r0, int64_t j0, float* dst, int64_t stride) {
 
 // Features per tile for a step of `rows` rows: F x min(rows, 16 / F) accumulators. (One Q8_0 row
 // streams its large blocks faster one feature at a time: measured on the 49152 x 576 LM head.)
-inline int features_per_tile(int kind, int64_t rows) { return kind == 1 && rows == 1 ? 1 : rows <= 4 ? 4 : 2; }
+inline int features_per_tile(int kind, int64_t rows, int64_t) { return kind == 1 && rows == 1 ? 1 : rows <= 4 ? 4 : 2; }
 #elif defined(KVHIVE_AVX2)
 // The 32 weights of one block as four vectors (values 0-7, 8-15, 16-23, 24-31): d*q + m (Q4_1)
 // or d*q (Q8_0). Q4_1 byte j holds value j in its low nibble and value j + 16 in its high nibble.
@@ -178,10 +178,14 @@ void tile(const Tiles& t, int64_t r0, int64_t j0, float* dst, int64_t stride) {
     for (int f = 0; f < F; ++f) dst[r * stride + f] = sums[r * F + f];
 }
 
-// Features per tile for a step of `rows` rows: F x min(rows, 8 / F) accumulators. (One or two
-// Q8_0 rows stream their large blocks faster one feature at a time: measured on the LM head.)
-inline int features_per_tile(int kind, int64_t rows) {
-  return kind == 1 && rows <= 2 ? 1 : rows <= 2 ? 4 : rows <= 4 ? 2 : 1;
+// Features per tile for a step of `rows` rows of length k: F x min(rows, 8 / F) accumulators. (One
+// or two Q8_0 rows stream their large blocks faster one feature at a time: measured on the LM head.
+// Past 4 rows one feature serves 8 rows per rebuilt weight while their x stays in L1; longer rows
+// take tiles of 4 rows x 2 features, whose x fits and feeds two features per load: measured on the
+// 576 x 1536 down projection.)
+inline int features_per_tile(int kind, int64_t rows, int64_t k) {
+  constexpr int64_t kL1Floats = 8192;   // 32 KB of x rows: what L1 holds beside the streamed blocks
+  return kind == 1 && rows <= 2 ? 1 : rows <= 2 ? 4 : rows <= 4 || std::min(rows, kMaxRows) * k > kL1Floats ? 2 : 1;
 }
 #else
 template <int KIND>
@@ -222,7 +226,7 @@ void tile(const Tiles& t, int64_t r0, int64_t j0, float* dst, int64_t stride) {
   }
 }
 
-inline int features_per_tile(int, int64_t) { return 1; }
+inline int features_per_tile(int, int64_t, int64_t) { return 1; }
 #endif
 
 using TileFn = void (*)(const Tiles&, int64_t, int64_t, float*, int64_t);
@@ -292,7 +296,7 @@ void qmatmul(const Args& a) {
     t.x = x.data();
     t.xs = a.k;
   }
-  switch (features_per_tile(KIND, a.rows)) {
+  switch (features_per_tile(KIND, a.rows, a.k)) {
     case 4: qmatmul<KIND, 4>(a, t); break;
     case 2: qmatmul<KIND, 2>(a, t); break;
     default: qmatmul<KIND, 1>(a, t); break;
