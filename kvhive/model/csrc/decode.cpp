@@ -283,9 +283,9 @@ void shared_chunk(const Args& a, const Work& w, Scratch& tmp) {
   }
 }
 #elif defined(KVHIVE_AVX2)
-#include "avx2d_sum8.h"
+#include "avx2_sum8.h"
 
-#include "avx2d_exp2.h"
+#include "avx2_exp2.h"
 
 // Vectors c0 .. c0 + N - 1 (N, c0 even) of a row of 64 values, as float32. bfloat16 rows come out
 // as the even then the odd dims of each 16 (0 2 .. 14 | 1 3 .. 15 | 16 18 .. 30 | 17 ..): a shift

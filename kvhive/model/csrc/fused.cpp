@@ -58,7 +58,7 @@ inline void store16(uint16_t* p, __m512 v) {
   _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round16(v, p)), 16)));
 }
 #elif defined(KVHIVE_AVX2)
-#include "avx2d_exp2.h"
+#include "avx2_exp2.h"
 inline __m256 exp_ps(__m256 x) { return exp2_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f))); }
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {

@@ -136,7 +136,7 @@ inline void block_weights(const uint8_t* q, float d, float m, __m256 (&w)[4]) {
   }
 }
 
-#include "avx2d_sum8.h"
+#include "avx2_sum8.h"
 
 // dst[r * stride + f] = x[r0 + r] . w[j0 + f] for an R x F tile. Small tiles keep two
 // accumulators per (row, feature), so the four FMAs of a block are two chains, not one.
