@@ -1,4 +1,8 @@
-"""Command line: ``kvhive serve`` and ``kvhive gateway``. The only module that reads environment variables."""
+"""Command line: ``kvhive serve``, ``kvhive warmup`` and ``kvhive gateway``.
+
+The one module that reads environment variables (besides the kernel cache's location, which
+``kvhive.model.native.default_cache_dir`` resolves where kernels are built).
+"""
 
 from __future__ import annotations
 
@@ -149,7 +153,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
                    help="token budget of one step; longer prompts are prefilled in chunks")
     g.add_argument("--num-threads", type=int, default=None, metavar="N",
-                   help="torch intra-op threads (default: all cores)")
+                   help="threads of torch and the C++ kernels (default: all cores)")
+    g.add_argument("--omp-wait-policy", choices=WAIT_POLICIES, default="auto",
+                   help="how idle OpenMP threads wait between parallel regions: active spins (fastest on "
+                        "a quiet host), passive sleeps at once (kindest to other processes), auto spins "
+                        f"briefly ({AUTO_SPIN_COUNT} iterations) then sleeps; OMP_WAIT_POLICY or "
+                        "GOMP_SPINCOUNT in the environment take precedence")
     g.add_argument("--no-quantized-matmul", dest="quantized_matmul", action="store_false",
                    help="always multiply by the dequantised weights; without it, on CPU, steps of up to "
                         "16 (float32) or 8 (bfloat16) tokens read a GGUF file's Q4_1/Q8_0 blocks directly "
@@ -198,6 +207,34 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
                         scheduler=sched, store=store, sessions=sessions)
 
 
+WAIT_POLICIES = ("auto", "active", "passive")
+AUTO_SPIN_COUNT = 10000
+
+
+def set_wait_policy(policy: str, environ: dict[str, str]) -> None:
+    """Set the OpenMP wait policy in ``environ`` for ``policy`` unless the user set one there.
+
+    Takes effect only before the OpenMP runtime loads (before torch is imported). A thread that
+    spins while another process holds its core delays every barrier of the step; sleeping costs
+    a wake-up per parallel region on a quiet host.
+    """
+    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+        return
+    if policy == "auto":
+        environ["GOMP_SPINCOUNT"] = str(AUTO_SPIN_COUNT)
+    else:
+        environ["OMP_WAIT_POLICY"] = policy.upper()
+
+
+def check_cpu(config: EngineConfig) -> None:
+    """ValueError where the dtype or a forced --cpu-isa cannot run on this CPU (imports torch)."""
+    if config.device == "cpu":
+        from kvhive.model import cpu
+
+        cpu.check_dtype(config.dtype, config.device)
+        cpu.detect().level(config.cpu_isa)
+
+
 def serve(args: argparse.Namespace) -> int:
     """Load the model and serve the OpenAI API until interrupted."""
     logging.basicConfig(level=args.log_level.upper(),
@@ -211,6 +248,12 @@ def serve(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"kvhive serve: {problem}", file=sys.stderr)
         return 2
+    set_wait_policy(args.omp_wait_policy, os.environ)
+    try:
+        check_cpu(config)
+    except ValueError as exc:
+        print(f"kvhive serve: {exc}", file=sys.stderr)
+        return 2
     import torch
 
     if config.num_threads:
@@ -223,7 +266,12 @@ def serve(args: argparse.Namespace) -> int:
 
     api_keys = args.api_key or ([os.environ["KVHIVE_API_KEY"]] if os.environ.get("KVHIVE_API_KEY")
                                 else [])
-    served = run_server(AsyncEngine(LLMEngine(config)), host=args.host, port=args.port,
+    try:
+        engine = LLMEngine(config)
+    except (ValueError, OSError) as exc:              # a model or config the engine cannot run
+        print(f"kvhive serve: {exc}", file=sys.stderr)
+        return 2
+    served = run_server(AsyncEngine(engine), host=args.host, port=args.port,
                         served_model_name=config.served_model_name, api_keys=tuple(api_keys),
                         log_level=args.log_level)
     return 0 if served else 1
@@ -239,6 +287,7 @@ commands:
   serve     load a model and serve the OpenAI API (/v1/chat/completions, /v1/completions,
             /v1/responses, /v1/context sessions, /metrics); by default the embedded
             SmolLM2-135M-Instruct on http://127.0.0.1:8000
+  warmup    build the C++ CPU kernels ahead of the first start (cached per user)
   gateway   an OpenAI-compatible proxy that sends each request to the replica (kvhive or vLLM)
             holding the longest cached prefix of its prompt, weighed against load
 
@@ -264,6 +313,31 @@ examples:
   kvhive serve --api-key "$KEY" --host 0.0.0.0"""
 
 
+WARMUP_DESCRIPTION = """\
+Build the C++ CPU kernels ahead of the first 'kvhive serve' (which otherwise builds them on its first
+start, about 10-30 s with g++) into the kernel cache: $KVHIVE_CACHE_DIR, else
+$XDG_CACHE_HOME/kvhive/kernels, else ~/.cache/kvhive/kernels. Prints each kernel's ISA level and time."""
+
+
+def warmup(args: argparse.Namespace) -> int:
+    """Build every CPU kernel for the level ``kvhive serve`` would pick (or --cpu-isa)."""
+    logging.basicConfig(level="INFO", format="%(message)s")
+    from kvhive.model import cpu
+    from kvhive.model.native import default_cache_dir
+    from kvhive.model.warmup import build_kernels
+
+    try:
+        level = cpu.detect().level(args.cpu_isa)
+    except ValueError as exc:
+        print(f"kvhive warmup: {exc}", file=sys.stderr)
+        return 2
+    print(f"CPU: {cpu.detect().describe()}; kernels for {level} in {default_cache_dir()}")
+    builds = build_kernels(level)
+    for b in builds:
+        print(f"  {b.name:<18} {'ready' if b.ok else 'unavailable (torch fallback)'} in {b.seconds:.1f} s")
+    return 0 if any(b.ok for b in builds) else 1
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The ``kvhive`` parser and its subcommands' parsers by name."""
     from kvhive import __version__
@@ -272,16 +346,20 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     parser = argparse.ArgumentParser(prog="kvhive", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"kvhive {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,gateway}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,warmup,gateway}")
     commands = {
         "serve": sub.add_parser("serve", help="load a model and serve the OpenAI API",
                                 description=SERVE_DESCRIPTION, epilog=SERVE_EPILOG,
                                 formatter_class=HelpFormatter),
+        "warmup": sub.add_parser("warmup", help="build the CPU kernels ahead of the first start",
+                                 description=WARMUP_DESCRIPTION, formatter_class=HelpFormatter),
         "gateway": sub.add_parser("gateway", help="KV-aware OpenAI gateway in front of replicas",
                                   description=GATEWAY_DESCRIPTION, epilog=GATEWAY_EPILOG,
                                   formatter_class=HelpFormatter),
     }
     _add_serve_args(commands["serve"])
+    commands["warmup"].add_argument("--cpu-isa", choices=CPU_ISAS, default="auto",
+                                    help="ISA level to build for; auto: the best this CPU runs")
     add_gateway_args(commands["gateway"])
     return parser, commands
 
@@ -308,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "warmup":
+        return warmup(args)
     from kvhive.router.cli import run_gateway
 
     return run_gateway(args)

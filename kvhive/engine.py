@@ -20,9 +20,18 @@ from kvhive.config import EngineConfig
 from kvhive.connector.base import TierStats
 from kvhive.request import FinishReason, Request, SamplingParams
 from kvhive.scheduler import Scheduler
-from kvhive.step import StepResult, TokenLogprobs
+from kvhive.step import StepPlan, StepResult, TokenLogprobs
 
 logger = logging.getLogger(__name__)
+
+# Steps in a row whose forward may raise before the engine gives up (the step raises, and the
+# AsyncEngine loop stops): each failed step fails only its own requests, but a model that fails
+# every step is broken, and the process should exit for a supervisor to restart it.
+MAX_FAILED_STEPS_IN_ROW = 3
+
+
+class RequestFailed(RuntimeError):
+    """Computing one request failed (its row, or the step it ran in); the engine runs on."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,8 @@ class RequestOutput:
     # On the request's first output when it asks for prompt_logprobs: one entry per prompt token
     # after the first (token i scored given tokens < i), else None.
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    # With finish_reason ERROR: what failed while computing this request (the others ran on).
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,7 @@ class LLMEngine:
         if config.device == "cpu":
             from kvhive.model import cpu
 
+            cpu.check_dtype(config.dtype, config.device)
             features = cpu.detect()
             isa = features.level(config.cpu_isa)        # ValueError naming what the CPU lacks
             logger.info("CPU: %s; kernels for %s%s", features.describe(), isa,
@@ -140,6 +152,7 @@ class LLMEngine:
         self.block_bytes = ModelRunner.kv_bytes_per_block(loaded.config, cache.block_size, config.dtype)
         # Prompt logprobs of requests that asked, gathered chunk by chunk until their first output.
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        self.num_failed_steps_in_row = 0
         self.scheduler = Scheduler(sched_cfg, cache, num_blocks,
                                    root_hash(cache.hash_seed, loaded.fingerprint),
                                    connector=self.connector_scheduler,
@@ -282,30 +295,58 @@ class LLMEngine:
                 self.runner.release(plan.finished_request_ids)
             result = StepResult(sampled={})
         else:
-            result = self.runner.execute(plan)
+            try:
+                result = self.runner.execute(plan)
+            except Exception as exc:
+                self.num_failed_steps_in_row += 1
+                if self.num_failed_steps_in_row >= MAX_FAILED_STEPS_IN_ROW:
+                    raise
+                logger.exception("step failed (%d in a row); failing its %d requests",
+                                 self.num_failed_steps_in_row, len(plan.seqs))
+                return self._fail_step(plan, f"{type(exc).__name__}: {exc}")
+            self.num_failed_steps_in_row = 0
         for request_id, values in result.prompt_logprobs.items():
             if request_id in self._prompt_logprobs:     # else aborted since: nobody reads them
                 self._prompt_logprobs[request_id].extend(values)
+        outputs = [self._output(req, result) for req in self.scheduler.update_from_result(plan, result)]
+        self._publish_events()
+        return outputs
+
+    def _output(self, req: Request, result: StepResult, error: str | None = None) -> RequestOutput:
+        """What the step ``result`` produced for ``req`` (``error``: why it failed, if it did)."""
+        token = result.sampled.get(req.request_id)
+        logprobs = result.logprobs.get(req.request_id) if token is not None else None
+        prompt = self._prompt_logprobs.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=[] if token is None else [token],
+            finished=req.is_finished, finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_output_tokens=req.num_output_tokens,
+            session_block_hashes=(tuple(req.block_hashes) if req.session_id and req.is_finished
+                                  else None),
+            logprobs=None if logprobs is None else (logprobs,),
+            prompt_logprobs=None if prompt is None else tuple(prompt),
+            error=error or result.failed.get(req.request_id))
+
+    def _fail_step(self, plan: StepPlan, error: str) -> list[RequestOutput]:
+        """The outputs of a step whose forward raised: each of its requests finished with ERROR
+        (nothing the step computed becomes a prefix-cache hit), then those ``schedule`` finished."""
+        empty = StepResult(sampled={})
         outputs = []
-        for req in self.scheduler.update_from_result(plan, result):
-            token = result.sampled.get(req.request_id)
-            logprobs = result.logprobs.get(req.request_id) if token is not None else None
-            prompt = self._prompt_logprobs.pop(req.request_id, None)
-            outputs.append(RequestOutput(
-                request_id=req.request_id, new_token_ids=[] if token is None else [token],
-                finished=req.is_finished, finish_reason=req.finish_reason,
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_cached_tokens=max(req.num_cached_tokens, 0),
-                num_output_tokens=req.num_output_tokens,
-                session_block_hashes=(tuple(req.block_hashes) if req.session_id and req.is_finished
-                                      else None),
-                logprobs=None if logprobs is None else (logprobs,),
-                prompt_logprobs=None if prompt is None else tuple(prompt)))
+        for seq in plan.seqs:
+            req = self.scheduler.abort_request(seq.request_id, FinishReason.ERROR)
+            if req is not None:
+                outputs.append(self._output(req, empty, f"the step computing it failed: {error}"))
+        outputs += [self._output(req, empty) for req in self.scheduler.update_from_result(plan, empty)]
+        self._publish_events()
+        return outputs
+
+    def _publish_events(self) -> None:
         if self.publisher is not None:
             events = self.scheduler.kv.take_events()
             if events:
                 self.publisher.publish(events)
-        return outputs
 
     def stats(self) -> EngineStats:
         """Scheduler and pool counters for the metrics endpoint."""
@@ -387,7 +428,8 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                        cache_salt: str | None = None, session_id: str | None = None,
                        end_session: bool = False) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes; leaving early aborts it."""
+        """Yield the request's outputs until it finishes; leaving early aborts it. Raises
+        RequestFailed when computing it failed, RuntimeError when the engine loop has stopped."""
         if self.error is not None:
             raise RuntimeError(f"the engine loop has stopped: {self.error}")
         if len(prompt_token_ids) >= self.engine.max_model_len:
@@ -407,6 +449,9 @@ class AsyncEngine:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise RuntimeError(f"the engine failed: {item}") from item
+                if item.finish_reason is FinishReason.ERROR:
+                    finished = True             # the engine has ended it: nothing to abort
+                    raise RequestFailed(item.error or "the engine failed this request")
                 yield item
                 if item.finished:
                     finished = True

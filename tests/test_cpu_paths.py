@@ -16,6 +16,7 @@ import httpx
 import pytest
 from conftest import REPO_ROOT, free_port, log_file
 
+from kvhive import cli
 from kvhive.model import cpu
 
 ZEN3 = frozenset("fpu sse2 avx fma f16c avx2 bmi2".split())
@@ -123,3 +124,36 @@ def test_bfloat16_server_answers_coherently(isa: str) -> None:
         proc.terminate()
         proc.wait(timeout=30)
         os.unlink(log)
+
+
+def test_wait_policy_leaves_the_users_setting_alone() -> None:
+    env: dict[str, str] = {}
+    cli.set_wait_policy("auto", env)
+    assert env == {"GOMP_SPINCOUNT": str(cli.AUTO_SPIN_COUNT)}
+    env = {}
+    cli.set_wait_policy("passive", env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    cli.set_wait_policy("passive", env)
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
+
+
+def test_a_level_or_dtype_the_cpu_cannot_run_exits_2_before_loading(monkeypatch, capsys) -> None:
+    """On an AVX2-only CPU, --cpu-isa avx512 is refused naming what the CPU lacks; float16 on any
+    CPU is refused; both before the model loads (exit 2, no traceback)."""
+    monkeypatch.setattr(cpu, "detect", lambda: features(ZEN3, onednn_bf16=False))
+    port = str(free_port())
+    assert cli.main(["serve", "--port", port, "--cpu-isa", "avx512"]) == 2
+    assert "avx512f" in capsys.readouterr().err
+    assert cli.main(["serve", "--port", port, "--dtype", "float16"]) == 2
+    err = capsys.readouterr().err
+    assert "float16" in err and "Traceback" not in err
+    assert cli.main(["warmup", "--cpu-isa", "avx512_bf16"]) == 2
+
+
+def test_warmup_builds_the_kernels_for_the_hosts_level() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvhive.cli", "warmup"], capture_output=True, text=True,
+                         cwd=REPO_ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert f"kernels for {cpu.detect().best}" in out.stdout
+    assert out.stdout.count("ready") >= 3, out.stdout

@@ -102,6 +102,14 @@ def resolve(isa: str | None) -> str:
     return detect().level(isa or "auto")
 
 
+def check_dtype(dtype: str, device: str) -> None:
+    """ValueError where ``dtype`` cannot run on ``device`` at all (float16 on a CPU)."""
+    if device == "cpu" and dtype == "float16":
+        raise ValueError("--dtype float16 needs a GPU: kvhive's CPU kernels and oneDNN compute in float32 or "
+                         "bfloat16, and this CPU's float16 arithmetic (AVX512-FP16, AMX-FP16) is not used; "
+                         "use --dtype bfloat16 for half-size weights and KV")
+
+
 def compile_flags(level: str, machine: str | None = None) -> tuple[str, ...]:
     """Compiler target flags for kernels of ``level`` on this machine's architecture."""
     if level not in LEVELS:
