@@ -44,8 +44,11 @@ def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
 
 def test_top_level_help_says_what_each_command_does(capsys: pytest.CaptureFixture[str]) -> None:
     text = _help(capsys)
-    assert text.startswith("usage: kvhive [-h] [--version] {serve,gateway}")
+    parser, commands = build_parser()
+    assert text.startswith(f"usage: kvhive [-h] [--version] {{{','.join(commands)}}}")
     assert "OpenAI-compatible LLM inference server" in text
+    described = (parser.epilog or "").split("commands:\n", 1)[1].split("\n\n", 1)[0]
+    assert [line.split()[0] for line in described.splitlines() if not line.startswith("    ")] == list(commands)
     assert "serve load a model and serve the OpenAI API" in text
     assert "gateway an OpenAI-compatible proxy" in text
     assert "kvhive serve --kv-cache-gb 0.5" in text
@@ -86,7 +89,7 @@ def test_serve_help_names_the_defaults_users_ask_about(capsys: pytest.CaptureFix
     assert "(default: 8080)" in _help(capsys, "gateway")
 
 
-@pytest.mark.parametrize("command", ["serve", "gateway"])
+@pytest.mark.parametrize("command", list(build_parser()[1]))
 def test_an_unknown_flag_prints_the_subcommand_usage(command: str) -> None:
     done = _kvhive(command, "--bogus")
     assert done.returncode == 2
