@@ -483,7 +483,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(request_id, ids, sampling, cache_salt=salt,
                                         session_id=session_id, end_session=end_session)
-            except ValueError as exc:
+            except Exception as exc:  # noqa: BLE001 - fails this request only
                 self._deliver(request_id, exc)
         for request_id in aborts:
             self.engine.abort_request(request_id)

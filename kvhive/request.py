@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
 # Most top logprobs a request may ask for per token (OpenAI caps chat at 20).
 MAX_LOGPROBS = 20
+# A temperature or top_p below this samples greedily: dividing logits by a smaller temperature
+# overflows float32, and a smaller top_p rounds to 0 in float32 (vLLM's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
+# Seeds are 64-bit integers, signed or unsigned: [-2**63, 2**64), what torch.Generator.manual_seed
+# accepts (a negative seed s seeds as s + 2**64).
+MIN_SEED, SEED_END = -2**63, 2**64
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens; validated once. temperature == 0 means greedy."""
+    """How to pick tokens; validated once. temperature or top_p below SAMPLING_EPS, or top_k == 1,
+    means greedy."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -30,12 +38,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not MIN_SEED <= self.seed < SEED_END:
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
@@ -44,7 +54,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax."""
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_p < SAMPLING_EPS or self.top_k == 1
 
 
 class RequestStatus(enum.Enum):
@@ -63,6 +73,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"          # EOS, a stop token or a stop string
     LENGTH = "length"      # max_tokens or the context limit
     ABORT = "abort"        # the client went away or the server cancelled it
+    ERROR = "error"        # computing the request's row failed; other requests run on
 
 
 @dataclass

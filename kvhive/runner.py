@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -20,10 +22,13 @@ from kvhive.model.cuda_graphs import DecodeGraphs
 from kvhive.model.decode_kernel import CpuDecodeKernel
 from kvhive.model.llama import LlamaModel, resolve_dtype
 from kvhive.model.prefill_kernel import CpuPrefillKernel
+from kvhive.request import SEED_END
 from kvhive.sampling import sample_tokens, token_logprobs
 from kvhive.step import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # A chunk of at most this many new tokens over a cached prefix attends as decode rows, one per token
 # (each sees the keys up to its own position), through the decode kernel, which reads the pool as it
@@ -46,6 +51,11 @@ class StepInputs:
     seqs: list[ScheduledSeq]            # in flat-batch order
     sample_rows: list[int]              # flat row of the last token of each seq with sample=True
     has_prompt_logprobs: bool = False   # some seq carries a PromptLogprobsSpan
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Rows ``rows`` of ``t`` (``t`` itself, no copy, when they are all of its rows in order)."""
+    return t if rows == list(range(t.shape[0])) else t[rows]
 
 
 class ModelRunner:
@@ -126,26 +136,60 @@ class ModelRunner:
             hidden = self._graphed_decode(plan, inputs)
             if hidden is None:
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache)
-            prompt = self._prompt_logprobs(hidden, inputs.seqs) if inputs.has_prompt_logprobs else {}
+            failed: dict[str, str] = {}
+            prompt = self._prompt_logprobs(hidden, inputs.seqs, failed) if inputs.has_prompt_logprobs else {}
             sampled_seqs = [s for s in inputs.seqs if s.sample]
             if not sampled_seqs:
-                return StepResult(sampled={}, prompt_logprobs=prompt)
+                return StepResult(sampled={}, prompt_logprobs=prompt, failed=failed)
             rows = torch.tensor(inputs.sample_rows, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
-            tokens = sample_tokens(logits, [s.sampling for s in sampled_seqs],
-                                   [self._generator(s) for s in sampled_seqs])
-            sampled = {s.request_id: t for s, t in zip(sampled_seqs, tokens, strict=True)}
-            num_top = [s.sampling.logprobs for s in sampled_seqs]
-            if all(k is None for k in num_top):
-                # The common case: no log-softmax at all.
-                return StepResult(sampled=sampled, prompt_logprobs=prompt)
-            logprobs = token_logprobs(logits, tokens, num_top)
-        asked = {s.request_id: lp for s, lp in zip(sampled_seqs, logprobs, strict=True) if lp is not None}
-        return StepResult(sampled=sampled, logprobs=asked, prompt_logprobs=prompt)
+            tokens = self._by_row(sampled_seqs, failed, "sampling", lambda rows: self.sample_rows(
+                _rows(logits, rows), [sampled_seqs[i] for i in rows]))
+            # Rows (of logits, and indices of sampled_seqs) whose seq got a token and asks for logprobs;
+            # none in the common case: no log-softmax at all.
+            asked = [i for i, s in enumerate(sampled_seqs)
+                     if s.sampling.logprobs is not None and tokens[i] is not None and s.request_id not in failed]
+            logprobs = self._by_row([sampled_seqs[i] for i in asked], failed, "logprobs", lambda rows: token_logprobs(
+                _rows(logits, [asked[j] for j in rows]), [tokens[asked[j]] for j in rows],
+                [sampled_seqs[asked[j]].sampling.logprobs for j in rows])) if asked else []
+        # A request in ``failed`` gets no token, even one sampled before its logprobs failed.
+        sampled = {s.request_id: t for s, t in zip(sampled_seqs, tokens, strict=True)
+                   if t is not None and s.request_id not in failed}
+        values = {sampled_seqs[i].request_id: lp for i, lp in zip(asked, logprobs, strict=True)
+                  if lp is not None and sampled_seqs[i].request_id in sampled}
+        return StepResult(sampled=sampled, logprobs=values, prompt_logprobs=prompt, failed=failed)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, seqs: list[ScheduledSeq]
+    def sample_rows(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[int]:
+        """One token per row of ``logits``, row i by seqs[i]'s sampling params and generator (the
+        unit a step retries row by row when a batch raises)."""
+        return sample_tokens(logits, [s.sampling for s in seqs], [self._generator(s) for s in seqs])
+
+    @staticmethod
+    def _by_row(seqs: list[ScheduledSeq], failed: dict[str, str], what: str,
+                compute: Callable[[list[int]], list[T]]) -> list[T | None]:
+        """``compute(rows)`` for all of seqs' rows at once; if that raises, for each row alone, and
+        a row that raises alone fails its request (in ``failed``, its entry None): one request's
+        bad row never fails the others."""
+        try:
+            return list(compute(list(range(len(seqs)))))
+        except Exception:  # noqa: BLE001 - retried row by row below
+            if len(seqs) > 1:
+                logger.warning("%s failed for a batch of %d rows; retrying row by row", what, len(seqs),
+                               exc_info=True)
+        out: list[T | None] = []
+        for i, seq in enumerate(seqs):
+            try:
+                out.append(compute([i])[0])
+            except Exception as exc:  # noqa: BLE001 - fails this request only
+                logger.exception("%s failed for request %s", what, seq.request_id)
+                failed.setdefault(seq.request_id, f"{what} failed: {type(exc).__name__}: {exc}")
+                out.append(None)
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, seqs: list[ScheduledSeq], failed: dict[str, str]
                          ) -> dict[str, tuple[TokenLogprobs, ...]]:
-        """The logprobs of the prompt rows each seq's ``PromptLogprobsSpan`` names.
+        """The logprobs of the prompt rows each seq's ``PromptLogprobsSpan`` names; a seq whose rows
+        raise goes to ``failed`` instead.
 
         Logits are computed PROMPT_LOGPROBS_ROWS rows at a time and reduced to the chosen token's
         logprob and the top alternatives at once: a whole chunk's [rows, vocab] never exists.
@@ -157,11 +201,15 @@ class ModelRunner:
             if span is not None:
                 first = offset + span.first_pos - s.start_pos
                 values: list[TokenLogprobs] = []
-                for lo in range(0, len(span.next_token_ids), PROMPT_LOGPROBS_ROWS):
-                    targets = span.next_token_ids[lo:lo + PROMPT_LOGPROBS_ROWS]
-                    logits = self.model.compute_logits(hidden[first + lo:first + lo + len(targets)])
-                    values += token_logprobs(logits, targets, [span.num_top] * len(targets))
-                out[s.request_id] = tuple(values)
+                try:
+                    for lo in range(0, len(span.next_token_ids), PROMPT_LOGPROBS_ROWS):
+                        targets = span.next_token_ids[lo:lo + PROMPT_LOGPROBS_ROWS]
+                        logits = self.model.compute_logits(hidden[first + lo:first + lo + len(targets)])
+                        values += token_logprobs(logits, targets, [span.num_top] * len(targets))
+                    out[s.request_id] = tuple(values)
+                except Exception as exc:  # noqa: BLE001 - fails this request only
+                    logger.exception("prompt logprobs failed for request %s", s.request_id)
+                    failed[s.request_id] = f"prompt logprobs failed: {type(exc).__name__}: {exc}"
             offset += s.num_new_tokens
         return out
 
@@ -186,7 +234,8 @@ class ModelRunner:
             return None
         gen = self._generators.get(seq.request_id)
         if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(seq.sampling.seed)
+            # Seeds are in [-2**63, 2**64) (SamplingParams); as unsigned 64-bit, what manual_seed takes.
+            gen = torch.Generator(device=self.device).manual_seed(seq.sampling.seed % SEED_END)
             self._generators[seq.request_id] = gen
         return gen
 

@@ -15,20 +15,36 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
                   generators: Sequence[torch.Generator | None]) -> list[int]:
     """Pick one token per row of float32 ``logits`` [n, vocab]; row i follows params[i].
 
-    Greedy rows (temperature == 0 or top_k == 1) take the argmax. The others are sampled from the
+    Greedy rows (``SamplingParams.greedy``) take the argmax. The others are sampled from the
     temperature-scaled distribution restricted to the top-k tokens and the top-p nucleus; a row
     with a generator draws from it (reproducible for a fixed seed), the others from torch's default.
+
+    Raises ValueError, before any generator draws, when a row's logits hold NaN or +inf or are all
+    -inf, or a random row's distribution is not finite: the caller can then sample the rows one at
+    a time and fail only the bad ones, the good rows' generators untouched.
     """
+    check_logits(logits)
     tokens = logits.argmax(dim=-1).tolist()
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
         return tokens
     rows = torch.tensor(random_rows, device=logits.device)
     probs = _filtered_probs(logits.index_select(0, rows), [params[i] for i in random_rows])
+    bad = ~(torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0))
+    if bool(bad.any()):
+        row = random_rows[int(bad.nonzero()[0])]
+        raise ValueError(f"row {row}: the sampling distribution is not finite")
     for j, i in enumerate(random_rows):
         # One draw per row: generators are per request and cannot be batched.
         tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]))
     return tokens
+
+
+def check_logits(logits: torch.Tensor) -> None:
+    """ValueError naming the first row of ``logits`` [n, vocab] that holds NaN or +inf, or only -inf."""
+    bad = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1) | torch.isneginf(logits).all(dim=-1)
+    if bool(bad.any()):
+        raise ValueError(f"row {int(bad.nonzero()[0])}: the logits hold NaN or inf")
 
 
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -46,10 +62,12 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     # Top-k: keep ranks < k.
     drop = rank >= torch.tensor(top_ks, device=device).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    # Top-p: keep the smallest prefix whose mass reaches p (the top token always stays).
+    # Top-p: keep the smallest prefix whose mass reaches p; the top token always stays (a top_p
+    # that rounds to 0 in float32 would otherwise drop every token).
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     drop = mass_before >= torch.tensor(top_ps, device=device, dtype=logits.dtype).unsqueeze(1)
+    drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
     return torch.softmax(filtered, dim=-1)

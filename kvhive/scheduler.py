@@ -101,8 +101,10 @@ class Scheduler:
         self._requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort_request(self, request_id: str) -> Request | None:
-        """Finish a waiting or running request with reason ABORT and free its blocks; None if unknown."""
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
+        """Finish a waiting or running request with ``reason`` (ABORT, or ERROR when computing it
+        failed) and free its blocks as for any finish; None if unknown. Blocks it computed in a
+        step that was not applied (``update_from_result``) never become prefix-cache hits."""
         request = self._requests.get(request_id)
         if request is None:
             return None
@@ -110,7 +112,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self._finish(request, FinishReason.ABORT)
+        self._finish(request, reason)
         return request
 
     def end_session(self, session_id: str) -> None:
@@ -187,7 +189,8 @@ class Scheduler:
         return self._build_plan(planned)
 
     def update_from_result(self, plan: StepPlan, result: StepResult) -> list[Request]:
-        """Apply a step: append sampled tokens, check stops, cache filled blocks, free finished requests.
+        """Apply a step: append sampled tokens, check stops, cache filled blocks, free finished requests;
+        a request in ``result.failed`` finishes with ERROR.
 
         Returns the requests that got a token or finished (including any that ``schedule`` ended).
         Call it after every ``schedule()``, with an empty StepResult when the plan was empty.
@@ -203,7 +206,9 @@ class Scheduler:
                 span = seq.prompt_logprobs
                 request.num_prompt_logprob_rows = span.first_pos + len(span.next_token_ids)
             reason = None
-            if seq.sample:
+            if seq.request_id in result.failed:
+                reason = FinishReason.ERROR         # its KV was computed; its row was not
+            elif seq.sample:
                 token = result.sampled.get(seq.request_id)
                 if token is None:
                     raise ValueError(f"step result has no token for sampled request {seq.request_id!r}")
@@ -218,7 +223,7 @@ class Scheduler:
             if reason is not None:
                 self._finish(request, reason)
                 any_finished = True
-            if seq.sample:
+            if seq.sample or reason is FinishReason.ERROR:
                 touched.append(request)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]

@@ -95,8 +95,13 @@ class TokenLogprobs:
 class StepResult:
     """Sampled tokens, one per sequence whose ``sample`` flag was set, the logprobs of the
     sequences whose sampling params asked for them, and the prompt logprobs of the chunks that
-    carried a ``PromptLogprobsSpan`` (one entry per row of the span, in order)."""
+    carried a ``PromptLogprobsSpan`` (one entry per row of the span, in order).
+
+    A sequence whose own row could not be computed (its sampling or logprobs raised) is in
+    ``failed`` with the error instead of ``sampled``; the request then ends with an error while
+    the others go on."""
 
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
