@@ -8,9 +8,9 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from kvhive.model import cpu
 from kvhive.model.llama import QUANT_MAX_ROWS
 from kvhive.model.loader import load_model
-from kvhive.model import cpu
 from kvhive.model.quant import QuantMatmul, QuantWeight
 from kvhive.model_files import default_model_path
 from kvhive.request import SamplingParams
