@@ -249,6 +249,9 @@ def serve(args: argparse.Namespace) -> int:
         print(f"kvhive serve: {problem}", file=sys.stderr)
         return 2
     set_wait_policy(args.omp_wait_policy, os.environ)
+    # torch makes its compile cache dir on import (in the temp dir by default): keep it with ours.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "kvhive", "torchinductor"))
     try:
         check_cpu(config)
     except ValueError as exc:
