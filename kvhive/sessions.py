@@ -28,6 +28,7 @@ Rules, in one place:
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from collections import Counter
@@ -38,6 +39,11 @@ from kvhive.config import SessionConfig
 from kvhive.session_backends import SessionBackend
 
 logger = logging.getLogger(__name__)
+
+# Session ids a client names (``conversation_id``, ``x-session-id``): 1 to MAX_SESSION_ID_CHARS of
+# these ASCII characters, safe in a header, a Redis key and a file name.
+SESSION_ID_PATTERN = r"^[A-Za-z0-9_.:-]+$"
+MAX_SESSION_ID_CHARS = 128
 
 # The share of the keeper tier's budget kept free of session pins: room for block headers, for the
 # disk tier's partly filled segments, and for the blocks other requests pass through the tier.
@@ -119,6 +125,13 @@ class Session:
         """Inverse of ``to_json``."""
         return cls(d["id"], d["owner"], d["model"], int(d["ttl"]), float(d["created"]),
                    float(d["expires"]), int(d["num_tokens"]), list(d["block_hashes"]))
+
+
+def check_session_id(session_id: str, param: str) -> None:
+    """SessionError 400 unless ``session_id`` matches SESSION_ID_PATTERN within MAX_SESSION_ID_CHARS."""
+    if len(session_id) > MAX_SESSION_ID_CHARS or re.fullmatch(SESSION_ID_PATTERN, session_id) is None:
+        raise SessionError(400, f"'{param}' must be 1 to {MAX_SESSION_ID_CHARS} characters of A-Z, a-z, "
+                                f"0-9, '_', '.', ':' and '-', got {session_id[:40]!r}", "invalid_session_id", param)
 
 
 def format_bytes(num_bytes: float) -> str:

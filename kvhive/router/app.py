@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvhive.blocks import root_hash
+from kvhive.json_body import BodyError, MalformedJSON, load_json
 from kvhive.router.config import GatewayConfig
 from kvhive.router.gateway import Gateway
 from kvhive.router.index import InMemoryIndex, KVBlockIndex, RedisIndex
@@ -110,7 +111,10 @@ def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
 
     async def routed(request: Request) -> Response:
         body = await request.body()
-        data = _json_object(body)
+        try:
+            data = _json_object(body)
+        except BodyError as exc:
+            return openai_error(400, exc.message, param=exc.param)
         owner = key_owner(request.headers.get("authorization", "")) if config.salt_with_api_key else None
         prompt = prompt_from_body(data, owner) if data is not None else None
         # The session a request continues: x-session-id, a chat conversation_id, or the stored
@@ -198,9 +202,11 @@ class RoutedFastPath:
 
 
 def _json_object(body: bytes) -> dict[str, Any] | None:
+    """The body as a JSON object; None when it is none (it is forwarded as it is, and the replica
+    answers); BodyError for JSON no replica takes (nested too deep, a lone surrogate in a string)."""
     try:
-        data = json.loads(body) if body else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        data = load_json(body) if body else None
+    except MalformedJSON:
         return None
     return data if isinstance(data, dict) else None
 

@@ -22,10 +22,10 @@ _NOT_FORWARDED = _HOP_BY_HOP_RAW | {b"content-length"}
 
 
 def openai_error(status: int, message: str, code: str | None = None,
-                 headers: Mapping[str, str] | None = None) -> JSONResponse:
+                 headers: Mapping[str, str] | None = None, param: str | None = None) -> JSONResponse:
     """An OpenAI-shaped error answered by the gateway itself."""
     error_type = "server_error" if status >= 500 else "invalid_request_error"
-    body = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+    body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
     return JSONResponse(status_code=status, content=body, headers=dict(headers or {}))
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import json
+import logging
+import os
 import secrets
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -16,11 +18,12 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvhive.json_body import BodyError, load_json
 from kvhive.responses import ResponseStore
 from kvhive.server.chat import create_chat_completion
 from kvhive.server.completions import create_completion
 from kvhive.server.context import install_context_routes, session_sweeper
-from kvhive.server.errors import APIError, bad_request, install_error_handlers, validation_error
+from kvhive.server.errors import APIError, bad_request, body_error, install_error_handlers, validation_error
 from kvhive.server.metrics import ServerMetrics
 from kvhive.server.protocol import (
     ChatCompletionRequest,
@@ -41,6 +44,13 @@ if TYPE_CHECKING:
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 KVHIVE_VERSION = "0.1.0"
+logger = logging.getLogger(__name__)
+
+# After the engine loop dies: HTTP answers (generation 500, /health 503) for DRAIN_S, then shuts
+# down, giving open responses GRACE_S to finish; the process is gone within EXIT_S of the death.
+ENGINE_FAILURE_DRAIN_S = 1.0
+ENGINE_FAILURE_GRACE_S = 2.0
+ENGINE_FAILURE_EXIT_S = 5.0
 
 
 class APIKeyMiddleware:
@@ -74,14 +84,15 @@ class APIKeyMiddleware:
 
 
 async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
-    """The JSON body as ``model``, whatever the Content-Type; 400 for bad JSON or bad fields."""
+    """The JSON body as ``model``, whatever the Content-Type; 400 for bad JSON (``load_json``:
+    too deep, not UTF-8, a lone surrogate in a string) or bad fields."""
     raw = await request.body()
     if not raw.strip():
         raise bad_request("Request body is required (a JSON object)")
     try:
-        data: Any = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"Malformed JSON in request body: {exc}") from exc
+        data: Any = load_json(raw)
+    except BodyError as exc:
+        raise body_error(exc) from None
     if not isinstance(data, dict):
         raise bad_request(f"Request body must be a JSON object, got {type(data).__name__}")
     try:
@@ -192,11 +203,14 @@ def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_nam
                api_keys: tuple[str, ...] = (), log_level: str = "info") -> bool:
     """Serve HTTP on a thread and run the engine loop on this (main) thread until interrupted.
 
-    Returns False when the HTTP server never started (e.g. the port is taken).
+    Returns False when the HTTP server never started (e.g. the port is taken) or the engine loop
+    died: the caller then exits non-zero, so a supervisor restarts the server.
 
     SIGINT/SIGTERM start uvicorn's graceful shutdown; the engine keeps stepping until the HTTP
-    server has finished, so in-flight streams complete. If the engine loop dies, HTTP keeps
-    answering (``/health`` says 503) until a signal.
+    server has finished, so in-flight streams complete. If the engine loop dies, its requests fail
+    (500) and ``/health`` answers 503 for ENGINE_FAILURE_DRAIN_S; then the HTTP server shuts down,
+    and this returns within ENGINE_FAILURE_EXIT_S of the death (past it, the process exits with
+    status 1 on its own: closing must not keep a broken server alive).
     """
     app = create_app(async_engine, served_model_name=served_model_name, api_keys=api_keys)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
@@ -214,9 +228,22 @@ def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_nam
     http.start()
     try:
         async_engine.run()
+        if async_engine.error is not None:
+            exit_soon(ENGINE_FAILURE_EXIT_S)
+            time.sleep(ENGINE_FAILURE_DRAIN_S)      # failed requests get their 500s; probes see 503
+            config.timeout_graceful_shutdown = ENGINE_FAILURE_GRACE_S
+            server.should_exit = True
         http.join()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         async_engine.shutdown()
-    return server.started
+    return server.started and async_engine.error is None
+
+
+def exit_soon(delay_s: float) -> None:
+    """Exit the process with status 1 in ``delay_s`` seconds unless it has exited by then."""
+    logger.error("the engine loop died; the server exits with status 1 within %.0f s", delay_s)
+    timer = threading.Timer(delay_s, os._exit, args=(1,))
+    timer.daemon = True
+    timer.start()

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 from fastapi import FastAPI, Request
 
+from kvhive.json_body import BodyError, load_json
 from kvhive.server.chat import create_chat_completion
 from kvhive.server.completions import create_completion
-from kvhive.server.errors import bad_request
+from kvhive.server.errors import bad_request, body_error
 from kvhive.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvhive.server.serving import GenerationService, session_api_error
 from kvhive.sessions import Session, SessionError, parse_ttl
@@ -81,8 +81,8 @@ def install_context_routes(app: FastAPI, service: GenerationService,
             raise bad_request("POST /v1/context creates a session; send x-session-id to "
                               "/v1/completions or /v1/chat/completions to use one", param="x-session-id")
         try:
-            data = json.loads(await raw_request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            data = load_json(await raw_request.body())
+        except BodyError:
             data = None                # parse_body answers the 400
         if isinstance(data, dict) and "messages" in data:
             body = await parse_body(raw_request, ChatCompletionRequest)
@@ -119,9 +119,9 @@ def install_context_routes(app: FastAPI, service: GenerationService,
         value, param = raw_request.headers.get("x-session-ttl"), "x-session-ttl"
         if raw.strip():
             try:
-                data = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise bad_request(f"Malformed JSON in request body: {exc}") from exc
+                data = load_json(raw)
+            except BodyError as exc:
+                raise body_error(exc) from None
             if not isinstance(data, dict):
                 raise bad_request("Request body must be a JSON object like {\"ttl\": 600}")
             if "ttl" in data:

@@ -13,6 +13,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvhive.json_body import BodyError
+
 logger = logging.getLogger(__name__)
 
 # Location parts pydantic adds for union members and model classes ("str", "list[int]", "ContentPart");
@@ -46,6 +48,11 @@ class APIError(Exception):
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     """A 400 invalid_request_error."""
     return APIError(400, message, param=param, code=code)
+
+
+def body_error(exc: BodyError) -> APIError:
+    """A 400 for a body ``kvhive.json_body.load_json`` refused."""
+    return bad_request(exc.message, param=exc.param)
 
 
 def server_error(message: str) -> APIError:

@@ -6,6 +6,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from kvhive.request import MIN_SEED, SEED_END
+from kvhive.sessions import MAX_SESSION_ID_CHARS, SESSION_ID_PATTERN
+
 # ---------------------------------------------------------------- requests
 # Strict: "5" is not an integer and "true" is not a boolean, as in OpenAI's API. Unknown fields are
 # ignored so clients that send newer OpenAI fields keep working.
@@ -32,7 +35,7 @@ class SamplingRequest(_Strict):
     top_k: int | None = Field(default=None, ge=-1)      # vLLM extension; 0 or -1: disabled
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None             # vLLM extension
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=MIN_SEED, lt=SEED_END)    # any signed or unsigned 64-bit
     ignore_eos: bool = False                            # vLLM extension
     n: int = 1
     stream: bool = False
@@ -95,7 +98,8 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
-    conversation_id: str | None = Field(default=None, min_length=1, max_length=256)  # a session
+    conversation_id: str | None = Field(default=None, max_length=MAX_SESSION_ID_CHARS,
+                                       pattern=SESSION_ID_PATTERN)   # a session
     end_conversation: bool = False                      # free the conversation after this turn
 
 

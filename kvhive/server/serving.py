@@ -24,13 +24,14 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
+from kvhive.engine import RequestFailed
 from kvhive.request import SamplingParams
 from kvhive.server.errors import APIError, bad_request, server_error
 from kvhive.server.logprobs import SentToken, TokensAwaitingText
 from kvhive.server.metrics import ServerMetrics
 from kvhive.server.protocol import PromptTokensDetails, SamplingRequest, Usage
 from kvhive.server.stop import StopStringMatcher
-from kvhive.sessions import Session, SessionError, SessionRegistry
+from kvhive.sessions import Session, SessionError, SessionRegistry, check_session_id
 from kvhive.step import TokenLogprobs
 from kvhive.tenancy import cache_salt, key_owner
 from kvhive.tokenizer import IncrementalDetokenizer
@@ -256,11 +257,13 @@ class GenerationService:
                 param=param, code="context_length_exceeded")
         return requested
 
-    def sampling_params(self, body: SamplingRequest, max_tokens: int, logprobs: int | None = None,
+    @staticmethod
+    def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None = None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         """Engine sampling parameters from the request (OpenAI defaults: temperature 1, top_p 1);
         ``logprobs``: how many top alternatives to report per token (None: no logprobs);
-        ``prompt_logprobs``: the same for the prompt's tokens."""
+        ``prompt_logprobs``: the same for the prompt's tokens. The body's fields are within their
+        bounds (``SamplingRequest``); a temperature or top_p below ``SAMPLING_EPS`` samples greedily."""
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -296,7 +299,13 @@ class GenerationService:
         default TTL), or None. ``num_tokens`` (prompt + max output) is checked against the limits.
         A request of ``n`` > 1 choices cannot run in a session (400, before any session is touched)."""
         registry = self.sessions
-        session_id = raw_request.headers.get("x-session-id") or conversation_id
+        header = raw_request.headers.get("x-session-id")
+        if header:
+            try:
+                check_session_id(header, "x-session-id")
+            except SessionError as exc:
+                raise session_api_error(exc) from None
+        session_id = header or conversation_id
         if n > 1 and (session_id or new_ttl is not None):
             raise bad_request(f"'n' must be 1 in a session (x-session-id, conversation_id or POST "
                               f"/v1/context): a session holds one continuation, got n={n}", param="n")
@@ -326,7 +335,8 @@ class GenerationService:
                      end_session: bool = False) -> AsyncIterator[TextDelta]:
         """Run one request; yield text deltas, the last with its finish reason.
 
-        Leaving early (client gone, cancellation) or an engine error aborts the engine request.
+        Leaving early (client gone, cancellation) or an engine error aborts the engine request; a
+        request whose own computation failed raises ``RequestFailed`` (the route's 500).
         With a (busy) session the request continues it and, when it ends, the session holds
         prompt + output with its expiry slid; ``end_session`` deletes the session after the turn.
         """
@@ -381,6 +391,10 @@ class GenerationService:
                 yield TextDelta(text, reason, *counts, tokens, prompt_logprobs)
                 return
             raise RuntimeError(f"engine stream of {request_id} ended without a finished output")
+        except RequestFailed:
+            done = True                   # the engine ended it (its own row failed); others run on
+            tracker.finish("error", counts[0], counts[2])
+            raise
         finally:
             if not done:
                 self.engine.abort(request_id)
