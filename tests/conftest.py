@@ -7,7 +7,10 @@ Run as a script, this file is also the server process the fixtures start:
 ``default`` is the real default model. ``--faulty`` makes prompts that start with
 ``FAULT_TOKEN_IDS`` fail inside the engine, and prompts whose text contains ``FAULT_MARKER`` (which
 a chat-templated prompt can carry) fail after ``FAULT_AFTER_OUTPUTS`` outputs, so tests can see how
-engine errors reach clients, also in the middle of a stream.
+engine errors reach clients, also in the middle of a stream. Inside the engine itself: sampling a
+row of a prompt holding ``ROW_FAULT_MARKER`` raises (in a batch too), the forward of every step
+computing a prompt holding ``STEP_FAULT_MARKER`` raises, and a prompt holding ``LOOP_FAULT_MARKER``
+kills the engine loop (the server then exits with status 1).
 
 Nothing a passing run writes stays in the system temp dir: tests write under ``tmp_path`` (removed
 once the test passes, the run's base temp dir once the run passes: ``tmp_path_retention_policy`` in
@@ -41,6 +44,9 @@ SERVED_MODEL_NAME = "smollm2-135m"
 FAULT_TOKEN_IDS = [0, 0, 0, 0]          # a completion prompt starting with these fails in --faulty servers
 FAULT_MARKER = "<<kvhive: inject an engine failure>>"     # a prompt whose text holds this fails mid-way
 FAULT_AFTER_OUTPUTS = 3                 # outputs sent before that failure (fewer if generation ends first)
+ROW_FAULT_MARKER = "<<kvhive: fail sampling this row>>"
+STEP_FAULT_MARKER = "<<kvhive: fail the steps computing this>>"
+LOOP_FAULT_MARKER = "<<kvhive: kill the engine loop>>"
 TINY_API_KEY = "tiny-test-key"
 TINY_MAX_MODEL_LEN = 512
 # The device the servers these fixtures start run on: "cpu" (CI), or e.g. "cuda" to run the HTTP
@@ -275,15 +281,51 @@ def _build_engine(args: argparse.Namespace):  # -> AsyncEngine (imports stay ins
         engine = LLMEngine(config, loaded=loaded, tokenizer=tokenizer)
     if not args.faulty:
         return AsyncEngine(engine)
+    return _faulty(AsyncEngine, engine)
 
-    class FaultyAsyncEngine(AsyncEngine):
+
+def _faulty(async_engine_class: type, engine):  # -> a FaultyAsyncEngine over engine
+    """The ``--faulty`` engine: see this module's docstring for the markers."""
+    faulty_rows: set[str] = set()           # engine request ids whose sampling raises
+    faulty_steps: set[str] = set()          # engine request ids whose steps' forward raises
+    runner = engine.runner
+    sample_rows, execute = runner.sample_rows, runner.execute
+
+    def faulty_sample_rows(logits, seqs):
+        if any(s.request_id in faulty_rows for s in seqs):
+            raise RuntimeError("injected row failure")
+        return sample_rows(logits, seqs)
+
+    def faulty_execute(plan):
+        if any(s.request_id in faulty_steps for s in plan.seqs):
+            raise RuntimeError("injected step failure")
+        return execute(plan)
+
+    runner.sample_rows, runner.execute = faulty_sample_rows, faulty_execute
+
+    class FaultyAsyncEngine(async_engine_class):
         """Fails requests whose prompt starts with FAULT_TOKEN_IDS at once, and those whose text
-        holds FAULT_MARKER after FAULT_AFTER_OUTPUTS outputs (or at their last), as a broken engine would."""
+        holds FAULT_MARKER after FAULT_AFTER_OUTPUTS outputs (or at their last), as a broken engine
+        would; fails rows, steps and the loop itself for the other markers."""
+
+        kill_loop = False
+
+        def _apply_commands(self):
+            if self.kill_loop:
+                raise RuntimeError("injected engine loop failure")
+            super()._apply_commands()
 
         async def generate(self, request_id, prompt_token_ids, sampling, cache_salt=None, **session):
             if list(prompt_token_ids[:len(FAULT_TOKEN_IDS)]) == FAULT_TOKEN_IDS:
                 raise RuntimeError("injected engine failure")
-            fails_mid_way = FAULT_MARKER in self.engine.tokenizer.decode(prompt_token_ids)
+            text = self.engine.tokenizer.decode(prompt_token_ids)
+            fails_mid_way = FAULT_MARKER in text
+            if ROW_FAULT_MARKER in text:
+                faulty_rows.add(request_id)
+            if STEP_FAULT_MARKER in text:
+                faulty_steps.add(request_id)
+            if LOOP_FAULT_MARKER in text:
+                self.kill_loop = True
             outputs = super().generate(request_id, prompt_token_ids, sampling, cache_salt, **session)
             async with contextlib.aclosing(outputs):
                 num_sent = 0
@@ -320,8 +362,10 @@ def _serve_main() -> None:
     torch.set_num_threads(2)
     from kvhive.server.app import run_server
 
-    run_server(_build_engine(args), host="127.0.0.1", port=args.port,
-               served_model_name=args.served_model_name, api_keys=tuple(args.api_key), log_level="warning")
+    served = run_server(_build_engine(args), host="127.0.0.1", port=args.port,
+                        served_model_name=args.served_model_name, api_keys=tuple(args.api_key),
+                        log_level="warning")
+    sys.exit(0 if served else 1)           # as ``kvhive serve``: 1 when the engine loop died
 
 
 if __name__ == "__main__":
