@@ -153,7 +153,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
                    help="token budget of one step; longer prompts are prefilled in chunks")
     g.add_argument("--num-threads", type=int, default=None, metavar="N",
-                   help="threads of torch and the C++ kernels (default: all cores)")
+                   help="threads of torch and the C++ kernels (default: all cores, fewer while other "
+                        "processes keep cores busy, re-checked every 0.5 s)")
     g.add_argument("--omp-wait-policy", choices=WAIT_POLICIES, default="auto",
                    help="how idle OpenMP threads wait between parallel regions: active spins (fastest on "
                         "a quiet host), passive sleeps at once (kindest to other processes), auto spins "
@@ -201,7 +202,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
                         device=args.device, num_threads=args.num_threads,
                         quantized_matmul=args.quantized_matmul,
                         native_attention=args.native_attention, enforce_eager=args.enforce_eager,
-                        cpu_isa=args.cpu_isa,
+                        cpu_isa=args.cpu_isa, adaptive_threads=args.num_threads is None,
                         cache=cache,
                         kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
                         scheduler=sched, store=store, sessions=sessions)

@@ -149,6 +149,7 @@ class EngineConfig:
     native_attention: bool = True          # C++ attention kernels over the KV pool (CPU)
     enforce_eager: bool = False            # CUDA: no decode graphs (kvhive.model.cuda_graphs)
     cpu_isa: str = "auto"                  # ISA level of the C++ kernels (kvhive.model.cpu.LEVELS)
+    adaptive_threads: bool = False         # CPU: size the thread team to the cores others leave free
     kv_events: str | None = None           # ZMQ PUB endpoint for KV events, e.g. tcp://*:5557
     kv_events_replay: str | None = None    # ZMQ ROUTER endpoint serving replay of recent batches
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -143,6 +143,13 @@ class LLMEngine:
                     cache.block_size, num_blocks * cache.block_size, num_blocks * block_bytes / 2**30,
                     config.dtype, config.device, time.perf_counter() - started)
         self.paths = {**loaded.model.paths(), **self.runner.paths()}
+        self.threads = None
+        if config.adaptive_threads and config.device == "cpu":
+            import torch
+
+            from kvhive.model.threads import ThreadGovernor
+
+            self.threads = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
         logger.info("paths: %s", "; ".join(f"{op} {path}" for op, path in self.paths.items()))
         sched_cfg = config.scheduler
         if sched_cfg.max_model_len != self.max_model_len:
@@ -282,6 +289,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step through the model; return what each touched request produced."""
+        if self.threads is not None:
+            self.threads.adjust()
         if self.connector_worker is not None:
             finished = self.connector_worker.get_finished(())
             if finished.done_recving or finished.done_sending:

@@ -1,0 +1,93 @@
+"""The CPU thread team sized to the cores other processes leave free.
+
+A step splits each op over the team statically, so a step is as slow as its slowest thread: when
+another process holds one of the cores, the thread sharing that core is descheduled for whole time
+slices and every barrier of the step waits for it (a 2-core host with one busy neighbour measured
+several times slower decode with 2 threads than with 1). ``ThreadGovernor`` reads, between steps
+and at most every ``interval_s``, how much CPU time the whole machine and this process used since
+the last reading (Linux ``/proc/stat`` and ``/proc/self/stat``); the difference is what others used,
+and the team gets the cores they left (at least 1, at most the configured count).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _machine_busy_ticks() -> int | None:
+    """Ticks every CPU spent not idle (user, nice, system, irq, softirq, steal) since boot."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    return user + nice + system + irq + softirq + steal
+
+
+def read_cpu_ticks() -> tuple[float, int, int] | None:
+    """(monotonic seconds, the machine's busy ticks, this process's ticks); None off Linux."""
+    busy, own = _machine_busy_ticks(), _own_ticks()
+    return None if busy is None or own is None else (time.monotonic(), busy, own)
+
+
+def _own_ticks() -> int | None:
+    """Ticks this process's threads ran (user + system)."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[11]) + int(fields[12])          # utime, stime (fields 14 and 15 of stat)
+
+
+class ThreadGovernor:
+    """Keeps the thread team at the cores other processes leave free (1..max_threads)."""
+
+    def __init__(self, max_threads: int, set_threads: Callable[[int], None], interval_s: float = 0.5,
+                 cores: int | None = None,
+                 read: Callable[[], tuple[float, int, int] | None] = read_cpu_ticks) -> None:
+        """``read`` gives (seconds, machine busy ticks, own ticks), ``read_cpu_ticks`` by default."""
+        self.max_threads = max_threads
+        self.threads = max_threads
+        self._set_threads = set_threads
+        self.interval_s = interval_s
+        if cores is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.cores = cores
+        self._read = read
+        self._last = read()
+        self.others = 0.0               # cores other processes used over the last interval
+
+    def adjust(self) -> int:
+        """Re-size the team if ``interval_s`` has passed since the last reading; the team's size."""
+        if self._last is None:
+            return self.threads
+        now = self._read()
+        if now is None or now[0] - self._last[0] < self.interval_s:
+            return self.threads
+        elapsed = (now[0] - self._last[0]) * _CLOCK_TICKS
+        self.others = max(0.0, ((now[1] - self._last[1]) - (now[2] - self._last[2])) / elapsed)
+        self._last = now
+        free = self.cores - self.others
+        # Hysteresis: shrink once a core is mostly taken, grow back once it is mostly free.
+        if free < self.threads - 0.6:
+            target = max(1, int(free + 0.4))
+        elif free > self.threads + 0.6:
+            target = min(self.max_threads, int(free + 0.4))
+        else:
+            target = self.threads
+        target = max(1, min(self.max_threads, target))
+        if target != self.threads:
+            logger.info("other processes use %.1f of %d cores: %d compute thread%s", self.others, self.cores,
+                        target, "" if target == 1 else "s")
+            self._set_threads(target)
+            self.threads = target
+        return self.threads
