@@ -549,22 +549,33 @@ def test_a_dead_engine_loop_exits_the_process_non_zero() -> None:
 # ---------------------------------------------------------------- the gateway
 
 
-def test_the_gateway_refuses_deep_and_invalid_unicode_bodies_in_openai_shape(tokenizer: Tokenizer) -> None:
+def test_the_gateway_refuses_hostile_bodies_and_fails_in_openai_shape(tokenizer: Tokenizer) -> None:
     from kvhive.router.app import create_gateway_app
     from kvhive.router.config import GatewayConfig, ReplicaSpec
 
     # No replica needs to answer: these bodies are refused before one is chosen.
     app = create_gateway_app(GatewayConfig((ReplicaSpec("http://127.0.0.1:9"),)), tokenizer)
 
-    async def scenario() -> list[httpx.Response]:
-        async with app.router.lifespan_context(app), \
-                httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
-            answers = []
-            for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/context", "/v1/embeddings"):
-                answers.append(await client.post(path, content=DEEP))
-                answers.append(await client.post(path, content=json.dumps(chat_body(LONE)).encode()))
-            return answers
+    async def crash(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("injected gateway failure")
 
-    for r in asyncio.run(scenario()):
+    paths = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/context", "/v1/embeddings")
+
+    async def scenario() -> tuple[list[httpx.Response], list[httpx.Response]]:
+        async with app.router.lifespan_context(app), \
+                httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+                                  base_url="http://gw") as client:
+            refused = []
+            for path in paths:
+                refused.append(await client.post(path, content=DEEP))
+                refused.append(await client.post(path, content=json.dumps(chat_body(LONE)).encode()))
+            app.state.gateway.choose = crash            # a bug of the gateway's own, on every route
+            return refused, [await client.post(path, json=chat_body("hi")) for path in paths]
+
+    refused, crashed = asyncio.run(scenario())
+    for r in refused:
         param = None if "deeper than" in r.json()["error"]["message"] else "messages[0].content"
         assert_error(r, 400, param=param)
+    for r in crashed:
+        assert_error(r, 500, error_type="server_error", code="internal_server_error",
+                     contains=("injected gateway failure",))

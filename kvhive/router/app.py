@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -29,6 +30,8 @@ from kvhive.router.tokenize import PromptTokenizer, prompt_from_body
 from kvhive.router.upstream import UpstreamClient
 from kvhive.tenancy import key_owner
 from kvhive.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 _ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
@@ -87,6 +90,11 @@ def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
             prompts.close()
 
     app = FastAPI(title="kvhive gateway", version="0.1.0", lifespan=lifespan)
+
+    async def on_crash(request: Request, exc: Exception) -> Response:
+        return gateway_crash(request.scope, exc)
+
+    app.add_exception_handler(Exception, on_crash)
     app.state.gateway = gateway
     app.state.index = raw_index
 
@@ -130,7 +138,10 @@ def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
         app.router.add_route(path, routed, methods=["POST"], include_in_schema=False)
 
     async def routed_asgi(scope: Scope, receive: Receive, send: Send) -> None:
-        response = await routed(Request(scope, receive))
+        try:
+            response = await routed(Request(scope, receive))
+        except Exception as exc:  # noqa: BLE001 - the fast path has no error middleware: answered here
+            response = gateway_crash(scope, exc)
         await response(scope, receive, send)
 
     # The hot path: these POSTs skip the router and the middleware below this one.
@@ -180,6 +191,12 @@ def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
         return await routed(request)
 
     return app
+
+
+def gateway_crash(scope: Scope, exc: Exception) -> Response:
+    """An error of the gateway's own as OpenAI's 500 (logged), never a plain-text page."""
+    logger.error("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+    return openai_error(500, f"Gateway error: {type(exc).__name__}: {exc}", code="internal_server_error")
 
 
 class RoutedFastPath:
