@@ -10,8 +10,8 @@ Measures, with --threads threads:
 
 Floors: decode = (weight bytes a decode step reads: the GGUF blocks of every projection and the LM
 head, or the dense copy without them + the KV bytes of the context) / read bandwidth; warm turn =
-(2 x parameters x new tokens + attention FLOPs) / GEMM peak, and its weight bytes / bandwidth,
-whichever is larger. Writes ``bench/results/roofline.json``.
+(2 x layer parameters x new tokens + the LM head on one row + attention FLOPs) / GEMM peak, and its
+weight and KV bytes / bandwidth, whichever is larger. Writes ``bench/results/roofline.json``.
 
     python bench/roofline.py
     python bench/roofline.py --cpu-isa avx2 --tag avx2
@@ -70,15 +70,17 @@ def gemm_peak(repeat: int) -> dict[str, float]:
     return out
 
 
-def weight_bytes(model) -> tuple[int, int]:
-    """(bytes a decode step reads for weights, parameters in the projections and LM head)."""
-    params = sum(p.numel() for layer in model.layers for p in layer.parameters()) + model.lm_head.numel()
+def weight_bytes(model) -> tuple[int, int, int]:
+    """(bytes a decode step reads for weights, parameters of the layers, of the LM head)."""
+    layer_params = sum(p.numel() for layer in model.layers for p in layer.parameters())
+    head_params = model.lm_head.numel()
+    params = layer_params + head_params
     if model.qmatmul is not None:
         quant = [*(w for layer in model.quant_layers for w in layer.values()), model.quant_lm_head]
         nbytes = sum(w.qs.numel() * w.qs.element_size() + w.d.numel() * 4 + w.m.numel() * 4 for w in quant)
     else:
         nbytes = params * model.embed_tokens.element_size()
-    return nbytes, params
+    return nbytes, layer_params, head_params
 
 
 def main() -> int:
@@ -103,13 +105,15 @@ def main() -> int:
         decode_s = median_time(lambda: runner.execute(decode_plan(1, args.context)), args.repeat)
         warm_s = median_time(lambda: runner.execute(warm_prefill_plan(args.context, args.new)), args.repeat)
     bw, peak = bandwidth(args.repeat), gemm_peak(args.repeat)
-    wbytes, params = weight_bytes(model)
+    wbytes, layer_params, head_params = weight_bytes(model)
     kv_bytes = args.context * c.kv_values_per_token * runner.kv_cache.element_size()
     decode_floor = (wbytes + kv_bytes) / (bw["read_gb_s"] * 1e9)
     attn_flops = 4 * c.num_layers * c.num_heads * c.head_dim * args.new * (args.context + args.new / 2)
-    # The warm turn's projections run on the dense copy (more rows than the quantised path takes).
-    dense_bytes = params * runner.kv_cache.element_size()
-    warm_floor = max((2 * params * args.new + attn_flops) / (peak[args.dtype] * 1e9),
+    # The warm turn's projections run on the dense copy (more rows than the quantised path takes);
+    # the LM head runs on its last row only.
+    dense_bytes = (layer_params + head_params) * runner.kv_cache.element_size()
+    flops = 2 * layer_params * args.new + 2 * head_params + attn_flops
+    warm_floor = max(flops / (peak[args.dtype] * 1e9),
                      (dense_bytes + kv_bytes) / (bw["read_gb_s"] * 1e9))
     flags = " ".join(sorted(f for f in features.flags if f.startswith(("avx", "amx", "fma", "f16c"))))
     record = {
@@ -121,7 +125,7 @@ def main() -> int:
         "decode": {"context": args.context, "weight_bytes": wbytes, "kv_bytes": kv_bytes,
                    "floor_ms": decode_floor * 1e3, "measured_ms": decode_s * 1e3,
                    "ratio": decode_s / decode_floor},
-        "warm_turn": {"context": args.context, "new_tokens": args.new, "flops": 2 * params * args.new + attn_flops,
+        "warm_turn": {"context": args.context, "new_tokens": args.new, "flops": flops,
                       "floor_ms": warm_floor * 1e3, "measured_ms": warm_s * 1e3, "ratio": warm_s / warm_floor},
     }
     os.makedirs(args.out, exist_ok=True)
