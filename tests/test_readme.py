@@ -34,6 +34,8 @@ SKIPPED = {
         "starts a server on port 8000 (tests/test_cli_serve.py starts 'kvhive serve' itself)",
     "bash scripts/test.sh":
         "installs Debian packages and runs this whole suite",
+    "kvhive warmup":
+        "builds the kernels into the user's cache (tests/test_cpu_paths.py runs it)",
     "kvhive serve --cpu-offload-gb 4 --disk-cache-dir ~/.cache/kvhive/kv-tier --disk-cache-gb 50 \\":
         "starts a server with a disk tier and a Redis tier (tests/test_tiers_e2e.py runs the tiers)",
     "kvhive serve --port 8001 --kv-events 'tcp://*:5557' --kv-events-replay 'tcp://*:5558' &":
