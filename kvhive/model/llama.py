@@ -91,17 +91,26 @@ def dense_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_dense() if weight.is_mkldnn else weight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias, through oneDNN when the weight is packed (about 2x faster on CPU decode)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           upcast: bool = False) -> torch.Tensor:
+    """x @ weight.T + bias, through oneDNN when the weight is packed (about 2x faster on CPU decode).
+
+    ``upcast``: multiply in float32 and round the result to x's dtype (bf16 weights on a CPU whose
+    bf16 GEMM is a slow fallback: without AVX-512, torch's bf16 matmul runs at ~2 GFLOP/s).
+    """
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if upcast:
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, weight, bias)
 
 
-def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """residual + x @ weight.T in one kernel."""
+def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, upcast: bool = False) -> torch.Tensor:
+    """residual + x @ weight.T in one kernel (``upcast``: as ``linear``, the sum in float32)."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, None, "add")
+    if upcast:
+        return torch.addmm(residual.float(), x.float(), weight.float().t()).to(x.dtype)
     return torch.addmm(residual, x, weight.t())
 
 
@@ -155,6 +164,9 @@ class LlamaModel(nn.Module):
         self.isa = cpu.resolve(isa) if self.device.type == "cpu" else None
         self.qkv_bias = qkv_bias
         self.packed = False         # True once pack_weights() has run
+        # bf16 weights on a CPU without a fast bf16 GEMM: dense projections multiply in float32.
+        self.upcast = (self.device.type == "cpu" and self.dtype == torch.bfloat16
+                       and not cpu.detect().bf16_packing(self.isa))
         v, h = config.vocab_size, config.hidden_size
         self.embed_tokens = nn.Parameter(torch.empty(v, h, dtype=self.dtype, device=device),
                                          requires_grad=False)
@@ -266,8 +278,10 @@ class LlamaModel(nn.Module):
             proj = f"torch {dt} on {self.device}"
         elif self.packed:
             proj = f"oneDNN packed {dt}"
+        elif self.upcast:
+            proj = "torch float32 on bfloat16 weights (no fast bf16 GEMM on this CPU)"
         else:
-            proj = f"torch {dt}" + (" (oneDNN bf16 packing needs AVX-512 here)" if self.dtype == torch.bfloat16 else "")
+            proj = f"torch {dt}"
         limit = QUANT_MAX_ROWS.get(self.dtype, 0)
         return {
             "projections": proj,
@@ -306,13 +320,14 @@ class LlamaModel(nn.Module):
         x = F.embedding(input_ids, self.embed_tokens)
         hooks = attn_metadata.layer_hooks
         qmm = self.qmatmul if n <= QUANT_MAX_ROWS.get(self.dtype, 0) else None
+        up = self.upcast
         for i, layer in enumerate(self.layers):
             if hooks is not None:
                 hooks.wait_for_layer_load(i)
             q = self.quant_layers[i] if qmm is not None else None
             h = ops.rms_norm(x, layer.input_norm, eps)
             if q is None:
-                qkv = linear(h, layer.qkv_proj, layer.qkv_bias)
+                qkv = linear(h, layer.qkv_proj, layer.qkv_bias, up)
             else:
                 qkv = qmm(h, q["qkv"]) if layer.qkv_bias is None else qmm(h, q["qkv"]) + layer.qkv_bias
             # RoPE on q and k together (adjacent in qkv), written back in place.
@@ -320,18 +335,24 @@ class LlamaModel(nn.Module):
             ops.rope(qk, rope)
             attn = paged_attention(qk[:, :nh], qkv[:, nh * hd:].view(n, 2, nkv, hd), kv_cache, i,
                                    attn_metadata)
-            x = linear_add(attn, layer.o_proj, x) if q is None else qmm(attn, q["o"], x)
+            x = linear_add(attn, layer.o_proj, x, up) if q is None else qmm(attn, q["o"], x)
             if hooks is not None:
                 hooks.save_kv_layer(i)
             h = ops.rms_norm(x, layer.post_attn_norm, eps)
-            gate_up = linear(h, layer.gate_up_proj) if q is None else qmm(h, q["gate_up"])
+            gate_up = linear(h, layer.gate_up_proj, upcast=up) if q is None else qmm(h, q["gate_up"])
             act = ops.silu_mul(gate_up)
-            x = linear_add(act, layer.down_proj, x) if q is None else qmm(act, q["down"], x)
+            x = linear_add(act, layer.down_proj, x, up) if q is None else qmm(act, q["down"], x)
         return x
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head on the sampled rows only: [n, H] -> float32 [n, vocab]."""
+        """Final norm + LM head on the sampled rows only: [n, H] -> float32 [n, vocab].
+
+        The GGUF-block and float32-compute paths keep the float32 sums (a bf16 model's logits are
+        not rounded to bf16, whose 0.125 steps near 25 would tie close candidates).
+        """
         h = self.ops.rms_norm(hidden_rows, self.norm, self.config.rms_norm_eps)
         if self.qmatmul is not None and h.shape[0] <= QUANT_MAX_ROWS.get(self.dtype, 0):
-            return self.qmatmul(h, self.quant_lm_head).float()
+            return self.qmatmul(h.float(), self.quant_lm_head)
+        if self.upcast:
+            return F.linear(h.float(), self.lm_head.float())
         return linear(h, self.lm_head).float()
