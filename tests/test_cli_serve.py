@@ -83,7 +83,7 @@ def test_serve_help_names_the_defaults_users_ask_about(capsys: pytest.CaptureFix
     for shown in ("--port PORT TCP port to listen on (default: 8000)",
                   "(default: 127.0.0.1)", "(default: 2.0)", "(default: float32)", "(default: cpu)",
                   "(default: info)", "(default: 8)", "(default: 2048)", "(default: 16)",
-                  "(default: prefix caching on)", "(default: no limit)", "(default: all cores)",
+                  "(default: prefix caching on)", "(default: no limit)", "(default: all cores, fewer while other processes keep cores busy",
                   "$KVHIVE_API_KEY", "about 3.4 GB"):
         assert shown in text, shown
     assert "(default: 8080)" in _help(capsys, "gateway")
