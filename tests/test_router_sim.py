@@ -131,7 +131,7 @@ def test_baseline_policies_ignore_the_index_but_keep_sessions() -> None:
     async def firsts(g: Gateway, n: int, session: str | None = None) -> list[tuple[str, str]]:
         out = []
         for _ in range(n):
-            ranked, reason = await g.choose(None, session)
+            ranked, reason = await g.choose(None, session, "owner-a")
             out.append((ranked[0].name, reason))
         return out
 
@@ -140,5 +140,7 @@ def test_baseline_policies_ignore_the_index_but_keep_sessions() -> None:
     rnd = asyncio.run(firsts(gateway("random"), 30))
     assert {name for name, _ in rnd} == set(names) and {r for _, r in rnd} == {"random"}
     g = gateway("random")
-    g.sessions.remember("s", names[2])
+    g.sessions.remember("owner-a", "s", names[2])
     assert asyncio.run(firsts(g, 5, "s")) == [(names[2], "session")] * 5
+    g.sessions.remember("owner-b", "t", names[2])           # another key's id: unknown to owner-a
+    assert {reason for _, reason in asyncio.run(firsts(g, 5, "t"))} == {"random"}

@@ -118,21 +118,24 @@ def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
         return _merge_lists(await gateway.fan_out(request, "/v1/models"), key="id")
 
     async def routed(request: Request) -> Response:
-        body = await request.body()
+        body = await read_body(request, config.max_request_bytes)
+        if body is None:
+            return too_large(config.max_request_bytes)
         try:
             data = _json_object(body)
         except BodyError as exc:
             return openai_error(400, exc.message, param=exc.param)
-        owner = key_owner(request.headers.get("authorization", "")) if config.salt_with_api_key else None
-        prompt = prompt_from_body(data, owner) if data is not None else None
+        owner = key_owner(request.headers.get("authorization", ""))
+        prompt = prompt_from_body(data, owner if config.salt_with_api_key else None) \
+            if data is not None else None
         # The session a request continues: x-session-id, a chat conversation_id, or the stored
         # response a /v1/responses request continues (its replica holds its conversation's KV).
         named = [data.get(k) for k in ("conversation_id", "previous_response_id")] if data is not None else []
         session_id = request.headers.get(SESSION_HEADER) or next((n for n in named if isinstance(n, str)), None)
-        candidates, reason = await gateway.choose(prompt, session_id)
+        candidates, reason = await gateway.choose(prompt, session_id, owner)
         if not candidates:
             return openai_error(503, "No healthy replica", code="no_replica")
-        return await gateway.forward(request, body, candidates, reason, session_id=session_id)
+        return await gateway.forward(request, body, candidates, reason, owner, session_id=session_id)
 
     for path in _ROUTED_PATHS:
         app.router.add_route(path, routed, methods=["POST"], include_in_schema=False)
@@ -155,18 +158,22 @@ def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
         return _merge_lists(await gateway.fan_out(request, "/v1/context"), key="id")
 
     async def to_holder(request: Request, session_id: str) -> Response:
-        """Sent to the replica holding the session or stored response (asking each in turn when the
-        gateway forgot); a DELETE that succeeds forgets it."""
-        holder = gateway.sessions.get(session_id)
+        """Sent to the replica holding the caller's session or stored response (asking each in turn
+        when the gateway does not know it for the caller's key); a DELETE that succeeds forgets it."""
+        owner = key_owner(request.headers.get("authorization", ""))
+        holder = gateway.sessions.get(owner, session_id)
         healthy = replica_set.healthy()
         first = [r for r in healthy if r.name == holder]
         candidates = first + [r for r in healthy if r.name != holder]
         if not candidates:
             return openai_error(503, "No healthy replica", code="no_replica")
-        response = await gateway.forward(request, await request.body(), candidates, "session",
+        body = await read_body(request, config.max_request_bytes)
+        if body is None:
+            return too_large(config.max_request_bytes)
+        response = await gateway.forward(request, body, candidates, "session", owner,
                                          find_session=session_id)
         if request.method == "DELETE" and response.status_code < 400:
-            gateway.sessions.forget(session_id)
+            gateway.sessions.forget(owner, session_id)
         return response
 
     @app.api_route("/v1/context/{session_id}", methods=["GET", "PATCH", "DELETE"], response_model=None)
@@ -216,6 +223,30 @@ class RoutedFastPath:
             await self.handler(scope, receive, send)
         else:
             await self.app(scope, receive, send)
+
+
+async def read_body(request: Request, limit: int) -> bytes | None:
+    """The request's body, or None when it is over ``limit`` bytes (declared, or counted as it
+    arrives: at most ``limit`` bytes and one piece are read)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return None
+    pieces: list[bytes] = []
+    size = 0
+    async for piece in request.stream():
+        size += len(piece)
+        if size > limit:
+            return None
+        pieces.append(piece)
+    return b"".join(pieces)
+
+
+def too_large(limit: int) -> Response:
+    """The 413 for a body over the gateway's limit; it closes the connection (the rest of the body
+    is never read)."""
+    return openai_error(413, f"The request body exceeds the gateway's limit of {limit} bytes "
+                             f"(--max-request-bytes)", code="request_too_large",
+                        headers={"connection": "close"})
 
 
 def _json_object(body: bytes) -> dict[str, Any] | None:

@@ -96,6 +96,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
     g.add_argument("--port", type=port_number, default=8080, help="TCP port to listen on")
+    g.add_argument("--max-request-bytes", type=int, default=32 * 2**20, metavar="N",
+                   help="largest request body in bytes the gateway reads (it holds each body in memory "
+                        "to forward it); a larger one is refused with 413 (default: 32 MiB)")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log verbosity")
@@ -127,7 +130,7 @@ def build_gateway_config(args: argparse.Namespace) -> GatewayConfig:
         weights=RoutingWeights(args.cache_weight, args.load_weight, args.kv_usage_weight,
                                args.waiting_factor),
         health_interval_s=args.health_interval, failures_to_drop=args.failures_to_drop,
-        salt_with_api_key=args.salt_with_api_key)
+        salt_with_api_key=args.salt_with_api_key, max_request_bytes=args.max_request_bytes)
 
 
 @dataclass(frozen=True)

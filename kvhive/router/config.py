@@ -75,6 +75,8 @@ class GatewayConfig:
     max_sessions: int = 100_000
     # The replicas run with --api-key and without --share-prefix-cache: each key salts its blocks.
     salt_with_api_key: bool = False
+    # Largest request body the gateway reads (413 above): it holds each body in memory to forward it.
+    max_request_bytes: int = 32 * 2**20
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -96,3 +98,5 @@ class GatewayConfig:
             raise ValueError(f"--failures-to-drop must be >= 1, got {self.failures_to_drop}")
         if self.index_max_keys < 1:
             raise ValueError(f"--index-max-keys must be >= 1, got {self.index_max_keys}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")

@@ -19,7 +19,7 @@ from kvhive.router.replicas import Replica, ReplicaSet
 from kvhive.router.scorer import RoutingWeights, pick_replica
 from kvhive.router.sessions import RESPONSE_ID_HEADER, SESSION_HEADER, SessionAffinity
 from kvhive.router.tokenize import Prompt
-from kvhive.router.upstream import UpstreamClient, UpstreamConnectError, UpstreamError
+from kvhive.router.upstream import UpstreamClient, UpstreamConnectError, UpstreamError, UpstreamUnanswered
 
 logger = logging.getLogger(__name__)
 
@@ -45,17 +45,19 @@ class Gateway:
         self.upstream = upstream if upstream is not None else UpstreamClient()
         self._turn = 0          # rotates the order in which equal scores are broken
 
-    async def choose(self, prompt: Prompt | None, session_id: str | None) -> tuple[list[Replica], str]:
+    async def choose(self, prompt: Prompt | None, session_id: str | None,
+                     owner: str) -> tuple[list[Replica], str]:
         """Healthy replicas in order of preference, and why the first is first.
 
-        The replica holding the session comes first while it is healthy; otherwise replicas are
-        ranked by ``pick_replica`` (KV score of the prompt, then load) under the "kv" policy, by
-        load alone under "least_load", in turn under "round_robin", and at random under "random".
+        The replica holding ``owner``'s session ``session_id`` comes first while it is healthy (an
+        id only another owner used counts as unknown); otherwise replicas are ranked by
+        ``pick_replica`` (KV score of the prompt, then load) under the "kv" policy, by load alone
+        under "least_load", in turn under "round_robin", and at random under "random".
         """
         healthy = self.replicas.healthy()
         if not healthy:
             return [], "none"
-        holder = self.sessions.get(session_id) if session_id else None
+        holder = self.sessions.get(owner, session_id) if session_id else None
         self._turn += 1
         if self.policy in ("round_robin", "random"):
             names = [r.name for r in healthy]
@@ -88,25 +90,36 @@ class Gateway:
         return [r for r in (self.replicas.get(n) for n in names) if r is not None]
 
     async def forward(self, request: Request, body: bytes, candidates: Sequence[Replica], reason: str,
-                      path: str | None = None, find_session: str | None = None,
+                      owner: str, path: str | None = None, find_session: str | None = None,
                       session_id: str | None = None) -> Response:
-        """Send the request to the first candidate that can be reached (a refused connection marks
-        that replica down and tries the next). With ``find_session``, a 404 also moves on to the next
-        candidate: the first replica that knows the session answers, and is remembered. A replica
-        that answers a request naming ``session_id`` (a session, or the response a request continues)
-        is remembered as its holder, and as the holder of a response it names in
+        """Send the request to the first candidate and relay its answer.
+
+        A request that no byte of an answer came back for (connection refused, connect timeout,
+        closed or reset before the status line) goes to the next candidate, once per request,
+        counted in kvhive_gateway_retries_total{reason}; a refused connection also marks that
+        replica down. Any other upstream failure is a 502. With ``find_session``, a 404 also moves
+        on to the next candidate: the first replica that knows the session answers. A replica that
+        answers a request naming ``session_id`` (a session, or the response a request continues)
+        is remembered as the holder of ``owner``'s id, and as the holder of a response it names in
         ``x-kvhive-response-id``."""
         last_404: Response | None = None
+        unanswered: UpstreamUnanswered | None = None
+        # Each pass either returns or moves on after a 404 (find_session) or a first unanswered try.
         for attempt, replica in enumerate(candidates):
-            if attempt >= 2 and find_session is None:
-                break
             replica.inflight += 1
             try:
                 upstream = await open_upstream(self.upstream, replica.name, request, body, path)
-            except UpstreamConnectError as exc:
+            except UpstreamUnanswered as exc:
                 replica.inflight -= 1
                 self.metrics.upstream_errors.labels(replica.name).inc()
-                await self.replicas.mark_down(replica, f"connection failed: {exc}")
+                if isinstance(exc, UpstreamConnectError):
+                    await self.replicas.mark_down(replica, f"connection failed: {exc}")
+                if unanswered is not None:
+                    return self._unreachable(exc)       # retried once already
+                unanswered = exc
+                if attempt + 1 < len(candidates):
+                    self.metrics.retries.labels(exc.reason).inc()
+                    logger.info("retrying on another replica: %s did not answer (%s)", replica.name, exc)
                 continue
             except UpstreamError as exc:
                 replica.inflight -= 1
@@ -114,24 +127,33 @@ class Gateway:
                 return openai_error(502, f"replica {replica.name} failed: {type(exc).__name__}: {exc}",
                                     code="bad_gateway", headers={REPLICA_HEADER: replica.name})
             status = upstream.status_code
-            self.metrics.decisions.labels(replica.name, reason if attempt == 0 else "retry").inc()
+            label = reason if attempt == 0 else "retry"
+            self.metrics.decisions.labels(replica.name, label).inc()
             self.metrics.responses.labels(replica.name, str(status)).inc()
-            headers = {REPLICA_HEADER: replica.name, REASON_HEADER: reason if attempt == 0 else "retry"}
+            headers = {REPLICA_HEADER: replica.name, REASON_HEADER: label}
             if find_session is not None and status == 404 and attempt + 1 < len(candidates):
                 last_404 = await relay(upstream, headers, lambda r=replica: self._done(r))
                 continue
-            # A replica that answers a request naming a session now holds it (it creates unknown
-            # ones implicitly), whether or not it echoes the header; and it holds a response it stored.
+            # A replica that answers a request naming a session holds it (it creates unknown ones
+            # implicitly), whether or not it echoes the header; and it holds a response it stored.
             echoed = upstream.header(SESSION_HEADER.encode())
             stored = upstream.header(RESPONSE_ID_HEADER.encode())
             held = (echoed.decode("latin-1") if echoed else None) or find_session or session_id
             for key in (held, stored.decode("latin-1") if stored else None):
                 if key and status < 400:
-                    self.sessions.remember(key, replica.name)
-            return await relay(upstream, headers, lambda r=replica: self._done(r))
+                    self.sessions.remember(owner, key, replica.name)
+            return await relay(upstream, headers, lambda r=replica: self._done(r), replica.name,
+                               lambda r=replica: self.metrics.stream_errors.labels(r.name).inc())
         if last_404 is not None:
             return last_404
-        return openai_error(503, "No replica could be reached", code="no_replica")
+        return self._unreachable(unanswered)
+
+    @staticmethod
+    def _unreachable(failure: UpstreamUnanswered | None) -> Response:
+        """503 when no candidate could be connected to; 502 when one dropped the request."""
+        if failure is None or isinstance(failure, UpstreamConnectError):
+            return openai_error(503, "No replica could be reached", code="no_replica")
+        return openai_error(502, f"no replica answered: {failure}", code="bad_gateway")
 
     async def fan_out(self, request: Request, path: str) -> list[tuple[Replica, int, Any]]:
         """GET ``path`` on every healthy replica: (replica, status, parsed JSON or None) for each answer."""

@@ -48,6 +48,14 @@ class GatewayMetrics:
         self.upstream_errors = Counter("kvhive_gateway_upstream_errors",
                                        "Requests a replica could not be reached for.", ["replica"],
                                        registry=self.registry)
+        self.retries = Counter("kvhive_gateway_retries",
+                               "Requests sent to another replica because no byte of an answer came back "
+                               "(reason: connect, connect_timeout, reset).", ["reason"],
+                               registry=self.registry)
+        self.stream_errors = Counter("kvhive_gateway_stream_errors",
+                                     "Answers a replica cut mid-body (an SSE stream ends with an error "
+                                     "event, a whole JSON body is a 502).", ["replica"],
+                                     registry=self.registry)
         self.lookup_seconds = Histogram("kvhive_gateway_index_lookup_seconds",
                                         "Index lookup time per request.", buckets=_LOOKUP_BUCKETS,
                                         registry=self.registry)

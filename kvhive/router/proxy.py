@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -60,9 +61,11 @@ async def open_upstream(client: UpstreamClient, base_url: str, request: Request,
 
 
 async def relay(upstream: UpstreamResponse, headers: Mapping[str, str],
-                on_done: Callable[[], None]) -> Response:
+                on_done: Callable[[], None], source: str = "the replica",
+                on_cut: Callable[[], None] | None = None) -> Response:
     """The replica's answer as the gateway's: the body passed through as it arrives, an error
-    re-shaped as OpenAI's. ``on_done`` runs once, when the upstream answer is closed."""
+    re-shaped as OpenAI's. ``on_done`` runs once, when the upstream answer is closed; ``on_cut``
+    when the replica cut a streamed answer (``source`` names it in the error the client gets)."""
     if upstream.status_code >= 400:
         try:
             raw = await upstream.read()
@@ -73,7 +76,27 @@ async def relay(upstream: UpstreamResponse, headers: Mapping[str, str],
             on_done()
         return JSONResponse(status_code=upstream.status_code,
                             content=as_openai_error(upstream.status_code, raw), headers=dict(headers))
-    return RelayResponse(upstream, headers, on_done)
+    return RelayResponse(upstream, headers, on_done, source, on_cut)
+
+
+def cut_stream_events(path: str, message: str, last_chunk: bytes) -> bytes:
+    """What ends an SSE stream the replica cut: OpenAI's error event for ``path``.
+
+    Completions and chat: ``data: {"error": {...}}`` then ``data: [DONE]``, as a replica ends a
+    stream its engine failed. /v1/responses: an ``error`` event (type, code, message, param,
+    sequence_number one past the last one in ``last_chunk``). A partial event in ``last_chunk`` is
+    closed first, so the error event parses on its own."""
+    lead = b"" if not last_chunk or last_chunk.endswith(b"\n\n") else b"\n\n"
+    if path.rstrip("/") == "/v1/responses":
+        numbers = _SEQUENCE_NUMBER.findall(last_chunk)
+        data = {"type": "error", "code": "bad_gateway", "message": message, "param": None,
+                "sequence_number": int(numbers[-1]) + 1 if numbers else 0}
+        return lead + b"event: error\ndata: " + json.dumps(data).encode() + b"\n\n"
+    error = {"error": {"message": message, "type": "server_error", "param": None, "code": "bad_gateway"}}
+    return lead + b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+_SEQUENCE_NUMBER = re.compile(rb'"sequence_number":\s*(\d+)')
 
 
 class RelayResponse(Response):
@@ -82,23 +105,38 @@ class RelayResponse(Response):
     While a streamed answer (chunked or read to close) streams, a task waits for the client to
     leave; if it does, the upstream connection is closed at once, so the replica stops generating
     (uvicorn's h11 server only reports a departed client through ``receive``). An answer with a
-    Content-Length was generated in full before it began: it is passed on in one body message."""
+    Content-Length was generated in full before it began: it is passed on in one body message (a
+    502 in OpenAI's shape when it cannot be read). A server-sent event stream the replica cuts
+    mid-way ends with OpenAI's error event (``cut_stream_events``) and a proper end of body; any
+    other streamed answer it cuts is cut for the client too."""
 
     def __init__(self, upstream: UpstreamResponse, headers: Mapping[str, str],
-                 on_done: Callable[[], None]) -> None:
+                 on_done: Callable[[], None], source: str = "the replica",
+                 on_cut: Callable[[], None] | None = None) -> None:
         self.status_code = upstream.status_code
         self.background = None
         self.raw_headers = [(k, v) for k, v in upstream.headers if k.lower() not in _HOP_BY_HOP_RAW]
         self.raw_headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         self._upstream = upstream
         self._on_done = on_done
+        self._source = source
+        self._on_cut = on_cut
+        self._headers = dict(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Send the status, headers and body pieces; close the upstream answer in every case."""
         upstream = self._upstream
         if not upstream.streamed:
             try:
-                body = await upstream.read()
+                try:
+                    body = await upstream.read()
+                except UpstreamError as exc:
+                    if self._on_cut is not None:
+                        self._on_cut()
+                    failed = openai_error(502, f"replica {self._source} failed: {exc}", code="bad_gateway",
+                                          headers=self._headers)
+                    await failed(scope, receive, send)
+                    return
                 await send({"type": "http.response.start", "status": self.status_code,
                             "headers": self.raw_headers})
                 await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -114,16 +152,27 @@ class RelayResponse(Response):
 
         watcher = asyncio.ensure_future(_until_disconnect(receive))
         watcher.add_done_callback(client_left)
+        last = b""
         try:
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
             async for chunk in upstream.chunks():
+                last = chunk
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             finished = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except UpstreamError:
-            if not watcher.done():
-                raise                   # the replica cut its answer: the client sees a broken one
+        except UpstreamError as exc:
+            if watcher.done():
+                return                  # the client left: nobody to tell
+            if self._on_cut is not None:
+                self._on_cut()
+            content_type = upstream.header(b"content-type") or b""
+            if not content_type.startswith(b"text/event-stream"):
+                raise                   # not SSE: the client sees a broken answer
+            message = f"replica {self._source} stopped mid-stream: {exc}"
+            finished = True
+            await send({"type": "http.response.body", "more_body": False,
+                        "body": cut_stream_events(scope["path"], message, last)})
         finally:
             finished = True
             watcher.cancel()

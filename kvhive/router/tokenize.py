@@ -8,10 +8,12 @@ letter, a space and a letter meet ("...word| word..."). Every pre-tokenizer the 
 (GPT-2, llama3, qwen2 splits, digits first or not) starts a new pre-token at such a space and never
 joins it to the letter before, and BPE merges never cross pre-tokens, so
 ``encode(a + b) == encode(a) + encode(b)`` at those cuts. Each chunk's ids are cached by the chunk's
-text and the chunks before it (LRU), so a repeated long prefix is not tokenized again, and the
-chunk's key names that whole prefix (the indexer caches block keys by it). A probe at start-up
-checks the property on the actual tokenizer; if it fails the store is off and texts are encoded
-whole.
+text, the chunks before it and the prompt's cache salt (LRU), so a repeated long prefix is not
+tokenized again, and the chunk's key names that whole prefix (the indexer caches block keys by
+it). The salt keeps tenants apart as the replicas' prefix caches do: with the gateway's
+``--salt-with-api-key``, one key never finds another key's chunks, so the time a request takes at
+the gateway does not tell whether another key sent the same text. A probe at start-up checks the
+property on the actual tokenizer; if it fails the store is off and texts are encoded whole.
 """
 
 from __future__ import annotations
@@ -137,8 +139,8 @@ class PromptTokenizer:
             return PromptPieces([None], [prompt.token_ids])
         if prompt.messages is not None:
             return self.encode_pieces(self.tokenizer.apply_chat_template(list(prompt.messages)),
-                                      max_new_chars)
-        return self.encode_pieces(prompt.text or "", max_new_chars)
+                                      max_new_chars, prompt.cache_salt)
+        return self.encode_pieces(prompt.text or "", max_new_chars, prompt.cache_salt)
 
     async def run(self, fn: Any, *args: Any) -> Any:
         """Run ``fn(*args)`` on the tokenizer pool, off the event loop."""
@@ -150,16 +152,19 @@ class PromptTokenizer:
         pieces = self.encode_pieces(text, max_new_chars)
         return None if pieces is None else pieces.joined()
 
-    def encode_pieces(self, text: str, max_new_chars: int | None = None) -> PromptPieces | None:
-        """``encode`` as one piece per chunk of text (one uncached piece for a short text)."""
+    def encode_pieces(self, text: str, max_new_chars: int | None = None,
+                      salt: str | None = None) -> PromptPieces | None:
+        """``encode`` as one piece per chunk of text (one uncached piece for a short text); chunks
+        are cached under ``salt`` (a prompt's cache salt): found only by texts with the same salt."""
         if not self.prefix_store_enabled or len(text) <= self.chunk_chars:
             if max_new_chars is not None and len(text) > max_new_chars:
                 return None
             return PromptPieces([None], [self.tokenizer.encode(text)])
         chunks = self.chunks(text)
-        # Key i names chunks 0..i: equal keys mean equal text up to the chunk's end.
+        # Key i names the salt and chunks 0..i: equal keys mean equal salt and text up to the
+        # chunk's end.
         keys: list[bytes | None] = []
-        key = b""
+        key = b"" if salt is None else xxhash.xxh3_128_digest(b"salt:" + salt.encode("utf-8", "surrogatepass"))
         for chunk in chunks:
             key = xxhash.xxh3_128_digest(key + chunk.encode("utf-8", "surrogatepass"))
             keys.append(key)

@@ -8,7 +8,9 @@ parse the status line and headers, and read a Content-Length, chunked or read-to
 
 A pooled connection that the replica closed while idle fails before any byte of the answer; that
 request is sent once more on a new connection (the replica never saw it). Every other failure is
-the caller's: ``UpstreamConnectError`` (the replica cannot be reached) or ``UpstreamError``.
+the caller's: ``UpstreamUnanswered`` when no byte of an answer came back (``UpstreamConnectError``:
+the replica cannot be reached; else the connection was closed or reset before the status line),
+so the request may go to another replica; ``UpstreamError`` otherwise.
 """
 
 from __future__ import annotations
@@ -25,7 +27,18 @@ class UpstreamError(Exception):
     """The replica's answer could not be read (cut, malformed or too slow)."""
 
 
-class UpstreamConnectError(UpstreamError):
+class UpstreamUnanswered(UpstreamError):
+    """No byte of an answer came back: the connection was refused, timed out while connecting, or
+    was closed or reset before the status line. ``reason`` is "connect", "connect_timeout" or
+    "reset". A read that timed out waiting for the answer is not one of these (the replica may
+    still be working on the request)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class UpstreamConnectError(UpstreamUnanswered):
     """No connection to the replica could be made (it is down or refuses connections)."""
 
 
@@ -162,10 +175,16 @@ class UpstreamClient:
                     raw = await conn.reader.readuntil(b"\r\n\r\n")
             except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError) as exc:
                 conn.close()
-                nothing_read = not isinstance(exc, asyncio.IncompleteReadError) or not exc.partial
-                if conn.reused and nothing_read and not isinstance(exc, TimeoutError):
+                message = f"no answer from the replica: {type(exc).__name__}: {exc}"
+                # TimeoutError is an OSError: a slow answer is not a refused one.
+                nothing_read = not isinstance(exc, TimeoutError) and (
+                    isinstance(exc, OSError) or (isinstance(exc, asyncio.IncompleteReadError)
+                                                 and not exc.partial))
+                if not nothing_read:
+                    raise UpstreamError(message) from exc
+                if conn.reused:
                     continue            # closed by the replica while idle: it never saw the request
-                raise UpstreamError(f"no answer from the replica: {type(exc).__name__}: {exc}") from exc
+                raise UpstreamUnanswered(message, "reset") from exc
             try:
                 return self._response(origin, conn, raw, method)
             except ValueError as exc:
@@ -238,6 +257,7 @@ class UpstreamClient:
                 reader, writer = await asyncio.open_connection(
                     host, port, ssl=self._ssl if secure else None, limit=2**20)
         except (OSError, TimeoutError) as exc:
-            raise UpstreamConnectError(f"cannot connect to {host}:{port}: {type(exc).__name__}: {exc}") \
-                from exc
+            reason = "connect_timeout" if isinstance(exc, TimeoutError) else "connect"
+            raise UpstreamConnectError(f"cannot connect to {host}:{port}: {type(exc).__name__}: {exc}",
+                                       reason) from exc
         return _Connection(reader, writer)

@@ -1,0 +1,336 @@
+"""The gateway's forwarding against tiny asyncio servers (in process): which upstream failures are
+sent to another replica (once, counted), which are a 502, how a cut stream ends, its body limit;
+and what it keeps per API key: session affinity and the prefix store's chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from conftest import free_port
+from fastapi import Request
+
+from kvhive.router.app import read_body, too_large
+from kvhive.router.config import ReplicaSpec
+from kvhive.router.gateway import REASON_HEADER, REPLICA_HEADER, Gateway
+from kvhive.router.index import InMemoryIndex
+from kvhive.router.metrics import GatewayMetrics
+from kvhive.router.proxy import cut_stream_events
+from kvhive.router.replicas import Replica, ReplicaSet
+from kvhive.router.scorer import RoutingWeights
+from kvhive.router.sessions import SessionAffinity
+from kvhive.router.upstream import UpstreamClient, UpstreamConnectError, UpstreamError, UpstreamUnanswered
+from kvhive.tenancy import key_owner
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+OK = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{"ok": "y"}'
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n" % len(data) + data + b"\r\n"
+
+
+async def read_request(reader: asyncio.StreamReader) -> None:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    await reader.readexactly(length)
+
+
+def answers(*parts: bytes, close: bool = True, delay_s: float = 0.0) -> Handler:
+    """Reads each request, writes ``parts`` (pausing ``delay_s`` between them), then closes the
+    connection (or keeps it for the next request)."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                await read_request(reader)
+                for part in parts:
+                    writer.write(part)
+                    await writer.drain()
+                    await asyncio.sleep(delay_s)
+                if close:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.transport.abort()
+    return handle
+
+
+async def hangs(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Reads the request and never answers."""
+    await read_request(reader)
+    await asyncio.sleep(30)
+
+
+def served(*handlers: Handler | None) -> Callable[[Callable[..., Awaitable[Any]]], Any]:
+    """Runs ``test(urls)`` with one server per handler (None: a port nobody listens on)."""
+    def run(test: Callable[..., Awaitable[Any]]) -> Any:
+        async def main() -> Any:
+            servers, urls = [], []
+            for handler in handlers:
+                port = free_port()
+                if handler is not None:
+                    servers.append(await asyncio.start_server(handler, "127.0.0.1", port))
+                urls.append(f"http://127.0.0.1:{port}")
+            try:
+                return await test(urls)
+            finally:
+                for server in servers:
+                    server.close()
+        return asyncio.run(main())
+    return run
+
+
+def gateway_for(urls: list[str], read_timeout_s: float = 5.0) -> Gateway:
+    replicas = [Replica(ReplicaSpec(u), healthy=True) for u in urls]
+    return Gateway(ReplicaSet(replicas, InMemoryIndex(), client=None), indexer=None,
+                   sessions=SessionAffinity(), weights=RoutingWeights(), metrics=GatewayMetrics(),
+                   client=None, policy="round_robin",
+                   upstream=UpstreamClient(connect_timeout_s=1.0, read_timeout_s=read_timeout_s))
+
+
+def scope_for(path: str = "/v1/completions", authorization: str = "Bearer key-a") -> dict[str, Any]:
+    return {"type": "http", "method": "POST", "path": path, "query_string": b"",
+            "headers": [(b"content-type", b"application/json"),
+                        (b"authorization", authorization.encode())]}
+
+
+async def forward(gateway: Gateway, path: str = "/v1/completions", session_id: str | None = None,
+                  owner: str = "owner-a") -> tuple[int, dict[str, str], bytes]:
+    """Forward one POST to the gateway's replicas in order: the status, headers and body the client
+    gets (UpstreamError when the answer is cut for the client too)."""
+    scope = scope_for(path)
+    request = Request(scope)
+    response = await gateway.forward(request, b"{}", gateway.replicas.replicas, "load", owner,
+                                     session_id=session_id)
+    messages: list[dict[str, Any]] = []
+    never = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        await never.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        messages.append(message)
+
+    await response(scope, receive, send)
+    start = messages[0]
+    headers = {k.decode(): v.decode() for k, v in start["headers"]}
+    body = b"".join(m.get("body", b"") for m in messages[1:])
+    assert messages[-1].get("more_body", False) is False
+    return start["status"], headers, body
+
+
+def sample(gateway: Gateway, name: str, labels: dict[str, str] | None = None) -> float:
+    return gateway.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+def test_unanswered_failures_are_told_apart_from_answers_that_broke() -> None:
+    async def go(urls: list[str]) -> None:
+        refused, dropped, half, slow = urls
+        client = UpstreamClient(connect_timeout_s=1.0, read_timeout_s=0.3)
+        with pytest.raises(UpstreamConnectError) as refused_error:
+            await client.send("POST", refused + "/v1/completions", [], b"{}")
+        assert refused_error.value.reason == "connect"
+        with pytest.raises(UpstreamUnanswered) as dropped_error:
+            await client.send("POST", dropped + "/v1/completions", [], b"{}")
+        assert dropped_error.value.reason == "reset"
+        assert not isinstance(dropped_error.value, UpstreamConnectError)
+        for url in (half, slow):            # a status line began, or the replica is still busy
+            with pytest.raises(UpstreamError) as error:
+                await client.send("POST", url + "/v1/completions", [], b"{}")
+            assert not isinstance(error.value, UpstreamUnanswered)
+        client.close()
+
+    served(None, answers(), answers(b"HTTP/1.1 200 OK\r\n"), hangs)(go)
+
+
+def test_a_refused_connection_goes_to_the_next_replica_once() -> None:
+    async def go(urls: list[str]) -> None:
+        gateway = gateway_for(urls)
+        status, headers, body = await forward(gateway)
+        assert (status, json.loads(body)) == (200, {"ok": "y"})
+        assert (headers[REPLICA_HEADER], headers[REASON_HEADER]) == (urls[1], "retry")
+        assert sample(gateway, "kvhive_gateway_retries_total", {"reason": "connect"}) == 1
+        assert [r.healthy for r in gateway.replicas.replicas] == [False, True]   # marked down at once
+        assert [r.inflight for r in gateway.replicas.replicas] == [0, 0]
+
+    served(None, answers(OK))(go)
+
+
+def test_a_connection_reset_before_any_answer_byte_goes_to_the_next_replica() -> None:
+    async def go(urls: list[str]) -> None:
+        gateway = gateway_for(urls)
+        status, headers, _ = await forward(gateway)
+        assert (status, headers[REPLICA_HEADER]) == (200, urls[1])
+        assert sample(gateway, "kvhive_gateway_retries_total", {"reason": "reset"}) == 1
+        assert gateway.replicas.replicas[0].healthy        # health checks decide about that one
+
+    served(answers(), answers(OK))(go)
+
+
+def test_only_one_retry_and_no_retry_once_an_answer_began_or_is_slow() -> None:
+    async def twice_unanswered(urls: list[str]) -> None:
+        gateway = gateway_for(urls)
+        status, _, body = await forward(gateway)
+        assert status == 503 and json.loads(body)["error"]["code"] == "no_replica"
+        assert sample(gateway, "kvhive_gateway_retries_total", {"reason": "connect"}) == 1
+        assert sample(gateway, "kvhive_gateway_responses_total", {"replica": urls[2], "status": "200"}) == 0
+
+    served(None, None, answers(OK))(twice_unanswered)
+
+    async def not_retried(urls: list[str]) -> None:
+        gateway = gateway_for(urls, read_timeout_s=0.3)
+        for _ in range(2):                  # first a half status line, then a replica too slow
+            status, headers, body = await forward(gateway)
+            assert status == 502 and json.loads(body)["error"]["code"] == "bad_gateway"
+            gateway.replicas.replicas.append(gateway.replicas.replicas.pop(0))
+        assert sample(gateway, "kvhive_gateway_retries_total", {"reason": "reset"}) == 0
+        assert sample(gateway, "kvhive_gateway_responses_total", {"replica": urls[2], "status": "200"}) == 0
+
+    served(answers(b"HTTP/1.1 200 OK\r\n"), hangs, answers(OK))(not_retried)
+
+
+def test_a_stream_cut_mid_way_ends_with_openais_error_event() -> None:
+    events = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n']
+
+    async def go(urls: list[str]) -> None:
+        gateway = gateway_for(urls[:1])
+        status, _, body = await forward(gateway)
+        assert status == 200
+        lines = [line for line in body.decode().split("\n\n") if line]
+        assert lines[:2] == [e.decode().strip() for e in events]
+        error = json.loads(lines[2].removeprefix("data: "))["error"]
+        assert error["type"] == "server_error" and error["code"] == "bad_gateway"
+        assert urls[0] in error["message"] and lines[3:] == ["data: [DONE]"]
+        assert sample(gateway, "kvhive_gateway_stream_errors_total", {"replica": urls[0]}) == 1
+        assert gateway.replicas.replicas[0].inflight == 0
+
+    served(answers(SSE_HEAD, *(chunk(e) for e in events), b"5\r\nda"))(go)
+
+
+def test_a_cut_responses_stream_ends_with_an_error_event_numbered_after_the_last() -> None:
+    created = b'event: response.created\ndata: {"type": "response.created", "sequence_number": 0}\n\n'
+    delta = b'event: response.output_text.delta\ndata: {"type": "x", "sequence_number": 1}\n\n'
+
+    async def go(urls: list[str]) -> None:
+        gateway = gateway_for(urls[:1])
+        status, _, body = await forward(gateway, path="/v1/responses")
+        assert status == 200 and body.startswith(created + delta)
+        tail = body[len(created + delta):].decode()
+        assert tail.startswith("event: error\ndata: ") and tail.endswith("\n\n")
+        error = json.loads(tail.split("data: ", 1)[1])
+        assert (error["type"], error["code"], error["sequence_number"]) == ("error", "bad_gateway", 2)
+
+    served(answers(SSE_HEAD, chunk(created), chunk(delta)))(go)
+
+
+def test_cut_stream_events_close_a_partial_event_first() -> None:
+    ending = cut_stream_events("/v1/chat/completions", "gone", b'data: {"choi')
+    assert ending.startswith(b"\n\ndata: ") and ending.endswith(b"data: [DONE]\n\n")
+    assert cut_stream_events("/v1/completions", "gone", b"data: {}\n\n").startswith(b"data: {")
+
+
+def test_a_cut_answer_that_is_not_sse_stays_cut_and_a_cut_json_body_is_a_502() -> None:
+    chunked = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+
+    async def go(urls: list[str]) -> None:
+        with pytest.raises(UpstreamError):
+            await forward(gateway_for(urls[:1]))
+        gateway = gateway_for(urls[1:])
+        status, headers, body = await forward(gateway)
+        assert status == 502 and json.loads(body)["error"]["code"] == "bad_gateway"
+        assert headers[REPLICA_HEADER] == urls[1]
+
+    served(answers(chunked, chunk(b'{"a"')),
+           answers(b"HTTP/1.1 200 OK\r\ncontent-length: 50\r\n\r\n{\"partial\""))(go)
+
+
+def test_affinity_is_kept_per_owner() -> None:
+    sessions = SessionAffinity(max_sessions=3)
+    sessions.remember("a", "s1", "r1")
+    assert sessions.get("a", "s1") == "r1" and sessions.get("b", "s1") is None
+    sessions.remember("b", "s1", "r2")
+    assert (sessions.get("a", "s1"), sessions.get("b", "s1")) == ("r1", "r2")
+    sessions.forget("b", "s1")
+    assert (sessions.get("a", "s1"), sessions.get("b", "s1")) == ("r1", None)
+    for i in range(3):
+        sessions.remember("b", f"t{i}", "r2")
+    assert len(sessions) == 3 and sessions.get("a", "s1") is None         # one LRU bound for all
+
+
+def test_another_keys_session_routes_as_an_unknown_id() -> None:
+    a, b = key_owner("Bearer key-a"), key_owner("Bearer key-b")
+    assert key_owner("Bearer  key-a ") == a and key_owner("") != a
+
+    async def go(urls: list[str]) -> None:
+        gateway = gateway_for(urls)
+        gateway.policy = "least_load"
+        gateway.sessions.remember(a, "sess-a", urls[1])
+
+        async def first(session: str, owner: str) -> tuple[str, str]:
+            ranked, reason = await gateway.choose(None, session, owner)
+            return ranked[0].name, reason
+
+        assert await first("sess-a", a) == (urls[1], "session")
+        theirs = [await first("sess-a", b) for _ in range(4)]
+        unknown = [await first("sess-never", b) for _ in range(4)]
+        assert {reason for _, reason in theirs + unknown} == {"load"}
+        assert {name for name, _ in theirs} == set(urls)       # tie-broken in turn, as unknown ids are
+        # An answer to key B's request naming the id is remembered for key B only.
+        await forward(gateway, session_id="sess-a", owner=b)
+        assert gateway.sessions.get(b, "sess-a") == urls[0] and gateway.sessions.get(a, "sess-a") == urls[1]
+
+    served(answers(OK), answers(OK))(go)
+
+
+def test_bodies_over_the_gateway_limit_are_refused() -> None:
+    async def body_of(pieces: list[bytes], declared: int | None = None) -> bytes | None:
+        messages = [{"type": "http.request", "body": p, "more_body": i < len(pieces) - 1}
+                    for i, p in enumerate(pieces)]
+
+        async def receive() -> dict[str, Any]:
+            return messages.pop(0)
+
+        headers = [(b"content-length", str(declared).encode())] if declared is not None else []
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers,
+                 "query_string": b""}
+        return await read_body(Request(scope, receive), 10)
+
+    async def go() -> None:
+        assert await body_of([b"12345", b"67890"]) == b"1234567890"
+        assert await body_of([b"12345", b"678901", b"never read"]) is None      # counted as it comes
+        assert await body_of([b"1"], declared=11) is None                       # refused unread
+
+    asyncio.run(go())
+    refused = too_large(10)
+    assert refused.status_code == 413 and refused.headers["connection"] == "close"
+    assert json.loads(refused.body)["error"]["code"] == "request_too_large"
+
+
+def test_the_prefix_store_is_kept_per_salt() -> None:
+    from kvhive.model_files import default_model_path
+    from kvhive.router.tokenize import Prompt, PromptTokenizer
+    from kvhive.tokenizer import Tokenizer
+
+    prompts = PromptTokenizer(Tokenizer.from_model_path(default_model_path()), chunk_chars=64)
+    text = " ".join(["alpha beta gamma delta"] * 40)
+    try:
+        assert prompts.prefix_store_enabled
+        a = prompts.pieces(Prompt(text=text, cache_salt="key:a"))
+        assert a is not None
+        misses = prompts.chunk_misses
+        again = prompts.pieces(Prompt(text=text, cache_salt="key:a"))
+        assert again is not None and again.keys == a.keys and prompts.chunk_misses == misses
+        # Another salt (another key's) finds none of those chunks: it tokenizes the text again.
+        b = prompts.pieces(Prompt(text=text, cache_salt="key:b"))
+        assert b is not None and prompts.chunk_misses == 2 * misses
+        assert set(a.keys).isdisjoint(b.keys) and b.joined() == a.joined()
+        unsalted = prompts.pieces(Prompt(text=text))
+        assert unsalted is not None and set(unsalted.keys).isdisjoint(a.keys)
+    finally:
+        prompts.close()
