@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 # AsyncEngine loop stops): each failed step fails only its own requests, but a model that fails
 # every step is broken, and the process should exit for a supervisor to restart it.
 MAX_FAILED_STEPS_IN_ROW = 3
+# How often the idle engine loop re-reads the engine's stats (the snapshot /metrics exports).
+IDLE_STATS_REFRESH_S = 0.5
 
 
 class RequestFailed(RuntimeError):
@@ -72,6 +74,10 @@ class EngineStats:
     connector: ConnectorCounters | None = None
     num_session_blocks: int = 0             # device blocks pinned by idle sessions
     num_session_spills: int = 0             # session holdings released to the tiers under pressure
+    # Device blocks by state; free + cached + used == num_blocks - 1 (the null block aside).
+    free_blocks: int = 0                    # empty: no request holds them, no prefix in them
+    cached_blocks: int = 0                  # evictable: nobody holds them, a cached prefix is in them
+    used_blocks: int = 0                    # held by a running request or an idle session
 
 
 @dataclass(frozen=True)
@@ -360,6 +366,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """Scheduler and pool counters for the metrics endpoint."""
         s = self.scheduler.stats()
+        pool = s.kv.blocks
         tiers, connector = (), None
         if self.connector_scheduler is not None and self.connector_worker is not None:
             tiers = self.connector_scheduler.tier_stats()
@@ -372,7 +379,9 @@ class LLMEngine:
                            prefix_cache_hits_tokens=s.prefix_cache_hits_tokens,
                            num_preemptions=s.num_preemptions, num_blocks=self.num_blocks,
                            block_size=self.config.cache.block_size, tiers=tiers, connector=connector,
-                           num_session_blocks=s.num_session_blocks, num_session_spills=s.num_session_spills)
+                           num_session_blocks=s.num_session_blocks, num_session_spills=s.num_session_spills,
+                           free_blocks=pool.num_free - pool.num_evictable, cached_blocks=pool.num_evictable,
+                           used_blocks=pool.num_used)
 
 
 class AsyncEngine:
@@ -426,7 +435,7 @@ class AsyncEngine:
         self.engine.close()
 
     def stats(self) -> EngineStats:
-        """The snapshot taken after the latest step."""
+        """The snapshot taken after the latest step, or at most IDLE_STATS_REFRESH_S ago while idle."""
         return self._stats
 
     @property
@@ -506,15 +515,24 @@ class AsyncEngine:
             loop, queue = target
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
+    def _has_work(self) -> bool:
+        # Lock held.
+        return bool(self._pending_adds or self._pending_aborts or self._pending_session_ends
+                    or self.engine.has_unfinished())
+
     def _run(self) -> None:
         try:
             while True:
                 with self._lock:
-                    while (not self._stopping and not self._pending_adds and not self._pending_aborts
-                           and not self._pending_session_ends and not self.engine.has_unfinished()):
-                        self._wakeup.wait(timeout=0.5)      # stop() does not notify
+                    if not self._stopping and not self._has_work():
+                        self._wakeup.wait(timeout=IDLE_STATS_REFRESH_S)      # stop() does not notify
                     if self._stopping:
                         return
+                    idle = not self._has_work()
+                if idle:
+                    # Store writers finish saves and tiers evict between steps: /metrics stays current.
+                    self._stats = self.engine.stats()
+                    continue
                 self._apply_commands()
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)

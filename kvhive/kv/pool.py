@@ -110,6 +110,7 @@ class BlockPoolStats:
     num_cached: int        # blocks in the hash map (used or evictable)
     num_used: int          # ref_cnt > 0
     usage: float           # num_used / num_blocks
+    num_evictable: int = 0  # ref_cnt == 0 with a hash: cached prefixes nobody holds (num_free - empty)
 
 
 class BlockPool:
@@ -127,6 +128,8 @@ class BlockPool:
         self.cached: dict[bytes, KVBlock] = {}
         # Hashes evicted since the last drain, for BlockRemoved events; None when nobody listens.
         self.evicted_hashes: list[bytes] | None = None
+        # Invariant: the number of blocks with ref_cnt == 0 and a hash (evictable), kept in O(1).
+        self._num_evictable = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -146,6 +149,7 @@ class BlockPool:
             block = self.free_queue.popleft()
             if block.block_hash is not None:
                 # Evict: the block's contents are about to be overwritten.
+                self._num_evictable -= 1
                 del self.cached[block.block_hash]
                 if self.evicted_hashes is not None:
                     self.evicted_hashes.append(block.block_hash)
@@ -159,6 +163,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+                if block.block_hash is not None:
+                    self._num_evictable -= 1
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
@@ -175,6 +181,7 @@ class BlockPool:
                     self.free_queue.appendleft(block)
                 else:
                     self.free_queue.append(block)
+                    self._num_evictable += 1
             elif block.ref_cnt < 0:
                 raise RuntimeError(f"double free of {block}")
 
@@ -190,6 +197,8 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if block.ref_cnt == 0:
+            self._num_evictable += 1
         return True
 
     def stats(self) -> BlockPoolStats:
@@ -197,7 +206,8 @@ class BlockPool:
         usable = self.num_blocks - 1
         used = usable - len(self.free_queue)
         return BlockPoolStats(num_blocks=usable, num_free=len(self.free_queue),
-                              num_cached=len(self.cached), num_used=used, usage=used / usable)
+                              num_cached=len(self.cached), num_used=used, usage=used / usable,
+                              num_evictable=self._num_evictable)
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless queue, ref counts and hash map agree (O(num_blocks); tests)."""
@@ -228,5 +238,6 @@ class BlockPool:
             else:
                 evictable += 1
         check(empty + evictable + used == self.num_blocks - 1, "empty + evictable + used != total")
+        check(evictable == self._num_evictable, f"evictable counter {self._num_evictable} != {evictable}")
         for h, block in self.cached.items():
             check(block.block_hash == h, f"map entry {h.hex()[:8]} points at {block}")

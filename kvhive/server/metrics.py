@@ -2,7 +2,9 @@
 
 Every metric lives in the app's own ``CollectorRegistry`` (two apps in one process never share
 one). Engine-level values come from ``engine.stats()`` each time ``/metrics`` is scraped, so the
-engine keeps no Prometheus objects: core classes return stats, the edge exports metrics.
+engine keeps no Prometheus objects: core classes return stats, the edge exports metrics. The
+engine loop takes that snapshot after each step and, while idle, every ``IDLE_STATS_REFRESH_S``
+(0.5 s), so the tier and block gauges follow saves that finish after the last request.
 """
 
 from __future__ import annotations
@@ -67,6 +69,13 @@ class EngineStatsCollector(Collector):
              s.num_preemptions),
         )
         yield from model_families(self._labels, gauges, counters)
+        blocks = GaugeMetricFamily("kvhive_kv_blocks", "Device KV blocks by state: free (empty), cached (a "
+                                   "reusable prefix nobody holds, evicted on demand), used (held by a request "
+                                   "or an idle session); the three add up to the pool's usable blocks.",
+                                   labels=["model_name", "state"])
+        for state, count in (("free", s.free_blocks), ("cached", s.cached_blocks), ("used", s.used_blocks)):
+            blocks.add_metric(self._labels + [state], count)
+        yield blocks
         yield from self._tier_metrics(s)
 
     def _tier_metrics(self, s: EngineStats) -> Iterator[Metric]:
