@@ -41,6 +41,17 @@ def port_number(text: str) -> int:
     return port
 
 
+def byte_count(text: str) -> int:
+    """argparse type of --max-request-bytes: a positive whole number of bytes."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of bytes") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{count} is not a positive number of bytes")
+    return count
+
+
 def listen_error(host: str, port: int) -> str | None:
     """Why a server could not listen on ``host``:``port`` right now, or None when it can.
 
@@ -147,6 +158,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--share-prefix-cache", action="store_true",
                    help="share prefix-cache blocks across API keys; without it each key has its own, "
                         "closing the timing side channel of vLLM CVE-2025-46570 (default: off)")
+    g.add_argument("--max-request-bytes", type=byte_count, default=None, metavar="N",
+                   help="largest request body in bytes; a larger one is refused with 413 before it is "
+                        "read (default: max(1 MiB, 64 x --max-model-len): a whole context of text fits)")
 
     g = p.add_argument_group("performance")
     g.add_argument("--max-num-seqs", type=int, default=8, metavar="N", help="most requests running at once")
@@ -277,7 +291,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     served = run_server(AsyncEngine(engine), host=args.host, port=args.port,
                         served_model_name=config.served_model_name, api_keys=tuple(api_keys),
-                        log_level=args.log_level)
+                        log_level=args.log_level, max_request_bytes=args.max_request_bytes)
     return 0 if served else 1
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -20,11 +21,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvhive.json_body import BodyError, load_json
 from kvhive.responses import ResponseStore
+from kvhive.server.body_limit import BodyLimitMiddleware, default_max_request_bytes
 from kvhive.server.chat import create_chat_completion
 from kvhive.server.completions import create_completion
 from kvhive.server.context import install_context_routes, session_sweeper
 from kvhive.server.errors import APIError, bad_request, body_error, install_error_handlers, validation_error
 from kvhive.server.metrics import ServerMetrics
+from kvhive.server.openapi import install_request_bodies
 from kvhive.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -51,6 +54,9 @@ logger = logging.getLogger(__name__)
 ENGINE_FAILURE_DRAIN_S = 1.0
 ENGINE_FAILURE_GRACE_S = 2.0
 ENGINE_FAILURE_EXIT_S = 5.0
+# Bodies of this many bytes or more are parsed and validated on a worker thread (json.loads and
+# pydantic hold the event loop ~10 ms per MiB).
+OFF_LOOP_BODY_BYTES = 1 << 16
 
 
 class APIKeyMiddleware:
@@ -85,8 +91,16 @@ class APIKeyMiddleware:
 
 async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
     """The JSON body as ``model``, whatever the Content-Type; 400 for bad JSON (``load_json``:
-    too deep, not UTF-8, a lone surrogate in a string) or bad fields."""
+    too deep, not UTF-8, a lone surrogate in a string) or bad fields; 413 for a body over the
+    limit (``BodyLimitMiddleware``, while it is read). A large body is parsed off the event loop."""
     raw = await request.body()
+    if len(raw) < OFF_LOOP_BODY_BYTES:
+        return parse_json_body(raw, model)
+    return await asyncio.to_thread(parse_json_body, raw, model)
+
+
+def parse_json_body(raw: bytes, model: type[BodyT]) -> BodyT:
+    """``raw`` as ``model``; the 400s of ``parse_body``."""
     if not raw.strip():
         raise bad_request("Request body is required (a JSON object)")
     try:
@@ -102,8 +116,12 @@ async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
 
 
 def create_app(async_engine: AsyncEngine, *, served_model_name: str,
-               api_keys: tuple[str, ...] = ()) -> FastAPI:
-    """The OpenAI-compatible app over a started ``AsyncEngine`` (the caller owns its lifecycle)."""
+               api_keys: tuple[str, ...] = (), max_request_bytes: int | None = None) -> FastAPI:
+    """The OpenAI-compatible app over a started ``AsyncEngine`` (the caller owns its lifecycle).
+
+    ``max_request_bytes``: larger request bodies are refused with 413 before they are read
+    (default: ``default_max_request_bytes`` of the model's context).
+    """
     metrics = ServerMetrics(async_engine.stats, served_model_name)
     engine = async_engine.engine
     metrics.show_paths(engine.runtime_info())
@@ -124,8 +142,14 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
     app = FastAPI(title="kvhive", version=KVHIVE_VERSION, lifespan=sweepers)
     app.state.service = service
     app.state.metrics = metrics
+    if max_request_bytes is None:
+        max_request_bytes = default_max_request_bytes(service.max_model_len)
+    app.state.max_request_bytes = max_request_bytes
     created = unix_time()
     install_error_handlers(app)
+    install_request_bodies(app, served_model_name)
+    # The last added runs first: the key is checked, then the body's size, before any route reads it.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=tuple(api_keys))
 
@@ -200,7 +224,8 @@ def keeper_tier(engine: LLMEngine) -> KeeperTier | None:
 
 
 def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_name: str,
-               api_keys: tuple[str, ...] = (), log_level: str = "info") -> bool:
+               api_keys: tuple[str, ...] = (), log_level: str = "info",
+               max_request_bytes: int | None = None) -> bool:
     """Serve HTTP on a thread and run the engine loop on this (main) thread until interrupted.
 
     Returns False when the HTTP server never started (e.g. the port is taken) or the engine loop
@@ -212,7 +237,9 @@ def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_nam
     and this returns within ENGINE_FAILURE_EXIT_S of the death (past it, the process exits with
     status 1 on its own: closing must not keep a broken server alive).
     """
-    app = create_app(async_engine, served_model_name=served_model_name, api_keys=api_keys)
+    app = create_app(async_engine, served_model_name=served_model_name, api_keys=api_keys,
+                     max_request_bytes=max_request_bytes)
+    logger.info("request bodies over %d bytes are refused (413)", app.state.max_request_bytes)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

@@ -86,7 +86,7 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
     num_logprobs = logprobs_wanted(body)
     messages = template_messages(body.messages)
     try:
-        token_ids = service.tokenizer.encode_chat(messages)
+        token_ids = await service.encode_chat(messages)
     except (TemplateError, ValueError) as exc:
         raise bad_request(f"Could not apply the chat template: {exc}", param="messages") from exc
     requested, param = ((body.max_completion_tokens, "max_completion_tokens")

@@ -3,6 +3,7 @@ streamed or whole, with the logprobs of their tokens when asked and the prompt f
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -15,6 +16,7 @@ from kvhive.server.errors import bad_request
 from kvhive.server.logprobs import SentToken, completion_logprobs, prompt_completion_logprobs
 from kvhive.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from kvhive.server.serving import (
+    OFF_LOOP_CHARS,
     SSE_DONE,
     GenerationService,
     TextDelta,
@@ -54,7 +56,7 @@ def single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str 
 
 def prompt_token_ids(service: GenerationService, prompt: str | list[int] | list[str] | list[list[int]]
                      ) -> list[int]:
-    """The one prompt of the request as token ids."""
+    """The one prompt of the request as token ids (tokenized on the calling thread)."""
     prompt = single_prompt(prompt)
     if isinstance(prompt, str):
         token_ids = service.tokenizer.encode(prompt)
@@ -64,6 +66,16 @@ def prompt_token_ids(service: GenerationService, prompt: str | list[int] | list[
     if not token_ids:
         raise bad_request("The prompt is empty", param="prompt")
     return token_ids
+
+
+async def prompt_token_ids_off_loop(service: GenerationService,
+                                    prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
+    """``prompt_token_ids``, on a worker thread for a text (or token-id list) of OFF_LOOP_CHARS
+    characters (ids) or more: the event loop goes on serving meanwhile."""
+    one = single_prompt(prompt)
+    if len(one) >= OFF_LOOP_CHARS:
+        return await asyncio.to_thread(prompt_token_ids, service, one)
+    return prompt_token_ids(service, one)
 
 
 def echoed_prompt(service: GenerationService, prompt: str | list[int]) -> str:
@@ -79,7 +91,7 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
     one with ``new_session_ttl``; the answer then carries ``x-session-id``)."""
     service.check_common(body)
     _check_unsupported(body)
-    token_ids = prompt_token_ids(service, body.prompt)
+    token_ids = await prompt_token_ids_off_loop(service, body.prompt)
     echo = echoed_prompt(service, single_prompt(body.prompt)) if body.echo else ""
     # echo + logprobs: the prompt's tokens get logprobs too, ahead of the generated ones.
     prompt_logprobs = body.logprobs if body.echo else None

@@ -48,6 +48,9 @@ T = TypeVar("T")
 DISCONNECT_POLL_S = 0.1
 # Most choices (``n``) one request may ask for: each is an engine request of its own.
 MAX_CHOICES = 16
+# Prompts of this many characters or more are tokenized (chat: rendered and tokenized) on a worker
+# thread, so the event loop goes on serving (/health, other streams) meanwhile.
+OFF_LOOP_CHARS = 4096
 
 
 def new_request_id(prefix: str) -> str:
@@ -278,6 +281,15 @@ class GenerationService:
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
+
+    # ------------------------------------------------------------ tokenization
+
+    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of chat messages through the chat template; long ones rendered and tokenized
+        off the event loop. Raises what the template raises (TemplateError, ValueError)."""
+        if sum(len(m["content"]) for m in messages) < OFF_LOOP_CHARS:
+            return self.tokenizer.encode_chat(messages)
+        return await asyncio.to_thread(self.tokenizer.encode_chat, messages)
 
     # ------------------------------------------------------------ owners and sessions
 
