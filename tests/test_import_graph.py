@@ -9,7 +9,7 @@ import sys
 TORCH_FREE = ["kvhive.scheduler", "kvhive.kv.pool", "kvhive.kv.manager", "kvhive.blocks",
               "kvhive.store.tiered", "kvhive.store.disk", "kvhive.store.memory", "kvhive.store.redis",
               "kvhive.tokenizer", "kvhive.step", "kvhive.request", "kvhive.config", "kvhive.sessions",
-              "kvhive.responses"]
+              "kvhive.responses", "kvhive.redis_guard"]
 FORBIDDEN = ("torch", "kvhive.runner", "kvhive.model")
 
 

@@ -54,6 +54,15 @@ def redis_engine(tokenizer, server):
     return make_engine(tokenizer, num_blocks=64, store=StoreConfig(redis_url=server.url, redis_timeout_s=0.2))
 
 
+def wait_for_redis(engine, timeout_s: float = 40.0) -> None:
+    """Until the Redis tier's breaker has closed again (its probe backs off 1 s, 2 s, 4 s ...)."""
+    tier = engine.store.tiers[-1].store
+    deadline = time.monotonic() + timeout_s
+    while not tier.available:
+        assert time.monotonic() < deadline, "Redis tier did not come back"
+        time.sleep(0.05)
+
+
 def one(engine, name: str):
     return run(engine, {name: PROMPTS[name]})[name]
 
@@ -151,7 +160,7 @@ def test_stopped_slow_and_full_redis_keep_serving_and_recover(tokenizer, fresh, 
         engine.connector_worker.wait_for_save()
         assert redis_errors(engine) >= 1
         server.start()                                           # back, same port, empty
-        time.sleep(1.1)                                          # the tier's backoff
+        wait_for_redis(engine)                                   # the breaker's probe finds it
         assert one(engine, "p1")[0] == fresh["p1"]
         engine.connector_worker.wait_for_save()
         assert server.admin().dbsize() > 0                       # saves land again, no restart
@@ -162,7 +171,7 @@ def test_stopped_slow_and_full_redis_keep_serving_and_recover(tokenizer, fresh, 
         engine.connector_worker.wait_for_save()
         assert time.monotonic() - start < 10
         os.kill(server.process.pid, signal.SIGCONT)
-        time.sleep(1.1)
+        wait_for_redis(engine)
 
         admin = server.admin()                                   # full: SET answers OOM
         admin.config_set("maxmemory-policy", "noeviction")

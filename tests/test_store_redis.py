@@ -1,4 +1,5 @@
-"""RedisStore against a real redis-server: round trips, corrupt values, and down / slow / full faults."""
+"""RedisStore against a real redis-server: round trips, corrupt values, and down / slow / full faults
+(the shared circuit breaker: fast misses while open, its probe closes it again)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,14 @@ def store(server: RedisServer) -> Iterator[RedisStore]:
     s.close()
 
 
+def wait_until(predicate, timeout_s: float = 10.0) -> None:
+    """Poll ``predicate`` until it holds; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
 def timed(fn, *args) -> float:
     """Seconds one call takes."""
     start = time.monotonic()
@@ -162,7 +171,7 @@ def test_server_down_means_fast_misses_then_recovery_without_restart(store: Redi
     store.delete(key(1))
     assert store.stats().errors >= 1
     server.start()                                         # same port, empty (no persistence)
-    time.sleep(BACKOFF_S + 0.05)
+    wait_until(lambda: store.available)                    # the breaker's probe found it back
     assert store.put(key(1), payload(1))                   # the same store object reconnects
     assert bytes(store.get(key(1))) == payload(1)
 
@@ -176,7 +185,7 @@ def test_slow_server_times_out_fast_and_recovers(store: RedisStore, server: Redi
     assert store.get(key(1)) is None
     assert store.stats().errors == errors_before + 1
     os.kill(server.process.pid, signal.SIGCONT)
-    time.sleep(BACKOFF_S + 0.05)
+    wait_until(lambda: store.available)
     assert bytes(store.get(key(1))) == payload(1)
     assert store.put(key(2), payload(2))
 

@@ -7,12 +7,13 @@ expiry (``ttl_seconds``); this tier has no budget of its own. A pinned key (``pi
 replica's SET of the same block gives it a TTL again, and Redis's ``maxmemory`` policy is the
 operator's to choose (``volatile-*`` policies never evict keys without a TTL).
 
-Faults never reach the caller: when Redis is down or slow (connect / socket timeout), every call
-returns a miss or False, counts an error and marks the tier down for ``backoff_s``, during which
-calls return at once without touching the network. The first call after the backoff is the
-probe; redis-py reconnects by itself, so a Redis that comes back works again without a restart.
-When Redis is full (OOM on SET), only puts back off; reads keep working. Each change of state
-logs one line.
+Faults never reach the caller: when Redis is down or slow (connect / socket timeout), the call
+returns a miss or False, counts an error and opens the circuit breaker this process shares for
+the URL with the session and response backends (``kvhive.redis_guard``): every call then returns
+at once without touching the network until the breaker's probe finds Redis back (after 1 s,
+2 s, 4 s ... 30 s). redis-py reconnects by itself, so a Redis that comes back works again without
+a restart. When Redis is full (OOM on SET), only puts back off (``backoff_s``); reads keep working.
+Each change of state logs one line.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
+from kvhive.redis_guard import guard_for
 from kvhive.store.base import Payload, PutResult, StatsCounter, StoreStats
 from kvhive.store.codec import decode_block, encode_block
 from kvhive.store.key import StoreKey
@@ -37,6 +39,8 @@ class RedisStore:
 
     def __init__(self, url: str, ttl_seconds: float | None = None, timeout_s: float = 0.5,
                  backoff_s: float = 1.0) -> None:
+        """``backoff_s``: how long puts pause when Redis is full, and the breaker's first backoff
+        when this store is the first user of ``url`` in the process."""
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -52,18 +56,23 @@ class RedisStore:
         # ~1 MB, so read in 1 MiB chunks (the 32 KiB default makes GET ~10x slower).
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                             retry=Retry(NoBackoff(), 0), socket_read_size=1 << 20)
-        self._unreachable_errors = (redis.ConnectionError, redis.TimeoutError, OSError)
+        self._guard = guard_for(url, timeout_s=timeout_s, base_backoff_s=max(backoff_s, 0.01))
+        self._unreachable_errors = self._guard.unreachable_errors
         self._full_error = redis.exceptions.OutOfMemoryError
         self._redis_error = redis.RedisError
         self._stats = StatsCounter()
         self._lock = threading.Lock()
-        # Invariant: a call made before _down_until (any call) or _full_until (puts) skips the network.
-        self._down_until = 0.0
+        # Invariant: a call made while the breaker is not closed (any call) or before _full_until
+        # (puts) skips the network.
         self._full_until = 0.0
-        self._is_down = False
         self._is_full = False
         self._last_corrupt_log = float("-inf")
         self._pins: set[bytes] = set()     # encoded keys stored without a TTL
+
+    @property
+    def available(self) -> bool:
+        """False while the breaker is open: every call is a miss or False without a round trip."""
+        return self._guard.breaker.allow()
 
     def contains(self, keys: Sequence[StoreKey]) -> list[bool]:
         """Whether each key exists, in one pipelined round trip; all False while the tier is down."""
@@ -142,8 +151,7 @@ class RedisStore:
 
     def _call(self, fn: Callable[[], T], default: T, *, write: bool) -> T:
         """Run one Redis call; on a fault return ``default``, count an error and back off."""
-        now = time.monotonic()
-        if now < self._down_until or (write and now < self._full_until):
+        if not self._guard.breaker.allow() or (write and time.monotonic() < self._full_until):
             return default
         try:
             result = fn()
@@ -154,27 +162,19 @@ class RedisStore:
                 if not self._is_full:
                     self._is_full = True
                     logger.warning("redis tier %s is full (%s); puts pause for %.1fs at a time",
-                                   self.url, exc, self.backoff_s)
+                                   self._guard.breaker.name, exc, self.backoff_s)
             return default
         except self._unreachable_errors as exc:
             self._stats.record_error()
-            with self._lock:
-                self._down_until = time.monotonic() + self.backoff_s
-                if not self._is_down:
-                    self._is_down = True
-                    logger.warning("redis tier %s is unavailable (%s: %s); misses until it answers, "
-                                   "retrying every %.1fs", self.url, type(exc).__name__, exc, self.backoff_s)
+            self._guard.breaker.record_failure(exc)        # logs once, probes in the background
             return default
         except self._redis_error as exc:
             self._stats.record_error()
-            logger.warning("redis tier %s: %s: %s", self.url, type(exc).__name__, exc)
+            logger.warning("redis tier %s: %s: %s", self._guard.breaker.name, type(exc).__name__, exc)
             return default
-        if self._is_down or (write and self._is_full):
+        if write and self._is_full:
             with self._lock:
-                if self._is_down:
-                    logger.warning("redis tier %s is available again", self.url)
-                if write and self._is_full:
-                    logger.warning("redis tier %s accepts writes again", self.url)
-                self._is_down = False
-                self._is_full = self._is_full and not write
+                if self._is_full:
+                    logger.warning("redis tier %s accepts writes again", self._guard.breaker.name)
+                self._is_full = False
         return result
