@@ -10,7 +10,8 @@ conversation) and keep the conversation's expiry beside its responses.
 - ``RedisResponseBackend`` (``--redis-url``; shared by replicas): one hash per conversation,
   ``kvhive:responses:{owner}:{id}``, with a field per response and a ``conversation`` field, whose
   Redis expiry is the conversation's, so Redis drops dead conversations itself. ``shared``: read
-  again on each use, never loaded whole.
+  again on each use, never loaded whole. Calls go through the URL's ``RedisGuard`` as the session
+  backend's do (record thread, writes queued, ``RedisUnavailable`` while Redis is unreachable).
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ class ResponseBackend(Protocol):
 
     def save(self, owner: str | None, conversation_id: str, expires: float, response: dict[str, Any]) -> None:
         """Add or replace one response of the conversation, whose expiry becomes ``expires``."""
+
+    def save_conversation(self, owner: str | None, conversation_id: str, expires: float,
+                          responses: list[dict[str, Any]]) -> None:
+        """Add or replace these responses of the conversation, whose expiry becomes ``expires``."""
 
     def delete(self, owner: str | None, conversation_id: str, response_id: str) -> None:
         """Forget one response (no error if there is none)."""
@@ -104,6 +109,12 @@ class FileResponseBackend:
         header = _header(owner, conversation_id, expires)
         atomic_write(os.path.join(path, CONVERSATION_FILE), json.dumps(header).encode())
 
+    def save_conversation(self, owner: str | None, conversation_id: str, expires: float,
+                          responses: list[dict[str, Any]]) -> None:
+        """Write each response's file, then the conversation's expiry."""
+        for response in responses:
+            self.save(owner, conversation_id, expires, response)
+
     def delete(self, owner: str | None, conversation_id: str, response_id: str) -> None:
         """Remove the response's file."""
         try:
@@ -120,8 +131,9 @@ class RedisResponseBackend(RedisRecords):
     """One Redis hash per conversation under ``prefix``, expiring when the conversation does."""
 
     def load_conversation(self, owner: str | None, conversation_id: str) -> dict[str, Any] | None:
-        """The conversation's record, or None (Redis drops it at its expiry)."""
-        fields = self.client.hgetall(self.key(owner, conversation_id))
+        """The conversation's record, or None (Redis drops it at its expiry); blocks until read
+        (RedisUnavailable while Redis is unreachable)."""
+        fields = self.guard.read(lambda: self.client.hgetall(self.key(owner, conversation_id)))
         header = fields.pop(CONVERSATION_FIELD.encode(), None)
         if header is None:
             return None
@@ -130,19 +142,31 @@ class RedisResponseBackend(RedisRecords):
         return record
 
     def save(self, owner: str | None, conversation_id: str, expires: float, response: dict[str, Any]) -> None:
-        """One transaction: the response's field, the conversation's field, the key's expiry (PEXPIREAT)."""
+        """Queue one transaction: the response's field, the conversation's field, the key's expiry."""
+        self.save_conversation(owner, conversation_id, expires, [response])
+
+    def save_conversation(self, owner: str | None, conversation_id: str, expires: float,
+                          responses: list[dict[str, Any]]) -> None:
+        """Queue one transaction: the responses' fields, the conversation's field, the key's
+        expiry (PEXPIREAT)."""
         key = self.key(owner, conversation_id)
-        fields = {CONVERSATION_FIELD: json.dumps(_header(owner, conversation_id, expires)),
-                  response["response"]["id"]: json.dumps(response)}
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hset(key, mapping=fields)
-        pipe.pexpireat(key, max(1, int(expires * 1000)))
-        pipe.execute()
+        fields = {CONVERSATION_FIELD: json.dumps(_header(owner, conversation_id, expires))}
+        fields.update({response["response"]["id"]: json.dumps(response) for response in responses})
+
+        def write() -> None:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hset(key, mapping=fields)
+            pipe.pexpireat(key, max(1, int(expires * 1000)))
+            pipe.execute()
+
+        self.guard.write(write, f"conversation {conversation_id}")
 
     def delete(self, owner: str | None, conversation_id: str, response_id: str) -> None:
-        """Delete the response's field."""
-        self.client.hdel(self.key(owner, conversation_id), response_id)
+        """Queue the deletion of the response's field."""
+        key = self.key(owner, conversation_id)
+        self.guard.write(lambda: self.client.hdel(key, response_id), f"the deletion of {response_id}")
 
     def delete_conversation(self, owner: str | None, conversation_id: str) -> None:
-        """Delete the conversation's key."""
-        self.client.delete(self.key(owner, conversation_id))
+        """Queue the deletion of the conversation's key."""
+        key = self.key(owner, conversation_id)
+        self.guard.write(lambda: self.client.delete(key), f"the deletion of {conversation_id}")

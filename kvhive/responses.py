@@ -19,11 +19,16 @@ Rules, in one place:
   left. A response whose history lost a response to DELETE cannot be continued (404).
 - Persistence (``kvhive.response_backends``): each stored turn writes its record and the
   conversation's expiry. A local backend is loaded whole at start; a shared one (Redis) is read
-  again on each use, since another replica may have added responses or deleted some since.
+  again on each use, since another replica may have added responses or deleted some since. The
+  server reads it off the event loop (``aget``, ``ais_empty``). When it may lack what is held here
+  (its Redis breaker closed after an outage, or Redis lost its data), every live conversation held
+  here is written again before the next read; a conversation held here and missing from a Redis
+  that lost its data is kept and republished, not dropped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -32,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvhive.redis_guard import RedisUnavailable
 from kvhive.response_backends import ResponseBackend
 from kvhive.sessions import SessionError
 
@@ -131,12 +137,25 @@ class ResponseStore:
         self.max_per_conversation = max_per_conversation
         self.clock = clock
         self._conversations: dict[tuple[str | None, str], Conversation] = {}
+        self._republish_wanted = False       # set from any thread; cleared by the republish
         if backend is not None:
+            add_listener = getattr(backend, "add_listener", None)
+            if add_listener is not None:
+                add_listener(self.want_republish)
             self._load_all()
 
     def get(self, response_id: str, owner: str | None, param: str | None = None) -> StoredResponse:
-        """The caller's live stored response; SessionError 404 otherwise (``param`` names the field)."""
-        conversation = self._conversation(conversation_of(response_id), owner)
+        """The caller's live stored response; SessionError 404 otherwise (``param`` names the field).
+        Blocks on a shared backend (the server calls ``aget``)."""
+        return self._found(self._conversation(conversation_of(response_id), owner), response_id, param)
+
+    async def aget(self, response_id: str, owner: str | None, param: str | None = None) -> StoredResponse:
+        """``get`` with the backend read on a worker thread, off the event loop."""
+        conversation = await self._aconversation(conversation_of(response_id), owner)
+        return self._found(conversation, response_id, param)
+
+    @staticmethod
+    def _found(conversation: Conversation | None, response_id: str, param: str | None) -> StoredResponse:
         stored = None if conversation is None else conversation.responses.get(response_id)
         if stored is None:
             raise response_not_found(response_id, param)
@@ -206,6 +225,11 @@ class ResponseStore:
         conversation = self._conversation(conversation_id, owner)
         return conversation is None or not conversation.responses
 
+    async def ais_empty(self, conversation_id: str, owner: str | None) -> bool:
+        """``is_empty`` with the backend read on a worker thread, off the event loop."""
+        conversation = await self._aconversation(conversation_id, owner)
+        return conversation is None or not conversation.responses
+
     def pop_expired(self) -> list[Conversation]:
         """Remove and return the expired conversations (a local backend's records go too; a shared
         backend's expire in Redis on their own)."""
@@ -231,29 +255,95 @@ class ResponseStore:
     # ------------------------------------------------------------------ persistence
 
     def _conversation(self, conversation_id: str | None, owner: str | None) -> Conversation | None:
-        """The live conversation; with a shared backend, as the backend has it now."""
+        """The live conversation; with a shared backend, as the backend has it now (blocking)."""
         if conversation_id is None:
             return None
         key = (owner, conversation_id)
         if self.backend is not None and self.backend.shared:
-            self._refresh(key)
+            self.republish_if_wanted()
+            self._apply(key, *self._read(key))
+        return self._live(key)
+
+    async def _aconversation(self, conversation_id: str | None, owner: str | None) -> Conversation | None:
+        """``_conversation`` with the backend read on a worker thread."""
+        if conversation_id is None:
+            return None
+        key = (owner, conversation_id)
+        if self.backend is not None and self.backend.shared:
+            self.republish_if_wanted()
+            self._apply(key, *await asyncio.to_thread(self._read, key))
+        return self._live(key)
+
+    def _live(self, key: tuple[str | None, str]) -> Conversation | None:
         conversation = self._conversations.get(key)
         if conversation is None or conversation.expires <= self.clock():
             return None
         return conversation
 
-    def _refresh(self, key: tuple[str | None, str]) -> None:
+    def _read(self, key: tuple[str | None, str]) -> tuple[dict[str, Any] | None, bool]:
+        """The backend's record, and whether to keep what is held here instead: the backend could
+        not be read, or lost its data (for a conversation held here and missing there). Blocking."""
         assert self.backend is not None
         try:
             record = self.backend.load_conversation(*key)
-        except Exception:  # noqa: BLE001 - backend down: what this replica holds is the best it knows
-            logger.exception("could not read conversation %s from the response backend", key[1])
+        except Exception as exc:  # noqa: BLE001 - backend down: what this replica holds is the best it knows
+            # Quiet while Redis is unreachable: its breaker has logged that once.
+            logger.log(logging.DEBUG if isinstance(exc, RedisUnavailable) else logging.WARNING,
+                       "could not read conversation %s from the response backend (%s: %s)",
+                       key[1], type(exc).__name__, exc)
+            return None, True
+        if record is not None or key not in self._conversations:
+            return record, False
+        check_data = getattr(self.backend, "check_data", None)
+        try:
+            return None, bool(check_data is not None and check_data())
+        except Exception:  # noqa: BLE001 - cannot tell: keep what this replica holds
+            return None, True
+
+    def _apply(self, key: tuple[str | None, str], record: dict[str, Any] | None, keep: bool) -> None:
+        """Hold the conversation as the backend has it (``keep``: as held here, republished)."""
+        if keep:
+            self.republish_if_wanted()
             return
         conversation = self._parse(record)
         if conversation is None:
             self._conversations.pop(key, None)
         else:
             self._conversations[key] = conversation
+
+    def want_republish(self) -> None:
+        """The shared backend may lack what this replica holds: republish before its next read.
+        Safe from any thread (it only sets a flag)."""
+        self._republish_wanted = True
+
+    def republish_if_wanted(self) -> int:
+        """Write every live conversation held here again, if the backend may lack them; how many."""
+        if not self._republish_wanted or self.backend is None:
+            return 0
+        self._republish_wanted = False
+        now = self.clock()
+        live = [c for c in self._conversations.values() if c.expires > now and c.responses]
+        for conversation in live:
+            try:
+                self.backend.save_conversation(conversation.owner, conversation.conversation_id,
+                                               conversation.expires,
+                                               [r.to_json() for r in conversation.responses.values()])
+            except Exception:  # noqa: BLE001 - the next recovery republishes again
+                logger.exception("could not republish conversation %s", conversation.conversation_id)
+        if live:
+            logger.info("republished %d conversations to the response backend", len(live))
+        return len(live)
+
+    async def check_backend(self) -> None:
+        """Ask a shared backend whether it lost its data (off the event loop); republish if so."""
+        check_data = getattr(self.backend, "check_data", None)
+        if check_data is None or not self._conversations:
+            return
+        try:
+            await asyncio.to_thread(check_data)
+        except Exception:  # noqa: BLE001 - unreachable: its breaker republishes on recovery
+            return
+        self.republish_if_wanted()
 
     @staticmethod
     def _parse(record: dict[str, Any] | None) -> Conversation | None:

@@ -11,7 +11,9 @@ of sessions, and replicas sharing a Redis never overwrite each other's sessions.
   session, ``kvhive:sessions:{model}:{owner}:{id}``, whose Redis expiry is the session's expiry,
   so Redis drops dead sessions itself. ``shared``: another replica may change or delete a record
   at any time, so the registry reads it again on each use and loads sessions on first use, never
-  all.
+  all. Every call goes through the URL's ``RedisGuard`` (``kvhive.redis_guard``): on its record
+  thread (never the event loop; writes queued, not waited for), behind its circuit breaker
+  (``RedisUnavailable`` at once while Redis is unreachable).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from typing import Protocol
 
 logger = logging.getLogger(__name__)
@@ -130,15 +133,16 @@ class FileBackend:
 
 
 class RedisRecords:
-    """Records shared by every replica: one Redis key per (owner, id) under ``prefix``."""
+    """Records shared by every replica: one Redis key per (owner, id) under ``prefix``, read and
+    written through the URL's ``RedisGuard``."""
 
     shared = True
 
     def __init__(self, url: str, prefix: str, timeout_s: float = 2.0) -> None:
-        import redis
+        from kvhive.redis_guard import guard_for
 
-        # Calls run on the server's event loop: a hung Redis may stall it at most timeout_s per call.
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.guard = guard_for(url, timeout_s=timeout_s)
+        self.client = self.guard.client
         self.prefix = prefix
 
     def key(self, owner: str | None, record_id: str) -> str:
@@ -149,20 +153,32 @@ class RedisRecords:
         """None: records load on first use (each replica holds the ones it serves)."""
         return []
 
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from any thread) when Redis may lack records held here (``RedisGuard``)."""
+        self.guard.add_listener(callback)
+
+    def check_data(self) -> bool:
+        """True when Redis lost its data since this process last looked (the guard's listeners
+        are told); RedisUnavailable when it cannot tell. Blocking: call it off the event loop."""
+        return self.guard.read(self.guard.check_data)
+
 
 class RedisBackend(RedisRecords):
     """One Redis key per session under ``prefix``, expiring when the session does."""
 
     def load(self, owner: str | None, session_id: str) -> dict | None:
-        """The session's record, or None (Redis drops a record at its expiry)."""
-        raw = self.client.get(self.key(owner, session_id))
+        """The session's record, or None (Redis drops a record at its expiry); blocks until read
+        (RedisUnavailable while Redis is unreachable)."""
+        raw = self.guard.read(lambda: self.client.get(self.key(owner, session_id)))
         return None if raw is None else json.loads(raw)
 
     def save(self, record: dict) -> None:
-        """One SET with the session's expiry (PXAT): atomic, and Redis drops it when the session expires."""
-        self.client.set(self.key(record["owner"], record["id"]), json.dumps(record),
-                        pxat=max(1, int(record["expires"] * 1000)))
+        """Queue one SET with the session's expiry (PXAT): atomic, and Redis drops it when the session expires."""
+        key = self.key(record["owner"], record["id"])
+        value, expires_ms = json.dumps(record), max(1, int(record["expires"] * 1000))
+        self.guard.write(lambda: self.client.set(key, value, pxat=expires_ms), f"session {record['id']}")
 
     def delete(self, owner: str | None, session_id: str) -> None:
-        """Delete the session's key."""
-        self.client.delete(self.key(owner, session_id))
+        """Queue the deletion of the session's key."""
+        key = self.key(owner, session_id)
+        self.guard.write(lambda: self.client.delete(key), f"the deletion of session {session_id}")

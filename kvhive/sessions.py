@@ -23,10 +23,18 @@ Rules, in one place:
   once (the gateway sends a session to one replica, so only around a failover) both succeed, and
   the last turn to end wins the record; the other turn's history is lost to the session.
 - Per-key limits count the sessions this replica holds; with a gateway they hold per replica.
+- Redis losing data never loses a session this replica holds: when a shared backend may lack
+  records held here (its breaker closed after an outage, during which writes were dropped; or
+  ``check_data`` found Redis emptied), every live session held here is written again before the
+  next read. A record missing from Redis for a session held here means "ended elsewhere" only
+  while Redis still has its data; otherwise the session is kept and republished.
+- The server reads a shared backend off the event loop (``aget``); writes are queued by the
+  backend, not waited for.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -36,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvhive.config import SessionConfig
+from kvhive.redis_guard import RedisUnavailable
 from kvhive.session_backends import SessionBackend
 
 logger = logging.getLogger(__name__)
@@ -184,7 +193,13 @@ class SessionRegistry:
         # Invariant: _block_refs[h] == number of sessions in _sessions whose block_hashes hold h (> 0).
         self._block_refs: Counter[str] = Counter()
         self._turns = self._hit_tokens = self._expired = self._deleted = 0
+        # Set from any thread when the shared backend may lack what is held here; cleared by the
+        # republish (on the registry's own thread).
+        self._republish_wanted = False
         if backend is not None:
+            add_listener = getattr(backend, "add_listener", None)
+            if add_listener is not None:
+                add_listener(self.want_republish)
             self._load_all()
 
     # ------------------------------------------------------------------ lookups
@@ -193,10 +208,28 @@ class SessionRegistry:
         """The caller's live session; SessionError 404 if unknown, expired, deleted or another key's.
 
         With a shared backend, an idle session is read from it again (and one this replica does
-        not hold yet is loaded and pinned)."""
+        not hold yet is loaded and pinned); this blocks on the backend (the server calls ``aget``)."""
         session = self._sessions.get((owner, session_id))
-        if self.backend is not None and self.backend.shared and (session is None or not session.busy):
-            session = self._fetch(owner, session_id, session)
+        if self._rereads(session):
+            self.republish_if_wanted()
+            record, lost = self._read(owner, session_id, session)
+            session = self._apply(owner, session_id, session, record, lost)
+        return self._live(session, session_id)
+
+    async def aget(self, session_id: str, owner: str | None) -> Session:
+        """``get`` with the backend read on a worker thread, off the event loop."""
+        session = self._sessions.get((owner, session_id))
+        if self._rereads(session):
+            self.republish_if_wanted()
+            record, lost = await asyncio.to_thread(self._read, owner, session_id, session)
+            session = self._apply(owner, session_id, self._sessions.get((owner, session_id)), record, lost)
+        return self._live(session, session_id)
+
+    def _rereads(self, session: Session | None) -> bool:
+        """Whether a lookup reads the backend again: shared, and the session not busy here."""
+        return self.backend is not None and self.backend.shared and (session is None or not session.busy)
+
+    def _live(self, session: Session | None, session_id: str) -> Session:
         if session is None or (not session.busy and session.expires <= self.clock()):
             raise not_found(session_id)
         return session
@@ -392,13 +425,36 @@ class SessionRegistry:
             logger.exception("ignoring a corrupt session record")
             return None
 
-    def _fetch(self, owner: str | None, session_id: str, held: Session | None) -> Session | None:
-        """The session as the shared backend has it now, held here (pinned via ``on_load``)."""
+    def _read(self, owner: str | None, session_id: str, held: Session | None) -> tuple[dict | None, bool]:
+        """The backend's record (None: none, or unreadable) and whether Redis lost it: for a
+        session held here and missing there, whether the backend lost its data (then the session
+        is republished, not ended). Blocking: any thread."""
         assert self.backend is not None
         try:
             record = self.backend.load(owner, session_id)
-        except Exception:  # noqa: BLE001 - backend down: what this replica holds is the best it knows
-            logger.exception("could not read session %s from the session backend", session_id)
+        except Exception as exc:  # noqa: BLE001 - backend down: what this replica holds is the best it knows
+            # Quiet while Redis is unreachable: its breaker has logged that once.
+            logger.log(logging.DEBUG if isinstance(exc, RedisUnavailable) else logging.WARNING,
+                       "could not read session %s from the session backend (%s: %s)",
+                       session_id, type(exc).__name__, exc)
+            return None, True
+        if record is not None or held is None:
+            return record, False
+        check_data = getattr(self.backend, "check_data", None)
+        try:
+            return None, bool(check_data is not None and check_data())
+        except Exception:  # noqa: BLE001 - cannot tell: keep what this replica holds
+            return None, True
+
+    def _apply(self, owner: str | None, session_id: str, held: Session | None, record: dict | None,
+               lost: bool) -> Session | None:
+        """The session as the shared backend has it now, held here (pinned via ``on_load``).
+
+        ``lost``: the backend could not be read, or lost the record: keep what is held here."""
+        if held is not None and held.busy:
+            return held                           # a turn began while the read ran: it wins
+        if lost:
+            self.republish_if_wanted()
             return held
         current = self._parse(record)
         if current is None or current.expires <= self.clock():
@@ -414,6 +470,34 @@ class SessionRegistry:
             self._set_blocks(held, current.block_hashes)
             self._pin(held)
         return held
+
+    def want_republish(self) -> None:
+        """The shared backend may lack what this replica holds: republish before its next read.
+        Safe from any thread (it only sets a flag)."""
+        self._republish_wanted = True
+
+    def republish_if_wanted(self) -> int:
+        """Write every live session held here again, if the backend may lack them; how many."""
+        if not self._republish_wanted:
+            return 0
+        self._republish_wanted = False
+        live = self.live_sessions()
+        for session in live:
+            self._save(session)
+        if live:
+            logger.info("republished %d sessions to the session backend", len(live))
+        return len(live)
+
+    async def check_backend(self) -> None:
+        """Ask a shared backend whether it lost its data (off the event loop); republish if so."""
+        check_data = getattr(self.backend, "check_data", None)
+        if check_data is None or not self._sessions:
+            return
+        try:
+            await asyncio.to_thread(check_data)
+        except Exception:  # noqa: BLE001 - unreachable: its breaker republishes on recovery
+            return
+        self.republish_if_wanted()
 
     def _pin(self, session: Session) -> None:
         if self.on_load is not None:

@@ -180,6 +180,23 @@ def test_wrong_model_and_concurrent_409(server):
         assert c.get(f"/v1/context/{sid}").json()["tokens"] == len(PROMPT) + 8 + 300
 
 
+def test_the_next_turn_right_after_aborting_a_stream_is_accepted(server):
+    # A client that aborts its stream and sends the next turn at once may reach the server before
+    # the server has processed the disconnect: the session is free once it has, not 409 busy.
+    with client(server) as c:
+        sid, _ = create(c)
+        for i in range(5):
+            long_turn = {**completion(PROMPT + [i + 1], max_tokens=200), "stream": True}
+            with client(server) as c2, c2.stream("POST", "/v1/completions", json=long_turn,
+                                                 headers={"x-session-id": sid}) as running:
+                assert running.status_code == 200
+                assert next(line for line in running.iter_lines() if line.startswith("data: "))
+            # Leaving the block closed the connection mid-stream: the client's own abort.
+            r = c.post("/v1/completions", json=completion(PROMPT + [i + 1, 5]), headers={"x-session-id": sid})
+            assert r.status_code == 200, r.text
+        c.delete(f"/v1/context/{sid}")
+
+
 def test_create_with_chat_body_and_stream(server):
     with client(server) as c:
         body = {"model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],

@@ -84,3 +84,47 @@ def test_stream_gone_before_first_token_leaves_session_idle(app, path, body, spe
     info, status = asyncio.run(scenario(app, path, body, spec_version))
     assert info["busy"] is False
     assert status == 200
+
+
+async def abort_then_next_turn(app) -> tuple[int, bool]:
+    """A streamed session turn whose client goes away after its first event, and the same
+    client's next turn sent at once: before the server has processed the disconnect."""
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test", headers=AUTH, timeout=60) as c:
+        create = {"model": SERVED_MODEL_NAME, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+        r = await c.post("/v1/context", json=create, headers={"x-session-ttl": "300"})
+        sid = r.headers["x-session-id"]
+        body = {**create, "prompt": PROMPT + [5], "max_tokens": 200, "ignore_eos": True, "stream": True}
+        raw_headers = [(b"content-type", b"application/json"), (b"x-session-id", sid.encode())]
+        raw_headers += [(k.lower().encode(), v.encode()) for k, v in AUTH.items()]
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "headers": raw_headers, "client": ("127.0.0.1", 5001),
+                 "server": ("127.0.0.1", 8000)}
+        pending = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+        gone, streaming = asyncio.Event(), asyncio.Event()
+
+        async def receive() -> dict:
+            if pending:
+                return pending.pop(0)
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.body" and message.get("body"):
+                streaming.set()
+
+        aborted = asyncio.create_task(app(scope, receive, send))
+        await streaming.wait()
+        gone.set()                                       # the client aborts ...
+        r = await c.post("/v1/completions", json={**create, "prompt": PROMPT + [5, 6]},
+                         headers={"x-session-id": sid})  # ... and sends its next turn at once
+        await aborted
+        busy = (await c.get(f"/v1/context/{sid}")).json()["busy"]
+        await c.delete(f"/v1/context/{sid}")
+        return r.status_code, busy
+
+
+def test_the_next_turn_sent_right_after_an_abort_is_served(app):
+    status, busy = asyncio.run(abort_then_next_turn(app))
+    assert status == 200 and busy is False

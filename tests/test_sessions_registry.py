@@ -167,10 +167,34 @@ def test_with_redis_down_a_replica_serves_the_sessions_it_holds(redis_server):
     one.end_turn(s1, 3 * BLOCK_SIZE, hashes("a", 3))      # the failed save is logged, not raised
     with pytest.raises(SessionError):
         one.get("sess-unknown", None)
-    redis_server.start()
+    redis_server.start()                                  # back, and empty
+    backend = RedisBackend(redis_server.url, "kvhive:sessions:m")
+    deadline = time.monotonic() + 10
+    while not backend.guard.breaker.allow():              # the breaker's probe finds it back
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    # What the replica held (and could not save meanwhile) is written again before the next read.
+    assert one.get(s1.session_id, None) is s1
+    assert backend.load(None, s1.session_id)["block_hashes"] == hashes("a", 3)
     one.set_ttl(s1, 60)                                   # the next change saves again
-    assert RedisBackend(redis_server.url, "kvhive:sessions:m").load(None, s1.session_id)["block_hashes"] == \
-        hashes("a", 3)
+    assert backend.load(None, s1.session_id)["ttl"] == 60
+
+
+def test_a_session_held_here_survives_redis_losing_its_data(redis_server):
+    one = registry(RedisBackend(redis_server.url, "kvhive:sessions:m"))
+    two = registry(RedisBackend(redis_server.url, "kvhive:sessions:m"))
+    s1 = run_turn(one, None, hashes("a", 2))
+    s2 = run_turn(one, None, hashes("b", 2))
+    assert two.get(s1.session_id, None).block_hashes == s1.block_hashes
+    redis_server.admin().flushall()
+    # A miss for a session held here, with the data marker gone: kept, and every held one republished.
+    assert one.get(s1.session_id, None) is s1
+    backend = RedisBackend(redis_server.url, "kvhive:sessions:m")
+    assert {backend.load(None, s.session_id)["id"] for s in (s1, s2)} == {s1.session_id, s2.session_id}
+    # With the marker in place, a missing record is a session ended elsewhere, as before.
+    two.delete(two.get(s2.session_id, None))
+    with pytest.raises(SessionError):
+        one.get(s2.session_id, None)
 
 
 # ---------------------------------------------------------------- the keeper tier's budget

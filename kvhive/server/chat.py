@@ -94,8 +94,9 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
     max_tokens = service.resolve_max_tokens(requested, len(token_ids), param, "messages")
     sampling = service.sampling_params(body, max_tokens, num_logprobs)
     owner = service.owner_of(raw_request)
-    session = service.open_session(raw_request, body.model, len(token_ids) + max_tokens,
-                                   conversation_id=body.conversation_id, new_ttl=new_session_ttl, n=body.n)
+    session = await service.open_session(raw_request, body.model, len(token_ids) + max_tokens,
+                                         conversation_id=body.conversation_id, new_ttl=new_session_ttl,
+                                         n=body.n)
     headers = {} if session is None else {"x-session-id": session.session_id}
     request_id = new_request_id("chatcmpl")
     created = unix_time()

@@ -105,8 +105,8 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
         raise bad_request("'echo' with 'logprobs' cannot run in a session: the prompt logprobs need "
                           "every prompt token computed, and a session reuses its tokens' KV", param="logprobs")
     owner = service.owner_of(raw_request)
-    session = service.open_session(raw_request, body.model, len(token_ids) + max_tokens,
-                                   new_ttl=new_session_ttl, n=body.n)
+    session = await service.open_session(raw_request, body.model, len(token_ids) + max_tokens,
+                                         new_ttl=new_session_ttl, n=body.n)
     headers = {} if session is None else {"x-session-id": session.session_id}
     request_id = new_request_id("cmpl")
     created = unix_time()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -28,6 +29,8 @@ from kvhive.sessions import Session, SessionError, parse_ttl
 
 # How often expired sessions are swept and their blocks freed.
 SWEEP_INTERVAL_S = 1.0
+# How often the sweep asks a shared backend (Redis) whether it lost its data (one GET).
+DATA_CHECK_INTERVAL_S = 5.0
 # max_tokens of a POST /v1/context body that sets none (OpenAI's legacy completions default):
 # creating a context is about caching its prompt, not about generating to the end of the context.
 CONTEXT_DEFAULT_MAX_TOKENS = 16
@@ -45,11 +48,18 @@ def session_info(session: Session, blocks: dict[str, int] | None = None) -> dict
 
 
 async def sweep_expired(service: GenerationService) -> None:
-    """Forever: drop expired sessions and free their blocks in the engine."""
+    """Forever: drop expired sessions and free their blocks in the engine; republish the sessions
+    held here when the shared backend may lack them (and ask it every DATA_CHECK_INTERVAL_S)."""
+    registry = service.sessions
+    last_check = time.monotonic()
     while True:
         await asyncio.sleep(SWEEP_INTERVAL_S)
-        for session in service.sessions.pop_expired():
+        for session in registry.pop_expired():
             service.free_session_kv(session)
+        registry.republish_if_wanted()
+        if time.monotonic() - last_check >= DATA_CHECK_INTERVAL_S:
+            last_check = time.monotonic()
+            await registry.check_backend()
 
 
 def install_context_routes(app: FastAPI, service: GenerationService,
@@ -59,9 +69,9 @@ def install_context_routes(app: FastAPI, service: GenerationService,
     assert registry is not None
     service.metrics.watch_sessions(registry.stats, service.engine.engine.pinned_blocks_by_tier)
 
-    def lookup(raw_request: Request, session_id: str) -> Session:
+    async def lookup(raw_request: Request, session_id: str) -> Session:
         try:
-            return registry.get(session_id, service.owner_of(raw_request))
+            return await registry.aget(session_id, service.owner_of(raw_request))
         except SessionError as exc:
             raise session_api_error(exc) from None
 
@@ -106,7 +116,7 @@ def install_context_routes(app: FastAPI, service: GenerationService,
     @app.get("/v1/context/{session_id}")
     async def get_context(session_id: str, raw_request: Request) -> dict[str, Any]:
         """One session: tokens held, blocks per tier (device and each store tier), times, model."""
-        session = lookup(raw_request, session_id)
+        session = await lookup(raw_request, session_id)
         hashes = [bytes.fromhex(h) for h in session.block_hashes]
         blocks = await asyncio.to_thread(service.engine.engine.session_blocks_by_tier, hashes)
         return session_info(session, blocks)
@@ -114,7 +124,7 @@ def install_context_routes(app: FastAPI, service: GenerationService,
     @app.patch("/v1/context/{session_id}")
     async def patch_context(session_id: str, raw_request: Request) -> dict[str, Any]:
         """Set a new TTL (body ``{"ttl": N}`` or header x-session-ttl); expiry becomes now + TTL."""
-        session = lookup(raw_request, session_id)
+        session = await lookup(raw_request, session_id)
         raw = await raw_request.body()
         value, param = raw_request.headers.get("x-session-ttl"), "x-session-ttl"
         if raw.strip():
@@ -132,7 +142,7 @@ def install_context_routes(app: FastAPI, service: GenerationService,
     @app.delete("/v1/context/{session_id}")
     async def delete_context(session_id: str, raw_request: Request) -> dict[str, Any]:
         """Forget the session and free its blocks (a running turn frees its own when it ends)."""
-        session = lookup(raw_request, session_id)
+        session = await lookup(raw_request, session_id)
         registry.delete(session)
         service.free_session_kv(session)
         return {"id": session.session_id, "object": "context.deleted", "deleted": True}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -38,7 +39,7 @@ from kvhive.responses import (
     new_response_id,
 )
 from kvhive.server.chat import template_messages
-from kvhive.server.context import SWEEP_INTERVAL_S, background_task
+from kvhive.server.context import DATA_CHECK_INTERVAL_S, SWEEP_INTERVAL_S, background_task
 from kvhive.server.errors import APIError, bad_request
 from kvhive.server.logprobs import SentToken, chat_logprobs
 from kvhive.server.protocol import ChatMessage, ChatTokenLogprob, SamplingRequest
@@ -102,18 +103,18 @@ class ResponsesAPI:
 
     # ------------------------------------------------------------ lookups
 
-    def lookup(self, raw_request: Request, response_id: str, param: str | None = None) -> StoredResponse:
+    async def lookup(self, raw_request: Request, response_id: str, param: str | None = None) -> StoredResponse:
         """The caller's stored response; 404 otherwise."""
         try:
-            return self.store.get(response_id, self.service.owner_of(raw_request), param)
+            return await self.store.aget(response_id, self.service.owner_of(raw_request), param)
         except SessionError as exc:
             raise session_api_error(exc) from None
 
-    def history(self, raw_request: Request, body: ResponsesRequest) -> list[StoredResponse]:
+    async def history(self, raw_request: Request, body: ResponsesRequest) -> list[StoredResponse]:
         """The stored responses that ``previous_response_id`` continues, first turn first."""
         if body.previous_response_id is None:
             return []
-        previous = self.lookup(raw_request, body.previous_response_id, "previous_response_id")
+        previous = await self.lookup(raw_request, body.previous_response_id, "previous_response_id")
         if previous.model != body.model:
             raise bad_request(f"Response '{previous.response_id}' was written by model '{previous.model}', "
                               f"not '{body.model}'", param="model", code="response_model_mismatch")
@@ -137,8 +138,8 @@ class ResponsesAPI:
 
     # ------------------------------------------------------------ sessions
 
-    def open_session(self, raw_request: Request, body: ResponsesRequest, conversation_id: str,
-                     num_tokens: int) -> Session:
+    async def open_session(self, raw_request: Request, body: ResponsesRequest, conversation_id: str,
+                           num_tokens: int) -> Session:
         """The conversation's session, busy with this turn (created when it has none)."""
         owner = self.service.owner_of(raw_request)
         try:
@@ -146,7 +147,8 @@ class ResponsesAPI:
         except SessionError as exc:
             raise session_api_error(exc) from None
         try:
-            session = self.service.open_session(raw_request, body.model, num_tokens, conversation_id=conversation_id)
+            session = await self.service.open_session(raw_request, body.model, num_tokens,
+                                                      conversation_id=conversation_id)
         except APIError as exc:
             if exc.code == "session_busy":
                 raise APIError(409, f"Response '{body.previous_response_id}' is being continued by another "
@@ -157,15 +159,19 @@ class ResponsesAPI:
         assert session is not None
         return session
 
-    def end_unused_session(self, conversation_id: str, owner: str | None) -> None:
-        """End the session of a conversation that stores no response (its first turn failed or
-        its last response was deleted): its KV is freed."""
-        if not self.store.is_empty(conversation_id, owner):
+    async def end_unused_session(self, conversation_id: str, owner: str | None) -> None:
+        """End the session of a conversation that stores no response (its last response was
+        deleted): its KV is freed."""
+        if not await self.store.ais_empty(conversation_id, owner):
             return
         try:
-            session = self.sessions.get(conversation_id, owner)
+            session = await self.sessions.aget(conversation_id, owner)
         except SessionError:
             return                                          # expired or deleted already
+        self.end_session(session)
+
+    def end_session(self, session: Session) -> None:
+        """Forget the session and free its KV."""
         self.sessions.delete(session)
         self.service.free_session_kv(session)
 
@@ -182,7 +188,7 @@ class ResponsesAPI:
                               "'previous_response_id'", param="x-session-id")
         items = input_items(body)
         owner = service.owner_of(raw_request)
-        history = self.history(raw_request, body)
+        history = await self.history(raw_request, body)
         token_ids = self.prompt_token_ids(body, history, items)
         max_tokens = service.resolve_max_tokens(body.max_output_tokens, len(token_ids), "max_output_tokens", "input")
         sampling = service.sampling_params(
@@ -193,7 +199,7 @@ class ResponsesAPI:
             conversation_id = (conversation_of(body.previous_response_id) if body.previous_response_id
                                else new_conversation_id())
             assert conversation_id is not None
-            session = self.open_session(raw_request, body, conversation_id, len(token_ids) + max_tokens)
+            session = await self.open_session(raw_request, body, conversation_id, len(token_ids) + max_tokens)
         response_id = new_response_id(conversation_id)
         deltas = service.stream(response_id, token_ids, sampling, (), service.cache_salt_for(owner, None),
                                 session=session)
@@ -292,9 +298,12 @@ class Turn:
         return self.response
 
     def close(self) -> None:
-        """After the turn: a new conversation whose first response was not stored ends its session."""
-        if self.conversation_id is not None and not self.stored:
-            self.api.end_unused_session(self.conversation_id, self.owner)
+        """After the turn: a new conversation whose first response was not stored ends its session
+        (nobody else knows its id, so nothing else stores in it: no backend read needed). A
+        continuation keeps its session: its conversation stores the responses before it."""
+        if (self.conversation_id is not None and not self.stored and self.session is not None
+                and self.body.previous_response_id is None):
+            self.api.end_session(self.session)
 
     async def events(self, deltas: AsyncIterator[TextDelta]) -> AsyncIterator[str]:
         """The stream events of the turn, ending with response.completed (or response.incomplete);
@@ -334,10 +343,17 @@ class Turn:
 
 
 async def sweep_expired_responses(api: ResponsesAPI) -> None:
-    """Forever: drop expired conversations (their sessions expire with them and free their KV)."""
+    """Forever: drop expired conversations (their sessions expire with them and free their KV);
+    republish the conversations held here when the shared backend may lack them (and ask it
+    every DATA_CHECK_INTERVAL_S)."""
+    last_check = time.monotonic()
     while True:
         await asyncio.sleep(SWEEP_INTERVAL_S)
         api.store.pop_expired()
+        api.store.republish_if_wanted()
+        if time.monotonic() - last_check >= DATA_CHECK_INTERVAL_S:
+            last_check = time.monotonic()
+            await api.store.check_backend()
 
 
 def response_sweeper(api: ResponsesAPI) -> contextlib.AbstractAsyncContextManager[None]:
@@ -359,7 +375,7 @@ def install_response_routes(app: FastAPI, api: ResponsesAPI,
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, raw_request: Request) -> dict[str, Any]:
         """A stored response object."""
-        return api.lookup(raw_request, response_id).response
+        return (await api.lookup(raw_request, response_id)).response
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def list_input_items(response_id: str, raw_request: Request,
@@ -367,7 +383,7 @@ def install_response_routes(app: FastAPI, api: ResponsesAPI,
                                order: Literal["asc", "desc"] = "desc",
                                after: str | None = None) -> dict[str, Any]:
         """The input items of a stored response's request (OpenAI's list shape, newest first by default)."""
-        items = api.lookup(raw_request, response_id).input_items
+        items = (await api.lookup(raw_request, response_id)).input_items
         items = items if order == "asc" else items[::-1]
         ids = [item["id"] for item in items]
         if after is not None:
@@ -381,9 +397,9 @@ def install_response_routes(app: FastAPI, api: ResponsesAPI,
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, raw_request: Request) -> dict[str, Any]:
         """Forget a stored response; its conversation's KV is freed when no response of it is left."""
-        stored = api.lookup(raw_request, response_id)
+        stored = await api.lookup(raw_request, response_id)
         if api.store.delete(stored):
             conversation_id = conversation_of(response_id)
             assert conversation_id is not None
-            api.end_unused_session(conversation_id, stored.owner)
+            await api.end_unused_session(conversation_id, stored.owner)
         return {"id": response_id, "object": "response", "deleted": True}

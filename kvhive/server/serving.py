@@ -48,6 +48,10 @@ T = TypeVar("T")
 DISCONNECT_POLL_S = 0.1
 # Most choices (``n``) one request may ask for: each is an engine request of its own.
 MAX_CHOICES = 16
+# How long a request on a busy session waits for the running turn to end before its 409 (covers
+# a client's own abort that the server has not processed yet), and how often it looks.
+SESSION_BUSY_WAIT_S = 0.15
+SESSION_BUSY_POLL_S = 0.005
 # Prompts of this many characters or more are tokenized (chat: rendered and tokenized) on a worker
 # thread, so the event loop goes on serving (/health, other streams) meanwhile.
 OFF_LOOP_CHARS = 4096
@@ -163,6 +167,14 @@ def session_api_error(exc: SessionError) -> APIError:
     """A registry refusal as an OpenAI-shaped error."""
     kind = "rate_limit_error" if exc.status_code == 429 else "invalid_request_error"
     return APIError(exc.status_code, exc.message, type=kind, param=exc.param, code=exc.code)
+
+
+async def wait_until_idle(session: Session, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for the session's running turn to end; True once it has."""
+    deadline = time.monotonic() + timeout_s
+    while session.busy and time.monotonic() < deadline:
+        await asyncio.sleep(SESSION_BUSY_POLL_S)
+    return not session.busy
 
 
 def pin_session_blocks(engine: LLMEngine, session: Session) -> None:
@@ -303,13 +315,17 @@ class GenerationService:
         """The prefix-cache salt (``kvhive.tenancy.cache_salt``, which the gateway calls too)."""
         return cache_salt(owner, body_salt, self.share_prefix_cache)
 
-    def open_session(self, raw_request: Request, model: str, num_tokens: int, *,
-                     conversation_id: str | None = None, new_ttl: int | None = None,
-                     n: int = 1) -> Session | None:
+    async def open_session(self, raw_request: Request, model: str, num_tokens: int, *,
+                           conversation_id: str | None = None, new_ttl: int | None = None,
+                           n: int = 1) -> Session | None:
         """The session this request runs in, marked busy: a new one (``new_ttl``), the one named by
         ``x-session-id`` or ``conversation_id`` (an unknown conversation_id starts one with the
         default TTL), or None. ``num_tokens`` (prompt + max output) is checked against the limits.
-        A request of ``n`` > 1 choices cannot run in a session (400, before any session is touched)."""
+        A request of ``n`` > 1 choices cannot run in a session (400, before any session is touched).
+
+        A session busy with another turn is waited for up to SESSION_BUSY_WAIT_S before the 409: a
+        client that aborts a stream and sends its next turn at once may reach the server before
+        the server has processed its disconnect (which ends the aborted turn)."""
         registry = self.sessions
         header = raw_request.headers.get("x-session-id")
         if header:
@@ -329,12 +345,14 @@ class GenerationService:
                 registry.check_pinned(owner, num_tokens)
                 return registry.create(owner, model, new_ttl)
             try:
-                session = registry.get(session_id, owner)
+                session = await registry.aget(session_id, owner)
             except SessionError:
                 if raw_request.headers.get("x-session-id") or conversation_id is None:
                     raise
                 registry.check_pinned(owner, num_tokens)
                 return registry.create(owner, model, registry.config.default_ttl_s, session_id=conversation_id)
+            if session.busy and await wait_until_idle(session, SESSION_BUSY_WAIT_S):
+                session = await registry.aget(session_id, owner)     # as it is after that turn
             registry.begin_turn(session, model, num_tokens)
             return session
         except SessionError as exc:
