@@ -13,13 +13,15 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from kvhive.blocks import root_hash
 from kvhive.config import EngineConfig
 from kvhive.connector.base import TierStats
 from kvhive.request import FinishReason, Request, SamplingParams
-from kvhive.scheduler import Scheduler
+from kvhive.scheduler import Scheduler, SessionCopy
 from kvhive.step import StepPlan, StepResult, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -28,6 +30,8 @@ logger = logging.getLogger(__name__)
 # AsyncEngine loop stops): each failed step fails only its own requests, but a model that fails
 # every step is broken, and the process should exit for a supervisor to restart it.
 MAX_FAILED_STEPS_IN_ROW = 3
+# How long a metrics read waits for a network tier (Redis) before reusing its previous answer.
+NETWORK_STATS_WAIT_S = 0.25
 # How often the idle engine loop re-reads the engine's stats (the snapshot /metrics exports).
 IDLE_STATS_REFRESH_S = 0.5
 
@@ -133,6 +137,10 @@ class LLMEngine:
             loaded.config, cache.block_size, config.dtype, int(cache.kv_cache_gb * 2**30))
         self.num_blocks = num_blocks
         self.store = self.connector_scheduler = self.connector_worker = None
+        self._network_stats: ThreadPoolExecutor | None = None    # asks a network tier for metrics
+        self._network_stats_lock = threading.Lock()
+        self._network_counts: dict[str, int] = {}               # its last answers, by tier name
+        self._pin_thread: ThreadPoolExecutor | None = None       # applies pins with a network tier
         if config.store.enabled or store is not None:
             if not cache.enable_prefix_caching:
                 raise ValueError("KV tiers need prefix caching")
@@ -169,7 +177,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, cache, num_blocks,
                                    root_hash(cache.hash_seed, loaded.fingerprint),
                                    connector=self.connector_scheduler,
-                                   held_below=self._held_in_lowest_tier if self.store is not None else None)
+                                   session_copy=self._session_copy if self.store is not None else None)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) or loaded.config.eos_token_ids
         self.publisher = None
         if config.kv_events:
@@ -203,10 +211,24 @@ class LLMEngine:
         self.connector_scheduler = OffloadScheduler(self.store, key_space, block_bytes)
         self.connector_worker = OffloadWorker(self.store)
 
-    def _held_in_lowest_tier(self, block_hashes) -> list[bool]:
-        """Which blocks the lowest (most durable) store tier holds."""
+    def _session_copy(self, block_hashes) -> SessionCopy:
+        """Where the store tiers hold copies of an idle session's full blocks (``SessionCopy``).
+
+        The lowest (most durable) tier first. When it lacks some and no save of them is in flight,
+        it will not get them (it was down or full when they were saved, or lost them since: a
+        Redis restarted or flushed): then any tier above that holds them all. Loop thread only;
+        a tier that is down answers at once (its breaker is open).
+        """
         keys = self.connector_scheduler.key_space.keys(block_hashes)
-        return self.store.tiers[-1].store.contains(keys)
+        tiers = self.store.tiers
+        if all(tiers[-1].store.contains(keys)):
+            return SessionCopy.LOWEST
+        if self.connector_worker is not None and self.connector_worker.is_saving(keys):
+            return SessionCopy.PENDING
+        for tier in reversed(tiers[:-1]):
+            if all(tier.store.contains(keys)):
+                return SessionCopy.HIGHER
+        return SessionCopy.NONE
 
     def session_blocks_by_tier(self, block_hashes) -> dict[str, int]:
         """How many of these blocks each level holds: "device", then each store tier by name.
@@ -230,24 +252,69 @@ class LLMEngine:
 
         Replaces the session's previous pins; without store tiers nothing to do (the device pool
         then keeps session blocks itself). Safe from any thread (touches only the store's pin table).
+        With a network tier (Redis) the pins are applied on a helper thread, in call order, so the
+        caller (the HTTP event loop) never waits on the network.
         """
         store = self.store
         if store is not None:
-            store.pin_session(session_id, self.connector_scheduler.key_space.keys(block_hashes))
+            keys = self.connector_scheduler.key_space.keys(block_hashes)
+            self._apply_pins(lambda: store.pin_session(session_id, keys))
 
     def unpin_session(self, session_id: str) -> None:
         """Let the store tiers evict the session's blocks (those no other session pins); any thread."""
         store = self.store
         if store is not None:
-            store.unpin_session(session_id)
+            self._apply_pins(lambda: store.unpin_session(session_id))
+
+    def _apply_pins(self, change) -> None:
+        """Run a pin change now, or on the pin thread (in order) when a tier is on the network."""
+        if not any(hasattr(tier.store, "available") for tier in self.store.tiers):
+            change()
+            return
+        with self._network_stats_lock:
+            if self._pin_thread is None:
+                self._pin_thread = ThreadPoolExecutor(1, thread_name_prefix="kvhive-tier-pins")
+            self._pin_thread.submit(change)
 
     def pinned_blocks_by_tier(self) -> dict[str, int]:
-        """How many of the distinct blocks live sessions pin each store tier holds; any thread."""
+        """How many of the distinct blocks live sessions pin each store tier holds; any thread.
+
+        A network tier (Redis) is asked on a helper thread, waited for at most
+        NETWORK_STATS_WAIT_S (then its previous answer stands); while it is down it holds 0."""
         store = self.store
-        return {} if store is None else store.pinned_blocks_by_tier()
+        if store is None:
+            return {}
+        keys = store.pinned_keys()
+        counts = {}
+        for tier in store.tiers:
+            available = getattr(tier.store, "available", None)
+            if available is None:
+                counts[tier.name] = sum(tier.store.contains(keys)) if keys else 0
+            elif not available or not keys:
+                counts[tier.name] = 0
+            else:
+                counts[tier.name] = self._network_count(tier.name, tier.store, keys)
+        return counts
+
+    def _network_count(self, name: str, tier_store, keys) -> int:
+        """``sum(tier_store.contains(keys))`` from a helper thread, or the last answer when slow."""
+        with self._network_stats_lock:
+            if self._network_stats is None:
+                self._network_stats = ThreadPoolExecutor(1, thread_name_prefix="kvhive-tier-stats")
+            future = self._network_stats.submit(lambda: sum(tier_store.contains(keys)))
+        try:
+            count = future.result(timeout=NETWORK_STATS_WAIT_S)
+        except FutureTimeout:
+            return self._network_counts.get(name, 0)
+        self._network_counts[name] = count
+        return count
 
     def close(self) -> None:
         """Flush and close the KV-event publisher; finish KV saves and close the store tiers."""
+        for helper in (self._pin_thread, self._network_stats):
+            if helper is not None:
+                helper.shutdown(wait=True)
+        self._pin_thread = self._network_stats = None
         if self.publisher is not None:
             self.publisher.close()
             self.publisher = None

@@ -31,16 +31,21 @@ Sessions: a finished request with a ``session_id`` parks its blocks in the KV ma
 freeing them; the session's next request resumes them at admission when its prompt continues
 the session's tokens (no hashing, no prefix lookup), else the holding is released and the request
 takes the ordinary prefix path. Held blocks are pinned in the device pool. With store tiers
-configured, when blocks run out the least recently used holding whose full blocks the lowest tier
-has (``held_below``) is released to the pool (spilled) before anything is preempted; its next
-request finds its blocks by prefix match, on the device or loaded back from the tiers. Without
-tiers, when the head of the queue does not fit while nothing runs (so nothing else will ever free
-a block), the least recently used holding is released: idle sessions never stall a request
-forever; their full blocks stay cached in the pool until evicted.
+configured, when blocks run out the least recently used holding that has a copy below is released
+to the pool (spilled) before anything is preempted; its next request finds its blocks by prefix
+match, on the device or loaded back from the tiers. ``session_copy`` says where a holding's full
+blocks are (``SessionCopy``): in the lowest tier (spill), on their way there (saves in flight:
+wait a step), or not going there (the lowest tier is down, emptied or full): then in a tier above
+(spill), or nowhere. A holding with no copy anywhere, and every holding without tiers, follows the
+no-tier rule: when the head of the queue does not fit while nothing runs (so nothing else will
+ever free a block), the least recently used such holding is released, its full blocks cached in
+the pool until evicted and recomputed after that. Idle sessions never stall a request forever,
+whatever a tier lost.
 """
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,6 +55,15 @@ from kvhive.connector.base import CachedBlock, ConnectorScheduler, FinishedTrans
 from kvhive.kv.manager import KVCacheManager, KVCacheStats
 from kvhive.request import FinishReason, Request, RequestStatus
 from kvhive.step import PromptLogprobsSpan, ScheduledSeq, StepPlan, StepResult
+
+
+class SessionCopy(enum.Enum):
+    """Where the store tiers hold copies of an idle session's full blocks."""
+
+    LOWEST = "lowest"      # the lowest tier holds every one: spill
+    PENDING = "pending"    # saves of some are still on their way to it: wait
+    HIGHER = "higher"      # it will not get them (down, emptied, full), a tier above holds them all: spill
+    NONE = "none"          # no tier holds them all, and none will: the no-tier rule
 
 
 @dataclass(frozen=True)
@@ -72,11 +86,11 @@ class Scheduler:
 
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  root_hash: bytes, connector: ConnectorScheduler | None = None,
-                 held_below: Callable[[Sequence[bytes]], list[bool]] | None = None) -> None:
-        """``held_below(hashes)`` says which blocks the lowest store tier holds; None: sessions stay pinned."""
+                 session_copy: Callable[[Sequence[bytes]], SessionCopy] | None = None) -> None:
+        """``session_copy(hashes)``: where the store tiers hold these full blocks; None: no tiers."""
         self.config = sched_config
         self.connector = connector
-        self.held_below = held_below
+        self.session_copy = session_copy
         self.num_session_spills = 0
         self.kv = KVCacheManager(cache_config.block_size, num_blocks, cache_config.enable_prefix_caching,
                                  root_hash)
@@ -244,23 +258,42 @@ class Scheduler:
     def _spill_session(self, keep: str | None = None, admitting: bool = False) -> bool:
         """Release the least recently used holding (other than ``keep``) to the pool; False if none.
 
-        With tiers, only a holding whose full blocks the lowest tier has a copy of (the partial
-        last block is recomputed on resume); one whose saves may still read its blocks waits.
-        Without tiers, only for an admission stuck with nothing running (``admitting``).
+        With tiers, a holding whose full blocks have a copy below (the lowest tier, or a tier above
+        it when the lowest will not get them); one whose saves are still in flight waits (the
+        partial last block is recomputed on resume). Without tiers, or when no tier holds a
+        holding's blocks, only for an admission stuck with nothing running (``admitting``).
         """
-        if self.held_below is None and (not admitting or self.running):
+        stuck = admitting and not self.running
+        if self.session_copy is None and not stuck:
             return False
+        pending = {b.block_hash for b in self._newly_cached}     # computed, not yet handed to saves
+        uncopied = None
         for session_id in self.kv.session_ids():
             if session_id == keep:
                 continue
-            held = self.kv.session_blocks(session_id)
-            hashes = held.block_hashes[:held.num_cached_blocks]
-            if self.held_below is not None and hashes and not all(self.held_below(hashes)):
+            if self.session_copy is not None:
+                held = self.kv.session_blocks(session_id)
+                hashes = held.block_hashes[:held.num_cached_blocks]
+                if any(h in pending for h in hashes):
+                    continue
+                copy = self.session_copy(hashes) if hashes else SessionCopy.LOWEST
+                if copy is SessionCopy.NONE:
+                    uncopied = uncopied or session_id
+                    continue
+                if copy is SessionCopy.PENDING:
+                    continue
+            elif not stuck:
                 continue
-            self.kv.release_session(session_id)
-            self.num_session_spills += 1
+            self._release_holding(session_id)
+            return True
+        if uncopied is not None and stuck:
+            self._release_holding(uncopied)          # recomputed on its next turn
             return True
         return False
+
+    def _release_holding(self, session_id: str) -> None:
+        self.kv.release_session(session_id)
+        self.num_session_spills += 1
 
     def _admit_waiting(self, budget: int, planned: dict[str, int]) -> int:
         # FCFS: stop at the first request that does not fit, so later ones never jump ahead.

@@ -51,6 +51,8 @@ class OffloadWorker:
         self._fetching: set[str] = set()        # requests whose async load is queued or running
         self._cancelled: set[str] = set()       # of those, the ones to stop at the next block
         self._pending_save_bytes = 0            # snapshot bytes queued, not yet written
+        # Keys queued for the writer and not yet put (a count: a block may be queued twice).
+        self._unsaved: dict[StoreKey, int] = {}
         self.dropped_save_blocks = 0            # saves skipped because the writer fell behind
         self.failed_load_blocks = 0             # async-load blocks missing or bad (recomputed)
         self.async_load_seconds = 0.0           # summed wall time of finished async loads
@@ -111,6 +113,11 @@ class OffloadWorker:
         """Block until every snapshot handed to the writer is in the store."""
         self._saves.join()
 
+    def is_saving(self, keys: Sequence[StoreKey]) -> bool:
+        """Whether a save of any of these blocks is queued or being written (any thread)."""
+        with self._lock:
+            return any(key in self._unsaved for key in keys)
+
     def get_finished(self, finished_request_ids: Sequence[str]) -> FinishedTransfers:
         """Asynchronous loads completed since the last call; saves never hold blocks (empty set)."""
         with self._lock:
@@ -140,6 +147,8 @@ class OffloadWorker:
                                self._pending_save_bytes, len(saves))
                 return
             self._pending_save_bytes += nbytes
+            for _, key in saves:
+                self._unsaved[key] = self._unsaved.get(key, 0) + 1
         ids = torch.tensor([block_id for block_id, _ in saves], device=self._kv.device)
         with torch.inference_mode():
             snapshot = self._kv.index_select(0, ids).cpu()
@@ -148,20 +157,39 @@ class OffloadWorker:
     def _write_loop(self) -> None:
         while True:
             item = self._saves.get()
+            unsaved: list[StoreKey] = [] if item is None else list(item[0])   # in order, not yet put
             try:
                 if item is None:
                     return
                 keys, snapshot = item
                 rows = snapshot.view(torch.uint8).reshape(len(keys), -1).numpy()
                 for key, row in zip(keys, rows, strict=True):
-                    self.store.put(key, row)
+                    try:
+                        self.store.put(key, row)
+                    finally:
+                        unsaved.pop(0)
+                        self._saved(key)
             except Exception:  # noqa: BLE001 - the writer must outlive any one bad save
                 logger.exception("KV writer: saving blocks failed")
             finally:
                 if item is not None:
                     with self._lock:
-                        self._pending_save_bytes -= snapshot.nbytes
+                        self._pending_save_bytes -= item[1].nbytes
+                        for key in unsaved:          # the ones a failure skipped
+                            self._drop_unsaved(key)
                 self._saves.task_done()
+
+    def _saved(self, key: StoreKey) -> None:
+        with self._lock:
+            self._drop_unsaved(key)
+
+    def _drop_unsaved(self, key: StoreKey) -> None:
+        # Lock held.
+        count = self._unsaved.get(key, 0) - 1
+        if count > 0:
+            self._unsaved[key] = count
+        else:
+            self._unsaved.pop(key, None)
 
     # ------------------------------------------------------------------ loads
 

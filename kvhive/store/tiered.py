@@ -144,6 +144,11 @@ class TieredStore:
         with self._pin_lock:
             return PinStats(len(self._session_pins), len(self._pin_counts))
 
+    def pinned_keys(self) -> list[StoreKey]:
+        """The distinct blocks live sessions pin."""
+        with self._pin_lock:
+            return list(self._pin_counts)
+
     def pinned_blocks_by_tier(self) -> dict[str, int]:
         """How many of the pinned blocks each tier holds, by tier name (one batched probe per tier)."""
         with self._pin_lock:
