@@ -161,12 +161,12 @@ def free_port() -> int:
 
 def start_server(model: str, *, api_keys: tuple[str, ...] = (), max_model_len: int | None = None,
                  faulty: bool = False, startup_timeout_s: float = 180.0,
-                 extra_args: tuple[str, ...] = ()) -> ServerProcess:
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> ServerProcess:
     """Start a server subprocess and wait until /health answers 200.
 
-    ``extra_args``: more flags of the server script (``--num-blocks``, ``--cpu-offload-gb``,
+    ``extra_args``: more flags of the server script (``--num-blocks``, ``--kv-cache-gb``, ``--cpu-offload-gb``,
     ``--disk-cache-dir``, ``--redis-url``, the session flags, ``--no-prefix-caching``,
-    ``--served-model-name``).
+    ``--served-model-name``). ``env``: more environment variables for the server process.
     """
     port = free_port()
     cmd = [sys.executable, os.path.join(TESTS_DIR, "conftest.py"), "--model", model, "--port", str(port),
@@ -178,7 +178,7 @@ def start_server(model: str, *, api_keys: tuple[str, ...] = (), max_model_len: i
     if faulty:
         cmd.append("--faulty")
     log = log_file(f"kvhive-server-{port}-")
-    env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
     server = ServerProcess(f"http://127.0.0.1:{port}", process, log.name)
     deadline = time.monotonic() + startup_timeout_s
@@ -259,7 +259,7 @@ def _build_engine(args: argparse.Namespace):  # -> AsyncEngine (imports stay ins
     if args.model == "default":
         config = EngineConfig(model_path=default_model_path(), served_model_name=SERVED_MODEL_NAME,
                               device=TEST_DEVICE,
-                              cache=CacheConfig(kv_cache_gb=0.25, num_blocks=args.num_blocks,
+                              cache=CacheConfig(kv_cache_gb=args.kv_cache_gb, num_blocks=args.num_blocks,
                                                 enable_prefix_caching=prefix),
                               scheduler=scheduler, store=store, sessions=sessions)
         engine = LLMEngine(config)
@@ -346,6 +346,7 @@ def _serve_main() -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--faulty", action="store_true")
     parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-gb", type=float, default=0.25)     # the default model's pool
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--cpu-offload-gb", type=float, default=0.0)
     parser.add_argument("--disk-cache-dir", default=None)
