@@ -21,6 +21,7 @@ the run's summary lists any entry that appeared in the temp dir while it ran.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import atexit
 import contextlib
 import json
@@ -47,6 +48,7 @@ FAULT_AFTER_OUTPUTS = 3                 # outputs sent before that failure (fewe
 ROW_FAULT_MARKER = "<<kvhive: fail sampling this row>>"
 STEP_FAULT_MARKER = "<<kvhive: fail the steps computing this>>"
 LOOP_FAULT_MARKER = "<<kvhive: kill the engine loop>>"
+SLOW_MARKER = "<<kvhive: deliver slowly>>"        # each output of such a prompt waits 20 ms (a long turn)
 TINY_API_KEY = "tiny-test-key"
 TINY_MAX_MODEL_LEN = 512
 # The device the servers these fixtures start run on: "cpu" (CI), or e.g. "cuda" to run the HTTP
@@ -320,6 +322,7 @@ def _faulty(async_engine_class: type, engine):  # -> a FaultyAsyncEngine over en
                 raise RuntimeError("injected engine failure")
             text = self.engine.tokenizer.decode(prompt_token_ids)
             fails_mid_way = FAULT_MARKER in text
+            slow = SLOW_MARKER in text
             if ROW_FAULT_MARKER in text:
                 faulty_rows.add(request_id)
             if STEP_FAULT_MARKER in text:
@@ -333,6 +336,8 @@ def _faulty(async_engine_class: type, engine):  # -> a FaultyAsyncEngine over en
                     if fails_mid_way and (num_sent == FAULT_AFTER_OUTPUTS or out.finished):
                         raise RuntimeError("injected engine failure mid-way")
                     num_sent += 1
+                    if slow:
+                        await asyncio.sleep(0.02)
                     yield out
 
     return FaultyAsyncEngine(engine)

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import FAULT_MARKER, SERVED_MODEL_NAME, ServerProcess, start_server, stop_server
+from conftest import FAULT_MARKER, SERVED_MODEL_NAME, SLOW_MARKER, ServerProcess, start_server, stop_server
 
 from kvhive.responses import conversation_of
 
@@ -198,7 +198,8 @@ def test_store_false_keeps_nothing_and_leaves_the_conversation_as_it_was(tiny_cl
 def test_two_requests_on_one_conversation_the_second_gets_409(tiny_client: httpx.Client) -> None:
     r1 = ok(create(tiny_client, "Start"))
     r2 = ok(create(tiny_client, "Next", previous_response_id=r1["id"]))
-    body = {"model": SERVED_MODEL_NAME, "input": "A long answer please", "previous_response_id": r2["id"],
+    # A turn that lasts seconds (SLOW_MARKER), longer than a busy request waits for it to end.
+    body = {"model": SERVED_MODEL_NAME, "input": "A long answer please " + SLOW_MARKER, "previous_response_id": r2["id"],
             "max_output_tokens": 200, "temperature": 0, "stream": True}
     with tiny_client.stream("POST", "/v1/responses", json=body) as running:
         lines = running.iter_lines()
