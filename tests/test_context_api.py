@@ -8,7 +8,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import SERVED_MODEL_NAME, ServerProcess, start_server, stop_server
+from conftest import SERVED_MODEL_NAME, SLOW_MARKER, ServerProcess, start_server, stop_server
+
+from kvhive.model_files import default_model_path
+from kvhive.tokenizer import Tokenizer
 
 KEY_A, KEY_B = "key-a", "key-b"
 PROMPT = [(i * 7) % 200 + 3 for i in range(40)]
@@ -16,7 +19,7 @@ PROMPT = [(i * 7) % 200 + 3 for i in range(40)]
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    srv = start_server("tiny", api_keys=(KEY_A, KEY_B), max_model_len=512,
+    srv = start_server("tiny", api_keys=(KEY_A, KEY_B), max_model_len=512, faulty=True,
                        extra_args=("--max-session-ttl", "3600", "--default-session-ttl", "120",
                                    "--max-sessions-per-key", "4"))
     yield srv
@@ -167,8 +170,10 @@ def test_wrong_model_and_concurrent_409(server):
                            headers={"x-session-id": sid}), 404)
         assert err["code"] == "model_not_found"
         # Two requests at once on one session: the second is refused with 409, the first completes.
-        # The first is streamed, so the second is sent while it is known to be running.
-        long_turn = {**completion(PROMPT + [1] * 8, max_tokens=300), "stream": True}
+        # The first is streamed, so the second is sent while it is known to be running; its outputs
+        # come slowly (SLOW_MARKER), so it outlasts the 0.15 s a busy request waits for a turn to end.
+        slow = Tokenizer.from_model_path(default_model_path()).encode(SLOW_MARKER)
+        long_turn = {**completion(PROMPT + slow, max_tokens=300), "stream": True}
         with client(server) as c2, c2.stream("POST", "/v1/completions", json=long_turn,
                                              headers={"x-session-id": sid}) as running:
             assert running.status_code == 200
@@ -177,7 +182,7 @@ def test_wrong_model_and_concurrent_409(server):
             err = error(c.post("/v1/completions", json=completion(PROMPT), headers={"x-session-id": sid}), 409)
             assert err["code"] == "session_busy"
             assert any(line == "data: [DONE]" for line in lines)
-        assert c.get(f"/v1/context/{sid}").json()["tokens"] == len(PROMPT) + 8 + 300
+        assert c.get(f"/v1/context/{sid}").json()["tokens"] == len(PROMPT) + len(slow) + 300
 
 
 def test_the_next_turn_right_after_aborting_a_stream_is_accepted(server):
