@@ -27,6 +27,7 @@ backend) shares one ``RedisGuard`` (``guard_for``; the first caller's timeouts a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -48,6 +49,20 @@ CLOSED, OPEN, HALF_OPEN = "closed", "open", "half-open"
 
 class RedisUnavailable(Exception):
     """Redis cannot be reached now (the breaker is open, or this call failed to reach it)."""
+
+
+async def check_backend_data(backend: object) -> bool:
+    """Run a shared backend's ``check_data`` off the event loop (a loss found there marks a republish
+    as wanted through the guard's listeners); False where it did not run (no such check, or Redis
+    unreachable: its breaker republishes on recovery)."""
+    check_data = getattr(backend, "check_data", None)
+    if check_data is None:
+        return False
+    try:
+        await asyncio.to_thread(check_data)
+    except Exception:  # noqa: BLE001 - unreachable: the breaker's recovery covers it
+        return False
+    return True
 
 
 def redacted(url: str) -> str:

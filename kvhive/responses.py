@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvhive.redis_guard import RedisUnavailable
+from kvhive.redis_guard import RedisUnavailable, check_backend_data
 from kvhive.response_backends import ResponseBackend
 from kvhive.sessions import SessionError
 
@@ -336,14 +336,8 @@ class ResponseStore:
 
     async def check_backend(self) -> None:
         """Ask a shared backend whether it lost its data (off the event loop); republish if so."""
-        check_data = getattr(self.backend, "check_data", None)
-        if check_data is None or not self._conversations:
-            return
-        try:
-            await asyncio.to_thread(check_data)
-        except Exception:  # noqa: BLE001 - unreachable: its breaker republishes on recovery
-            return
-        self.republish_if_wanted()
+        if self._conversations and await check_backend_data(self.backend):
+            self.republish_if_wanted()
 
     @staticmethod
     def _parse(record: dict[str, Any] | None) -> Conversation | None:

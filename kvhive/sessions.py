@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvhive.config import SessionConfig
-from kvhive.redis_guard import RedisUnavailable
+from kvhive.redis_guard import RedisUnavailable, check_backend_data
 from kvhive.session_backends import SessionBackend
 
 logger = logging.getLogger(__name__)
@@ -490,14 +490,8 @@ class SessionRegistry:
 
     async def check_backend(self) -> None:
         """Ask a shared backend whether it lost its data (off the event loop); republish if so."""
-        check_data = getattr(self.backend, "check_data", None)
-        if check_data is None or not self._sessions:
-            return
-        try:
-            await asyncio.to_thread(check_data)
-        except Exception:  # noqa: BLE001 - unreachable: its breaker republishes on recovery
-            return
-        self.republish_if_wanted()
+        if self._sessions and await check_backend_data(self.backend):
+            self.republish_if_wanted()
 
     def _pin(self, session: Session) -> None:
         if self.on_load is not None:

@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 import time
 
-from kvhive.model.cpu import compile_flags
+from kvhive.model.cpu import compile_flags, detect
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +45,9 @@ def kernel_source(name: str, csrc_dir: str = CSRC_DIR) -> str:
 
 
 def cpu_model() -> str:
-    """The CPU's model name and flags line (part of every library's cache key)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "".join(line for line in f if line.startswith(("model name", "flags")))
-    except OSError:
-        return platform.processor()
+    """The CPU's model name and flags (part of every library's cache key)."""
+    features = detect()
+    return f"{features.model}\n{' '.join(sorted(features.flags))}"
 
 
 def default_cache_dir() -> str:
