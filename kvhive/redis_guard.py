@@ -65,6 +65,16 @@ async def check_backend_data(backend: object) -> bool:
     return True
 
 
+def backend_lost_data(backend: object) -> bool:
+    """For a record held here and missing from a shared backend: whether the backend lost its data
+    (its ``check_data``), True when that cannot be told (keep what is held here). Blocking."""
+    check_data = getattr(backend, "check_data", None)
+    try:
+        return bool(check_data is not None and check_data())
+    except Exception:  # noqa: BLE001 - cannot tell: keep what this replica holds
+        return True
+
+
 def redacted(url: str) -> str:
     """The URL without its password, for logs."""
     parts = urlsplit(url)

@@ -22,8 +22,8 @@ Rules, in one place:
   again on each use, since another replica may have added responses or deleted some since. The
   server reads it off the event loop (``aget``, ``ais_empty``). When it may lack what is held here
   (its Redis breaker closed after an outage, or Redis lost its data), every live conversation held
-  here is written again before the next read; a conversation held here and missing from a Redis
-  that lost its data is kept and republished, not dropped.
+  here is written again before the next read; a conversation held here whose responses are missing
+  from a Redis that lost its data (gone, or only a turn stored since) is kept and republished.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvhive.redis_guard import RedisUnavailable, check_backend_data
+from kvhive.redis_guard import RedisUnavailable, backend_lost_data, check_backend_data
 from kvhive.response_backends import ResponseBackend
 from kvhive.sessions import SessionError
 
@@ -65,6 +65,14 @@ def conversation_of(response_id: str) -> str | None:
     """The conversation a response id names, or None for an id kvhive never hands out."""
     match = _RESPONSE_ID.match(response_id)
     return None if match is None else f"conv-{match.group(1)}"
+
+
+def _response_ids(record: dict[str, Any] | None) -> set[str]:
+    """The ids of the responses in a backend record (none for no record or a corrupt one)."""
+    try:
+        return {item["response"]["id"] for item in record["responses"]} if record is not None else set()
+    except (KeyError, TypeError):
+        return set()
 
 
 def response_not_found(response_id: str, param: str | None = None) -> SessionError:
@@ -138,6 +146,7 @@ class ResponseStore:
         self.clock = clock
         self._conversations: dict[tuple[str | None, str], Conversation] = {}
         self._republish_wanted = False       # set from any thread; cleared by the republish
+        self._losses = 0                     # times told the backend may lack what is held here
         if backend is not None:
             add_listener = getattr(backend, "add_listener", None)
             if add_listener is not None:
@@ -260,8 +269,9 @@ class ResponseStore:
             return None
         key = (owner, conversation_id)
         if self.backend is not None and self.backend.shared:
+            losses = self._losses
             self.republish_if_wanted()
-            self._apply(key, *self._read(key))
+            self._apply(key, *self._read(key, losses))
         return self._live(key)
 
     async def _aconversation(self, conversation_id: str | None, owner: str | None) -> Conversation | None:
@@ -270,8 +280,9 @@ class ResponseStore:
             return None
         key = (owner, conversation_id)
         if self.backend is not None and self.backend.shared:
+            losses = self._losses
             self.republish_if_wanted()
-            self._apply(key, *await asyncio.to_thread(self._read, key))
+            self._apply(key, *await asyncio.to_thread(self._read, key, losses))
         return self._live(key)
 
     def _live(self, key: tuple[str | None, str]) -> Conversation | None:
@@ -280,9 +291,11 @@ class ResponseStore:
             return None
         return conversation
 
-    def _read(self, key: tuple[str | None, str]) -> tuple[dict[str, Any] | None, bool]:
+    def _read(self, key: tuple[str | None, str], losses: int) -> tuple[dict[str, Any] | None, bool]:
         """The backend's record, and whether to keep what is held here instead: the backend could
-        not be read, or lost its data (for a conversation held here and missing there). Blocking."""
+        not be read, or lost its data (for a conversation whose responses held here are missing
+        there: by its marker, or by a loss noted since ``losses``, which another check found
+        first). Blocking."""
         assert self.backend is not None
         try:
             record = self.backend.load_conversation(*key)
@@ -292,13 +305,14 @@ class ResponseStore:
                        "could not read conversation %s from the response backend (%s: %s)",
                        key[1], type(exc).__name__, exc)
             return None, True
-        if record is not None or key not in self._conversations:
+        held = self._conversations.get(key)
+        if held is None or held.responses.keys() <= _response_ids(record):
             return record, False
-        check_data = getattr(self.backend, "check_data", None)
-        try:
-            return None, bool(check_data is not None and check_data())
-        except Exception:  # noqa: BLE001 - cannot tell: keep what this replica holds
+        # Missing here-held responses: deleted by another replica, or lost with Redis's data (then
+        # a turn stored since wrote a record holding only itself).
+        if backend_lost_data(self.backend) or self._losses != losses:
             return None, True
+        return record, False
 
     def _apply(self, key: tuple[str | None, str], record: dict[str, Any] | None, keep: bool) -> None:
         """Hold the conversation as the backend has it (``keep``: as held here, republished)."""
@@ -313,7 +327,8 @@ class ResponseStore:
 
     def want_republish(self) -> None:
         """The shared backend may lack what this replica holds: republish before its next read.
-        Safe from any thread (it only sets a flag)."""
+        Safe from any thread (it only sets a flag and counts)."""
+        self._losses += 1
         self._republish_wanted = True
 
     def republish_if_wanted(self) -> int:

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvhive.config import SessionConfig
-from kvhive.redis_guard import RedisUnavailable, check_backend_data
+from kvhive.redis_guard import RedisUnavailable, backend_lost_data, check_backend_data
 from kvhive.session_backends import SessionBackend
 
 logger = logging.getLogger(__name__)
@@ -196,6 +196,7 @@ class SessionRegistry:
         # Set from any thread when the shared backend may lack what is held here; cleared by the
         # republish (on the registry's own thread).
         self._republish_wanted = False
+        self._losses = 0            # times told the backend may lack what is held here (any thread)
         if backend is not None:
             add_listener = getattr(backend, "add_listener", None)
             if add_listener is not None:
@@ -211,8 +212,9 @@ class SessionRegistry:
         not hold yet is loaded and pinned); this blocks on the backend (the server calls ``aget``)."""
         session = self._sessions.get((owner, session_id))
         if self._rereads(session):
+            losses = self._losses
             self.republish_if_wanted()
-            record, lost = self._read(owner, session_id, session)
+            record, lost = self._read(owner, session_id, session, losses)
             session = self._apply(owner, session_id, session, record, lost)
         return self._live(session, session_id)
 
@@ -220,8 +222,9 @@ class SessionRegistry:
         """``get`` with the backend read on a worker thread, off the event loop."""
         session = self._sessions.get((owner, session_id))
         if self._rereads(session):
+            losses = self._losses
             self.republish_if_wanted()
-            record, lost = await asyncio.to_thread(self._read, owner, session_id, session)
+            record, lost = await asyncio.to_thread(self._read, owner, session_id, session, losses)
             session = self._apply(owner, session_id, self._sessions.get((owner, session_id)), record, lost)
         return self._live(session, session_id)
 
@@ -425,10 +428,12 @@ class SessionRegistry:
             logger.exception("ignoring a corrupt session record")
             return None
 
-    def _read(self, owner: str | None, session_id: str, held: Session | None) -> tuple[dict | None, bool]:
+    def _read(self, owner: str | None, session_id: str, held: Session | None,
+              losses: int) -> tuple[dict | None, bool]:
         """The backend's record (None: none, or unreadable) and whether Redis lost it: for a
-        session held here and missing there, whether the backend lost its data (then the session
-        is republished, not ended). Blocking: any thread."""
+        session held here and missing there, whether the backend lost its data, by its marker or
+        by a loss noted since ``losses`` (another check found it first and republishes); then the
+        session is republished, not ended. Blocking: any thread."""
         assert self.backend is not None
         try:
             record = self.backend.load(owner, session_id)
@@ -440,11 +445,7 @@ class SessionRegistry:
             return None, True
         if record is not None or held is None:
             return record, False
-        check_data = getattr(self.backend, "check_data", None)
-        try:
-            return None, bool(check_data is not None and check_data())
-        except Exception:  # noqa: BLE001 - cannot tell: keep what this replica holds
-            return None, True
+        return None, backend_lost_data(self.backend) or self._losses != losses
 
     def _apply(self, owner: str | None, session_id: str, held: Session | None, record: dict | None,
                lost: bool) -> Session | None:
@@ -473,7 +474,8 @@ class SessionRegistry:
 
     def want_republish(self) -> None:
         """The shared backend may lack what this replica holds: republish before its next read.
-        Safe from any thread (it only sets a flag)."""
+        Safe from any thread (it only sets a flag and counts)."""
+        self._losses += 1
         self._republish_wanted = True
 
     def republish_if_wanted(self) -> int:

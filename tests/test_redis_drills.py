@@ -43,6 +43,7 @@ class Outcome:
     started: float
     seconds: float
     status: int | str          # the HTTP status, or the exception's name
+    detail: str = ""           # the error body of a failed request
 
 
 @dataclass
@@ -76,10 +77,11 @@ class Traffic:
         try:
             r = client.post(path, json=body)
             status: int | str = r.status_code
+            detail = "" if r.status_code == 200 else r.text[:300]
         except httpx.HTTPError as exc:
-            r, status = None, type(exc).__name__
+            r, status, detail = None, type(exc).__name__, str(exc)
         with self._lock:
-            self.outcomes.append(Outcome(kind, start, time.monotonic() - start, status))
+            self.outcomes.append(Outcome(kind, start, time.monotonic() - start, status, detail))
         return r if r is not None and r.status_code == 200 else None
 
     def _chat(self, name: str) -> None:

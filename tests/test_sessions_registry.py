@@ -197,6 +197,27 @@ def test_a_session_held_here_survives_redis_losing_its_data(redis_server):
         one.get(s2.session_id, None)
 
 
+def test_a_loss_another_check_finds_during_the_read_still_keeps_the_session(redis_server):
+    # The sweep (or the response store) checks the marker first, between this lookup's republish
+    # and its read: the read misses, and this lookup's own check sees the marker already set again.
+    one = registry(RedisBackend(redis_server.url, "kvhive:sessions:m"))
+    s1 = run_turn(one, None, hashes("a", 2))
+    assert one.get(s1.session_id, None) is s1       # its record written, the marker noted
+    backend = one.backend
+    real_load = backend.load
+
+    def load_after_another_check(owner, session_id):
+        redis_server.admin().flushall()
+        assert backend.check_data()                 # the other check: finds the loss, tells listeners
+        return real_load(owner, session_id)
+
+    backend.load = load_after_another_check
+    assert one.get(s1.session_id, None) is s1       # kept (not ended), and republished
+    assert s1.expires > time.time() + 300
+    backend.load = real_load
+    assert backend.load(None, s1.session_id)["id"] == s1.session_id
+
+
 # ---------------------------------------------------------------- the keeper tier's budget
 
 
