@@ -18,11 +18,11 @@ import time
 
 import torch
 
+from kvhive.core.model_files import default_model_path
+from kvhive.engine.runner import ModelRunner
+from kvhive.engine.step import ScheduledSeq, StepPlan
 from kvhive.model.loader import load_model
-from kvhive.model_files import default_model_path
 from kvhive.request import SamplingParams
-from kvhive.runner import ModelRunner
-from kvhive.step import ScheduledSeq, StepPlan
 
 GREEDY = SamplingParams(temperature=0.0)
 BLOCK = 16

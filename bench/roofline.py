@@ -33,10 +33,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from forward_speed import decode_plan, warm_prefill_plan  # noqa: E402
 
+from kvhive.core.model_files import default_model_path  # noqa: E402
+from kvhive.engine.runner import ModelRunner  # noqa: E402
 from kvhive.model import cpu  # noqa: E402
 from kvhive.model.loader import load_model  # noqa: E402
-from kvhive.model_files import default_model_path  # noqa: E402
-from kvhive.runner import ModelRunner  # noqa: E402
 
 
 def median_time(fn, repeat: int) -> float:

@@ -34,7 +34,7 @@ sys.path.insert(0, REPO)
 
 from router_real import wait_for  # noqa: E402
 
-from kvhive.blocks import hash_blocks, root_hash  # noqa: E402
+from kvhive.core.blocks import hash_blocks, root_hash  # noqa: E402
 from kvhive.router.index import InMemoryIndex, RedisIndex  # noqa: E402
 
 BLOCK = 16

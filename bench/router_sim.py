@@ -72,8 +72,8 @@ def free_base(count: int) -> int:
 
 def make_docs(customers: int, doc_tokens: int, seed: int) -> list[str]:
     """One long document per customer, about ``doc_tokens`` tokens with the default tokenizer."""
-    from kvhive.model_files import default_model_path
-    from kvhive.tokenizer import Tokenizer
+    from kvhive.core.model_files import default_model_path
+    from kvhive.core.tokenizer import Tokenizer
 
     tok = Tokenizer.from_model_path(default_model_path())
     rng = random.Random(seed)

@@ -37,11 +37,11 @@ import torch
 from sessions_vs_vllm import interleave, load_multiturn, seed003_user_turns
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvhive.engine import LLMEngine
+from kvhive.core.model_files import default_model_path
+from kvhive.core.tokenizer import Tokenizer
+from kvhive.engine.core import LLMEngine
 from kvhive.model.loader import load_model
-from kvhive.model_files import default_model_path
 from kvhive.request import SamplingParams
-from kvhive.tokenizer import Tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPLY = SamplingParams(max_tokens=16, temperature=0.0)

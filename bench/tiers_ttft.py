@@ -30,12 +30,12 @@ import time
 import torch
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvhive.engine import LLMEngine
+from kvhive.core.model_files import default_model_path
+from kvhive.core.tokenizer import Tokenizer
+from kvhive.engine.core import LLMEngine
 from kvhive.model.loader import load_model
-from kvhive.model_files import default_model_path
 from kvhive.request import SamplingParams
 from kvhive.store import DiskStore, MemoryStore, Tier, TieredStore
-from kvhive.tokenizer import Tokenizer
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 SOURCES = ("cold", "device", "cpu", "disk", "redis", "restart (disk)")

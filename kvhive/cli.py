@@ -192,7 +192,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     """Turn parsed ``serve`` arguments into a validated EngineConfig."""
-    from kvhive.model_files import default_model_path
+    from kvhive.core.model_files import default_model_path
 
     model_path = args.model or default_model_path()
     if not os.path.exists(model_path):
@@ -279,7 +279,7 @@ def serve(args: argparse.Namespace) -> int:
     if config.device.startswith("cuda") and not torch.cuda.is_available():
         print("kvhive serve: --device cuda given but CUDA is not available", file=sys.stderr)
         return 2
-    from kvhive.engine import AsyncEngine, LLMEngine
+    from kvhive.engine.core import AsyncEngine, LLMEngine
     from kvhive.server.app import run_server
 
     api_keys = args.api_key or ([os.environ["KVHIVE_API_KEY"]] if os.environ.get("KVHIVE_API_KEY")

@@ -248,8 +248,8 @@ def tiny_client(tiny_server: ServerProcess) -> Iterator[httpx.Client]:
 
 def _build_engine(args: argparse.Namespace):  # -> AsyncEngine (imports stay inside the child)
     from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, SessionConfig, StoreConfig
-    from kvhive.engine import AsyncEngine, LLMEngine
-    from kvhive.model_files import default_model_path
+    from kvhive.core.model_files import default_model_path
+    from kvhive.engine.core import AsyncEngine, LLMEngine
 
     scheduler = SchedulerConfig(max_model_len=args.max_model_len or 8192)
     store = StoreConfig(cpu_offload_gb=args.cpu_offload_gb, disk_cache_dir=args.disk_cache_dir,
@@ -266,8 +266,8 @@ def _build_engine(args: argparse.Namespace):  # -> AsyncEngine (imports stay ins
                               scheduler=scheduler, store=store, sessions=sessions)
         engine = LLMEngine(config)
     else:
+        from kvhive.core.tokenizer import Tokenizer
         from kvhive.model.loader import LoadedModel
-        from kvhive.tokenizer import Tokenizer
 
         sys.path.insert(0, TESTS_DIR)
         import tiny

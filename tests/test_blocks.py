@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvhive.blocks import ExtraKeys, hash_block, hash_blocks, root_hash
+from kvhive.core.blocks import ExtraKeys, hash_block, hash_blocks, root_hash
 
 R0 = root_hash(0)
 
@@ -73,7 +73,7 @@ def test_bad_arguments():
 
 
 def test_root_does_not_depend_on_process():
-    code = "from kvhive.blocks import root_hash; print(root_hash(7, 'm').hex())"
+    code = "from kvhive.core.blocks import root_hash; print(root_hash(7, 'm').hex())"
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env={"PYTHONHASHSEED": str(s), "PATH": ""}, check=True).stdout
             for s in (1, 2)}

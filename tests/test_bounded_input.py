@@ -24,9 +24,9 @@ import pytest
 from conftest import TINY_API_KEY, TINY_MAX_MODEL_LEN, ServerProcess
 
 from kvhive.cli import parse_args
-from kvhive.model_files import default_model_path
+from kvhive.core.model_files import default_model_path
+from kvhive.core.tokenizer import GIL_FREE_CHARS, Tokenizer
 from kvhive.server.body_limit import MIB, BodyLimitMiddleware, BodyTooLarge, default_max_request_bytes
-from kvhive.tokenizer import GIL_FREE_CHARS, Tokenizer
 
 MODEL = "smollm2-135m"
 LIMIT = default_max_request_bytes(TINY_MAX_MODEL_LEN)

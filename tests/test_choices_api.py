@@ -14,10 +14,10 @@ from conftest import FAULT_TOKEN_IDS, TINY_API_KEY, ServerProcess
 from test_server_api import LONG_PROMPT, MODEL, chat, complete, stream
 from tiny import dense_greedy, dense_logits, tiny_config, tiny_model
 
+from kvhive.core.model_files import default_model_path
+from kvhive.core.tokenizer import Tokenizer
 from kvhive.model.llama import LlamaModel
-from kvhive.model_files import default_model_path
 from kvhive.server.logprobs import token_string
-from kvhive.tokenizer import Tokenizer
 
 BLOCK_SIZE = 16            # the tiny server's
 GREEDY = {"temperature": 0, "ignore_eos": True}

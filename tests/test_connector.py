@@ -16,16 +16,16 @@ from test_engine import GREEDY, make_engine, run
 from tiny import tiny_config, tiny_model
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, StoreConfig
-from kvhive.engine import LLMEngine
+from kvhive.core.model_files import default_model_path
+from kvhive.core.tokenizer import Tokenizer
+from kvhive.engine.core import LLMEngine
 from kvhive.model.loader import LoadedModel
-from kvhive.model_files import default_model_path
 from kvhive.request import RequestStatus, SamplingParams
 from kvhive.server.metrics import ServerMetrics
 from kvhive.store.disk import DiskStore
 from kvhive.store.key import KeySpace
 from kvhive.store.memory import MemoryStore
 from kvhive.store.tiered import Tier, TieredStore
-from kvhive.tokenizer import Tokenizer
 
 PROMPT = [(7 * i + 3) % 250 + 3 for i in range(100)]          # 25 blocks of 4
 FLOOD = {f"flood{i}": [100 + i] * 60 for i in range(4)}        # evicts PROMPT from a 40-block pool
@@ -137,9 +137,9 @@ def engine_with_prompt_below(tokenizer, slow: SlowStore) -> LLMEngine:
 
 
 def test_connector_scheduler_half_is_torch_free():
-    code = ("import json, sys; import kvhive.connector.offload, kvhive.connector.base, kvhive.scheduler;"
+    code = ("import json, sys; import kvhive.connector.offload, kvhive.connector.base, kvhive.engine.scheduler;"
             "print(json.dumps([m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'kvhive.model',"
-            " 'kvhive.runner', 'kvhive.connector.offload_worker'))]))")
+            " 'kvhive.engine.runner', 'kvhive.connector.offload_worker'))]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
 

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from conftest import SERVED_MODEL_NAME, SLOW_MARKER, ServerProcess, start_server, stop_server
 
-from kvhive.model_files import default_model_path
-from kvhive.tokenizer import Tokenizer
+from kvhive.core.model_files import default_model_path
+from kvhive.core.tokenizer import Tokenizer
 
 KEY_A, KEY_B = "key-a", "key-b"
 PROMPT = [(i * 7) % 200 + 3 for i in range(40)]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, StoreConfig
-from kvhive.engine import LLMEngine
-from kvhive.model_files import default_model_path
+from kvhive.core.model_files import default_model_path
+from kvhive.engine.core import LLMEngine
 from kvhive.request import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -9,8 +9,8 @@ import torch
 from test_runner import generate, make_runner, prompt
 from tiny import dense_greedy, tiny_config, tiny_model
 
+from kvhive.engine.runner import ModelRunner
 from kvhive.model.cuda_graphs import DecodeGraphs
-from kvhive.runner import ModelRunner
 
 PROMPTS = {"a": prompt(11, 20), "b": prompt(3, 21), "c": prompt(26, 22)}
 

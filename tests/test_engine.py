@@ -8,13 +8,13 @@ import pytest
 import zmq
 from tiny import tiny_config, tiny_model
 
-from kvhive.blocks import hash_blocks, root_hash
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvhive.engine import LLMEngine
+from kvhive.core.blocks import hash_blocks, root_hash
+from kvhive.core.model_files import default_model_path
+from kvhive.core.tokenizer import Tokenizer
+from kvhive.engine.core import LLMEngine
 from kvhive.model.loader import LoadedModel
-from kvhive.model_files import default_model_path
 from kvhive.request import SamplingParams
-from kvhive.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -11,7 +11,7 @@ import msgpack
 import pytest
 import zmq
 
-from kvhive.events import (
+from kvhive.kv.events import (
     END_OF_REPLAY,
     AllBlocksCleared,
     BlockRemoved,
@@ -226,12 +226,12 @@ def test_bad_endpoint_raises_in_constructor() -> None:
 
 def test_events_and_router_import_no_torch() -> None:
     code = ("import importlib, json, sys\n"
-            "for name in ['kvhive.events', 'kvhive.router', 'kvhive.router.app', 'kvhive.router.cli',\n"
+            "for name in ['kvhive.kv.events', 'kvhive.router', 'kvhive.router.app', 'kvhive.router.cli',\n"
             "             'kvhive.router.ingest', 'kvhive.router.index', 'kvhive.router.scorer',\n"
             "             'kvhive.router.tokenize', 'kvhive.router.gateway']:\n"
             "    importlib.import_module(name)\n"
             "print(json.dumps(sorted(sys.modules)))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    forbidden = ("torch", "kvhive.model", "kvhive.runner", "kvhive.engine", "kvhive.server")
+    forbidden = ("torch", "kvhive.model", "kvhive.engine", "kvhive.server", "kvhive.sessions")
     loaded = json.loads(out.stdout)
     assert [m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden)] == []

@@ -158,11 +158,11 @@ def cluster() -> Iterator[Cluster]:
 
 def test_the_gateway_imports_no_torch_model_runner_or_server() -> None:
     code = ("import json, sys\n"
-            "import kvhive.router.app, kvhive.router.cli, kvhive.router.simulator, kvhive.tenancy\n"
+            "import kvhive.router.app, kvhive.router.cli, kvhive.router.simulator, kvhive.core.tenancy\n"
             "print(json.dumps(sorted(sys.modules)))\n")
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                        check=True, cwd=REPO_ROOT, env=_env()).stdout)
-    forbidden = ("torch", "kvhive.model", "kvhive.runner", "kvhive.engine", "kvhive.server")
+    forbidden = ("torch", "kvhive.model", "kvhive.engine", "kvhive.server", "kvhive.sessions")
     assert [m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden)] == []
 
 

@@ -6,11 +6,11 @@ import json
 import subprocess
 import sys
 
-TORCH_FREE = ["kvhive.scheduler", "kvhive.kv.pool", "kvhive.kv.manager", "kvhive.blocks",
+TORCH_FREE = ["kvhive.engine.scheduler", "kvhive.kv.pool", "kvhive.kv.manager", "kvhive.core.blocks",
               "kvhive.store.tiered", "kvhive.store.disk", "kvhive.store.memory", "kvhive.store.redis",
-              "kvhive.tokenizer", "kvhive.step", "kvhive.request", "kvhive.config", "kvhive.sessions",
-              "kvhive.responses", "kvhive.redis_guard"]
-FORBIDDEN = ("torch", "kvhive.runner", "kvhive.model")
+              "kvhive.core.tokenizer", "kvhive.engine.step", "kvhive.request", "kvhive.config", "kvhive.sessions.registry",
+              "kvhive.sessions.responses", "kvhive.store.redis_guard"]
+FORBIDDEN = ("torch", "kvhive.engine.runner", "kvhive.model")
 
 
 def test_scheduler_side_imports_no_torch_runner_or_model():

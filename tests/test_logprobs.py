@@ -12,15 +12,15 @@ import torch
 from tiny import dense_logits, tiny_config, tiny_model
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvhive.engine import LLMEngine, RequestOutput
+from kvhive.core.model_files import default_model_path
+from kvhive.core.tokenizer import Tokenizer
+from kvhive.engine.core import LLMEngine, RequestOutput
+from kvhive.engine.sampling import token_logprobs
+from kvhive.engine.step import TokenLogprobs
 from kvhive.model.loader import LoadedModel
-from kvhive.model_files import default_model_path
 from kvhive.request import MAX_LOGPROBS, SamplingParams
-from kvhive.sampling import token_logprobs
 from kvhive.server.logprobs import SentToken, TokensAwaitingText, token_string
 from kvhive.server.serving import choice_seed
-from kvhive.step import TokenLogprobs
-from kvhive.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvhive import blocks as blocks_mod
-from kvhive.blocks import root_hash
+from kvhive.core import blocks as blocks_mod
+from kvhive.core.blocks import root_hash
 from kvhive.kv.manager import KVCacheManager
 from kvhive.request import Request, SamplingParams
 

@@ -17,12 +17,12 @@ from conftest import ServerProcess, start_server, stop_server
 from test_engine import make_engine
 from test_sessions_engine import turn
 
-from kvhive.blocks import HASH_BYTES
 from kvhive.config import StoreConfig
-from kvhive.engine import IDLE_STATS_REFRESH_S, AsyncEngine, EngineStats
+from kvhive.core.blocks import HASH_BYTES
+from kvhive.core.model_files import default_model_path
+from kvhive.core.tokenizer import Tokenizer
+from kvhive.engine.core import IDLE_STATS_REFRESH_S, AsyncEngine, EngineStats
 from kvhive.kv.pool import BlockPool
-from kvhive.model_files import default_model_path
-from kvhive.tokenizer import Tokenizer
 
 GB = 2**30
 

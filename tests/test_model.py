@@ -15,11 +15,11 @@ import pytest
 import torch
 from tiny import tiny_config, tiny_model
 
+from kvhive.engine.runner import ModelRunner
+from kvhive.engine.step import ScheduledSeq, StepPlan
 from kvhive.model.llama import LlamaModel, rope_tables
 from kvhive.model.loader import LoadedModel, load_model
 from kvhive.request import SamplingParams
-from kvhive.runner import ModelRunner
-from kvhive.step import ScheduledSeq, StepPlan
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")

@@ -9,12 +9,12 @@ import pytest
 
 from kvhive.cli import _add_serve_args, build_engine_config
 from kvhive.config import EngineConfig
-from kvhive.engine import LLMEngine
+from kvhive.core.model_files import default_model_path
+from kvhive.core.tokenizer import Tokenizer
+from kvhive.engine.core import LLMEngine
 from kvhive.model.decode_kernel import CpuDecodeKernel
 from kvhive.model.prefill_kernel import CpuPrefillKernel
-from kvhive.model_files import default_model_path
 from kvhive.request import SamplingParams
-from kvhive.tokenizer import Tokenizer
 
 
 def test_flag_reaches_the_engine_config() -> None:

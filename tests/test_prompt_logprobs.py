@@ -16,14 +16,14 @@ from test_server_api import MODEL
 from tiny import dense_logits, tiny_config, tiny_model
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvhive.engine import LLMEngine
+from kvhive.core.model_files import default_model_path
+from kvhive.core.tokenizer import Tokenizer
+from kvhive.engine.core import LLMEngine
+from kvhive.engine.step import TokenLogprobs
 from kvhive.model.llama import LlamaModel
 from kvhive.model.loader import LoadedModel
-from kvhive.model_files import default_model_path
 from kvhive.request import SamplingParams
 from kvhive.server.logprobs import token_string
-from kvhive.step import TokenLogprobs
-from kvhive.tokenizer import Tokenizer
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -64,7 +64,7 @@ def test_engine_prompt_logprobs_over_chunks_and_a_cached_prefix(tokenizer: Token
     config = tiny_config(max_position_embeddings=512)
     model = tiny_model(config)
     # 16 tokens a step: a 37-token prompt takes chunks of 16, 16 and 5; the last one, over 32
-    # computed tokens, runs as decode rows (kvhive.runner.DECODE_ROWS_MAX).
+    # computed tokens, runs as decode rows (kvhive.engine.runner.DECODE_ROWS_MAX).
     engine = small_engine(tokenizer, model, budget=16)
     rng = random.Random(5)
     prompt = [rng.randrange(3, 256) for _ in range(37)]

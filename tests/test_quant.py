@@ -8,14 +8,14 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from kvhive.core.model_files import default_model_path
+from kvhive.engine.runner import ModelRunner
+from kvhive.engine.step import ScheduledSeq, StepPlan
 from kvhive.model import cpu
 from kvhive.model.llama import QUANT_MAX_ROWS
 from kvhive.model.loader import load_model
 from kvhive.model.quant import QuantMatmul, QuantWeight
-from kvhive.model_files import default_model_path
 from kvhive.request import SamplingParams
-from kvhive.runner import ModelRunner
-from kvhive.step import ScheduledSeq, StepPlan
 
 
 @pytest.fixture(scope="module")

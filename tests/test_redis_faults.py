@@ -15,8 +15,8 @@ import pytest
 from test_engine import GREEDY, make_engine, run
 
 from kvhive.config import StoreConfig
-from kvhive.model_files import default_model_path
-from kvhive.tokenizer import Tokenizer
+from kvhive.core.model_files import default_model_path
+from kvhive.core.tokenizer import Tokenizer
 
 redis = pytest.importorskip("redis")
 from test_store_redis import RedisServer  # noqa: E402

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvhive.redis_guard import CLOSED, OPEN, CircuitBreaker, RedisUnavailable, guard_for, redacted
+from kvhive.store.redis_guard import CLOSED, OPEN, CircuitBreaker, RedisUnavailable, guard_for, redacted
 
 
 class FlakyProbe:
@@ -35,7 +35,7 @@ def wait_until(predicate, timeout_s: float = 10.0) -> None:
 
 
 def test_breaker_opens_backs_off_growing_and_closes_once(caplog):
-    caplog.set_level(logging.WARNING, logger="kvhive.redis_guard")
+    caplog.set_level(logging.WARNING, logger="kvhive.store.redis_guard")
     probe = FlakyProbe()
     breaker = CircuitBreaker("test", probe, base_backoff_s=0.05, max_backoff_s=0.2)
     closed: list[str] = []

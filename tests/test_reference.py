@@ -18,12 +18,12 @@ import random
 import pytest
 import torch
 
+from kvhive.core.model_files import default_model_path
+from kvhive.engine.runner import ModelRunner
+from kvhive.engine.step import ScheduledSeq, StepPlan
 from kvhive.model import cpu
 from kvhive.model.loader import LoadedModel, load_model
-from kvhive.model_files import default_model_path
 from kvhive.request import SamplingParams
-from kvhive.runner import ModelRunner
-from kvhive.step import ScheduledSeq, StepPlan
 
 pytestmark = pytest.mark.e2e
 transformers = pytest.importorskip("transformers")

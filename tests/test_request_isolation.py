@@ -37,8 +37,7 @@ from test_bad_input import assert_error
 from tiny import tiny_config, tiny_model
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvhive.engine import MAX_FAILED_STEPS_IN_ROW, AsyncEngine, LLMEngine, RequestFailed, RequestOutput
-from kvhive.json_body import (
+from kvhive.core.json_body import (
     MAX_JSON_DEPTH,
     BodyError,
     MalformedJSON,
@@ -46,15 +45,16 @@ from kvhive.json_body import (
     lone_surrogate_param,
     nesting_exceeds,
 )
+from kvhive.core.model_files import default_model_path
+from kvhive.core.tokenizer import Tokenizer
+from kvhive.engine.core import MAX_FAILED_STEPS_IN_ROW, AsyncEngine, LLMEngine, RequestFailed, RequestOutput
+from kvhive.engine.sampling import _filtered_probs, sample_tokens
 from kvhive.model.loader import LoadedModel
-from kvhive.model_files import default_model_path
 from kvhive.request import MIN_SEED, SAMPLING_EPS, SEED_END, FinishReason, SamplingParams
-from kvhive.sampling import _filtered_probs, sample_tokens
 from kvhive.server.app import ENGINE_FAILURE_EXIT_S
 from kvhive.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvhive.server.serving import GenerationService
-from kvhive.sessions import SessionError, check_session_id
-from kvhive.tokenizer import Tokenizer
+from kvhive.sessions.registry import SessionError, check_session_id
 
 MODEL = "smollm2-135m"
 DEEP = b"[" * 100_000
@@ -283,16 +283,16 @@ def test_a_poisoned_row_leaves_its_batch_as_it_would_have_been(poisoned_engine: 
 
 
 def test_a_row_whose_logprobs_raise_fails_alone(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvhive.runner
+    import kvhive.engine.runner
 
-    token_logprobs = kvhive.runner.token_logprobs
+    token_logprobs = kvhive.engine.runner.token_logprobs
 
     def faulty(logits: torch.Tensor, token_ids: list[int], num_top: list[int | None]) -> list[Any]:
         if 7 in num_top:
             raise RuntimeError("injected logprobs failure")
         return token_logprobs(logits, token_ids, num_top)
 
-    monkeypatch.setattr(kvhive.runner, "token_logprobs", faulty)
+    monkeypatch.setattr(kvhive.engine.runner, "token_logprobs", faulty)
     engine = make_engine(tokenizer)
     for request_id, num_top in (("fine", 2), ("bad", 7), ("plain", None)):
         engine.add_request(request_id, [3, 4, 5, 6], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from conftest import FAULT_MARKER, SERVED_MODEL_NAME, SLOW_MARKER, ServerProcess, start_server, stop_server
 
-from kvhive.responses import conversation_of
+from kvhive.sessions.responses import conversation_of
 
 RESPONSE_EVENTS_HEAD = ["response.created", "response.in_progress", "response.output_item.added",
                         "response.content_part.added"]

@@ -12,7 +12,7 @@ import httpx
 from conftest import SERVED_MODEL_NAME, ServerProcess, kill_server, start_server, stop_server
 from test_sessions_restart import persistence  # noqa: F401 - the fixture: "disk" or "redis"
 
-from kvhive.responses import conversation_of
+from kvhive.sessions.responses import conversation_of
 
 KEY = "responses-restart-key"
 HISTORY = "The quick brown fox jumps over the lazy dog. " * 6      # a few full blocks

@@ -1,4 +1,4 @@
-"""The stored-response store (``kvhive.responses``) and its backends, without a model or a server."""
+"""The stored-response store (``kvhive.sessions.responses``) and its backends, without a model or a server."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 from test_store_redis import RedisServer, _free_port
 
-from kvhive.response_backends import FileResponseBackend, RedisResponseBackend, ResponseBackend
-from kvhive.responses import (
+from kvhive.sessions.registry import SessionError
+from kvhive.sessions.response_backends import FileResponseBackend, RedisResponseBackend, ResponseBackend
+from kvhive.sessions.responses import (
     ResponseStats,
     ResponseStore,
     StoredResponse,
@@ -20,7 +21,6 @@ from kvhive.responses import (
     new_conversation_id,
     new_response_id,
 )
-from kvhive.sessions import SessionError
 
 
 class Clock:

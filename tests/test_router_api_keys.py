@@ -17,10 +17,10 @@ import pytest
 from conftest import REPO_ROOT, SERVED_MODEL_NAME, free_port, log_file
 from test_gateway import Cluster, ReplicaProcess, _env, healthy, long_prompt, wait_until
 
+from kvhive.core.tenancy import cache_salt, key_owner
 from kvhive.router.cli import fetch_hashing
 from kvhive.router.config import ReplicaSpec
 from kvhive.router.tokenize import prompt_from_body
-from kvhive.tenancy import cache_salt, key_owner
 
 KEYS = ("key-alpha", "key-beta")
 

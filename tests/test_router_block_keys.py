@@ -6,12 +6,12 @@ import random
 
 import xxhash
 
-from kvhive.blocks import ExtraKeys, hash_blocks, root_hash
-from kvhive.model_files import default_model_path
+from kvhive.core.blocks import ExtraKeys, hash_blocks, root_hash
+from kvhive.core.model_files import default_model_path
+from kvhive.core.tokenizer import Tokenizer
 from kvhive.router.indexer import BlockKeyCache, KVCacheIndexer
 from kvhive.router.scorer import SCORERS, TierWeights
 from kvhive.router.tokenize import PromptPieces, PromptTokenizer, prompt_from_body
-from kvhive.tokenizer import Tokenizer
 
 ROOT = root_hash(0, "fingerprint")
 

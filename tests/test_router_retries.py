@@ -13,6 +13,7 @@ import pytest
 from conftest import free_port
 from fastapi import Request
 
+from kvhive.core.tenancy import key_owner
 from kvhive.router.app import read_body, too_large
 from kvhive.router.config import ReplicaSpec
 from kvhive.router.gateway import REASON_HEADER, REPLICA_HEADER, Gateway
@@ -23,7 +24,6 @@ from kvhive.router.replicas import Replica, ReplicaSet
 from kvhive.router.scorer import RoutingWeights
 from kvhive.router.sessions import SessionAffinity
 from kvhive.router.upstream import UpstreamClient, UpstreamConnectError, UpstreamError, UpstreamUnanswered
-from kvhive.tenancy import key_owner
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{"ok": "y"}'
@@ -313,9 +313,9 @@ def test_bodies_over_the_gateway_limit_are_refused() -> None:
 
 
 def test_the_prefix_store_is_kept_per_salt() -> None:
-    from kvhive.model_files import default_model_path
+    from kvhive.core.model_files import default_model_path
+    from kvhive.core.tokenizer import Tokenizer
     from kvhive.router.tokenize import Prompt, PromptTokenizer
-    from kvhive.tokenizer import Tokenizer
 
     prompts = PromptTokenizer(Tokenizer.from_model_path(default_model_path()), chunk_chars=64)
     text = " ".join(["alpha beta gamma delta"] * 40)

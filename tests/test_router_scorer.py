@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvhive.blocks import ExtraKeys, hash_blocks, root_hash
+from kvhive.core.blocks import ExtraKeys, hash_blocks, root_hash
 from kvhive.router.index import InMemoryIndex
 from kvhive.router.indexer import KVCacheIndexer
 from kvhive.router.scorer import (
@@ -119,7 +119,7 @@ def test_indexer_scores_a_prompt_through_tokenizer_hashes_and_index(gguf_tokeniz
 
 @pytest.fixture(scope="module")
 def gguf_tokenizer():
-    from kvhive.model_files import default_model_path
-    from kvhive.tokenizer import Tokenizer
+    from kvhive.core.model_files import default_model_path
+    from kvhive.core.tokenizer import Tokenizer
 
     return Tokenizer.from_model_path(default_model_path())

@@ -8,8 +8,8 @@ import json
 import httpx
 import pytest
 
-from kvhive.blocks import hash_blocks, root_hash
-from kvhive.events import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
+from kvhive.core.blocks import hash_blocks, root_hash
+from kvhive.kv.events import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
 from kvhive.router.config import GatewayConfig, ReplicaSpec
 from kvhive.router.index import InMemoryIndex
 from kvhive.router.ingest import BlockKeyMapper, ReplicaIngest
@@ -68,8 +68,8 @@ def test_gateway_policy_is_validated() -> None:
 
 @pytest.fixture(scope="module")
 def prompts() -> PromptTokenizer:
-    from kvhive.model_files import default_model_path
-    from kvhive.tokenizer import Tokenizer
+    from kvhive.core.model_files import default_model_path
+    from kvhive.core.tokenizer import Tokenizer
 
     return PromptTokenizer(Tokenizer.from_model_path(default_model_path()), workers=1)
 

@@ -8,12 +8,12 @@ import threading
 
 import pytest
 
-from kvhive.model_files import default_model_path
+from kvhive.core.model_files import default_model_path
+from kvhive.core.tokenizer import Tokenizer
 from kvhive.router.tokenize import PromptTokenizer, chat_messages, prompt_from_body
 from kvhive.server.chat import template_messages
 from kvhive.server.completions import prompt_token_ids
 from kvhive.server.protocol import ChatCompletionRequest, CompletionRequest
-from kvhive.tokenizer import Tokenizer
 
 WORDS = ("the quick brown fox jumps over lazy dogs 1234 56 naïve café über straße ÄÖÜ 日本語 🙂 "
          "it's don't x_y foo-bar a.b, c; d: 'quoted' \"double\" <|im_start|> <|im_end|> \n \t  ").split(" ")

@@ -8,14 +8,14 @@ import pytest
 import torch
 from tiny import dense_greedy, dense_logits, tiny_config, tiny_model
 
+from kvhive.engine.runner import ModelRunner
+from kvhive.engine.sampling import sample_tokens
+from kvhive.engine.step import ScheduledSeq, StepPlan
 from kvhive.model import attention
 from kvhive.model.decode_kernel import CpuDecodeKernel
 from kvhive.model.llama import LlamaModel, TorchOps
 from kvhive.model.prefill_kernel import CpuPrefillKernel
 from kvhive.request import SamplingParams
-from kvhive.runner import ModelRunner
-from kvhive.sampling import sample_tokens
-from kvhive.step import ScheduledSeq, StepPlan
 
 GREEDY = SamplingParams(temperature=0.0)
 HAS_KERNEL = CpuDecodeKernel.load() is not None       # False where no C++ compiler is installed

@@ -6,12 +6,12 @@ import random
 
 import pytest
 
-from kvhive.blocks import root_hash
 from kvhive.config import CacheConfig, SchedulerConfig
 from kvhive.connector.base import ConnectorMeta, FinishedTransfers, SchedulerOutput
+from kvhive.core.blocks import root_hash
+from kvhive.engine.scheduler import Scheduler
+from kvhive.engine.step import StepPlan, StepResult
 from kvhive.request import FinishReason, Request, RequestStatus, SamplingParams
-from kvhive.scheduler import Scheduler
-from kvhive.step import StepPlan, StepResult
 
 VOCAB = 97
 

@@ -11,9 +11,9 @@ import httpx
 import pytest
 from conftest import TINY_API_KEY, TINY_MAX_MODEL_LEN, ServerProcess, read_sse
 
-from kvhive.model_files import default_model_path
+from kvhive.core.model_files import default_model_path
+from kvhive.core.tokenizer import Tokenizer
 from kvhive.server.stop import StopStringMatcher
-from kvhive.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m"
 LONG_PROMPT = " ".join(f"Fact {i}: the {i}th colour of the list is number {i * 7}." for i in range(12))

@@ -7,8 +7,8 @@ import pytest
 from test_engine import GREEDY, make_engine
 
 from kvhive.config import StoreConfig
-from kvhive.model_files import default_model_path
-from kvhive.tokenizer import Tokenizer
+from kvhive.core.model_files import default_model_path
+from kvhive.core.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

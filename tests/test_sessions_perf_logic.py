@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import pytest
 from test_engine import GREEDY, make_engine
 
-from kvhive.model_files import default_model_path
-from kvhive.tokenizer import Tokenizer
+from kvhive.core.model_files import default_model_path
+from kvhive.core.tokenizer import Tokenizer
 
 SYSTEM = [(7 * i) % 200 + 3 for i in range(26)]       # 6.5 blocks of 4: a partial last block
 

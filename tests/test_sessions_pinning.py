@@ -9,8 +9,8 @@ from test_engine import make_engine
 from test_sessions_engine import turn
 
 from kvhive.config import StoreConfig
-from kvhive.model_files import default_model_path
-from kvhive.tokenizer import Tokenizer
+from kvhive.core.model_files import default_model_path
+from kvhive.core.tokenizer import Tokenizer
 
 GB = 2**30
 NUM_DEVICE_BLOCKS = 28             # 27 usable: fewer than the 3 sessions x 11 blocks

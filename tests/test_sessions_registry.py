@@ -13,8 +13,8 @@ import pytest
 from test_store_redis import RedisServer, _free_port
 
 from kvhive.config import SessionConfig
-from kvhive.session_backends import LEGACY_SESSIONS_FILE, SESSIONS_DIR, FileBackend, RedisBackend
-from kvhive.sessions import KeeperTier, Session, SessionError, SessionRegistry
+from kvhive.sessions.backends import LEGACY_SESSIONS_FILE, SESSIONS_DIR, FileBackend, RedisBackend
+from kvhive.sessions.registry import KeeperTier, Session, SessionError, SessionRegistry
 
 BLOCK_SIZE, BLOCK_BYTES = 16, 8192
 CONFIG = SessionConfig(max_ttl_s=3600)

@@ -14,8 +14,8 @@ from conftest import SERVED_MODEL_NAME, kill_server, start_server, stop_server
 from test_store_redis import RedisServer, _free_port
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvhive.engine import LLMEngine
-from kvhive.model_files import default_model_path
+from kvhive.core.model_files import default_model_path
+from kvhive.engine.core import LLMEngine
 from kvhive.request import SamplingParams
 
 KEY = "restart-key"
@@ -93,8 +93,8 @@ def test_sessions_and_expiries_survive_sigkill_and_restart(persistence):
 
 @pytest.fixture(scope="module")
 def default_engines():
+    from kvhive.core.tokenizer import Tokenizer
     from kvhive.model.loader import load_model
-    from kvhive.tokenizer import Tokenizer
 
     path = default_model_path()
     loaded, tok = load_model(path, dtype="float32", device="cpu"), Tokenizer.from_model_path(path)

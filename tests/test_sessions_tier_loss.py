@@ -13,15 +13,15 @@ from test_sessions_engine import turn
 from tiny import tiny_config, tiny_model
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvhive.engine import LLMEngine
+from kvhive.core.model_files import default_model_path
+from kvhive.core.tokenizer import Tokenizer
+from kvhive.engine.core import LLMEngine
+from kvhive.engine.scheduler import SessionCopy
 from kvhive.model.loader import LoadedModel
-from kvhive.model_files import default_model_path
-from kvhive.scheduler import SessionCopy
 from kvhive.store.base import PutResult, StatsCounter, StoreStats
 from kvhive.store.key import StoreKey
 from kvhive.store.memory import MemoryStore
 from kvhive.store.tiered import Tier, TieredStore
-from kvhive.tokenizer import Tokenizer
 
 SESSIONS = {f"s{k}": [10 + k + j % 50 for j in range(40)] for k in range(3)}   # 3 x 11 of 39 blocks
 BIG = [200 + j % 30 for j in range(60)]

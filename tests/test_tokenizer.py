@@ -13,9 +13,9 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import pre_tokenizers
 
-from kvhive.chat_template import ChatTemplate, ChatTemplateError
-from kvhive.model_files import default_model_path, read_gguf_metadata
-from kvhive.tokenizer import IncrementalDetokenizer, Tokenizer, _gguf_pre_tokenizer
+from kvhive.core.chat_template import ChatTemplate, ChatTemplateError
+from kvhive.core.model_files import default_model_path, read_gguf_metadata
+from kvhive.core.tokenizer import IncrementalDetokenizer, Tokenizer, _gguf_pre_tokenizer
 
 TEXTS = [
     "Hello, world!",
@@ -414,7 +414,7 @@ def test_default_model_missing_says_how_to_install(monkeypatch):
 def test_tokenizer_imports_neither_torch_nor_transformers():
     code = (
         "import json, sys\n"
-        "import kvhive.tokenizer, kvhive.chat_template, kvhive.model_files\n"
+        "import kvhive.core.tokenizer, kvhive.core.chat_template, kvhive.core.model_files\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvhive.blocks import ExtraKeys, hash_blocks
-from kvhive.events import MEDIUM_GPU, BlockRemoved, BlockStored
+from kvhive.core.blocks import ExtraKeys, hash_blocks
+from kvhive.kv.events import MEDIUM_GPU, BlockRemoved, BlockStored
 from kvhive.kv.pool import BlockPool, BlockPoolStats, KVBlock
 from kvhive.request import Request
 

@@ -14,8 +14,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvhive.blocks import root_hash
-from kvhive.json_body import BodyError, MalformedJSON, load_json
+from kvhive.core.blocks import root_hash
+from kvhive.core.json_body import BodyError, MalformedJSON, load_json
+from kvhive.core.tenancy import key_owner
+from kvhive.core.tokenizer import Tokenizer
 from kvhive.router.config import GatewayConfig
 from kvhive.router.gateway import Gateway
 from kvhive.router.index import InMemoryIndex, KVBlockIndex, RedisIndex
@@ -28,8 +30,6 @@ from kvhive.router.scorer import SCORERS
 from kvhive.router.sessions import SESSION_HEADER, SessionAffinity
 from kvhive.router.tokenize import PromptTokenizer, prompt_from_body
 from kvhive.router.upstream import UpstreamClient
-from kvhive.tenancy import key_owner
-from kvhive.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

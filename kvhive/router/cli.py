@@ -205,9 +205,9 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from kvhive.model_files import default_model_path
+    from kvhive.core.model_files import default_model_path
+    from kvhive.core.tokenizer import Tokenizer
     from kvhive.router.app import create_gateway_app
-    from kvhive.tokenizer import Tokenizer
 
     if None in (args.model_fingerprint, args.block_size, args.hash_seed):
         learned = fetch_hashing(config.replicas,

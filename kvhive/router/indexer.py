@@ -7,7 +7,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvhive.blocks import ExtraKeys, hash_blocks
+from kvhive.core.blocks import ExtraKeys, hash_blocks
 from kvhive.router.index import KVBlockIndex
 from kvhive.router.scorer import KVBlockScorer, TierWeights
 from kvhive.router.tokenize import Prompt, PromptPieces, PromptTokenizer

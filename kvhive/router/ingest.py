@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvhive.blocks import ExtraKeys, hash_blocks
-from kvhive.events import (
+from kvhive.core.blocks import ExtraKeys, hash_blocks
+from kvhive.kv.events import (
     END_OF_REPLAY,
     AllBlocksCleared,
     BlockRemoved,

@@ -33,8 +33,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvhive.blocks import ExtraKeys, hash_blocks, root_hash
-from kvhive.events import BlockRemoved, BlockStored, KVEvent, KVEventPublisher
+from kvhive.core.blocks import ExtraKeys, hash_blocks, root_hash
+from kvhive.kv.events import BlockRemoved, BlockStored, KVEvent, KVEventPublisher
 from kvhive.router.tokenize import Prompt, PromptTokenizer, prompt_from_body
 
 
@@ -317,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     config = SimConfig(args.capacity_blocks, args.block_size, args.prefill_ms_per_token,
                        args.prefill_overhead_ms, args.decode_ms_per_token, args.max_running,
                        args.fingerprint, args.hash_seed)
-    from kvhive.model_files import default_model_path
-    from kvhive.tokenizer import Tokenizer
+    from kvhive.core.model_files import default_model_path
+    from kvhive.core.tokenizer import Tokenizer
 
     prompts = PromptTokenizer(Tokenizer.from_model_path(args.model or default_model_path()), workers=1)
     events_port = args.events_port or None

@@ -1,6 +1,6 @@
 """Request body -> the token ids the replica will compute (seed 001's PrefixStore and TokenizersPool).
 
-The gateway uses the engine's own ``kvhive.tokenizer`` and turns bodies into prompts the way the
+The gateway uses the engine's own ``kvhive.core.tokenizer`` and turns bodies into prompts the way the
 server does (``kvhive/server/completions.py`` and ``chat.py``), so both get the same ids.
 
 Prefix store: a long text is cut into chunks of about ``chunk_chars`` characters, only where a
@@ -29,8 +29,8 @@ from typing import Any, NamedTuple
 
 import xxhash
 
-from kvhive.tenancy import cache_salt
-from kvhive.tokenizer import Tokenizer
+from kvhive.core.tenancy import cache_salt
+from kvhive.core.tokenizer import Tokenizer
 
 _CUT_CANDIDATE = re.compile(r"(?<=\w) (?=\w)")
 _PROBES = ("The quick brown fox jumps over the lazy dog again and again",
@@ -65,7 +65,7 @@ class PromptPieces(NamedTuple):
 
 def prompt_from_body(body: Mapping[str, Any], key_owner: str | None = None) -> Prompt | None:
     """The prompt of a completion or chat body, as the server reads it; None if it cannot tell.
-    ``key_owner`` (``kvhive.tenancy.key_owner`` of the caller's key) salts the prompt the way a
+    ``key_owner`` (``kvhive.core.tenancy.key_owner`` of the caller's key) salts the prompt the way a
     replica with API keys and no ``--share-prefix-cache`` does."""
     body_salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
     salt = cache_salt(key_owner, body_salt, share_prefix_cache=False)

@@ -19,8 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvhive.json_body import BodyError, load_json
-from kvhive.responses import ResponseStore
+from kvhive.core.json_body import BodyError, load_json
 from kvhive.server.body_limit import BodyLimitMiddleware, default_max_request_bytes
 from kvhive.server.chat import create_chat_completion
 from kvhive.server.completions import create_completion
@@ -38,12 +37,13 @@ from kvhive.server.protocol import (
 )
 from kvhive.server.responses import ResponsesAPI, install_response_routes, response_backend, response_sweeper
 from kvhive.server.serving import GenerationService, pin_session_blocks, unix_time
-from kvhive.session_backends import FileBackend, RedisBackend, SessionBackend
-from kvhive.sessions import KeeperTier, SessionRegistry
+from kvhive.sessions.backends import FileBackend, RedisBackend, SessionBackend
+from kvhive.sessions.registry import KeeperTier, SessionRegistry
+from kvhive.sessions.responses import ResponseStore
 
 if TYPE_CHECKING:
     from kvhive.config import EngineConfig
-    from kvhive.engine import AsyncEngine, LLMEngine
+    from kvhive.engine.core import AsyncEngine, LLMEngine
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 KVHIVE_VERSION = "0.1.0"

@@ -11,6 +11,7 @@ from dataclasses import replace
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from kvhive.engine.step import TokenLogprobs
 from kvhive.request import MAX_LOGPROBS
 from kvhive.server.errors import bad_request
 from kvhive.server.logprobs import SentToken, completion_logprobs, prompt_completion_logprobs
@@ -26,7 +27,6 @@ from kvhive.server.serving import (
     sse_event,
     unix_time,
 )
-from kvhive.step import TokenLogprobs
 
 
 def _check_unsupported(body: CompletionRequest) -> None:

@@ -19,13 +19,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from kvhive.json_body import BodyError, load_json
+from kvhive.core.json_body import BodyError, load_json
 from kvhive.server.chat import create_chat_completion
 from kvhive.server.completions import create_completion
 from kvhive.server.errors import bad_request, body_error
 from kvhive.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvhive.server.serving import GenerationService, session_api_error
-from kvhive.sessions import Session, SessionError, parse_ttl
+from kvhive.sessions.registry import Session, SessionError, parse_ttl
 
 # How often expired sessions are swept and their blocks freed.
 SWEEP_INTERVAL_S = 1.0

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvhive.json_body import BodyError
+from kvhive.core.json_body import BodyError
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def body_error(exc: BodyError) -> APIError:
-    """A 400 for a body ``kvhive.json_body.load_json`` refused."""
+    """A 400 for a body ``kvhive.core.json_body.load_json`` refused."""
     return bad_request(exc.message, param=exc.param)
 
 

@@ -14,12 +14,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvhive.core.tokenizer import IncrementalDetokenizer
+from kvhive.engine.step import TokenLogprobs
 from kvhive.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
-from kvhive.step import TokenLogprobs
-from kvhive.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from kvhive.tokenizer import Tokenizer
+    from kvhive.core.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from kvhive.engine import EngineStats
-    from kvhive.responses import ResponseStats
-    from kvhive.sessions import SessionStats
+    from kvhive.engine.core import EngineStats
+    from kvhive.sessions.registry import SessionStats
+    from kvhive.sessions.responses import ResponseStats
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from kvhive.request import MIN_SEED, SEED_END
-from kvhive.sessions import MAX_SESSION_ID_CHARS, SESSION_ID_PATTERN
+from kvhive.sessions.registry import MAX_SESSION_ID_CHARS, SESSION_ID_PATTERN
 
 # ---------------------------------------------------------------- requests
 # Strict: "5" is not an integer and "true" is not a boolean, as in OpenAI's API. Unknown fields are

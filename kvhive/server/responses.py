@@ -6,7 +6,7 @@ of ``previous_response_id`` (the inputs and outputs of every response back to it
 without their instructions), then this request's ``input``.
 
 A stored response (``store``, the default) keeps its conversation's KV in a session whose id is the
-conversation's (``kvhive.responses``): a follow-up continues that session and computes only its new
+conversation's (``kvhive.sessions.responses``): a follow-up continues that session and computes only its new
 tokens; a branch (a second follow-up of one response) diverges from what the session holds, falls
 back to prefix matching, and the session then follows the branch. One request at a time per
 conversation, as for any session: a request continuing a response of a conversation whose session
@@ -29,15 +29,6 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 
-from kvhive.response_backends import FileResponseBackend, RedisResponseBackend, ResponseBackend
-from kvhive.responses import (
-    ResponseStats,
-    ResponseStore,
-    StoredResponse,
-    conversation_of,
-    new_conversation_id,
-    new_response_id,
-)
 from kvhive.server.chat import template_messages
 from kvhive.server.context import DATA_CHECK_INTERVAL_S, SWEEP_INTERVAL_S, background_task
 from kvhive.server.errors import APIError, bad_request
@@ -66,7 +57,16 @@ from kvhive.server.serving import (
     session_api_error,
     unix_time,
 )
-from kvhive.sessions import Session, SessionError
+from kvhive.sessions.registry import Session, SessionError
+from kvhive.sessions.response_backends import FileResponseBackend, RedisResponseBackend, ResponseBackend
+from kvhive.sessions.responses import (
+    ResponseStats,
+    ResponseStore,
+    StoredResponse,
+    conversation_of,
+    new_conversation_id,
+    new_response_id,
+)
 
 if TYPE_CHECKING:
     from kvhive.config import EngineConfig

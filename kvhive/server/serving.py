@@ -24,21 +24,21 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from kvhive.engine import RequestFailed
+from kvhive.core.tenancy import cache_salt, key_owner
+from kvhive.core.tokenizer import IncrementalDetokenizer
+from kvhive.engine.core import RequestFailed
+from kvhive.engine.step import TokenLogprobs
 from kvhive.request import SamplingParams
 from kvhive.server.errors import APIError, bad_request, server_error
 from kvhive.server.logprobs import SentToken, TokensAwaitingText
 from kvhive.server.metrics import ServerMetrics
 from kvhive.server.protocol import PromptTokensDetails, SamplingRequest, Usage
 from kvhive.server.stop import StopStringMatcher
-from kvhive.sessions import Session, SessionError, SessionRegistry, check_session_id
-from kvhive.step import TokenLogprobs
-from kvhive.tenancy import cache_salt, key_owner
-from kvhive.tokenizer import IncrementalDetokenizer
+from kvhive.sessions.registry import Session, SessionError, SessionRegistry, check_session_id
 
 if TYPE_CHECKING:
-    from kvhive.engine import AsyncEngine, LLMEngine
-    from kvhive.tokenizer import Tokenizer
+    from kvhive.core.tokenizer import Tokenizer
+    from kvhive.engine.core import AsyncEngine, LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -312,7 +312,7 @@ class GenerationService:
         return key_owner(raw_request.headers.get("authorization", ""))
 
     def cache_salt_for(self, owner: str | None, body_salt: str | None) -> str | None:
-        """The prefix-cache salt (``kvhive.tenancy.cache_salt``, which the gateway calls too)."""
+        """The prefix-cache salt (``kvhive.core.tenancy.cache_salt``, which the gateway calls too)."""
         return cache_salt(owner, body_salt, self.share_prefix_cache)
 
     async def open_session(self, raw_request: Request, model: str, num_tokens: int, *,

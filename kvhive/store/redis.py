@@ -9,7 +9,7 @@ operator's to choose (``volatile-*`` policies never evict keys without a TTL).
 
 Faults never reach the caller: when Redis is down or slow (connect / socket timeout), the call
 returns a miss or False, counts an error and opens the circuit breaker this process shares for
-the URL with the session and response backends (``kvhive.redis_guard``): every call then returns
+the URL with the session and response backends (``kvhive.store.redis_guard``): every call then returns
 at once without touching the network until the breaker's probe finds Redis back (after 1 s,
 2 s, 4 s ... 30 s). redis-py reconnects by itself, so a Redis that comes back works again without
 a restart. When Redis is full (OOM on SET), only puts back off (``backoff_s``); reads keep working.
@@ -24,10 +24,10 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
-from kvhive.redis_guard import guard_for
 from kvhive.store.base import Payload, PutResult, StatsCounter, StoreStats
 from kvhive.store.codec import decode_block, encode_block
 from kvhive.store.key import StoreKey
+from kvhive.store.redis_guard import guard_for
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,7 +1,7 @@
 """ModelRunner: turns a StepPlan into tensors, runs the model over the paged KV pool, samples.
 
 The runner owns the KV pool (``kv_cache``, layout in ``kvhive.model.attention``) and the per-request
-sampling generators; it never imports the scheduler (they share only ``kvhive.step``).
+sampling generators; it never imports the scheduler (they share only ``kvhive.engine.step``).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import torch
 
 from kvhive.config import ModelConfig
 from kvhive.connector.base import ConnectorWorker
+from kvhive.engine.sampling import sample_tokens, token_logprobs
+from kvhive.engine.step import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
 from kvhive.model.attention import AttnMetadata, DecodeBatch, PrefillSpan, decode_mask
 from kvhive.model.cuda_graphs import DecodeGraphs
 from kvhive.model.decode_kernel import CpuDecodeKernel
 from kvhive.model.llama import LlamaModel, resolve_dtype
 from kvhive.model.prefill_kernel import CpuPrefillKernel
 from kvhive.request import SEED_END
-from kvhive.sampling import sample_tokens, token_logprobs
-from kvhive.step import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 

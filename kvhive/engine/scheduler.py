@@ -52,9 +52,9 @@ from dataclasses import dataclass
 
 from kvhive.config import CacheConfig, SchedulerConfig
 from kvhive.connector.base import CachedBlock, ConnectorScheduler, FinishedTransfers, SchedulerOutput
+from kvhive.engine.step import PromptLogprobsSpan, ScheduledSeq, StepPlan, StepResult
 from kvhive.kv.manager import KVCacheManager, KVCacheStats
 from kvhive.request import FinishReason, Request, RequestStatus
-from kvhive.step import PromptLogprobsSpan, ScheduledSeq, StepPlan, StepResult
 
 
 class SessionCopy(enum.Enum):

@@ -17,7 +17,7 @@ Rules, in one place:
   conversation is a session, so ``--max-sessions-per-key`` bounds the conversations of a key.
 - Delete removes one response; the caller ends the session when its conversation has no response
   left. A response whose history lost a response to DELETE cannot be continued (404).
-- Persistence (``kvhive.response_backends``): each stored turn writes its record and the
+- Persistence (``kvhive.sessions.response_backends``): each stored turn writes its record and the
   conversation's expiry. A local backend is loaded whole at start; a shared one (Redis) is read
   again on each use, since another replica may have added responses or deleted some since. The
   server reads it off the event loop (``aget``, ``ais_empty``). When it may lack what is held here
@@ -37,9 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvhive.redis_guard import RedisUnavailable, backend_lost_data, check_backend_data
-from kvhive.response_backends import ResponseBackend
-from kvhive.sessions import SessionError
+from kvhive.sessions.registry import SessionError
+from kvhive.sessions.response_backends import ResponseBackend
+from kvhive.store.redis_guard import RedisUnavailable, backend_lost_data, check_backend_data
 
 logger = logging.getLogger(__name__)
 

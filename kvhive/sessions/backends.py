@@ -11,7 +11,7 @@ of sessions, and replicas sharing a Redis never overwrite each other's sessions.
   session, ``kvhive:sessions:{model}:{owner}:{id}``, whose Redis expiry is the session's expiry,
   so Redis drops dead sessions itself. ``shared``: another replica may change or delete a record
   at any time, so the registry reads it again on each use and loads sessions on first use, never
-  all. Every call goes through the URL's ``RedisGuard`` (``kvhive.redis_guard``): on its record
+  all. Every call goes through the URL's ``RedisGuard`` (``kvhive.store.redis_guard``): on its record
   thread (never the event loop; writes queued, not waited for), behind its circuit breaker
   (``RedisUnavailable`` at once while Redis is unreachable).
 """
@@ -139,7 +139,7 @@ class RedisRecords:
     shared = True
 
     def __init__(self, url: str, prefix: str, timeout_s: float = 2.0) -> None:
-        from kvhive.redis_guard import guard_for
+        from kvhive.store.redis_guard import guard_for
 
         self.guard = guard_for(url, timeout_s=timeout_s)
         self.client = self.guard.client

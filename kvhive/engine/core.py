@@ -17,12 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-from kvhive.blocks import root_hash
 from kvhive.config import EngineConfig
 from kvhive.connector.base import TierStats
+from kvhive.core.blocks import root_hash
+from kvhive.engine.scheduler import Scheduler, SessionCopy
+from kvhive.engine.step import StepPlan, StepResult, TokenLogprobs
 from kvhive.request import FinishReason, Request, SamplingParams
-from kvhive.scheduler import Scheduler, SessionCopy
-from kvhive.step import StepPlan, StepResult, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +102,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded=None, tokenizer=None, store=None) -> None:
         """``store`` (a TieredStore) replaces the tiers ``config.store`` describes; the engine closes it."""
-        # torch-side imports stay here so that importing kvhive.engine for its types is cheap.
+        # torch-side imports stay here so that importing kvhive.engine.core for its types is cheap.
+        from kvhive.engine.runner import ModelRunner
         from kvhive.model.loader import load_model
-        from kvhive.runner import ModelRunner
 
         self.config = config
         isa = None
@@ -124,7 +124,7 @@ class LLMEngine:
             logger.info("loaded %s (%s, %s) in %.1f s", os.path.basename(config.model_path.rstrip("/")),
                         config.dtype, config.device, time.perf_counter() - started)
         if tokenizer is None:
-            from kvhive.tokenizer import Tokenizer
+            from kvhive.core.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_model_path(config.model_path)
         self.tokenizer = tokenizer
@@ -181,7 +181,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) or loaded.config.eos_token_ids
         self.publisher = None
         if config.kv_events:
-            from kvhive.events import KVEventPublisher
+            from kvhive.kv.events import KVEventPublisher
 
             self.publisher = KVEventPublisher(config.kv_events, config.kv_events_replay)
             self.scheduler.kv.enable_events()

@@ -22,7 +22,7 @@ import os
 import shutil
 from typing import Any, Protocol
 
-from kvhive.session_backends import RedisRecords, atomic_write, record_digest
+from kvhive.sessions.backends import RedisRecords, atomic_write, record_digest
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kvhive.engine.step import TokenLogprobs
 from kvhive.request import SamplingParams
-from kvhive.step import TokenLogprobs
 
 
 def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],

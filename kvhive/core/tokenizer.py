@@ -17,8 +17,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from kvhive.chat_template import END_OF_TURN_TOKENS, ChatTemplate
-from kvhive.model_files import read_gguf_metadata
+from kvhive.core.chat_template import END_OF_TURN_TOKENS, ChatTemplate
+from kvhive.core.model_files import read_gguf_metadata
 
 # GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
 _TOKEN_TYPE_CONTROL = 3

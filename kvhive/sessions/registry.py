@@ -15,7 +15,7 @@ Rules, in one place:
 - Limits: per key (``--max-sessions-per-key``, ``--max-pinned-gb``) and server-wide (the blocks of
   all sessions must fit in the keeper tier that pins them, less ``KEEPER_MARGIN``); a request over
   one answers 429 before anything changes.
-- Persistence (``kvhive.session_backends``): every change writes that session's record. A local
+- Persistence (``kvhive.sessions.backends``): every change writes that session's record. A local
   backend (disk dir) is loaded whole at start. A shared one (Redis) is the truth for every
   replica: a session this replica does not hold is loaded on first use, and one it holds is read
   again on each use (another replica may have extended, re-TTL'd or deleted it since).
@@ -44,8 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvhive.config import SessionConfig
-from kvhive.redis_guard import RedisUnavailable, backend_lost_data, check_backend_data
-from kvhive.session_backends import SessionBackend
+from kvhive.sessions.backends import SessionBackend
+from kvhive.store.redis_guard import RedisUnavailable, backend_lost_data, check_backend_data
 
 logger = logging.getLogger(__name__)
 
