@@ -20,7 +20,7 @@ from kvhive.store.segment import SNAPSHOT_NAME, list_segments, scan_segment, seg
 
 SPACE = KeySpace("test-model", 1, "float32", 16)
 BLOCK = 10_000
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def key(i: int):
