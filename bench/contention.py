@@ -27,7 +27,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from multiturn_vs_vllm import VLLM_SH, WORKLOAD, machine, wait_up  # noqa: E402
+from multiturn_vs_vllm import VLLM_SH, WORKLOAD, wait_up  # noqa: E402
+from run_info import machine  # noqa: E402
 
 BURNER = "import time\nwhile True:\n    pass\n"
 

@@ -6,17 +6,22 @@
     python bench/forward_speed.py --matmuls             # projections by rows: GGUF blocks vs dense
     python bench/forward_speed.py --device cuda --dtype float32 --profile long   # on a GPU
 
-Times are medians of --repeat runs after one warm-up, with torch.set_num_threads(--threads).
+Times are the min and median of --repeat runs after one warm-up, with
+torch.set_num_threads(--threads). A timing run writes ``bench/results/forward_speed.json``
+(``--out``); ``python bench/report.py`` turns it into docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import statistics
 import time
 
 import torch
+from run_info import command, machine
 
 from kvhive.core.model_files import default_model_path
 from kvhive.engine.runner import ModelRunner
@@ -56,8 +61,8 @@ def sync(runner: ModelRunner) -> None:
         torch.cuda.synchronize(runner.device)
 
 
-def timed(runner: ModelRunner, plan: StepPlan, repeat: int) -> str:
-    """'min / median ms' over repeat runs after one warm-up (the machine may be shared: min is the signal)."""
+def timed(runner: ModelRunner, plan: StepPlan, repeat: int) -> dict[str, float]:
+    """Min and median ms over repeat runs after one warm-up (the machine may be shared: min is the signal)."""
     runner.execute(plan)
     times = []
     for _ in range(repeat):
@@ -66,7 +71,7 @@ def timed(runner: ModelRunner, plan: StepPlan, repeat: int) -> str:
         runner.execute(plan)
         sync(runner)
         times.append((time.perf_counter() - t) * 1000)
-    return f"{min(times):8.1f} / {statistics.median(times):8.1f} ms"
+    return {"min_ms": min(times), "median_ms": statistics.median(times)}
 
 
 def time_matmuls(repeat: int, dtypes: list[str]) -> None:
@@ -120,6 +125,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--context", type=int, default=1600)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                      "forward_speed.json"))
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode graphs")
     parser.add_argument("--profile", choices=["prefill", "warm", "long", "decode1", "decode8"], default=None,
                         help="profile one step instead (long: 2,048 new tokens on a cached 3,456)")
@@ -131,6 +138,7 @@ def main() -> None:
     if args.matmuls:
         time_matmuls(args.repeat, [args.dtype] if args.dtype else ["float32", "bfloat16"])
         return
+    steps_by_dtype: dict[str, dict[str, dict[str, float]]] = {}
     for dtype in [args.dtype] if args.dtype else ["float32", "bfloat16"]:
         loaded = load_model(default_model_path(), dtype=dtype, device=args.device)
         num_blocks = max(8 * (args.context // BLOCK + 2), 5504 // BLOCK + 2) + 2 * (1600 // BLOCK + 2)
@@ -152,14 +160,23 @@ def main() -> None:
             print(prof.key_averages().table(sort_by=sort, row_limit=25))
             continue
         print(f"{dtype}: min / median of {args.repeat} runs (decode: {4 * args.repeat} steps)")
+        steps = steps_by_dtype[dtype] = {}
         for n in (1024, 1600):
-            print(f"  prefill {n:5d} tokens:               {timed(runner, prefill_plan(n), args.repeat)}")
+            steps[f"prefill {n} tokens"] = timed(runner, prefill_plan(n), args.repeat)
         runner.execute(prefill_plan(1600))                       # the prefix the warm turn reads
-        print(f"  prefill 64 on a cached 1536 prefix:  {timed(runner, warm_prefill_plan(1536, 64), args.repeat)}")
-        print(f"  prefill 2048 on a cached 3456:       {timed(runner, plans['long'], args.repeat)}")
+        steps["64 tokens on a cached 1,536-token prefix"] = timed(runner, warm_prefill_plan(1536, 64), args.repeat)
+        steps["2,048 tokens on a cached 3,456-token prefix"] = timed(runner, plans["long"], args.repeat)
         for batch in (1, 8):
-            ms = timed(runner, decode_plan(batch, args.context), args.repeat * 4)
-            print(f"  decode batch {batch}, context {args.context}:     {ms} per step")
+            steps[f"decode, batch {batch}, context {args.context}"] = timed(
+                runner, decode_plan(batch, args.context), args.repeat * 4)
+        for step, t in steps.items():
+            print(f"  {step:45s} {t['min_ms']:8.1f} / {t['median_ms']:8.1f} ms")
+    if steps_by_dtype:
+        with open(args.out, "w") as f:
+            json.dump({"machine": machine(), "device": args.device, "threads": args.threads,
+                       "date": time.strftime("%Y-%m-%d"),
+                       "command": command(__file__),
+                       "steps": steps_by_dtype}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,14 @@
 """Run the shared multi-turn workload against kvhive and vLLM for CPU in one session.
 
 For each server: start it, run ``../shared/bench/multiturn.py`` cold and warm at concurrency 1
-and 8, stop it. Then write ``docs/benchmarks.md``'s engine section (machine, commands, both
-tables, target ratios) and a PNG of TTFT per turn.
+and 8, stop it. Then write one result file, ``bench/results/multiturn_<tag>.json`` (machine,
+command, each run's summary and median TTFT per turn), and a PNG of TTFT per turn,
+``docs/ttft_per_turn_<tag>.png``; ``python bench/report.py`` turns the result into
+docs/benchmarks.md. The tag names the comparison: float32 (the default), bf16, smallkv, avx2.
 
-    python bench/multiturn_vs_vllm.py                 # kvhive float32 + vLLM float32
-    python bench/multiturn_vs_vllm.py --skip-vllm     # reuse vLLM results already in --out
-    python bench/multiturn_vs_vllm.py --kvhive-args "--dtype bfloat16" --tag bf16
+    python bench/multiturn_vs_vllm.py --rounds 2      # kvhive float32 + vLLM float32
+    python bench/multiturn_vs_vllm.py --skip-vllm     # reuse vLLM runs already in --work-dir
+    python bench/multiturn_vs_vllm.py --kvhive-args "--dtype bfloat16" --vllm-dtype bfloat16 --tag bf16
     python bench/multiturn_vs_vllm.py --rounds 3      # kvhive, vLLM, vLLM, kvhive, kvhive, vLLM
 
 On a shared host the neighbours' load moves both servers' figures from one run to the next, so
@@ -21,13 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
 import sys
 import time
 import urllib.request
+
+from run_info import command, machine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -80,7 +83,7 @@ def serve_and_run(cmd: list[str], port: int, name: str, out_dir: str, log: str,
 
 
 def load(out_dir: str, name: str, mode: str, conc: int) -> dict | None:
-    """A result file's summary and records, or None."""
+    """A raw run file's summary and records, or None."""
     path = os.path.join(out_dir, f"{name}_{mode}_c{conc}.json")
     if not os.path.exists(path):
         return None
@@ -88,17 +91,33 @@ def load(out_dir: str, name: str, mode: str, conc: int) -> dict | None:
         return json.load(f)
 
 
-def ttft_by_turn(result: dict) -> list[float]:
+def ttft_by_turn(records: list[dict]) -> list[float]:
     """Median TTFT (ms) of each turn."""
     by: dict[int, list[float]] = {}
-    for r in result["records"]:
+    for r in records:
         if r["ttft_s"] is not None:
             by.setdefault(r["turn"], []).append(r["ttft_s"] * 1000)
     return [sorted(v)[len(v) // 2] for _, v in sorted(by.items())]
 
 
-def plot(out_dir: str, names: list[str], png: str) -> None:
-    """TTFT per turn, warm and cold, concurrency 1, one line per server."""
+def collect(out_dir: str, pairs: list[tuple[str, str]]) -> list[dict[str, dict[str, dict]]]:
+    """One entry per round: {"kvhive"|"vllm": {"<mode>_c<conc>": summary + ttft_by_turn_ms}}."""
+    rounds = []
+    for pair in pairs:
+        entry: dict[str, dict[str, dict]] = {}
+        for server, name in zip(("kvhive", "vllm"), pair, strict=True):
+            for mode, conc in RUNS:
+                res = load(out_dir, name, mode, conc)
+                if res is not None:
+                    summary = {k: v for k, v in res["summary"].items() if k != "label"}
+                    entry.setdefault(server, {})[f"{mode}_c{conc}"] = {
+                        **summary, "ttft_by_turn_ms": ttft_by_turn(res["records"])}
+        rounds.append(entry)
+    return rounds
+
+
+def plot(result: dict, png: str) -> None:
+    """TTFT per turn, warm and cold, concurrency 1, one line per server and round."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -106,17 +125,19 @@ def plot(out_dir: str, names: list[str], png: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, mode in zip(axes, ("warm", "cold"), strict=True):
-        for name in names:
-            res = load(out_dir, name, mode, 1)
-            if res:
-                ys = ttft_by_turn(res)
-                ax.plot(range(1, len(ys) + 1), ys, marker="o", label=name)
+        for i, entry in enumerate(result["rounds"], 1):
+            for server, runs in entry.items():
+                run = runs.get(f"{mode}_c1")
+                if run and run.get("ttft_by_turn_ms"):
+                    ys = run["ttft_by_turn_ms"]
+                    ax.plot(range(1, len(ys) + 1), ys, marker="o", label=f"{server} round {i}")
         ax.set_title(f"{mode}: median TTFT per turn (concurrency 1)")
         ax.set_xlabel("turn")
         ax.set_ylabel("TTFT (ms)")
         ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
@@ -125,24 +146,22 @@ def fmt(v, scale=1000.0, digits=0) -> str:
     return "-" if v is None else f"{v * scale:.{digits}f}"
 
 
-def table(out_dir: str, names: list[str]) -> str:
-    """Markdown table of the summaries."""
-    rows = ["| server | mode | conc | TTFT first (ms) | TTFT turn 1 (ms) | TTFT turns 2-4 (ms) | "
+def table(result: dict) -> list[str]:
+    """Markdown rows of every run's summary."""
+    rows = ["| server | round | mode | conc | TTFT turn 1 (ms) | TTFT turns 2-4 (ms) | "
             "decode (ms/token) | cached fraction | completion tok/s | wall (s) |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name in names:
-        for mode, conc in RUNS:
-            res = load(out_dir, name, mode, conc)
-            if res is None:
-                continue
-            s = res["summary"]
-            rows.append(f"| {name} | {mode} | {conc} | {fmt(s['first_request_ttft_s'])} | "
-                        f"{fmt(s['median_ttft_turn1_excl_first_s'])} | "
-                        f"{fmt(s['median_ttft_turns2to4_s'])} | "
-                        f"{fmt(s['median_decode_ms_per_tok'], 1, 1)} | "
-                        f"{fmt(s['cached_fraction'], 1, 2)} | "
-                        f"{s['throughput_completion_tok_s']:.1f} | {s['wall_s']:.1f} |")
-    return "\n".join(rows)
+    for i, entry in enumerate(result["rounds"], 1):
+        for server, runs in entry.items():
+            for run, s in runs.items():
+                mode, conc = run.split("_c")
+                rows.append(f"| {server} | {i} | {mode} | {conc} | "
+                            f"{fmt(s['median_ttft_turn1_excl_first_s'])} | "
+                            f"{fmt(s['median_ttft_turns2to4_s'])} | "
+                            f"{fmt(s['median_decode_ms_per_tok'], 1, 1)} | "
+                            f"{fmt(s['cached_fraction'], 1, 2)} | "
+                            f"{s['throughput_completion_tok_s']:.1f} | {s['wall_s']:.1f} |")
+    return rows
 
 
 # The targets, as (label, mode, concurrency, summary key, scale, comparison, goal) per goal set:
@@ -152,7 +171,9 @@ GOALS = {
                ("cold turn-1 TTFT (ms)", "cold", 1, "median_ttft_turn1_excl_first_s", 1000, "<=", 1.0),
                ("decode ms/token (warm, c1)", "warm", 1, "median_decode_ms_per_tok", 1, "<=", 0.75),
                ("completion tok/s (warm, c8)", "warm", 8, "throughput_completion_tok_s", 1, ">=", 1.2)],
-    "smallkv": [("warm TTFT turns 2-4 (ms)", "warm", 1, "median_ttft_turns2to4_s", 1000, "<=", 0.5)],
+    "smallkv": [("warm TTFT turns 2-4 (ms)", "warm", 1, "median_ttft_turns2to4_s", 1000, "<=", 0.5),
+                ("warm TTFT turns 2-4, concurrency 8 (ms)", "warm", 8, "median_ttft_turns2to4_s", 1000,
+                 "<=", 0.5)],
     "avx2": [("warm TTFT turns 2-4 (ms)", "warm", 1, "median_ttft_turns2to4_s", 1000, "<=", 0.7),
              ("cold turn-1 TTFT (ms)", "cold", 1, "median_ttft_turn1_excl_first_s", 1000, "<=", 1.0),
              ("decode ms/token (warm, c1)", "warm", 1, "median_decode_ms_per_tok", 1, "<=", 0.6),
@@ -160,19 +181,16 @@ GOALS = {
 }
 
 
-def ratios(out_dir: str, pairs: list[tuple[str, str]], goals: str = "engine") -> str:
+def ratios(result: dict) -> list[str]:
     """The target ratios, ours / peer, of each round (a kvhive run and a vLLM run back to back) and
     their median, which decides 'met': on a shared host the two servers of one round see the same
     neighbours, so paired ratios are steadier than either server's own figures."""
-    def get(name, mode, conc, key):
-        res = load(out_dir, name, mode, conc)
-        return None if res is None else res["summary"][key]
-
     lines = ["| target | kvhive (median) | vLLM (median) | ratio per round | median ratio | goal | met |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
-    for label, mode, conc, key, scale, op, goal in GOALS[goals]:
-        got = [(get(o, mode, conc, key), get(p, mode, conc, key)) for o, p in pairs]
-        got = [(a, b) for a, b in got if a is not None and b is not None]
+    for label, mode, conc, key, scale, op, goal in GOALS[result["goals"]]:
+        run = f"{mode}_c{conc}"
+        got = [(e["kvhive"][run][key], e["vllm"][run][key]) for e in result["rounds"]
+               if run in e.get("kvhive", {}) and run in e.get("vllm", {})]
         if not got:
             continue
         per_round = [a / b for a, b in got]
@@ -182,27 +200,15 @@ def ratios(out_dir: str, pairs: list[tuple[str, str]], goals: str = "engine") ->
                      f"{statistics.median(b for _, b in got) * scale:.1f} | "
                      f"{', '.join(f'{x:.2f}x' for x in per_round)} | {r:.2f}x | {op} {goal}x | "
                      f"{'yes' if met else 'no'} |")
-    return "\n".join(lines)
-
-
-def machine() -> str:
-    """One line about this machine."""
-    cpu, flags = "unknown CPU", ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = f.readlines()
-        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-        flags = " ".join(f for f in next(line for line in lines if line.startswith("flags")).split()
-                         if f.startswith(("avx", "amx", "fma", "f16c")))
-    except (OSError, StopIteration):
-        pass
-    return (f"{cpu} (flags: {flags or 'unknown'}), {os.cpu_count()} cores, {platform.system()} "
-            f"{platform.release()}, Python {platform.python_version()}")
+    return lines
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=None, help="the result file (default: bench/results/multiturn_<tag>.json)")
+    ap.add_argument("--plot", default=None, help="default: docs/ttft_per_turn_<tag>.png")
+    ap.add_argument("--work-dir", default=os.path.join(HERE, "out", "multiturn"),
+                    help="each run's raw workload output and the servers' logs")
     ap.add_argument("--kvhive-args", default="", help="extra arguments for kvhive serve")
     ap.add_argument("--tag", default="float32", help="suffix of the kvhive run names")
     ap.add_argument("--vllm-dtype", default="float32")
@@ -219,9 +225,10 @@ def main() -> int:
     ap.add_argument("--goals", choices=sorted(GOALS), default="engine",
                     help="which targets to print: engine, smallkv (a small device KV budget) or avx2 "
                          "(an AVX2-only CPU)")
-    ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "benchmarks_engine.md"))
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    out = args.out or os.path.join(HERE, "results", f"multiturn_{args.tag}.json")
+    png = args.plot or os.path.join(ROOT, "docs", f"ttft_per_turn_{args.tag}.png")
+    os.makedirs(args.work_dir, exist_ok=True)
     runs = [(m, int(c)) for m, c in (r.split(":") for r in args.runs.split(","))]
     ours, peer = f"kvhive_{args.tag}", f"vllm_{args.vllm_dtype}{args.vllm_tag}"
     pairs = [(ours, peer)] if args.rounds == 1 else [
@@ -236,22 +243,19 @@ def main() -> int:
             cmd = ["bash", VLLM_SH, "serve", args.vllm_dtype, str(args.port)]
             servers.append((cmd, peer_name, dict(os.environ, VLLM_EXTRA=args.vllm_args)))
         for cmd, name, env in servers if i % 2 == 0 else servers[::-1]:   # alternate who goes first
-            serve_and_run(cmd, args.port, name, args.out, os.path.join(args.out, f"{name}.log"), [],
+            serve_and_run(cmd, args.port, name, args.work_dir, os.path.join(args.work_dir, f"{name}.log"), [],
                           env=env, runs=runs)
-    names = [name for pair in pairs for name in pair]
-    png = os.path.join(os.path.dirname(os.path.abspath(args.doc)), f"ttft_per_turn_{args.tag}.png")
-    plot(args.out, names, png)
-    doc = [f"Machine: {machine()}.", "",
-           f"Command: `python bench/multiturn_vs_vllm.py {shlex.join(sys.argv[1:])}` "
-           f"({time.strftime('%Y-%m-%d')}); workload `../shared/bench/multiturn.py` defaults "
-           "(1,500-token shared system prompt, 8 conversations x 4 turns, 32 output tokens, greedy), "
-           f"vLLM for CPU 0.32.0 via `../shared/peers/vllm.sh serve {args.vllm_dtype}`"
-           + (f" with `VLLM_EXTRA='{args.vllm_args}'`" if args.vllm_args else "") + ".", "",
-           table(args.out, names), "", ratios(args.out, pairs, args.goals), "",
-           f"![TTFT per turn](ttft_per_turn_{args.tag}.png)", ""]
-    with open(args.doc, "w") as f:
-        f.write("\n".join(doc))
-    print("\n".join(doc))
+    result = {"machine": machine(), "date": time.strftime("%Y-%m-%d"),
+              "command": command(__file__),
+              "goals": args.goals,
+              "peer": f"vLLM for CPU 0.32.0, {args.vllm_dtype}"
+                      + (f", VLLM_EXTRA='{args.vllm_args}'" if args.vllm_args else ""),
+              "rounds": collect(args.work_dir, pairs)}
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, png)
+    print("\n".join(table(result) + [""] + ratios(result)))
     return 0
 
 

@@ -33,6 +33,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from router_real import wait_for  # noqa: E402
+from run_info import command, machine  # noqa: E402
 
 from kvhive.core.blocks import hash_blocks, root_hash  # noqa: E402
 from kvhive.router.index import InMemoryIndex, RedisIndex  # noqa: E402
@@ -235,11 +236,12 @@ def main() -> int:
                    help="also time a gateway run from this checkout (e.g. a `git worktree` of an older "
                         "commit), interleaved with the one under test")
     p.add_argument("--skip", default="", help="comma list of memory,redis,gateway to leave out")
-    p.add_argument("--out", default=os.path.join(REPO, "docs", "router_lookup.json"))
+    p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "router_lookup.json"))
     args = p.parse_args()
     load_before = os.getloadavg()
     skip = set(filter(None, args.skip.split(",")))
-    results: dict[str, object] = {"setup": {k: v for k, v in vars(args).items() if k != "out"}}
+    results: dict[str, object] = {"machine": machine(), "command": command(__file__),
+                                  "setup": {k: v for k, v in vars(args).items() if k != "out"}}
     prompts = chains(args.blocks, args.chain_blocks, 1) if skip != {"memory", "redis"} else []
     if "memory" not in skip:
         results["memory"] = bench_memory(prompts, args)

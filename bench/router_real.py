@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import httpx
+from run_info import command, machine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -151,7 +152,7 @@ def main() -> int:
     p.add_argument("--num-blocks", type=int, default=160, help="KV blocks per replica")
     p.add_argument("--policies", default="kv,round_robin")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--out", default=os.path.join(REPO, "docs", "router_real.json"))
+    p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "router_real.json"))
     args = p.parse_args()
     docs = make_docs(args.customers, args.doc_tokens, args.seed)
     rng = random.Random(args.seed)
@@ -176,7 +177,8 @@ def main() -> int:
         print(json.dumps(results[-1]), flush=True)
     with open(args.out, "w") as f:
         setup = {k: v for k, v in vars(args).items() if k != "out"}
-        json.dump({"setup": setup, "results": results}, f, indent=1)
+        json.dump({"machine": machine(), "command": command(__file__), "setup": setup, "results": results},
+                  f, indent=1)
     print("\n| policy | requests | KV hit rate | TTFT p50 (ms) | TTFT p90 (ms) | TTFT mean (ms) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in results:

@@ -33,6 +33,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from router_real import wait_for  # noqa: E402  (bench/ is on sys.path: scripts run from there)
+from run_info import command, machine  # noqa: E402
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case "
          "point government company number group problem fact market price contract clause party notice "
@@ -251,7 +252,7 @@ def main() -> int:
     p.add_argument("--health-interval", type=float, default=1.0, help="the gateway's polling period")
     p.add_argument("--profile-gateway", default=None, help="write a cProfile of the gateway here")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--out", default=os.path.join(REPO, "docs", "router_sim.json"))
+    p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "router_sim.json"))
     p.add_argument("--png", default=os.path.join(REPO, "docs", "router_sim.png"))
     args = p.parse_args()
     docs = make_docs(args.customers, args.doc_tokens, args.seed)
@@ -265,7 +266,8 @@ def main() -> int:
               flush=True)
     setup = {k: v for k, v in vars(args).items() if k not in ("out", "png")}
     with open(args.out, "w") as f:
-        json.dump({"setup": setup, "results": [asdict(r) for r in results]}, f, indent=1)
+        json.dump({"machine": machine(), "command": command(__file__), "setup": setup,
+                   "results": [asdict(r) for r in results]}, f, indent=1)
     title = (f"{args.replicas} simulated replicas, {args.customers} customers x "
              f"{args.doc_tokens}-token docs, "
              f"{args.rate:g} req/s Poisson, {args.capacity_blocks} KV blocks/replica")

@@ -1,17 +1,18 @@
 #!/usr/bin/env python3
 """TTFT per turn over real HTTP: kvhive sessions vs prefix caching vs no caching, and vLLM for CPU.
 
-Full benchmark (issue 5, acceptance point 8; run it on a quiet machine, about 20-30 minutes):
+Full benchmark (run it on a quiet machine, about 20-30 minutes):
 
-    python bench/sessions_vs_vllm.py
-        # writes bench/results/sessions_vs_vllm.json, docs/benchmarks_sessions_http.md,
-        # docs/sessions_vs_vllm.png
+    python bench/sessions_vs_vllm.py --servers sessions,prefix,none --repeats 5
+        # writes bench/results/sessions_vs_vllm.json and docs/sessions_vs_vllm.png
+    python bench/sessions_vs_vllm.py --servers vllm --repeats 3 --merge
+        # vLLM alone afterwards (an idle vLLM beside kvhive slows it), added to the same file
 
-Short end-to-end check (3 turns of ~100 new tokens, 1 conversation x 2 turns of multiturn.py,
-results under /tmp):
+``python bench/report.py`` then turns the result into docs/benchmarks.md. Short end-to-end
+check (3 turns of ~100 new tokens, 1 conversation x 2 turns of multiturn.py, results under /tmp):
 
     python bench/sessions_vs_vllm.py --turns 3 --sentences 5 --mt-convs 1 --mt-turns 2 \\
-        --repeats 1 --out-dir /tmp/sessions_vs_vllm
+        --repeats 1 --out /tmp/sessions_vs_vllm.json --plot /tmp/sessions_vs_vllm.png
 
 Four servers, started together and left running side by side, each on its own port:
 
@@ -23,7 +24,7 @@ Four servers, started together and left running side by side, each on its own po
 - ``vllm``: vLLM for CPU with prefix caching (``../shared/peers/vllm.sh serve float32 PORT``;
   it takes about 2 minutes to start).
 
-Two workloads, as ``bench/sessions_ttft.py`` runs them in process: seed 003 (one conversation of
+Two workloads, as ``bench/sessions_ttft.py`` runs them in process: the long chat (one conversation of
 ``--turns`` turns, ``--sentences`` sentences, about 500 new tokens at 24, per user turn, the
 server's own greedy reply fed back as history) and ../shared/bench/multiturn.py's shared system
 prompt, user turns and canned replies (``--mt-convs`` x ``--mt-turns``, sequential). Every request
@@ -52,7 +53,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from multiturn_vs_vllm import VLLM_SH, machine, wait_up
+from multiturn_vs_vllm import VLLM_SH, wait_up
+from run_info import command, machine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -69,8 +71,8 @@ def load_multiturn():
     return module
 
 
-def seed003_user_turns(num_turns: int, sentences: int, rng_seed: int = 3) -> list[str]:
-    """Seed 003's user messages: notes of ``sentences`` sentences each (24: ~500 tokens)."""
+def long_chat_user_turns(num_turns: int, sentences: int, rng_seed: int = 3) -> list[str]:
+    """The long chat's user messages: notes of ``sentences`` sentences each (24: ~500 tokens)."""
     mt, rng = load_multiturn(), random.Random(rng_seed)
     return [f"Part {t + 1} of my notes. " + " ".join(mt._sentence(rng) for _ in range(sentences))
             for t in range(num_turns)]
@@ -159,11 +161,11 @@ class Conversation:
                        "cached_tokens": details.get("cached_tokens")}
 
 
-def seed003(server: str, port: int, args: argparse.Namespace, salt: str) -> Iterator[dict]:
-    """Seed 003's conversation on one server, one turn per ``next()``."""
-    conv = Conversation(server, port, f"seed003-{salt}", args)
+def long_chat(server: str, port: int, args: argparse.Namespace, salt: str) -> Iterator[dict]:
+    """The long chat on one server, one turn per ``next()``."""
+    conv = Conversation(server, port, f"long-chat-{salt}", args)
     messages: list[dict] = []
-    for t, text in enumerate(seed003_user_turns(args.turns, args.sentences)):
+    for t, text in enumerate(long_chat_user_turns(args.turns, args.sentences)):
         messages.append({"role": "user", "content": f"{salt} {text}" if t == 0 else text})
         reply, row = conv.send(messages)
         messages.append({"role": "assistant", "content": reply.text})
@@ -284,7 +286,7 @@ def table(rows: dict[str, list[dict]], names: list[str], keys: list[str]) -> lis
 
 
 def targets(rows: dict[str, list[dict]]) -> list[str]:
-    """Acceptance point 8's TTFT targets on seed 003, each with met / not met. 'Sessions <= prefix'
+    """The sessions TTFT targets on the long chat, each with met / not met. 'Sessions <= prefix'
     is judged on the paired ratio (``paired_ratio``) as well as on the per-turn medians."""
     if not {"sessions", "prefix", "none"} <= rows.keys():
         return []
@@ -304,7 +306,7 @@ def targets(rows: dict[str, list[dict]]) -> list[str]:
 
 
 def plot(results: dict, names: list[str], path: str) -> None:
-    """TTFT per turn: seed 003 and the multiturn.py workload, one line per server."""
+    """TTFT per turn: the long chat and the multiturn.py workload, one line per server."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -313,11 +315,11 @@ def plot(results: dict, names: list[str], path: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name in names:
-        s3 = results["seed003"][name]
-        axes[0].plot([r["turn"] for r in s3], [r["ttft_s"] * 1000 for r in s3], marker="o", label=name)
+        chat = results["long_chat"][name]
+        axes[0].plot([r["turn"] for r in chat], [r["ttft_s"] * 1000 for r in chat], marker="o", label=name)
         mt = results["multiturn"][name]
         axes[1].plot(range(1, len(mt) + 1), [r["ttft_s"] * 1000 for r in mt], marker="o", label=name)
-    axes[0].set(title=f"seed 003 over HTTP ({results['config']['turns']} turns)", xlabel="turn", ylabel="TTFT (ms)")
+    axes[0].set(title=f"long chat over HTTP ({results['config']['turns']} turns)", xlabel="turn", ylabel="TTFT (ms)")
     axes[1].set(title="multiturn.py over HTTP (conversations in sequence)", xlabel="request", ylabel="TTFT (ms)")
     for ax in axes:
         ax.set_yscale("log")
@@ -328,41 +330,11 @@ def plot(results: dict, names: list[str], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def write_doc(results: dict, names: list[str], path: str, png: str) -> None:
-    """The markdown page: how it was run, both tables, the targets."""
-    cfg = results["config"]
-    described = {
-        "sessions": "kvhive `sessions` (" + ("`conversation_id` in the chat body" if cfg["session_api"] == "conversation"
-                                             else "`POST /v1/context`, then `x-session-id`") + ")",
-        "prefix": "kvhive `prefix` (prefix caching only)",
-        "none": "kvhive `none` (`--no-enable-prefix-caching`)",
-        "vllm": f"`vllm` (vLLM for CPU 0.32.0, {cfg['vllm_dtype']}, prefix caching, `../shared/peers/vllm.sh serve`)",
-    }
-    lines = ["# Sessions over HTTP: kvhive sessions vs prefix vs none, and vLLM for CPU", "",
-             f"Machine: {results['machine']}. Command: `{results['command']}` ({results['date']}). "
-             f"Greedy {cfg['max_tokens']}-token streamed chat replies; TTFT = send to the first non-empty "
-             f"content delta; median of {cfg['repeats']} salted repeat(s) per turn. Servers side by side, "
-             "taking turns in a rotating order: " + ", ".join(described[n] for n in names)
-             + (f"; kvhive flags `{cfg['kvhive_args']}`" if cfg["kvhive_args"] else "") + ".", "",
-             f"![TTFT per turn]({os.path.relpath(png, os.path.dirname(path))})", "",
-             f"## Seed 003: one conversation, {cfg['turns']} turns, {cfg['sentences']} sentences per user turn "
-             "(24: ~500 tokens)", ""]
-    lines += table(results["seed003"], names, ["turn"])
-    lines += ["", *targets(results["seed003"]), "",
-              f"## ../shared/bench/multiturn.py workload (fixed history, {cfg['mt_convs']} conversations x "
-              f"{cfg['mt_turns']} turns)", "",
-              "The canned replies are not the servers' own, so each sessions turn diverges from its "
-              "session and falls back to prefix matching.", ""]
-    lines += table(results["multiturn"], names, ["conv", "turn"])
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--servers", default=",".join(SERVERS), help="which of sessions,prefix,none,vllm to run")
-    ap.add_argument("--turns", type=int, default=10, help="seed 003: turns")
-    ap.add_argument("--sentences", type=int, default=24, help="seed 003: sentences per user turn (24: ~500 tokens)")
+    ap.add_argument("--turns", type=int, default=10, help="long chat: turns")
+    ap.add_argument("--sentences", type=int, default=24, help="long chat: sentences per user turn (24: ~500 tokens)")
     ap.add_argument("--mt-convs", type=int, default=2, help="multiturn.py: conversations")
     ap.add_argument("--mt-turns", type=int, default=4, help="multiturn.py: turns per conversation")
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -371,26 +343,27 @@ def main() -> int:
     ap.add_argument("--kvhive-args", default="", help="extra arguments for every kvhive serve")
     ap.add_argument("--vllm-dtype", default="float32")
     ap.add_argument("--port", type=int, default=8140, help="first of four consecutive ports")
-    ap.add_argument("--out-dir", default=None,
-                    help="write the JSON, markdown and PNG here (default: bench/results and docs/)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "sessions_vs_vllm.json"))
+    ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "sessions_vs_vllm.png"))
+    ap.add_argument("--merge", action="store_true",
+                    help="add these servers to the result already at --out (same workload settings)")
+    ap.add_argument("--log-dir", default=os.path.join(HERE, "out"), help="the servers' logs")
     args = ap.parse_args()
     names = [n for n in args.servers.split(",") if n]
     if unknown := set(names) - set(SERVERS):
         ap.error(f"unknown servers: {sorted(unknown)}")
-    result_dir = args.out_dir or os.path.join(HERE, "results")
-    doc_dir = args.out_dir or os.path.join(ROOT, "docs")
-    os.makedirs(result_dir, exist_ok=True)
-    os.makedirs(doc_dir, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    os.makedirs(args.log_dir, exist_ok=True)
     specs = server_specs(names, args)
-    procs = start_servers(specs, result_dir)
-    raw: dict[str, dict[str, list[list[dict]]]] = {"seed003": {n: [] for n in names},
+    procs = start_servers(specs, args.log_dir)
+    raw: dict[str, dict[str, list[list[dict]]]] = {"long_chat": {n: [] for n in names},
                                                    "multiturn": {n: [] for n in names}}
     salts = [f"{random.randrange(10**7, 10**8)}" for _ in range(args.repeats)]
     try:
         for spec in specs.values():
             warm_up(spec.port)
         for rep, salt in enumerate(salts):
-            for workload, turns in (("seed003", seed003), ("multiturn", multiturn)):
+            for workload, turns in (("long_chat", long_chat), ("multiturn", multiturn)):
                 rows = interleave({n: turns(n, specs[n].port, args, salt) for n in names}, first=rep)
                 for n in names:
                     raw[workload][n].append(rows[n])
@@ -398,19 +371,32 @@ def main() -> int:
     finally:
         stop_servers(procs)
     results = {"machine": machine(), "date": time.strftime("%Y-%m-%d"),
-               "command": shlex.join(["python", "bench/sessions_vs_vllm.py", *sys.argv[1:]]),
+               "command": command(__file__),
                "config": {k: getattr(args, k) for k in ("turns", "sentences", "mt_convs", "mt_turns", "max_tokens",
                                                         "repeats", "session_api", "kvhive_args", "vllm_dtype")},
                "servers": {n: shlex.join(spec.command) for n, spec in specs.items()}, "salts": salts,
-               **{w: {n: median_rows(raw[w][n]) for n in names} for w in ("seed003", "multiturn")}}
-    with open(os.path.join(result_dir, "sessions_vs_vllm.json"), "w") as f:
+               **{w: {n: median_rows(raw[w][n]) for n in names} for w in ("long_chat", "multiturn")}}
+    if args.merge:
+        results = merge(args.out, results)
+    with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
-    png = os.path.join(doc_dir, "sessions_vs_vllm.png")
-    plot(results, names, png)
-    doc = os.path.join(doc_dir, "benchmarks_sessions_http.md")
-    write_doc(results, names, doc, png)
-    print(open(doc).read())
+    plot(results, list(results["servers"]), args.plot)
+    print("\n".join(table(results["long_chat"], list(results["servers"]), ["turn"])))
     return 0
+
+
+def merge(path: str, new: dict) -> dict:
+    """The result at ``path`` with ``new``'s servers added; the workload settings must match."""
+    with open(path) as f:
+        old = json.load(f)
+    same = ("turns", "sentences", "mt_convs", "mt_turns", "max_tokens", "session_api")
+    if any(old["config"][k] != new["config"][k] for k in same):
+        raise SystemExit(f"{path} was run with other workload settings: {old['config']}")
+    old["command"] += " && " + new["command"]
+    old["servers"].update(new["servers"])
+    for workload in ("long_chat", "multiturn"):
+        old[workload].update(new[workload])
+    return old
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 """Soak test: N clients for T minutes of mixed traffic against a kvhive server this script starts.
 
     python bench/soak.py --clients 8 --minutes 2
-    python bench/soak.py --clients 8 --minutes 10 --redis-url redis://127.0.0.1:6391/0   # + a Redis fault
-    python bench/soak.py --server-args "--dtype bfloat16 --kv-cache-gb 0.5" --out bench/results/soak_bf16.json
+    python bench/soak.py --clients 8 --minutes 2 --redis-url redis://127.0.0.1:6391/0 \\
+        --out bench/results/soak_redis.json                  # + a Redis stall and flush
+    python bench/soak.py --server-args "--dtype bfloat16 --kv-cache-gb 0.5" --out /tmp/soak_bf16.json
 
 Each client loops over scenarios picked at random: chats sharing a long system prompt (streamed or
 not), sessions (``POST /v1/context``, turns with ``x-session-id``, mostly deleted at the end),
@@ -41,6 +42,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+from run_info import command, machine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -415,6 +417,7 @@ def main() -> int:
     summary = summarize(run.records)
     rss = [p["rss_mb"] for p in timeline if p["rss_mb"] is not None]
     result = {
+        "machine": machine(), "command": command(__file__),
         "config": {"clients": args.clients, "minutes": args.minutes, "seed": args.seed, "server": shlex.join(cmd),
                    "redis_url": args.redis_url, "redis_stop_s": args.redis_stop_s if args.redis_url else None,
                    "scenarios": SCENARIOS, "host": platform.node(), "cpus": os.cpu_count()},

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """TTFT of 1k / 4k / 8k-token prompts on the default model: cold recompute vs a hit from each KV tier.
 
-    python bench/tiers_ttft.py                     # writes bench/results/tiers_ttft.json,
-                                                   # docs/benchmarks_tiers.md, docs/tiers_ttft.png
+    python bench/tiers_ttft.py --repeat 2          # writes bench/results/tiers_ttft.json and
+                                                   # docs/tiers_ttft.png
 
 For each size a fresh random prompt is computed cold (nothing cached anywhere) by an engine whose
 tiers are CPU memory + disk + Redis (saves are write-through), then served again by engines that
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import socket
@@ -28,6 +27,7 @@ import tempfile
 import time
 
 import torch
+from run_info import command, machine
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvhive.core.model_files import default_model_path
@@ -73,7 +73,6 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--out", default="bench/results/tiers_ttft.json")
-    parser.add_argument("--doc", default="docs/benchmarks_tiers.md")
     parser.add_argument("--plot", default="docs/tiers_ttft.png")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -132,16 +131,17 @@ def main() -> None:
     if redis_proc is not None:
         redis_proc.kill()
     shutil.rmtree(workdir, ignore_errors=True)
-    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {args.threads}",
-            "model": "SmolLM2-135M-Instruct (float32)", "repeat": args.repeat, "device": "cpu"}
+    meta = {"machine": machine(), "threads": args.threads, "model": "SmolLM2-135M-Instruct (float32)",
+            "repeat": args.repeat, "device": "cpu", "date": time.strftime("%Y-%m-%d"),
+            "command": command(__file__)}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=2)
-    write_doc(args.doc, args.plot, meta, results)
+    plot(args.plot, results)
 
 
-def write_doc(doc: str, plot: str, meta: dict, results: dict) -> None:
-    """A markdown table (TTFT and ratio to cold) and a grouped bar plot."""
+def plot(path: str, results: dict) -> None:
+    """A grouped bar plot: TTFT per prompt size, one bar per place the KV comes from."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -160,19 +160,7 @@ def write_doc(doc: str, plot: str, meta: dict, results: dict) -> None:
     ax.set_title("TTFT by where the prompt's KV comes from (SmolLM2-135M, CPU)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(plot, dpi=110)
-    lines = ["# KV tiers: time to first token", "",
-             f"`bench/tiers_ttft.py` on {meta['machine']}, {meta['model']}, median of {meta['repeat']} runs.",
-             "Cold = full recompute; the others load the prompt's KV from that place only (see the script's",
-             "docstring). Ratio = TTFT / cold TTFT; targets: 4k from CPU or disk <= 0.3x, after restart <= 0.3x.",
-             "", "| prompt | " + " | ".join(sources) + " |", "|---" * (len(sources) + 1) + "|"]
-    for n in sizes:
-        cold = results[n]["cold"]["ttft_s"]
-        cells = [f"{results[n][s]['ttft_s']:.3f} s ({results[n][s]['ttft_s'] / cold:.2f}x)" for s in sources]
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    lines += ["", f"![TTFT by tier]({os.path.basename(plot)})", ""]
-    with open(doc, "w") as f:
-        f.write("\n".join(lines))
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from router_real import (  # noqa: E402
     stop,
     wait_for,
 )
+from run_info import command, machine  # noqa: E402
 
 VLLM_SH = os.path.join(os.path.dirname(REPO), "shared", "peers", "vllm.sh")
 
@@ -107,7 +108,7 @@ def main() -> int:
     p.add_argument("--docs", type=int, default=4)
     p.add_argument("--doc-tokens", type=int, default=400)
     p.add_argument("--rounds", type=int, default=2, help="follow-up questions per document")
-    p.add_argument("--out", default=os.path.join(REPO, "docs", "vllm_replica_routing.json"))
+    p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "vllm_replica_routing.json"))
     args = p.parse_args()
     log_dir = tempfile.mkdtemp(prefix="vllm-routing-")
     print(f"logs in {log_dir}", flush=True)
@@ -115,7 +116,7 @@ def main() -> int:
     kvhive, kvhive_spec = start_kvhive_replica(log_dir, num_blocks=400, threads=1)
     gateway = None
     raw = None
-    report: dict[str, object] = {}
+    report: dict[str, object] = {"machine": machine(), "command": command(__file__)}
     try:
         t0 = time.monotonic()
         wait_for(f"{vllm_url}/v1/models", lambda r: r.status_code == 200, 600, "vLLM", vllm)

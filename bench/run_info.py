@@ -1,0 +1,28 @@
+"""What every result file records about its run: the machine and the command that produced it."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import sys
+
+
+def machine() -> str:
+    """One line about this machine: CPU model, its vector ISA flags, cores, OS, Python."""
+    cpu, flags = "unknown CPU", ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.readlines()
+        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+        flags = " ".join(f for f in next(line for line in lines if line.startswith("flags")).split()
+                         if f.startswith(("avx", "amx", "fma", "f16c")))
+    except (OSError, StopIteration):
+        pass
+    return (f"{cpu} (flags: {flags or 'unknown'}), {os.cpu_count()} cores, {platform.system()} "
+            f"{platform.release()}, Python {platform.python_version()}")
+
+
+def command(script: str) -> str:
+    """The command line that ran ``script`` (a path under bench/), as a reader would retype it."""
+    return shlex.join(["python", f"bench/{os.path.basename(script)}", *sys.argv[1:]])
