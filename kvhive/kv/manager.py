@@ -300,6 +300,12 @@ class KVCacheManager:
         """Blocks held by sessions (pinned in the device pool)."""
         return sum(len(h.blocks) for h in self._sessions.values())
 
+    def count_cached(self, block_hashes: Sequence[bytes]) -> int:
+        """How many of these blocks the device prefix cache holds; changes nothing, not even
+        recency (safe from any thread: the hash map is only read)."""
+        cached = self.pool.cached
+        return sum(1 for h in block_hashes if h in cached)
+
     def get_block_table(self, request: Request) -> list[int]:
         """The request's block ids in order (shared, treat as read-only; a new list when it grows)."""
         return self._block_ids.get(request.request_id, [])

@@ -89,6 +89,19 @@ class TieredStore:
             prefix.append(tier_index)
         return prefix
 
+    @property
+    def num_tiers(self) -> int:
+        """How many tiers the store has (index 0 is the fastest, the last the most durable)."""
+        return len(self.tiers)
+
+    def holds_all(self, tier_index: int, keys: Sequence[StoreKey]) -> bool:
+        """Whether tier ``tier_index`` holds every one of these blocks; changes nothing, not even recency."""
+        return all(self.tiers[tier_index].store.contains(keys))
+
+    def count_by_tier(self, keys: Sequence[StoreKey]) -> dict[str, int]:
+        """How many of these blocks each tier holds, by tier name; changes nothing, not even recency."""
+        return {tier.name: sum(tier.store.contains(keys)) for tier in self.tiers}
+
     def get(self, key: StoreKey) -> Payload | None:
         """The payload from the first tier that has it, promoted into the tiers above; None on a miss."""
         for tier_index, tier in enumerate(self.tiers):

@@ -1,0 +1,209 @@
+"""Continuous batching with chunked prefill: the token budget, running requests, admission.
+
+Each step, under ``max_num_batched_tokens`` tokens and ``max_num_seqs`` running requests:
+
+1. every running request in decode gets its one token;
+2. running requests still in prefill get their next chunk;
+3. waiting requests are admitted in FCFS order (prefix lookup on admission); the head of the queue
+   blocks everything behind it when it does not fit, so nothing starves.
+
+A running request short of blocks first spills an idle session, then preempts the newest running
+request; a step that preempted admits nothing. A request that cannot fit even alone in the pool
+finishes with LENGTH.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvhive.config import SchedulerConfig
+from kvhive.engine.scheduler.preemption import Preemption
+from kvhive.engine.scheduler.queues import RequestQueues
+from kvhive.engine.scheduler.session_spill import SessionSpill
+from kvhive.engine.scheduler.transfers import KVTransfers
+from kvhive.kv.manager import KVCacheManager
+from kvhive.request import Request, RequestStatus
+
+
+class StepBudget:
+    """The tokens a step may still schedule, and the tokens planned per request (in plan order)."""
+
+    def __init__(self, num_tokens: int) -> None:
+        self.tokens = num_tokens
+        self.planned: dict[str, int] = {}
+
+    def take(self, request_id: str, num_tokens: int) -> None:
+        """Plan ``num_tokens`` tokens of a request this step."""
+        self.planned[request_id] = num_tokens
+        self.tokens -= num_tokens
+
+    def give_back(self, request_id: str) -> None:
+        """Unplan a request (preempted): its tokens return to the budget; no change if unplanned."""
+        self.tokens += self.planned.pop(request_id, 0)
+
+
+class Batcher:
+    """Plans the running requests' tokens: decodes first, then prefill chunks."""
+
+    def __init__(self, queues: RequestQueues, kv: KVCacheManager, spill: SessionSpill,
+                 preemption: Preemption, finish_too_long: Callable[[Request], None]) -> None:
+        """``finish_too_long(request)``: end a request (already out of the queues) with LENGTH."""
+        self.queues = queues
+        self.kv = kv
+        self.spill = spill
+        self.preemption = preemption
+        self.finish_too_long = finish_too_long
+
+    def schedule_running(self, budget: StepBudget) -> bool:
+        """Plan a token for each decode, then a chunk for each prefill, in arrival order, while the
+        budget lasts; True when a request was preempted for blocks."""
+        preempted = False
+        for decode_pass in (True, False):
+            for request in list(self.queues.running):
+                if request.status is not RequestStatus.RUNNING or request.request_id in budget.planned:
+                    continue
+                remaining = request.num_tokens - request.num_computed_tokens
+                if (remaining == 1) != decode_pass or budget.tokens == 0:
+                    continue
+                preempted |= self._schedule_chunk(request, min(remaining, budget.tokens), budget)
+        return preempted
+
+    def _schedule_chunk(self, request: Request, num_new: int, budget: StepBudget) -> bool:
+        """Allocate blocks for ``num_new`` tokens of a running request and plan them, spilling and
+        then preempting while short; True when anything (the request itself, at worst) was preempted."""
+        if self.kv.num_blocks_for(request.num_computed_tokens + num_new) > self.kv.num_usable_blocks:
+            # Can never fit, even alone in the pool: end it rather than preempt forever.
+            self.queues.running.remove(request)
+            self.finish_too_long(request)
+            return False
+        preempted = False
+        while not self.kv.allocate_slots(request, num_new):
+            if self.spill.spill():
+                continue
+            victim = self.preemption.pick_victim()
+            budget.give_back(victim.request_id)
+            self.preemption.preempt(victim)
+            preempted = True
+            if victim is request:
+                return True
+        budget.take(request.request_id, num_new)
+        return preempted
+
+
+class Admission:
+    """Admits waiting requests in FCFS order: session resume, prefix hits, tier loads."""
+
+    def __init__(self, config: SchedulerConfig, queues: RequestQueues, kv: KVCacheManager,
+                 spill: SessionSpill, transfers: KVTransfers,
+                 finish_too_long: Callable[[Request], None]) -> None:
+        """``finish_too_long(request)``: end a request (already out of the queues) with LENGTH."""
+        self.config = config
+        self.queues = queues
+        self.kv = kv
+        self.spill = spill
+        self.transfers = transfers
+        self.finish_too_long = finish_too_long
+
+    def admit(self, budget: StepBudget) -> None:
+        """Move waiting requests to running while the budget and ``max_num_seqs`` allow; stop at
+        the first that does not fit (or whose tier lookup still runs), so none jumps ahead."""
+        waiting, running = self.queues.waiting, self.queues.running
+        while waiting and budget.tokens > 0 and len(running) < self.config.max_num_seqs:
+            request = waiting[0]
+            if self.kv.num_blocks_for(request.num_tokens) > self.kv.num_usable_blocks:
+                # The prompt alone needs more blocks than the pool has: finish with LENGTH.
+                waiting.popleft()
+                self.finish_too_long(request)
+                continue
+            if not self._admit_head(request, budget):
+                return
+
+    def _admit_head(self, request: Request, budget: StepBudget) -> bool:
+        """Try to admit the head of the queue; False when admission stops for this step."""
+        if request.session_id is not None:
+            held = self.kv.session_prefix(request)
+            if held:
+                return self._resume_session(request, held, budget)
+            # Diverged (or nothing held): the session follows this request's history.
+            self.kv.release_session(request.session_id)
+        if request.needs_prompt_rows:
+            return self._admit_without_hits(request, budget)
+        return self._admit_with_prefix(request, budget)
+
+    def _resume_session(self, request: Request, held: int, budget: StepBudget) -> bool:
+        """Give the request its session's ``held`` computed tokens (no hashing, no prefix lookup)."""
+        num_new = min(request.num_tokens - held, budget.tokens)
+        while not self.kv.resume_session(request, num_new):
+            if not self._spill_for(request):
+                return False
+        self._start_running(request, held, num_new, budget)
+        return True
+
+    def _admit_without_hits(self, request: Request, budget: StepBudget) -> bool:
+        """Admit a request whose prompt logprobs need every prompt row computed: no device or tier
+        hits (its blocks are still published to the prefix cache as they fill)."""
+        num_new = min(request.num_tokens, budget.tokens)
+        while not self.kv.allocate_slots(request, num_new):
+            if not self._spill_for(request):
+                return False
+        self._start_running(request, 0, num_new, budget)
+        return True
+
+    def _admit_with_prefix(self, request: Request, budget: StepBudget) -> bool:
+        """Admit with its device prefix hits and any blocks the tiers hold after them."""
+        hit = self.kv.get_computed_blocks(request)
+        if self._prefix_in_flight(request, len(hit.blocks)):
+            # Next step the block is a device hit instead of computed twice; checked before the
+            # tier lookup so a waiting request costs no store round trip per step.
+            return False
+        num_external, is_async = self.transfers.lookup(request, hit.num_computed_tokens)
+        if num_external is None:
+            return False            # its tier lookup is still running; FCFS: the rest wait too
+        computed = hit.num_computed_tokens + num_external
+        # An async load computes nothing until its blocks arrive; it takes no token budget.
+        num_new = 0 if is_async else min(request.num_tokens - computed, budget.tokens)
+        if not self.kv.allocate_slots(request, num_external + num_new, hit.blocks):
+            return self._spill_for(request)     # then look it up again: the spill may evict hits
+        self.queues.start_head()
+        self.transfers.after_alloc(request, len(hit.blocks), num_external)
+        if is_async:
+            self.transfers.start_load(request, hit.num_computed_tokens)
+            return True
+        request.num_computed_tokens = computed
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = computed
+        request.status = RequestStatus.RUNNING
+        budget.take(request.request_id, num_new)
+        return True
+
+    def _spill_for(self, request: Request) -> bool:
+        """Spill an idle session (not the request's own) to make room; False if none could go."""
+        return self.spill.spill(keep=request.session_id, stuck=not self.queues.running)
+
+    def _start_running(self, request: Request, num_cached: int, num_new: int, budget: StepBudget) -> None:
+        """Move the head of the queue, its blocks allocated and no tier load pending, to running:
+        ``num_cached`` tokens already in its blocks, ``num_new`` computed this step."""
+        self.queues.start_head()
+        self.transfers.drop_lookup(request)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+        request.status = RequestStatus.RUNNING
+        budget.take(request.request_id, num_new)
+
+    def _prefix_in_flight(self, request: Request, num_hit_blocks: int) -> bool:
+        """True when a running prefill is computing the block this request needs next.
+
+        Admitting it now would compute that block twice in the same step; waiting one step turns
+        it into a cache hit. The running request is scheduled before admissions every step, so
+        the wait always ends.
+        """
+        if not self.kv.enable_prefix_caching or num_hit_blocks >= len(request.block_hashes):
+            return False
+        wanted = request.block_hashes[num_hit_blocks]
+        B = self.kv.block_size
+        for other in self.queues.running:
+            if other.status is not RequestStatus.RUNNING or other.num_computed_tokens >= other.num_prompt_tokens:
+                continue
+            if wanted in other.block_hashes[other.num_computed_tokens // B:other.num_prompt_tokens // B]:
+                return True
+        return False

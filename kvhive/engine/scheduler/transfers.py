@@ -1,0 +1,135 @@
+"""The scheduler's side of KV-connector transfers: tier lookups, loads, saves, held blocks.
+
+- Admission asks the connector for blocks after the device hits (``lookup``). A lookup still
+  running answers None: the request waits at the head of the queue and asks again next step.
+- A synchronous load is computed on in the same step; an asynchronous one parks the request in
+  ``running`` as WAITING_FOR_KV, holding its blocks, until ``finish`` reports how many arrived.
+- A request finished while its load is in flight keeps its blocks until the load reports back;
+  the next plan tells the worker to cut that load short (``cancelled_loads``).
+- Blocks a step computed are handed to the connector in the next plan's meta to be saved.
+- A finished request whose blocks the connector still saves from waits in ``sending``.
+
+Without a connector every method is a no-op, ``lookup`` answers (0, False) and ``release`` frees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvhive.connector.base import (
+    CachedBlock,
+    ConnectorMeta,
+    ConnectorScheduler,
+    FinishedTransfers,
+    SchedulerOutput,
+)
+from kvhive.kv.manager import KVCacheManager
+from kvhive.request import Request, RequestStatus
+
+
+class KVTransfers:
+    """Requests whose blocks a transfer uses, and blocks computed since the last plan."""
+
+    def __init__(self, connector: ConnectorScheduler | None, kv: KVCacheManager) -> None:
+        self.connector = connector
+        self.kv = kv
+        self.newly_cached: list[CachedBlock] = []       # computed since the last plan: to save
+        self.loading: dict[str, Request] = {}           # async load in flight
+        self.sending: dict[str, Request] = {}           # finished; the connector still saves from them
+        self.cancelled_loads: list[str] = []            # finished while loading, since the last plan
+
+    def busy(self) -> bool:
+        """True while saves are still to hand out, or loads or held saves are unfinished."""
+        return bool(self.newly_cached or self.loading or self.sending)
+
+    def pending_hashes(self) -> set[bytes]:
+        """Hashes of blocks computed but not yet handed to the connector's saves."""
+        return {b.block_hash for b in self.newly_cached}
+
+    def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens the tiers hold after ``num_computed_tokens`` and whether loading them is async;
+        None while the lookup still runs. Without a connector: (0, False)."""
+        if self.connector is None:
+            return 0, False
+        return self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def after_alloc(self, request: Request, first_block: int, num_external: int) -> None:
+        """Tell the connector which blocks (from ``first_block``) receive the ``num_external`` tokens."""
+        if self.connector is not None:
+            table = self.kv.get_block_table(request)
+            blocks = table[first_block:first_block + num_external // self.kv.block_size]
+            self.connector.update_state_after_alloc(request, blocks, num_external)
+
+    def drop_lookup(self, request: Request) -> None:
+        """Forget a lookup an earlier admission attempt kept (the request loads nothing)."""
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(request, (), 0)
+
+    def start_load(self, request: Request, num_computed_tokens: int) -> None:
+        """Park an admitted request as WAITING_FOR_KV until its async load reports back."""
+        request.num_computed_tokens = num_computed_tokens
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.loading[request.request_id] = request
+
+    def note_computed(self, request: Request, stored: Sequence[int], start_pos: int) -> None:
+        """Queue for saving the newly cached blocks ``stored`` (indices) a step computed from
+        ``start_pos`` on; blocks below it were loaded or hit, not computed."""
+        if self.connector is None or not stored:
+            return
+        table, first = self.kv.get_block_table(request), start_pos // self.kv.block_size
+        self.newly_cached += [CachedBlock(table[i], request.block_hashes[i]) for i in stored if i >= first]
+
+    def cancel_load(self, request: Request) -> bool:
+        """For a request that just finished: True (its load is cut short, its blocks held until it
+        reports back) when its load is in flight, else False."""
+        if request.request_id not in self.loading:
+            return False
+        self.cancelled_loads.append(request.request_id)
+        return True
+
+    def park(self, request: Request) -> None:
+        """Tell the connector a session request finished; its blocks stay allocated in the session."""
+        if self.connector is not None:
+            self.connector.request_finished(request, ())
+
+    def release(self, request: Request) -> None:
+        """Free a finished request's blocks, unless the connector still saves from them."""
+        if self.connector is not None and self.connector.request_finished(
+                request, self.kv.get_block_table(request)):
+            self.sending[request.request_id] = request
+            return
+        self.kv.free(request)
+
+    def finish(self, finished: FinishedTransfers) -> None:
+        """Apply finished transfers: loaded requests become RUNNING, held blocks are freed."""
+        for request_id, num_loaded in finished.done_recving.items():
+            self._finish_load(self.loading.pop(request_id), num_loaded)
+        for request_id in finished.done_sending:
+            request = self.sending.pop(request_id, None)
+            if request is not None and request_id not in self.loading:
+                self.kv.free(request)
+
+    def build_meta(self, scheduled: Sequence[str], finished: Sequence[str]) -> ConnectorMeta | None:
+        """The connector's meta for the next plan (loads, saves, cancels); None when empty or
+        without a connector. Hands out the blocks and cancels gathered since the last call."""
+        if self.connector is None:
+            return None
+        output = SchedulerOutput(tuple(scheduled), tuple(finished), tuple(self.newly_cached),
+                                 tuple(self.cancelled_loads))
+        self.newly_cached, self.cancelled_loads = [], []
+        meta = self.connector.build_connector_meta(output)
+        return None if meta.is_empty else meta
+
+    def _finish_load(self, request: Request, num_loaded: int) -> None:
+        """A load reported ``num_loaded`` blocks: count them computed, or free a finished request's."""
+        if request.is_finished:         # finished while loading: its blocks were held for the load
+            if request.request_id in self.cancelled_loads:     # reported before the cancel went out
+                self.cancelled_loads.remove(request.request_id)
+            self.release(request)
+            return
+        # Blocks after the first one that failed stay allocated and are recomputed.
+        request.num_computed_tokens += num_loaded * self.kv.block_size
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = request.num_computed_tokens
+        self.kv.cache_full_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.RUNNING
