@@ -35,15 +35,15 @@ from kvhive.server.protocol import (
     ModelCard,
     ModelList,
 )
-from kvhive.server.responses import ResponsesAPI, install_response_routes, response_backend, response_sweeper
+from kvhive.server.responses import ResponsesAPI, install_response_routes, response_sweeper
 from kvhive.server.serving import GenerationService, pin_session_blocks, unix_time
-from kvhive.sessions.backends import FileBackend, RedisBackend, SessionBackend
+from kvhive.sessions.durable import DurableState
 from kvhive.sessions.registry import KeeperTier, SessionRegistry
 from kvhive.sessions.responses import ResponseStore
 
 if TYPE_CHECKING:
-    from kvhive.config import EngineConfig
-    from kvhive.engine.core import AsyncEngine, LLMEngine
+    from kvhive.engine.async_engine import AsyncEngine
+    from kvhive.engine.core import LLMEngine
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 KVHIVE_VERSION = "0.1.0"
@@ -126,13 +126,14 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
     engine = async_engine.engine
     metrics.show_paths(engine.runtime_info())
     config = engine.config
+    durable = DurableState(config.store, served_model_name)
     registry = SessionRegistry(config.sessions, engine.block_bytes, config.cache.block_size,
-                               backend=session_backend(config, served_model_name),
+                               backend=durable.session_backend(),
                                keeper=keeper_tier(engine),
                                on_load=lambda session: pin_session_blocks(engine, session))
     service = GenerationService(async_engine, metrics, served_model_name, sessions=registry,
                                 api_keys=api_keys, share_prefix_cache=config.sessions.share_prefix_cache)
-    responses = ResponsesAPI(service, ResponseStore(response_backend(config)))
+    responses = ResponsesAPI(service, ResponseStore(durable.response_backend()))
 
     @contextlib.asynccontextmanager
     async def sweepers(_app: FastAPI) -> AsyncIterator[None]:
@@ -196,17 +197,6 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
     install_context_routes(app, service, parse_body)
     install_response_routes(app, responses, parse_body)
     return app
-
-
-def session_backend(config: EngineConfig, served_model_name: str) -> SessionBackend | None:
-    """Where session records persist: Redis (shared, so sessions move between replicas), else the
-    disk cache dir (this replica's own), else nowhere."""
-    if config.store.redis_url is not None:
-        return RedisBackend(config.store.redis_url, f"kvhive:sessions:{served_model_name}",
-                            timeout_s=config.store.redis_timeout_s)
-    if config.store.disk_cache_dir is not None:
-        return FileBackend(config.store.disk_cache_dir)
-    return None
 
 
 def keeper_tier(engine: LLMEngine) -> KeeperTier | None:

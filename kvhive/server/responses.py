@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -58,7 +58,6 @@ from kvhive.server.serving import (
     unix_time,
 )
 from kvhive.sessions.registry import Session, SessionError
-from kvhive.sessions.response_backends import FileResponseBackend, RedisResponseBackend, ResponseBackend
 from kvhive.sessions.responses import (
     ResponseStats,
     ResponseStore,
@@ -68,23 +67,10 @@ from kvhive.sessions.responses import (
     new_response_id,
 )
 
-if TYPE_CHECKING:
-    from kvhive.config import EngineConfig
-
 logger = logging.getLogger(__name__)
 
 # A stored response's answer names it in this header, so a gateway learns which replica holds it.
 RESPONSE_ID_HEADER = "x-kvhive-response-id"
-
-
-def response_backend(config: EngineConfig) -> ResponseBackend | None:
-    """Where stored responses persist: where sessions do (Redis, else the disk cache dir, else nowhere)."""
-    if config.store.redis_url is not None:
-        return RedisResponseBackend(config.store.redis_url, "kvhive:responses",
-                                    timeout_s=config.store.redis_timeout_s)
-    if config.store.disk_cache_dir is not None:
-        return FileResponseBackend(config.store.disk_cache_dir)
-    return None
 
 
 class ResponsesAPI:

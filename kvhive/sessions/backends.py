@@ -8,7 +8,8 @@ of sessions, and replicas sharing a Redis never overwrite each other's sessions.
   per session under ``sessions/``, replaced atomically (temp file, fsync, rename), so a kill
   leaves the old record or the new one. The registry loads them all at start.
 - ``RedisBackend`` (``--redis-url``, with or without a disk dir; shared by replicas): one key per
-  session, ``kvhive:sessions:{model}:{owner}:{id}``, whose Redis expiry is the session's expiry,
+  session, ``{prefix}:{owner}:{id}`` (``kvhive:{model}:sessions:{owner}:{id}``, named by
+  ``kvhive.sessions.durable``), whose Redis expiry is the session's expiry,
   so Redis drops dead sessions itself. ``shared``: another replica may change or delete a record
   at any time, so the registry reads it again on each use and loads sessions on first use, never
   all. Every call goes through the URL's ``RedisGuard`` (``kvhive.store.redis_guard``): on its record
@@ -28,7 +29,6 @@ from typing import Protocol
 logger = logging.getLogger(__name__)
 
 SESSIONS_DIR = "sessions"
-LEGACY_SESSIONS_FILE = "sessions.json"     # the whole registry as one document (earlier versions)
 
 
 class SessionBackend(Protocol):
@@ -75,7 +75,6 @@ class FileBackend:
     shared = False
 
     def __init__(self, directory: str) -> None:
-        self.root = directory
         self.directory = os.path.join(directory, SESSIONS_DIR)
         os.makedirs(self.directory, exist_ok=True)
 
@@ -84,7 +83,6 @@ class FileBackend:
 
     def load_all(self) -> list[dict]:
         """Every record in the directory (a corrupt one is logged and skipped)."""
-        self._migrate_legacy()
         records = []
         for name in sorted(os.listdir(self.directory)):
             if not name.endswith(".json"):
@@ -115,21 +113,6 @@ class FileBackend:
             os.unlink(self._path(owner, session_id))
         except FileNotFoundError:
             pass
-
-    def _migrate_legacy(self) -> None:
-        """Split an earlier version's one-document registry into per-session files, then drop it."""
-        legacy = os.path.join(self.root, LEGACY_SESSIONS_FILE)
-        try:
-            with open(legacy, "rb") as f:
-                doc = json.loads(f.read())
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError):
-            logger.exception("ignoring unreadable %s", legacy)
-            return
-        for record in doc.get("sessions", []):
-            self.save(record)
-        os.unlink(legacy)
 
 
 class RedisRecords:

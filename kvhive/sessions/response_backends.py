@@ -8,9 +8,10 @@ conversation) and keep the conversation's expiry beside its responses.
   directory per conversation under ``responses/``, holding ``conversation.json`` (id, owner,
   expires) and one file per response, each replaced atomically. Loaded whole at start.
 - ``RedisResponseBackend`` (``--redis-url``; shared by replicas): one hash per conversation,
-  ``kvhive:responses:{owner}:{id}``, with a field per response and a ``conversation`` field, whose
-  Redis expiry is the conversation's, so Redis drops dead conversations itself. ``shared``: read
-  again on each use, never loaded whole. Calls go through the URL's ``RedisGuard`` as the session
+  ``{prefix}:{owner}:{id}`` (``kvhive:{model}:responses:{owner}:{id}``, named by
+  ``kvhive.sessions.durable``), with a field per response and a ``conversation`` field, whose Redis
+  expiry is the conversation's, so Redis drops dead conversations itself. ``shared``: read again
+  on each use, never loaded whole. Calls go through the URL's ``RedisGuard`` as the session
   backend's do (record thread, writes queued, ``RedisUnavailable`` while Redis is unreachable).
 """
 

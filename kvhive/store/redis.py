@@ -1,7 +1,8 @@
 """RedisStore: the shared tier, one Redis value per block, read and written by every replica.
 
 Values are whole codec records (header + payload + checksums), so a value corrupted or written
-under the wrong key in Redis decodes to a miss. Redis does its own eviction (``maxmemory``) and
+under the wrong key in Redis decodes to a miss. A block's Redis key is ``key_prefix`` followed by
+its encoded store key (``kvhive.sessions.durable`` names the prefix: ``kvhive:{model}:kv:``). Redis does its own eviction (``maxmemory``) and
 expiry (``ttl_seconds``); this tier has no budget of its own. A pinned key (``pin``) carries no TTL
 (PERSIST; SET without PX) until ``unpin`` gives it the TTL back. Pins are this process's: another
 replica's SET of the same block gives it a TTL again, and Redis's ``maxmemory`` policy is the
@@ -38,9 +39,10 @@ class RedisStore:
     """Blocks as Redis values (SET with optional TTL), with fault tolerance and reconnect."""
 
     def __init__(self, url: str, ttl_seconds: float | None = None, timeout_s: float = 0.5,
-                 backoff_s: float = 1.0) -> None:
+                 backoff_s: float = 1.0, key_prefix: bytes = b"") -> None:
         """``backoff_s``: how long puts pause when Redis is full, and the breaker's first backoff
-        when this store is the first user of ``url`` in the process."""
+        when this store is the first user of ``url`` in the process; ``key_prefix``: what comes
+        before every block's encoded key in Redis."""
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -50,6 +52,7 @@ class RedisStore:
         if timeout_s <= 0 or backoff_s < 0:
             raise ValueError(f"redis tier timeout must be > 0 and backoff >= 0, got {timeout_s}, {backoff_s}")
         self.url = url
+        self.key_prefix = key_prefix
         self.ttl_ms = None if ttl_seconds is None else max(1, int(ttl_seconds * 1000))
         self.backoff_s = backoff_s
         # No client-side retries: a failed call fails fast and the tier backs off instead. Values are
@@ -82,7 +85,7 @@ class RedisStore:
         def probe() -> list[bool]:
             pipe = self._client.pipeline(transaction=False)
             for key in keys:
-                pipe.exists(key.encode())
+                pipe.exists(self.redis_key(key))
             return [bool(n) for n in pipe.execute()]
 
         return self._call(probe, [False] * len(keys), write=False)
@@ -90,14 +93,14 @@ class RedisStore:
     def get(self, key: StoreKey) -> memoryview | None:
         """The payload (a view into the fetched value), or None when absent, corrupt, or the tier is down."""
         start = time.perf_counter()
-        value = self._call(lambda: self._client.get(key.encode()), None, write=False)
+        value = self._call(lambda: self._client.get(self.redis_key(key)), None, write=False)
         payload = None if value is None else decode_block(value, key)
         if value is not None and payload is None:
             self._stats.record_error()
             now = time.monotonic()
             if now - self._last_corrupt_log >= _CORRUPT_LOG_INTERVAL_S:
                 self._last_corrupt_log = now
-                logger.warning("redis tier: corrupt or mismatched value under %r is a miss", key.encode())
+                logger.warning("redis tier: corrupt or mismatched value under %r is a miss", self.redis_key(key))
         self._stats.record_get(None if payload is None else payload.nbytes, time.perf_counter() - start)
         return payload
 
@@ -105,7 +108,7 @@ class RedisStore:
         """SET the encoded block (with the TTL, if any); False when the tier is down, slow or full."""
         parts = encode_block(key, payload)
         value = b"".join(parts)   # the one copy of the payload: Redis takes a single value
-        encoded = key.encode()
+        encoded = self.redis_key(key)
         ttl_ms = None if encoded in self._pins else self.ttl_ms
         stored = self._call(lambda: bool(self._client.set(encoded, value, px=ttl_ms)), False, write=True)
         if stored:
@@ -114,11 +117,11 @@ class RedisStore:
 
     def delete(self, key: StoreKey) -> None:
         """DEL the block (for every replica sharing this Redis)."""
-        self._call(lambda: self._client.delete(key.encode()), 0, write=False)
+        self._call(lambda: self._client.delete(self.redis_key(key)), 0, write=False)
 
     def pin(self, keys: Iterable[StoreKey]) -> None:
         """Take the TTL off these keys (held now or stored later) so Redis does not expire them."""
-        encoded = [key.encode() for key in keys]
+        encoded = [self.redis_key(key) for key in keys]
         with self._lock:
             self._pins.update(encoded)
         if self.ttl_ms is not None and encoded:
@@ -126,11 +129,15 @@ class RedisStore:
 
     def unpin(self, keys: Iterable[StoreKey]) -> None:
         """Give these keys the tier's TTL back."""
-        encoded = [key.encode() for key in keys]
+        encoded = [self.redis_key(key) for key in keys]
         with self._lock:
             self._pins.difference_update(encoded)
         if self.ttl_ms is not None and encoded:
             self._pipelined(lambda pipe, k: pipe.pexpire(k, self.ttl_ms), encoded)
+
+    def redis_key(self, key: StoreKey) -> bytes:
+        """The block's Redis key."""
+        return self.key_prefix + key.encode()
 
     def _pipelined(self, command: Callable, encoded: list[bytes]) -> None:
         def run() -> None:

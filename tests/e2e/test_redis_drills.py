@@ -218,7 +218,7 @@ def test_flushall_under_traffic_fails_nothing_and_loses_nothing(server, redis_se
     print(f"FLUSHALL under traffic: {len(traffic.outcomes)} requests, none failed")
     with httpx.Client(base_url=server.base_url, timeout=120) as c:
         check_usable(c, traffic)
-    keys = redis_server.admin().keys("kvhive:sessions:*")
+    keys = redis_server.admin().keys(f"kvhive:{SERVED_MODEL_NAME}:sessions:*")
     assert len(keys) >= len(traffic.sessions)            # republished for the other replicas
 
 

@@ -76,8 +76,13 @@ def test_sessions_and_expiries_survive_sigkill_and_restart(persistence):
                 # replica loads a session on first use (the GET above), never every session.
                 import redis
 
-                keys = redis.Redis.from_url(store_args[1]).keys("kvhive:sessions:*")
+                admin = redis.Redis.from_url(store_args[1])
+                keys = admin.keys(f"kvhive:{SERVED_MODEL_NAME}:sessions:*")
                 assert [k.decode().rsplit(":", 1)[1] for k in keys] == [sid]
+                # Every key the replica wrote is in its model's namespace, the data marker aside.
+                others = set(admin.keys("*")) - set(admin.keys(f"kvhive:{SERVED_MODEL_NAME}:*"))
+                assert others == {b"kvhive:data-marker"}
+                assert admin.keys(f"kvhive:{SERVED_MODEL_NAME}:kv:*")
                 assert server.metric("kvhive_session_expiries_total") == 0
             assert server.metric("kvhive_sessions_live") == 1
             r = c.post("/v1/completions", json={**body, "prompt": PROMPT + [1, 2]},

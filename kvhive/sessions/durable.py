@@ -1,0 +1,124 @@
+"""What outlives the process, built in one place: the KV tiers below the device pool, and where
+session records and stored responses persist, all from ``--cpu-offload-gb``, ``--disk-cache-dir``
+and ``--redis-url`` (``StoreConfig``).
+
+``DurableState(config, model)`` hands out each piece to its one owner: the engine takes
+``tiered_store()``, the session registry ``session_backend()``, the response store
+``response_backend()``. Torch-free.
+
+Where each piece lives:
+
+- KV blocks: CPU memory (``--cpu-offload-gb``), then segment files in the disk cache dir, then
+  Redis; disk and Redis are write-through.
+- Sessions and stored responses: Redis when configured (shared, so they move between replicas),
+  else the disk cache dir (``sessions/``, ``responses/``; this replica's own), else nowhere.
+
+Redis keys: one namespace per served model, ``kvhive:{model}:`` (the served model name as is), so
+one ``SCAN kvhive:{model}:*`` or one ACL key pattern covers everything a model's replicas write:
+
+    kvhive:{model}:kv:{store key}             a KV block (codec record; ``kvhive.store.key`` encodes
+                                              layout, dtype, block size, fingerprint, block hash)
+    kvhive:{model}:sessions:{owner}:{id}      a session record (JSON), expiring with the session
+    kvhive:{model}:responses:{owner}:{id}     a conversation's stored responses (a hash), expiring
+                                              with it
+    kvhive:data-marker                        the data-loss marker (``kvhive.store.redis_guard``)
+
+``{owner}`` is the API key's owner id, ``-`` without API keys. Replicas share blocks, sessions and
+responses when they share the Redis and the served model name; the store key's model fingerprint
+still keeps blocks of other weights apart. The data marker stays global: it reports that the Redis
+server lost its data (FLUSHALL, a restart without persistence), one event for every model on it,
+and the process watches it once per Redis URL (``guard_for``), not per model. A deployment that
+gives each model its own Redis ACL grants ``~kvhive:{model}:*`` and ``kvhive:data-marker``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvhive.config import StoreConfig
+from kvhive.sessions.backends import FileBackend, RedisBackend, SessionBackend
+from kvhive.sessions.response_backends import FileResponseBackend, RedisResponseBackend, ResponseBackend
+from kvhive.store.disk import DiskStore
+from kvhive.store.memory import MemoryStore
+from kvhive.store.tiered import Tier, TieredStore
+
+_GB = 2**30
+
+
+@dataclass(frozen=True)
+class RedisKeys:
+    """The Redis key prefixes of one served model (the module docstring lists the keys)."""
+
+    model: str
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("Redis keys: the served model name must not be empty")
+
+    @property
+    def namespace(self) -> str:
+        """``kvhive:{model}``: the start of every key of this model."""
+        return f"kvhive:{self.model}"
+
+    @property
+    def kv_blocks(self) -> bytes:
+        """What comes before a block's store key."""
+        return f"{self.namespace}:kv:".encode()
+
+    @property
+    def sessions(self) -> str:
+        """What comes before ``:{owner}:{id}`` of a session record."""
+        return f"{self.namespace}:sessions"
+
+    @property
+    def responses(self) -> str:
+        """What comes before ``:{owner}:{id}`` of a conversation's stored responses."""
+        return f"{self.namespace}:responses"
+
+
+class DurableState:
+    """Builds one served model's KV tiers and record backends from its ``StoreConfig``."""
+
+    def __init__(self, config: StoreConfig, model: str) -> None:
+        self.config = config
+        self.redis_keys = RedisKeys(model)
+
+    def tiered_store(self) -> TieredStore | None:
+        """CPU memory -> disk -> Redis, as configured; None when no tier is.
+
+        Disk and Redis are write-through: every saved block reaches them at once, so the disk tier
+        survives a kill of the process and Redis serves other replicas without waiting for evictions.
+        """
+        config = self.config
+        tiers: list[Tier] = []
+        if config.cpu_offload_gb > 0:
+            tiers.append(Tier("cpu", MemoryStore(int(config.cpu_offload_gb * _GB))))
+        if config.disk_cache_dir is not None:
+            tiers.append(Tier("disk", DiskStore(config.disk_cache_dir, int(config.disk_cache_gb * _GB)),
+                              write_through=True))
+        if config.redis_url is not None:
+            from kvhive.store.redis import RedisStore
+
+            tiers.append(Tier("redis", RedisStore(config.redis_url, ttl_seconds=config.redis_ttl_s,
+                                                  timeout_s=config.redis_timeout_s,
+                                                  key_prefix=self.redis_keys.kv_blocks), write_through=True))
+        return TieredStore(tiers) if tiers else None
+
+    def session_backend(self) -> SessionBackend | None:
+        """Where session records persist: Redis (shared, so sessions move between replicas), else
+        the disk cache dir (this replica's own), else nowhere."""
+        if self.config.redis_url is not None:
+            return RedisBackend(self.config.redis_url, self.redis_keys.sessions,
+                                timeout_s=self.config.redis_timeout_s)
+        if self.config.disk_cache_dir is not None:
+            return FileBackend(self.config.disk_cache_dir)
+        return None
+
+    def response_backend(self) -> ResponseBackend | None:
+        """Where stored responses persist: where sessions do."""
+        if self.config.redis_url is not None:
+            return RedisResponseBackend(self.config.redis_url, self.redis_keys.responses,
+                                        timeout_s=self.config.redis_timeout_s)
+        if self.config.disk_cache_dir is not None:
+            return FileResponseBackend(self.config.disk_cache_dir)
+        return None
