@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One layer of prefill attention: the C++ kernel at an earlier commit against the working tree's.
 
-    python bench/prefill_kernel_ab.py --rev bdd002e          # session 3's kernel vs now
+    python bench/prefill_kernel_ab.py --rev REV              # REV's kernel against the working tree's
 
 Both kernels run on the same pool (the default model's shapes: 30 layers, 3 KV heads, 9 query heads,
 head_dim 64, shuffled blocks of 16), alternating, min of --repeat runs per round; the table gives ms,

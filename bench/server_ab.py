@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The server at an earlier commit against the working tree's, over real HTTP, side by side.
 
-    python bench/server_ab.py --rev 702bd44 --rounds 40
+    python bench/server_ab.py --rev REV --rounds 40
 
 Both ``kvhive serve`` processes (default model, default flags plus --kvhive-args) stay up on their
 own ports and take turns, request by request, in an order that alternates every round, so load from
