@@ -141,13 +141,14 @@ def bench_redis(prompts, args) -> dict[str, object]:
 
 
 def bench_gateway(args) -> dict[str, object]:
-    from kvhive.router.simulator import replica_specs
+    from replica_sim import replica_specs
 
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     sim_port, events_port, gw_port = free_port(), free_port(), free_port()
     while events_port + 1 in (sim_port, gw_port):
         events_port = free_port()
-    sim = subprocess.Popen([sys.executable, "-m", "kvhive.router.simulator", "--replicas", "1",
+    sim = subprocess.Popen([sys.executable, os.path.join(REPO, "bench", "replica_sim.py"),
+                            "--replicas", "1",
                             "--port", str(sim_port), "--events-port", str(events_port),
                             "--prefill-ms-per-token", "0", "--prefill-overhead-ms", "0",
                             "--decode-ms-per-token", "0"], env=env, cwd=REPO,

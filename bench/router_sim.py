@@ -2,7 +2,7 @@
 
     python bench/router_sim.py [--replicas 32] [--customers 100] [--doc-tokens 6000] [--rate 30]
 
-For each policy: start ``python -m kvhive.router.simulator`` (N replicas with real KV events) and
+For each policy: start ``bench/replica_sim.py`` (N replicas with real KV events) and
 ``kvhive gateway --policy P`` in front of them, send the same workload, stop both. The workload has
 the shape of llm-d's precise-prefix-cache benchmark: many customers, each with a long shared
 document, and short unique questions arriving as a Poisson process (customers uniform). Each request
@@ -151,13 +151,14 @@ async def run_workload(gateway: str, docs: list[str], args: argparse.Namespace,
 
 
 def run_policy(policy: str, docs: list[str], args: argparse.Namespace) -> PolicyResult:
-    from kvhive.router.simulator import replica_specs
+    from replica_sim import replica_specs
 
     base = free_base(3 * args.replicas + 1)
     http_base, events_base, gw_port = base, base + args.replicas, base + 3 * args.replicas
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     logs = tempfile.mkdtemp(prefix="router-sim-")
-    sim_cmd = [sys.executable, "-m", "kvhive.router.simulator", "--replicas", str(args.replicas),
+    sim_cmd = [sys.executable, os.path.join(REPO, "bench", "replica_sim.py"),
+               "--replicas", str(args.replicas),
                "--port", str(http_base), "--events-port", str(events_base),
                "--capacity-blocks", str(args.capacity_blocks),
                "--prefill-ms-per-token", str(args.prefill_ms_per_token),

@@ -158,7 +158,7 @@ def cluster() -> Iterator[Cluster]:
 
 def test_the_gateway_imports_no_torch_model_runner_or_server() -> None:
     code = ("import json, sys\n"
-            "import kvhive.router.app, kvhive.router.cli, kvhive.router.simulator, kvhive.core.tenancy\n"
+            "import kvhive.router.app, kvhive.router.cli, kvhive.core.tenancy\n"
             "print(json.dumps(sorted(sys.modules)))\n")
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                        check=True, cwd=REPO_ROOT, env=_env()).stdout)

@@ -1,4 +1,5 @@
-"""The replica simulator: its KV cache and events, and its HTTP API (no model, no sockets)."""
+"""The replica simulator (bench/replica_sim.py): its KV cache and events, and its HTTP API (no model,
+no sockets)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 
 import httpx
 import pytest
+from replica_sim import SimConfig, SimKVCache, SimReplica, create_sim_app, replica_specs
 
 from kvhive.core.blocks import hash_blocks, root_hash
 from kvhive.kv.events import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
@@ -14,7 +16,6 @@ from kvhive.router.config import GatewayConfig, ReplicaSpec
 from kvhive.router.index import InMemoryIndex
 from kvhive.router.ingest import BlockKeyMapper, ReplicaIngest
 from kvhive.router.replicas import parse_load
-from kvhive.router.simulator import SimConfig, SimKVCache, SimReplica, create_sim_app, replica_specs
 from kvhive.router.tokenize import PromptTokenizer
 
 ROOT = root_hash(0, "simulated-model")

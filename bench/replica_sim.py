@@ -1,6 +1,6 @@
 """Simulated replicas for routing benchmarks: kvhive's HTTP API and real KV events, no model.
 
-``python -m kvhive.router.simulator --replicas 32 --port 9000 --events-port 19000`` serves N
+``python bench/replica_sim.py --replicas 32 --port 9000 --events-port 19000`` serves N
 replicas from one process (one asyncio loop). Replica i answers HTTP on ``port + i`` and publishes
 KV events (``KVEventPublisher``, vLLM's wire format) on ``events-port + 2i`` with replay on
 ``events-port + 2i + 1``. The routes are those a gateway uses: ``/v1/completions`` and
@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import sys
 import time
 import uuid
 from collections import OrderedDict
@@ -33,9 +35,11 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvhive.core.blocks import ExtraKeys, hash_blocks, root_hash
-from kvhive.kv.events import BlockRemoved, BlockStored, KVEvent, KVEventPublisher
-from kvhive.router.tokenize import Prompt, PromptTokenizer, prompt_from_body
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvhive.core.blocks import ExtraKeys, hash_blocks, root_hash  # noqa: E402
+from kvhive.kv.events import BlockRemoved, BlockStored, KVEvent, KVEventPublisher  # noqa: E402
+from kvhive.router.tokenize import Prompt, PromptTokenizer, prompt_from_body  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -297,8 +301,8 @@ def replica_specs(num_replicas: int, port: int, events_port: int | None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvhive.router.simulator``: serve simulated replicas until interrupted."""
-    p = argparse.ArgumentParser(prog="kvhive-sim", description=__doc__.split("\n")[0])
+    """``python bench/replica_sim.py``: serve simulated replicas until interrupted."""
+    p = argparse.ArgumentParser(prog="replica_sim.py", description=__doc__.split("\n")[0])
     p.add_argument("--replicas", type=int, default=16)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000, help="HTTP port of replica 0 (replica i: port + i)")
