@@ -279,7 +279,8 @@ def serve(args: argparse.Namespace) -> int:
     if config.device.startswith("cuda") and not torch.cuda.is_available():
         print("kvhive serve: --device cuda given but CUDA is not available", file=sys.stderr)
         return 2
-    from kvhive.engine.core import AsyncEngine, LLMEngine
+    from kvhive.engine.async_engine import AsyncEngine
+    from kvhive.engine.core import LLMEngine
     from kvhive.server.app import run_server
 
     api_keys = args.api_key or ([os.environ["KVHIVE_API_KEY"]] if os.environ.get("KVHIVE_API_KEY")

@@ -249,7 +249,8 @@ def tiny_client(tiny_server: ServerProcess) -> Iterator[httpx.Client]:
 def _build_engine(args: argparse.Namespace):  # -> AsyncEngine (imports stay inside the child)
     from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, SessionConfig, StoreConfig
     from kvhive.core.model_files import default_model_path
-    from kvhive.engine.core import AsyncEngine, LLMEngine
+    from kvhive.engine.async_engine import AsyncEngine
+    from kvhive.engine.core import LLMEngine
 
     scheduler = SchedulerConfig(max_model_len=args.max_model_len or 8192)
     store = StoreConfig(cpu_offload_gb=args.cpu_offload_gb, disk_cache_dir=args.disk_cache_dir,

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-_LAZY = {"LLMEngine", "AsyncEngine", "EngineStats", "RequestOutput", "RequestFailed"}
+# name -> the module that defines it, imported on first use.
+_LAZY = {"LLMEngine": "core", "RequestOutput": "core", "RequestFailed": "core",
+         "AsyncEngine": "async_engine", "EngineStats": "stats", "ConnectorCounters": "stats"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        from kvhive.engine import core
+        import importlib
 
-        return getattr(core, name)
+        return getattr(importlib.import_module(f"kvhive.engine.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'kvhive.engine' has no attribute {name!r}")

@@ -1,26 +1,25 @@
 """The engine: the one place where the scheduler and the runner meet.
 
 ``LLMEngine`` is synchronous: ``step()`` asks the scheduler for a ``StepPlan``, hands it to the
-runner, and feeds the ``StepResult`` back. ``AsyncEngine`` runs ``step()`` on a background thread
-and routes each request's outputs to its own asyncio queue.
+runner, and feeds the ``StepResult`` back. Beside it: ``async_engine.py`` (``AsyncEngine`` runs
+``step()`` on one loop thread), ``client.py`` (the server's narrow view of it), ``stats.py`` (the
+stats snapshot types).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from kvhive.config import EngineConfig
-from kvhive.connector.base import TierStats
 from kvhive.core.blocks import root_hash
 from kvhive.engine.scheduler import Scheduler, SessionCopy
+from kvhive.engine.stats import ConnectorCounters, EngineStats
 from kvhive.engine.step import StepPlan, StepResult, TokenLogprobs
 from kvhive.request import FinishReason, Request, SamplingParams
 
@@ -32,8 +31,6 @@ logger = logging.getLogger(__name__)
 MAX_FAILED_STEPS_IN_ROW = 3
 # How long a metrics read waits for a network tier (Redis) before reusing its previous answer.
 NETWORK_STATS_WAIT_S = 0.25
-# How often the idle engine loop re-reads the engine's stats (the snapshot /metrics exports).
-IDLE_STATS_REFRESH_S = 0.5
 
 
 class RequestFailed(RuntimeError):
@@ -60,41 +57,6 @@ class RequestOutput:
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
     # With finish_reason ERROR: what failed while computing this request (the others ran on).
     error: str | None = None
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot for /metrics; the counters are cumulative."""
-
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    prefix_cache_queries_tokens: int
-    prefix_cache_hits_tokens: int
-    num_preemptions: int
-    num_blocks: int
-    block_size: int
-    tiers: tuple[TierStats, ...] = ()       # one per store tier below the device pool, fastest first
-    connector: ConnectorCounters | None = None
-    num_session_blocks: int = 0             # device blocks pinned by idle sessions
-    num_session_spills: int = 0             # session holdings released to the tiers under pressure
-    # Device blocks by state; free + cached + used == num_blocks - 1 (the null block aside).
-    free_blocks: int = 0                    # empty: no request holds them, no prefix in them
-    cached_blocks: int = 0                  # evictable: nobody holds them, a cached prefix is in them
-    used_blocks: int = 0                    # held by a running request or an idle session
-
-
-@dataclass(frozen=True)
-class ConnectorCounters:
-    """KV connector counters (cumulative) for /metrics."""
-
-    sync_loads: int                # loads whose bytes were in memory (copied during the step)
-    async_loads: int               # loads fetched from a slow tier while the request waited
-    failed_load_blocks: int        # blocks a load could not supply (missing, corrupt): recomputed
-    saved_blocks: int              # blocks handed to the writer
-    dropped_save_blocks: int       # saves skipped because the writer fell behind
-    async_load_seconds_sum: float
-    async_load_count: int
 
 
 class LLMEngine:
@@ -449,165 +411,3 @@ class LLMEngine:
                            num_session_blocks=s.num_session_blocks, num_session_spills=s.num_session_spills,
                            free_blocks=pool.num_free - pool.num_evictable, cached_blocks=pool.num_evictable,
                            used_blocks=pool.num_used)
-
-
-class AsyncEngine:
-    """Runs ``LLMEngine.step`` on one loop thread; each request reads its own asyncio queue.
-
-    The loop runs either on a background thread (``start``: tests, embedding) or on the caller's
-    thread (``run``: ``kvhive serve`` runs it on the main thread and the HTTP server beside it,
-    because oneDNN's linear layers run ~25% slower when called from a non-main thread here).
-
-    Invariant: the engine is touched only by the loop thread. Other threads enqueue commands
-    (add / abort) under ``_lock``; the loop thread applies them before each step.
-    """
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._lock = threading.Lock()
-        self._wakeup = threading.Condition(self._lock)
-        self._pending_adds: list[tuple] = []
-        self._pending_aborts: list[str] = []
-        self._pending_session_ends: list[str] = []
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._stats = engine.stats()
-        self.error: BaseException | None = None
-
-    def start(self) -> None:
-        """Start the background loop thread (idempotent)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kvhive-engine", daemon=True)
-            self._thread.start()
-
-    def run(self) -> None:
-        """Run the loop on the calling thread until ``stop()`` or until the loop fails."""
-        if self._thread is not None:
-            raise RuntimeError("the engine loop already runs on a background thread")
-        self._run()
-
-    def stop(self) -> None:
-        """Ask the loop to return after the current step; safe from a signal handler (no lock)."""
-        self._stopping = True
-
-    def shutdown(self) -> None:
-        """Stop the loop after the current step and close the engine."""
-        with self._lock:
-            self._stopping = True
-            self._wakeup.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            self._thread = None
-        self.engine.close()
-
-    def stats(self) -> EngineStats:
-        """The snapshot taken after the latest step, or at most IDLE_STATS_REFRESH_S ago while idle."""
-        return self._stats
-
-    @property
-    def is_healthy(self) -> bool:
-        """False once the loop thread died of an exception."""
-        return self.error is None
-
-    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                       cache_salt: str | None = None, session_id: str | None = None,
-                       end_session: bool = False) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes; leaving early aborts it. Raises
-        RequestFailed when computing it failed, RuntimeError when the engine loop has stopped."""
-        if self.error is not None:
-            raise RuntimeError(f"the engine loop has stopped: {self.error}")
-        if len(prompt_token_ids) >= self.engine.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context "
-                             f"is {self.engine.max_model_len} tokens")
-        queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            if request_id in self._queues:
-                raise ValueError(f"duplicate request id {request_id!r}")
-            self._queues[request_id] = (asyncio.get_running_loop(), queue)
-            self._pending_adds.append((request_id, list(prompt_token_ids), sampling, cache_salt,
-                                       session_id, end_session))
-            self._wakeup.notify()
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise RuntimeError(f"the engine failed: {item}") from item
-                if item.finish_reason is FinishReason.ERROR:
-                    finished = True             # the engine has ended it: nothing to abort
-                    raise RequestFailed(item.error or "the engine failed this request")
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
-            with self._lock:
-                self._queues.pop(request_id, None)
-
-    def abort(self, request_id: str) -> None:
-        """Ask the loop thread to abort a request (safe from any thread)."""
-        with self._lock:
-            self._pending_aborts.append(request_id)
-            self._wakeup.notify()
-
-    def end_session(self, session_id: str) -> None:
-        """Ask the loop thread to free a session's held blocks (safe from any thread)."""
-        with self._lock:
-            self._pending_session_ends.append(session_id)
-            self._wakeup.notify()
-
-    def _apply_commands(self) -> None:
-        with self._lock:
-            adds, self._pending_adds = self._pending_adds, []
-            aborts, self._pending_aborts = self._pending_aborts, []
-            ends, self._pending_session_ends = self._pending_session_ends, []
-        for request_id, ids, sampling, salt, session_id, end_session in adds:
-            try:
-                self.engine.add_request(request_id, ids, sampling, cache_salt=salt,
-                                        session_id=session_id, end_session=end_session)
-            except Exception as exc:  # noqa: BLE001 - fails this request only
-                self._deliver(request_id, exc)
-        for request_id in aborts:
-            self.engine.abort_request(request_id)
-        for session_id in ends:
-            self.engine.end_session(session_id)
-
-    def _deliver(self, request_id: str, item) -> None:
-        with self._lock:
-            target = self._queues.get(request_id)
-        if target is not None:
-            loop, queue = target
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-    def _has_work(self) -> bool:
-        # Lock held.
-        return bool(self._pending_adds or self._pending_aborts or self._pending_session_ends
-                    or self.engine.has_unfinished())
-
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._lock:
-                    if not self._stopping and not self._has_work():
-                        self._wakeup.wait(timeout=IDLE_STATS_REFRESH_S)      # stop() does not notify
-                    if self._stopping:
-                        return
-                    idle = not self._has_work()
-                if idle:
-                    # Store writers finish saves and tiers evict between steps: /metrics stays current.
-                    self._stats = self.engine.stats()
-                    continue
-                self._apply_commands()
-                for out in self.engine.step():
-                    self._deliver(out.request_id, out)
-                self._stats = self.engine.stats()
-        except BaseException as exc:  # the loop must never die silently
-            logger.exception("engine loop failed")
-            self.error = exc
-            with self._lock:
-                targets = list(self._queues)
-            for request_id in targets:
-                self._deliver(request_id, exc)

@@ -20,7 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from kvhive.engine.core import EngineStats
+    from kvhive.engine.stats import EngineStats
     from kvhive.sessions.registry import SessionStats
     from kvhive.sessions.responses import ResponseStats
 

@@ -38,7 +38,8 @@ from kvhive.sessions.registry import Session, SessionError, SessionRegistry, che
 
 if TYPE_CHECKING:
     from kvhive.core.tokenizer import Tokenizer
-    from kvhive.engine.core import AsyncEngine, LLMEngine
+    from kvhive.engine.async_engine import AsyncEngine
+    from kvhive.engine.core import LLMEngine
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,8 @@ from kvhive.config import StoreConfig
 from kvhive.core.blocks import HASH_BYTES
 from kvhive.core.model_files import default_model_path
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.engine.core import IDLE_STATS_REFRESH_S, AsyncEngine, EngineStats
+from kvhive.engine.async_engine import IDLE_STATS_REFRESH_S, AsyncEngine
+from kvhive.engine.stats import EngineStats
 from kvhive.kv.pool import BlockPool
 
 GB = 2**30

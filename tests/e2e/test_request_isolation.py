@@ -47,7 +47,8 @@ from kvhive.core.json_body import (
 )
 from kvhive.core.model_files import default_model_path
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.engine.core import MAX_FAILED_STEPS_IN_ROW, AsyncEngine, LLMEngine, RequestFailed, RequestOutput
+from kvhive.engine.async_engine import AsyncEngine
+from kvhive.engine.core import MAX_FAILED_STEPS_IN_ROW, LLMEngine, RequestFailed, RequestOutput
 from kvhive.engine.sampling import _filtered_probs, sample_tokens
 from kvhive.model.loader import LoadedModel
 from kvhive.request import MIN_SEED, SAMPLING_EPS, SEED_END, FinishReason, SamplingParams
