@@ -16,8 +16,8 @@ Each mode has its own engine: ``sessions`` (``session_id`` per conversation: hel
 resumed, no re-hash or lookup), ``prefix`` (automatic prefix caching), ``none`` (caching off). The
 three engines live side by side and the modes take turns, one conversation turn each, in an order
 that rotates every turn: load from elsewhere on a shared machine then hits all modes alike instead
-of one mode's whole run (an earlier sequential run showed sessions 2.4x slower than prefix on
-three turns whose step plans were identical; interleaved, they came out at 0.83-1.10x).
+of one mode's whole run (run one mode after another, turns with identical step plans can differ
+by 2x).
 TTFT: wall time from add_request to the first token out of ``LLMEngine.step``; beside it the
 process CPU time of the same span and the tokens the model computed in it (a timing-free check
 that a mode does the work it should). Scheduler overhead: time in ``Scheduler.schedule`` on the

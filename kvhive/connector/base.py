@@ -4,7 +4,7 @@ The scheduler half runs inside ``Scheduler``: it finds KV for a request outside 
 records which blocks to load into and which blocks to save, and packs both into a ``ConnectorMeta``
 that rides on the ``StepPlan``. The worker half runs inside ``ModelRunner``: it moves the bytes on
 background threads and reports finished transfers. The engine is the one place that hands the
-meta from one half to the other and the finished transfers back (seed 002's design).
+meta from one half to the other and the finished transfers back (the split of vLLM's KV connector).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The global KV block index: block key -> the replicas holding it, and in which tier (seed 001).
+"""The global KV block index: block key -> the replicas holding it, and in which tier (llm-d's kv-block index).
 
 Keys are kvhive block hashes (16 bytes). Each (replica, medium) copy of a block is tracked on its own,
 so removing a block from a replica's device pool keeps the entry for its CPU or disk copy.

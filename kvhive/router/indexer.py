@@ -1,4 +1,4 @@
-"""Prompt -> KV scores per replica (seed 001's KVCacheIndexer): tokenize, hash, look up, score."""
+"""Prompt -> KV scores per replica (llm-d's KVCacheIndexer): tokenize, hash, look up, score."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Scoring replicas: KV block scorers (seed 001's KVBlockScorer), tier weights, and the final pick.
+"""Scoring replicas: KV block scorers (llm-d's KVBlockScorer), tier weights, and the final pick.
 
 A KV scorer turns an index lookup (for each prompt block in order: replica -> fastest medium holding
 it) into replica -> score in blocks, each hit counted by the worth of its tier. The pick combines

@@ -1,4 +1,4 @@
-"""Request body -> the token ids the replica will compute (seed 001's PrefixStore and TokenizersPool).
+"""Request body -> the token ids the replica will compute (llm-d's PrefixStore and TokenizersPool).
 
 The gateway uses the engine's own ``kvhive.core.tokenizer`` and turns bodies into prompts the way the
 server does (``kvhive/server/completions.py`` and ``chat.py``), so both get the same ids.

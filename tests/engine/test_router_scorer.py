@@ -1,4 +1,4 @@
-"""Scoring: seed 001's three KV scorers, tier weights, and the pick that combines cache with load."""
+"""Scoring: llm-d's three KV scorers, tier weights, and the pick that combines cache with load."""
 
 from __future__ import annotations
 
