@@ -1,8 +1,8 @@
 """The session path never does more work than plain prefix caching (tiny random model).
 
-Guards acceptance point 8 ("the session path <= the prefix-caching path at every turn") by what
+Checks the sessions target ("the session path <= the prefix-caching path at every turn") by what
 the engine computes, not by timings: for each turn, the steps up to the first token, the tokens
-run through the model, and the preemptions, on the two shapes of docs/benchmarks_sessions.md:
+run through the model, and the preemptions, on the two shapes of bench/sessions_ttft.py:
 a chat whose history carries the engine's own replies (the session resumes) and the
 ../shared/bench/multiturn.py shape (a shared system prompt, canned replies, so each turn diverges
 from the session and falls back to prefix matching, while an earlier conversation's session
