@@ -202,6 +202,11 @@ def render_router_real(name: str, record: dict) -> list[str]:
     for r in record["results"]:
         lines.append(f"| {r['policy']} | {100 * r['hit_rate']:.1f}% | {r['ttft_p50_ms']:,.0f} | "
                      f"{r['ttft_p90_ms']:,.0f} | {r['ttft_mean_ms']:,.0f} |")
+    rows = {r["policy"]: r for r in record["results"]}
+    if {"kv", "round_robin"} <= rows.keys():
+        kv, rr = rows["kv"], rows["round_robin"]
+        lines += ["", f"Round-robin / kv: TTFT p50 {rr['ttft_p50_ms'] / kv['ttft_p50_ms']:.1f}x, "
+                      f"mean {rr['ttft_mean_ms'] / kv['ttft_mean_ms']:.1f}x."]
     return [*lines, ""]
 
 
