@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from conftest import ServerProcess, start_server, stop_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
+from support.servers import ServerProcess, start_server, stop_server
 
 MODEL = "smollm2-135m"
 API_KEY = "fuzz-key"

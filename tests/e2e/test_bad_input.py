@@ -6,24 +6,11 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import FAULT_TOKEN_IDS, TINY_API_KEY, TINY_MAX_MODEL_LEN, ServerProcess, read_sse
+from support.api import assert_error
+from support.servers import FAULT_TOKEN_IDS, TINY_API_KEY, TINY_MAX_MODEL_LEN, ServerProcess, read_sse
 
 MODEL = "smollm2-135m"
 CHAT = [{"role": "user", "content": "hi"}]
-
-
-def assert_error(r: httpx.Response, status: int, *, param: str | None = None, code: str | None = None,
-                 error_type: str = "invalid_request_error", contains: tuple[str, ...] = ()) -> None:
-    """The response is OpenAI's error shape with the expected status, type, param and code."""
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and error["message"]
-    assert error["type"] == error_type
-    assert error["param"] == param
-    assert error["code"] == code
-    for text in contains:
-        assert text in error["message"], error["message"]
 
 
 def assert_still_serving(client: httpx.Client) -> None:

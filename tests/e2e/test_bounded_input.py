@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from conftest import TINY_API_KEY, TINY_MAX_MODEL_LEN, ServerProcess
+from support.servers import TINY_API_KEY, TINY_MAX_MODEL_LEN, ServerProcess
 
 from kvhive.cli import parse_args
 from kvhive.core.model_files import default_model_path

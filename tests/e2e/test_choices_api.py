@@ -10,9 +10,9 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from conftest import FAULT_TOKEN_IDS, TINY_API_KEY, ServerProcess
-from test_server_api import LONG_PROMPT, MODEL, chat, complete, stream
-from tiny import dense_greedy, dense_logits, tiny_config, tiny_model
+from support.api import LONG_PROMPT, MODEL, chat, complete, stream
+from support.servers import FAULT_TOKEN_IDS, TINY_API_KEY, ServerProcess
+from support.tiny import dense_greedy, dense_logits, tiny_config, tiny_model
 
 from kvhive.core.model_files import default_model_path
 from kvhive.core.tokenizer import Tokenizer

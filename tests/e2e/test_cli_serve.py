@@ -14,8 +14,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import REPO_ROOT, free_port
-from test_gateway import _env, healthy, wait_until
+from support.servers import REPO_ROOT, free_port, healthy, subprocess_env, wait_until
 
 from kvhive.cli import HelpFormatter, build_parser, listen_error, main
 
@@ -26,7 +25,7 @@ GATEWAY_GROUPS = ["replicas", "block keys", "block index", "routing and scoring"
 
 def _kvhive(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvhive.cli", *args], capture_output=True, text=True,
-                          timeout=timeout_s, cwd=REPO_ROOT, env=_env())
+                          timeout=timeout_s, cwd=REPO_ROOT, env=subprocess_env())
 
 
 def _help(capsys: pytest.CaptureFixture[str], *args: str) -> str:
@@ -134,7 +133,7 @@ def test_a_taken_port_fails_fast_before_the_model_loads(taken_port: int, command
             "print('torch' in sys.modules, 'kvhive.engine.core' in sys.modules)\nsys.exit(rc)\n")
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          cwd=REPO_ROOT, env=_env())
+                          cwd=REPO_ROOT, env=subprocess_env())
     elapsed = time.monotonic() - start
     assert done.returncode == 2, done.stderr
     assert done.stderr == f"kvhive {command}: port {taken_port} on 127.0.0.1 is in use (pick another with --port)\n"
@@ -156,7 +155,7 @@ def test_sigint_stops_the_server_cleanly() -> None:
     proc = subprocess.Popen([sys.executable, "-m", "kvhive.cli", "serve", "--port", str(port),
                              "--kv-cache-gb", "0.1", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
-                            env=_env())
+                            env=subprocess_env())
     try:
         wait_until(lambda: proc.poll() is not None or healthy(f"http://127.0.0.1:{port}"), 180, "kvhive serve")
         assert proc.poll() is None

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import SERVED_MODEL_NAME, SLOW_MARKER, ServerProcess, start_server, stop_server
+from support.servers import SERVED_MODEL_NAME, SLOW_MARKER, ServerProcess, start_server, stop_server
 
 from kvhive.core.model_files import default_model_path
 from kvhive.core.tokenizer import Tokenizer

@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from conftest import REPO_ROOT, free_port, log_file
+from support.servers import REPO_ROOT, free_port, log_file
 
 from kvhive import cli
 from kvhive.model import cpu

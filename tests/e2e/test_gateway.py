@@ -7,208 +7,22 @@ fingerprint, block size and hash seed from the replicas' /v1/models.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import random
-import re
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import REPO_ROOT, SERVED_MODEL_NAME, free_port, log_file
+from support.cluster import Cluster, default_cluster, long_prompt
+from support.servers import SERVED_MODEL_NAME, wait_until
 
-from kvhive.router.cli import add_gateway_args, build_gateway_config, parse_tier_weights, run_gateway
-from kvhive.router.config import ReplicaSpec
-from kvhive.router.proxy import as_openai_error
 from kvhive.router.replicas import parse_load
-from kvhive.router.scorer import LoadStats
-
-WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda omicron sigma river mountain "
-         "valley forest ocean desert garden castle bridge tower market harbor").split()
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-@dataclass
-class ReplicaProcess:
-    """A ``kvhive serve`` process on fixed ports, so it can be killed and started again."""
-
-    port: int = field(default_factory=free_port)
-    events_port: int = field(default_factory=free_port)
-    replay_port: int = field(default_factory=free_port)
-    process: subprocess.Popen[bytes] | None = None
-    log_path: str = ""
-    extra_args: tuple[str, ...] = ()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def spec(self) -> str:
-        return (f"{self.url},events=tcp://127.0.0.1:{self.events_port},"
-                f"replay=tcp://127.0.0.1:{self.replay_port},kind=kvhive")
-
-    def start(self) -> None:
-        log = log_file(f"kvhive-replica-{self.port}-")
-        self.log_path = log.name
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvhive.cli", "serve", "--port", str(self.port),
-             "--max-model-len", "1024", "--kv-cache-gb", "0.2", "--num-threads", "1",
-             "--log-level", "warning",
-             "--kv-events", f"tcp://*:{self.events_port}",
-             "--kv-events-replay", f"tcp://*:{self.replay_port}", *self.extra_args],
-            stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=_env())
-
-    def wait_healthy(self) -> None:
-        def up() -> bool:
-            assert self.process is not None and self.process.poll() is None, self.log_tail()
-            return healthy(self.url)
-
-        wait_until(up, 120, f"replica {self.url}")
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-    def log_tail(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()[-3000:]
-
-
-@dataclass
-class Cluster:
-    replicas: list[ReplicaProcess]
-    gateway_url: str
-    gateway: subprocess.Popen[bytes]
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.gateway_url, timeout=60)
-
-    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
-        text = httpx.get(f"{self.gateway_url}/metrics", timeout=10).text
-        for line in text.splitlines():
-            match = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$", line)
-            if match and match.group(1) == name:
-                found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
-                if all(found.get(k) == v for k, v in (labels or {}).items()):
-                    return float(match.group(3))
-        return 0.0
-
-    def replica_states(self) -> dict[str, str]:
-        return httpx.get(f"{self.gateway_url}/health", timeout=5).json()["replicas"]
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    replicas = [ReplicaProcess(), ReplicaProcess()]
-    for r in replicas:
-        r.start()
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvhive.cli", "gateway", "--port", str(port),
-           "--health-interval", "0.3", "--failures-to-drop", "1", "--log-level", "warning"]
-    for r in replicas:
-        cmd += ["--replica", r.spec]
-    log = log_file("kvhive-gateway-")
-    url = f"http://127.0.0.1:{port}"
-    gateway = None
-    try:
-        for r in replicas:
-            r.wait_healthy()
-        # Started once the replicas answer, so it reads their fingerprint from /v1/models.
-        gateway = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=_env())
-        wait_until(lambda: healthy(url) and set(httpx.get(f"{url}/health").json()["replicas"].values())
-                   == {"up"}, 60, "the gateway to see both replicas")
-        yield Cluster(replicas, url, gateway)
-    finally:
-        if gateway is not None:
-            gateway.terminate()
-            try:
-                gateway.wait(10)
-            except subprocess.TimeoutExpired:
-                gateway.kill()
-        for r in replicas:
-            r.kill()
-        with open(log.name, errors="replace") as f:
-            print("gateway log tail:\n" + f.read()[-3000:])
-
-
-def test_the_gateway_imports_no_torch_model_runner_or_server() -> None:
-    code = ("import json, sys\n"
-            "import kvhive.router.app, kvhive.router.cli, kvhive.core.tenancy\n"
-            "print(json.dumps(sorted(sys.modules)))\n")
-    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                       check=True, cwd=REPO_ROOT, env=_env()).stdout)
-    forbidden = ("torch", "kvhive.model", "kvhive.engine", "kvhive.server", "kvhive.sessions")
-    assert [m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden)] == []
-
-
-def test_replica_flags_and_gateway_config() -> None:
-    spec = ReplicaSpec.parse("http://h:8000/,events=tcp://h:5557,replay=tcp://h:5558,kind=vllm")
-    assert spec == ReplicaSpec("http://h:8000", "tcp://h:5557", "tcp://h:5558", "vllm")
-    assert ReplicaSpec.parse("http://h:1").events is None
-    for bad in ("h:1", "http://h:1,kind=sglang", "http://h:1,port=2", "http://h:1,replay=tcp://h:2"):
-        with pytest.raises(ValueError):
-            ReplicaSpec.parse(bad)
-    parser = argparse.ArgumentParser()
-    add_gateway_args(parser)
-    args = parser.parse_args(["--replica", "http://a:1", "--replica", "http://b:1,kind=vllm",
-                              "--tier-weights", "CPU=0.5", "--load-weight", "0.25", "--scorer", "coverage"])
-    config = build_gateway_config(args)
-    assert [r.kind for r in config.replicas] == ["kvhive", "vllm"]
-    assert config.tiers.cpu == 0.5 and config.tiers.gpu == 1.0 and config.weights.load == 0.25
-    assert not config.salt_with_api_key
-    assert build_gateway_config(parser.parse_args(["--replica", "http://a:1", "--salt-with-api-key"])) \
-        .salt_with_api_key
-    with pytest.raises(ValueError):
-        build_gateway_config(parser.parse_args(["--replica", "http://a:1", "--replica", "http://a:1"]))
-    with pytest.raises(ValueError):
-        parse_tier_weights("GPU=x")
-    assert run_gateway(parser.parse_args([])) == 2          # no replica: a clear error, no traceback
-
-
-def test_load_from_prometheus_text_and_error_shapes() -> None:
-    text = ('# HELP kvhive_num_requests_running x\nkvhive_num_requests_running{model_name="m"} 2.0\n'
-            'kvhive_num_requests_waiting{model_name="m"} 1\nkvhive_kv_cache_usage_perc{model_name="m"} 0.5\n'
-            'vllm:num_requests_running{model_name="v",engine="0"} 3\nvllm:kv_cache_usage_perc 0.75\n')
-    assert parse_load(text) == LoadStats(running=5.0, waiting=1.0, kv_usage=0.75)
-    assert parse_load("garbage\n") == LoadStats()
-    shaped = {"error": {"message": "m", "type": "t", "param": None, "code": None}}
-    assert as_openai_error(400, json.dumps(shaped).encode()) == shaped
-    vllm_flat = b'{"object": "error", "message": "bad", "type": "BadRequestError", "code": 400}'
-    flat = as_openai_error(400, vllm_flat)
-    assert flat["error"]["message"] == "bad" and flat["error"]["code"] == 400
-    assert as_openai_error(502, b"upstream exploded")["error"] == {
-        "message": "upstream exploded", "type": "server_error", "param": None, "code": None}
-    assert as_openai_error(500, b"")["error"]["message"] == "replica answered HTTP 500"
-
-
-def long_prompt(seed: int, words: int = 220) -> str:
-    rng = random.Random(seed)
-    return f"Document {seed}. " + " ".join(rng.choice(WORDS) for _ in range(words))
+    with default_cluster() as started:
+        yield started
 
 
 def complete(client: httpx.Client, prompt: str, headers: dict[str, str] | None = None,

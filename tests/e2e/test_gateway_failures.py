@@ -15,9 +15,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import SERVED_MODEL_NAME
-from test_gateway import Cluster, wait_until
-from tiny_cluster import TinyReplica, gateway_metric, restore, start_gateway, stop_gateway, tiny_replicas
+from support.cluster import Cluster, TinyReplica, restore, start_gateway, stop_gateway, tiny_replicas
+from support.servers import SERVED_MODEL_NAME, wait_until
 
 REPLICA, REASON = "x-kvhive-replica", "x-kvhive-route-reason"
 # Long enough that the replica is still generating when the test kills it.
@@ -43,7 +42,7 @@ def both_up(cluster: Cluster) -> Cluster:
 
 
 def retries(cluster: Cluster) -> float:
-    return gateway_metric(cluster, "kvhive_gateway_retries_total")
+    return cluster.metric_sum("kvhive_gateway_retries_total")
 
 
 def replica(cluster: Cluster, url: str) -> TinyReplica:
@@ -52,7 +51,7 @@ def replica(cluster: Cluster, url: str) -> TinyReplica:
 
 def in_flight_on(cluster: Cluster) -> str | None:
     for r in cluster.replicas:
-        if gateway_metric(cluster, "kvhive_gateway_replica_inflight", {"replica": r.url}) > 0:
+        if cluster.metric_sum("kvhive_gateway_replica_inflight", {"replica": r.url}) > 0:
             return r.url
     return None
 
@@ -71,7 +70,7 @@ def test_requests_after_a_replica_is_killed_go_to_the_other(both_up: Cluster) ->
     # The first one sent to the dead replica was retried; the refused connection dropped it at once.
     assert [r.headers[REASON] for r in after].count("retry") == 1
     assert retries(cluster) == before + 1
-    assert gateway_metric(cluster, "kvhive_gateway_retries_total", {"reason": "connect"}) >= 1
+    assert cluster.metric_sum("kvhive_gateway_retries_total", {"reason": "connect"}) >= 1
     assert cluster.replica_states()[victim.url] == "down"
 
 
@@ -118,7 +117,7 @@ def read_events(response: httpx.Response, victim_after: int, kill: Any) -> list[
 
 def test_a_stream_cut_by_a_killed_replica_ends_with_an_error_event(both_up: Cluster) -> None:
     cluster = both_up
-    cut_before = gateway_metric(cluster, "kvhive_gateway_stream_errors_total")
+    cut_before = cluster.metric_sum("kvhive_gateway_stream_errors_total")
     with cluster.client() as client:
         with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as response:
             assert response.status_code == 200
@@ -130,9 +129,9 @@ def test_a_stream_cut_by_a_killed_replica_ends_with_an_error_event(both_up: Clus
     assert victim.url in error["message"]
     texts = [json.loads(line[6:])["choices"][0]["text"] for line in lines[:-2]]
     assert 3 <= len(texts) < LONG["max_tokens"]                 # cut mid-way
-    assert gateway_metric(cluster, "kvhive_gateway_stream_errors_total") == cut_before + 1
-    assert gateway_metric(cluster, "kvhive_gateway_stream_errors_total", {"replica": victim.url}) >= 1
-    wait_until(lambda: gateway_metric(cluster, "kvhive_gateway_replica_inflight") == 0, 10,
+    assert cluster.metric_sum("kvhive_gateway_stream_errors_total") == cut_before + 1
+    assert cluster.metric_sum("kvhive_gateway_stream_errors_total", {"replica": victim.url}) >= 1
+    wait_until(lambda: cluster.metric_sum("kvhive_gateway_replica_inflight") == 0, 10,
                "the gateway to release the request")
 
 

@@ -14,9 +14,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import SERVED_MODEL_NAME
-from test_gateway import Cluster
-from tiny_cluster import start_gateway, stop_gateway, tiny_replicas
+from support.cluster import Cluster, start_gateway, stop_gateway, tiny_replicas
+from support.servers import SERVED_MODEL_NAME
 
 KEY_A, KEY_B = "tenant-key-alpha", "tenant-key-beta"
 REPLICA, REASON = "x-kvhive-replica", "x-kvhive-route-reason"

@@ -13,9 +13,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import ServerProcess, start_server, stop_server
-from test_engine import make_engine
-from test_sessions_engine import turn
+from support.engines import make_engine, turn
+from support.servers import ServerProcess, start_server, stop_server
 
 from kvhive.config import StoreConfig
 from kvhive.core.blocks import HASH_BYTES

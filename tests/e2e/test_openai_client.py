@@ -2,43 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import openai
 import pytest
-from conftest import ServerProcess, start_server, stop_server
 from openai import OpenAI
+from support.servers import ServerProcess
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "smollm2-135m"
-API_KEY = "e2e-secret"
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 # ~250 tokens: long enough that a repeat is served mostly from the prefix cache.
 LONG_SYSTEM = "You are a meticulous assistant for a geography quiz. " + " ".join(
     f"Rule {i}: answer with facts about country number {i} only when asked." for i in range(20))
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    proc = start_server("default", api_keys=(API_KEY,), max_model_len=2048)
-    yield proc
-    stop_server(proc)
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> OpenAI:
-    return OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-def test_models_list(client: OpenAI) -> None:
-    (model,) = client.models.list().data
+def test_models_list(openai_client: OpenAI) -> None:
+    (model,) = openai_client.models.list().data
     assert model.id == MODEL
     assert model.model_extra["max_model_len"] == 2048
 
 
-def test_chat_non_streaming(client: OpenAI) -> None:
-    r = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0)
+def test_chat_non_streaming(openai_client: OpenAI) -> None:
+    r = openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0)
     assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
     (choice,) = r.choices
     assert choice.message.role == "assistant" and "Paris" in choice.message.content
@@ -47,9 +32,9 @@ def test_chat_non_streaming(client: OpenAI) -> None:
     assert r.usage.prompt_tokens_details.cached_tokens >= 0
 
 
-def test_chat_streaming_with_usage(client: OpenAI) -> None:
-    whole = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16,
+def test_chat_streaming_with_usage(openai_client: OpenAI) -> None:
+    whole = openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0)
+    chunks = list(openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16,
                                                  temperature=0, stream=True,
                                                  stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -65,55 +50,55 @@ def test_chat_streaming_with_usage(client: OpenAI) -> None:
     assert all(c.usage is None for c in chunks[:-1])
 
 
-def test_completions_streaming_and_not(client: OpenAI) -> None:
+def test_completions_streaming_and_not(openai_client: OpenAI) -> None:
     prompt = "The three primary colours are"
-    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    whole = openai_client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
     assert whole.id.startswith("cmpl-") and whole.choices[0].text.strip()
     assert whole.usage.prompt_tokens_details.cached_tokens >= 0
-    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+    chunks = list(openai_client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
-def test_repeated_long_prompt_is_served_from_the_prefix_cache(client: OpenAI) -> None:
+def test_repeated_long_prompt_is_served_from_the_prefix_cache(openai_client: OpenAI) -> None:
     messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "Which rule is first?"}]
-    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
-    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    first = openai_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    second = openai_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
     assert first.usage.prompt_tokens > 200
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= first.usage.prompt_tokens - 32, (cached, first.usage.prompt_tokens)
     assert second.choices[0].message.content == first.choices[0].message.content
 
 
-def test_stop_strings(client: OpenAI) -> None:
-    full = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
+def test_stop_strings(openai_client: OpenAI) -> None:
+    full = openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
     text = full.choices[0].message.content
     words = text.split()
     assert len(words) >= 3, text
     stop = " " + words[len(words) // 2]
     expected = text[:text.find(stop)]
-    cut = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0, stop=stop)
+    cut = openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0, stop=stop)
     assert cut.choices[0].message.content == expected
     assert cut.choices[0].finish_reason == "stop"
     assert cut.usage.completion_tokens < full.usage.completion_tokens
-    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0,
+    chunks = list(openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0,
                                                  stop=[stop], stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-def test_seed_reproducibility(client: OpenAI) -> None:
+def test_seed_reproducibility(openai_client: OpenAI) -> None:
     def sample(seed: int) -> str:
-        r = client.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=10,
+        r = openai_client.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=10,
                                       temperature=1.0, seed=seed)
         return r.choices[0].text
 
     assert sample(7) == sample(7)
 
 
-def test_logprobs_and_n(client: OpenAI) -> None:
-    r = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, temperature=0.8, seed=3,
+def test_logprobs_and_n(openai_client: OpenAI) -> None:
+    r = openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, temperature=0.8, seed=3,
                                        n=2, logprobs=True, top_logprobs=2)
     assert [c.index for c in r.choices] == [0, 1]
     assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
@@ -121,21 +106,21 @@ def test_logprobs_and_n(client: OpenAI) -> None:
         joined = b"".join(bytes(t.bytes) for t in choice.logprobs.content).decode(errors="replace")
         assert joined.startswith(choice.message.content)       # plus the end-of-turn token, if it came
         assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in choice.logprobs.content)
-    whole = client.completions.create(model=MODEL, prompt="The three primary colours are", max_tokens=5,
+    whole = openai_client.completions.create(model=MODEL, prompt="The three primary colours are", max_tokens=5,
                                       temperature=0, logprobs=3)
     lp = whole.choices[0].logprobs
     assert "".join(lp.tokens) == whole.choices[0].text
     assert [next(iter(top)) for top in lp.top_logprobs] == lp.tokens      # greedy: the top-1 token
 
 
-def test_wrong_api_key_is_rejected(server: ServerProcess, client: OpenAI) -> None:
-    bad = OpenAI(base_url=f"{server.base_url}/v1", api_key="not-the-key", max_retries=0)
+def test_wrong_api_key_is_rejected(default_server: ServerProcess, openai_client: OpenAI) -> None:
+    bad = OpenAI(base_url=f"{default_server.base_url}/v1", api_key="not-the-key", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as info:
         bad.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
     assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
     with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="gpt-4o", messages=QUESTION, max_tokens=2)
+        openai_client.chat.completions.create(model="gpt-4o", messages=QUESTION, max_tokens=2)
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, n=17)
+        openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, n=17)
     assert info.value.param == "n"
-    assert client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2).usage.completion_tokens
+    assert openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2).usage.completion_tokens

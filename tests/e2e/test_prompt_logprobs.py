@@ -10,10 +10,10 @@ import uuid
 import httpx
 import pytest
 import torch
-from conftest import read_sse
-from test_logprobs import run_engine
-from test_server_api import MODEL
-from tiny import dense_logits, tiny_config, tiny_model
+from support.api import MODEL
+from support.engines import run_engine
+from support.servers import read_sse
+from support.tiny import dense_logits, tiny_config, tiny_model
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvhive.core.model_files import default_model_path

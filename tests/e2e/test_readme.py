@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, ServerProcess, start_server, stop_server
+from support.servers import REPO_ROOT, ServerProcess, start_server, stop_server
 
 README = os.path.join(REPO_ROOT, "README.md")
 README_URL = "http://127.0.0.1:8000"

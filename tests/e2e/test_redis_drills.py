@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from conftest import SERVED_MODEL_NAME, ServerProcess, start_server, stop_server
-from test_store_redis import RedisServer, _free_port
+from support.redis_server import RedisServer
+from support.servers import SERVED_MODEL_NAME, ServerProcess, start_server, stop_server
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(shutil.which("redis-server") is None and not os.environ.get("CI"),
@@ -135,20 +135,10 @@ class Traffic:
 
 
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory) -> Iterator[RedisServer]:
-    server = RedisServer(_free_port(), str(tmp_path_factory.mktemp("redis-drills")))
-    server.start()
-    yield server
-    if server.process is not None:
-        os.kill(server.process.pid, signal.SIGCONT)
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def server(redis_server: RedisServer) -> Iterator[ServerProcess]:
+def server(module_redis_server: RedisServer) -> Iterator[ServerProcess]:
     # Passive OpenMP waits: a busy neighbour on a 2-core machine (another test run) then slows the
     # server down a little, not 40-fold, so the latency bounds below measure Redis, not the neighbour.
-    srv = start_server("default", extra_args=("--redis-url", redis_server.url, "--kv-cache-gb", "0.05",
+    srv = start_server("default", extra_args=("--redis-url", module_redis_server.url, "--kv-cache-gb", "0.05",
                                               "--default-session-ttl", str(SESSION_TTL_S)),
                        env={"OMP_WAIT_POLICY": "PASSIVE"})
     yield srv
@@ -173,7 +163,7 @@ def check_usable(c: httpx.Client, traffic: Traffic) -> None:
     assert r.status_code == 200, r.text
 
 
-def test_idle_sessions_whose_redis_copy_is_gone_never_stall_a_request(server, redis_server):
+def test_idle_sessions_whose_redis_copy_is_gone_never_stall_a_request(server, module_redis_server):
     with httpx.Client(base_url=server.base_url, timeout=180) as c:
         sids = []
         for k in range(2):
@@ -190,7 +180,7 @@ def test_idle_sessions_whose_redis_copy_is_gone_never_stall_a_request(server, re
                     break
                 assert time.monotonic() < deadline, blocks
                 time.sleep(0.2)
-        redis_server.admin().flushall()
+        module_redis_server.admin().flushall()
         start = time.monotonic()
         r = c.post("/v1/completions", json={"model": SERVED_MODEL_NAME, "max_tokens": 4, "temperature": 0,
                                             "prompt": [(53 * j) % 20000 + 100 for j in range(707)]})
@@ -205,12 +195,12 @@ def test_idle_sessions_whose_redis_copy_is_gone_never_stall_a_request(server, re
             assert r.status_code == 200, r.text
 
 
-def test_flushall_under_traffic_fails_nothing_and_loses_nothing(server, redis_server):
+def test_flushall_under_traffic_fails_nothing_and_loses_nothing(server, module_redis_server):
     traffic = Traffic(server.base_url, "flush")
     traffic.start()
     try:
         time.sleep(6)
-        redis_server.admin().flushall()
+        module_redis_server.admin().flushall()
         time.sleep(8)
     finally:
         traffic.stop()
@@ -218,29 +208,29 @@ def test_flushall_under_traffic_fails_nothing_and_loses_nothing(server, redis_se
     print(f"FLUSHALL under traffic: {len(traffic.outcomes)} requests, none failed")
     with httpx.Client(base_url=server.base_url, timeout=120) as c:
         check_usable(c, traffic)
-    keys = redis_server.admin().keys(f"kvhive:{SERVED_MODEL_NAME}:sessions:*")
+    keys = module_redis_server.admin().keys(f"kvhive:{SERVED_MODEL_NAME}:sessions:*")
     assert len(keys) >= len(traffic.sessions)            # republished for the other replicas
 
 
-def test_a_hung_redis_slows_nothing_and_fails_nothing(server, redis_server):
+def test_a_hung_redis_slows_nothing_and_fails_nothing(server, module_redis_server):
     traffic = Traffic(server.base_url, "stop")
     health: list[float] = []
     traffic.start()
     try:
         time.sleep(10)                                   # normal: the baseline
         fault_start = time.monotonic()
-        os.kill(redis_server.process.pid, signal.SIGSTOP)
+        os.kill(module_redis_server.process.pid, signal.SIGSTOP)
         with httpx.Client(base_url=server.base_url, timeout=30) as probe:
             while time.monotonic() - fault_start < FAULT_S:
                 start = time.monotonic()
                 assert probe.get("/health").status_code == 200
                 health.append(time.monotonic() - start)
                 time.sleep(0.25)
-        os.kill(redis_server.process.pid, signal.SIGCONT)
+        os.kill(module_redis_server.process.pid, signal.SIGCONT)
         fault_end = time.monotonic()
         time.sleep(4)
     finally:
-        os.kill(redis_server.process.pid, signal.SIGCONT)
+        os.kill(module_redis_server.process.pid, signal.SIGCONT)
         traffic.stop()
     assert not traffic.failed(), traffic.failed()
     # Normal: the requests before the fault and those after it (Redis back or not: the replica

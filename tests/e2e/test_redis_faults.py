@@ -8,18 +8,16 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import time
 
 import pytest
-from test_engine import GREEDY, make_engine, run
+from support.engines import GREEDY, make_engine, run
 
 from kvhive.config import StoreConfig
 from kvhive.core.model_files import default_model_path
 from kvhive.core.tokenizer import Tokenizer
 
 redis = pytest.importorskip("redis")
-from test_store_redis import RedisServer  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None and not os.environ.get("CI"),
                                 reason="redis-server is not installed")
@@ -37,21 +35,8 @@ def fresh(tokenizer) -> dict[str, list[int]]:
     return {k: v[0] for k, v in run(make_engine(tokenizer, prefix=False), PROMPTS).items()}
 
 
-@pytest.fixture()
-def server(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = RedisServer(port, str(tmp_path))
-    srv.start()
-    yield srv
-    if srv.process is not None:
-        os.kill(srv.process.pid, signal.SIGCONT)
-    srv.stop()
-
-
-def redis_engine(tokenizer, server):
-    return make_engine(tokenizer, num_blocks=64, store=StoreConfig(redis_url=server.url, redis_timeout_s=0.2))
+def redis_engine(tokenizer, redis_server):
+    return make_engine(tokenizer, num_blocks=64, store=StoreConfig(redis_url=redis_server.url, redis_timeout_s=0.2))
 
 
 def wait_for_redis(engine, timeout_s: float = 40.0) -> None:
@@ -71,17 +56,17 @@ def redis_errors(engine) -> int:
     return {t.name: t.store.errors for t in engine.stats().tiers}["redis"]
 
 
-def test_second_engine_hits_what_the_first_saved_and_corrupt_values_miss(tokenizer, fresh, server):
-    first = redis_engine(tokenizer, server)
+def test_second_engine_hits_what_the_first_saved_and_corrupt_values_miss(tokenizer, fresh, redis_server):
+    first = redis_engine(tokenizer, redis_server)
     one(first, "p0")
     one(first, "p1")
     first.close()
-    assert server.admin().dbsize() > 0
-    second = redis_engine(tokenizer, server)
+    assert redis_server.admin().dbsize() > 0
+    second = redis_engine(tokenizer, redis_server)
     try:
         assert one(second, "p0") == (fresh["p0"], 56)
         assert {t.name: t.hit_tokens for t in second.stats().tiers} == {"redis": 56}
-        admin = server.admin()
+        admin = redis_server.admin()
         keys = sorted(second.connector_scheduler.key_space.key(h).encode()
                       for h in _hashes(second, "p1"))
         for i, key in enumerate(keys):                 # garble, truncate, or swap every value
@@ -103,12 +88,12 @@ def _hashes(engine, name: str) -> list[bytes]:
     return request.block_hashes
 
 
-def test_a_redis_hit_is_promoted_to_the_local_disk(tokenizer, fresh, server, tmp_path):
-    first = redis_engine(tokenizer, server)
+def test_a_redis_hit_is_promoted_to_the_local_disk(tokenizer, fresh, redis_server, tmp_path):
+    first = redis_engine(tokenizer, redis_server)
     one(first, "p0")
     first.close()
     disk = str(tmp_path / "disk")
-    second = make_engine(tokenizer, num_blocks=64, store=StoreConfig(disk_cache_dir=disk, redis_url=server.url,
+    second = make_engine(tokenizer, num_blocks=64, store=StoreConfig(disk_cache_dir=disk, redis_url=redis_server.url,
                                                                      redis_timeout_s=0.2))
     try:
         assert one(second, "p0") == (fresh["p0"], 56)
@@ -123,17 +108,17 @@ def test_a_redis_hit_is_promoted_to_the_local_disk(tokenizer, fresh, server, tmp
         third.close()
 
 
-def test_a_slow_redis_lookup_does_not_stall_running_requests(tokenizer, fresh, server):
+def test_a_slow_redis_lookup_does_not_stall_running_requests(tokenizer, fresh, redis_server):
     from kvhive.request import RequestStatus
 
-    engine = make_engine(tokenizer, num_blocks=64, store=StoreConfig(redis_url=server.url, redis_timeout_s=1.0))
+    engine = make_engine(tokenizer, num_blocks=64, store=StoreConfig(redis_url=redis_server.url, redis_timeout_s=1.0))
     try:
         engine.add_request("p0", PROMPTS["p0"], GREEDY)
         tokens: dict[str, list[int]] = {"p0": [], "p1": []}
         while not tokens["p0"]:          # "p0" runs: its lookup answered (it may take a few steps)
             for out in engine.step():
                 tokens[out.request_id] += out.new_token_ids
-        os.kill(server.process.pid, signal.SIGSTOP)              # every Redis call now takes 1 s
+        os.kill(redis_server.process.pid, signal.SIGSTOP)              # every Redis call now takes 1 s
         engine.add_request("p1", PROMPTS["p1"], GREEDY)
         slowest_step = 0.0
         while engine.scheduler.get_request("p1").status is RequestStatus.WAITING:
@@ -142,38 +127,38 @@ def test_a_slow_redis_lookup_does_not_stall_running_requests(tokenizer, fresh, s
                 tokens[out.request_id] += out.new_token_ids
             slowest_step = max(slowest_step, time.monotonic() - start)
         assert len(tokens["p0"]) >= 6 and slowest_step < 0.9    # "p0" kept stepping meanwhile
-        os.kill(server.process.pid, signal.SIGCONT)
+        os.kill(redis_server.process.pid, signal.SIGCONT)
         while engine.has_unfinished():
             for out in engine.step():
                 tokens[out.request_id] += out.new_token_ids
         assert tokens == {"p0": fresh["p0"], "p1": fresh["p1"]}
     finally:
-        os.kill(server.process.pid, signal.SIGCONT)
+        os.kill(redis_server.process.pid, signal.SIGCONT)
         engine.close()
 
 
-def test_stopped_slow_and_full_redis_keep_serving_and_recover(tokenizer, fresh, server):
-    engine = redis_engine(tokenizer, server)
+def test_stopped_slow_and_full_redis_keep_serving_and_recover(tokenizer, fresh, redis_server):
+    engine = redis_engine(tokenizer, redis_server)
     try:
-        server.stop()                                            # down
+        redis_server.stop()                                            # down
         assert one(engine, "p0")[0] == fresh["p0"]
         engine.connector_worker.wait_for_save()
         assert redis_errors(engine) >= 1
-        server.start()                                           # back, same port, empty
+        redis_server.start()                                           # back, same port, empty
         wait_for_redis(engine)                                   # the breaker's probe finds it
         assert one(engine, "p1")[0] == fresh["p1"]
         engine.connector_worker.wait_for_save()
-        assert server.admin().dbsize() > 0                       # saves land again, no restart
+        assert redis_server.admin().dbsize() > 0                       # saves land again, no restart
 
-        os.kill(server.process.pid, signal.SIGSTOP)              # slow: every call times out
+        os.kill(redis_server.process.pid, signal.SIGSTOP)              # slow: every call times out
         start = time.monotonic()
         assert one(engine, "p2")[0] == fresh["p2"]
         engine.connector_worker.wait_for_save()
         assert time.monotonic() - start < 10
-        os.kill(server.process.pid, signal.SIGCONT)
+        os.kill(redis_server.process.pid, signal.SIGCONT)
         wait_for_redis(engine)
 
-        admin = server.admin()                                   # full: SET answers OOM
+        admin = redis_server.admin()                                   # full: SET answers OOM
         admin.config_set("maxmemory-policy", "noeviction")
         admin.config_set("maxmemory", str(admin.info("memory")["used_memory"]))
         before = admin.dbsize()
@@ -187,7 +172,7 @@ def test_stopped_slow_and_full_redis_keep_serving_and_recover(tokenizer, fresh, 
         assert admin.dbsize() > before                           # writes work again
     finally:
         engine.close()
-    second = redis_engine(tokenizer, server)                     # what the recovered tier holds is read back
+    second = redis_engine(tokenizer, redis_server)                     # what the recovered tier holds is read back
     try:
         assert one(second, "p4") == (fresh["p4"], 56)
     finally:

@@ -20,7 +20,11 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from conftest import (
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+from support.api import assert_error
+from support.servers import (
     LOOP_FAULT_MARKER,
     ROW_FAULT_MARKER,
     STEP_FAULT_MARKER,
@@ -30,11 +34,7 @@ from conftest import (
     start_server,
     stop_server,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from pydantic import ValidationError
-from test_bad_input import assert_error
-from tiny import tiny_config, tiny_model
+from support.tiny import tiny_config, tiny_model
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvhive.core.json_body import (

@@ -11,7 +11,14 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import FAULT_MARKER, SERVED_MODEL_NAME, SLOW_MARKER, ServerProcess, start_server, stop_server
+from support.servers import (
+    FAULT_MARKER,
+    SERVED_MODEL_NAME,
+    SLOW_MARKER,
+    ServerProcess,
+    start_server,
+    stop_server,
+)
 
 from kvhive.sessions.responses import conversation_of
 

@@ -7,9 +7,8 @@ import uuid
 
 import httpx
 import pytest
-from conftest import SERVED_MODEL_NAME, ServerProcess
 from openai import NotFoundError, OpenAI
-from test_openai_client import API_KEY, client, server  # noqa: F401 - fixtures: the default-model server
+from support.servers import DEFAULT_API_KEY, SERVED_MODEL_NAME, ServerProcess
 
 pytestmark = pytest.mark.e2e
 
@@ -17,9 +16,9 @@ INSTRUCTIONS = "You are a concise assistant. Answer in one short sentence."
 TURNS = ["What is the capital of France?", "And of Italy?", "Which of the two is further south?"]
 
 
-def test_a_chain_from_kept_kv_gives_the_uncached_greedy_tokens(server: ServerProcess) -> None:  # noqa: F811
-    with httpx.Client(base_url=server.base_url, timeout=120,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+def test_a_chain_from_kept_kv_gives_the_uncached_greedy_tokens(default_server: ServerProcess) -> None:
+    with httpx.Client(base_url=default_server.base_url, timeout=120,
+                      headers={"Authorization": f"Bearer {DEFAULT_API_KEY}"}) as http:
         messages = [{"role": "system", "content": INSTRUCTIONS}]
         previous = None
         for turn, question in enumerate(TURNS):
@@ -49,38 +48,38 @@ def test_a_chain_from_kept_kv_gives_the_uncached_greedy_tokens(server: ServerPro
     assert "Paris" in messages[2]["content"] and "Rome" in messages[4]["content"]
 
 
-def test_openai_client_creates_continues_retrieves_and_deletes(client: OpenAI) -> None:  # noqa: F811
-    first = client.responses.create(model=SERVED_MODEL_NAME, input=TURNS[0], instructions=INSTRUCTIONS,
+def test_openai_client_creates_continues_retrieves_and_deletes(openai_client: OpenAI) -> None:
+    first = openai_client.responses.create(model=SERVED_MODEL_NAME, input=TURNS[0], instructions=INSTRUCTIONS,
                                     temperature=0, max_output_tokens=32, metadata={"run": "sdk"})
     assert first.object == "response" and first.status == "completed"
     assert "Paris" in first.output_text and first.metadata == {"run": "sdk"}
-    second = client.responses.create(model=SERVED_MODEL_NAME, input=TURNS[1], instructions=INSTRUCTIONS,
+    second = openai_client.responses.create(model=SERVED_MODEL_NAME, input=TURNS[1], instructions=INSTRUCTIONS,
                                      previous_response_id=first.id, temperature=0, max_output_tokens=32)
     assert second.previous_response_id == first.id and "Rome" in second.output_text
     assert second.usage.input_tokens_details.cached_tokens == \
         first.usage.input_tokens + first.usage.output_tokens - 1
-    fetched = client.responses.retrieve(second.id)
+    fetched = openai_client.responses.retrieve(second.id)
     assert fetched.output_text == second.output_text and fetched.usage == second.usage
-    (item,) = client.responses.input_items.list(second.id).data
+    (item,) = openai_client.responses.input_items.list(second.id).data
     assert item.role == "user" and item.content[0].text == TURNS[1]
-    client.responses.delete(second.id)
+    openai_client.responses.delete(second.id)
     with pytest.raises(NotFoundError):
-        client.responses.retrieve(second.id)
+        openai_client.responses.retrieve(second.id)
     with pytest.raises(NotFoundError):
-        client.responses.create(model=SERVED_MODEL_NAME, input="?", previous_response_id=second.id)
+        openai_client.responses.create(model=SERVED_MODEL_NAME, input="?", previous_response_id=second.id)
 
 
-def test_openai_client_streams(client: OpenAI) -> None:  # noqa: F811
-    whole = client.responses.create(model=SERVED_MODEL_NAME, input=TURNS[0], temperature=0,
+def test_openai_client_streams(openai_client: OpenAI) -> None:
+    whole = openai_client.responses.create(model=SERVED_MODEL_NAME, input=TURNS[0], temperature=0,
                                     max_output_tokens=32, store=False)
-    with client.responses.stream(model=SERVED_MODEL_NAME, input=TURNS[0], temperature=0,
+    with openai_client.responses.stream(model=SERVED_MODEL_NAME, input=TURNS[0], temperature=0,
                                  max_output_tokens=32) as stream:
         deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
         final = stream.get_final_response()
     assert "".join(deltas) == final.output_text == whole.output_text
-    assert final.status == "completed" and client.responses.retrieve(final.id).output_text == final.output_text
+    assert final.status == "completed" and openai_client.responses.retrieve(final.id).output_text == final.output_text
     # create(stream=True) continuing the streamed response: raw events, then the completed response.
-    events = list(client.responses.create(model=SERVED_MODEL_NAME, input=TURNS[1], previous_response_id=final.id,
+    events = list(openai_client.responses.create(model=SERVED_MODEL_NAME, input=TURNS[1], previous_response_id=final.id,
                                           temperature=0, max_output_tokens=32, stream=True))
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[0].type == "response.created" and events[-1].type == "response.completed"
@@ -91,14 +90,14 @@ def test_openai_client_streams(client: OpenAI) -> None:  # noqa: F811
         final.usage.input_tokens + final.usage.output_tokens - 1
 
 
-def test_openai_client_parses_logprobs_equal_to_chat(client: OpenAI) -> None:  # noqa: F811
+def test_openai_client_parses_logprobs_equal_to_chat(openai_client: OpenAI) -> None:
     logprobs = ["message.output_text.logprobs"]
-    response = client.responses.create(model=SERVED_MODEL_NAME, input=TURNS[0], instructions=INSTRUCTIONS,
+    response = openai_client.responses.create(model=SERVED_MODEL_NAME, input=TURNS[0], instructions=INSTRUCTIONS,
                                        temperature=0, max_output_tokens=12, include=logprobs, top_logprobs=2,
                                        store=False)
     (part,) = response.output[0].content
     assert response.top_logprobs == 2 and len(part.logprobs) == response.usage.output_tokens
-    chat = client.chat.completions.create(
+    chat = openai_client.chat.completions.create(
         model=SERVED_MODEL_NAME, temperature=0, max_tokens=12, logprobs=True, top_logprobs=2,
         messages=[{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": TURNS[0]}])
     expected = chat.choices[0].logprobs.content
@@ -107,7 +106,7 @@ def test_openai_client_parses_logprobs_equal_to_chat(client: OpenAI) -> None:  #
     assert [[t.token for t in e.top_logprobs] for e in part.logprobs] == \
         [[t.token for t in e.top_logprobs] for e in expected]
     # Streamed: each text delta's logprobs parse, and together they are the whole output's.
-    with client.responses.stream(model=SERVED_MODEL_NAME, input=TURNS[0], instructions=INSTRUCTIONS,
+    with openai_client.responses.stream(model=SERVED_MODEL_NAME, input=TURNS[0], instructions=INSTRUCTIONS,
                                  temperature=0, max_output_tokens=12, include=logprobs, top_logprobs=2,
                                  store=False) as stream:
         streamed = [lp for event in stream if event.type == "response.output_text.delta" for lp in event.logprobs]

@@ -10,8 +10,7 @@ import time
 from typing import Any
 
 import httpx
-from conftest import SERVED_MODEL_NAME, ServerProcess, kill_server, start_server, stop_server
-from test_sessions_restart import persistence  # noqa: F401 - the fixture: "disk" or "redis"
+from support.servers import SERVED_MODEL_NAME, ServerProcess, kill_server, start_server, stop_server
 
 from kvhive.sessions.responses import conversation_of
 
@@ -34,7 +33,7 @@ def ok(response: httpx.Response) -> dict[str, Any]:
     return response.json()
 
 
-def test_stored_responses_survive_sigkill_and_restart(persistence) -> None:  # noqa: F811
+def test_stored_responses_survive_sigkill_and_restart(persistence) -> None:
     tier, store_args = persistence
     server = start_server("tiny", api_keys=(KEY,), max_model_len=512, extra_args=store_args)
     try:

@@ -8,14 +8,19 @@ its index; one without it looks up unsalted keys and falls back to load.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import REPO_ROOT, SERVED_MODEL_NAME, free_port, log_file
-from test_gateway import Cluster, ReplicaProcess, _env, healthy, long_prompt, wait_until
+from support.cluster import (
+    Cluster,
+    ReplicaProcess,
+    long_prompt,
+    running_replicas,
+    start_gateway,
+    stop_gateway,
+)
+from support.servers import SERVED_MODEL_NAME, wait_until
 
 from kvhive.core.tenancy import cache_salt, key_owner
 from kvhive.router.cli import fetch_hashing
@@ -25,35 +30,19 @@ from kvhive.router.tokenize import prompt_from_body
 KEYS = ("key-alpha", "key-beta")
 
 
-def start_gateway(replica: ReplicaProcess, *flags: str) -> Cluster:
-    port = free_port()
-    log = log_file("kvhive-gateway-keys-")
-    cmd = [sys.executable, "-m", "kvhive.cli", "gateway", "--port", str(port), "--replica", replica.spec,
-           "--replica-api-key", KEYS[0], "--health-interval", "0.3", "--log-level", "warning", *flags]
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=_env())
-    url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: healthy(url), 60, f"gateway {flags}")
-    return Cluster([replica], url, process)
-
-
 @pytest.fixture(scope="module")
 def gateways() -> Iterator[tuple[Cluster, Cluster]]:
     replica = ReplicaProcess(extra_args=("--api-key", KEYS[0], "--api-key", KEYS[1]))
-    replica.start()
-    started: list[Cluster] = []
-    try:
-        replica.wait_healthy()
-        started.append(start_gateway(replica, "--salt-with-api-key"))
-        started.append(start_gateway(replica))
-        yield started[0], started[1]
-    finally:
-        for cluster in started:
-            cluster.gateway.terminate()
-            try:
-                cluster.gateway.wait(10)
-            except subprocess.TimeoutExpired:
-                cluster.gateway.kill()
-        replica.kill()
+    flags = ("--replica-api-key", KEYS[0], "--health-interval", "0.3")
+    with running_replicas([replica], print_logs=False):
+        started: list[Cluster] = []
+        try:
+            started.append(start_gateway([replica], *flags, "--salt-with-api-key", until_all_up=False))
+            started.append(start_gateway([replica], *flags, until_all_up=False))
+            yield started[0], started[1]
+        finally:
+            for cluster in started:
+                stop_gateway(cluster)
 
 
 def complete(cluster: Cluster, prompt: str, key: str, **extra: object) -> httpx.Response:

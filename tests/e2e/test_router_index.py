@@ -1,16 +1,12 @@
-"""The global KV block index: in-memory LRU and Redis backends behave the same (real redis-server)."""
+"""The global KV block index: in-memory LRU and Redis backends behave the same (real redis-server);
+the in-memory one alone: tests/unit/test_router_index_memory.py."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
-import subprocess
-import threading
-import time
 from collections.abc import Iterator
 
 import pytest
+from support.redis_server import RedisServer
 
 from kvhive.router.index import InMemoryIndex, KVBlockIndex, RedisIndex
 
@@ -24,34 +20,8 @@ def keys(*ids: int) -> list[bytes]:
 
 
 @pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A throwaway redis-server on a free port, no persistence; stopped after the module."""
-    if shutil.which("redis-server") is None and not os.environ.get("CI"):
-        pytest.skip("redis-server is not installed")
-    pytest.importorskip("redis")
-    import redis
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workdir = str(tmp_path_factory.mktemp("redis"))
-    process = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                "--appendonly", "no", "--dir", workdir],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            if redis.Redis.from_url(url, socket_timeout=1).ping():
-                break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                process.kill()
-                raise
-            time.sleep(0.02)
-    yield url
-    process.terminate()
-    process.wait(10)
+def redis_url(module_redis_server: RedisServer) -> str:
+    return module_redis_server.url
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -111,37 +81,6 @@ def test_clear_replica(index: KVBlockIndex) -> None:
     index.clear_replica("never-seen")
     index.add(keys(2), "a", "GPU")           # the replica can come back
     assert index.lookup(keys(2)) == [{"a": "GPU"}]
-
-
-def test_in_memory_index_is_a_bounded_lru() -> None:
-    index = InMemoryIndex(max_keys=3)
-    index.add(keys(0, 1, 2), "a", "GPU")
-    assert index.lookup(keys(0)) == [{"a": "GPU"}]    # 0 becomes the most recently used
-    index.add(keys(3), "b", "GPU")                    # evicts 1, the least recently used
-    assert len(index) == 3
-    assert index.lookup(keys(1)) == []
-    assert [bool(index.lookup(keys(i))) for i in (0, 2, 3)] == [True, True, True]
-    index.clear_replica("a")                          # evicted keys left the replica's set too
-    assert len(index) == 1 and index.lookup(keys(3)) == [{"b": "GPU"}]
-    with pytest.raises(ValueError):
-        InMemoryIndex(max_keys=0)
-
-
-def test_in_memory_index_many_replicas_and_threads() -> None:
-    index = InMemoryIndex(max_keys=100_000)
-
-    def writer(r: int) -> None:
-        for i in range(0, 1000, 10):
-            index.add(keys(*range(i, i + 10)), f"r{r}", "GPU" if r % 2 else "CPU")
-
-    threads = [threading.Thread(target=writer, args=(r,)) for r in range(20)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    hits = index.lookup(keys(*range(1000)))
-    assert len(hits) == 1000
-    assert hits[500] == {f"r{r}": "GPU" if r % 2 else "CPU" for r in range(20)}
 
 
 def test_redis_index_shared_by_two_gateways(redis_url: str) -> None:

@@ -8,78 +8,19 @@ the session's ``x-session-id`` goes to the survivor and reports cached tokens.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import REPO_ROOT, SERVED_MODEL_NAME, free_port, log_file
-from test_gateway import Cluster, ReplicaProcess, _env, healthy, long_prompt, wait_until
-
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None and not os.environ.get("CI"),
-                                reason="redis-server is not installed")
+from support.cluster import Cluster, default_cluster, long_prompt
+from support.redis_server import RedisServer
+from support.servers import SERVED_MODEL_NAME, wait_until
 
 
 @pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    workdir = str(tmp_path_factory.mktemp("redis"))
-    process = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                "--appendonly", "no", "--dir", workdir],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        import redis
-
-        def up() -> bool:
-            try:
-                return bool(redis.Redis.from_url(url, socket_timeout=1).ping())
-            except redis.ConnectionError:
-                return False
-
-        wait_until(up, 10, "redis-server")
-        yield url
-    finally:
-        process.terminate()
-        process.wait(10)
-
-
-@pytest.fixture(scope="module")
-def redis_cluster(redis_url: str) -> Iterator[Cluster]:
-    replicas = [ReplicaProcess(extra_args=("--redis-url", redis_url)) for _ in range(2)]
-    for r in replicas:
-        r.start()
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvhive.cli", "gateway", "--port", str(port),
-           "--health-interval", "0.3", "--failures-to-drop", "1", "--log-level", "warning"]
-    for r in replicas:
-        cmd += ["--replica", r.spec]
-    log = log_file("kvhive-gateway-")
-    url = f"http://127.0.0.1:{port}"
-    gateway = None
-    try:
-        for r in replicas:
-            r.wait_healthy()
-        gateway = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=_env())
-        wait_until(lambda: healthy(url) and set(httpx.get(f"{url}/health").json()["replicas"].values())
-                   == {"up"}, 60, "the gateway to see both replicas")
-        yield Cluster(replicas, url, gateway)
-    finally:
-        if gateway is not None:
-            gateway.terminate()
-            try:
-                gateway.wait(10)
-            except subprocess.TimeoutExpired:
-                gateway.kill()
-        for r in replicas:
-            r.kill()
-        for r in replicas:
-            print(f"replica {r.url} log tail:\n{r.log_tail()}")
-        with open(log.name, errors="replace") as f:
-            print("gateway log tail:\n" + f.read()[-3000:])
+def redis_cluster(module_redis_server: RedisServer) -> Iterator[Cluster]:
+    with default_cluster("--redis-url", module_redis_server.url, print_replica_logs=True) as cluster:
+        yield cluster
 
 
 def cached_tokens(response: httpx.Response) -> int:

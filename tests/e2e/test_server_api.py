@@ -9,36 +9,12 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import TINY_API_KEY, TINY_MAX_MODEL_LEN, ServerProcess, read_sse
+from support.api import LONG_PROMPT, MODEL, chat, complete, stream
+from support.servers import TINY_API_KEY, TINY_MAX_MODEL_LEN, ServerProcess
 
 from kvhive.core.model_files import default_model_path
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.server.stop import StopStringMatcher
-
-MODEL = "smollm2-135m"
-LONG_PROMPT = " ".join(f"Fact {i}: the {i}th colour of the list is number {i * 7}." for i in range(12))
-
-
-def complete(client: httpx.Client, **fields: Any) -> dict[str, Any]:
-    """A non-streamed completion that must succeed."""
-    r = client.post("/v1/completions", json={"model": MODEL, **fields})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def chat(client: httpx.Client, **fields: Any) -> dict[str, Any]:
-    """A non-streamed chat completion that must succeed."""
-    r = client.post("/v1/chat/completions", json={"model": MODEL, **fields})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def stream(client: httpx.Client, path: str, **fields: Any) -> list[dict[str, Any] | str]:
-    """All SSE events of a streamed request that must succeed."""
-    with client.stream("POST", path, json={"model": MODEL, "stream": True, **fields}) as r:
-        assert r.status_code == 200, r.read()
-        assert r.headers["content-type"].startswith("text/event-stream")
-        return read_sse(r)
 
 
 def assert_usage(usage: dict[str, Any]) -> None:

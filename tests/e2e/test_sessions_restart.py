@@ -4,14 +4,11 @@ prefix caching and no caching."""
 
 from __future__ import annotations
 
-import shutil
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import SERVED_MODEL_NAME, kill_server, start_server, stop_server
-from test_store_redis import RedisServer, _free_port
+from support.servers import SERVED_MODEL_NAME, kill_server, start_server, stop_server
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvhive.core.model_files import default_model_path
@@ -20,20 +17,6 @@ from kvhive.request import SamplingParams
 
 KEY = "restart-key"
 PROMPT = [(i * 13) % 200 + 3 for i in range(70)]
-
-
-@pytest.fixture(params=["disk", "redis"])
-def persistence(request, tmp_path) -> Iterator[tuple[str, tuple[str, ...]]]:
-    """The tier the sessions persist with, and the server flags that configure it."""
-    if request.param == "disk":
-        yield "disk", ("--disk-cache-dir", str(tmp_path))
-        return
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
-    redis_server = RedisServer(_free_port(), str(tmp_path))
-    redis_server.start()
-    yield "redis", ("--redis-url", redis_server.url)
-    redis_server.stop()
 
 
 def test_sessions_and_expiries_survive_sigkill_and_restart(persistence):

@@ -6,14 +6,15 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import time
 from collections.abc import Iterator
 
 import pytest
 
 redis = pytest.importorskip("redis")
+from support.redis_server import RedisServer  # noqa: E402
+from support.servers import wait_until  # noqa: E402
+
 from kvhive.store.key import KeySpace  # noqa: E402
 from kvhive.store.redis import RedisStore  # noqa: E402
 
@@ -35,68 +36,11 @@ def payload(i: int) -> bytes:
     return (i.to_bytes(4, "little") * (BLOCK // 4 + 1))[:BLOCK]
 
 
-class RedisServer:
-    """A redis-server subprocess on a fixed port that a test can stop, pause and start again."""
-
-    def __init__(self, port: int, workdir: str) -> None:
-        self.port = port
-        self.workdir = workdir
-        self.url = f"redis://127.0.0.1:{port}/0"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.workdir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                if redis.Redis(port=self.port, socket_timeout=1).ping():
-                    return
-            except redis.ConnectionError:
-                time.sleep(0.02)
-        raise RuntimeError("redis-server did not start")
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait()
-            self.process = None
-
-    def admin(self):
-        return redis.Redis(port=self.port, socket_timeout=5)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture()
-def server(tmp_path) -> Iterator[RedisServer]:
-    srv = RedisServer(_free_port(), str(tmp_path))
-    srv.start()
-    yield srv
-    if srv.process is not None:
-        os.kill(srv.process.pid, signal.SIGCONT)
-    srv.stop()
-
-
-@pytest.fixture()
-def store(server: RedisServer) -> Iterator[RedisStore]:
-    s = RedisStore(server.url, timeout_s=TIMEOUT_S, backoff_s=BACKOFF_S)
+def store(redis_server: RedisServer) -> Iterator[RedisStore]:
+    s = RedisStore(redis_server.url, timeout_s=TIMEOUT_S, backoff_s=BACKOFF_S)
     yield s
     s.close()
-
-
-def wait_until(predicate, timeout_s: float = 10.0) -> None:
-    """Poll ``predicate`` until it holds; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.02)
 
 
 def timed(fn, *args) -> float:
@@ -120,16 +64,16 @@ def test_put_get_contains_delete(store: RedisStore):
     assert s.used_bytes is None and s.budget_bytes is None
 
 
-def test_ttl_is_set_on_every_block(server: RedisServer):
-    store = RedisStore(server.url, ttl_seconds=0.2)
+def test_ttl_is_set_on_every_block(redis_server: RedisServer):
+    store = RedisStore(redis_server.url, ttl_seconds=0.2)
     assert store.put(key(1), payload(1))
-    assert 0 < server.admin().pttl(key(1).encode()) <= 200
+    assert 0 < redis_server.admin().pttl(key(1).encode()) <= 200
     store.close()
 
 
-def test_pinned_blocks_carry_no_ttl_until_unpinned(server: RedisServer):
-    store = RedisStore(server.url, ttl_seconds=0.5)
-    admin = server.admin()
+def test_pinned_blocks_carry_no_ttl_until_unpinned(redis_server: RedisServer):
+    store = RedisStore(redis_server.url, ttl_seconds=0.5)
+    admin = redis_server.admin()
     assert store.put(key(1), payload(1))
     store.pin([key(1), key(2)])                       # key 2 is pinned before it is stored
     assert store.put(key(2), payload(2)) and store.put(key(3), payload(3))
@@ -142,8 +86,8 @@ def test_pinned_blocks_carry_no_ttl_until_unpinned(server: RedisServer):
     store.close()
 
 
-def test_corrupt_or_misnamed_value_is_a_miss(store: RedisStore, server: RedisServer):
-    admin = server.admin()
+def test_corrupt_or_misnamed_value_is_a_miss(store: RedisStore, redis_server: RedisServer):
+    admin = redis_server.admin()
     store.put(key(1), payload(1))
     raw = bytearray(admin.get(key(1).encode()))
     raw[-10] ^= 0xFF
@@ -158,9 +102,9 @@ def test_corrupt_or_misnamed_value_is_a_miss(store: RedisStore, server: RedisSer
     assert store.stats().errors == 3
 
 
-def test_server_down_means_fast_misses_then_recovery_without_restart(store: RedisStore, server: RedisServer):
+def test_server_down_means_fast_misses_then_recovery_without_restart(store: RedisStore, redis_server: RedisServer):
     store.put(key(1), payload(1))
-    server.stop()
+    redis_server.stop()
     for _ in range(2):                                     # the first call fails, the second backs off
         assert timed(store.get, key(1)) < 1.0
         assert timed(store.put, key(2), payload(2)) < 1.0
@@ -170,28 +114,28 @@ def test_server_down_means_fast_misses_then_recovery_without_restart(store: Redi
     assert store.contains([key(1), key(2)]) == [False, False]
     store.delete(key(1))
     assert store.stats().errors >= 1
-    server.start()                                         # same port, empty (no persistence)
-    wait_until(lambda: store.available)                    # the breaker's probe found it back
+    redis_server.start()                                         # same port, empty (no persistence)
+    wait_until(lambda: store.available, 10, "the store")  # the breaker's probe found it back
     assert store.put(key(1), payload(1))                   # the same store object reconnects
     assert bytes(store.get(key(1))) == payload(1)
 
 
-def test_slow_server_times_out_fast_and_recovers(store: RedisStore, server: RedisServer):
+def test_slow_server_times_out_fast_and_recovers(store: RedisStore, redis_server: RedisServer):
     store.put(key(1), payload(1))
-    os.kill(server.process.pid, signal.SIGSTOP)            # a hung server: connections open, no answers
+    os.kill(redis_server.process.pid, signal.SIGSTOP)            # a hung server: connections open, no answers
     errors_before = store.stats().errors
     assert timed(store.get, key(1)) < 1.0                  # times out after TIMEOUT_S
     assert timed(store.put, key(2), payload(2)) < 0.1      # backing off: no network call at all
     assert store.get(key(1)) is None
     assert store.stats().errors == errors_before + 1
-    os.kill(server.process.pid, signal.SIGCONT)
-    wait_until(lambda: store.available)
+    os.kill(redis_server.process.pid, signal.SIGCONT)
+    wait_until(lambda: store.available, 10, "the store")
     assert bytes(store.get(key(1))) == payload(1)
     assert store.put(key(2), payload(2))
 
 
-def test_full_server_refuses_puts_but_keeps_serving_reads(store: RedisStore, server: RedisServer):
-    admin = server.admin()
+def test_full_server_refuses_puts_but_keeps_serving_reads(store: RedisStore, redis_server: RedisServer):
+    admin = redis_server.admin()
     assert store.put(key(1), payload(1))
     admin.config_set("maxmemory-policy", "noeviction")
     admin.config_set("maxmemory", "1mb")                   # below what Redis already uses

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
 from collections.abc import Iterator
 
 import pytest
-from test_restart import LONG_PROMPT, ServeProcess
+from support.kvhive_serve import LONG_PROMPT, ServeProcess
+from support.redis_server import RedisServer
 
 redis = pytest.importorskip("redis")
-from test_store_redis import RedisServer  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None and not os.environ.get("CI"),
                                 reason="redis-server is not installed")
@@ -23,28 +21,15 @@ FLOOD = [f"Note {k}: " + LONG_PROMPT[1500 + 300 * k:][:1500] for k in range(3)]
 
 
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory) -> Iterator[RedisServer]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = RedisServer(port, str(tmp_path_factory.mktemp("redis")))
-    srv.start()
-    yield srv
-    if srv.process is not None:
-        os.kill(srv.process.pid, signal.SIGCONT)
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def server(redis_server) -> Iterator[ServeProcess]:
+def server(module_redis_server: RedisServer) -> Iterator[ServeProcess]:
     # 64 blocks (1024 tokens) of device KV: the flood below evicts PROMPT from the pool.
-    srv = ServeProcess("--num-blocks", "64", "--cpu-offload-gb", "1", "--redis-url", redis_server.url,
+    srv = ServeProcess("--num-blocks", "64", "--cpu-offload-gb", "1", "--redis-url", module_redis_server.url,
                        "--max-num-batched-tokens", "512")
     yield srv
     srv.stop()
 
 
-def test_device_cpu_and_redis_hits_give_the_cold_tokens(server, redis_server):
+def test_device_cpu_and_redis_hits_give_the_cold_tokens(server, module_redis_server):
     cold, num_prompt, cached = server.complete(PROMPT)
     assert cached == 0 and num_prompt > 500
     assert server.complete(PROMPT) == (cold, num_prompt, (num_prompt - 1) // 16 * 16)      # device hit
@@ -55,9 +40,9 @@ def test_device_cpu_and_redis_hits_give_the_cold_tokens(server, redis_server):
     assert again == cold and cached >= 0.9 * num_prompt
     assert server.metric("kvhive_kv_tier_hit_tokens_total", "cpu") >= 0.9 * num_prompt
     server.wait_for_saves("redis")
-    assert redis_server.admin().dbsize() >= num_prompt // 16
+    assert module_redis_server.admin().dbsize() >= num_prompt // 16
 
-    second = ServeProcess("--redis-url", redis_server.url)                                  # another replica
+    second = ServeProcess("--redis-url", module_redis_server.url)                                  # another replica
     try:
         text, _, cached = second.complete(PROMPT)
         assert text == cold and cached >= 0.9 * num_prompt

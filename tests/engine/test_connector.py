@@ -12,8 +12,8 @@ import threading
 import time
 
 import pytest
-from test_engine import GREEDY, make_engine, run
-from tiny import tiny_config, tiny_model
+from support.engines import GREEDY, make_engine, run
+from support.tiny import tiny_config, tiny_model
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, StoreConfig
 from kvhive.core.model_files import default_model_path

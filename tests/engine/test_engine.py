@@ -6,57 +6,17 @@ from __future__ import annotations
 import msgpack
 import pytest
 import zmq
-from tiny import tiny_config, tiny_model
+from support.engines import make_engine, run
 
-from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvhive.core.blocks import hash_blocks, root_hash
 from kvhive.core.model_files import default_model_path
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.engine.core import LLMEngine
-from kvhive.model.loader import LoadedModel
 from kvhive.request import SamplingParams
-
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
     return Tokenizer.from_model_path(default_model_path())
-
-
-def make_engine(tokenizer, *, num_blocks=64, block_size=4, prefix=True, budget=64, max_seqs=4,
-                **extra) -> LLMEngine:
-    cfg = tiny_config(max_position_embeddings=512)
-    loaded = LoadedModel(cfg, tiny_model(cfg), "tiny-engine-test")
-    config = EngineConfig(
-        model_path="tiny", cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                                             enable_prefix_caching=prefix),
-        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                                  max_model_len=512), **extra)
-    return LLMEngine(config, loaded=loaded, tokenizer=tokenizer)
-
-
-def run(engine: LLMEngine, prompts: dict[str, list[int]], sampling=GREEDY, stagger=False):
-    """Generate all prompts; returns {id: (tokens, cached_tokens)}. With stagger, each request
-    is added one step after the previous one."""
-    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
-    cached: dict[str, int] = {}
-    pending = list(prompts.items())
-    if not stagger:
-        for rid, ids in pending:
-            engine.add_request(rid, ids, sampling)
-        pending = []
-    for _ in range(2000):
-        if pending:
-            rid, ids = pending.pop(0)
-            engine.add_request(rid, ids, sampling)
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-            if out.finished:
-                cached[out.request_id] = out.num_cached_tokens
-        if not pending and not engine.has_unfinished():
-            break
-    return {rid: (tokens[rid], cached.get(rid)) for rid in prompts}
 
 
 def prompts_with_shared_prefix(n=4, prefix_len=40) -> dict[str, list[int]]:

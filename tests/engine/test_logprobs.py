@@ -9,12 +9,13 @@ import random
 
 import pytest
 import torch
-from tiny import dense_logits, tiny_config, tiny_model
+from support.engines import run_engine
+from support.tiny import dense_logits, tiny_config, tiny_model
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvhive.core.model_files import default_model_path
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.engine.core import LLMEngine, RequestOutput
+from kvhive.engine.core import LLMEngine
 from kvhive.engine.sampling import token_logprobs
 from kvhive.engine.step import TokenLogprobs
 from kvhive.model.loader import LoadedModel
@@ -50,17 +51,6 @@ def test_sampling_params_bound_logprobs() -> None:
     for bad in (-1, MAX_LOGPROBS + 1):
         with pytest.raises(ValueError, match="logprobs"):
             SamplingParams(logprobs=bad)
-
-
-def run_engine(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
-               ) -> dict[str, list[RequestOutput]]:
-    for rid, (prompt, sampling) in requests.items():
-        engine.add_request(rid, prompt, sampling)
-    outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in requests}
-    while engine.has_unfinished():
-        for out in engine.step():
-            outputs[out.request_id].append(out)
-    return outputs
 
 
 def test_engine_logprobs_match_a_dense_reference(tokenizer: Tokenizer) -> None:

@@ -10,8 +10,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from conftest import free_port
 from fastapi import Request
+from support.servers import free_port
 
 from kvhive.core.tenancy import key_owner
 from kvhive.router.app import read_body, too_large

@@ -12,8 +12,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import SERVED_MODEL_NAME, _build_engine
 from starlette.requests import ClientDisconnect
+from support.serve_faulty import build_engine
+from support.servers import SERVED_MODEL_NAME
 
 from kvhive.server.app import create_app
 
@@ -29,7 +30,7 @@ def app() -> Iterator:
                                cpu_offload_gb=0.0, disk_cache_dir=None, redis_url=None,
                                default_session_ttl=600, max_session_ttl=3600, max_sessions_per_key=None,
                                max_pinned_gb=None, share_prefix_cache=False, faulty=False)
-    engine = _build_engine(flags)
+    engine = build_engine(flags)
     engine.start()
     yield create_app(engine, served_model_name=SERVED_MODEL_NAME, api_keys=(KEY,))
     engine.shutdown()

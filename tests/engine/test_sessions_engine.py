@@ -4,7 +4,7 @@ matching, end_session frees, and spilling under device pressure (tiny random mod
 from __future__ import annotations
 
 import pytest
-from test_engine import GREEDY, make_engine
+from support.engines import GREEDY, make_engine, turn
 
 from kvhive.config import StoreConfig
 from kvhive.core.model_files import default_model_path
@@ -14,21 +14,6 @@ from kvhive.core.tokenizer import Tokenizer
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
     return Tokenizer.from_model_path(default_model_path())
-
-
-def turn(engine, rid, prompt, session_id=None, end=False, sampling=GREEDY):
-    """Run one request to the end; returns (output tokens, cached tokens, session hashes)."""
-    engine.add_request(rid, prompt, sampling, session_id=session_id, end_session=end)
-    tokens, cached, hashes = [], None, None
-    for _ in range(2000):
-        for out in engine.step():
-            tokens += out.new_token_ids
-            if out.finished:
-                cached, hashes = out.num_cached_tokens, out.session_block_hashes
-        if not engine.has_unfinished():
-            break
-    engine.scheduler.kv.pool.check_integrity()
-    return tokens, cached, hashes
 
 
 def conversation(engine, turns, session_id=None):

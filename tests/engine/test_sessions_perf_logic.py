@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from test_engine import GREEDY, make_engine
+from support.engines import GREEDY, make_engine
 
 from kvhive.core.model_files import default_model_path
 from kvhive.core.tokenizer import Tokenizer

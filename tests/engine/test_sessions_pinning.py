@@ -5,8 +5,7 @@ every session's next turn gets its tokens back (tiny random model, real store ti
 from __future__ import annotations
 
 import pytest
-from test_engine import make_engine
-from test_sessions_engine import turn
+from support.engines import make_engine, turn
 
 from kvhive.config import StoreConfig
 from kvhive.core.model_files import default_model_path

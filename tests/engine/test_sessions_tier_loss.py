@@ -8,9 +8,8 @@ import threading
 from collections.abc import Iterable, Sequence
 
 import pytest
-from test_engine import GREEDY, make_engine
-from test_sessions_engine import turn
-from tiny import tiny_config, tiny_model
+from support.engines import GREEDY, make_engine, turn
+from support.tiny import tiny_config, tiny_model
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvhive.core.model_files import default_model_path

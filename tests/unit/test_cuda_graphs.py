@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_runner import generate, make_runner, prompt
-from tiny import dense_greedy, tiny_config, tiny_model
+from support.runners import generate, make_runner, prompt
+from support.tiny import dense_greedy, tiny_config, tiny_model
 
 from kvhive.engine.runner import ModelRunner
 from kvhive.model.cuda_graphs import DecodeGraphs

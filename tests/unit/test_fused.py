@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import tiny_config
+from support.tiny import tiny_config
 
 from kvhive.model import cpu
 from kvhive.model.fused import FusedOps

@@ -13,7 +13,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from tiny import tiny_config, tiny_model
+from support.tiny import tiny_config, tiny_model
 
 from kvhive.engine.runner import ModelRunner
 from kvhive.engine.step import ScheduledSeq, StepPlan

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import free_port
+from support.servers import free_port
 
 from kvhive.router.upstream import UpstreamClient, UpstreamConnectError, UpstreamError
 

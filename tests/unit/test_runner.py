@@ -2,58 +2,22 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from tiny import dense_greedy, dense_logits, tiny_config, tiny_model
+from support.runners import HAS_KERNEL, Blocks, generate, make_runner, prompt, seq
+from support.tiny import dense_greedy, dense_logits, tiny_config, tiny_model
 
 from kvhive.engine.runner import ModelRunner
 from kvhive.engine.sampling import sample_tokens
-from kvhive.engine.step import ScheduledSeq, StepPlan
+from kvhive.engine.step import StepPlan
 from kvhive.model import attention
 from kvhive.model.decode_kernel import CpuDecodeKernel
 from kvhive.model.llama import LlamaModel, TorchOps
-from kvhive.model.prefill_kernel import CpuPrefillKernel
 from kvhive.request import SamplingParams
 
-GREEDY = SamplingParams(temperature=0.0)
-HAS_KERNEL = CpuDecodeKernel.load() is not None       # False where no C++ compiler is installed
-_PREFILL = CpuPrefillKernel.load()                     # None also without AVX-512
 DECODE_PATHS = pytest.mark.parametrize("native", [True, False], ids=["kernel", "sdpa"])
 F32_TOL = dict(atol=1e-4, rtol=1e-4)
 BF16_TOL = dict(atol=0.15, rtol=0.05)
-
-
-class Blocks:
-    """Hands out pool blocks in a shuffled order, so block tables are never contiguous."""
-
-    def __init__(self, num_blocks: int, block_size: int, seed: int = 0) -> None:
-        self.block_size = block_size
-        self.free = list(range(num_blocks))
-        random.Random(seed).shuffle(self.free)
-
-    def grow(self, table: list[int], num_tokens: int) -> list[int]:
-        """Extend table in place until it holds num_tokens tokens; return it."""
-        while len(table) * self.block_size < num_tokens:
-            table.append(self.free.pop())
-        return table
-
-
-def make_runner(block_size: int, dtype: str = "float32", num_blocks: int = 256,
-                model: LlamaModel | None = None, pack: bool = False, native: bool = True) -> ModelRunner:
-    model = model or tiny_model(dtype=dtype, pack=pack)
-    runner = ModelRunner(model, model.config, num_blocks=num_blocks, block_size=block_size, dtype=dtype,
-                         native_attention=native)
-    assert (runner.decode_kernel is not None) == (native and HAS_KERNEL)
-    has_prefill = _PREFILL is not None and runner.dtype in _PREFILL.dtypes
-    assert (runner.prefill_kernel is not None) == (native and has_prefill)
-    return runner
-
-
-def seq(rid: str, tokens: list[int], start: int, table: list[int], sample: bool = True,
-        sampling: SamplingParams = GREEDY) -> ScheduledSeq:
-    return ScheduledSeq(rid, list(tokens), start, list(table), sample, sampling)
 
 
 def step_logits(runner: ModelRunner, plan: StepPlan) -> dict[str, torch.Tensor]:
@@ -67,11 +31,6 @@ def step_logits(runner: ModelRunner, plan: StepPlan) -> dict[str, torch.Tensor]:
         out[s.request_id] = logits[row:row + s.num_new_tokens]
         row += s.num_new_tokens
     return out
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 256) for _ in range(n)]
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -189,31 +148,6 @@ def test_blocks_are_self_contained_across_layers() -> None:
     torch.testing.assert_close(after, before, atol=0, rtol=0)
     untouched = set(range(256)) - set(moved) - set(table)
     assert runner.kv_cache[sorted(untouched)].abs().sum() == 0
-
-
-def generate(runner: ModelRunner, prompts: dict[str, list[int]], num_tokens: int, join_at: dict[str, int],
-             sampling: dict[str, SamplingParams] | None = None, seed: int = 0) -> dict[str, list[int]]:
-    """A minimal continuous-batching loop: request r joins at step join_at[r], prefills in one chunk."""
-    blocks = Blocks(runner.num_blocks, runner.block_size, seed)
-    tables: dict[str, list[int]] = {r: [] for r in prompts}
-    outputs: dict[str, list[int]] = {r: [] for r in prompts}
-    computed = dict.fromkeys(prompts, 0)
-    step = 0
-    while any(len(o) < num_tokens for o in outputs.values()):
-        seqs = []
-        for r, p in prompts.items():
-            if step < join_at.get(r, 0) or len(outputs[r]) >= num_tokens:
-                continue
-            tokens = (p + outputs[r])[computed[r]:]
-            blocks.grow(tables[r], computed[r] + len(tokens))
-            params = (sampling or {}).get(r, GREEDY)
-            seqs.append(seq(r, tokens, computed[r], tables[r], sampling=params))
-        result = runner.execute(StepPlan(seqs))
-        for s in seqs:
-            computed[s.request_id] += s.num_new_tokens
-            outputs[s.request_id].append(result.sampled[s.request_id])
-        step += 1
-    return outputs
 
 
 @DECODE_PATHS

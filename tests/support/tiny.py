@@ -1,6 +1,6 @@
 """A tiny random-weight Llama for unit tests, and a dense reference forward to check it against.
 
-Usable by any test file (pytest puts tests/ on sys.path): ``from tiny import tiny_config, tiny_model``.
+Usable by any test file (pytest puts tests/ on sys.path): ``from support.tiny import tiny_config, tiny_model``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,38 @@
+"""A SessionRegistry without a model: fake block hashes, a recorder of the pins it asks for, and
+sessions one turn old."""
+
+from __future__ import annotations
+
+from kvhive.config import SessionConfig
+from kvhive.sessions.registry import Session, SessionRegistry
+
+BLOCK_SIZE, BLOCK_BYTES = 16, 8192
+CONFIG = SessionConfig(max_ttl_s=3600)
+
+
+def hashes(prefix: str, n: int) -> list[str]:
+    """``n`` distinct 32-hex-digit block hashes starting with ``prefix``."""
+    return [f"{prefix}{i:04x}".ljust(32, "0") for i in range(n)]
+
+
+class Pins:
+    """Records what the registry asks the engine to pin (``on_load``)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[str]]] = []
+
+    def __call__(self, session: Session) -> None:
+        self.calls.append((session.engine_id, list(session.block_hashes)))
+
+
+def registry(backend=None, keeper=None, pins=None, config=CONFIG) -> SessionRegistry:
+    """A registry over ``backend`` (none: in memory only) with the test block geometry."""
+    return SessionRegistry(config, BLOCK_BYTES, BLOCK_SIZE, backend=backend, keeper=keeper, on_load=pins)
+
+
+def run_turn(reg: SessionRegistry, owner: str | None, blocks: list[str], ttl: int = 600,
+             session_id: str | None = None) -> Session:
+    """Create a session and end its first turn holding ``blocks``."""
+    session = reg.create(owner, "m", ttl, session_id=session_id)
+    reg.end_turn(session, len(blocks) * BLOCK_SIZE + 3, blocks)
+    return session

@@ -1,0 +1,52 @@
+"""EngineConfig.resolved: the model-dependent values (pool size, context length) fixed in one place."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvhive.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+
+
+def test_the_pool_size_comes_from_kv_cache_gb_unless_num_blocks_is_given():
+    config = EngineConfig(model_path="m", cache=CacheConfig(block_size=16, kv_cache_gb=0.01))
+    block_bytes = config.kv_bytes_per_block(MODEL)
+    assert block_bytes == 2 * 2 * 2 * 8 * 16 * 4                # K and V, layers, kv heads, dim, tokens, fp32
+    assert config.resolved(MODEL).cache.num_blocks == int(0.01 * 2**30) // block_bytes
+    fixed = EngineConfig(model_path="m", cache=CacheConfig(num_blocks=7))
+    assert fixed.resolved(MODEL).cache.num_blocks == 7
+
+
+def test_half_precision_blocks_take_half_the_bytes():
+    fp32, bf16 = EngineConfig(model_path="m"), EngineConfig(model_path="m", dtype="bfloat16")
+    assert fp32.kv_bytes_per_block(MODEL) == 2 * bf16.kv_bytes_per_block(MODEL)
+
+
+def test_a_cache_too_small_for_two_blocks_is_refused():
+    config = EngineConfig(model_path="m", cache=CacheConfig(kv_cache_gb=1e-9))
+    with pytest.raises(ValueError, match="kv-cache-gb"):
+        config.resolved(MODEL)
+
+
+def test_the_context_is_capped_at_the_model_s_and_a_shorter_one_kept():
+    long = EngineConfig(model_path="m", scheduler=SchedulerConfig(max_model_len=8192))
+    assert long.resolved(MODEL).scheduler.max_model_len == 512
+    short = EngineConfig(model_path="m", scheduler=SchedulerConfig(max_model_len=100))
+    assert short.resolved(MODEL).scheduler == short.scheduler
+
+
+def test_store_tiers_handed_to_the_engine_need_prefix_caching():
+    config = EngineConfig(model_path="m", cache=CacheConfig(enable_prefix_caching=False))
+    assert config.resolved(MODEL).cache.num_blocks is not None
+    with pytest.raises(ValueError, match="prefix caching"):
+        config.resolved(MODEL, external_store=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_block_bytes_match_the_runner_s_pool(dtype):
+    from kvhive.engine.runner import ModelRunner
+
+    config = EngineConfig(model_path="m", dtype=dtype)
+    assert config.kv_bytes_per_block(MODEL) == ModelRunner.kv_bytes_per_block(MODEL, 16, dtype)
