@@ -5,10 +5,12 @@ Environment variables are read only in ``cli.py``; everything below is plain dat
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # ISA levels of the CPU kernels, best first (kvhive.model.cpu), and "auto": the best the CPU runs.
 CPU_ISAS = ("auto", "avx512_bf16", "avx512", "avx2", "portable")
+# Bytes of one K or V value in the KV pool, by --dtype.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,16 @@ class CacheConfig:
         if not 0 <= self.hash_seed < 2**64:
             raise ValueError(f"--hash-seed must fit in 64 bits, got {self.hash_seed}")
 
+    def resolve_num_blocks(self, block_bytes: int) -> int:
+        """``num_blocks``, or how many blocks of ``block_bytes`` bytes fit in ``kv_cache_gb``."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        num_blocks = int(self.kv_cache_gb * 2**30) // block_bytes
+        if num_blocks < 2:
+            raise ValueError(f"--kv-cache-gb {self.kv_cache_gb:g} holds {num_blocks} blocks of "
+                             f"{block_bytes} bytes; the pool needs at least 2")
+        return num_blocks
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -81,6 +93,12 @@ class SchedulerConfig:
                              f"least --max-num-seqs ({self.max_num_seqs})")
         if self.max_model_len <= 0:
             raise ValueError(f"--max-model-len must be positive, got {self.max_model_len}")
+
+    def capped(self, max_position_embeddings: int) -> SchedulerConfig:
+        """This config with ``max_model_len`` at most the model's context."""
+        if self.max_model_len <= max_position_embeddings:
+            return self
+        return replace(self, max_model_len=max_position_embeddings)
 
 
 @dataclass(frozen=True)
@@ -170,3 +188,25 @@ class EngineConfig:
             raise ValueError(f"--num-threads must be positive, got {self.num_threads}")
         if self.store.enabled and not self.cache.enable_prefix_caching:
             raise ValueError("KV tiers (--cpu-offload-gb, --disk-cache-dir, --redis-url) need prefix caching")
+
+    @property
+    def on_cpu(self) -> bool:
+        """True when the engine runs on the CPU."""
+        return self.device == "cpu"
+
+    def kv_bytes_per_block(self, model: ModelConfig) -> int:
+        """Bytes one KV pool block takes: K and V of ``cache.block_size`` tokens in every layer."""
+        return model.kv_values_per_token * self.cache.block_size * DTYPE_BYTES[self.dtype]
+
+    def resolved(self, model: ModelConfig, external_store: bool = False) -> EngineConfig:
+        """This config with what depends on the model fixed once: ``cache.num_blocks`` (from
+        ``kv_cache_gb`` when unset) and ``scheduler.max_model_len`` (capped at the model's context).
+
+        ``external_store``: the engine gets store tiers that ``store`` does not describe; they need
+        prefix caching too (ValueError).
+        """
+        if external_store and not self.cache.enable_prefix_caching:
+            raise ValueError("KV tiers need prefix caching")
+        num_blocks = self.cache.resolve_num_blocks(self.kv_bytes_per_block(model))
+        return replace(self, cache=replace(self.cache, num_blocks=num_blocks),
+                       scheduler=self.scheduler.capped(model.max_position_embeddings))

@@ -94,13 +94,31 @@ class TieredStore:
         """How many tiers the store has (index 0 is the fastest, the last the most durable)."""
         return len(self.tiers)
 
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        """The tiers' names, fastest first."""
+        return tuple(tier.name for tier in self.tiers)
+
+    @property
+    def has_network_tier(self) -> bool:
+        """Whether any tier is reached over the network (Redis), so a call may wait on it."""
+        return any(hasattr(tier.store, "available") for tier in self.tiers)
+
+    def tier_available(self, tier_index: int) -> bool | None:
+        """None for a local tier (it always answers); for a network tier, whether it is up now."""
+        return getattr(self.tiers[tier_index].store, "available", None)
+
     def holds_all(self, tier_index: int, keys: Sequence[StoreKey]) -> bool:
         """Whether tier ``tier_index`` holds every one of these blocks; changes nothing, not even recency."""
         return all(self.tiers[tier_index].store.contains(keys))
 
+    def count_in_tier(self, tier_index: int, keys: Sequence[StoreKey]) -> int:
+        """How many of these blocks tier ``tier_index`` holds (0 for none asked, without a probe)."""
+        return sum(self.tiers[tier_index].store.contains(keys)) if keys else 0
+
     def count_by_tier(self, keys: Sequence[StoreKey]) -> dict[str, int]:
         """How many of these blocks each tier holds, by tier name; changes nothing, not even recency."""
-        return {tier.name: sum(tier.store.contains(keys)) for tier in self.tiers}
+        return {tier.name: self.count_in_tier(i, keys) for i, tier in enumerate(self.tiers)}
 
     def get(self, key: StoreKey) -> Payload | None:
         """The payload from the first tier that has it, promoted into the tiers above; None on a miss."""
@@ -166,7 +184,7 @@ class TieredStore:
         """How many of the pinned blocks each tier holds, by tier name (one batched probe per tier)."""
         with self._pin_lock:
             keys = list(self._pin_counts)
-        return {tier.name: sum(tier.store.contains(keys)) if keys else 0 for tier in self.tiers}
+        return self.count_by_tier(keys)
 
     def stats(self) -> dict[str, StoreStats]:
         """Each tier's stats, by tier name."""
