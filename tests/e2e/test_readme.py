@@ -30,6 +30,8 @@ SKIPPED = {
         "creates and activates a virtual environment (the suite runs in one already)",
     "bash scripts/install.sh && kvhive serve --port 8000":
         "installs the package, then starts a server on port 8000 (the test's server stands in for it)",
+    "pip install .                                 # from a checkout; the gateway's dependencies only":
+        "installs the gateway alone (tests/e2e/test_gateway_install.py does, into a fresh venv)",
     "kvhive serve --port 8000 --kv-cache-gb 0.5":
         "starts a server on port 8000 (tests/test_cli_serve.py starts 'kvhive serve' itself)",
     "bash scripts/test.sh":
