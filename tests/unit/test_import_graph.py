@@ -1,4 +1,8 @@
-"""The scheduler side stays torch-free and never imports the runner or the model."""
+"""Layering: the torch-free parts of kvhive import neither torch nor the layers above them.
+
+Each case imports its modules in a fresh interpreter and lists what that loaded; a loaded module is
+forbidden when it is one of the case's prefixes or inside one (``torch`` forbids ``torch.nn`` too).
+"""
 
 from __future__ import annotations
 
@@ -6,21 +10,53 @@ import json
 import subprocess
 import sys
 
-TORCH_FREE = ["kvhive.engine.scheduler", "kvhive.kv.pool", "kvhive.kv.manager", "kvhive.core.blocks",
-              "kvhive.store.tiered", "kvhive.store.disk", "kvhive.store.memory", "kvhive.store.redis",
-              "kvhive.core.tokenizer", "kvhive.engine.step", "kvhive.request", "kvhive.config", "kvhive.sessions.registry",
-              "kvhive.sessions.responses", "kvhive.store.redis_guard"]
-FORBIDDEN = ("torch", "kvhive.engine.runner", "kvhive.model")
+import pytest
+from support.servers import REPO_ROOT, subprocess_env
+
+ABOVE_THE_ROUTER = ("torch", "kvhive.model", "kvhive.engine", "kvhive.server", "kvhive.sessions")
+
+CASES = {
+    # The scheduler side: block pool, KV manager, stores, sessions, requests, config.
+    "scheduler-side": (
+        ["kvhive.engine.scheduler", "kvhive.kv.pool", "kvhive.kv.manager", "kvhive.core.blocks",
+         "kvhive.store.tiered", "kvhive.store.disk", "kvhive.store.memory", "kvhive.store.redis",
+         "kvhive.core.tokenizer", "kvhive.engine.step", "kvhive.request", "kvhive.config",
+         "kvhive.sessions.registry", "kvhive.sessions.responses", "kvhive.store.redis_guard"],
+        ("torch", "kvhive.engine.runner", "kvhive.model")),
+    # KV events and the router import only the torch-free blocks and events modules.
+    "events-and-router": (
+        ["kvhive.kv.events", "kvhive.router", "kvhive.router.app", "kvhive.router.cli",
+         "kvhive.router.ingest", "kvhive.router.index", "kvhive.router.scorer",
+         "kvhive.router.tokenize", "kvhive.router.gateway"],
+        ABOVE_THE_ROUTER),
+    # What ``kvhive gateway`` imports.
+    "gateway": (
+        ["kvhive.router.app", "kvhive.router.cli", "kvhive.core.tenancy"],
+        ABOVE_THE_ROUTER),
+    # The tokenizer and chat template are kvhive's own, not transformers'.
+    "tokenizer": (
+        ["kvhive.core.tokenizer", "kvhive.core.chat_template", "kvhive.core.model_files"],
+        ("torch", "transformers")),
+    # The connector's scheduler half (lookups, transfer plans) leaves tensors to its worker half.
+    "connector-scheduler-half": (
+        ["kvhive.connector.offload", "kvhive.connector.base", "kvhive.engine.scheduler"],
+        ("torch", "kvhive.model", "kvhive.engine.runner", "kvhive.connector.offload_worker")),
+}
 
 
-def test_scheduler_side_imports_no_torch_runner_or_model():
-    code = (
-        "import importlib, json, sys\n"
-        f"for name in {TORCH_FREE!r}:\n"
-        "    importlib.import_module(name)\n"
-        "print(json.dumps(sorted(sys.modules)))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    loaded = json.loads(out.stdout)
-    bad = [m for m in loaded if any(m == f or m.startswith(f + ".") for f in FORBIDDEN)]
-    assert bad == []
+def loaded_modules(modules: list[str]) -> list[str]:
+    """Every module in sys.modules after a fresh interpreter imports ``modules``."""
+    code = ("import importlib, json, sys\n"
+            f"for name in {modules!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(json.dumps(sorted(sys.modules)))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=REPO_ROOT, env=subprocess_env())
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("modules,forbidden", list(CASES.values()), ids=list(CASES))
+def test_imports_nothing_forbidden(modules: list[str], forbidden: tuple[str, ...]) -> None:
+    loaded = loaded_modules(modules)
+    assert set(modules) <= set(loaded)
+    assert [m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden)] == []
