@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from kvhive.config import EngineConfig
 from kvhive.core.blocks import root_hash
-from kvhive.engine.scheduler import Scheduler, SessionCopy
+from kvhive.engine.scheduler import Scheduler, TierSessionCopy
 from kvhive.engine.stats import ConnectorCounters, EngineStats
 from kvhive.engine.step import StepPlan, StepResult, TokenLogprobs
 from kvhive.request import FinishReason, Request, SamplingParams
@@ -59,87 +59,78 @@ class RequestOutput:
     error: str | None = None
 
 
+def _kernel_isa(config: EngineConfig) -> str | None:
+    """The ISA level the CPU kernels run at (ValueError naming what the CPU lacks); None off the CPU."""
+    if not config.on_cpu:
+        return None
+    from kvhive.model import cpu
+
+    cpu.check_dtype(config.dtype, config.device)
+    features = cpu.detect()
+    isa = features.level(config.cpu_isa)
+    logger.info("CPU: %s; kernels for %s%s", features.describe(), isa,
+                "" if config.cpu_isa == "auto" else " (forced by --cpu-isa)")
+    return isa
+
+
+def _load_model(config: EngineConfig, isa: str | None):
+    """The model ``config.model_path`` names, loaded for the config's dtype, device and kernels."""
+    from kvhive.model.loader import load_model
+
+    started = time.perf_counter()
+    loaded = load_model(config.model_path, dtype=config.dtype, device=config.device,
+                        quantized_matmul=config.quantized_matmul, isa=isa)
+    logger.info("loaded %s (%s, %s) in %.1f s", os.path.basename(config.model_path.rstrip("/")),
+                config.dtype, config.device, time.perf_counter() - started)
+    return loaded
+
+
+def _thread_governor(config: EngineConfig):
+    """A ThreadGovernor sizing torch's thread team, with ``adaptive_threads`` on the CPU; else None."""
+    if not (config.adaptive_threads and config.on_cpu):
+        return None
+    import torch
+
+    from kvhive.model.threads import ThreadGovernor
+
+    return ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
+
+
 class LLMEngine:
     """Loads a model and tokenizer, and runs scheduler steps through the model runner."""
 
     def __init__(self, config: EngineConfig, loaded=None, tokenizer=None, store=None) -> None:
         """``store`` (a TieredStore) replaces the tiers ``config.store`` describes; the engine closes it."""
-        # torch-side imports stay here so that importing kvhive.engine.core for its types is cheap.
-        from kvhive.engine.runner import ModelRunner
-        from kvhive.model.loader import load_model
-
-        self.config = config
-        isa = None
-        if config.device == "cpu":
-            from kvhive.model import cpu
-
-            cpu.check_dtype(config.dtype, config.device)
-            features = cpu.detect()
-            isa = features.level(config.cpu_isa)        # ValueError naming what the CPU lacks
-            logger.info("CPU: %s; kernels for %s%s", features.describe(), isa,
-                        "" if config.cpu_isa == "auto" else " (forced by --cpu-isa)")
-        self.isa = isa
+        self.isa = _kernel_isa(config)
         if loaded is None:
-            started = time.perf_counter()
-            loaded = load_model(config.model_path, dtype=config.dtype, device=config.device,
-                                quantized_matmul=config.quantized_matmul, isa=isa)
-            logger.info("loaded %s (%s, %s) in %.1f s", os.path.basename(config.model_path.rstrip("/")),
-                        config.dtype, config.device, time.perf_counter() - started)
+            loaded = _load_model(config, self.isa)
         if tokenizer is None:
             from kvhive.core.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_model_path(config.model_path)
         self.tokenizer = tokenizer
+        # From here on the config's model-dependent values (pool size, context length) are fixed.
+        self.config = config = config.resolved(loaded.config, external_store=store is not None)
         self.model_config = loaded.config
         self.fingerprint = loaded.fingerprint
-        self.max_model_len = min(config.scheduler.max_model_len,
-                                 loaded.config.max_position_embeddings)
-        cache = config.cache
-        num_blocks = cache.num_blocks or ModelRunner.num_blocks_for_bytes(
-            loaded.config, cache.block_size, config.dtype, int(cache.kv_cache_gb * 2**30))
-        self.num_blocks = num_blocks
+        self.max_model_len = config.scheduler.max_model_len
+        self.num_blocks = config.cache.num_blocks
+        self.block_bytes = config.kv_bytes_per_block(loaded.config)
         self.store = self.connector_scheduler = self.connector_worker = None
         self._network_stats: ThreadPoolExecutor | None = None    # asks a network tier for metrics
         self._network_stats_lock = threading.Lock()
         self._network_counts: dict[str, int] = {}               # its last answers, by tier name
         self._pin_thread: ThreadPoolExecutor | None = None       # applies pins with a network tier
         if config.store.enabled or store is not None:
-            if not cache.enable_prefix_caching:
-                raise ValueError("KV tiers need prefix caching")
-            self._build_connector(loaded, store, ModelRunner.kv_bytes_per_block(
-                loaded.config, cache.block_size, config.dtype))
-        started = time.perf_counter()
-        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks=num_blocks,
-                                  block_size=cache.block_size, dtype=config.dtype,
-                                  device=config.device, native_attention=config.native_attention,
-                                  connector=self.connector_worker, cuda_graphs=not config.enforce_eager,
-                                  max_num_seqs=config.scheduler.max_num_seqs, isa=isa)
-        block_bytes = ModelRunner.kv_bytes_per_block(loaded.config, cache.block_size, config.dtype)
-        logger.info("KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB %s on %s) in %.1f s", num_blocks,
-                    cache.block_size, num_blocks * cache.block_size, num_blocks * block_bytes / 2**30,
-                    config.dtype, config.device, time.perf_counter() - started)
+            self._build_connector(loaded, store, self.block_bytes)
+        self.runner = self._build_runner(loaded)
         self.paths = {**loaded.model.paths(), **self.runner.paths()}
-        self.threads = None
-        if config.adaptive_threads and config.device == "cpu":
-            import torch
-
-            from kvhive.model.threads import ThreadGovernor
-
-            self.threads = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
         logger.info("paths: %s", "; ".join(f"{op} {path}" for op, path in self.paths.items()))
-        sched_cfg = config.scheduler
-        if sched_cfg.max_model_len != self.max_model_len:
-            from dataclasses import replace
-
-            sched_cfg = replace(sched_cfg, max_model_len=self.max_model_len)
-        self.block_bytes = ModelRunner.kv_bytes_per_block(loaded.config, cache.block_size, config.dtype)
+        self.threads = _thread_governor(config)
         # Prompt logprobs of requests that asked, gathered chunk by chunk until their first output.
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self.num_failed_steps_in_row = 0
-        self.scheduler = Scheduler(sched_cfg, cache, num_blocks,
-                                   root_hash(cache.hash_seed, loaded.fingerprint),
-                                   connector=self.connector_scheduler,
-                                   session_copy=self._session_copy if self.store is not None else None)
+        self.scheduler = self._build_scheduler(loaded)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) or loaded.config.eos_token_ids
         self.publisher = None
         if config.kv_events:
@@ -147,6 +138,33 @@ class LLMEngine:
 
             self.publisher = KVEventPublisher(config.kv_events, config.kv_events_replay)
             self.scheduler.kv.enable_events()
+
+    def _build_runner(self, loaded):
+        """The model runner over a KV pool of ``num_blocks`` blocks (and the connector's worker half)."""
+        from kvhive.engine.runner import ModelRunner
+
+        config, started = self.config, time.perf_counter()
+        runner = ModelRunner(loaded.model, loaded.config, num_blocks=self.num_blocks,
+                             block_size=config.cache.block_size, dtype=config.dtype,
+                             device=config.device, native_attention=config.native_attention,
+                             connector=self.connector_worker, cuda_graphs=not config.enforce_eager,
+                             max_num_seqs=config.scheduler.max_num_seqs, isa=self.isa)
+        logger.info("KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB %s on %s) in %.1f s",
+                    self.num_blocks, config.cache.block_size, self.num_blocks * config.cache.block_size,
+                    self.num_blocks * self.block_bytes / 2**30, config.dtype, config.device,
+                    time.perf_counter() - started)
+        return runner
+
+    def _build_scheduler(self, loaded) -> Scheduler:
+        """The scheduler over the device pool; with store tiers it spills sessions they hold copies of."""
+        cache = self.config.cache
+        self._session_copy = None
+        if self.store is not None:
+            self._session_copy = TierSessionCopy(self.store, self.connector_scheduler.key_space,
+                                                 self.connector_worker.is_saving)
+        return Scheduler(self.config.scheduler, cache, self.num_blocks,
+                         root_hash(cache.hash_seed, loaded.fingerprint),
+                         connector=self.connector_scheduler, session_copy=self._session_copy)
 
     def runtime_info(self) -> dict:
         """What this engine runs on and which implementation each op takes (``GET /version``)."""
@@ -173,36 +191,14 @@ class LLMEngine:
         self.connector_scheduler = OffloadScheduler(self.store, key_space, block_bytes)
         self.connector_worker = OffloadWorker(self.store)
 
-    def _session_copy(self, block_hashes) -> SessionCopy:
-        """Where the store tiers hold copies of an idle session's full blocks (``SessionCopy``).
-
-        The lowest (most durable) tier first. When it lacks some and no save of them is in flight,
-        it will not get them (it was down or full when they were saved, or lost them since: a
-        Redis restarted or flushed): then any tier above that holds them all. Loop thread only;
-        a tier that is down answers at once (its breaker is open).
-        """
-        keys = self.connector_scheduler.key_space.keys(block_hashes)
-        tiers = self.store.tiers
-        if all(tiers[-1].store.contains(keys)):
-            return SessionCopy.LOWEST
-        if self.connector_worker is not None and self.connector_worker.is_saving(keys):
-            return SessionCopy.PENDING
-        for tier in reversed(tiers[:-1]):
-            if all(tier.store.contains(keys)):
-                return SessionCopy.HIGHER
-        return SessionCopy.NONE
-
     def session_blocks_by_tier(self, block_hashes) -> dict[str, int]:
         """How many of these blocks each level holds: "device", then each store tier by name.
 
         Safe from any thread (the pool's hash map is only read; store tiers are thread-safe).
         """
-        cached = self.scheduler.kv.pool.cached
-        out = {"device": sum(1 for h in block_hashes if h in cached)}
+        out = {"device": self.scheduler.count_cached_blocks(block_hashes)}
         if self.store is not None and block_hashes:
-            keys = self.connector_scheduler.key_space.keys(block_hashes)
-            for tier in self.store.tiers:
-                out[tier.name] = sum(tier.store.contains(keys))
+            out.update(self.store.count_by_tier(self.connector_scheduler.key_space.keys(block_hashes)))
         return out
 
     def end_session(self, session_id: str) -> None:
@@ -230,7 +226,7 @@ class LLMEngine:
 
     def _apply_pins(self, change) -> None:
         """Run a pin change now, or on the pin thread (in order) when a tier is on the network."""
-        if not any(hasattr(tier.store, "available") for tier in self.store.tiers):
+        if not self.store.has_network_tier:
             change()
             return
         with self._network_stats_lock:
@@ -248,22 +244,23 @@ class LLMEngine:
             return {}
         keys = store.pinned_keys()
         counts = {}
-        for tier in store.tiers:
-            available = getattr(tier.store, "available", None)
+        for index, name in enumerate(store.tier_names):
+            available = store.tier_available(index)
             if available is None:
-                counts[tier.name] = sum(tier.store.contains(keys)) if keys else 0
+                counts[name] = store.count_in_tier(index, keys)
             elif not available or not keys:
-                counts[tier.name] = 0
+                counts[name] = 0
             else:
-                counts[tier.name] = self._network_count(tier.name, tier.store, keys)
+                counts[name] = self._network_count(name, index, keys)
         return counts
 
-    def _network_count(self, name: str, tier_store, keys) -> int:
-        """``sum(tier_store.contains(keys))`` from a helper thread, or the last answer when slow."""
+    def _network_count(self, name: str, tier_index: int, keys) -> int:
+        """``store.count_in_tier(tier_index, keys)`` from a helper thread, or the last answer when slow."""
+        store = self.store
         with self._network_stats_lock:
             if self._network_stats is None:
                 self._network_stats = ThreadPoolExecutor(1, thread_name_prefix="kvhive-tier-stats")
-            future = self._network_stats.submit(lambda: sum(tier_store.contains(keys)))
+            future = self._network_stats.submit(lambda: store.count_in_tier(tier_index, keys))
         try:
             count = future.result(timeout=NETWORK_STATS_WAIT_S)
         except FutureTimeout:
