@@ -14,7 +14,6 @@ from support.servers import TINY_API_KEY, TINY_MAX_MODEL_LEN, ServerProcess
 
 from kvhive.core.model_files import default_model_path
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.server.stop import StopStringMatcher
 
 
 def assert_usage(usage: dict[str, Any]) -> None:
@@ -201,17 +200,3 @@ def test_metrics_exposition(tiny_server: ServerProcess, tiny_client: httpx.Clien
     assert m("kvhive_cache_block_size") == 16 and m("kvhive_cache_num_blocks") > 0
     for name in ("kvhive_num_requests_running", "kvhive_num_requests_waiting", "kvhive_num_preemptions_total"):
         assert re.search(rf"^{name}\{{", r.text, re.M), name
-
-
-@pytest.mark.parametrize(("stops", "deltas", "sent", "stopped"), [
-    (["END"], ["abc E", "N", "D more"], ["abc ", "", ""], True),        # held back, then cut
-    (["END"], ["abc E", "Nx"], ["abc ", "ENx"], False),                 # held back, then released
-    (["ab"], ["a", "a", "b"], ["", "a", ""], True),                     # overlapping partial match
-    (["xyz", "y"], ["xy"], ["x"], True),                                # the first stop to complete wins
-    ([], ["no", " stops"], ["no", " stops"], False),
-])
-def test_stop_string_matcher(stops: list[str], deltas: list[str], sent: list[str], stopped: bool) -> None:
-    matcher = StopStringMatcher(stops)
-    assert [matcher.feed(d) for d in deltas] == sent
-    assert matcher.stopped is stopped
-    assert matcher.flush() == ""
