@@ -152,6 +152,15 @@ def persistence(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tupl
 # ---------------------------------------------------------------- the default model
 
 
+@pytest.fixture(scope="session")
+def tokenizer():  # -> kvhive.core.tokenizer.Tokenizer
+    """The default model's tokenizer (read once per run; tokenizers are not changed by use)."""
+    from kvhive.core.model_files import default_model_path
+    from kvhive.core.tokenizer import Tokenizer
+
+    return Tokenizer.from_model_path(default_model_path())
+
+
 @pytest.fixture(scope="module")
 def default_server() -> Iterator[ServerProcess]:
     """A server on the real default model (API key DEFAULT_API_KEY, 2048-token context), per module."""

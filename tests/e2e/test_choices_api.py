@@ -14,7 +14,6 @@ from support.api import LONG_PROMPT, MODEL, chat, complete, stream
 from support.servers import FAULT_TOKEN_IDS, TINY_API_KEY, ServerProcess
 from support.tiny import dense_greedy, dense_logits, tiny_config, tiny_model
 
-from kvhive.core.model_files import default_model_path
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.model.llama import LlamaModel
 from kvhive.server.logprobs import token_string
@@ -24,11 +23,6 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 # Chats here carry their own system message: the template's default one would leave its blocks in
 # the shared server's prefix cache, where other test files expect a first chat to find nothing.
 SYSTEM = {"role": "system", "content": "Answer in logprobs."}
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_model_path(default_model_path())
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,6 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log: str, timeout_s: float =
 SERVED_LEVELS = list(dict.fromkeys([cpu.detect().best] + (["avx2"] if cpu.detect().supports("avx2") else [])))
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("isa", SERVED_LEVELS)
 def test_bfloat16_server_answers_coherently(isa: str) -> None:
     proc, url, log = _serve("--dtype", "bfloat16", "--cpu-isa", isa)

@@ -7,8 +7,6 @@ import pytest
 from openai import OpenAI
 from support.servers import ServerProcess
 
-pytestmark = pytest.mark.e2e
-
 MODEL = "smollm2-135m"
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 # ~250 tokens: long enough that a repeat is served mostly from the prefix cache.

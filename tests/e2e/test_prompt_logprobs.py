@@ -16,7 +16,6 @@ from support.servers import read_sse
 from support.tiny import dense_logits, tiny_config, tiny_model
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvhive.core.model_files import default_model_path
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.engine.core import LLMEngine
 from kvhive.engine.step import TokenLogprobs
@@ -26,11 +25,6 @@ from kvhive.request import SamplingParams
 from kvhive.server.logprobs import token_string
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_model_path(default_model_path())
 
 
 def prompt_reference(model: LlamaModel, prompt: list[int]) -> torch.Tensor:

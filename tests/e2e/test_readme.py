@@ -33,17 +33,19 @@ SKIPPED = {
     "pip install .                                 # from a checkout; the gateway's dependencies only":
         "installs the gateway alone (tests/e2e/test_gateway_install.py does, into a fresh venv)",
     "kvhive serve --port 8000 --kv-cache-gb 0.5":
-        "starts a server on port 8000 (tests/test_cli_serve.py starts 'kvhive serve' itself)",
+        "starts a server on port 8000 (tests/e2e/test_cli_serve.py starts 'kvhive serve' itself)",
     "bash scripts/test.sh":
         "installs Debian packages and runs this whole suite",
+    "python -m pytest tests/unit     # no model, no server process, no Redis: about 1.5 minutes on 2 cores":
+        "runs part of this suite",
     "kvhive warmup":
-        "builds the kernels into the user's cache (tests/test_cpu_paths.py runs it)",
+        "builds the kernels into the user's cache (tests/e2e/test_cpu_paths.py runs it)",
     "kvhive serve --cpu-offload-gb 4 --disk-cache-dir ~/.cache/kvhive/kv-tier --disk-cache-gb 50 \\":
-        "starts a server with a disk tier and a Redis tier (tests/test_tiers_e2e.py runs the tiers)",
+        "starts a server with a disk tier and a Redis tier (tests/e2e/test_tiers_e2e.py runs the tiers)",
     "kvhive serve --port 8001 --kv-events 'tcp://*:5557' --kv-events-replay 'tcp://*:5558' &":
-        "starts two replicas and a gateway in the background (tests/test_gateway.py runs them)",
+        "starts two replicas and a gateway in the background (tests/e2e/test_gateway.py runs them)",
     "KEY_A=key-of-alice KEY_B=key-of-bob                 # the keys clients send":
-        "starts a replica with API keys and a gateway in the background (tests/test_router_api_keys.py)",
+        "starts a replica with API keys and a gateway in the background (tests/e2e/test_router_api_keys.py)",
 }
 
 # What the output of a block must contain, by a line of the block.
@@ -128,7 +130,6 @@ def _run_curl(command: str, cwd: Path) -> tuple[int, str]:
     return int(status), output
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("block", RUN, ids=[b.name for b in RUN])
 def test_readme_example_runs_as_written(block: Block, server: ServerProcess, tmp_path: Path) -> None:
     expected = _expected(block)

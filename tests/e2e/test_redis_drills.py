@@ -26,9 +26,8 @@ import pytest
 from support.redis_server import RedisServer
 from support.servers import SERVED_MODEL_NAME, ServerProcess, start_server, stop_server
 
-pytestmark = [pytest.mark.e2e,
-              pytest.mark.skipif(shutil.which("redis-server") is None and not os.environ.get("CI"),
-                                 reason="redis-server is not installed")]
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None and not os.environ.get("CI"),
+                                reason="redis-server is not installed")
 
 FAULT_S = 8.0            # how long Redis stays stopped (SIGSTOP) in the hung-Redis drill
 SESSION_TTL_S = 90

@@ -14,8 +14,6 @@ import pytest
 from support.engines import GREEDY, make_engine, run
 
 from kvhive.config import StoreConfig
-from kvhive.core.model_files import default_model_path
-from kvhive.core.tokenizer import Tokenizer
 
 redis = pytest.importorskip("redis")
 
@@ -23,11 +21,6 @@ pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None and not os.
                                 reason="redis-server is not installed")
 
 PROMPTS = {f"p{j}": [(7 * i + 13 * j + 3) % 250 + 3 for i in range(60)] for j in range(5)}   # 14 blocks
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_model_path(default_model_path())
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,6 @@ import pytest
 from openai import NotFoundError, OpenAI
 from support.servers import DEFAULT_API_KEY, SERVED_MODEL_NAME, ServerProcess
 
-pytestmark = pytest.mark.e2e
-
 INSTRUCTIONS = "You are a concise assistant. Answer in one short sentence."
 TURNS = ["What is the capital of France?", "And of Italy?", "Which of the two is further south?"]
 

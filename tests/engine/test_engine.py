@@ -4,19 +4,11 @@ KV events. Token ids go in directly; the tokenizer is the real one of the defaul
 from __future__ import annotations
 
 import msgpack
-import pytest
 import zmq
 from support.engines import make_engine, run
 
 from kvhive.core.blocks import hash_blocks, root_hash
-from kvhive.core.model_files import default_model_path
-from kvhive.core.tokenizer import Tokenizer
 from kvhive.request import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_model_path(default_model_path())
 
 
 def prompts_with_shared_prefix(n=4, prefix_len=40) -> dict[str, list[int]]:

@@ -6,22 +6,15 @@ from __future__ import annotations
 
 import time
 
-import pytest
 from support.engines import make_engine, turn
 
 from kvhive.config import StoreConfig
 from kvhive.core.blocks import HASH_BYTES
-from kvhive.core.model_files import default_model_path
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.engine.async_engine import IDLE_STATS_REFRESH_S, AsyncEngine
 from kvhive.engine.stats import EngineStats
 
 GB = 2**30
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_model_path(default_model_path())
 
 
 def block_states(s: EngineStats) -> tuple[int, int, int]:

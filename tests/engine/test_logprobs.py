@@ -13,7 +13,6 @@ from support.engines import run_engine
 from support.tiny import dense_logits, tiny_config, tiny_model
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvhive.core.model_files import default_model_path
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.engine.core import LLMEngine
 from kvhive.engine.sampling import token_logprobs
@@ -22,11 +21,6 @@ from kvhive.model.loader import LoadedModel
 from kvhive.request import MAX_LOGPROBS, SamplingParams
 from kvhive.server.logprobs import SentToken, TokensAwaitingText, token_string
 from kvhive.server.serving import choice_seed
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_model_path(default_model_path())
 
 
 def test_token_logprobs_equal_log_softmax() -> None:

@@ -25,7 +25,6 @@ from kvhive.model import cpu
 from kvhive.model.loader import LoadedModel, load_model
 from kvhive.request import SamplingParams
 
-pytestmark = pytest.mark.e2e
 transformers = pytest.importorskip("transformers")
 
 NEW_TOKENS = 32

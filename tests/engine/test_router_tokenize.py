@@ -8,7 +8,6 @@ import threading
 
 import pytest
 
-from kvhive.core.model_files import default_model_path
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.router.tokenize import PromptTokenizer, chat_messages, prompt_from_body
 from kvhive.server.chat import template_messages
@@ -17,11 +16,6 @@ from kvhive.server.protocol import ChatCompletionRequest, CompletionRequest
 
 WORDS = ("the quick brown fox jumps over lazy dogs 1234 56 naïve café über straße ÄÖÜ 日本語 🙂 "
          "it's don't x_y foo-bar a.b, c; d: 'quoted' \"double\" <|im_start|> <|im_end|> \n \t  ").split(" ")
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_model_path(default_model_path())
 
 
 def random_text(rng: random.Random, max_words: int) -> str:

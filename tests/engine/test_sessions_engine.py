@@ -3,17 +3,9 @@ matching, end_session frees, and spilling under device pressure (tiny random mod
 
 from __future__ import annotations
 
-import pytest
 from support.engines import GREEDY, make_engine, turn
 
 from kvhive.config import StoreConfig
-from kvhive.core.model_files import default_model_path
-from kvhive.core.tokenizer import Tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_model_path(default_model_path())
 
 
 def conversation(engine, turns, session_id=None):

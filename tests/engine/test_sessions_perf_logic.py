@@ -16,9 +16,6 @@ from dataclasses import dataclass
 import pytest
 from support.engines import GREEDY, make_engine
 
-from kvhive.core.model_files import default_model_path
-from kvhive.core.tokenizer import Tokenizer
-
 SYSTEM = [(7 * i) % 200 + 3 for i in range(26)]       # 6.5 blocks of 4: a partial last block
 
 
@@ -31,11 +28,6 @@ class TurnWork:
     tokens_computed: int             # over the whole request
     cached: int
     output: list[int]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_model_path(default_model_path())
 
 
 def run_turn(engine, rid: str, prompt: list[int], session_id: str | None) -> TurnWork:

@@ -8,18 +8,11 @@ import pytest
 from support.engines import make_engine, turn
 
 from kvhive.config import StoreConfig
-from kvhive.core.model_files import default_model_path
-from kvhive.core.tokenizer import Tokenizer
 
 GB = 2**30
 NUM_DEVICE_BLOCKS = 28             # 27 usable: fewer than the 3 sessions x 11 blocks
 SESSIONS = {f"s{i}": [(37 * i + j) % 250 + 3 for j in range(30)] for i in range(3)}
 FLOOD = [[(91 * k + j) % 240 + 11 for j in range(30)] for k in range(8)]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_model_path(default_model_path())
 
 
 def stores(kind: str, block_bytes: int, tmp_path) -> StoreConfig:

@@ -7,13 +7,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 
-import pytest
 from support.engines import GREEDY, make_engine, turn
 from support.tiny import tiny_config, tiny_model
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvhive.core.model_files import default_model_path
-from kvhive.core.tokenizer import Tokenizer
 from kvhive.engine.core import LLMEngine
 from kvhive.engine.scheduler import SessionCopy
 from kvhive.model.loader import LoadedModel
@@ -24,11 +21,6 @@ from kvhive.store.tiered import Tier, TieredStore
 
 SESSIONS = {f"s{k}": [10 + k + j % 50 for j in range(40)] for k in range(3)}   # 3 x 11 of 39 blocks
 BIG = [200 + j % 30 for j in range(60)]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_model_path(default_model_path())
 
 
 class SharedTier:
