@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs everything the test suite needs (Debian packages included) and runs the whole suite.
+# Installs everything the test suite needs (Debian packages included) and runs the whole suite; its
+# arguments go to pytest (`bash scripts/test.sh tests/unit`: the unit tests alone, see README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # redis-server: the Redis tier's tests start their own. g++: builds the C++ kernels (without it their
