@@ -49,7 +49,6 @@ class Scheduler:
                  session_copy: Callable[[Sequence[bytes]], SessionCopy] | None = None) -> None:
         """``session_copy(hashes)``: where the store tiers hold these full blocks; None: no tiers."""
         self.config = sched_config
-        self.connector = connector
         self.kv = KVCacheManager(cache_config.block_size, num_blocks, cache_config.enable_prefix_caching,
                                  root_hash)
         self.queues = RequestQueues()
