@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -120,6 +121,15 @@ def tiny_client(tiny_server: ServerProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=tiny_server.base_url, timeout=120,
                       headers={"Authorization": f"Bearer {TINY_API_KEY}"}) as client:
         yield client
+
+
+@pytest.fixture()
+def taken_port() -> Iterator[int]:
+    """A port another socket listens on (the way another server holds it)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield taken.getsockname()[1]
 
 
 # ---------------------------------------------------------------- redis-server

@@ -27,7 +27,7 @@ SYSTEM = {"role": "system", "content": "Answer in logprobs."}
 
 @pytest.fixture(scope="module")
 def reference(tokenizer: Tokenizer) -> LlamaModel:
-    """The tiny server's model (same config and seed as tests/conftest.py builds it)."""
+    """The tiny server's model (same config and seed as support/serve_faulty.py builds it)."""
     return tiny_model(tiny_config(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_token_id,
                                   eos_token_ids=tokenizer.eos_token_ids))
 

@@ -1,91 +1,24 @@
-"""``kvhive serve`` and ``kvhive gateway`` as commands: help texts (defaults, option groups), argument
-errors (the subcommand's usage, exit 2), a taken port (exit 2 at once, before the model loads), and
-SIGINT (a clean exit)."""
+"""``kvhive serve`` and ``kvhive gateway`` as processes: argument errors (the subcommand's usage, exit
+2), a taken port (exit 2 at once, before the model loads), and SIGINT (a clean exit). Their help texts:
+tests/unit/test_cli_help.py."""
 
 from __future__ import annotations
 
-import argparse
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 from support.servers import REPO_ROOT, free_port, healthy, subprocess_env, wait_until
 
-from kvhive.cli import HelpFormatter, build_parser, listen_error, main
-
-SERVE_GROUPS = ["model and device", "KV cache and prefix caching", "KV tiers", "sessions", "KV events",
-                "server and security", "performance", "logging"]
-GATEWAY_GROUPS = ["replicas", "block keys", "block index", "routing and scoring", "server", "logging"]
+from kvhive.cli import build_parser
 
 
 def _kvhive(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvhive.cli", *args], capture_output=True, text=True,
                           timeout=timeout_s, cwd=REPO_ROOT, env=subprocess_env())
-
-
-def _help(capsys: pytest.CaptureFixture[str], *args: str) -> str:
-    """The help text ``kvhive ARGS --help`` prints, unwrapped, whitespace collapsed."""
-    with pytest.MonkeyPatch.context() as patch, pytest.raises(SystemExit) as exited:
-        patch.setenv("COLUMNS", "1000")                 # argparse wraps at the terminal's width
-        main([*args, "--help"])
-    assert exited.value.code == 0
-    return " ".join(capsys.readouterr().out.split())
-
-
-def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    return [a for a in parser._actions if a.option_strings and a.default is not argparse.SUPPRESS]
-
-
-def test_top_level_help_says_what_each_command_does(capsys: pytest.CaptureFixture[str]) -> None:
-    text = _help(capsys)
-    parser, commands = build_parser()
-    assert text.startswith(f"usage: kvhive [-h] [--version] {{{','.join(commands)}}}")
-    assert "OpenAI-compatible LLM inference server" in text
-    described = (parser.epilog or "").split("commands:\n", 1)[1].split("\n\n", 1)[0]
-    assert [line.split()[0] for line in described.splitlines() if not line.startswith("    ")] == list(commands)
-    assert "serve load a model and serve the OpenAI API" in text
-    assert "gateway an OpenAI-compatible proxy" in text
-    assert "kvhive serve --kv-cache-gb 0.5" in text
-    assert "Run 'kvhive serve --help' or 'kvhive gateway --help'" in text
-    assert "The only module that reads" not in text          # not the module's docstring
-
-
-@pytest.mark.parametrize(("command", "groups"), [("serve", SERVE_GROUPS), ("gateway", GATEWAY_GROUPS)])
-def test_help_shows_every_default_in_option_groups(capsys: pytest.CaptureFixture[str], command: str,
-                                                   groups: list[str]) -> None:
-    text = _help(capsys, command)
-    assert text.startswith(f"usage: kvhive {command} ")
-    positions = [text.find(f" {title}") for title in groups]
-    assert -1 not in positions and positions == sorted(positions), positions
-    _, parsers = build_parser()
-    formatter = HelpFormatter(f"kvhive {command}")
-    options = _options(parsers[command])
-    assert len(options) > 10
-    for action in options:
-        shown = formatter._get_help_string(action)
-        assert "(default" in shown, action.option_strings
-        assert " ".join((shown % {"default": action.default}).split()) in text, action.option_strings
-    assert "default: None" not in text
-    # Every option sits in a named group, not in the catch-all "options".
-    grouped = {a.dest for g in parsers[command]._action_groups
-               if any((g.title or "").startswith(title) for title in groups) for a in g._group_actions}
-    assert {a.dest for a in options} <= grouped
-
-
-def test_serve_help_names_the_defaults_users_ask_about(capsys: pytest.CaptureFixture[str]) -> None:
-    text = _help(capsys, "serve")
-    for shown in ("--port PORT TCP port to listen on (default: 8000)",
-                  "(default: 127.0.0.1)", "(default: 2.0)", "(default: float32)", "(default: cpu)",
-                  "(default: info)", "(default: 8)", "(default: 2048)", "(default: 16)",
-                  "(default: prefix caching on)", "(default: no limit)", "(default: all cores, fewer while other processes keep cores busy",
-                  "$KVHIVE_API_KEY", "about 3.4 GB"):
-        assert shown in text, shown
-    assert "(default: 8080)" in _help(capsys, "gateway")
 
 
 @pytest.mark.parametrize("command", list(build_parser()[1]))
@@ -105,22 +38,6 @@ def test_argument_errors_belong_to_the_parser_they_concern() -> None:
     assert "70000 is not a port number" in bad_port.stderr
     bad_value = _kvhive("gateway", "--load-weight", "x")
     assert bad_value.returncode == 2 and bad_value.stderr.startswith("usage: kvhive gateway ")
-
-
-@pytest.fixture()
-def taken_port() -> Iterator[int]:
-    """A port another socket listens on (the way another server holds it)."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        yield taken.getsockname()[1]
-
-
-def test_listen_error_tells_a_taken_port_from_a_free_one(taken_port: int) -> None:
-    assert listen_error("127.0.0.1", taken_port) == (f"port {taken_port} on 127.0.0.1 is in use "
-                                                     "(pick another with --port)")
-    assert listen_error("127.0.0.1", free_port()) is None
-    assert "cannot resolve" in (listen_error("no-such-host.invalid", 8000) or "")
 
 
 @pytest.mark.parametrize("command", ["serve", "gateway"])

