@@ -1,4 +1,4 @@
-"""The offload connector's scheduler half over a TieredStore, and the store built from StoreConfig.
+"""The offload connector's scheduler half over a TieredStore (``kvhive.sessions.durable`` builds the store).
 
 Torch-free: it runs inside the scheduler. Policy:
 
@@ -27,7 +27,6 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
-from kvhive.config import StoreConfig
 from kvhive.connector.base import (
     ConnectorMeta,
     ConnectorStats,
@@ -36,35 +35,13 @@ from kvhive.connector.base import (
     TierCounters,
     TierStats,
 )
-from kvhive.store.disk import DiskStore
 from kvhive.store.key import KeySpace, StoreKey
 from kvhive.store.memory import MemoryStore
-from kvhive.store.tiered import Tier, TieredStore
+from kvhive.store.tiered import TieredStore
 
 logger = logging.getLogger(__name__)
 # Version of the pool block layout [num_layers, 2, block_size, kv_heads, head_dim] in store keys.
 KV_LAYOUT_VERSION = 1
-_GB = 2**30
-
-
-def build_tiered_store(config: StoreConfig) -> TieredStore | None:
-    """CPU memory -> disk -> Redis, as configured; None when no tier is.
-
-    Disk and Redis are write-through: every saved block reaches them at once, so the disk tier
-    survives a kill of the process and Redis serves other replicas without waiting for evictions.
-    """
-    tiers: list[Tier] = []
-    if config.cpu_offload_gb > 0:
-        tiers.append(Tier("cpu", MemoryStore(int(config.cpu_offload_gb * _GB))))
-    if config.disk_cache_dir is not None:
-        tiers.append(Tier("disk", DiskStore(config.disk_cache_dir, int(config.disk_cache_gb * _GB)),
-                          write_through=True))
-    if config.redis_url is not None:
-        from kvhive.store.redis import RedisStore
-
-        tiers.append(Tier("redis", RedisStore(config.redis_url, ttl_seconds=config.redis_ttl_s,
-                                              timeout_s=config.redis_timeout_s), write_through=True))
-    return TieredStore(tiers) if tiers else None
 
 
 @dataclass

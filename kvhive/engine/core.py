@@ -178,12 +178,15 @@ class LLMEngine:
 
     def _build_connector(self, loaded, store, block_bytes: int) -> None:
         """The store tiers and both halves of the offload connector over them."""
-        from kvhive.connector.offload import KV_LAYOUT_VERSION, OffloadScheduler, build_tiered_store
+        from kvhive.connector.offload import KV_LAYOUT_VERSION, OffloadScheduler
         from kvhive.connector.offload_worker import OffloadWorker
+        from kvhive.sessions.durable import DurableState
         from kvhive.store.key import KeySpace
 
         started = time.perf_counter()
-        self.store = store if store is not None else build_tiered_store(self.config.store)
+        if store is None:
+            store = DurableState(self.config.store, self.config.served_model_name).tiered_store()
+        self.store = store
         logger.info("KV tiers: %s opened in %.1f s", ", ".join(t.name for t in self.store.tiers),
                     time.perf_counter() - started)
         key_space = KeySpace(loaded.fingerprint, KV_LAYOUT_VERSION, self.config.dtype,
