@@ -176,3 +176,27 @@ def test_tokenization_runs_off_the_event_loop(tokenizer: Tokenizer) -> None:
         assert ids == tokenizer.encode("hello world")
     finally:
         prompts.close()
+
+
+def test_the_prefix_store_is_kept_per_salt() -> None:
+    from kvhive.core.model_files import default_model_path
+    from kvhive.core.tokenizer import Tokenizer
+    from kvhive.router.tokenize import Prompt, PromptTokenizer
+
+    prompts = PromptTokenizer(Tokenizer.from_model_path(default_model_path()), chunk_chars=64)
+    text = " ".join(["alpha beta gamma delta"] * 40)
+    try:
+        assert prompts.prefix_store_enabled
+        a = prompts.pieces(Prompt(text=text, cache_salt="key:a"))
+        assert a is not None
+        misses = prompts.chunk_misses
+        again = prompts.pieces(Prompt(text=text, cache_salt="key:a"))
+        assert again is not None and again.keys == a.keys and prompts.chunk_misses == misses
+        # Another salt (another key's) finds none of those chunks: it tokenizes the text again.
+        b = prompts.pieces(Prompt(text=text, cache_salt="key:b"))
+        assert b is not None and prompts.chunk_misses == 2 * misses
+        assert set(a.keys).isdisjoint(b.keys) and b.joined() == a.joined()
+        unsalted = prompts.pieces(Prompt(text=text))
+        assert unsalted is not None and set(unsalted.keys).isdisjoint(a.keys)
+    finally:
+        prompts.close()

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from kvhive.core.blocks import ExtraKeys, hash_blocks, root_hash
-from kvhive.router.index import InMemoryIndex
-from kvhive.router.indexer import KVCacheIndexer
 from kvhive.router.scorer import (
     SCORERS,
     CoverageBasedMatching,
@@ -19,7 +14,6 @@ from kvhive.router.scorer import (
     TierWeights,
     pick_replica,
 )
-from kvhive.router.tokenize import Prompt, PromptTokenizer
 
 FLAT = TierWeights(1.0, 1.0, 1.0, 1.0)
 # Blocks 0..4 of a prompt: a holds 0,1,2 on the device; b holds 0 on CPU and 2,3,4 on the device;
@@ -92,34 +86,3 @@ def test_ties_are_broken_round_robin() -> None:
     assert picks == ["a", "b", "c", "a", "b", "c"]
     with pytest.raises(ValueError):
         pick_replica([], {}, 0, {}, RoutingWeights())
-
-
-def test_indexer_scores_a_prompt_through_tokenizer_hashes_and_index(gguf_tokenizer) -> None:
-    root = root_hash(0, "fp")
-    index = InMemoryIndex()
-    prompts = PromptTokenizer(gguf_tokenizer, chunk_chars=64)
-    indexer = KVCacheIndexer(prompts, index, LongestPrefixMatch(), TierWeights(), 16, root)
-    text = "The history of the printing press begins long before Gutenberg. " * 8
-    ids = gguf_tokenizer.encode(text)
-    held = hash_blocks(ids, 16, root)
-    index.add(held[:3], "a", "GPU")
-    index.add(held, "b", "CPU")
-    try:
-        scores = asyncio.run(indexer.score(Prompt(text=text)))
-        assert scores.num_tokens == len(ids) and scores.num_blocks == len(ids) // 16
-        assert scores.scores == pytest.approx({"a": 3.0, "b": 0.8 * len(held)})
-        salted = hash_blocks(ids, 16, root, ExtraKeys(cache_salt="t1"))
-        index.add(salted, "c", "GPU")
-        assert indexer.score_sync(Prompt(text=text, cache_salt="t1")).scores == {"c": float(len(held))}
-        assert indexer.score_sync(Prompt(token_ids=tuple(ids[:40]))).scores == \
-            pytest.approx({"a": 2.0, "b": 1.6})
-    finally:
-        prompts.close()
-
-
-@pytest.fixture(scope="module")
-def gguf_tokenizer():
-    from kvhive.core.model_files import default_model_path
-    from kvhive.core.tokenizer import Tokenizer
-
-    return Tokenizer.from_model_path(default_model_path())

@@ -1,6 +1,7 @@
 """The gateway's forwarding against tiny asyncio servers (in process): which upstream failures are
 sent to another replica (once, counted), which are a 502, how a cut stream ends, its body limit;
-and what it keeps per API key: session affinity and the prefix store's chunks."""
+and what it keeps per API key: session affinity (the prefix store's chunks per key:
+tests/engine/test_router_tokenize.py)."""
 
 from __future__ import annotations
 
@@ -310,27 +311,3 @@ def test_bodies_over_the_gateway_limit_are_refused() -> None:
     refused = too_large(10)
     assert refused.status_code == 413 and refused.headers["connection"] == "close"
     assert json.loads(refused.body)["error"]["code"] == "request_too_large"
-
-
-def test_the_prefix_store_is_kept_per_salt() -> None:
-    from kvhive.core.model_files import default_model_path
-    from kvhive.core.tokenizer import Tokenizer
-    from kvhive.router.tokenize import Prompt, PromptTokenizer
-
-    prompts = PromptTokenizer(Tokenizer.from_model_path(default_model_path()), chunk_chars=64)
-    text = " ".join(["alpha beta gamma delta"] * 40)
-    try:
-        assert prompts.prefix_store_enabled
-        a = prompts.pieces(Prompt(text=text, cache_salt="key:a"))
-        assert a is not None
-        misses = prompts.chunk_misses
-        again = prompts.pieces(Prompt(text=text, cache_salt="key:a"))
-        assert again is not None and again.keys == a.keys and prompts.chunk_misses == misses
-        # Another salt (another key's) finds none of those chunks: it tokenizes the text again.
-        b = prompts.pieces(Prompt(text=text, cache_salt="key:b"))
-        assert b is not None and prompts.chunk_misses == 2 * misses
-        assert set(a.keys).isdisjoint(b.keys) and b.joined() == a.joined()
-        unsalted = prompts.pieces(Prompt(text=text))
-        assert unsalted is not None and set(unsalted.keys).isdisjoint(a.keys)
-    finally:
-        prompts.close()

@@ -7,11 +7,8 @@ import random
 import xxhash
 
 from kvhive.core.blocks import ExtraKeys, hash_blocks, root_hash
-from kvhive.core.model_files import default_model_path
-from kvhive.core.tokenizer import Tokenizer
-from kvhive.router.indexer import BlockKeyCache, KVCacheIndexer
-from kvhive.router.scorer import SCORERS, TierWeights
-from kvhive.router.tokenize import PromptPieces, PromptTokenizer, prompt_from_body
+from kvhive.router.indexer import BlockKeyCache
+from kvhive.router.tokenize import PromptPieces
 
 ROOT = root_hash(0, "fingerprint")
 
@@ -68,32 +65,3 @@ def test_bounded_lru() -> None:
     assert cache.block_keys(pieces, None) == expected(ids, 4, None)
     assert len(cache) == 5
     assert cache.block_keys(pieces, None) == expected(ids, 4, None)
-
-
-def test_indexer_keys_of_text_prompts_equal_hashing_their_ids() -> None:
-    class RecordingIndex:
-        def __init__(self) -> None:
-            self.looked_up: list[bytes] = []
-
-        def lookup(self, keys: list[bytes]) -> list:
-            self.looked_up = list(keys)
-            return []
-
-    prompts = PromptTokenizer(Tokenizer.from_model_path(default_model_path()), chunk_chars=128)
-    index = RecordingIndex()
-    indexer = KVCacheIndexer(prompts, index, SCORERS["longest_prefix"](), TierWeights(), 16, ROOT)
-    rng = random.Random(5)
-    doc = " ".join(rng.choice(["river", "stone", "café", "über", "data", "x_y", "42"]) for _ in range(900))
-    try:
-        for i in range(12):
-            body = {"prompt": doc[:rng.randint(3000, len(doc))] + f" question {i}?"}
-            if i % 3 == 1:
-                body["cache_salt"] = "tenant"
-            prompt = prompt_from_body(body)
-            ids = prompts.token_ids(prompt)
-            scores = indexer.score_sync(prompt)
-            assert index.looked_up == hash_blocks(ids, 16, ROOT, ExtraKeys(cache_salt=prompt.cache_salt))
-            assert (scores.num_tokens, scores.num_blocks) == (len(ids), len(ids) // 16)
-        assert len(indexer.block_keys) > 0
-    finally:
-        prompts.close()

@@ -1,22 +1,18 @@
-"""The replica simulator (bench/replica_sim.py): its KV cache and events, and its HTTP API (no model,
-no sockets)."""
+"""The replica simulator (bench/replica_sim.py): its KV cache and events, and its gateway policies (no model,
+no sockets; its HTTP API: tests/engine/test_router_tokenized.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 
-import httpx
 import pytest
-from replica_sim import SimConfig, SimKVCache, SimReplica, create_sim_app, replica_specs
+from replica_sim import SimConfig, SimKVCache, replica_specs
 
 from kvhive.core.blocks import hash_blocks, root_hash
 from kvhive.kv.events import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
 from kvhive.router.config import GatewayConfig, ReplicaSpec
 from kvhive.router.index import InMemoryIndex
 from kvhive.router.ingest import BlockKeyMapper, ReplicaIngest
-from kvhive.router.replicas import parse_load
-from kvhive.router.tokenize import PromptTokenizer
 
 ROOT = root_hash(0, "simulated-model")
 
@@ -65,53 +61,6 @@ def test_gateway_policy_is_validated() -> None:
         "http://127.0.0.1:9001,events=tcp://127.0.0.1:19002,replay=tcp://127.0.0.1:19003"]
     with pytest.raises(ValueError):
         SimConfig(capacity_blocks=0)
-
-
-@pytest.fixture(scope="module")
-def prompts() -> PromptTokenizer:
-    from kvhive.core.model_files import default_model_path
-    from kvhive.core.tokenizer import Tokenizer
-
-    return PromptTokenizer(Tokenizer.from_model_path(default_model_path()), workers=1)
-
-
-def test_http_api_reports_cached_tokens_load_and_hashing(prompts: PromptTokenizer) -> None:
-    config = SimConfig(capacity_blocks=64, prefill_ms_per_token=0.01, decode_ms_per_token=1.0)
-    replica = SimReplica(config, prompts, publisher=None)
-    app = create_sim_app(replica)
-    text = "The quick brown fox jumps over the lazy dog. " * 20
-
-    async def scenario() -> None:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://sim") as client:
-            card = (await client.get("/v1/models")).json()["data"][0]
-            assert (card["kvhive_fingerprint"], card["kvhive_block_size"], card["kvhive_hash_seed"]) == \
-                (config.fingerprint, 16, 0)
-            body = {"model": "m", "prompt": text, "max_tokens": 3}
-            first = (await client.post("/v1/completions", json=body)).json()
-            assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-            assert first["usage"]["completion_tokens"] == 3
-            second = (await client.post("/v1/completions", json=body)).json()
-            n = first["usage"]["prompt_tokens"]
-            assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16
-            chat = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 2,
-                    "stream": True, "stream_options": {"include_usage": True}}
-            streamed = await client.post("/v1/chat/completions", json=chat)
-            lines = [x[6:] for x in streamed.text.splitlines() if x.startswith("data: ")]
-            assert lines[-1] == "[DONE]"
-            chunks = [json.loads(x) for x in lines[:-1]]
-            assert [c["choices"][0]["delta"]["content"] for c in chunks if c["choices"]] == [" tok"] * 2
-            assert chunks[-1]["usage"]["completion_tokens"] == 2
-            load = parse_load((await client.get("/metrics")).text)
-            assert load.running == 0 and load.waiting == 0 and 0 < load.kv_usage <= 1
-            bad = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 0})
-            assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
-
-    asyncio.run(scenario())
-    # The replica hashed the prompt as the gateway does: its blocks are the gateway's keys.
-    ids = prompts.encode(text)
-    keys = hash_blocks(ids, 16, root_hash(0, config.fingerprint))
-    assert replica.cache.match(keys) == len(keys)
 
 
 def test_baseline_policies_ignore_the_index_but_keep_sessions() -> None:
