@@ -6,13 +6,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import TypeVar
 
 from kvhive.engine.core import LLMEngine, RequestFailed, RequestOutput
 from kvhive.engine.stats import EngineStats
 from kvhive.request import FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # How often the idle engine loop re-reads the engine's stats (the snapshot /metrics exports).
 IDLE_STATS_REFRESH_S = 0.5
@@ -25,8 +29,12 @@ class AsyncEngine:
     thread (``run``: ``kvhive serve`` runs it on the main thread and the HTTP server beside it,
     because oneDNN's linear layers run ~25% slower when called from a non-main thread here).
 
-    Invariant: the engine is touched only by the loop thread. Other threads enqueue commands
-    (add / abort) under ``_lock``; the loop thread applies them before each step.
+    Thread rule: the engine's scheduler, KV pool and requests (all that ``step`` changes) are
+    touched only by the loop thread. Other threads enqueue commands (add, abort, end a session,
+    ``call``) under ``_lock``; the loop thread applies them before each step. Besides those, other
+    threads use only what ``LLMEngine`` documents as safe from any thread: the store tiers' pins and
+    lookups (the tiers are thread-safe) and the facts fixed at construction. ``EngineClient`` is
+    the server's whole view of the engine and keeps to this rule.
     """
 
     def __init__(self, engine: LLMEngine) -> None:
@@ -36,6 +44,7 @@ class AsyncEngine:
         self._pending_adds: list[tuple] = []
         self._pending_aborts: list[str] = []
         self._pending_session_ends: list[str] = []
+        self._pending_calls: list[tuple[Callable[[LLMEngine], object], Future]] = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -126,11 +135,23 @@ class AsyncEngine:
             self._pending_session_ends.append(session_id)
             self._wakeup.notify()
 
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """``fn(engine)`` run on the loop thread between steps; its result or its exception.
+        RuntimeError when the loop has stopped (or stops before running it)."""
+        future: Future = Future()
+        with self._lock:
+            if self.error is not None or self._stopping:
+                raise RuntimeError("the engine loop has stopped")
+            self._pending_calls.append((fn, future))
+            self._wakeup.notify()
+        return await asyncio.wrap_future(future)
+
     def _apply_commands(self) -> None:
         with self._lock:
             adds, self._pending_adds = self._pending_adds, []
             aborts, self._pending_aborts = self._pending_aborts, []
             ends, self._pending_session_ends = self._pending_session_ends, []
+            calls, self._pending_calls = self._pending_calls, []
         for request_id, ids, sampling, salt, session_id, end_session in adds:
             try:
                 self.engine.add_request(request_id, ids, sampling, cache_salt=salt,
@@ -141,6 +162,21 @@ class AsyncEngine:
             self.engine.abort_request(request_id)
         for session_id in ends:
             self.engine.end_session(session_id)
+        for fn, future in calls:
+            if not future.set_running_or_notify_cancel():
+                continue                            # its caller gave up waiting
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+
+    def _fail_pending_calls(self) -> None:
+        """Fail the calls the loop will never run (it stopped or died)."""
+        with self._lock:
+            calls, self._pending_calls = self._pending_calls, []
+        for _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError("the engine loop has stopped"))
 
     def _deliver(self, request_id: str, item) -> None:
         with self._lock:
@@ -152,7 +188,7 @@ class AsyncEngine:
     def _has_work(self) -> bool:
         # Lock held.
         return bool(self._pending_adds or self._pending_aborts or self._pending_session_ends
-                    or self.engine.has_unfinished())
+                    or self._pending_calls or self.engine.has_unfinished())
 
     def _run(self) -> None:
         try:
@@ -178,3 +214,5 @@ class AsyncEngine:
                 targets = list(self._queues)
             for request_id in targets:
                 self._deliver(request_id, exc)
+        finally:
+            self._fail_pending_calls()

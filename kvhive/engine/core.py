@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from kvhive.config import EngineConfig
 from kvhive.core.blocks import root_hash
 from kvhive.engine.scheduler import Scheduler, TierSessionCopy
-from kvhive.engine.stats import ConnectorCounters, EngineStats
+from kvhive.engine.stats import ConnectorCounters, EngineStats, TierBudget
 from kvhive.engine.step import StepPlan, StepResult, TokenLogprobs
 from kvhive.request import FinishReason, Request, SamplingParams
 
@@ -203,6 +203,29 @@ class LLMEngine:
         if self.store is not None and block_hashes:
             out.update(self.store.count_by_tier(self.connector_scheduler.key_space.keys(block_hashes)))
         return out
+
+    def count_device_blocks(self, block_hashes) -> int:
+        """How many of these blocks the device prefix cache holds; loop thread only (it reads the pool)."""
+        return self.scheduler.count_cached_blocks(block_hashes)
+
+    def count_tier_blocks(self, block_hashes) -> dict[str, int]:
+        """How many of these blocks each store tier holds, by tier name ({} without tiers or blocks).
+
+        Safe from any thread (touches only the store tiers, which are thread-safe).
+        """
+        if self.store is None or not block_hashes:
+            return {}
+        return self.store.count_by_tier(self.connector_scheduler.key_space.keys(block_hashes))
+
+    def keeper_budget(self) -> TierBudget | None:
+        """The tier that keeps pinned session blocks and its byte budget; None without store tiers
+        or when that tier has no budget of its own (Redis: its own memory limit applies). Any thread."""
+        store = self.store
+        if store is None:
+            return None
+        tier = store.tiers[store.keeper]
+        budget = tier.store.stats().budget_bytes
+        return None if budget is None else TierBudget(tier.name, budget)
 
     def end_session(self, session_id: str) -> None:
         """Free the blocks a session holds (loop thread only); its store pins go with ``unpin_session``."""

@@ -40,3 +40,11 @@ class ConnectorCounters:
     dropped_save_blocks: int       # saves skipped because the writer fell behind
     async_load_seconds_sum: float
     async_load_count: int
+
+
+@dataclass(frozen=True)
+class TierBudget:
+    """The store tier that keeps pinned session blocks (the lowest with a byte budget) and its budget."""
+
+    name: str              # "cpu" or "disk"
+    budget_bytes: int

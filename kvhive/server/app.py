@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvhive.core.json_body import BodyError, load_json
+from kvhive.engine.client import EngineClient
 from kvhive.server.body_limit import BodyLimitMiddleware, default_max_request_bytes
 from kvhive.server.chat import create_chat_completion
 from kvhive.server.completions import create_completion
@@ -36,14 +37,13 @@ from kvhive.server.protocol import (
     ModelList,
 )
 from kvhive.server.responses import ResponsesAPI, install_response_routes, response_sweeper
-from kvhive.server.serving import GenerationService, pin_session_blocks, unix_time
+from kvhive.server.serving import GenerationService, unix_time
 from kvhive.sessions.durable import DurableState
-from kvhive.sessions.registry import KeeperTier, SessionRegistry
 from kvhive.sessions.responses import ResponseStore
+from kvhive.sessions.service import SessionService, keeper_tier
 
 if TYPE_CHECKING:
     from kvhive.engine.async_engine import AsyncEngine
-    from kvhive.engine.core import LLMEngine
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 KVHIVE_VERSION = "0.1.0"
@@ -122,22 +122,21 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
     ``max_request_bytes``: larger request bodies are refused with 413 before they are read
     (default: ``default_max_request_bytes`` of the model's context).
     """
-    metrics = ServerMetrics(async_engine.stats, served_model_name)
-    engine = async_engine.engine
+    engine = EngineClient(async_engine)
+    metrics = ServerMetrics(engine.stats, served_model_name)
     metrics.show_paths(engine.runtime_info())
     config = engine.config
     durable = DurableState(config.store, served_model_name)
-    registry = SessionRegistry(config.sessions, engine.block_bytes, config.cache.block_size,
-                               backend=durable.session_backend(),
-                               keeper=keeper_tier(engine),
-                               on_load=lambda session: pin_session_blocks(engine, session))
-    service = GenerationService(async_engine, metrics, served_model_name, sessions=registry,
+    sessions = SessionService(config.sessions, engine, block_bytes=engine.block_bytes, block_size=engine.block_size,
+                              backend=durable.session_backend(),
+                              keeper=keeper_tier(engine.keeper_budget(), config.store))
+    service = GenerationService(engine, metrics, served_model_name, sessions=sessions,
                                 api_keys=api_keys, share_prefix_cache=config.sessions.share_prefix_cache)
     responses = ResponsesAPI(service, ResponseStore(durable.response_backend()))
 
     @contextlib.asynccontextmanager
     async def sweepers(_app: FastAPI) -> AsyncIterator[None]:
-        async with session_sweeper(service), response_sweeper(responses):
+        async with session_sweeper(sessions), response_sweeper(responses):
             yield
 
     app = FastAPI(title="kvhive", version=KVHIVE_VERSION, lifespan=sweepers)
@@ -157,14 +156,14 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
     @app.get("/health", response_model=None)
     async def health() -> dict[str, str] | JSONResponse:
         """200 while the engine loop runs; 503 once it has died."""
-        if not async_engine.is_healthy:
+        if not engine.is_healthy:
             return JSONResponse(status_code=503, content={"status": "engine loop stopped"})
         return {"status": "ok"}
 
     @app.get("/version")
     async def version() -> dict:
         """kvhive's version, the device and dtype, the CPU and kernel ISA level, and each op's path."""
-        return {"version": KVHIVE_VERSION, **async_engine.engine.runtime_info()}
+        return {"version": KVHIVE_VERSION, **engine.runtime_info()}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -175,11 +174,9 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
     @app.get("/v1/models")
     async def list_models() -> ModelList:
         """The one served model, with its context length."""
-        engine = async_engine.engine
         card = ModelCard(id=served_model_name, created=created, max_model_len=service.max_model_len,
-                         kvhive_fingerprint=engine.fingerprint,
-                         kvhive_block_size=engine.config.cache.block_size,
-                         kvhive_hash_seed=engine.config.cache.hash_seed)
+                         kvhive_fingerprint=engine.fingerprint, kvhive_block_size=engine.block_size,
+                         kvhive_hash_seed=config.cache.hash_seed)
         return ModelList(data=[card])
 
     @app.post("/v1/completions", response_model=None)
@@ -197,20 +194,6 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
     install_context_routes(app, service, parse_body)
     install_response_routes(app, responses, parse_body)
     return app
-
-
-def keeper_tier(engine: LLMEngine) -> KeeperTier | None:
-    """The store tier that keeps pinned session blocks and its budget; None without a budgeted tier."""
-    store = engine.store
-    if store is None:
-        return None
-    tier = store.tiers[store.keeper]
-    budget = tier.store.stats().budget_bytes
-    if budget is None:
-        return None                     # Redis only: Redis's own memory limit applies
-    options = {"cpu": f"--cpu-offload-gb {engine.config.store.cpu_offload_gb:g}",
-               "disk": f"--disk-cache-gb {engine.config.store.disk_cache_gb:g}"}
-    return KeeperTier(tier.name, budget, options.get(tier.name, f"the {tier.name} tier's budget"))
 
 
 def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_name: str,

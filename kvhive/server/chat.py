@@ -25,15 +25,15 @@ from kvhive.server.protocol import (
     DeltaMessage,
 )
 from kvhive.server.serving import (
-    SSE_DONE,
     GenerationService,
     TextDelta,
     combined_usage,
     merge_streams,
     new_request_id,
-    sse_event,
+    session_headers,
     unix_time,
 )
+from kvhive.server.sse import SSE_DONE, sse_event
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
@@ -94,16 +94,15 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
     max_tokens = service.resolve_max_tokens(requested, len(token_ids), param, "messages")
     sampling = service.sampling_params(body, max_tokens, num_logprobs)
     owner = service.owner_of(raw_request)
-    session = await service.open_session(raw_request, body.model, len(token_ids) + max_tokens,
-                                         conversation_id=body.conversation_id, new_ttl=new_session_ttl,
-                                         n=body.n)
-    headers = {} if session is None else {"x-session-id": session.session_id}
+    turn = await service.open_session(raw_request, body.model, len(token_ids) + max_tokens,
+                                      conversation_id=body.conversation_id, new_ttl=new_session_ttl,
+                                      end_session=body.end_conversation, n=body.n)
+    headers = session_headers(turn)
     request_id = new_request_id("chatcmpl")
     created = unix_time()
     model = service.served_model_name
     streams = service.choice_streams(request_id, body.n, token_ids, sampling, body.stop_strings,
-                                     service.cache_salt_for(owner, body.cache_salt), session=session,
-                                     end_session=body.end_conversation)
+                                     service.cache_salt_for(owner, body.cache_salt), turn)
 
     def logprobs_of(tokens: tuple[SentToken, ...]) -> ChatLogprobs | None:
         return None if num_logprobs is None else chat_logprobs(tokens, service.tokenizer)
@@ -146,4 +145,4 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
                                                 usage=usage))
         yield SSE_DONE
 
-    return service.sse_response(events(), headers, session, end_session=body.end_conversation)
+    return service.sse_response(events(), headers, turn)

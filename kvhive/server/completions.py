@@ -18,15 +18,15 @@ from kvhive.server.logprobs import SentToken, completion_logprobs, prompt_comple
 from kvhive.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from kvhive.server.serving import (
     OFF_LOOP_CHARS,
-    SSE_DONE,
     GenerationService,
     TextDelta,
     combined_usage,
     merge_streams,
     new_request_id,
-    sse_event,
+    session_headers,
     unix_time,
 )
+from kvhive.server.sse import SSE_DONE, sse_event
 
 
 def _check_unsupported(body: CompletionRequest) -> None:
@@ -105,14 +105,14 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
         raise bad_request("'echo' with 'logprobs' cannot run in a session: the prompt logprobs need "
                           "every prompt token computed, and a session reuses its tokens' KV", param="logprobs")
     owner = service.owner_of(raw_request)
-    session = await service.open_session(raw_request, body.model, len(token_ids) + max_tokens,
-                                         new_ttl=new_session_ttl, n=body.n)
-    headers = {} if session is None else {"x-session-id": session.session_id}
+    turn = await service.open_session(raw_request, body.model, len(token_ids) + max_tokens,
+                                      new_ttl=new_session_ttl, n=body.n)
+    headers = session_headers(turn)
     request_id = new_request_id("cmpl")
     created = unix_time()
     model = service.served_model_name
     streams = service.choice_streams(request_id, body.n, token_ids, sampling, body.stop_strings,
-                                     service.cache_salt_for(owner, body.cache_salt), session=session)
+                                     service.cache_salt_for(owner, body.cache_salt), turn)
 
     def choice(index: int, text: str, finish_reason: str | None, tokens: tuple[SentToken, ...],
                prompt_values: tuple[TokenLogprobs, ...] | None = None) -> CompletionChoice:
@@ -167,4 +167,4 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
             yield chunk(usage=combined_usage([finals[i] for i in range(body.n)]))
         yield SSE_DONE
 
-    return service.sse_response(events(), headers, session)
+    return service.sse_response(events(), headers, turn)

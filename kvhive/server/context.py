@@ -6,14 +6,14 @@
   its blocks per tier. ``PATCH /v1/context/{id}``: a new TTL (``{"ttl": N}`` or the header).
   ``DELETE /v1/context/{id}``: forget it and free its blocks.
 
-Another API key's session answers 404, exactly like an unknown, expired or deleted one.
+Another API key's session answers 404, exactly like an unknown, expired or deleted one. What a
+session holds and when it ends is ``kvhive.sessions.service``'s; these routes validate and answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -24,13 +24,10 @@ from kvhive.server.chat import create_chat_completion
 from kvhive.server.completions import create_completion
 from kvhive.server.errors import bad_request, body_error
 from kvhive.server.protocol import ChatCompletionRequest, CompletionRequest
-from kvhive.server.serving import GenerationService, session_api_error
-from kvhive.sessions.registry import Session, SessionError, parse_ttl
+from kvhive.server.serving import GenerationService
+from kvhive.sessions.registry import Session
+from kvhive.sessions.service import SessionService
 
-# How often expired sessions are swept and their blocks freed.
-SWEEP_INTERVAL_S = 1.0
-# How often the sweep asks a shared backend (Redis) whether it lost its data (one GET).
-DATA_CHECK_INTERVAL_S = 5.0
 # max_tokens of a POST /v1/context body that sets none (OpenAI's legacy completions default):
 # creating a context is about caching its prompt, not about generating to the end of the context.
 CONTEXT_DEFAULT_MAX_TOKENS = 16
@@ -47,46 +44,21 @@ def session_info(session: Session, blocks: dict[str, int] | None = None) -> dict
     return info
 
 
-async def sweep_expired(service: GenerationService) -> None:
-    """Forever: drop expired sessions and free their blocks in the engine; republish the sessions
-    held here when the shared backend may lack them (and ask it every DATA_CHECK_INTERVAL_S)."""
-    registry = service.sessions
-    last_check = time.monotonic()
-    while True:
-        await asyncio.sleep(SWEEP_INTERVAL_S)
-        for session in registry.pop_expired():
-            service.free_session_kv(session)
-        registry.republish_if_wanted()
-        if time.monotonic() - last_check >= DATA_CHECK_INTERVAL_S:
-            last_check = time.monotonic()
-            await registry.check_backend()
-
-
 def install_context_routes(app: FastAPI, service: GenerationService,
                            parse_body: Callable[[Request, type], Awaitable[Any]]) -> None:
-    """Add the /v1/context routes over the service's session registry."""
-    registry = service.sessions
-    assert registry is not None
-    service.metrics.watch_sessions(registry.stats, service.engine.engine.pinned_blocks_by_tier)
+    """Add the /v1/context routes over the service's sessions."""
+    sessions = service.sessions
+    service.metrics.watch_sessions(sessions.stats, service.engine.pinned_blocks_by_tier)
 
     async def lookup(raw_request: Request, session_id: str) -> Session:
-        try:
-            return await registry.aget(session_id, service.owner_of(raw_request))
-        except SessionError as exc:
-            raise session_api_error(exc) from None
-
-    def ttl_of(value: object, param: str) -> int:
-        try:
-            return parse_ttl(value, registry.config.max_ttl_s, param)
-        except SessionError as exc:
-            raise session_api_error(exc) from None
+        return await sessions.find(session_id, service.owner_of(raw_request))
 
     @app.post("/v1/context", response_model=None)
     async def create_context(raw_request: Request) -> Any:
         """Run a completion or chat completion in a new session; answer it with x-session-id."""
         header = raw_request.headers.get("x-session-ttl")
         # No header: the server's --default-session-ttl (documented); a bad value is a 400.
-        ttl = registry.config.default_ttl_s if header is None else ttl_of(header, "x-session-ttl")
+        ttl = sessions.config.default_ttl_s if header is None else sessions.parse_ttl(header, "x-session-ttl")
         if raw_request.headers.get("x-session-id"):
             raise bad_request("POST /v1/context creates a session; send x-session-id to "
                               "/v1/completions or /v1/chat/completions to use one", param="x-session-id")
@@ -110,15 +82,13 @@ def install_context_routes(app: FastAPI, service: GenerationService,
     @app.get("/v1/context")
     async def list_contexts(raw_request: Request) -> dict[str, Any]:
         """The caller's live sessions."""
-        sessions = registry.list(service.owner_of(raw_request))
-        return {"object": "list", "data": [session_info(s) for s in sessions]}
+        return {"object": "list", "data": [session_info(s) for s in sessions.list(service.owner_of(raw_request))]}
 
     @app.get("/v1/context/{session_id}")
     async def get_context(session_id: str, raw_request: Request) -> dict[str, Any]:
         """One session: tokens held, blocks per tier (device and each store tier), times, model."""
         session = await lookup(raw_request, session_id)
-        hashes = [bytes.fromhex(h) for h in session.block_hashes]
-        blocks = await asyncio.to_thread(service.engine.engine.session_blocks_by_tier, hashes)
+        blocks = await service.engine.session_blocks_by_tier([bytes.fromhex(h) for h in session.block_hashes])
         return session_info(session, blocks)
 
     @app.patch("/v1/context/{session_id}")
@@ -136,15 +106,14 @@ def install_context_routes(app: FastAPI, service: GenerationService,
                 raise bad_request("Request body must be a JSON object like {\"ttl\": 600}")
             if "ttl" in data:
                 value, param = data["ttl"], "ttl"
-        registry.set_ttl(session, ttl_of(value, param))
+        sessions.set_ttl(session, sessions.parse_ttl(value, param))
         return session_info(session)
 
     @app.delete("/v1/context/{session_id}")
     async def delete_context(session_id: str, raw_request: Request) -> dict[str, Any]:
         """Forget the session and free its blocks (a running turn frees its own when it ends)."""
         session = await lookup(raw_request, session_id)
-        registry.delete(session)
-        service.free_session_kv(session)
+        sessions.end(session)
         return {"id": session.session_id, "object": "context.deleted", "deleted": True}
 
 
@@ -160,6 +129,6 @@ async def background_task(coroutine: Coroutine[Any, Any, None]) -> AsyncIterator
             await task
 
 
-def session_sweeper(service: GenerationService) -> contextlib.AbstractAsyncContextManager[None]:
-    """Run ``sweep_expired`` for the app's lifetime (the registry pinned the sessions it loaded)."""
-    return background_task(sweep_expired(service))
+def session_sweeper(sessions: SessionService) -> contextlib.AbstractAsyncContextManager[None]:
+    """Run the sessions' expiry sweep for the app's lifetime (the registry pinned the sessions it loaded)."""
+    return background_task(sessions.run_sweeper())

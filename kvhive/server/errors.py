@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvhive.core.json_body import BodyError
+from kvhive.sessions.registry import SessionBusy, SessionError, SessionInvalid, SessionLimit, SessionNotFound
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,22 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def body_error(exc: BodyError) -> APIError:
     """A 400 for a body ``kvhive.core.json_body.load_json`` refused."""
     return bad_request(exc.message, param=exc.param)
+
+
+# The one place session refusals get their HTTP status (each kind is a subclass of SessionError).
+SESSION_ERROR_STATUS: dict[type[SessionError], int] = {
+    SessionInvalid: 400,
+    SessionNotFound: 404,
+    SessionBusy: 409,
+    SessionLimit: 429,
+}
+
+
+def session_error(exc: SessionError) -> APIError:
+    """A session (or stored response) refusal as an OpenAI-shaped error with its kind's status."""
+    status = next(code for kind, code in SESSION_ERROR_STATUS.items() if isinstance(exc, kind))
+    error_type = "rate_limit_error" if status == 429 else "invalid_request_error"
+    return APIError(status, exc.message, type=error_type, param=exc.param, code=exc.code)
 
 
 def server_error(message: str) -> APIError:
@@ -95,6 +112,10 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, APIError)
         return exc.response()
 
+    async def on_session_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, SessionError)
+        return session_error(exc).response()
+
     async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError | ValidationError)
         return validation_error(exc.errors()).response()
@@ -115,6 +136,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return server_error(f"Internal server error: {type(exc).__name__}: {exc}").response()
 
     app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(SessionError, on_session_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(ValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)

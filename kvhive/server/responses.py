@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 
 from kvhive.server.chat import template_messages
-from kvhive.server.context import DATA_CHECK_INTERVAL_S, SWEEP_INTERVAL_S, background_task
+from kvhive.server.context import background_task
 from kvhive.server.errors import APIError, bad_request
 from kvhive.server.logprobs import SentToken, chat_logprobs
 from kvhive.server.protocol import ChatMessage, ChatTokenLogprob, SamplingRequest
@@ -50,14 +50,9 @@ from kvhive.server.responses_protocol import (
     logprobs_wanted,
     new_item_id,
 )
-from kvhive.server.serving import (
-    ClosingStreamingResponse,
-    GenerationService,
-    TextDelta,
-    session_api_error,
-    unix_time,
-)
-from kvhive.sessions.registry import Session, SessionError
+from kvhive.server.serving import GenerationService, TextDelta, unix_time
+from kvhive.server.sse import ClosingStreamingResponse
+from kvhive.sessions.registry import Session, SessionBusy, SessionNotFound
 from kvhive.sessions.responses import (
     ResponseStats,
     ResponseStore,
@@ -66,6 +61,7 @@ from kvhive.sessions.responses import (
     new_conversation_id,
     new_response_id,
 )
+from kvhive.sessions.service import DATA_CHECK_INTERVAL_S, NO_TURN, SWEEP_INTERVAL_S, SessionTurn
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +70,9 @@ RESPONSE_ID_HEADER = "x-kvhive-response-id"
 
 
 class ResponsesAPI:
-    """Runs Responses-API requests over the generation service, the session registry and the store."""
+    """Runs Responses-API requests over the generation service, the session service and the store."""
 
     def __init__(self, service: GenerationService, store: ResponseStore) -> None:
-        assert service.sessions is not None
         self.service = service
         self.sessions = service.sessions
         self.store = store
@@ -90,11 +85,8 @@ class ResponsesAPI:
     # ------------------------------------------------------------ lookups
 
     async def lookup(self, raw_request: Request, response_id: str, param: str | None = None) -> StoredResponse:
-        """The caller's stored response; 404 otherwise."""
-        try:
-            return await self.store.aget(response_id, self.service.owner_of(raw_request), param)
-        except SessionError as exc:
-            raise session_api_error(exc) from None
+        """The caller's stored response; SessionNotFound (404) otherwise."""
+        return await self.store.aget(response_id, self.service.owner_of(raw_request), param)
 
     async def history(self, raw_request: Request, body: ResponsesRequest) -> list[StoredResponse]:
         """The stored responses that ``previous_response_id`` continues, first turn first."""
@@ -104,10 +96,7 @@ class ResponsesAPI:
         if previous.model != body.model:
             raise bad_request(f"Response '{previous.response_id}' was written by model '{previous.model}', "
                               f"not '{body.model}'", param="model", code="response_model_mismatch")
-        try:
-            return self.store.history(previous)
-        except SessionError as exc:
-            raise session_api_error(exc) from None
+        return self.store.history(previous)
 
     def prompt_token_ids(self, body: ResponsesRequest, history: list[StoredResponse],
                          items: list[dict[str, Any]]) -> list[int]:
@@ -125,25 +114,20 @@ class ResponsesAPI:
     # ------------------------------------------------------------ sessions
 
     async def open_session(self, raw_request: Request, body: ResponsesRequest, conversation_id: str,
-                           num_tokens: int) -> Session:
-        """The conversation's session, busy with this turn (created when it has none)."""
+                           num_tokens: int) -> SessionTurn:
+        """The turn of the conversation's session, busy with this request (created when it has none)."""
         owner = self.service.owner_of(raw_request)
+        self.store.check_room(conversation_id, owner)
         try:
-            self.store.check_room(conversation_id, owner)
-        except SessionError as exc:
-            raise session_api_error(exc) from None
-        try:
-            session = await self.service.open_session(raw_request, body.model, num_tokens,
-                                                      conversation_id=conversation_id)
-        except APIError as exc:
-            if exc.code == "session_busy":
-                raise APIError(409, f"Response '{body.previous_response_id}' is being continued by another "
-                                    f"request: the responses of one conversation share a session, which runs "
-                                    f"one request at a time. Retry when it has finished",
-                               param="previous_response_id", code="session_busy") from None
-            raise
-        assert session is not None
-        return session
+            turn = await self.service.open_session(raw_request, body.model, num_tokens,
+                                                   conversation_id=conversation_id)
+        except SessionBusy:
+            raise SessionBusy(f"Response '{body.previous_response_id}' is being continued by another "
+                              f"request: the responses of one conversation share a session, which runs "
+                              f"one request at a time. Retry when it has finished",
+                              "session_busy", "previous_response_id") from None
+        assert turn.session is not None
+        return turn
 
     async def end_unused_session(self, conversation_id: str, owner: str | None) -> None:
         """End the session of a conversation that stores no response (its last response was
@@ -151,15 +135,10 @@ class ResponsesAPI:
         if not await self.store.ais_empty(conversation_id, owner):
             return
         try:
-            session = await self.sessions.aget(conversation_id, owner)
-        except SessionError:
+            session = await self.sessions.find(conversation_id, owner)
+        except SessionNotFound:
             return                                          # expired or deleted already
-        self.end_session(session)
-
-    def end_session(self, session: Session) -> None:
-        """Forget the session and free its KV."""
-        self.sessions.delete(session)
-        self.service.free_session_kv(session)
+        self.sessions.end(session)
 
     # ------------------------------------------------------------ create
 
@@ -180,19 +159,20 @@ class ResponsesAPI:
         sampling = service.sampling_params(
             SamplingRequest(model=body.model, temperature=body.temperature, top_p=body.top_p), max_tokens,
             num_logprobs)
-        conversation_id = session = None
+        conversation_id, session_turn = None, NO_TURN
         if body.store:
             conversation_id = (conversation_of(body.previous_response_id) if body.previous_response_id
                                else new_conversation_id())
             assert conversation_id is not None
-            session = await self.open_session(raw_request, body, conversation_id, len(token_ids) + max_tokens)
+            session_turn = await self.open_session(raw_request, body, conversation_id, len(token_ids) + max_tokens)
         response_id = new_response_id(conversation_id)
         deltas = service.stream(response_id, token_ids, sampling, (), service.cache_salt_for(owner, None),
-                                session=session)
-        turn = Turn(self, body, owner, response_id, conversation_id, items, session, num_logprobs is not None)
+                                session_turn)
+        turn = Turn(self, body, owner, response_id, conversation_id, items, session_turn.session,
+                    num_logprobs is not None)
         headers = {RESPONSE_ID_HEADER: response_id} if body.store else {}
         if body.stream:
-            streaming = service.sse_response(turn.events(deltas), headers, session)
+            streaming = service.sse_response(turn.events(deltas), headers, session_turn)
             if isinstance(streaming, ClosingStreamingResponse):
                 # Called however sending ends, after the turn has ended; also when the client left
                 # before the stream started (then the events' code never ran).
@@ -289,7 +269,7 @@ class Turn:
         continuation keeps its session: its conversation stores the responses before it."""
         if (self.conversation_id is not None and not self.stored and self.session is not None
                 and self.body.previous_response_id is None):
-            self.api.end_session(self.session)
+            self.api.sessions.end(self.session)
 
     async def events(self, deltas: AsyncIterator[TextDelta]) -> AsyncIterator[str]:
         """The stream events of the turn, ending with response.completed (or response.incomplete);

@@ -1,8 +1,9 @@
-"""What completions and chat share: checks, sampling, the engine stream as text, usage, SSE framing.
+"""What completions and chat share: checks, sampling, the engine stream as text, usage.
 
 A request's text comes from ``GenerationService.stream``: engine outputs go through the incremental
 detokenizer and the stop-string matcher; the stream aborts the engine request when it stops early
-(stop string, client gone, error) and records the request's metrics exactly once.
+(stop string, client gone, error) and records the request's metrics exactly once. A request in a
+session runs as a ``SessionTurn`` that ``kvhive.sessions.service`` opens and the stream ends.
 """
 
 from __future__ import annotations
@@ -10,19 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel
-from starlette.types import Receive, Scope, Send
 
 from kvhive.core.tenancy import cache_salt, key_owner
 from kvhive.core.tokenizer import IncrementalDetokenizer
@@ -33,13 +30,14 @@ from kvhive.server.errors import APIError, bad_request, server_error
 from kvhive.server.logprobs import SentToken, TokensAwaitingText
 from kvhive.server.metrics import ServerMetrics
 from kvhive.server.protocol import PromptTokensDetails, SamplingRequest, Usage
+from kvhive.server.sse import sse_response
 from kvhive.server.stop import StopStringMatcher
-from kvhive.sessions.registry import Session, SessionError, SessionRegistry, check_session_id
+from kvhive.sessions.registry import check_session_id
+from kvhive.sessions.service import NO_TURN, SessionService, SessionTurn
 
 if TYPE_CHECKING:
     from kvhive.core.tokenizer import Tokenizer
-    from kvhive.engine.async_engine import AsyncEngine
-    from kvhive.engine.core import LLMEngine
+    from kvhive.engine.client import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +47,6 @@ T = TypeVar("T")
 DISCONNECT_POLL_S = 0.1
 # Most choices (``n``) one request may ask for: each is an engine request of its own.
 MAX_CHOICES = 16
-# How long a request on a busy session waits for the running turn to end before its 409 (covers
-# a client's own abort that the server has not processed yet), and how often it looks.
-SESSION_BUSY_WAIT_S = 0.15
-SESSION_BUSY_POLL_S = 0.005
 # Prompts of this many characters or more are tokenized (chat: rendered and tokenized) on a worker
 # thread, so the event loop goes on serving (/health, other streams) meanwhile.
 OFF_LOOP_CHARS = 4096
@@ -88,14 +82,9 @@ class TextDelta:
         return combined_usage([self])
 
 
-def sse_event(payload: BaseModel | dict[str, Any], exclude: set[str] | None = None) -> str:
-    """One server-sent event: ``data: {json}`` and a blank line."""
-    if isinstance(payload, BaseModel):
-        return f"data: {payload.model_dump_json(exclude=exclude)}\n\n"
-    return f"data: {json.dumps(payload)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
+def session_headers(turn: SessionTurn) -> dict[str, str]:
+    """The response headers that name the request's session (``x-session-id``); none outside one."""
+    return {} if turn.session is None else {"x-session-id": turn.session.session_id}
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -164,66 +153,21 @@ async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tu
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def session_api_error(exc: SessionError) -> APIError:
-    """A registry refusal as an OpenAI-shaped error."""
-    kind = "rate_limit_error" if exc.status_code == 429 else "invalid_request_error"
-    return APIError(exc.status_code, exc.message, type=kind, param=exc.param, code=exc.code)
-
-
-async def wait_until_idle(session: Session, timeout_s: float) -> bool:
-    """Wait up to ``timeout_s`` for the session's running turn to end; True once it has."""
-    deadline = time.monotonic() + timeout_s
-    while session.busy and time.monotonic() < deadline:
-        await asyncio.sleep(SESSION_BUSY_POLL_S)
-    return not session.busy
-
-
-def pin_session_blocks(engine: LLMEngine, session: Session) -> None:
-    """Pin the blocks the session holds now in the engine's store tiers (replacing its older pins)."""
-    engine.pin_session(session.engine_id, [bytes.fromhex(h) for h in session.block_hashes])
-
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-class ClosingStreamingResponse(StreamingResponse):
-    """A StreamingResponse that closes its body iterator and calls ``on_close`` however sending
-    ends: done, failed or cancelled (the client gone).
-
-    Starlette neither closes a body iterator it stopped reading (its ``finally`` then waits for
-    garbage collection) nor starts one when the client is gone before the first byte (its
-    ``finally`` never runs); both leave a session busy unless closed here.
-    """
-
-    def __init__(self, content: AsyncGenerator[str, None], on_close: Callable[[], None], **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self.on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Send the response; then close the body and call ``on_close``, shielded from cancellation."""
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
-            self.on_close()
-
-
 class GenerationService:
     """The server's view of the engine: validates what the engine would reject, streams text back."""
 
-    def __init__(self, async_engine: AsyncEngine, metrics: ServerMetrics, served_model_name: str,
-                 sessions: SessionRegistry | None = None, api_keys: tuple[str, ...] = (),
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics, served_model_name: str,
+                 sessions: SessionService, api_keys: tuple[str, ...] = (),
                  share_prefix_cache: bool = False) -> None:
-        self.engine = async_engine
+        self.engine = engine
         self.metrics = metrics
         self.served_model_name = served_model_name
         self.sessions = sessions
         self.has_api_keys = bool(api_keys)
         self.share_prefix_cache = share_prefix_cache
-        self.tokenizer: Tokenizer = async_engine.engine.tokenizer
-        self.max_model_len: int = async_engine.engine.max_model_len
-        self.vocab_size: int = async_engine.engine.model_config.vocab_size
+        self.tokenizer: Tokenizer = engine.tokenizer
+        self.max_model_len: int = engine.max_model_len
+        self.vocab_size: int = engine.vocab_size
 
     # ------------------------------------------------------------ checks
 
@@ -318,68 +262,40 @@ class GenerationService:
 
     async def open_session(self, raw_request: Request, model: str, num_tokens: int, *,
                            conversation_id: str | None = None, new_ttl: int | None = None,
-                           n: int = 1) -> Session | None:
-        """The session this request runs in, marked busy: a new one (``new_ttl``), the one named by
-        ``x-session-id`` or ``conversation_id`` (an unknown conversation_id starts one with the
-        default TTL), or None. ``num_tokens`` (prompt + max output) is checked against the limits.
-        A request of ``n`` > 1 choices cannot run in a session (400, before any session is touched).
-
-        A session busy with another turn is waited for up to SESSION_BUSY_WAIT_S before the 409: a
-        client that aborts a stream and sends its next turn at once may reach the server before
-        the server has processed its disconnect (which ends the aborted turn)."""
-        registry = self.sessions
+                           end_session: bool = False, n: int = 1) -> SessionTurn:
+        """The session turn this request runs in (``SessionService.open_turn``): a new session
+        (``new_ttl``), the one named by ``x-session-id`` or ``conversation_id``, or ``NO_TURN``.
+        ``num_tokens`` is prompt + max output. A request of ``n`` > 1 choices cannot run in a
+        session (400, before any session is touched)."""
         header = raw_request.headers.get("x-session-id")
         if header:
-            try:
-                check_session_id(header, "x-session-id")
-            except SessionError as exc:
-                raise session_api_error(exc) from None
-        session_id = header or conversation_id
-        if n > 1 and (session_id or new_ttl is not None):
+            check_session_id(header, "x-session-id")
+        if n > 1 and (header or conversation_id or new_ttl is not None):
             raise bad_request(f"'n' must be 1 in a session (x-session-id, conversation_id or POST "
                               f"/v1/context): a session holds one continuation, got n={n}", param="n")
-        if registry is None or (new_ttl is None and not session_id):
-            return None
-        owner = self.owner_of(raw_request)
-        try:
-            if new_ttl is not None:
-                registry.check_pinned(owner, num_tokens)
-                return registry.create(owner, model, new_ttl)
-            try:
-                session = await registry.aget(session_id, owner)
-            except SessionError:
-                if raw_request.headers.get("x-session-id") or conversation_id is None:
-                    raise
-                registry.check_pinned(owner, num_tokens)
-                return registry.create(owner, model, registry.config.default_ttl_s, session_id=conversation_id)
-            if session.busy and await wait_until_idle(session, SESSION_BUSY_WAIT_S):
-                session = await registry.aget(session_id, owner)     # as it is after that turn
-            registry.begin_turn(session, model, num_tokens)
-            return session
-        except SessionError as exc:
-            raise session_api_error(exc) from None
+        return await self.sessions.open_turn(self.owner_of(raw_request), model, num_tokens, session_id=header or None,
+                                             conversation_id=conversation_id, new_ttl=new_ttl,
+                                             end_session=end_session)
 
     # ------------------------------------------------------------ generation
 
     async def stream(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                     stop_strings: Sequence[str], cache_salt: str | None, session: Session | None = None,
-                     end_session: bool = False) -> AsyncIterator[TextDelta]:
+                     stop_strings: Sequence[str], cache_salt: str | None,
+                     turn: SessionTurn = NO_TURN) -> AsyncIterator[TextDelta]:
         """Run one request; yield text deltas, the last with its finish reason.
 
         Leaving early (client gone, cancellation) or an engine error aborts the engine request; a
         request whose own computation failed raises ``RequestFailed`` (the route's 500).
-        With a (busy) session the request continues it and, when it ends, the session holds
-        prompt + output with its expiry slid; ``end_session`` deletes the session after the turn.
+        The request runs in ``turn``'s session, and ends the turn: with what the session holds
+        once the engine says so, else (stopped early, failed) with what it held before.
         """
         tracker = self.metrics.track_request()
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=True)
         matcher = StopStringMatcher(stop_strings)
         awaiting = TokensAwaitingText() if sampling.logprobs is not None else None
         num_sent = 0                  # characters of text yielded so far
-        kwargs = {} if session is None else {"session_id": session.engine_id, "end_session": end_session}
-        turn = 0 if session is None else session.turn
-        outputs = self.engine.generate(request_id, prompt_token_ids, sampling, cache_salt=cache_salt, **kwargs)
-        session_done = False
+        outputs = self.engine.generate(request_id, prompt_token_ids, sampling, cache_salt=cache_salt,
+                                       session_id=turn.engine_id, end_session=turn.end_session)
         counts = (len(prompt_token_ids), 0, 0)
         prompt_logprobs = None          # until the first delta carries them
         done = False
@@ -388,10 +304,8 @@ class GenerationService:
                 counts = (out.num_prompt_tokens, max(0, out.num_cached_tokens), out.num_output_tokens)
                 if out.prompt_logprobs is not None:
                     prompt_logprobs = out.prompt_logprobs
-                if session is not None and out.session_block_hashes is not None:
-                    self._end_session_turn(session, turn, end_session, out.num_prompt_tokens + out.num_output_tokens,
-                                           [h.hex() for h in out.session_block_hashes], counts[1])
-                    session_done = True
+                if out.session_block_hashes is not None:
+                    turn.end(out.num_prompt_tokens + out.num_output_tokens, out.session_block_hashes, counts[1])
                 tracker.on_tokens(len(out.new_token_ids))
                 delta = detokenizer.add(out.new_token_ids)
                 if out.finished:
@@ -431,44 +345,20 @@ class GenerationService:
                 self.engine.abort(request_id)
                 tracker.finish("abort", counts[0], counts[2])
             await outputs.aclose()
-            if session is not None and not session_done:
-                # Stopped early or failed: the engine keeps what was computed; slide the expiry.
-                self._end_session_turn(session, turn, end_session, None, None)
-
-    def _end_session_turn(self, session: Session, turn: int, end_session: bool, num_tokens: int | None,
-                          block_hashes: list[str] | None, cached_tokens: int = 0) -> None:
-        """End turn ``turn`` of the session, once: a later call for it (or for an older turn) does nothing."""
-        assert self.sessions is not None
-        if not session.busy or session.turn != turn:
-            return
-        if end_session:
-            self.sessions.delete(session)
-            self.free_session_kv(session)
-        else:
-            self.sessions.end_turn(session, num_tokens, block_hashes, cached_tokens)
-            if block_hashes is not None:
-                self.pin_session_kv(session)
-
-    def pin_session_kv(self, session: Session) -> None:
-        """Pin the blocks the session holds now in the store tiers (replacing its older pins)."""
-        pin_session_blocks(self.engine.engine, session)
-
-    def free_session_kv(self, session: Session) -> None:
-        """Release an expired or deleted session's blocks: on the device and its store pins."""
-        self.engine.end_session(session.engine_id)
-        self.engine.engine.unpin_session(session.engine_id)
+            # Stopped early or failed: the engine keeps what was computed; the expiry slides.
+            # A no-op when the turn ended above.
+            turn.end()
 
     def choice_streams(self, request_id: str, n: int, prompt_token_ids: list[int], sampling: SamplingParams,
-                       stop_strings: Sequence[str], cache_salt: str | None, session: Session | None = None,
-                       end_session: bool = False) -> list[AsyncIterator[TextDelta]]:
+                       stop_strings: Sequence[str], cache_salt: str | None,
+                       turn: SessionTurn = NO_TURN) -> list[AsyncIterator[TextDelta]]:
         """One ``stream`` per choice. n == 1: the engine request is ``request_id`` itself. n > 1:
         engine requests ``{request_id}-{i}``, each with its own seed (``choice_seed``), never in a
         session; they run concurrently, and the scheduler computes the prompt's full blocks once
         (the other choices wait a step and hit them)."""
         if n == 1:
-            return [self.stream(request_id, prompt_token_ids, sampling, stop_strings, cache_salt,
-                                session=session, end_session=end_session)]
-        assert session is None, "open_session refuses n > 1 in a session"
+            return [self.stream(request_id, prompt_token_ids, sampling, stop_strings, cache_salt, turn)]
+        assert turn is NO_TURN, "open_session refuses n > 1 in a session"
         streams = []
         for i in range(n):
             seeded = replace(sampling, seed=choice_seed(sampling.seed, i))
@@ -530,28 +420,9 @@ class GenerationService:
             logger.exception("engine error")
             raise server_error(f"Engine error: {type(exc).__name__}: {exc}") from exc
 
-    def sse_response(self, events: AsyncIterator[str], headers: dict[str, str], session: Session | None,
-                     end_session: bool = False) -> StreamingResponse:
-        """The SSE response over ``events``; a session turn ends even if the stream never started."""
-        body = self.sse_with_errors(events)
-        headers = {**SSE_HEADERS, **headers}
-        if session is None:
-            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-        turn = session.turn
-
-        def end_unstarted_turn() -> None:
-            # A no-op when the stream ended the turn itself (the usual case).
-            self._end_session_turn(session, turn, end_session, None, None)
-
-        return ClosingStreamingResponse(body, end_unstarted_turn, media_type="text/event-stream", headers=headers)
-
-    async def sse_with_errors(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
-        """Pass SSE events through; an engine error after the headers went out becomes an error event."""
-        async with contextlib.aclosing(events):
-            try:
-                async for event in events:
-                    yield event
-            except Exception as exc:  # noqa: BLE001 - reported to the client in the stream
-                logger.exception("engine error while streaming")
-                yield sse_event(server_error(f"Engine error: {type(exc).__name__}: {exc}").body())
-                yield SSE_DONE
+    @staticmethod
+    def sse_response(events: AsyncIterator[str], headers: dict[str, str], turn: SessionTurn = NO_TURN
+                     ) -> StreamingResponse:
+        """The SSE response over ``events``; a session's turn ends even if the stream never started
+        (a no-op when the stream ended it, the usual case)."""
+        return sse_response(events, headers, None if turn is NO_TURN else turn.end)

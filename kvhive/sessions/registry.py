@@ -7,14 +7,14 @@ blocks (``on_load`` pins the blocks of a session taken from the backend).
 
 Rules, in one place:
 
-- Sessions are keyed by (owner, id): another API key's session is not found (404), and a
+- Sessions are keyed by (owner, id): another API key's session is not found, and a
   ``conversation_id`` that another key also uses names a different session.
 - Expiry is sliding: each finished turn sets ``expires = now + ttl``; TTLs are whole seconds in
   (0, max_ttl]. A session busy with a turn never expires under it.
-- One turn at a time: a second request on a busy session is refused (409), nothing changes.
+- One turn at a time: a second request on a busy session is refused (busy), nothing changes.
 - Limits: per key (``--max-sessions-per-key``, ``--max-pinned-gb``) and server-wide (the blocks of
   all sessions must fit in the keeper tier that pins them, less ``KEEPER_MARGIN``); a request over
-  one answers 429 before anything changes.
+  one is refused (a limit) before anything changes.
 - Persistence (``kvhive.sessions.backends``): every change writes that session's record. A local
   backend (disk dir) is loaded whole at start. A shared one (Redis) is the truth for every
   replica: a session this replica does not hold is loaded on first use, and one it holds is read
@@ -87,20 +87,36 @@ class SessionStats:
 
 
 class SessionError(Exception):
-    """A request about a session that cannot be served; carries its HTTP status and OpenAI code."""
+    """A request about a session (or a stored response) that cannot be served: its kind is the
+    subclass; ``code`` and ``param`` name the reason and the field (the server maps kinds to statuses)."""
 
-    def __init__(self, status_code: int, message: str, code: str, param: str | None = None) -> None:
+    def __init__(self, message: str, code: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.status_code = status_code
         self.message = message
         self.code = code
         self.param = param
 
 
-def not_found(session_id: str) -> SessionError:
-    """404 for an id that is unknown, expired, deleted or another key's."""
-    return SessionError(404, f"Session '{session_id}' does not exist (unknown, expired or deleted)",
-                        "session_not_found", "x-session-id")
+class SessionInvalid(SessionError):
+    """The request names a session wrongly: a malformed id or TTL, another model's session."""
+
+
+class SessionNotFound(SessionError):
+    """No such live session (or stored response) for this caller: unknown, expired, deleted or another key's."""
+
+
+class SessionBusy(SessionError):
+    """The session is running another turn; nothing changed."""
+
+
+class SessionLimit(SessionError):
+    """A limit (sessions per key, KV per key, the keeper tier, responses per conversation) refuses it."""
+
+
+def not_found(session_id: str) -> SessionNotFound:
+    """An id that is unknown, expired, deleted or another key's."""
+    return SessionNotFound(f"Session '{session_id}' does not exist (unknown, expired or deleted)",
+                           "session_not_found", "x-session-id")
 
 
 @dataclass
@@ -137,10 +153,10 @@ class Session:
 
 
 def check_session_id(session_id: str, param: str) -> None:
-    """SessionError 400 unless ``session_id`` matches SESSION_ID_PATTERN within MAX_SESSION_ID_CHARS."""
+    """SessionInvalid unless ``session_id`` matches SESSION_ID_PATTERN within MAX_SESSION_ID_CHARS."""
     if len(session_id) > MAX_SESSION_ID_CHARS or re.fullmatch(SESSION_ID_PATTERN, session_id) is None:
-        raise SessionError(400, f"'{param}' must be 1 to {MAX_SESSION_ID_CHARS} characters of A-Z, a-z, "
-                                f"0-9, '_', '.', ':' and '-', got {session_id[:40]!r}", "invalid_session_id", param)
+        raise SessionInvalid(f"'{param}' must be 1 to {MAX_SESSION_ID_CHARS} characters of A-Z, a-z, "
+                             f"0-9, '_', '.', ':' and '-', got {session_id[:40]!r}", "invalid_session_id", param)
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -154,23 +170,23 @@ def format_bytes(num_bytes: float) -> str:
 
 
 def parse_ttl(value: object, max_ttl_s: int, param: str = "x-session-ttl") -> int:
-    """A TTL in whole seconds in (0, max_ttl_s], from a header string or a JSON number; 400 otherwise."""
+    """A TTL in whole seconds in (0, max_ttl_s], from a header string or a JSON number; SessionInvalid otherwise."""
     if value is None or value == "":
-        raise SessionError(400, f"'{param}' is required: the session's time to live in seconds",
-                           "missing_session_ttl", param)
+        raise SessionInvalid(f"'{param}' is required: the session's time to live in seconds",
+                             "missing_session_ttl", param)
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise SessionError(400, f"'{param}' must be a whole number of seconds, got {value!r}",
-                           "invalid_session_ttl", param)
+        raise SessionInvalid(f"'{param}' must be a whole number of seconds, got {value!r}",
+                             "invalid_session_ttl", param)
     try:
         ttl = int(value.strip()) if isinstance(value, str) else value
     except ValueError:
-        raise SessionError(400, f"'{param}' must be a whole number of seconds, got {value!r}",
-                           "invalid_session_ttl", param) from None
+        raise SessionInvalid(f"'{param}' must be a whole number of seconds, got {value!r}",
+                             "invalid_session_ttl", param) from None
     if ttl <= 0:
-        raise SessionError(400, f"'{param}' must be positive, got {ttl}", "invalid_session_ttl", param)
+        raise SessionInvalid(f"'{param}' must be positive, got {ttl}", "invalid_session_ttl", param)
     if ttl > max_ttl_s:
-        raise SessionError(400, f"'{param}' is {ttl}s; this server allows at most {max_ttl_s}s "
-                                f"(--max-session-ttl)", "session_ttl_too_long", param)
+        raise SessionInvalid(f"'{param}' is {ttl}s; this server allows at most {max_ttl_s}s "
+                             f"(--max-session-ttl)", "session_ttl_too_long", param)
     return ttl
 
 
@@ -206,7 +222,7 @@ class SessionRegistry:
     # ------------------------------------------------------------------ lookups
 
     def get(self, session_id: str, owner: str | None) -> Session:
-        """The caller's live session; SessionError 404 if unknown, expired, deleted or another key's.
+        """The caller's live session; SessionNotFound if unknown, expired, deleted or another key's.
 
         With a shared backend, an idle session is read from it again (and one this replica does
         not hold yet is loaded and pinned); this blocks on the backend (the server calls ``aget``)."""
@@ -269,11 +285,11 @@ class SessionRegistry:
     # ------------------------------------------------------------------ changes
 
     def create(self, owner: str | None, model: str, ttl_s: int, session_id: str | None = None) -> Session:
-        """A new busy session (its first turn is about to run); 429 over the per-key count limit."""
+        """A new busy session (its first turn is about to run); SessionLimit over the per-key count limit."""
         limit = self.config.max_sessions_per_key
         if limit is not None and len(self.list(owner)) >= limit:
-            raise SessionError(429, f"This API key already has {limit} live sessions "
-                                    f"(--max-sessions-per-key); delete one or let one expire",
+            raise SessionLimit(f"This API key already has {limit} live sessions "
+                               f"(--max-sessions-per-key); delete one or let one expire",
                                "too_many_sessions")
         now = self.clock()
         session = Session(session_id or f"sess-{uuid.uuid4().hex}", owner, model, ttl_s, now, now + ttl_s,
@@ -283,19 +299,20 @@ class SessionRegistry:
         return session
 
     def begin_turn(self, session: Session, model: str, new_tokens: int) -> None:
-        """Mark the session busy for one turn: 400 for another model, 409 if busy, 429 over bytes."""
+        """Mark the session busy for one turn: SessionInvalid for another model, SessionBusy if busy,
+        SessionLimit over bytes."""
         if session.model != model:
-            raise SessionError(400, f"Session '{session.session_id}' holds KV of model "
-                                    f"'{session.model}', not '{model}'", "session_model_mismatch", "model")
+            raise SessionInvalid(f"Session '{session.session_id}' holds KV of model "
+                                 f"'{session.model}', not '{model}'", "session_model_mismatch", "model")
         if session.busy:
-            raise SessionError(409, f"Session '{session.session_id}' is busy with another request; "
-                                    f"send one request at a time per session", "session_busy")
+            raise SessionBusy(f"Session '{session.session_id}' is busy with another request; "
+                              f"send one request at a time per session", "session_busy")
         self.check_pinned(session.owner, new_tokens, exclude=session)
         session.busy = True
         session.turn += 1
 
     def check_pinned(self, owner: str | None, num_tokens: int, exclude: Session | None = None) -> None:
-        """429 when a session holding ``num_tokens`` (prompt + max_tokens) in place of ``exclude``
+        """SessionLimit when a session holding ``num_tokens`` (prompt + max_tokens) in place of ``exclude``
         would take the owner's sessions over --max-pinned-gb, or all sessions over the keeper tier."""
         self._check_key_limit(owner, num_tokens, exclude)
         self._check_keeper(num_tokens, exclude)
@@ -308,11 +325,11 @@ class SessionRegistry:
         wanted_tokens = held_tokens + num_tokens
         wanted = wanted_tokens * self.bytes_per_token
         if wanted > limit:
-            raise SessionError(429, f"This API key's sessions would hold {wanted_tokens} tokens "
-                                    f"({format_bytes(wanted)}) of KV, over its limit of {format_bytes(limit)} "
-                                    f"(--max-pinned-gb {self.config.max_pinned_gb:g}): {held_tokens} tokens held "
-                                    f"by its sessions, {num_tokens} for this request (prompt + max_tokens). "
-                                    f"Delete a session, let one expire, or send a shorter request",
+            raise SessionLimit(f"This API key's sessions would hold {wanted_tokens} tokens "
+                               f"({format_bytes(wanted)}) of KV, over its limit of {format_bytes(limit)} "
+                               f"(--max-pinned-gb {self.config.max_pinned_gb:g}): {held_tokens} tokens held "
+                               f"by its sessions, {num_tokens} for this request (prompt + max_tokens). "
+                               f"Delete a session, let one expire, or send a shorter request",
                                "session_kv_limit")
 
     def _check_keeper(self, num_tokens: int, exclude: Session | None) -> None:
@@ -324,12 +341,12 @@ class SessionRegistry:
         new = num_tokens // self.block_size * self.block_bytes      # full blocks are what gets pinned
         budget = self.keeper.session_budget_bytes
         if held + new > budget:
-            raise SessionError(429, f"The server's sessions would pin {format_bytes(held + new)} of KV in its "
-                                    f"{self.keeper.name} tier, over the {format_bytes(budget)} it keeps for "
-                                    f"sessions ({1 - KEEPER_MARGIN:.0%} of {self.keeper.option}): "
-                                    f"{format_bytes(held)} pinned by live sessions, {format_bytes(new)} for this "
-                                    f"request (prompt + max_tokens). Retry when sessions have ended or expired, "
-                                    f"or send a shorter request", "session_tier_full")
+            raise SessionLimit(f"The server's sessions would pin {format_bytes(held + new)} of KV in its "
+                               f"{self.keeper.name} tier, over the {format_bytes(budget)} it keeps for "
+                               f"sessions ({1 - KEEPER_MARGIN:.0%} of {self.keeper.option}): "
+                               f"{format_bytes(held)} pinned by live sessions, {format_bytes(new)} for this "
+                               f"request (prompt + max_tokens). Retry when sessions have ended or expired, "
+                               f"or send a shorter request", "session_tier_full")
 
     def end_turn(self, session: Session, num_tokens: int | None, block_hashes: list[str] | None,
                  cached_tokens: int = 0) -> None:

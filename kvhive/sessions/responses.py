@@ -9,14 +9,14 @@ Rules, in one place:
 - Ids: a conversation is ``conv-<24 hex>`` (its session has that id); a response is
   ``resp_<the conversation's 24 hex><24 hex of its own>``, so a response id names its
   conversation without an index (a replica sharing Redis finds it by id alone).
-- Keys: conversations are keyed by (owner, id); another API key's response is not found (404).
+- Keys: conversations are keyed by (owner, id); another API key's response is not found.
 - Lifetime: a conversation lives until ``expires``, which each stored turn sets to its session's
   expiry (now + the session's TTL): a conversation and its session expire together, and all its
   responses live as long as its newest turn, so expiry never breaks a conversation in the middle.
-- Bound: at most ``max_per_conversation`` responses per conversation (429 above). Each
+- Bound: at most ``max_per_conversation`` responses per conversation (more are refused). Each
   conversation is a session, so ``--max-sessions-per-key`` bounds the conversations of a key.
 - Delete removes one response; the caller ends the session when its conversation has no response
-  left. A response whose history lost a response to DELETE cannot be continued (404).
+  left. A response whose history lost a response to DELETE cannot be continued (not found).
 - Persistence (``kvhive.sessions.response_backends``): each stored turn writes its record and the
   conversation's expiry. A local backend is loaded whole at start; a shared one (Redis) is read
   again on each use, since another replica may have added responses or deleted some since. The
@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvhive.sessions.registry import SessionError
+from kvhive.sessions.registry import SessionLimit, SessionNotFound
 from kvhive.sessions.response_backends import ResponseBackend
 from kvhive.store.redis_guard import RedisUnavailable, backend_lost_data, check_backend_data
 
@@ -75,12 +75,12 @@ def _response_ids(record: dict[str, Any] | None) -> set[str]:
         return set()
 
 
-def response_not_found(response_id: str, param: str | None = None) -> SessionError:
-    """404 for an id that is unknown, expired, deleted, not stored or another key's."""
+def response_not_found(response_id: str, param: str | None = None) -> SessionNotFound:
+    """An id that is unknown, expired, deleted, not stored or another key's."""
     what = "Previous response" if param == "previous_response_id" else "Response"
     code = "previous_response_not_found" if param == "previous_response_id" else "response_not_found"
-    return SessionError(404, f"{what} with id '{response_id}' not found (unknown, expired, deleted, "
-                             f"or created with store: false)", code, param)
+    return SessionNotFound(f"{what} with id '{response_id}' not found (unknown, expired, deleted, "
+                           f"or created with store: false)", code, param)
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ class ResponseStore:
             self._load_all()
 
     def get(self, response_id: str, owner: str | None, param: str | None = None) -> StoredResponse:
-        """The caller's live stored response; SessionError 404 otherwise (``param`` names the field).
+        """The caller's live stored response; SessionNotFound otherwise (``param`` names the field).
         Blocks on a shared backend (the server calls ``aget``)."""
         return self._found(self._conversation(conversation_of(response_id), owner), response_id, param)
 
@@ -172,27 +172,27 @@ class ResponseStore:
 
     def history(self, stored: StoredResponse) -> list[StoredResponse]:
         """The responses from the first turn of ``stored``'s conversation to ``stored`` itself;
-        SessionError 404 when one of them was deleted."""
+        SessionNotFound when one of them was deleted."""
         conversation = self._conversations.get((stored.owner, conversation_of(stored.response_id) or ""))
         responses = {} if conversation is None else conversation.responses
         chain = [stored]
         while chain[-1].previous_response_id is not None:
             previous = responses.get(chain[-1].previous_response_id)
             if previous is None or len(chain) > len(responses):
-                raise SessionError(404, f"Response '{stored.response_id}' continues response "
-                                        f"'{chain[-1].previous_response_id}', which was deleted: its "
-                                        f"conversation cannot be continued", "previous_response_not_found",
-                                   "previous_response_id")
+                raise SessionNotFound(f"Response '{stored.response_id}' continues response "
+                                      f"'{chain[-1].previous_response_id}', which was deleted: its "
+                                      f"conversation cannot be continued", "previous_response_not_found",
+                                      "previous_response_id")
             chain.append(previous)
         return chain[::-1]
 
     def check_room(self, conversation_id: str, owner: str | None) -> None:
-        """429 when the conversation already holds ``max_per_conversation`` responses."""
+        """SessionLimit when the conversation already holds ``max_per_conversation`` responses."""
         conversation = self._conversations.get((owner, conversation_id))
         if conversation is not None and len(conversation.responses) >= self.max_per_conversation:
-            raise SessionError(429, f"Conversation '{conversation_id}' already stores "
-                                    f"{self.max_per_conversation} responses; delete some, or start a new "
-                                    f"conversation (a request without previous_response_id)",
+            raise SessionLimit(f"Conversation '{conversation_id}' already stores "
+                               f"{self.max_per_conversation} responses; delete some, or start a new "
+                               f"conversation (a request without previous_response_id)",
                                "too_many_responses", "previous_response_id")
 
     def add(self, stored: StoredResponse, expires: float) -> None:

@@ -55,7 +55,7 @@ from kvhive.request import MIN_SEED, SAMPLING_EPS, SEED_END, FinishReason, Sampl
 from kvhive.server.app import ENGINE_FAILURE_EXIT_S
 from kvhive.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvhive.server.serving import GenerationService
-from kvhive.sessions.registry import SessionError, check_session_id
+from kvhive.sessions.registry import SessionError, SessionInvalid, check_session_id
 
 MODEL = "smollm2-135m"
 DEEP = b"[" * 100_000
@@ -98,7 +98,7 @@ def test_request_schema_bounds() -> None:
     check_session_id("sess-0123abcd", "x-session-id")
     with pytest.raises(SessionError) as caught:
         check_session_id("bad id", "x-session-id")
-    assert caught.value.status_code == 400 and caught.value.param == "x-session-id"
+    assert isinstance(caught.value, SessionInvalid) and caught.value.param == "x-session-id"
 
 
 def test_tiny_temperature_and_top_p_sample_greedily() -> None:

@@ -8,7 +8,7 @@ import time
 import pytest
 from support.responses import Clock, assert_backend_persists, chain, reopened, stored
 
-from kvhive.sessions.registry import SessionError
+from kvhive.sessions.registry import SessionError, SessionLimit, SessionNotFound
 from kvhive.sessions.response_backends import FileResponseBackend
 from kvhive.sessions.responses import (
     ResponseStats,
@@ -36,7 +36,7 @@ def test_get_history_owner_and_bound() -> None:
     assert store.history(r3) == [r1, r2, r3]
     with pytest.raises(SessionError) as other:
         store.get(r3.response_id, "bob")                # another key: as if it did not exist
-    assert other.value.status_code == 404 and other.value.code == "response_not_found"
+    assert isinstance(other.value, SessionNotFound) and other.value.code == "response_not_found"
     with pytest.raises(SessionError) as previous:
         store.get("resp_" + "0" * 48, "alice", "previous_response_id")
     assert (previous.value.code, previous.value.param) == ("previous_response_not_found", "previous_response_id")
@@ -44,13 +44,13 @@ def test_get_history_owner_and_bound() -> None:
     assert conversation is not None
     with pytest.raises(SessionError) as full:
         store.check_room(conversation, "alice")
-    assert full.value.status_code == 429 and full.value.code == "too_many_responses"
+    assert isinstance(full.value, SessionLimit) and full.value.code == "too_many_responses"
     store.check_room(conversation, "bob")               # bob's conversation of that id is empty
     # Deleting the middle breaks what continues it; the rest of the conversation stays.
     assert store.delete(r2) is False
     with pytest.raises(SessionError) as broken:
         store.history(r3)
-    assert broken.value.status_code == 404
+    assert isinstance(broken.value, SessionNotFound)
     assert store.history(r1) == [r1]
     store.check_room(conversation, "alice")
     assert store.delete(r1) is False and store.delete(r3) is True      # the last one empties it

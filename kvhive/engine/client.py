@@ -1,0 +1,99 @@
+"""``EngineClient``: the server's whole view of the engine, a handful of thread-safe calls.
+
+The server never holds the ``LLMEngine`` itself. Each method here keeps to ``AsyncEngine``'s
+thread rule, and says which way it does:
+
+- queued for the loop thread: ``generate`` (submit), ``abort``, the device half of
+  ``release_session`` and of ``session_blocks_by_tier`` (``AsyncEngine.call``);
+- store tiers only (thread-safe by their own contract): ``hold_session``, the store half of
+  ``release_session`` and ``session_blocks_by_tier``, ``pinned_blocks_by_tier``, ``keeper_budget``;
+- snapshots and facts fixed at construction: ``stats``, ``is_healthy``, ``runtime_info``, and
+  the attributes (tokenizer, context length, block geometry, fingerprint, config).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
+
+from kvhive.engine.core import RequestOutput
+from kvhive.engine.stats import EngineStats, TierBudget
+from kvhive.request import SamplingParams
+
+if TYPE_CHECKING:
+    from kvhive.config import EngineConfig
+    from kvhive.core.tokenizer import Tokenizer
+    from kvhive.engine.async_engine import AsyncEngine
+
+
+class EngineClient:
+    """Submit and abort requests, read stats, hold and release a session's blocks, count blocks per tier."""
+
+    def __init__(self, async_engine: AsyncEngine) -> None:
+        self._async = async_engine
+        engine = async_engine.engine
+        self._engine = engine
+        # Facts fixed at construction: any thread.
+        self.config: EngineConfig = engine.config
+        self.tokenizer: Tokenizer = engine.tokenizer
+        self.max_model_len: int = engine.max_model_len
+        self.vocab_size: int = engine.model_config.vocab_size
+        self.block_size: int = engine.config.cache.block_size
+        self.block_bytes: int = engine.block_bytes
+        self.fingerprint: str = engine.fingerprint
+
+    # ------------------------------------------------------------ requests
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                 cache_salt: str | None = None, session_id: str | None = None,
+                 end_session: bool = False) -> AsyncIterator[RequestOutput]:
+        """Submit a request and stream its outputs (``AsyncEngine.generate``: leaving early aborts it)."""
+        return self._async.generate(request_id, prompt_token_ids, sampling, cache_salt=cache_salt,
+                                    session_id=session_id, end_session=end_session)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (queued for the loop thread); unknown ids are ignored."""
+        self._async.abort(request_id)
+
+    # ------------------------------------------------------------ state
+
+    def stats(self) -> EngineStats:
+        """The engine's latest stats snapshot."""
+        return self._async.stats()
+
+    @property
+    def is_healthy(self) -> bool:
+        """False once the engine loop died."""
+        return self._async.is_healthy
+
+    def runtime_info(self) -> dict:
+        """Device, dtype, CPU kernel level and each op's implementation (``GET /version``)."""
+        return self._engine.runtime_info()
+
+    # ------------------------------------------------------------ sessions
+
+    def hold_session(self, session_id: str, block_hashes: Sequence[bytes]) -> None:
+        """Pin these blocks of a live session in the store tiers, replacing its older pins."""
+        self._engine.pin_session(session_id, list(block_hashes))
+
+    def release_session(self, session_id: str) -> None:
+        """Free an ended session's device blocks (on the loop thread) and drop its store pins."""
+        self._async.end_session(session_id)
+        self._engine.unpin_session(session_id)
+
+    async def session_blocks_by_tier(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
+        """How many of these blocks each level holds: "device", then each store tier by name. The
+        device is counted on the loop thread, the store tiers on a worker thread."""
+        hashes = list(block_hashes)
+        device = await self._async.call(lambda engine: engine.count_device_blocks(hashes))
+        tiers = await asyncio.to_thread(self._engine.count_tier_blocks, hashes)
+        return {"device": device, **tiers}
+
+    def pinned_blocks_by_tier(self) -> dict[str, int]:
+        """How many of the distinct blocks live sessions pin each store tier holds."""
+        return self._engine.pinned_blocks_by_tier()
+
+    def keeper_budget(self) -> TierBudget | None:
+        """The store tier that keeps pinned session blocks and its budget; None without one."""
+        return self._engine.keeper_budget()

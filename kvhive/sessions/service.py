@@ -1,0 +1,218 @@
+"""``SessionService``: when a session turn opens and ends, what the engine keeps for it, and expiry.
+
+The HTTP layer validates a request and streams it; this service decides its session's lifecycle:
+
+1. ``open_turn`` finds, creates or refuses the session (limits, busy, model) and marks it busy;
+2. the request runs in the engine under ``SessionTurn.engine_id``;
+3. ``SessionTurn.end`` records what the session holds now, slides its expiry and pins its blocks
+   in the store tiers (or deletes it and releases its blocks: ``end_conversation``);
+4. ``end`` (DELETE, a conversation left empty) and ``sweep`` (expiry) release a session's blocks.
+
+The engine side is a ``SessionHolder`` (``kvhive.engine.client.EngineClient`` in the server).
+Everything here runs on the server's event loop, like the registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from kvhive.config import SessionConfig
+from kvhive.sessions.backends import SessionBackend
+from kvhive.sessions.registry import (
+    KeeperTier,
+    Session,
+    SessionNotFound,
+    SessionRegistry,
+    SessionStats,
+    parse_ttl,
+)
+
+if TYPE_CHECKING:
+    from kvhive.config import StoreConfig
+    from kvhive.engine.stats import TierBudget
+
+# How long a request on a busy session waits for the running turn to end before it is refused
+# (covers a client's own abort that the server has not processed yet), and how often it looks.
+SESSION_BUSY_WAIT_S = 0.15
+SESSION_BUSY_POLL_S = 0.005
+# How often expired sessions (and stored responses) are swept and their blocks released.
+SWEEP_INTERVAL_S = 1.0
+# How often the sweep asks a shared backend (Redis) whether it lost its data (one GET).
+DATA_CHECK_INTERVAL_S = 5.0
+
+
+class SessionHolder(Protocol):
+    """What the service needs of the engine: keep and let go of a session's blocks."""
+
+    def hold_session(self, session_id: str, block_hashes: Sequence[bytes]) -> None:
+        """Pin these blocks of the session in the store tiers, replacing its older pins."""
+
+    def release_session(self, session_id: str) -> None:
+        """Free the session's device blocks and drop its store pins."""
+
+
+@dataclass(frozen=True)
+class SessionTurn:
+    """One turn of one session, open until ``end``; ``NO_TURN`` stands for a request outside any
+    session (its ``end`` does nothing)."""
+
+    service: SessionService | None
+    session: Session | None
+    number: int = 0                # the session's turn counter when this turn began
+    end_session: bool = False      # the session is deleted when this turn ends
+
+    @property
+    def engine_id(self) -> str | None:
+        """The id the engine holds the session's blocks under; None outside a session."""
+        return None if self.session is None else self.session.engine_id
+
+    def end(self, num_tokens: int | None = None, block_hashes: Sequence[bytes] | None = None,
+            cached_tokens: int = 0) -> None:
+        """End the turn (once: later calls, or calls after a newer turn began, do nothing).
+        ``num_tokens``/``block_hashes``: what the session holds now, when the engine said so."""
+        if self.service is not None:
+            self.service.end_turn(self, num_tokens, block_hashes, cached_tokens)
+
+
+NO_TURN = SessionTurn(None, None)
+
+
+def keeper_tier(budget: TierBudget | None, store: StoreConfig) -> KeeperTier | None:
+    """The pinned-budget rule's tier: the engine's keeper tier and budget, with the flag that sets
+    it for messages; None without a budgeted tier (then only the per-key limits apply)."""
+    if budget is None:
+        return None
+    options = {"cpu": f"--cpu-offload-gb {store.cpu_offload_gb:g}",
+               "disk": f"--disk-cache-gb {store.disk_cache_gb:g}"}
+    return KeeperTier(budget.name, budget.budget_bytes,
+                      options.get(budget.name, f"the {budget.name} tier's budget"))
+
+
+class SessionService:
+    """Opens and ends session turns, pins and releases their blocks, and sweeps expired sessions."""
+
+    def __init__(self, config: SessionConfig, holder: SessionHolder, *, block_bytes: int, block_size: int,
+                 backend: SessionBackend | None = None, keeper: KeeperTier | None = None,
+                 clock: Callable[[], float] = time.time, busy_wait_s: float = SESSION_BUSY_WAIT_S) -> None:
+        self.holder = holder
+        self.busy_wait_s = busy_wait_s
+        # The registry pins the sessions it loads from the backend (now, and on use when shared).
+        self.registry = SessionRegistry(config, block_bytes, block_size, backend=backend, keeper=keeper,
+                                        on_load=self.pin, clock=clock)
+        self.config = config
+
+    # ------------------------------------------------------------ turns
+
+    async def open_turn(self, owner: str | None, model: str, num_tokens: int, *, session_id: str | None = None,
+                        conversation_id: str | None = None, new_ttl: int | None = None,
+                        end_session: bool = False) -> SessionTurn:
+        """The turn this request runs in, its session marked busy: a new session (``new_ttl``), the
+        one named by ``session_id`` (must exist) or ``conversation_id`` (an unknown one starts a
+        session with the default TTL), or ``NO_TURN``. ``num_tokens`` (prompt + max output) is
+        checked against the limits; refusals raise ``SessionError`` kinds before anything changes.
+
+        A session busy with another turn is waited for up to ``busy_wait_s`` before SessionBusy: a
+        client that aborts a stream and sends its next turn at once may reach the server before
+        the server has processed its disconnect (which ends the aborted turn)."""
+        registry = self.registry
+        name = session_id or conversation_id
+        if new_ttl is not None:
+            registry.check_pinned(owner, num_tokens)
+            return self._turn(registry.create(owner, model, new_ttl), end_session)
+        if not name:
+            return NO_TURN
+        try:
+            session = await registry.aget(name, owner)
+        except SessionNotFound:
+            if session_id or conversation_id is None:
+                raise
+            registry.check_pinned(owner, num_tokens)
+            return self._turn(registry.create(owner, model, self.config.default_ttl_s, session_id=conversation_id),
+                              end_session)
+        if session.busy and await self._wait_until_idle(session):
+            session = await registry.aget(name, owner)        # as it is after that turn
+        registry.begin_turn(session, model, num_tokens)
+        return self._turn(session, end_session)
+
+    def _turn(self, session: Session, end_session: bool) -> SessionTurn:
+        return SessionTurn(self, session, session.turn, end_session)
+
+    async def _wait_until_idle(self, session: Session) -> bool:
+        """Wait up to ``busy_wait_s`` for the session's running turn to end; True once it has."""
+        deadline = time.monotonic() + self.busy_wait_s
+        while session.busy and time.monotonic() < deadline:
+            await asyncio.sleep(SESSION_BUSY_POLL_S)
+        return not session.busy
+
+    def end_turn(self, turn: SessionTurn, num_tokens: int | None, block_hashes: Sequence[bytes] | None,
+                 cached_tokens: int = 0) -> None:
+        """``SessionTurn.end``: record what the session holds, slide its expiry and pin its blocks
+        (or, with ``end_session``, delete it and release them). Only the running turn ends."""
+        session = turn.session
+        if session is None or not session.busy or session.turn != turn.number:
+            return
+        if turn.end_session:
+            self.end(session)
+            return
+        hashes = None if block_hashes is None else [h.hex() for h in block_hashes]
+        self.registry.end_turn(session, num_tokens, hashes, cached_tokens)
+        if block_hashes is not None:
+            self.pin(session)
+
+    # ------------------------------------------------------------ holdings
+
+    def pin(self, session: Session) -> None:
+        """Pin the blocks the session holds now in the store tiers (replacing its older pins)."""
+        self.holder.hold_session(session.engine_id, [bytes.fromhex(h) for h in session.block_hashes])
+
+    def end(self, session: Session) -> None:
+        """Forget the session (here and in the backend) and release its blocks; a running turn
+        releases its own when it ends."""
+        self.registry.delete(session)
+        self.holder.release_session(session.engine_id)
+
+    def sweep(self) -> int:
+        """Drop expired sessions and release their blocks; republish the sessions held here when
+        the shared backend may lack them. How many expired."""
+        expired = self.registry.pop_expired()
+        for session in expired:
+            self.holder.release_session(session.engine_id)
+        self.registry.republish_if_wanted()
+        return len(expired)
+
+    async def run_sweeper(self) -> None:
+        """Forever: ``sweep`` every SWEEP_INTERVAL_S, and ask a shared backend whether it lost its
+        data every DATA_CHECK_INTERVAL_S."""
+        last_check = time.monotonic()
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            self.sweep()
+            if time.monotonic() - last_check >= DATA_CHECK_INTERVAL_S:
+                last_check = time.monotonic()
+                await self.registry.check_backend()
+
+    # ------------------------------------------------------------ lookups and TTLs
+
+    async def find(self, session_id: str, owner: str | None) -> Session:
+        """The caller's live session (read from a shared backend off the event loop); SessionNotFound otherwise."""
+        return await self.registry.aget(session_id, owner)
+
+    def list(self, owner: str | None) -> list[Session]:
+        """The caller's live sessions on this replica, oldest first."""
+        return self.registry.list(owner)
+
+    def parse_ttl(self, value: object, param: str) -> int:
+        """A TTL within the server's cap (``parse_ttl``); SessionInvalid otherwise."""
+        return parse_ttl(value, self.config.max_ttl_s, param)
+
+    def set_ttl(self, session: Session, ttl_s: int) -> None:
+        """New TTL; the session now expires ttl_s from now."""
+        self.registry.set_ttl(session, ttl_s)
+
+    def stats(self) -> SessionStats:
+        """The registry's snapshot for metrics."""
+        return self.registry.stats()
