@@ -1,13 +1,10 @@
-"""`--no-native-attention`: the CLI flag reaches the runner, and the C++ attention kernels give the
-same greedy tokens as torch's SDPA on the default model (float32 and bfloat16)."""
+"""The C++ attention kernels give the same greedy tokens as torch's SDPA on the default model (float32
+and bfloat16); the ``--no-native-attention`` flag itself: tests/unit/test_native_attention_flag.py."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
-from kvhive.cli import _add_serve_args, build_engine_config
 from kvhive.config import EngineConfig
 from kvhive.core.model_files import default_model_path
 from kvhive.core.tokenizer import Tokenizer
@@ -15,13 +12,6 @@ from kvhive.engine.core import LLMEngine
 from kvhive.model.decode_kernel import CpuDecodeKernel
 from kvhive.model.prefill_kernel import CpuPrefillKernel
 from kvhive.request import SamplingParams
-
-
-def test_flag_reaches_the_engine_config() -> None:
-    p = argparse.ArgumentParser()
-    _add_serve_args(p)
-    assert build_engine_config(p.parse_args([])).native_attention is True
-    assert build_engine_config(p.parse_args(["--no-native-attention"])).native_attention is False
 
 
 def greedy(dtype: str, native: bool, prompts: list[list[int]]) -> tuple[list[list[int]], LLMEngine]:

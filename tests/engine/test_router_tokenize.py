@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.router.tokenize import PromptTokenizer, chat_messages, prompt_from_body
+from kvhive.router.tokenize import PromptTokenizer, prompt_from_body
 from kvhive.server.chat import template_messages
 from kvhive.server.completions import prompt_token_ids
 from kvhive.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -89,22 +89,6 @@ def test_token_id_prompts_and_salts_pass_through(tokenizer: Tokenizer) -> None:
                                 ).cache_salt == "s"
     finally:
         prompts.close()
-
-
-@pytest.mark.parametrize("body", [{}, {"prompt": ""}, {"prompt": ["a", "b"]}, {"prompt": 5},
-                                  {"prompt": [1, "x"]}, {"messages": []}, {"messages": "hi"},
-                                  {"messages": [{"content": "no role"}]},
-                                  {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-                                  {"messages": [{"role": "user", "content": 5}]}])
-def test_bodies_the_gateway_cannot_read_give_no_prompt(body: dict) -> None:
-    assert prompt_from_body(body) is None
-
-
-def test_chat_messages_flatten_as_the_server_does() -> None:
-    raw = [{"role": "developer", "content": None, "name": "sys"},
-           {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
-    assert chat_messages(raw) == ({"role": "system", "content": "", "name": "sys"},
-                                  {"role": "user", "content": "a\nb"})
 
 
 class CountingTokenizer:

@@ -1,0 +1,14 @@
+"""``--no-native-attention``: the CLI flag reaches the engine config."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvhive.cli import _add_serve_args, build_engine_config
+
+
+def test_flag_reaches_the_engine_config() -> None:
+    p = argparse.ArgumentParser()
+    _add_serve_args(p)
+    assert build_engine_config(p.parse_args([])).native_attention is True
+    assert build_engine_config(p.parse_args(["--no-native-attention"])).native_attention is False

@@ -1,0 +1,24 @@
+"""What the gateway reads from a request body without tokenizing: bodies it cannot read give no prompt,
+and chat messages flatten as the server flattens them."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvhive.router.tokenize import chat_messages, prompt_from_body
+
+
+@pytest.mark.parametrize("body", [{}, {"prompt": ""}, {"prompt": ["a", "b"]}, {"prompt": 5},
+                                  {"prompt": [1, "x"]}, {"messages": []}, {"messages": "hi"},
+                                  {"messages": [{"content": "no role"}]},
+                                  {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                                  {"messages": [{"role": "user", "content": 5}]}])
+def test_bodies_the_gateway_cannot_read_give_no_prompt(body: dict) -> None:
+    assert prompt_from_body(body) is None
+
+
+def test_chat_messages_flatten_as_the_server_does() -> None:
+    raw = [{"role": "developer", "content": None, "name": "sys"},
+           {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert chat_messages(raw) == ({"role": "system", "content": "", "name": "sys"},
+                                  {"role": "user", "content": "a\nb"})
