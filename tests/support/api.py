@@ -1,4 +1,4 @@
-"""Requests to a server's OpenAI API that must succeed, and the check of OpenAI's error shape."""
+"""Requests to a server's OpenAI API that must succeed, hostile bodies, and the check of OpenAI's error shape."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import httpx
 from support.servers import SERVED_MODEL_NAME, read_sse
 
 MODEL = SERVED_MODEL_NAME
+DEEP = b"[" * 100_000                   # a body nested deeper than any JSON limit
+# Lone surrogates as JSON escapes: json.dumps writes them so (ensure_ascii), as a client's bytes.
+LONE = "a\ud800b"
 LONG_PROMPT = " ".join(f"Fact {i}: the {i}th colour of the list is number {i * 7}." for i in range(12))
 
 
@@ -45,3 +48,8 @@ def assert_error(r: httpx.Response, status: int, *, param: str | None = None, co
     assert error["code"] == code
     for text in contains:
         assert text in error["message"], error["message"]
+
+
+def chat_body(content: Any, **extra: Any) -> dict[str, Any]:
+    """A chat completion body of one user message, two tokens long."""
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2, **extra}
