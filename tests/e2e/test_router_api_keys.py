@@ -22,10 +22,8 @@ from support.cluster import (
 )
 from support.servers import SERVED_MODEL_NAME, wait_until
 
-from kvhive.core.tenancy import cache_salt, key_owner
 from kvhive.router.cli import fetch_hashing
 from kvhive.router.config import ReplicaSpec
-from kvhive.router.tokenize import prompt_from_body
 
 KEYS = ("key-alpha", "key-beta")
 
@@ -55,14 +53,6 @@ def complete(cluster: Cluster, prompt: str, key: str, **extra: object) -> httpx.
 
 def cached_tokens(response: httpx.Response) -> int:
     return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def test_the_body_salt_joins_the_key_digest_as_on_the_replica() -> None:
-    owner = key_owner(f"Bearer {KEYS[0]}")
-    assert prompt_from_body({"prompt": "hi"}).cache_salt is None
-    assert prompt_from_body({"prompt": "hi"}, owner).cache_salt == cache_salt(owner, None, False)
-    assert prompt_from_body({"prompt": "hi", "cache_salt": "s"}, owner).cache_salt == f"key:{owner}:s"
-    assert key_owner(f"Bearer {KEYS[1]}") != owner
 
 
 def test_same_key_routes_by_kv_and_other_keys_do_not_share(gateways: tuple[Cluster, Cluster]) -> None:

@@ -13,24 +13,16 @@ from support.engines import GREEDY, make_engine, run
 from support.tiny import tiny_config, tiny_model
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, StoreConfig
-from kvhive.core.model_files import default_model_path
-from kvhive.core.tokenizer import Tokenizer
 from kvhive.engine.core import LLMEngine
 from kvhive.model.loader import LoadedModel
 from kvhive.request import RequestStatus, SamplingParams
 from kvhive.server.metrics import ServerMetrics
 from kvhive.store.disk import DiskStore
-from kvhive.store.key import KeySpace
 from kvhive.store.memory import MemoryStore
 from kvhive.store.tiered import Tier, TieredStore
 
 PROMPT = [(7 * i + 3) % 250 + 3 for i in range(100)]          # 25 blocks of 4
 FLOOD = {f"flood{i}": [100 + i] * 60 for i in range(4)}        # evicts PROMPT from a 40-block pool
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_model_path(default_model_path())
 
 
 @pytest.fixture(scope="module")
@@ -396,19 +388,3 @@ def test_slow_tier_lookup_does_not_stall_running_requests(tokenizer, fresh):
         assert_pool_clean(engine)
     finally:
         engine.close()
-
-
-def test_a_lower_tier_hit_is_promoted_into_every_tier_above(tmp_path):
-    space = KeySpace("test-model", 1, "float32", 16)
-    key, payload = space.key(bytes(16)), bytes(range(200)) * 5
-    cpu, disk, redis = MemoryStore(1 << 20), DiskStore(str(tmp_path), 1 << 24), MemoryStore(1 << 20)
-    # The layout DurableState.tiered_store makes: disk and Redis are both write-through.
-    tiered = TieredStore([Tier("cpu", cpu), Tier("disk", disk, write_through=True),
-                          Tier("redis", redis, write_through=True)])
-    try:
-        redis.put(key, payload)                     # saved by another replica
-        assert bytes(tiered.get(key)) == payload
-        assert cpu.contains([key]) == [True] and disk.contains([key]) == [True]
-        assert bytes(disk.get(key)) == payload
-    finally:
-        tiered.close()

@@ -1,10 +1,11 @@
 """What the gateway reads from a request body without tokenizing: bodies it cannot read give no prompt,
-and chat messages flatten as the server flattens them."""
+chat messages flatten as the server flattens them, and the body's salt joins the API key's digest."""
 
 from __future__ import annotations
 
 import pytest
 
+from kvhive.core.tenancy import cache_salt, key_owner
 from kvhive.router.tokenize import chat_messages, prompt_from_body
 
 
@@ -22,3 +23,11 @@ def test_chat_messages_flatten_as_the_server_does() -> None:
            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert chat_messages(raw) == ({"role": "system", "content": "", "name": "sys"},
                                   {"role": "user", "content": "a\nb"})
+
+
+def test_the_body_salt_joins_the_key_digest_as_on_the_replica() -> None:
+    owner = key_owner("Bearer key-alpha")
+    assert prompt_from_body({"prompt": "hi"}).cache_salt is None
+    assert prompt_from_body({"prompt": "hi"}, owner).cache_salt == cache_salt(owner, None, False)
+    assert prompt_from_body({"prompt": "hi", "cache_salt": "s"}, owner).cache_salt == f"key:{owner}:s"
+    assert key_owner("Bearer key-beta") != owner

@@ -166,3 +166,19 @@ def test_tier_names_must_be_unique():
         TieredStore([Tier("cpu", MemoryStore(BLOCK)), Tier("cpu", MemoryStore(BLOCK))])
     with pytest.raises(ValueError):
         TieredStore([])
+
+
+def test_a_lower_tier_hit_is_promoted_into_every_tier_above(tmp_path):
+    space = KeySpace("test-model", 1, "float32", 16)
+    key, payload = space.key(bytes(16)), bytes(range(200)) * 5
+    cpu, disk, redis = MemoryStore(1 << 20), DiskStore(str(tmp_path), 1 << 24), MemoryStore(1 << 20)
+    # The layout DurableState.tiered_store makes: disk and Redis are both write-through.
+    tiered = TieredStore([Tier("cpu", cpu), Tier("disk", disk, write_through=True),
+                          Tier("redis", redis, write_through=True)])
+    try:
+        redis.put(key, payload)                     # saved by another replica
+        assert bytes(tiered.get(key)) == payload
+        assert cpu.contains([key]) == [True] and disk.contains([key]) == [True]
+        assert bytes(disk.get(key)) == payload
+    finally:
+        tiered.close()
