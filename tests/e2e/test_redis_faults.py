@@ -60,7 +60,8 @@ def test_second_engine_hits_what_the_first_saved_and_corrupt_values_miss(tokeniz
         assert one(second, "p0") == (fresh["p0"], 56)
         assert {t.name: t.hit_tokens for t in second.stats().tiers} == {"redis": 56}
         admin = redis_server.admin()
-        keys = sorted(second.connector_scheduler.key_space.key(h).encode()
+        redis_tier = second.store.tiers[-1].store
+        keys = sorted(redis_tier.redis_key(second.connector_scheduler.key_space.key(h))
                       for h in _hashes(second, "p1"))
         for i, key in enumerate(keys):                 # garble, truncate, or swap every value
             value = admin.get(key)
