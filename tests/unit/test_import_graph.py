@@ -29,10 +29,14 @@ CASES = {
          "kvhive.router.ingest", "kvhive.router.index", "kvhive.router.scorer",
          "kvhive.router.tokenize", "kvhive.router.gateway"],
         ABOVE_THE_ROUTER),
-    # What ``kvhive gateway`` imports.
+    # What ``kvhive gateway`` imports, from the console script's module on.
     "gateway": (
-        ["kvhive.router.app", "kvhive.router.cli", "kvhive.core.tenancy"],
+        ["kvhive.cli", "kvhive.router.app", "kvhive.router.cli", "kvhive.core.tenancy"],
         ABOVE_THE_ROUTER),
+    # The builder of the KV tiers and the record backends sits below the engine and the server.
+    "durable-state": (
+        ["kvhive.sessions.durable"],
+        ("torch", "kvhive.model", "kvhive.engine", "kvhive.server")),
     # The tokenizer and chat template are kvhive's own, not transformers'.
     "tokenizer": (
         ["kvhive.core.tokenizer", "kvhive.core.chat_template", "kvhive.core.model_files"],
