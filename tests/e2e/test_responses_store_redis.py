@@ -7,6 +7,7 @@ import pytest
 from support.redis_server import RedisServer
 from support.responses import Clock, assert_backend_persists, chain, stored
 
+from kvhive.sessions.durable import RedisKeys
 from kvhive.sessions.registry import SessionError
 from kvhive.sessions.response_backends import RedisResponseBackend
 from kvhive.sessions.responses import (
@@ -14,15 +15,17 @@ from kvhive.sessions.responses import (
     conversation_of,
 )
 
+PREFIX = RedisKeys("m").responses          # the stored-response keys of a replica serving model "m"
+
 
 def test_the_redis_backend_persists_adds_deletes_and_expiry(redis_server: RedisServer) -> None:
-    assert_backend_persists(RedisResponseBackend(redis_server.url, "kvhive:responses"))
+    assert_backend_persists(RedisResponseBackend(redis_server.url, PREFIX))
 
 
 def test_a_shared_backend_sees_other_replicas_turns(redis_server: RedisServer) -> None:
     clock = Clock()
-    one = ResponseStore(RedisResponseBackend(redis_server.url, "kvhive:responses"), clock=clock)
-    two = ResponseStore(RedisResponseBackend(redis_server.url, "kvhive:responses"), clock=clock)
+    one = ResponseStore(RedisResponseBackend(redis_server.url, PREFIX), clock=clock)
+    two = ResponseStore(RedisResponseBackend(redis_server.url, PREFIX), clock=clock)
     (r1,) = chain(one, "k", 1, expires=clock.now + 60)
     r2 = stored("k", conversation_of(r1.response_id), r1)
     two.add(r2, clock.now + 60)                     # replica two continues it
@@ -39,7 +42,7 @@ def test_a_loss_another_check_finds_during_the_read_keeps_the_conversation(redis
     # Another check (the session sweep) finds Redis emptied between this lookup's republish and its
     # read: the read misses, and this lookup's own check sees the marker already set again.
     clock = Clock()
-    backend = RedisResponseBackend(redis_server.url, "kvhive:responses")
+    backend = RedisResponseBackend(redis_server.url, PREFIX)
     store = ResponseStore(backend, clock=clock)
     (r1,) = chain(store, "k", 1, expires=clock.now + 60)
     assert store.get(r1.response_id, "k").to_json() == r1.to_json()      # the marker noted
@@ -60,7 +63,7 @@ def test_a_turn_stored_after_redis_lost_its_data_keeps_the_whole_conversation(re
     # Redis emptied, then a new turn writes a record that holds only itself: the earlier responses
     # held here stay, and the whole conversation is republished.
     clock = Clock()
-    backend = RedisResponseBackend(redis_server.url, "kvhive:responses")
+    backend = RedisResponseBackend(redis_server.url, PREFIX)
     store = ResponseStore(backend, clock=clock)
     r1, r2 = chain(store, "k", 2, expires=clock.now + 60)
     assert store.get(r2.response_id, "k").to_json() == r2.to_json()      # the marker noted
@@ -69,5 +72,5 @@ def test_a_turn_stored_after_redis_lost_its_data_keeps_the_whole_conversation(re
     store.add(r3, clock.now + 60)
     got = store.get(r3.response_id, "k")
     assert [r.response_id for r in store.history(got)] == [r1.response_id, r2.response_id, r3.response_id]
-    other = ResponseStore(RedisResponseBackend(redis_server.url, "kvhive:responses"), clock=clock)
+    other = ResponseStore(RedisResponseBackend(redis_server.url, PREFIX), clock=clock)
     assert len(other.history(other.get(r3.response_id, "k"))) == 3

@@ -10,7 +10,10 @@ from support.redis_server import RedisServer
 from support.sessions import BLOCK_SIZE, Pins, hashes, registry, run_turn
 
 from kvhive.sessions.backends import RedisBackend
+from kvhive.sessions.durable import RedisKeys
 from kvhive.sessions.registry import SessionBusy, SessionError, SessionNotFound
+
+PREFIX = RedisKeys("m").sessions           # the session keys of a replica serving model "m"
 
 
 @pytest.fixture()
@@ -19,11 +22,11 @@ def redis_url(redis_server: RedisServer) -> str:
 
 
 def test_replicas_do_not_overwrite_each_others_sessions(redis_url):
-    one, two = registry(RedisBackend(redis_url, "kvhive:sessions:m")), registry(RedisBackend(redis_url, "kvhive:sessions:m"))
+    one, two = registry(RedisBackend(redis_url, PREFIX)), registry(RedisBackend(redis_url, PREFIX))
     a = run_turn(one, "k", hashes("a", 2))
     b = run_turn(two, "k", hashes("b", 2))
     run_turn(one, "k", hashes("c", 1))                   # a later write on replica one
-    backend = RedisBackend(redis_url, "kvhive:sessions:m")
+    backend = RedisBackend(redis_url, PREFIX)
     assert backend.load("k", a.session_id)["block_hashes"] == a.block_hashes
     assert backend.load("k", b.session_id)["block_hashes"] == b.block_hashes
     # Redis drops the record when the session expires.
@@ -33,9 +36,9 @@ def test_replicas_do_not_overwrite_each_others_sessions(redis_url):
 
 def test_a_session_moves_between_replicas_through_redis(redis_url):
     pins_one, pins_two = Pins(), Pins()
-    one = registry(RedisBackend(redis_url, "kvhive:sessions:m"), pins=pins_one)
+    one = registry(RedisBackend(redis_url, PREFIX), pins=pins_one)
     s1 = run_turn(one, "k", hashes("a", 3))
-    two = registry(RedisBackend(redis_url, "kvhive:sessions:m"), pins=pins_two)   # started before or after: no matter
+    two = registry(RedisBackend(redis_url, PREFIX), pins=pins_two)   # started before or after: no matter
     with pytest.raises(SessionError) as other_key:
         two.get(s1.session_id, "another-key")
     assert isinstance(other_key.value, SessionNotFound)
@@ -59,8 +62,8 @@ def test_a_session_moves_between_replicas_through_redis(redis_url):
 
 
 def test_an_expired_copy_does_not_delete_a_session_another_replica_extended(redis_url):
-    one = registry(RedisBackend(redis_url, "kvhive:sessions:m"))
-    two = registry(RedisBackend(redis_url, "kvhive:sessions:m"))
+    one = registry(RedisBackend(redis_url, PREFIX))
+    two = registry(RedisBackend(redis_url, PREFIX))
     s1 = run_turn(one, None, hashes("a", 2), ttl=1)
     two.set_ttl(two.get(s1.session_id, None), 600)
     time.sleep(1.1)
@@ -69,8 +72,8 @@ def test_an_expired_copy_does_not_delete_a_session_another_replica_extended(redi
 
 
 def test_a_busy_session_is_not_reread(redis_url):
-    one = registry(RedisBackend(redis_url, "kvhive:sessions:m"))
-    two = registry(RedisBackend(redis_url, "kvhive:sessions:m"))
+    one = registry(RedisBackend(redis_url, PREFIX))
+    two = registry(RedisBackend(redis_url, PREFIX))
     s1 = run_turn(one, None, hashes("a", 2))
     one.begin_turn(s1, "m", 50)
     two.delete(two.get(s1.session_id, None))
@@ -81,7 +84,7 @@ def test_a_busy_session_is_not_reread(redis_url):
 
 
 def test_with_redis_down_a_replica_serves_the_sessions_it_holds(redis_server):
-    one = registry(RedisBackend(redis_server.url, "kvhive:sessions:m", timeout_s=0.2))
+    one = registry(RedisBackend(redis_server.url, PREFIX, timeout_s=0.2))
     s1 = run_turn(one, None, hashes("a", 2))
     redis_server.stop()
     assert one.get(s1.session_id, None) is s1
@@ -90,7 +93,7 @@ def test_with_redis_down_a_replica_serves_the_sessions_it_holds(redis_server):
     with pytest.raises(SessionError):
         one.get("sess-unknown", None)
     redis_server.start()                                  # back, and empty
-    backend = RedisBackend(redis_server.url, "kvhive:sessions:m")
+    backend = RedisBackend(redis_server.url, PREFIX)
     deadline = time.monotonic() + 10
     while not backend.guard.breaker.allow():              # the breaker's probe finds it back
         assert time.monotonic() < deadline
@@ -103,15 +106,15 @@ def test_with_redis_down_a_replica_serves_the_sessions_it_holds(redis_server):
 
 
 def test_a_session_held_here_survives_redis_losing_its_data(redis_server):
-    one = registry(RedisBackend(redis_server.url, "kvhive:sessions:m"))
-    two = registry(RedisBackend(redis_server.url, "kvhive:sessions:m"))
+    one = registry(RedisBackend(redis_server.url, PREFIX))
+    two = registry(RedisBackend(redis_server.url, PREFIX))
     s1 = run_turn(one, None, hashes("a", 2))
     s2 = run_turn(one, None, hashes("b", 2))
     assert two.get(s1.session_id, None).block_hashes == s1.block_hashes
     redis_server.admin().flushall()
     # A miss for a session held here, with the data marker gone: kept, and every held one republished.
     assert one.get(s1.session_id, None) is s1
-    backend = RedisBackend(redis_server.url, "kvhive:sessions:m")
+    backend = RedisBackend(redis_server.url, PREFIX)
     assert {backend.load(None, s.session_id)["id"] for s in (s1, s2)} == {s1.session_id, s2.session_id}
     # With the marker in place, a missing record is a session ended elsewhere, as before.
     two.delete(two.get(s2.session_id, None))
@@ -122,7 +125,7 @@ def test_a_session_held_here_survives_redis_losing_its_data(redis_server):
 def test_a_loss_another_check_finds_during_the_read_still_keeps_the_session(redis_server):
     # The sweep (or the response store) checks the marker first, between this lookup's republish
     # and its read: the read misses, and this lookup's own check sees the marker already set again.
-    one = registry(RedisBackend(redis_server.url, "kvhive:sessions:m"))
+    one = registry(RedisBackend(redis_server.url, PREFIX))
     s1 = run_turn(one, None, hashes("a", 2))
     assert one.get(s1.session_id, None) is s1       # its record written, the marker noted
     backend = one.backend
