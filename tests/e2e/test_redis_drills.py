@@ -14,7 +14,6 @@ completions, chained stored responses):
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import threading
 import time
@@ -23,11 +22,10 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from support.redis_server import RedisServer
+from support.redis_server import RedisServer, needs_redis_server
 from support.servers import SERVED_MODEL_NAME, ServerProcess, start_server, stop_server
 
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None and not os.environ.get("CI"),
-                                reason="redis-server is not installed")
+pytestmark = needs_redis_server
 
 FAULT_S = 8.0            # how long Redis stays stopped (SIGSTOP) in the hung-Redis drill
 SESSION_TTL_S = 90

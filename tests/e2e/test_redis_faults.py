@@ -6,19 +6,18 @@ its local disk."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 
 import pytest
 from support.engines import GREEDY, make_engine, run
+from support.redis_server import needs_redis_server
 
 from kvhive.config import StoreConfig
 
 redis = pytest.importorskip("redis")
 
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None and not os.environ.get("CI"),
-                                reason="redis-server is not installed")
+pytestmark = needs_redis_server
 
 PROMPTS = {f"p{j}": [(7 * i + 13 * j + 3) % 250 + 3 for i in range(60)] for j in range(5)}   # 14 blocks
 

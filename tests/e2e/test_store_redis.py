@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -12,15 +11,14 @@ from collections.abc import Iterator
 import pytest
 
 redis = pytest.importorskip("redis")
-from support.redis_server import RedisServer  # noqa: E402
+from support.redis_server import RedisServer, needs_redis_server  # noqa: E402
 from support.servers import wait_until  # noqa: E402
 
 from kvhive.store.key import KeySpace  # noqa: E402
 from kvhive.store.redis import RedisStore  # noqa: E402
 
 # CI installs redis-server (scripts/test.sh); there a missing server is a failure, not a skip.
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None and not os.environ.get("CI"),
-                                reason="redis-server is not installed")
+pytestmark = needs_redis_server
 
 SPACE = KeySpace("test-model", 1, "float32", 16)
 BLOCK = 50_000

@@ -4,18 +4,15 @@ from a second ``kvhive serve`` process; per-tier metrics show where the tokens c
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Iterator
 
 import pytest
 from support.kvhive_serve import LONG_PROMPT, ServeProcess
-from support.redis_server import RedisServer
+from support.redis_server import RedisServer, needs_redis_server
 
 redis = pytest.importorskip("redis")
 
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None and not os.environ.get("CI"),
-                                reason="redis-server is not installed")
+pytestmark = needs_redis_server
 PROMPT = LONG_PROMPT[:1500]                   # ~560 tokens: 35 blocks
 FLOOD = [f"Note {k}: " + LONG_PROMPT[1500 + 300 * k:][:1500] for k in range(3)]
 

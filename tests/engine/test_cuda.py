@@ -1,7 +1,7 @@
 """The engine on a CUDA device with the default model: the same greedy tokens as on CPU, and on CUDA
 the same tokens for a cold run, a device-pool hit, a CPU-tier hit (pinned staging, layer by layer),
 a disk hit after a restart, a session conversation and a batch. Skipped where CUDA is absent (CI);
-run on a GPU machine with ``pytest tests/test_cuda.py``."""
+run on a GPU machine with ``pytest tests/engine/test_cuda.py``."""
 
 from __future__ import annotations
 

@@ -17,6 +17,10 @@ from contextlib import contextmanager
 import pytest
 from support.servers import free_port
 
+# For a module whose every test needs redis-server: skipped before its other fixtures run.
+needs_redis_server = pytest.mark.skipif(shutil.which("redis-server") is None and not os.environ.get("CI"),
+                                        reason="redis-server is not installed")
+
 
 def require_redis_server() -> None:
     """Skip the calling test when redis-server or the redis client is missing (fail under CI)."""
