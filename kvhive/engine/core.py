@@ -194,16 +194,6 @@ class LLMEngine:
         self.connector_scheduler = OffloadScheduler(self.store, key_space, block_bytes)
         self.connector_worker = OffloadWorker(self.store)
 
-    def session_blocks_by_tier(self, block_hashes) -> dict[str, int]:
-        """How many of these blocks each level holds: "device", then each store tier by name.
-
-        Safe from any thread (the pool's hash map is only read; store tiers are thread-safe).
-        """
-        out = {"device": self.scheduler.count_cached_blocks(block_hashes)}
-        if self.store is not None and block_hashes:
-            out.update(self.store.count_by_tier(self.connector_scheduler.key_space.keys(block_hashes)))
-        return out
-
     def count_device_blocks(self, block_hashes) -> int:
         """How many of these blocks the device prefix cache holds; loop thread only (it reads the pool)."""
         return self.scheduler.count_cached_blocks(block_hashes)

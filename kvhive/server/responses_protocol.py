@@ -7,7 +7,6 @@ asks for the default, so nothing is silently ignored.
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any, Literal
 
@@ -16,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvhive.request import MAX_LOGPROBS
 from kvhive.server.errors import bad_request
 from kvhive.server.protocol import ChatMessage, ChatTokenLogprob, ContentPart
+from kvhive.server.sse import sse_named_event
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PART_TYPES = ("input_text", "output_text")
@@ -299,4 +299,4 @@ class EventWriter:
         data = {"type": event_type, "sequence_number": self.sequence_number,
                 **{k: jsonable(v) for k, v in fields.items()}}
         self.sequence_number += 1
-        return f"event: {event_type}\ndata: {json.dumps(data)}\n\n"
+        return sse_named_event(event_type, data)

@@ -154,7 +154,8 @@ async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tu
 
 
 class GenerationService:
-    """The server's view of the engine: validates what the engine would reject, streams text back."""
+    """Validates what the engine would reject and streams a request's text back, over the
+    ``EngineClient``; a request's session turn comes from the ``SessionService``."""
 
     def __init__(self, engine: EngineClient, metrics: ServerMetrics, served_model_name: str,
                  sessions: SessionService, api_keys: tuple[str, ...] = (),

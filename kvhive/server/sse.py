@@ -29,6 +29,11 @@ def sse_event(payload: BaseModel | dict[str, Any], exclude: set[str] | None = No
     return f"data: {json.dumps(payload)}\n\n"
 
 
+def sse_named_event(event_type: str, data: dict[str, Any]) -> str:
+    """One server-sent event with a name: ``event: <type>``, ``data: {json}`` and a blank line."""
+    return f"event: {event_type}\ndata: {json.dumps(data)}\n\n"
+
+
 async def with_error_event(events: AsyncIterator[str]) -> AsyncIterator[str]:
     """Pass SSE events through; an engine error after the headers went out becomes an error event
     (OpenAI's error body) and ``[DONE]``."""
