@@ -8,14 +8,11 @@ import asyncio
 import threading
 
 import pytest
-from support.engines import GREEDY, make_engine
+from support.engines import GREEDY, make_engine, make_engine_with_cpu_tier
 
-from kvhive.config import StoreConfig
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.engine.async_engine import AsyncEngine
 from kvhive.engine.client import EngineClient
-
-GB = 2**30
 
 
 def test_calls_run_on_the_loop_thread_and_fail_once_it_stops(tokenizer: Tokenizer) -> None:
@@ -36,10 +33,7 @@ def test_calls_run_on_the_loop_thread_and_fail_once_it_stops(tokenizer: Tokenize
 
 
 def test_a_session_is_held_in_the_store_tiers_and_released(tokenizer: Tokenizer) -> None:
-    probe = make_engine(tokenizer)
-    block_bytes = probe.block_bytes
-    probe.close()
-    engine = make_engine(tokenizer, store=StoreConfig(cpu_offload_gb=64 * block_bytes / GB))
+    engine = make_engine_with_cpu_tier(tokenizer, 64)
     async_engine = AsyncEngine(engine)
     async_engine.start()
     client = EngineClient(async_engine)

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import time
 
-from support.engines import make_engine, turn
+from support.engines import make_engine, make_engine_with_cpu_tier, turn
 
-from kvhive.config import StoreConfig
 from kvhive.core.blocks import HASH_BYTES
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.engine.async_engine import IDLE_STATS_REFRESH_S, AsyncEngine
 from kvhive.engine.stats import EngineStats
-
-GB = 2**30
 
 
 def block_states(s: EngineStats) -> tuple[int, int, int]:
@@ -36,10 +33,8 @@ def test_engine_stats_split_the_pool_by_state(tokenizer: Tokenizer) -> None:
 
 
 def test_the_idle_engine_loop_refreshes_its_stats(tokenizer: Tokenizer) -> None:
-    probe = make_engine(tokenizer)
-    block_bytes = probe.block_bytes
-    probe.close()
-    engine = make_engine(tokenizer, store=StoreConfig(cpu_offload_gb=8 * block_bytes / GB))
+    engine = make_engine_with_cpu_tier(tokenizer, 8)
+    block_bytes = engine.block_bytes
     async_engine = AsyncEngine(engine)
     async_engine.start()
     try:

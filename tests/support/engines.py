@@ -3,12 +3,11 @@ to the end in the test's own process."""
 
 from __future__ import annotations
 
-from support.tiny import tiny_config, tiny_model
-
-from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, StoreConfig
 from kvhive.engine.core import LLMEngine, RequestOutput
 from kvhive.model.loader import LoadedModel
 from kvhive.request import SamplingParams
+from support.tiny import tiny_config, tiny_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -24,6 +23,14 @@ def make_engine(tokenizer, *, num_blocks=64, block_size=4, prefix=True, budget=6
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                                   max_model_len=512), **extra)
     return LLMEngine(config, loaded=loaded, tokenizer=tokenizer)
+
+
+def make_engine_with_cpu_tier(tokenizer, tier_blocks: int, **kwargs) -> LLMEngine:
+    """``make_engine`` with a CPU memory tier of ``tier_blocks`` blocks."""
+    probe = make_engine(tokenizer, **kwargs)
+    block_bytes = probe.block_bytes
+    probe.close()
+    return make_engine(tokenizer, store=StoreConfig(cpu_offload_gb=tier_blocks * block_bytes / 2**30), **kwargs)
 
 
 def run(engine: LLMEngine, prompts: dict[str, list[int]], sampling=GREEDY, stagger=False):
