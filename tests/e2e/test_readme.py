@@ -36,7 +36,7 @@ SKIPPED = {
         "starts a server on port 8000 (tests/e2e/test_cli_serve.py starts 'kvhive serve' itself)",
     "bash scripts/test.sh":
         "installs Debian packages and runs this whole suite",
-    "python -m pytest tests/unit     # no model, no server process, no Redis: about 1.5 minutes on 2 cores":
+    "python -m pytest tests/unit     # no model, no server process, no Redis: under a minute on 2 cores":
         "runs part of this suite",
     "kvhive warmup":
         "builds the kernels into the user's cache (tests/e2e/test_cpu_paths.py runs it)",
