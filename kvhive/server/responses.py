@@ -98,16 +98,17 @@ class ResponsesAPI:
                               f"not '{body.model}'", param="model", code="response_model_mismatch")
         return self.store.history(previous)
 
-    def prompt_token_ids(self, body: ResponsesRequest, history: list[StoredResponse],
-                         items: list[dict[str, Any]]) -> list[int]:
-        """The chat template over instructions, the stored conversation and the new input."""
+    async def prompt_token_ids(self, body: ResponsesRequest, history: list[StoredResponse],
+                               items: list[dict[str, Any]]) -> list[int]:
+        """The chat template over instructions, the stored conversation and the new input (a long
+        conversation rendered and tokenized off the event loop)."""
         messages = [] if body.instructions is None else [ChatMessage(role="system", content=body.instructions)]
         for stored in history:
             messages += [chat_message(item) for item in stored.input_items]
             messages += [chat_message(item) for item in stored.response["output"]]
         messages += [chat_message(item) for item in items]
         try:
-            return self.service.tokenizer.encode_chat(template_messages(messages))
+            return await self.service.encode_chat(template_messages(messages))
         except (TemplateError, ValueError) as exc:
             raise bad_request(f"Could not apply the chat template: {exc}", param="input") from exc
 
@@ -154,7 +155,7 @@ class ResponsesAPI:
         items = input_items(body)
         owner = service.owner_of(raw_request)
         history = await self.history(raw_request, body)
-        token_ids = self.prompt_token_ids(body, history, items)
+        token_ids = await self.prompt_token_ids(body, history, items)
         max_tokens = service.resolve_max_tokens(body.max_output_tokens, len(token_ids), "max_output_tokens", "input")
         sampling = service.sampling_params(
             SamplingRequest(model=body.model, temperature=body.temperature, top_p=body.top_p), max_tokens,
