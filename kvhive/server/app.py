@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -11,21 +10,19 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvhive.core.json_body import BodyError, load_json
 from kvhive.engine.client import EngineClient
 from kvhive.server.body_limit import BodyLimitMiddleware, default_max_request_bytes
 from kvhive.server.chat import create_chat_completion
 from kvhive.server.completions import create_completion
 from kvhive.server.context import install_context_routes, session_sweeper
-from kvhive.server.errors import APIError, bad_request, body_error, install_error_handlers, validation_error
+from kvhive.server.errors import APIError, install_error_handlers
 from kvhive.server.metrics import ServerMetrics
 from kvhive.server.openapi import install_request_bodies
 from kvhive.server.protocol import (
@@ -36,6 +33,7 @@ from kvhive.server.protocol import (
     ModelCard,
     ModelList,
 )
+from kvhive.server.request_body import parse_body
 from kvhive.server.responses import ResponsesAPI, install_response_routes, response_sweeper
 from kvhive.server.serving import GenerationService, unix_time
 from kvhive.sessions.durable import DurableState
@@ -45,7 +43,6 @@ from kvhive.sessions.service import SessionService, keeper_tier
 if TYPE_CHECKING:
     from kvhive.engine.async_engine import AsyncEngine
 
-BodyT = TypeVar("BodyT", bound=BaseModel)
 KVHIVE_VERSION = "0.1.0"
 logger = logging.getLogger(__name__)
 
@@ -54,9 +51,6 @@ logger = logging.getLogger(__name__)
 ENGINE_FAILURE_DRAIN_S = 1.0
 ENGINE_FAILURE_GRACE_S = 2.0
 ENGINE_FAILURE_EXIT_S = 5.0
-# Bodies of this many bytes or more are parsed and validated on a worker thread (json.loads and
-# pydantic hold the event loop ~10 ms per MiB).
-OFF_LOOP_BODY_BYTES = 1 << 16
 
 
 class APIKeyMiddleware:
@@ -89,32 +83,6 @@ class APIKeyMiddleware:
         return any([secrets.compare_digest(token, key) for key in self.api_keys])
 
 
-async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
-    """The JSON body as ``model``, whatever the Content-Type; 400 for bad JSON (``load_json``:
-    too deep, not UTF-8, a lone surrogate in a string) or bad fields; 413 for a body over the
-    limit (``BodyLimitMiddleware``, while it is read). A large body is parsed off the event loop."""
-    raw = await request.body()
-    if len(raw) < OFF_LOOP_BODY_BYTES:
-        return parse_json_body(raw, model)
-    return await asyncio.to_thread(parse_json_body, raw, model)
-
-
-def parse_json_body(raw: bytes, model: type[BodyT]) -> BodyT:
-    """``raw`` as ``model``; the 400s of ``parse_body``."""
-    if not raw.strip():
-        raise bad_request("Request body is required (a JSON object)")
-    try:
-        data: Any = load_json(raw)
-    except BodyError as exc:
-        raise body_error(exc) from None
-    if not isinstance(data, dict):
-        raise bad_request(f"Request body must be a JSON object, got {type(data).__name__}")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc.errors()) from exc
-
-
 def create_app(async_engine: AsyncEngine, *, served_model_name: str,
                api_keys: tuple[str, ...] = (), max_request_bytes: int | None = None) -> FastAPI:
     """The OpenAI-compatible app over a started ``AsyncEngine`` (the caller owns its lifecycle).
@@ -123,25 +91,16 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
     (default: ``default_max_request_bytes`` of the model's context).
     """
     engine = EngineClient(async_engine)
-    metrics = ServerMetrics(engine.stats, served_model_name)
-    metrics.show_paths(engine.runtime_info())
-    config = engine.config
-    durable = DurableState(config.store, served_model_name)
-    sessions = SessionService(config.sessions, engine, block_bytes=engine.block_bytes, block_size=engine.block_size,
-                              backend=durable.session_backend(),
-                              keeper=keeper_tier(engine.keeper_budget(), config.store))
-    service = GenerationService(engine, metrics, served_model_name, sessions=sessions,
-                                api_keys=api_keys, share_prefix_cache=config.sessions.share_prefix_cache)
-    responses = ResponsesAPI(service, ResponseStore(durable.response_backend()))
+    service, responses = build_services(engine, served_model_name, api_keys)
 
     @contextlib.asynccontextmanager
     async def sweepers(_app: FastAPI) -> AsyncIterator[None]:
-        async with session_sweeper(sessions), response_sweeper(responses):
+        async with session_sweeper(service.sessions), response_sweeper(responses):
             yield
 
     app = FastAPI(title="kvhive", version=KVHIVE_VERSION, lifespan=sweepers)
     app.state.service = service
-    app.state.metrics = metrics
+    app.state.metrics = service.metrics
     if max_request_bytes is None:
         max_request_bytes = default_max_request_bytes(service.max_model_len)
     app.state.max_request_bytes = max_request_bytes
@@ -152,6 +111,32 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=tuple(api_keys))
+    install_info_routes(app, service, created)
+    install_generation_routes(app, service)
+    install_context_routes(app, service)
+    install_response_routes(app, responses)
+    return app
+
+
+def build_services(engine: EngineClient, served_model_name: str, api_keys: tuple[str, ...]
+                   ) -> tuple[GenerationService, ResponsesAPI]:
+    """The app's generation service (with its metrics, whose runtime paths it shows, and its
+    session service) and the Responses API, over the durable backends of the engine's config."""
+    metrics = ServerMetrics(engine.stats, served_model_name)
+    metrics.show_paths(engine.runtime_info())
+    config = engine.config
+    durable = DurableState(config.store, served_model_name)
+    sessions = SessionService(config.sessions, engine, block_bytes=engine.block_bytes, block_size=engine.block_size,
+                              backend=durable.session_backend(),
+                              keeper=keeper_tier(engine.keeper_budget(), config.store))
+    service = GenerationService(engine, metrics, served_model_name, sessions=sessions,
+                                api_keys=api_keys, share_prefix_cache=config.sessions.share_prefix_cache)
+    return service, ResponsesAPI(service, ResponseStore(durable.response_backend()))
+
+
+def install_info_routes(app: FastAPI, service: GenerationService, created: int) -> None:
+    """Add /health, /version, /metrics and /v1/models (``created``: the model card's time)."""
+    engine = service.engine
 
     @app.get("/health", response_model=None)
     async def health() -> dict[str, str] | JSONResponse:
@@ -168,16 +153,20 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         """Prometheus text exposition of this app's registry."""
-        payload, content_type = metrics.render()
+        payload, content_type = service.metrics.render()
         return Response(content=payload, media_type=content_type)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
         """The one served model, with its context length."""
-        card = ModelCard(id=served_model_name, created=created, max_model_len=service.max_model_len,
+        card = ModelCard(id=service.served_model_name, created=created, max_model_len=service.max_model_len,
                          kvhive_fingerprint=engine.fingerprint, kvhive_block_size=engine.block_size,
-                         kvhive_hash_seed=config.cache.hash_seed)
+                         kvhive_hash_seed=engine.config.cache.hash_seed)
         return ModelList(data=[card])
+
+
+def install_generation_routes(app: FastAPI, service: GenerationService) -> None:
+    """Add /v1/completions and /v1/chat/completions."""
 
     @app.post("/v1/completions", response_model=None)
     async def completions(raw_request: Request) -> Response | CompletionResponse:
@@ -190,10 +179,6 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
         """OpenAI chat completions (n choices), streamed with SSE when ``stream`` is true."""
         body = await parse_body(raw_request, ChatCompletionRequest)
         return await create_chat_completion(service, body, raw_request)
-
-    install_context_routes(app, service, parse_body)
-    install_response_routes(app, responses, parse_body)
-    return app
 
 
 def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_name: str,

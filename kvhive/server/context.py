@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,6 +24,7 @@ from kvhive.server.chat import create_chat_completion
 from kvhive.server.completions import create_completion
 from kvhive.server.errors import bad_request, body_error
 from kvhive.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvhive.server.request_body import parse_body_as
 from kvhive.server.serving import GenerationService
 from kvhive.sessions.registry import Session
 from kvhive.sessions.service import SessionService
@@ -44,40 +45,71 @@ def session_info(session: Session, blocks: dict[str, int] | None = None) -> dict
     return info
 
 
-def install_context_routes(app: FastAPI, service: GenerationService,
-                           parse_body: Callable[[Request, type], Awaitable[Any]]) -> None:
-    """Add the /v1/context routes over the service's sessions."""
-    sessions = service.sessions
-    service.metrics.watch_sessions(sessions.stats, service.engine.pinned_blocks_by_tier)
+def install_context_routes(app: FastAPI, service: GenerationService) -> None:
+    """Add the /v1/context routes over the service's sessions, and export the session metrics."""
+    service.metrics.watch_sessions(service.sessions.stats, service.engine.pinned_blocks_by_tier)
+    install_create_route(app, service)
+    install_session_routes(app, service)
 
-    async def lookup(raw_request: Request, session_id: str) -> Session:
-        return await sessions.find(session_id, service.owner_of(raw_request))
+
+def new_session_ttl(sessions: SessionService, raw_request: Request) -> int:
+    """The TTL of the session ``POST /v1/context`` creates: ``x-session-ttl``, else the server's
+    --default-session-ttl (documented); 400 for a bad value or an ``x-session-id``."""
+    header = raw_request.headers.get("x-session-ttl")
+    ttl = sessions.config.default_ttl_s if header is None else sessions.parse_ttl(header, "x-session-ttl")
+    if raw_request.headers.get("x-session-id"):
+        raise bad_request("POST /v1/context creates a session; send x-session-id to "
+                          "/v1/completions or /v1/chat/completions to use one", param="x-session-id")
+    return ttl
+
+
+def context_body_model(data: dict[str, Any]) -> type[ChatCompletionRequest] | type[CompletionRequest]:
+    """A ``POST /v1/context`` body is a chat request when it has ``messages``, else a completion."""
+    return ChatCompletionRequest if "messages" in data else CompletionRequest
+
+
+def install_create_route(app: FastAPI, service: GenerationService) -> None:
+    """Add ``POST /v1/context``: a completion or chat completion run in a new session."""
 
     @app.post("/v1/context", response_model=None)
     async def create_context(raw_request: Request) -> Any:
         """Run a completion or chat completion in a new session; answer it with x-session-id."""
-        header = raw_request.headers.get("x-session-ttl")
-        # No header: the server's --default-session-ttl (documented); a bad value is a 400.
-        ttl = sessions.config.default_ttl_s if header is None else sessions.parse_ttl(header, "x-session-ttl")
-        if raw_request.headers.get("x-session-id"):
-            raise bad_request("POST /v1/context creates a session; send x-session-id to "
-                              "/v1/completions or /v1/chat/completions to use one", param="x-session-id")
-        try:
-            data = load_json(await raw_request.body())
-        except BodyError:
-            data = None                # parse_body answers the 400
-        if isinstance(data, dict) and "messages" in data:
-            body = await parse_body(raw_request, ChatCompletionRequest)
+        ttl = new_session_ttl(service.sessions, raw_request)
+        body = await parse_body_as(raw_request, context_body_model)
+        if isinstance(body, ChatCompletionRequest):
             if body.max_tokens is None and body.max_completion_tokens is None:
                 body.max_tokens = CONTEXT_DEFAULT_MAX_TOKENS
             if body.conversation_id is not None:
                 raise bad_request("'conversation_id' cannot be used with POST /v1/context; the "
                                   "session id comes back in x-session-id", param="conversation_id")
             return await create_chat_completion(service, body, raw_request, new_session_ttl=ttl)
-        body = await parse_body(raw_request, CompletionRequest)
         if body.max_tokens is None:
             body.max_tokens = CONTEXT_DEFAULT_MAX_TOKENS
         return await create_completion(service, body, raw_request, new_session_ttl=ttl)
+
+
+def patched_ttl(raw: bytes, header: str | None) -> tuple[Any, str]:
+    """The TTL a ``PATCH /v1/context/{id}`` asks for and the field it came in: the body's ``ttl``,
+    else the ``x-session-ttl`` header; 400 for a body that is not a JSON object."""
+    if not raw.strip():
+        return header, "x-session-ttl"
+    try:
+        data = load_json(raw)
+    except BodyError as exc:
+        raise body_error(exc) from None
+    if not isinstance(data, dict):
+        raise bad_request("Request body must be a JSON object like {\"ttl\": 600}")
+    if "ttl" in data:
+        return data["ttl"], "ttl"
+    return header, "x-session-ttl"
+
+
+def install_session_routes(app: FastAPI, service: GenerationService) -> None:
+    """Add the routes over existing sessions: list, inspect, re-TTL and delete."""
+    sessions = service.sessions
+
+    async def lookup(raw_request: Request, session_id: str) -> Session:
+        return await sessions.find(session_id, service.owner_of(raw_request))
 
     @app.get("/v1/context")
     async def list_contexts(raw_request: Request) -> dict[str, Any]:
@@ -95,17 +127,7 @@ def install_context_routes(app: FastAPI, service: GenerationService,
     async def patch_context(session_id: str, raw_request: Request) -> dict[str, Any]:
         """Set a new TTL (body ``{"ttl": N}`` or header x-session-ttl); expiry becomes now + TTL."""
         session = await lookup(raw_request, session_id)
-        raw = await raw_request.body()
-        value, param = raw_request.headers.get("x-session-ttl"), "x-session-ttl"
-        if raw.strip():
-            try:
-                data = load_json(raw)
-            except BodyError as exc:
-                raise body_error(exc) from None
-            if not isinstance(data, dict):
-                raise bad_request("Request body must be a JSON object like {\"ttl\": 600}")
-            if "ttl" in data:
-                value, param = data["ttl"], "ttl"
+        value, param = patched_ttl(await raw_request.body(), raw_request.headers.get("x-session-ttl"))
         sessions.set_ttl(session, sessions.parse_ttl(value, param))
         return session_info(session)
 

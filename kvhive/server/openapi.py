@@ -1,6 +1,6 @@
 """The request bodies and session headers in the app's OpenAPI schema (``/openapi.json``).
 
-Routes read their own JSON (``kvhive.server.app.parse_body``: depth and Unicode checks before
+Routes read their own JSON (``kvhive.server.request_body``: depth and Unicode checks before
 pydantic, OpenAI-shaped 400s), so FastAPI cannot infer their bodies; they are declared here from
 the same pydantic models the routes validate with, so clients and fuzzers see what is accepted.
 """

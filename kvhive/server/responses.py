@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -34,6 +34,7 @@ from kvhive.server.context import background_task
 from kvhive.server.errors import APIError, bad_request
 from kvhive.server.logprobs import SentToken, chat_logprobs
 from kvhive.server.protocol import ChatMessage, ChatTokenLogprob, SamplingRequest
+from kvhive.server.request_body import parse_body
 from kvhive.server.responses_protocol import (
     EventWriter,
     IncompleteDetails,
@@ -328,8 +329,7 @@ def response_sweeper(api: ResponsesAPI) -> contextlib.AbstractAsyncContextManage
     return background_task(sweep_expired_responses(api))
 
 
-def install_response_routes(app: FastAPI, api: ResponsesAPI,
-                            parse_body: Callable[[Request, type], Awaitable[Any]]) -> None:
+def install_response_routes(app: FastAPI, api: ResponsesAPI) -> None:
     """Add the /v1/responses routes, and export their metrics."""
     api.service.metrics.watch_responses(api.stats)
 

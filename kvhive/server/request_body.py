@@ -1,0 +1,62 @@
+"""A route's JSON body, parsed once: a JSON object (``load_json``: depth, UTF-8, no lone surrogate),
+then a pydantic model, with OpenAI-shaped 400s. A large body is parsed and validated off the event
+loop. The body's size is ``BodyLimitMiddleware``'s (413 while it is read)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from kvhive.core.json_body import BodyError, load_json
+from kvhive.server.errors import bad_request, body_error, validation_error
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+# Bodies of this many bytes or more are parsed and validated on a worker thread (json.loads and
+# pydantic hold the event loop ~10 ms per MiB).
+OFF_LOOP_BODY_BYTES = 1 << 16
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """``raw`` as a JSON object; 400 when it is empty, not acceptable JSON or not an object."""
+    if not raw.strip():
+        raise bad_request("Request body is required (a JSON object)")
+    try:
+        data: Any = load_json(raw)
+    except BodyError as exc:
+        raise body_error(exc) from None
+    if not isinstance(data, dict):
+        raise bad_request(f"Request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def validated(data: dict[str, Any], model: type[BodyT]) -> BodyT:
+    """A parsed body as ``model``; 400 naming the bad fields."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from exc
+
+
+def parse_chosen_body(raw: bytes, choose: Callable[[dict[str, Any]], type[BodyT]]) -> BodyT:
+    """``raw`` as the model ``choose`` picks from the parsed object (parsed once)."""
+    data = json_object(raw)
+    return validated(data, choose(data))
+
+
+async def parse_body_as(request: Request, choose: Callable[[dict[str, Any]], type[BodyT]]) -> BodyT:
+    """The JSON body, whatever the Content-Type, as the model ``choose`` picks from the parsed
+    object; 400 for bad JSON or bad fields; 413 for a body over the limit. A large body is parsed
+    off the event loop."""
+    raw = await request.body()
+    if len(raw) < OFF_LOOP_BODY_BYTES:
+        return parse_chosen_body(raw, choose)
+    return await asyncio.to_thread(parse_chosen_body, raw, choose)
+
+
+async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
+    """The JSON body as ``model`` (``parse_body_as`` with one model)."""
+    return await parse_body_as(request, lambda _data: model)
