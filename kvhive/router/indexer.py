@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvhive.core.blocks import ExtraKeys, hash_blocks
@@ -47,7 +48,26 @@ class BlockKeyCache:
         extra = ExtraKeys(cache_salt=cache_salt).encode()
         entries = [(extra, key) for key in pieces.keys]     # unkeyed pieces are never found
         keys: list[bytes] = []
-        done = 0                # pieces whose keys are cached
+        done = self._take_cached(entries, keys)             # pieces whose keys are cached
+        if done == len(entries):
+            return keys
+        num_tokens = sum(map(len, pieces.ids[:done]))     # len(keys) == num_tokens // block_size
+        # 1. The ids from the first block not hashed yet: the partial block's tokens, then the rest.
+        ids = self._unhashed_ids(pieces, done, num_tokens - len(keys) * self.block_size)
+        # 2. Chain on from the last cached block: ``ids`` starts at a block boundary, so that block's
+        #    key stands in for the root (block 0 alone carries the salt).
+        new = hash_blocks(ids, self.block_size, keys[-1] if keys else self.root,
+                          None if keys else ExtraKeys(cache_salt=cache_salt))
+        # 3. Cache each new piece's share of the new blocks.
+        first_new = len(keys)
+        keys.extend(new)
+        self._cache_pieces(entries[done:], pieces.ids[done:], keys, first_new, num_tokens)
+        return keys
+
+    def _take_cached(self, entries: list[tuple[bytes, bytes | None]], keys: list[bytes]) -> int:
+        """Append the cached keys of the leading ``entries`` found to ``keys`` (marking each entry
+        recently used); the number of entries found, up to the first missing one."""
+        done = 0
         with self._lock:
             for entry in entries:
                 cached = self._pieces.get(entry)
@@ -56,35 +76,36 @@ class BlockKeyCache:
                 self._pieces.move_to_end(entry)
                 keys.extend(cached)
                 done += 1
-        if done == len(entries):
-            return keys
-        num_tokens = sum(map(len, pieces.ids[:done]))     # len(keys) == num_tokens // block_size
-        # 1. The ids from the first block not hashed yet: the partial block's tokens, then the rest.
+        return done
+
+    @staticmethod
+    def _unhashed_ids(pieces: PromptPieces, done: int, partial: int) -> list[int]:
+        """The ids of the pieces from ``done`` on, led by the last ``partial`` ids of the pieces
+        before it (the tokens of the block that the cached pieces left unfinished)."""
         ids: list[int] = []
-        back, need = done, num_tokens - len(keys) * self.block_size
+        back, need = done, partial
         while need > 0:
             back -= 1
             ids[:0] = pieces.ids[back][max(0, len(pieces.ids[back]) - need):]
             need -= len(pieces.ids[back])
         for piece_ids in pieces.ids[done:]:
             ids.extend(piece_ids)
-        # 2. Chain on from the last cached block: ``ids`` starts at a block boundary, so that block's
-        #    key stands in for the root (block 0 alone carries the salt).
-        new = hash_blocks(ids, self.block_size, keys[-1] if keys else self.root,
-                          None if keys else ExtraKeys(cache_salt=cache_salt))
-        # 3. Cache each new piece's share of the new blocks.
-        first_new = len(keys)
-        keys.extend(new)
+        return ids
+
+    def _cache_pieces(self, entries: list[tuple[bytes, bytes | None]], piece_ids: list[Sequence[int]],
+                      keys: list[bytes], first_new: int, num_tokens: int) -> None:
+        """Cache each of ``entries`` (the pieces after the first ``num_tokens`` tokens) with the keys
+        of the blocks that end inside it, ``keys[first_new:]`` in order; then evict the least
+        recently used entries beyond ``max_pieces``."""
         with self._lock:
-            for entry, piece_ids in zip(entries[done:], pieces.ids[done:], strict=True):
-                num_tokens += len(piece_ids)
+            for entry, ids in zip(entries, piece_ids, strict=True):
+                num_tokens += len(ids)
                 end = num_tokens // self.block_size
                 if entry[1] is not None:
                     self._pieces[entry] = tuple(keys[first_new:end])
                 first_new = end
             while len(self._pieces) > self.max_pieces:
                 self._pieces.popitem(last=False)
-        return keys
 
 
 class KVCacheIndexer:
