@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -46,16 +47,60 @@ def build_index(config: GatewayConfig) -> KVBlockIndex:
 def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
                        index: KVBlockIndex | None = None) -> FastAPI:
     """The gateway app; replicas are checked and event subscribers started when it starts."""
+    parts = build_gateway(config, tokenizer, index)
+    app = FastAPI(title="kvhive gateway", version="0.1.0", lifespan=parts.lifespan)
+    app.state.gateway = parts.gateway
+    app.state.index = parts.index
+    GatewayRoutes(config, parts).install(app)
+    return app
+
+
+@dataclass(frozen=True)
+class GatewayParts:
+    """The wired gateway: the ``Gateway`` its routes call, and what the app's lifespan starts and
+    closes (event ingesters, health checks, HTTP clients, the tokenizer pool)."""
+
+    gateway: Gateway
+    replicas: list[Replica]
+    replica_set: ReplicaSet
+    metrics: GatewayMetrics
+    index: KVBlockIndex             # as given or built: not instrumented
+    prompts: PromptTokenizer
+    client: httpx.AsyncClient
+    upstream: UpstreamClient
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
+        """Start the event ingesters, check every replica once, then keep checking them; on exit
+        stop the checks and close the clients, the ingesters and the tokenizer pool."""
+        for replica in self.replicas:
+            if replica.ingest is not None:
+                replica.ingest.start()
+        await self.replica_set.check_all()
+        health = asyncio.create_task(self.replica_set.run())
+        try:
+            yield
+        finally:
+            health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await health
+            await self.client.aclose()
+            self.upstream.close()
+            for replica in self.replicas:
+                if replica.ingest is not None:
+                    await asyncio.to_thread(replica.ingest.close)
+            self.prompts.close()
+
+
+def build_gateway(config: GatewayConfig, tokenizer: Tokenizer,
+                  index: KVBlockIndex | None = None) -> GatewayParts:
+    """Wire the gateway's parts over ``index`` (else the one ``build_index`` builds), instrumented;
+    their state is read into the metrics at scrape time."""
     metrics = GatewayMetrics()
     raw_index = index if index is not None else build_index(config)
     instrumented = InstrumentedIndex(raw_index, metrics)
     root = root_hash(config.hash_seed, config.model_fingerprint)
-    replicas = []
-    for spec in config.replicas:
-        mapper = BlockKeyMapper(spec.kind != "kvhive", config.block_size, root)
-        ingest = ReplicaIngest(spec.name, instrumented, mapper, spec.events, spec.replay) \
-            if spec.events else None
-        replicas.append(Replica(spec, ingest))
+    replicas = build_replicas(config, instrumented, root)
     client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=5.0),
                                limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200))
     replica_set = ReplicaSet(replicas, instrumented, client, config.health_interval_s,
@@ -68,136 +113,148 @@ def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
     gateway = Gateway(replica_set, indexer, SessionAffinity(config.max_sessions), config.weights,
                       metrics, client, config.policy, upstream=upstream)
     metrics.watch(lambda: _state_samples(gateway, raw_index, prompts))
+    return GatewayParts(gateway, replicas, replica_set, metrics, raw_index, prompts, client, upstream)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        for replica in replicas:
-            if replica.ingest is not None:
-                replica.ingest.start()
-        await replica_set.check_all()
-        health = asyncio.create_task(replica_set.run())
-        try:
-            yield
-        finally:
-            health.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await health
-            await client.aclose()
-            upstream.close()
-            for replica in replicas:
-                if replica.ingest is not None:
-                    await asyncio.to_thread(replica.ingest.close)
-            prompts.close()
 
-    app = FastAPI(title="kvhive gateway", version="0.1.0", lifespan=lifespan)
+def build_replicas(config: GatewayConfig, index: KVBlockIndex, root: bytes) -> list[Replica]:
+    """One Replica per ``config.replicas``, with an ingester that feeds ``index`` from its KV events
+    where it names an event endpoint (block keys chained from ``root``)."""
+    replicas = []
+    for spec in config.replicas:
+        mapper = BlockKeyMapper(spec.kind != "kvhive", config.block_size, root)
+        ingest = ReplicaIngest(spec.name, index, mapper, spec.events, spec.replay) \
+            if spec.events else None
+        replicas.append(Replica(spec, ingest))
+    return replicas
 
-    async def on_crash(request: Request, exc: Exception) -> Response:
-        return gateway_crash(request.scope, exc)
 
-    app.add_exception_handler(Exception, on_crash)
-    app.state.gateway = gateway
-    app.state.index = raw_index
+class GatewayRoutes:
+    """The gateway's HTTP routes, one method each, over the wired parts."""
 
-    @app.get("/health", response_model=None)
-    async def health() -> JSONResponse:
+    def __init__(self, config: GatewayConfig, parts: GatewayParts) -> None:
+        self.config = config
+        self.gateway = parts.gateway
+        self.replicas = parts.replicas
+        self.replica_set = parts.replica_set
+        self.metrics = parts.metrics
+
+    def install(self, app: FastAPI) -> None:
+        """Add the routes, the handler of the gateway's own errors and the routed POSTs' fast path
+        to ``app``; the catch-all ``/v1/{rest}`` comes last."""
+        app.add_exception_handler(Exception, answer_crash)
+        app.add_api_route("/health", self.health, methods=["GET"], response_model=None)
+        app.add_api_route("/metrics", self.prometheus_metrics, methods=["GET"])
+        app.add_api_route("/v1/models", self.list_models, methods=["GET"], response_model=None)
+        for path in _ROUTED_PATHS:
+            app.router.add_route(path, self.routed, methods=["POST"], include_in_schema=False)
+        # The hot path: these POSTs skip the router and the middleware below this one.
+        app.add_middleware(RoutedFastPath, paths=frozenset(_ROUTED_PATHS), handler=self.routed_asgi)
+        app.add_api_route("/v1/context", self.contexts, methods=["GET", "POST"], response_model=None)
+        app.add_api_route("/v1/context/{session_id}", self.context, methods=["GET", "PATCH", "DELETE"],
+                          response_model=None)
+        app.add_api_route("/v1/responses/{response_id}", self.stored_response, methods=["GET", "DELETE"],
+                          response_model=None)
+        app.add_api_route("/v1/responses/{response_id}/input_items", self.stored_input_items,
+                          methods=["GET"], response_model=None)
+        app.add_api_route("/v1/{rest:path}", self.other, methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
+                          response_model=None)
+
+    async def health(self) -> JSONResponse:
         """200 while at least one replica is healthy, else 503; lists each replica's state."""
-        states = {r.name: "up" if r.healthy else "down" for r in replicas}
-        ok = any(r.healthy for r in replicas)
+        states = {r.name: "up" if r.healthy else "down" for r in self.replicas}
+        ok = any(r.healthy for r in self.replicas)
         return JSONResponse(status_code=200 if ok else 503,
                             content={"status": "ok" if ok else "no healthy replica", "replicas": states})
 
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
+    async def prometheus_metrics(self) -> Response:
         """Routing decisions, index lookup latency, replica and event-stream state."""
-        payload, content_type = metrics.render()
+        payload, content_type = self.metrics.render()
         return Response(content=payload, media_type=content_type)
 
-    @app.get("/v1/models", response_model=None)
-    async def list_models(request: Request) -> Response:
+    async def list_models(self, request: Request) -> Response:
         """The models of every healthy replica, each id once."""
-        return _merge_lists(await gateway.fan_out(request, "/v1/models"), key="id")
+        return _merge_lists(await self.gateway.fan_out(request, "/v1/models"), key="id")
 
-    async def routed(request: Request) -> Response:
-        body = await read_body(request, config.max_request_bytes)
+    async def routed(self, request: Request) -> Response:
+        """A request for the best replica: its session's holder, else by KV score and load."""
+        limit = self.config.max_request_bytes
+        body = await read_body(request, limit)
         if body is None:
-            return too_large(config.max_request_bytes)
+            return too_large(limit)
         try:
             data = _json_object(body)
         except BodyError as exc:
             return openai_error(400, exc.message, param=exc.param)
         owner = key_owner(request.headers.get("authorization", ""))
-        prompt = prompt_from_body(data, owner if config.salt_with_api_key else None) \
+        prompt = prompt_from_body(data, owner if self.config.salt_with_api_key else None) \
             if data is not None else None
-        # The session a request continues: x-session-id, a chat conversation_id, or the stored
-        # response a /v1/responses request continues (its replica holds its conversation's KV).
-        named = [data.get(k) for k in ("conversation_id", "previous_response_id")] if data is not None else []
-        session_id = request.headers.get(SESSION_HEADER) or next((n for n in named if isinstance(n, str)), None)
-        candidates, reason = await gateway.choose(prompt, session_id, owner)
+        session_id = _session_named(request, data)
+        candidates, reason = await self.gateway.choose(prompt, session_id, owner)
         if not candidates:
             return openai_error(503, "No healthy replica", code="no_replica")
-        return await gateway.forward(request, body, candidates, reason, owner, session_id=session_id)
+        return await self.gateway.forward(request, body, candidates, reason, owner, session_id=session_id)
 
-    for path in _ROUTED_PATHS:
-        app.router.add_route(path, routed, methods=["POST"], include_in_schema=False)
-
-    async def routed_asgi(scope: Scope, receive: Receive, send: Send) -> None:
+    async def routed_asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``routed`` as an ASGI app, for the fast path: an error of the gateway's own is answered
+        here (the fast path skips the app's error middleware)."""
         try:
-            response = await routed(Request(scope, receive))
+            response = await self.routed(Request(scope, receive))
         except Exception as exc:  # noqa: BLE001 - the fast path has no error middleware: answered here
             response = gateway_crash(scope, exc)
         await response(scope, receive, send)
 
-    # The hot path: these POSTs skip the router and the middleware below this one.
-    app.add_middleware(RoutedFastPath, paths=frozenset(_ROUTED_PATHS), handler=routed_asgi)
-
-    @app.api_route("/v1/context", methods=["GET", "POST"], response_model=None)
-    async def contexts(request: Request) -> Response:
+    async def contexts(self, request: Request) -> Response:
         """POST creates a session on the best replica; GET lists the caller's sessions everywhere."""
         if request.method == "POST":
-            return await routed(request)
-        return _merge_lists(await gateway.fan_out(request, "/v1/context"), key="id")
+            return await self.routed(request)
+        return _merge_lists(await self.gateway.fan_out(request, "/v1/context"), key="id")
 
-    async def to_holder(request: Request, session_id: str) -> Response:
+    async def to_holder(self, request: Request, session_id: str) -> Response:
         """Sent to the replica holding the caller's session or stored response (asking each in turn
         when the gateway does not know it for the caller's key); a DELETE that succeeds forgets it."""
         owner = key_owner(request.headers.get("authorization", ""))
-        holder = gateway.sessions.get(owner, session_id)
-        healthy = replica_set.healthy()
+        holder = self.gateway.sessions.get(owner, session_id)
+        healthy = self.replica_set.healthy()
         first = [r for r in healthy if r.name == holder]
         candidates = first + [r for r in healthy if r.name != holder]
         if not candidates:
             return openai_error(503, "No healthy replica", code="no_replica")
-        body = await read_body(request, config.max_request_bytes)
+        body = await read_body(request, self.config.max_request_bytes)
         if body is None:
-            return too_large(config.max_request_bytes)
-        response = await gateway.forward(request, body, candidates, "session", owner,
-                                         find_session=session_id)
+            return too_large(self.config.max_request_bytes)
+        response = await self.gateway.forward(request, body, candidates, "session", owner,
+                                              find_session=session_id)
         if request.method == "DELETE" and response.status_code < 400:
-            gateway.sessions.forget(owner, session_id)
+            self.gateway.sessions.forget(owner, session_id)
         return response
 
-    @app.api_route("/v1/context/{session_id}", methods=["GET", "PATCH", "DELETE"], response_model=None)
-    async def context(request: Request, session_id: str) -> Response:
+    async def context(self, request: Request, session_id: str) -> Response:
         """One session: on the replica that holds it."""
-        return await to_holder(request, session_id)
+        return await self.to_holder(request, session_id)
 
-    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"], response_model=None)
-    async def stored_response(request: Request, response_id: str) -> Response:
+    async def stored_response(self, request: Request, response_id: str) -> Response:
         """One stored response: on the replica that stored it."""
-        return await to_holder(request, response_id)
+        return await self.to_holder(request, response_id)
 
-    @app.get("/v1/responses/{response_id}/input_items", response_model=None)
-    async def stored_input_items(request: Request, response_id: str) -> Response:
+    async def stored_input_items(self, request: Request, response_id: str) -> Response:
         """A stored response's input items: on the replica that stored it."""
-        return await to_holder(request, response_id)
+        return await self.to_holder(request, response_id)
 
-    @app.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
-                   response_model=None)
-    async def other(request: Request, rest: str) -> Response:
+    async def other(self, request: Request, rest: str) -> Response:
         """Any other OpenAI route: session affinity, else load."""
-        return await routed(request)
+        return await self.routed(request)
 
-    return app
+
+async def answer_crash(request: Request, exc: Exception) -> Response:
+    """The app's handler of an exception no route caught: ``gateway_crash``."""
+    return gateway_crash(request.scope, exc)
+
+
+def _session_named(request: Request, data: dict[str, Any] | None) -> str | None:
+    """The session a request continues: x-session-id, a chat conversation_id, or the stored
+    response a /v1/responses request continues (its replica holds its conversation's KV)."""
+    named = [data.get(k) for k in ("conversation_id", "previous_response_id")] if data is not None else []
+    return request.headers.get(SESSION_HEADER) or next((n for n in named if isinstance(n, str)), None)
 
 
 def gateway_crash(scope: Scope, exc: Exception) -> Response:
