@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from jinja2 import TemplateError
 
 from kvhive.request import MAX_LOGPROBS
@@ -23,6 +24,7 @@ from kvhive.server.protocol import (
     ChatLogprobs,
     ChatMessage,
     DeltaMessage,
+    Usage,
 )
 from kvhive.server.serving import (
     GenerationService,
@@ -76,6 +78,77 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return rendered
 
 
+async def chat_prompt_token_ids(service: GenerationService, messages: list[ChatMessage],
+                                param: str = "messages") -> list[int]:
+    """The messages through the model's chat template, as token ids (a long prompt rendered off the
+    event loop); 400 naming ``param`` when the template fails."""
+    rendered = template_messages(messages)
+    try:
+        return await service.encode_chat(rendered)
+    except (TemplateError, ValueError) as exc:
+        raise bad_request(f"Could not apply the chat template: {exc}", param=param) from exc
+
+
+def max_tokens_field(body: ChatCompletionRequest) -> tuple[int | None, str]:
+    """The output limit asked for and its field: ``max_completion_tokens``, else ``max_tokens``."""
+    if body.max_completion_tokens is not None:
+        return body.max_completion_tokens, "max_completion_tokens"
+    return body.max_tokens, "max_tokens"
+
+
+@dataclass(frozen=True)
+class ChatAnswer:
+    """What one chat completion request answers, whole or streamed: assistant messages (deltas),
+    with their tokens' logprobs when asked."""
+
+    service: GenerationService
+    body: ChatCompletionRequest
+    num_logprobs: int | None                     # None: no logprobs
+    request_id: str = field(default_factory=lambda: new_request_id("chatcmpl"))
+    created: int = field(default_factory=unix_time)
+
+    def logprobs_of(self, tokens: tuple[SentToken, ...]) -> ChatLogprobs | None:
+        """The tokens' logprobs, when the request asked for them."""
+        return None if self.num_logprobs is None else chat_logprobs(tokens, self.service.tokenizer)
+
+    def response(self, results: list[TextDelta]) -> ChatCompletionResponse:
+        """The non-streamed answer: one assistant message per choice, and the usage."""
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=r.text), logprobs=self.logprobs_of(r.tokens),
+                              finish_reason=r.finish_reason) for i, r in enumerate(results)]
+        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.service.served_model_name,
+                                      choices=choices, usage=combined_usage(results))
+
+    def chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        """One SSE event of the stream (its ``usage`` field only when the request asked for usage)."""
+        return sse_event(ChatCompletionChunk(id=self.request_id, created=self.created,
+                                             model=self.service.served_model_name, choices=choices, usage=usage),
+                         exclude=None if self.body.include_usage else {"usage"})
+
+    def delta(self, index: int, delta: DeltaMessage, finish_reason: str | None = None,
+              logprobs: ChatLogprobs | None = None) -> str:
+        """The SSE event of one choice's delta."""
+        return self.chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)])
+
+    async def events(self, streams: list[AsyncIterator[TextDelta]]) -> AsyncIterator[str]:
+        """The SSE events: each choice's role, its deltas as they come and its finish reason, the
+        usage when asked, then [DONE]."""
+        for index in range(self.body.n):
+            yield self.delta(index, DeltaMessage(role="assistant", content=""))
+        finals: dict[int, TextDelta] = {}
+        async with contextlib.aclosing(merge_streams(streams)) as merged:
+            async for index, delta in merged:
+                # A token without text of its own (the end-of-turn token) still has logprobs to send.
+                if delta.text or delta.tokens:
+                    yield self.delta(index, DeltaMessage(content=delta.text), logprobs=self.logprobs_of(delta.tokens))
+                if delta.finish_reason is None:
+                    continue
+                yield self.delta(index, DeltaMessage(), delta.finish_reason)
+                finals[index] = delta
+        if self.body.include_usage:
+            yield self.chunk([], usage=combined_usage([finals[i] for i in range(self.body.n)]))
+        yield SSE_DONE
+
+
 async def create_chat_completion(service: GenerationService, body: ChatCompletionRequest,
                                  raw_request: Request, new_session_ttl: int | None = None
                                  ) -> Response | ChatCompletionResponse:
@@ -84,13 +157,8 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
     service.check_common(body)
     _check_unsupported(body)
     num_logprobs = logprobs_wanted(body)
-    messages = template_messages(body.messages)
-    try:
-        token_ids = await service.encode_chat(messages)
-    except (TemplateError, ValueError) as exc:
-        raise bad_request(f"Could not apply the chat template: {exc}", param="messages") from exc
-    requested, param = ((body.max_completion_tokens, "max_completion_tokens")
-                        if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
+    token_ids = await chat_prompt_token_ids(service, body.messages)
+    requested, param = max_tokens_field(body)
     max_tokens = service.resolve_max_tokens(requested, len(token_ids), param, "messages")
     sampling = service.sampling_params(body, max_tokens, num_logprobs)
     owner = service.owner_of(raw_request)
@@ -98,51 +166,9 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
                                       conversation_id=body.conversation_id, new_ttl=new_session_ttl,
                                       end_session=body.end_conversation, n=body.n)
     headers = session_headers(turn)
-    request_id = new_request_id("chatcmpl")
-    created = unix_time()
-    model = service.served_model_name
-    streams = service.choice_streams(request_id, body.n, token_ids, sampling, body.stop_strings,
+    answer = ChatAnswer(service, body, num_logprobs)
+    streams = service.choice_streams(answer.request_id, body.n, token_ids, sampling, body.stop_strings,
                                      service.cache_salt_for(owner, body.cache_salt), turn)
-
-    def logprobs_of(tokens: tuple[SentToken, ...]) -> ChatLogprobs | None:
-        return None if num_logprobs is None else chat_logprobs(tokens, service.tokenizer)
-
     if not body.stream:
-        results = await service.collect_choices(streams, raw_request)
-        if results is None:
-            return Response(status_code=499)          # the client is gone; nobody reads this
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=r.text), logprobs=logprobs_of(r.tokens),
-                              finish_reason=r.finish_reason) for i, r in enumerate(results)]
-        answer = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                        usage=combined_usage(results))
-        return JSONResponse(answer.model_dump(mode="json"), headers=headers) if headers else answer
-
-    include_usage = body.include_usage
-    exclude = None if include_usage else {"usage"}
-
-    def chunk(index: int, delta: DeltaMessage, finish_reason: str | None = None,
-              logprobs: ChatLogprobs | None = None) -> str:
-        choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
-        return sse_event(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]),
-                         exclude=exclude)
-
-    async def events() -> AsyncIterator[str]:
-        for index in range(body.n):
-            yield chunk(index, DeltaMessage(role="assistant", content=""))
-        finals: dict[int, TextDelta] = {}
-        async with contextlib.aclosing(merge_streams(streams)) as merged:
-            async for index, delta in merged:
-                # A token without text of its own (the end-of-turn token) still has logprobs to send.
-                if delta.text or delta.tokens:
-                    yield chunk(index, DeltaMessage(content=delta.text), logprobs=logprobs_of(delta.tokens))
-                if delta.finish_reason is None:
-                    continue
-                yield chunk(index, DeltaMessage(), delta.finish_reason)
-                finals[index] = delta
-        if include_usage:
-            usage = combined_usage([finals[i] for i in range(body.n)])
-            yield sse_event(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                                usage=usage))
-        yield SSE_DONE
-
-    return service.sse_response(events(), headers, turn)
+        return await service.whole_answer(streams, raw_request, headers, answer.response)
+    return service.sse_response(answer.events(streams), headers, turn)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from kvhive.engine.step import TokenLogprobs
 from kvhive.request import MAX_LOGPROBS
@@ -84,6 +84,95 @@ def echoed_prompt(service: GenerationService, prompt: str | list[int]) -> str:
     return prompt if isinstance(prompt, str) else service.tokenizer.decode(prompt, skip_special_tokens=False)
 
 
+def prompt_logprobs_wanted(body: CompletionRequest) -> int | None:
+    """Top alternatives per prompt token: with echo and logprobs, the prompt's tokens get logprobs
+    too, ahead of the generated ones (None: no prompt logprobs)."""
+    return body.logprobs if body.echo else None
+
+
+def scores_prompt_only(body: CompletionRequest) -> bool:
+    """max_tokens 0 with echo scores the prompt: the engine samples one token (it always does),
+    which is dropped (vLLM does the same)."""
+    return body.echo and body.max_tokens == 0
+
+
+def check_outside_session(raw_request: Request, new_session_ttl: int | None) -> None:
+    """400 when a request asking for prompt logprobs (echo with logprobs) would run in a session
+    (``x-session-id``, or a new one from ``POST /v1/context``)."""
+    if raw_request.headers.get("x-session-id") or new_session_ttl is not None:
+        raise bad_request("'echo' with 'logprobs' cannot run in a session: the prompt logprobs need "
+                          "every prompt token computed, and a session reuses its tokens' KV", param="logprobs")
+
+
+@dataclass(frozen=True)
+class CompletionAnswer:
+    """What one completion request answers, whole or streamed: its choices after the echoed prompt,
+    with their logprobs (and the prompt's) when asked, the sampled token dropped when scoring."""
+
+    service: GenerationService
+    body: CompletionRequest
+    token_ids: list[int]
+    echo: str                                    # the prompt text before each choice; "" without echo
+    request_id: str = field(default_factory=lambda: new_request_id("cmpl"))
+    created: int = field(default_factory=unix_time)
+
+    def choice(self, index: int, text: str, finish_reason: str | None, tokens: tuple[SentToken, ...],
+               prompt_values: tuple[TokenLogprobs, ...] | None = None) -> CompletionChoice:
+        """One choice; with logprobs asked, its tokens' (offset past the echo) and the prompt's
+        (``prompt_values``, on the echo's choice)."""
+        logprobs = None
+        if self.body.logprobs is not None:
+            tokenizer = self.service.tokenizer
+            prompt = (None if prompt_values is None
+                      else prompt_completion_logprobs(self.token_ids, prompt_values, tokenizer))
+            logprobs = completion_logprobs(tokens, tokenizer, len(self.echo), prompt)
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
+
+    def shown(self, delta: TextDelta) -> TextDelta:
+        """The delta as the client sees it: with max_tokens 0, the sampled token is dropped."""
+        if not scores_prompt_only(self.body):
+            return delta
+        return replace(delta, text="", tokens=(), num_output_tokens=0,
+                       finish_reason=None if delta.finish_reason is None else "length")
+
+    def response(self, results: list[TextDelta]) -> CompletionResponse:
+        """The non-streamed answer: each choice's whole text after the echo, and the usage."""
+        results = [self.shown(r) for r in results]
+        choices = [self.choice(i, self.echo + r.text, r.finish_reason, r.tokens, r.prompt_logprobs)
+                   for i, r in enumerate(results)]
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.service.served_model_name,
+                                  usage=combined_usage(results), choices=choices)
+
+    def chunk(self, *choices: CompletionChoice, usage: Usage | None = None) -> str:
+        """One SSE event of the stream (its ``usage`` field only when the request asked for usage)."""
+        return sse_event(CompletionResponse(id=self.request_id, created=self.created,
+                                            model=self.service.served_model_name, choices=list(choices),
+                                            usage=usage), exclude=None if self.body.include_usage else {"usage"})
+
+    async def events(self, streams: list[AsyncIterator[TextDelta]]) -> AsyncIterator[str]:
+        """The SSE events: the echo of each choice, each choice's deltas as they come, the usage
+        when asked, then [DONE]."""
+        body = self.body
+        if self.echo and prompt_logprobs_wanted(body) is None:
+            for index in range(body.n):
+                yield self.chunk(CompletionChoice(index=index, text=self.echo))
+        finals: dict[int, TextDelta] = {}
+        async with contextlib.aclosing(merge_streams(streams)) as merged:
+            async for index, delta in merged:
+                delta = self.shown(delta)
+                if delta.prompt_logprobs is not None:
+                    # The echo waited for its logprobs, which come with the choice's first delta.
+                    yield self.chunk(self.choice(index, self.echo, None, (), delta.prompt_logprobs))
+                if scores_prompt_only(body) and delta.finish_reason is None:
+                    continue
+                yield self.chunk(self.choice(index, delta.text, delta.finish_reason, delta.tokens))
+                if delta.finish_reason is not None:
+                    finals[index] = delta
+        if body.include_usage:
+            yield self.chunk(usage=combined_usage([finals[i] for i in range(body.n)]))
+        yield SSE_DONE
+
+
 async def create_completion(service: GenerationService, body: CompletionRequest,
                             raw_request: Request, new_session_ttl: int | None = None
                             ) -> Response | CompletionResponse:
@@ -93,78 +182,19 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
     _check_unsupported(body)
     token_ids = await prompt_token_ids_off_loop(service, body.prompt)
     echo = echoed_prompt(service, single_prompt(body.prompt)) if body.echo else ""
-    # echo + logprobs: the prompt's tokens get logprobs too, ahead of the generated ones.
-    prompt_logprobs = body.logprobs if body.echo else None
-    # max_tokens 0 with echo scores the prompt: the engine samples one token (it always does), which
-    # is dropped (vLLM does the same).
-    scoring_only = body.echo and body.max_tokens == 0
-    max_tokens = service.resolve_max_tokens(1 if scoring_only else body.max_tokens, len(token_ids),
+    prompt_logprobs = prompt_logprobs_wanted(body)
+    max_tokens = service.resolve_max_tokens(1 if scores_prompt_only(body) else body.max_tokens, len(token_ids),
                                             "max_tokens", "prompt")
     sampling = service.sampling_params(body, max_tokens, body.logprobs, prompt_logprobs)
-    if prompt_logprobs is not None and (raw_request.headers.get("x-session-id") or new_session_ttl is not None):
-        raise bad_request("'echo' with 'logprobs' cannot run in a session: the prompt logprobs need "
-                          "every prompt token computed, and a session reuses its tokens' KV", param="logprobs")
+    if prompt_logprobs is not None:
+        check_outside_session(raw_request, new_session_ttl)
     owner = service.owner_of(raw_request)
     turn = await service.open_session(raw_request, body.model, len(token_ids) + max_tokens,
                                       new_ttl=new_session_ttl, n=body.n)
     headers = session_headers(turn)
-    request_id = new_request_id("cmpl")
-    created = unix_time()
-    model = service.served_model_name
-    streams = service.choice_streams(request_id, body.n, token_ids, sampling, body.stop_strings,
+    answer = CompletionAnswer(service, body, token_ids, echo)
+    streams = service.choice_streams(answer.request_id, body.n, token_ids, sampling, body.stop_strings,
                                      service.cache_salt_for(owner, body.cache_salt), turn)
-
-    def choice(index: int, text: str, finish_reason: str | None, tokens: tuple[SentToken, ...],
-               prompt_values: tuple[TokenLogprobs, ...] | None = None) -> CompletionChoice:
-        logprobs = None
-        if body.logprobs is not None:
-            prompt = (None if prompt_values is None
-                      else prompt_completion_logprobs(token_ids, prompt_values, service.tokenizer))
-            logprobs = completion_logprobs(tokens, service.tokenizer, len(echo), prompt)
-        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
-
-    def shown(delta: TextDelta) -> TextDelta:
-        """The delta as the client sees it: with max_tokens 0, the sampled token is dropped."""
-        if not scoring_only:
-            return delta
-        return replace(delta, text="", tokens=(), num_output_tokens=0,
-                       finish_reason=None if delta.finish_reason is None else "length")
-
     if not body.stream:
-        results = await service.collect_choices(streams, raw_request)
-        if results is None:
-            return Response(status_code=499)          # the client is gone; nobody reads this
-        results = [shown(r) for r in results]
-        answer = CompletionResponse(id=request_id, created=created, model=model, usage=combined_usage(results),
-                                    choices=[choice(i, echo + r.text, r.finish_reason, r.tokens, r.prompt_logprobs)
-                                             for i, r in enumerate(results)])
-        return JSONResponse(answer.model_dump(mode="json"), headers=headers) if headers else answer
-
-    include_usage = body.include_usage
-    exclude = None if include_usage else {"usage"}
-
-    def chunk(*choices: CompletionChoice, usage: Usage | None = None) -> str:
-        return sse_event(CompletionResponse(id=request_id, created=created, model=model, choices=list(choices),
-                                            usage=usage), exclude=exclude)
-
-    async def events() -> AsyncIterator[str]:
-        if echo and prompt_logprobs is None:
-            for index in range(body.n):
-                yield chunk(CompletionChoice(index=index, text=echo))
-        finals: dict[int, TextDelta] = {}
-        async with contextlib.aclosing(merge_streams(streams)) as merged:
-            async for index, delta in merged:
-                delta = shown(delta)
-                if delta.prompt_logprobs is not None:
-                    # The echo waited for its logprobs, which come with the choice's first delta.
-                    yield chunk(choice(index, echo, None, (), delta.prompt_logprobs))
-                if scoring_only and delta.finish_reason is None:
-                    continue
-                yield chunk(choice(index, delta.text, delta.finish_reason, delta.tokens))
-                if delta.finish_reason is not None:
-                    finals[index] = delta
-        if include_usage:
-            yield chunk(usage=combined_usage([finals[i] for i in range(body.n)]))
-        yield SSE_DONE
-
-    return service.sse_response(events(), headers, turn)
+        return await service.whole_answer(streams, raw_request, headers, answer.response)
+    return service.sse_response(answer.events(streams), headers, turn)

@@ -20,7 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from kvhive.engine.stats import EngineStats
+    from kvhive.engine.stats import ConnectorCounters, EngineStats
     from kvhive.sessions.registry import SessionStats
     from kvhive.sessions.responses import ResponseStats
 
@@ -112,9 +112,11 @@ class EngineStatsCollector(Collector):
             if tier.store.budget_bytes is not None:
                 budget.add_metric(tier_labels, tier.store.budget_bytes)
         yield from (latency, usage, budget)
-        c = s.connector
-        if c is None:
-            return
+        if s.connector is not None:
+            yield from self._connector_metrics(s.connector)
+
+    def _connector_metrics(self, c: ConnectorCounters) -> Iterator[Metric]:
+        """The KV connector's load and save counters and its asynchronous load time."""
         for name, doc, value in (
             ("kvhive_kv_connector_sync_loads", "KV loads copied in during the step (memory tier).", c.sync_loads),
             ("kvhive_kv_connector_async_loads", "KV loads fetched while the request waited.", c.async_loads),

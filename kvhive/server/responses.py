@@ -27,9 +27,8 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
-from jinja2 import TemplateError
 
-from kvhive.server.chat import template_messages
+from kvhive.server.chat import chat_prompt_token_ids
 from kvhive.server.context import background_task
 from kvhive.server.errors import APIError, bad_request
 from kvhive.server.logprobs import SentToken, chat_logprobs
@@ -108,10 +107,7 @@ class ResponsesAPI:
             messages += [chat_message(item) for item in stored.input_items]
             messages += [chat_message(item) for item in stored.response["output"]]
         messages += [chat_message(item) for item in items]
-        try:
-            return await self.service.encode_chat(template_messages(messages))
-        except (TemplateError, ValueError) as exc:
-            raise bad_request(f"Could not apply the chat template: {exc}", param="input") from exc
+        return await chat_prompt_token_ids(self.service, messages, param="input")
 
     # ------------------------------------------------------------ sessions
 
@@ -144,15 +140,32 @@ class ResponsesAPI:
 
     # ------------------------------------------------------------ create
 
-    async def create(self, body: ResponsesRequest, raw_request: Request) -> Response:
-        """Validate, run, store (with ``store``) and answer one request, streamed or whole."""
-        service = self.service
-        service.check_model(body.model)
+    def check_request(self, body: ResponsesRequest, raw_request: Request) -> int | None:
+        """400 (404 for another model) for what a request may not ask; returns the top alternatives
+        per output token it wants (None: no logprobs)."""
+        self.service.check_model(body.model)
         check_unsupported(body)
         num_logprobs = logprobs_wanted(body)
         if raw_request.headers.get("x-session-id"):
             raise bad_request("x-session-id cannot be used with /v1/responses; continue a response with "
                               "'previous_response_id'", param="x-session-id")
+        return num_logprobs
+
+    async def open_conversation(self, raw_request: Request, body: ResponsesRequest, num_tokens: int
+                                ) -> tuple[str | None, SessionTurn]:
+        """The conversation a stored response joins (``previous_response_id``'s, else a new one) and
+        the turn of its session; ``(None, NO_TURN)`` for a response not stored."""
+        if not body.store:
+            return None, NO_TURN
+        conversation_id = (conversation_of(body.previous_response_id) if body.previous_response_id
+                           else new_conversation_id())
+        assert conversation_id is not None
+        return conversation_id, await self.open_session(raw_request, body, conversation_id, num_tokens)
+
+    async def create(self, body: ResponsesRequest, raw_request: Request) -> Response:
+        """Validate, run, store (with ``store``) and answer one request, streamed or whole."""
+        service = self.service
+        num_logprobs = self.check_request(body, raw_request)
         items = input_items(body)
         owner = service.owner_of(raw_request)
         history = await self.history(raw_request, body)
@@ -161,12 +174,7 @@ class ResponsesAPI:
         sampling = service.sampling_params(
             SamplingRequest(model=body.model, temperature=body.temperature, top_p=body.top_p), max_tokens,
             num_logprobs)
-        conversation_id, session_turn = None, NO_TURN
-        if body.store:
-            conversation_id = (conversation_of(body.previous_response_id) if body.previous_response_id
-                               else new_conversation_id())
-            assert conversation_id is not None
-            session_turn = await self.open_session(raw_request, body, conversation_id, len(token_ids) + max_tokens)
+        conversation_id, session_turn = await self.open_conversation(raw_request, body, len(token_ids) + max_tokens)
         response_id = new_response_id(conversation_id)
         deltas = service.stream(response_id, token_ids, sampling, (), service.cache_salt_for(owner, None),
                                 session_turn)
@@ -174,21 +182,33 @@ class ResponsesAPI:
                     num_logprobs is not None)
         headers = {RESPONSE_ID_HEADER: response_id} if body.store else {}
         if body.stream:
-            streaming = service.sse_response(turn.events(deltas), headers, session_turn)
-            if isinstance(streaming, ClosingStreamingResponse):
-                # Called however sending ends, after the turn has ended; also when the client left
-                # before the stream started (then the events' code never ran).
-                end_turn = streaming.on_close
+            return self.stream_answer(turn, deltas, headers, session_turn)
+        return await self.whole_answer(turn, deltas, raw_request, headers)
 
-                def end_turn_and_close() -> None:
-                    end_turn()
-                    turn.close()
+    def stream_answer(self, turn: Turn, deltas: AsyncIterator[TextDelta], headers: dict[str, str],
+                      session_turn: SessionTurn) -> Response:
+        """The SSE answer of ``turn``; in a session, the turn is closed once sending ends, however
+        it ends."""
+        streaming = self.service.sse_response(turn.events(deltas), headers, session_turn)
+        if isinstance(streaming, ClosingStreamingResponse):
+            # Called however sending ends, after the turn has ended; also when the client left
+            # before the stream started (then the events' code never ran).
+            end_turn = streaming.on_close
 
-                streaming.on_close = end_turn_and_close
-            return streaming
+            def end_turn_and_close() -> None:
+                end_turn()
+                turn.close()
+
+            streaming.on_close = end_turn_and_close
+        return streaming
+
+    async def whole_answer(self, turn: Turn, deltas: AsyncIterator[TextDelta], raw_request: Request,
+                           headers: dict[str, str]) -> Response:
+        """The non-streamed answer of ``turn`` (stored when asked); 499 if the client left, the
+        collect's 500 (counted as failed) if the engine failed. The turn is closed either way."""
         try:
             try:
-                result = await service.collect(deltas, raw_request)
+                result = await self.service.collect(deltas, raw_request)
             except APIError:
                 self.created["failed"] += 1            # the engine failed: collect's 500
                 raise

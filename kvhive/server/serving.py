@@ -14,16 +14,17 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from kvhive.core.tenancy import cache_salt, key_owner
 from kvhive.core.tokenizer import IncrementalDetokenizer
-from kvhive.engine.core import RequestFailed
+from kvhive.engine.core import RequestFailed, RequestOutput
 from kvhive.engine.step import TokenLogprobs
 from kvhive.request import SamplingParams
 from kvhive.server.errors import APIError, bad_request, server_error
@@ -151,6 +152,63 @@ async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tu
         for task in tasks:
             task.cancel()              # closes its stream, which aborts its engine request
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class DeltaAssembler:
+    """Turns one request's engine outputs into ``TextDelta``s: incremental detokenization, stop
+    strings, the logprobs of the tokens whose text went out, the prompt logprobs on the first delta."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop_strings: Sequence[str],
+                 with_logprobs: bool) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens=True)
+        self._matcher = StopStringMatcher(stop_strings)
+        self._awaiting = TokensAwaitingText() if with_logprobs else None
+        self._num_sent = 0                            # characters of text handed out so far
+        self._prompt_logprobs: tuple[TokenLogprobs, ...] | None = None   # until a delta carries them
+        # Token counts as of the latest output: prompt, cached (never negative), output.
+        self.num_prompt_tokens, self.num_cached_tokens, self.num_output_tokens = len(prompt_token_ids), 0, 0
+
+    def add(self, out: RequestOutput) -> TextDelta | None:
+        """The delta of one engine output: the last one (its finish reason set) once a stop string
+        matched or the engine finished the request; None while no new text is ready to send."""
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_cached_tokens = max(0, out.num_cached_tokens)
+        self.num_output_tokens = out.num_output_tokens
+        if out.prompt_logprobs is not None:
+            self._prompt_logprobs = out.prompt_logprobs
+        text = self._new_text(out)
+        if self._matcher.stopped:
+            # Logprobs of the tokens whose text, or part of it, went out before the stop string.
+            return self._delta(text, "stop", self._release(self._num_sent))
+        if out.finished:
+            text += self._matcher.flush()
+            reason = out.finish_reason.value if out.finish_reason else "stop"
+            return self._delta(text, reason, () if self._awaiting is None else self._awaiting.release_all())
+        if not text:
+            return None
+        return self._delta(text, None, self._release(self._num_sent))
+
+    def _new_text(self, out: RequestOutput) -> str:
+        """The output's new text up to any stop string (held back while it may start one)."""
+        text = self._detokenizer.add(out.new_token_ids)
+        if out.finished:
+            text += self._detokenizer.flush()
+        if self._awaiting is not None:
+            self._awaiting.add(out.logprobs or (), text)
+        sent = self._matcher.feed(text)
+        self._num_sent += len(sent)
+        return sent
+
+    def _release(self, num_chars: int) -> tuple[SentToken, ...]:
+        """The tokens whose text is within the first ``num_chars`` characters sent (none without logprobs)."""
+        return () if self._awaiting is None else self._awaiting.release(num_chars)
+
+    def _delta(self, text: str, reason: str | None, tokens: tuple[SentToken, ...]) -> TextDelta:
+        """A delta with the current counts; the prompt logprobs go with the first one only."""
+        delta = TextDelta(text, reason, self.num_prompt_tokens, self.num_cached_tokens, self.num_output_tokens,
+                          tokens, self._prompt_logprobs)
+        self._prompt_logprobs = None
+        return delta
 
 
 class GenerationService:
@@ -291,60 +349,38 @@ class GenerationService:
         once the engine says so, else (stopped early, failed) with what it held before.
         """
         tracker = self.metrics.track_request()
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=True)
-        matcher = StopStringMatcher(stop_strings)
-        awaiting = TokensAwaitingText() if sampling.logprobs is not None else None
-        num_sent = 0                  # characters of text yielded so far
+        deltas = DeltaAssembler(self.tokenizer, prompt_token_ids, stop_strings, sampling.logprobs is not None)
         outputs = self.engine.generate(request_id, prompt_token_ids, sampling, cache_salt=cache_salt,
                                        session_id=turn.engine_id, end_session=turn.end_session)
-        counts = (len(prompt_token_ids), 0, 0)
-        prompt_logprobs = None          # until the first delta carries them
         done = False
         try:
             async for out in outputs:
-                counts = (out.num_prompt_tokens, max(0, out.num_cached_tokens), out.num_output_tokens)
-                if out.prompt_logprobs is not None:
-                    prompt_logprobs = out.prompt_logprobs
                 if out.session_block_hashes is not None:
-                    turn.end(out.num_prompt_tokens + out.num_output_tokens, out.session_block_hashes, counts[1])
+                    turn.end(out.num_prompt_tokens + out.num_output_tokens, out.session_block_hashes,
+                             max(0, out.num_cached_tokens))
                 tracker.on_tokens(len(out.new_token_ids))
-                delta = detokenizer.add(out.new_token_ids)
-                if out.finished:
-                    delta += detokenizer.flush()
-                if awaiting is not None:
-                    awaiting.add(out.logprobs or (), delta)
-                text = matcher.feed(delta)
-                num_sent += len(text)
-                if matcher.stopped:
-                    reason = "stop"
-                    if not out.finished:
-                        self.engine.abort(request_id)    # else the engine goes on to max_tokens
-                    # Logprobs of the tokens whose text, or part of it, went out before the stop string.
-                    tokens = () if awaiting is None else awaiting.release(num_sent)
-                elif out.finished:
-                    reason = out.finish_reason.value if out.finish_reason else "stop"
-                    text += matcher.flush()
-                    tokens = () if awaiting is None else awaiting.release_all()
-                else:
-                    if text:
-                        tokens = () if awaiting is None else awaiting.release(num_sent)
-                        yield TextDelta(text, None, *counts, tokens, prompt_logprobs)
-                        prompt_logprobs = None
+                delta = deltas.add(out)
+                if delta is None:
                     continue
+                if delta.finish_reason is None:
+                    yield delta
+                    continue
+                if not out.finished:
+                    self.engine.abort(request_id)    # a stop string: else the engine goes on to max_tokens
                 done = True
-                tracker.finish(reason, counts[0], counts[2])
+                tracker.finish(delta.finish_reason, delta.num_prompt_tokens, delta.num_output_tokens)
                 await outputs.aclose()
-                yield TextDelta(text, reason, *counts, tokens, prompt_logprobs)
+                yield delta
                 return
             raise RuntimeError(f"engine stream of {request_id} ended without a finished output")
         except RequestFailed:
             done = True                   # the engine ended it (its own row failed); others run on
-            tracker.finish("error", counts[0], counts[2])
+            tracker.finish("error", deltas.num_prompt_tokens, deltas.num_output_tokens)
             raise
         finally:
             if not done:
                 self.engine.abort(request_id)
-                tracker.finish("abort", counts[0], counts[2])
+                tracker.finish("abort", deltas.num_prompt_tokens, deltas.num_output_tokens)
             await outputs.aclose()
             # Stopped early or failed: the engine keeps what was computed; the expiry slides.
             # A no-op when the turn ended above.
@@ -410,6 +446,17 @@ class GenerationService:
                 task.cancel()      # closes the streams, which aborts the engine requests
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+    async def whole_answer(self, streams: Sequence[AsyncIterator[TextDelta]], raw_request: Request,
+                           headers: dict[str, str], answer: Callable[[list[TextDelta]], BaseModel]
+                           ) -> Response | BaseModel:
+        """The non-streamed answer: the choices joined (``collect_choices``) and made a response by
+        ``answer``, as a JSONResponse carrying ``headers`` when there are any; 499 if the client left."""
+        results = await self.collect_choices(streams, raw_request)
+        if results is None:
+            return Response(status_code=499)          # the client is gone; nobody reads this
+        body = answer(results)
+        return JSONResponse(body.model_dump(mode="json"), headers=headers) if headers else body
 
     @staticmethod
     def _result(task: asyncio.Task[list[TextDelta]]) -> list[TextDelta]:
