@@ -86,6 +86,19 @@ LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Add the ``serve`` options to ``p``, one argument group at a time."""
+    _add_model_args(p)
+    _add_cache_args(p)
+    _add_tier_args(p)
+    _add_session_args(p)
+    _add_kv_event_args(p)
+    _add_server_args(p)
+    _add_performance_args(p)
+    _add_logging_args(p)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """Add the options of the model and the device it runs on."""
     g = p.add_argument_group("model and device")
     g.add_argument("--model", default=None,
                    help="GGUF file or Hugging Face directory (config.json + safetensors) of a Llama-family "
@@ -102,6 +115,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="context limit in tokens (default: the model's)")
 
+
+def _add_cache_args(p: argparse.ArgumentParser) -> None:
+    """Add the options of the device KV pool and prefix caching."""
     g = p.add_argument_group("KV cache and prefix caching")
     g.add_argument("--kv-cache-gb", type=float, default=2.0, metavar="G",
                    help="device KV pool size in GiB, allocated when the server starts (the idle server "
@@ -117,6 +133,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hash-seed", type=int, default=0, metavar="N",
                    help="seed of the block-hash chain (the same on every replica that shares KV)")
 
+
+def _add_tier_args(p: argparse.ArgumentParser) -> None:
+    """Add the options of the KV tiers below the device pool: CPU memory, disk, Redis."""
     g = p.add_argument_group("KV tiers (below the device pool)")
     g.add_argument("--cpu-offload-gb", type=float, default=0.0, metavar="G",
                    help="CPU memory tier for KV blocks, in GiB (0: off)")
@@ -131,6 +150,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--redis-ttl", type=float, default=None, metavar="S",
                    help="seconds a KV block lives in Redis (default: until Redis evicts it)")
 
+
+def _add_session_args(p: argparse.ArgumentParser) -> None:
+    """Add the options of session TTLs and per-key session limits."""
     g = p.add_argument_group("sessions")
     g.add_argument("--default-session-ttl", type=int, default=600, metavar="S",
                    help="TTL in seconds of a session created without x-session-ttl or by an unknown "
@@ -142,6 +164,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-pinned-gb", type=float, default=None, metavar="G",
                    help="KV GiB one API key's sessions may hold, 429 above (default: no limit)")
 
+
+def _add_kv_event_args(p: argparse.ArgumentParser) -> None:
+    """Add the options of KV event publishing."""
     g = p.add_argument_group("KV events")
     g.add_argument("--kv-events", default=None, metavar="ENDPOINT",
                    help="publish KV events (vLLM's wire format) on this ZMQ PUB endpoint, "
@@ -150,6 +175,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="serve replay of recent KV-event batches on this ZMQ ROUTER endpoint, "
                         "e.g. tcp://*:5558; needs --kv-events (default: off)")
 
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    """Add the options of the listening address, API keys, cache sharing and the body limit."""
     g = p.add_argument_group("server and security")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
     g.add_argument("--port", type=port_number, default=8000, help="TCP port to listen on")
@@ -163,6 +191,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="largest request body in bytes; a larger one is refused with 413 before it is "
                         "read (default: max(1 MiB, 64 x --max-model-len): a whole context of text fits)")
 
+
+def _add_performance_args(p: argparse.ArgumentParser) -> None:
+    """Add the options of batching, threads and the CPU and CUDA compute paths."""
     g = p.add_argument_group("performance")
     g.add_argument("--max-num-seqs", type=int, default=8, metavar="N", help="most requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
@@ -187,6 +218,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "replay CUDA graphs (one per batch-size and context bucket, captured when the "
                         "engine starts) (default: off)")
 
+
+def _add_logging_args(p: argparse.ArgumentParser) -> None:
+    """Add the options of log verbosity."""
     g = p.add_argument_group("logging")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log verbosity")
 
@@ -275,9 +309,17 @@ def serve(args: argparse.Namespace) -> int:
         print(f"kvhive serve: {exc}", file=sys.stderr)
         return 2
     problem = listen_error(args.host, args.port)      # before the model loads, which takes a while
+    if problem is None:
+        problem = prepare_runtime(args, config)
     if problem is not None:
         print(f"kvhive serve: {problem}", file=sys.stderr)
         return 2
+    return run_engine(args, config)
+
+
+def prepare_runtime(args: argparse.Namespace, config: EngineConfig) -> str | None:
+    """Set the OpenMP wait policy, torch's compile cache directory and thread count (imports torch);
+    returns why this CPU or CUDA cannot run ``config``, or None when they can."""
     set_wait_policy(args.omp_wait_policy, os.environ)
     # torch makes its compile cache dir on import (in the temp dir by default): keep it with ours.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
@@ -285,15 +327,20 @@ def serve(args: argparse.Namespace) -> int:
     try:
         check_cpu(config)
     except ValueError as exc:
-        print(f"kvhive serve: {exc}", file=sys.stderr)
-        return 2
+        return str(exc)
     import torch
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     if config.device.startswith("cuda") and not torch.cuda.is_available():
-        print("kvhive serve: --device cuda given but CUDA is not available", file=sys.stderr)
-        return 2
+        return "--device cuda given but CUDA is not available"
+    return None
+
+
+def run_engine(args: argparse.Namespace, config: EngineConfig) -> int:
+    """Build the engine and serve HTTP over it until interrupted: 0 after a clean shutdown, 1 when
+    the server never started or the engine loop died, 2 for a model or config the engine cannot run.
+    The API keys are --api-key, else $KVHIVE_API_KEY."""
     from kvhive.engine.async_engine import AsyncEngine
     from kvhive.engine.core import LLMEngine
     from kvhive.server.app import run_server
