@@ -125,25 +125,36 @@ class RelayResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Send the status, headers and body pieces; close the upstream answer in every case."""
+        if self._upstream.streamed:
+            await self._send_streamed(scope, receive, send)
+        else:
+            await self._send_whole(scope, receive, send)
+
+    async def _send_whole(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Read the answer (it has a Content-Length) and send it in one body message; a 502 in
+        OpenAI's shape when it cannot be read."""
         upstream = self._upstream
-        if not upstream.streamed:
+        try:
             try:
-                try:
-                    body = await upstream.read()
-                except UpstreamError as exc:
-                    if self._on_cut is not None:
-                        self._on_cut()
-                    failed = openai_error(502, f"replica {self._source} failed: {exc}", code="bad_gateway",
-                                          headers=self._headers)
-                    await failed(scope, receive, send)
-                    return
-                await send({"type": "http.response.start", "status": self.status_code,
-                            "headers": self.raw_headers})
-                await send({"type": "http.response.body", "body": body, "more_body": False})
-            finally:
-                upstream.close()
-                self._on_done()
-            return
+                body = await upstream.read()
+            except UpstreamError as exc:
+                if self._on_cut is not None:
+                    self._on_cut()
+                failed = openai_error(502, f"replica {self._source} failed: {exc}", code="bad_gateway",
+                                      headers=self._headers)
+                await failed(scope, receive, send)
+                return
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+        finally:
+            upstream.close()
+            self._on_done()
+
+    async def _send_streamed(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Send each piece as it arrives while a task waits for the client to leave (which closes
+        the upstream answer); a cut SSE stream ends with OpenAI's error event, any other is cut."""
+        upstream = self._upstream
         finished = False
 
         def client_left(_: asyncio.Future[None]) -> None:
