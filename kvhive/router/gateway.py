@@ -19,7 +19,13 @@ from kvhive.router.replicas import Replica, ReplicaSet
 from kvhive.router.scorer import RoutingWeights, pick_replica
 from kvhive.router.sessions import RESPONSE_ID_HEADER, SESSION_HEADER, SessionAffinity
 from kvhive.router.tokenize import Prompt
-from kvhive.router.upstream import UpstreamClient, UpstreamConnectError, UpstreamError, UpstreamUnanswered
+from kvhive.router.upstream import (
+    UpstreamClient,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamUnanswered,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -110,10 +116,7 @@ class Gateway:
             try:
                 upstream = await open_upstream(self.upstream, replica.name, request, body, path)
             except UpstreamUnanswered as exc:
-                replica.inflight -= 1
-                self.metrics.upstream_errors.labels(replica.name).inc()
-                if isinstance(exc, UpstreamConnectError):
-                    await self.replicas.mark_down(replica, f"connection failed: {exc}")
+                await self._unanswered(replica, exc)
                 if unanswered is not None:
                     return self._unreachable(exc)       # retried once already
                 unanswered = exc
@@ -122,31 +125,50 @@ class Gateway:
                     logger.info("retrying on another replica: %s did not answer (%s)", replica.name, exc)
                 continue
             except UpstreamError as exc:
-                replica.inflight -= 1
-                self.metrics.upstream_errors.labels(replica.name).inc()
-                return openai_error(502, f"replica {replica.name} failed: {type(exc).__name__}: {exc}",
-                                    code="bad_gateway", headers={REPLICA_HEADER: replica.name})
-            status = upstream.status_code
+                return self._failed(replica, exc)
             label = reason if attempt == 0 else "retry"
             self.metrics.decisions.labels(replica.name, label).inc()
-            self.metrics.responses.labels(replica.name, str(status)).inc()
+            self.metrics.responses.labels(replica.name, str(upstream.status_code)).inc()
             headers = {REPLICA_HEADER: replica.name, REASON_HEADER: label}
-            if find_session is not None and status == 404 and attempt + 1 < len(candidates):
+            if find_session is not None and upstream.status_code == 404 and attempt + 1 < len(candidates):
                 last_404 = await relay(upstream, headers, lambda r=replica: self._done(r))
                 continue
-            # A replica that answers a request naming a session holds it (it creates unknown ones
-            # implicitly), whether or not it echoes the header; and it holds a response it stored.
-            echoed = upstream.header(SESSION_HEADER.encode())
-            stored = upstream.header(RESPONSE_ID_HEADER.encode())
-            held = (echoed.decode("latin-1") if echoed else None) or find_session or session_id
-            for key in (held, stored.decode("latin-1") if stored else None):
-                if key and status < 400:
-                    self.sessions.remember(owner, key, replica.name)
+            self._remember_holder(upstream, replica, owner, find_session or session_id)
             return await relay(upstream, headers, lambda r=replica: self._done(r), replica.name,
                                lambda r=replica: self.metrics.stream_errors.labels(r.name).inc())
         if last_404 is not None:
             return last_404
         return self._unreachable(unanswered)
+
+    async def _unanswered(self, replica: Replica, failure: UpstreamUnanswered) -> None:
+        """Count a request ``replica`` sent no byte of an answer to (no longer in flight there); a
+        refused connection marks it down."""
+        replica.inflight -= 1
+        self.metrics.upstream_errors.labels(replica.name).inc()
+        if isinstance(failure, UpstreamConnectError):
+            await self.replicas.mark_down(replica, f"connection failed: {failure}")
+
+    def _failed(self, replica: Replica, failure: UpstreamError) -> Response:
+        """Count a request ``replica`` failed in any other way (no longer in flight there); its 502."""
+        replica.inflight -= 1
+        self.metrics.upstream_errors.labels(replica.name).inc()
+        return openai_error(502, f"replica {replica.name} failed: {type(failure).__name__}: {failure}",
+                            code="bad_gateway", headers={REPLICA_HEADER: replica.name})
+
+    def _remember_holder(self, upstream: UpstreamResponse, replica: Replica, owner: str,
+                         named: str | None) -> None:
+        """After a successful answer, remember ``replica`` as the holder of ``owner``'s session (the
+        one it echoes in x-session-id, else ``named``) and of the response it names in
+        x-kvhive-response-id. A replica that answers a request naming a session holds it (it
+        creates unknown ones implicitly), whether or not it echoes the header."""
+        if upstream.status_code >= 400:
+            return
+        echoed = upstream.header(SESSION_HEADER.encode())
+        stored = upstream.header(RESPONSE_ID_HEADER.encode())
+        held = (echoed.decode("latin-1") if echoed else None) or named
+        for key in (held, stored.decode("latin-1") if stored else None):
+            if key:
+                self.sessions.remember(owner, key, replica.name)
 
     @staticmethod
     def _unreachable(failure: UpstreamUnanswered | None) -> Response:
