@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -37,8 +38,16 @@ examples:
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
     """Add the ``gateway`` flags to ``p``, in argument groups."""
-    from kvhive.cli import LOG_LEVELS, port_number
+    _add_replica_args(p)
+    _add_block_key_args(p)
+    _add_index_args(p)
+    _add_routing_args(p)
+    _add_server_args(p)
+    _add_logging_args(p)
 
+
+def _add_replica_args(p: argparse.ArgumentParser) -> None:
+    """Add the "replicas" group to ``p``: each replica, the key its settings are read with, health checks."""
     g = p.add_argument_group("replicas")
     g.add_argument("--replica", action="append", default=[], metavar="URL[,events=..][,replay=..][,kind=..]",
                    help="a replica: base URL, optionally its KV-event PUB endpoint (events=tcp://host:5557), "
@@ -52,6 +61,10 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--failures-to-drop", type=int, default=2, metavar="N",
                    help="failed health checks in a row that drop a replica")
 
+
+def _add_block_key_args(p: argparse.ArgumentParser) -> None:
+    """Add the "block keys" group to ``p``: the tokenizer, block size, hash seed, fingerprint and salt
+    that make the replicas' block keys."""
     g = p.add_argument_group("block keys (how the replicas name their KV blocks)")
     g.add_argument("--model", default=None,
                    help="GGUF file or HF directory whose tokenizer the replicas use (default: the "
@@ -71,12 +84,18 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                         "key as they do; without it, KV routing to such replicas falls back to load "
                         "(default: off)")
 
+
+def _add_index_args(p: argparse.ArgumentParser) -> None:
+    """Add the "block index" group to ``p``: Redis, or the bound of the in-memory index."""
     g = p.add_argument_group("block index")
     g.add_argument("--redis-url", default=None, metavar="URL",
                    help="keep the block index in Redis, shared by gateways (default: in memory)")
     g.add_argument("--index-max-keys", type=int, default=1_000_000, metavar="N",
                    help="bound of the in-memory index (LRU beyond it)")
 
+
+def _add_routing_args(p: argparse.ArgumentParser) -> None:
+    """Add the "routing and scoring" group to ``p``: the policy, the scorer and the score's weights."""
     g = p.add_argument_group("routing and scoring")
     g.add_argument("--policy", choices=ROUTING_POLICIES, default="kv",
                    help="kv: KV score and load (kvhive's routing); least_load, round_robin, random: "
@@ -93,12 +112,22 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--waiting-factor", type=float, default=2.0, metavar="F",
                    help="a waiting request counts as this many running ones")
 
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    """Add the "server" group to ``p``: the address to listen on and the largest body read."""
+    from kvhive.cli import port_number
+
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
     g.add_argument("--port", type=port_number, default=8080, help="TCP port to listen on")
     g.add_argument("--max-request-bytes", type=int, default=32 * 2**20, metavar="N",
                    help="largest request body in bytes the gateway reads (it holds each body in memory "
                         "to forward it); a larger one is refused with 413 (default: 32 MiB)")
+
+
+def _add_logging_args(p: argparse.ArgumentParser) -> None:
+    """Add the "logging" group to ``p``."""
+    from kvhive.cli import LOG_LEVELS
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log verbosity")
@@ -201,8 +230,6 @@ def run_gateway(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"kvhive gateway: {problem}", file=sys.stderr)
         return 2
-    import dataclasses
-
     import uvicorn
 
     from kvhive.core.model_files import default_model_path
@@ -210,25 +237,32 @@ def run_gateway(args: argparse.Namespace) -> int:
     from kvhive.router.app import create_gateway_app
 
     if None in (args.model_fingerprint, args.block_size, args.hash_seed):
-        learned = fetch_hashing(config.replicas,
-                                api_key=args.replica_api_key or os.environ.get("KVHIVE_API_KEY"))
-        if args.model_fingerprint is None:
-            if learned.fingerprint is None:
-                logger.warning("no --model-fingerprint and no replica reports 'kvhive_fingerprint': "
-                               "block keys of kvhive replicas (which include their model fingerprint) "
-                               "will not match, so KV-aware routing to them falls back to load")
-            config = dataclasses.replace(config, model_fingerprint=learned.fingerprint or "")
-        if args.block_size is None and learned.block_size is not None:
-            config = dataclasses.replace(config, block_size=learned.block_size)
-        if args.hash_seed is None and learned.hash_seed is not None:
-            config = dataclasses.replace(config, hash_seed=learned.hash_seed)
-        logger.info("block keys: fingerprint %r, block size %d, hash seed %d",
-                    config.model_fingerprint, config.block_size, config.hash_seed)
+        config = with_replica_hashing(config, args)
     tokenizer = Tokenizer.from_model_path(config.model_path or default_model_path())
     app = create_gateway_app(config, tokenizer)
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0
+
+
+def with_replica_hashing(config: GatewayConfig, args: argparse.Namespace) -> GatewayConfig:
+    """``config`` with the fingerprint, block size and hash seed that no flag gave read from a kvhive
+    replica (``fetch_hashing``); a fingerprint no replica reports is empty, with a warning."""
+    learned = fetch_hashing(config.replicas,
+                            api_key=args.replica_api_key or os.environ.get("KVHIVE_API_KEY"))
+    if args.model_fingerprint is None:
+        if learned.fingerprint is None:
+            logger.warning("no --model-fingerprint and no replica reports 'kvhive_fingerprint': "
+                           "block keys of kvhive replicas (which include their model fingerprint) "
+                           "will not match, so KV-aware routing to them falls back to load")
+        config = dataclasses.replace(config, model_fingerprint=learned.fingerprint or "")
+    if args.block_size is None and learned.block_size is not None:
+        config = dataclasses.replace(config, block_size=learned.block_size)
+    if args.hash_seed is None and learned.hash_seed is not None:
+        config = dataclasses.replace(config, hash_seed=learned.hash_seed)
+    logger.info("block keys: fingerprint %r, block size %d, hash seed %d",
+                config.model_fingerprint, config.block_size, config.hash_seed)
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:
