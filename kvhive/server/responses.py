@@ -349,6 +349,21 @@ def response_sweeper(api: ResponsesAPI) -> contextlib.AbstractAsyncContextManage
     return background_task(sweep_expired_responses(api))
 
 
+def input_items_page(stored: StoredResponse, limit: int, order: Literal["asc", "desc"],
+                     after: str | None) -> dict[str, Any]:
+    """One page of a stored response's input items in OpenAI's list shape: ``limit`` items in
+    ``order``, after the item ``after`` (400 when the response has no such item)."""
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    ids = [item["id"] for item in items]
+    if after is not None:
+        if after not in ids:
+            raise bad_request(f"No input item '{after}' in response '{stored.response_id}'", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
 def install_response_routes(app: FastAPI, api: ResponsesAPI) -> None:
     """Add the /v1/responses routes, and export their metrics."""
     api.service.metrics.watch_responses(api.stats)
@@ -370,16 +385,8 @@ def install_response_routes(app: FastAPI, api: ResponsesAPI) -> None:
                                order: Literal["asc", "desc"] = "desc",
                                after: str | None = None) -> dict[str, Any]:
         """The input items of a stored response's request (OpenAI's list shape, newest first by default)."""
-        items = (await api.lookup(raw_request, response_id)).input_items
-        items = items if order == "asc" else items[::-1]
-        ids = [item["id"] for item in items]
-        if after is not None:
-            if after not in ids:
-                raise bad_request(f"No input item '{after}' in response '{response_id}'", param="after")
-            items = items[ids.index(after) + 1:]
-        page = items[:limit]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+        stored = await api.lookup(raw_request, response_id)
+        return input_items_page(stored, limit, order, after)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, raw_request: Request) -> dict[str, Any]:
