@@ -1,47 +1,31 @@
-"""``kvhive gateway``: the OpenAI-compatible proxy app in front of the replicas."""
+"""``kvhive gateway``: the OpenAI-compatible proxy app in front of the replicas: its routes, one
+method each of ``GatewayRoutes``, and the fast path of the routed POSTs."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvhive.core.blocks import root_hash
 from kvhive.core.json_body import BodyError, MalformedJSON, load_json
 from kvhive.core.tenancy import key_owner
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.router.config import GatewayConfig
-from kvhive.router.gateway import Gateway
-from kvhive.router.index import InMemoryIndex, KVBlockIndex, RedisIndex
-from kvhive.router.indexer import KVCacheIndexer
-from kvhive.router.ingest import BlockKeyMapper, ReplicaIngest
-from kvhive.router.metrics import GatewayMetrics, InstrumentedIndex, Sample
+from kvhive.router.index import KVBlockIndex
 from kvhive.router.proxy import as_openai_error, openai_error
-from kvhive.router.replicas import Replica, ReplicaSet
-from kvhive.router.scorer import SCORERS
-from kvhive.router.sessions import SESSION_HEADER, SessionAffinity
-from kvhive.router.tokenize import PromptTokenizer, prompt_from_body
-from kvhive.router.upstream import UpstreamClient
+from kvhive.router.replicas import Replica
+from kvhive.router.sessions import SESSION_HEADER
+from kvhive.router.tokenize import prompt_from_body
+from kvhive.router.wiring import GatewayParts, build_gateway
 
 logger = logging.getLogger(__name__)
 
 _ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
-
-
-def build_index(config: GatewayConfig) -> KVBlockIndex:
-    """Redis when ``redis_url`` is set (shared by gateways), else a bounded in-memory LRU."""
-    if config.redis_url:
-        return RedisIndex(config.redis_url)
-    return InMemoryIndex(config.index_max_keys)
 
 
 def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
@@ -53,79 +37,6 @@ def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
     app.state.index = parts.index
     GatewayRoutes(config, parts).install(app)
     return app
-
-
-@dataclass(frozen=True)
-class GatewayParts:
-    """The wired gateway: the ``Gateway`` its routes call, and what the app's lifespan starts and
-    closes (event ingesters, health checks, HTTP clients, the tokenizer pool)."""
-
-    gateway: Gateway
-    replicas: list[Replica]
-    replica_set: ReplicaSet
-    metrics: GatewayMetrics
-    index: KVBlockIndex             # as given or built: not instrumented
-    prompts: PromptTokenizer
-    client: httpx.AsyncClient
-    upstream: UpstreamClient
-
-    @contextlib.asynccontextmanager
-    async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
-        """Start the event ingesters, check every replica once, then keep checking them; on exit
-        stop the checks and close the clients, the ingesters and the tokenizer pool."""
-        for replica in self.replicas:
-            if replica.ingest is not None:
-                replica.ingest.start()
-        await self.replica_set.check_all()
-        health = asyncio.create_task(self.replica_set.run())
-        try:
-            yield
-        finally:
-            health.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await health
-            await self.client.aclose()
-            self.upstream.close()
-            for replica in self.replicas:
-                if replica.ingest is not None:
-                    await asyncio.to_thread(replica.ingest.close)
-            self.prompts.close()
-
-
-def build_gateway(config: GatewayConfig, tokenizer: Tokenizer,
-                  index: KVBlockIndex | None = None) -> GatewayParts:
-    """Wire the gateway's parts over ``index`` (else the one ``build_index`` builds), instrumented;
-    their state is read into the metrics at scrape time."""
-    metrics = GatewayMetrics()
-    raw_index = index if index is not None else build_index(config)
-    instrumented = InstrumentedIndex(raw_index, metrics)
-    root = root_hash(config.hash_seed, config.model_fingerprint)
-    replicas = build_replicas(config, instrumented, root)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=5.0),
-                               limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200))
-    replica_set = ReplicaSet(replicas, instrumented, client, config.health_interval_s,
-                             config.failures_to_drop)
-    prompts = PromptTokenizer(tokenizer, config.prefix_chunk_chars, config.prefix_max_chunks,
-                              config.tokenize_workers)
-    indexer = KVCacheIndexer(prompts, instrumented, SCORERS[config.scorer](), config.tiers,
-                             config.block_size, root)
-    upstream = UpstreamClient(connect_timeout_s=5.0, read_timeout_s=config.request_timeout_s)
-    gateway = Gateway(replica_set, indexer, SessionAffinity(config.max_sessions), config.weights,
-                      metrics, client, config.policy, upstream=upstream)
-    metrics.watch(lambda: _state_samples(gateway, raw_index, prompts))
-    return GatewayParts(gateway, replicas, replica_set, metrics, raw_index, prompts, client, upstream)
-
-
-def build_replicas(config: GatewayConfig, index: KVBlockIndex, root: bytes) -> list[Replica]:
-    """One Replica per ``config.replicas``, with an ingester that feeds ``index`` from its KV events
-    where it names an event endpoint (block keys chained from ``root``)."""
-    replicas = []
-    for spec in config.replicas:
-        mapper = BlockKeyMapper(spec.kind != "kvhive", config.block_size, root)
-        ingest = ReplicaIngest(spec.name, index, mapper, spec.events, spec.replay) \
-            if spec.events else None
-        replicas.append(Replica(spec, ingest))
-    return replicas
 
 
 class GatewayRoutes:
@@ -332,34 +243,3 @@ def _merge_lists(answers: list[tuple[Replica, int, Any]], key: str) -> Response:
             ident = item.get(key) if isinstance(item, dict) else None
             seen.setdefault(ident if ident is not None else id(item), item)
     return JSONResponse({"object": "list", "data": list(seen.values())})
-
-
-def _state_samples(gateway: Gateway, index: KVBlockIndex, prompts: PromptTokenizer) -> Iterator[Sample]:
-    for r in gateway.replicas.replicas:
-        labels = {"replica": r.name}
-        yield Sample("kvhive_gateway_replica_up", "1 while the replica passes health checks.", "gauge",
-                     labels, float(r.healthy))
-        yield Sample("kvhive_gateway_replica_inflight", "Requests in flight to the replica.", "gauge",
-                     labels, float(r.inflight))
-        yield Sample("kvhive_gateway_replica_running", "Running requests (last poll).", "gauge",
-                     labels, r.load.running)
-        yield Sample("kvhive_gateway_replica_waiting", "Waiting requests (last poll).", "gauge",
-                     labels, r.load.waiting)
-        yield Sample("kvhive_gateway_replica_kv_usage", "KV pool usage 0..1 (last poll).", "gauge",
-                     labels, r.load.kv_usage)
-        if r.ingest is not None:
-            for name, value in vars(r.ingest.stats).items():
-                yield Sample(f"kvhive_gateway_kv_event_{name}", f"KV-event stream: {name}.", "counter",
-                             labels, float(value))
-            yield Sample("kvhive_gateway_kv_event_unmapped_blocks",
-                         "Foreign blocks whose kvhive key could not be computed.", "counter", labels,
-                         float(r.ingest.mapper.num_unmapped))
-    if isinstance(index, InMemoryIndex):
-        yield Sample("kvhive_gateway_index_keys", "Block keys in the in-memory index.", "gauge", {},
-                     float(len(index)))
-    yield Sample("kvhive_gateway_sessions", "Sessions whose replica the gateway knows.", "gauge", {},
-                 float(len(gateway.sessions)))
-    yield Sample("kvhive_gateway_prefix_store_hits", "Prompt chunks found in the prefix store.", "counter",
-                 {}, float(prompts.chunk_hits))
-    yield Sample("kvhive_gateway_prefix_store_misses", "Prompt chunks tokenized.", "counter", {},
-                 float(prompts.chunk_misses))
