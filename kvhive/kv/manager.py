@@ -297,8 +297,8 @@ class KVCacheManager:
 
     @property
     def num_session_blocks(self) -> int:
-        """Blocks held by sessions (pinned in the device pool)."""
-        return sum(len(h.blocks) for h in self._sessions.values())
+        """Distinct device blocks held by sessions (a block two sessions share counts once)."""
+        return len({block.block_id for held in self._sessions.values() for block in held.blocks})
 
     def count_cached(self, block_hashes: Sequence[bytes]) -> int:
         """How many of these blocks the device prefix cache holds; changes nothing, not even

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from support.scheduler_parts import make_kv, park
+from support.scheduler_parts import make_kv, make_request, park
 
 from kvhive.engine.scheduler.session_spill import SessionCopy, SessionSpill, TierSessionCopy
 from kvhive.store.key import KeySpace
@@ -86,3 +86,17 @@ def test_tier_session_copy_prefers_the_lowest_tier_then_waits_for_saves_then_loo
     for key in keys:
         lowest.put(key, b"kv")
     assert copy(hashes) is SessionCopy.LOWEST
+
+
+def test_a_block_two_sessions_share_counts_once():
+    kv = make_kv()
+    park(kv, "a", range(8))                         # two full blocks
+    b = make_request("b-turn", [*range(8), 100, 101, 102, 103], session_id="b")
+    hits = kv.get_computed_blocks(b)
+    assert hits.num_computed_tokens == 8
+    assert kv.allocate_slots(b, b.num_tokens - 8, hits.blocks)
+    b.num_computed_tokens = b.num_tokens
+    kv.cache_full_blocks(b, b.num_tokens)
+    kv.park_session(b, "b")                          # holds a's two blocks and one of its own
+    assert [len(kv.session_blocks(s).blocks) for s in ("a", "b")] == [2, 3]
+    assert kv.num_session_blocks == 3
