@@ -97,26 +97,7 @@ class Tokenizer:
         if "tokenizer.ggml.tokens" not in meta or "tokenizer.ggml.merges" not in meta:
             raise ValueError(f"{path}: the GGUF lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        pre_tokenizer, ignore_merges = _gguf_pre_tokenizer(pre)
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-        vocab = {token: i for i, token in enumerate(tokens)}
-        backend = BackendTokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
-        backend.pre_tokenizer = pre_tokenizer
-        backend.decoder = decoders.ByteLevel()
-        # Added tokens keep the ids they have in the vocabulary; control ones are special (skipped by decode).
-        typed = list(zip(tokens, token_types, strict=True))
-        backend.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t, k in typed if k == _TOKEN_TYPE_CONTROL]
-        )
-        backend.add_tokens(
-            [
-                AddedToken(t, special=False, normalized=False)
-                for t, k in typed
-                if k == _TOKEN_TYPE_USER_DEFINED
-            ]
-        )
+        backend = _gguf_bpe(meta, tokens)
 
         def token_of(key: str) -> str | None:
             token_id = meta.get(f"tokenizer.ggml.{key}")
@@ -296,6 +277,24 @@ def _gguf_pre_tokenizer(pre: str) -> tuple[pre_tokenizers.PreTokenizer, bool]:
             ), ignore_merges
     known = sorted(_GPT2_PRE + _DIGITS_THEN_GPT2_PRE + _LLAMA3_PRE + _QWEN2_PRE)
     raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; known: {', '.join(known)}")
+
+
+def _gguf_bpe(meta: dict, tokens: list[str]) -> BackendTokenizer:
+    """The BPE model, byte-level pre-tokenizer and decoder of GGUF tokenizer metadata; added
+    tokens keep the ids they have in the vocabulary, control ones are special (skipped by decode)."""
+    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    pre_tokenizer, ignore_merges = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    backend = BackendTokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
+    backend.pre_tokenizer = pre_tokenizer
+    backend.decoder = decoders.ByteLevel()
+    typed = list(zip(tokens, token_types, strict=True))
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, k in typed if k == _TOKEN_TYPE_CONTROL])
+    backend.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, k in typed if k == _TOKEN_TYPE_USER_DEFINED])
+    return backend
 
 
 def _bos_eos_processor(

@@ -58,6 +58,16 @@ def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return t if rows == list(range(t.shape[0])) else t[rows]
 
 
+def _sample_rows(seqs: list[ScheduledSeq]) -> list[int]:
+    """The batch row of each sampled seq's last token (seqs in batch order)."""
+    rows, end = [], 0
+    for s in seqs:
+        end += s.num_new_tokens
+        if s.sample:
+            rows.append(end - 1)
+    return rows
+
+
 class ModelRunner:
     """Executes StepPlans on one model and one KV pool."""
 
@@ -267,21 +277,10 @@ class ModelRunner:
     def prepare_inputs(self, plan: StepPlan) -> StepInputs:
         """Flatten the plan into ids, positions, slot rows and attention metadata (decode first)."""
         B, rpb = self.block_size, self._rows_per_block
-        decodes: list[ScheduledSeq] = []
-        prefills: list[ScheduledSeq] = []
-        for s in plan.seqs:
-            if s.num_new_tokens == 0:
-                raise ValueError(f"request {s.request_id}: nothing to compute")
-            if len(s.block_table) * B < s.context_len:
-                raise ValueError(f"request {s.request_id}: {len(s.block_table)} blocks cannot hold "
-                                 f"{s.context_len} tokens")
-            as_rows = s.num_new_tokens == 1 or (s.start_pos > 0 and s.num_new_tokens <= self.decode_rows_max)
-            (decodes if as_rows else prefills).append(s)
-
+        decodes, prefills = self._decode_and_prefill(plan)
         ids: list[int] = []
         positions: list[np.ndarray] = []
         rows: list[np.ndarray] = []
-        sample_rows: list[int] = []
         # Decode rows: one token (or a short chunk over a cached prefix) per sequence from start_pos on.
         for s in decodes:
             pos = range(s.start_pos, s.context_len)
@@ -291,43 +290,56 @@ class ModelRunner:
         decode = self._decode_batch(decodes) if decodes else None
         # Prefill chunks: contiguous spans after the decode rows.
         spans = []
-        offset = len(ids)
         for s in prefills:
-            n = s.num_new_tokens
-            pos = np.arange(s.start_pos, s.start_pos + n)
-            table = np.asarray(s.block_table, dtype=np.int64)
+            pos, table = np.arange(s.start_pos, s.start_pos + s.num_new_tokens), np.asarray(s.block_table, dtype=np.int64)
+            spans.append(self._prefill_span(s, len(ids), pos, table))
             ids.extend(s.token_ids)
             positions.append(pos)
             rows.append(table[pos // B] * rpb + pos % B)
-            block_ids = mask = None
-            if s.start_pos > 0 or self.prefill_kernel is not None:
-                n_blocks = (s.context_len + B - 1) // B
-                block_ids = torch.from_numpy(table[:n_blocks]).to(self.device)
-            if s.start_pos > 0 and self.prefill_kernel is None and self.device.type == "cpu":
-                # (CUDA needs no mask tensor: its SDPA takes the lower-right causal bias.)
-                keep = np.arange(s.context_len)[None, :] <= pos[:, None]
-                mask = torch.from_numpy(keep).to(self.device)
-            spans.append(PrefillSpan(offset, offset + n, s.start_pos, block_ids, mask))
-            offset += n
         seqs = decodes + prefills
-        end = 0
-        for s in seqs:
-            end += s.num_new_tokens
-            if s.sample:
-                sample_rows.append(end - 1)
-
-        base = np.concatenate(rows)
-        if base.size and (base.min() < 0 or base.max() >= self.num_blocks * rpb):
-            raise ValueError("a block table points outside the KV pool")     # the C++ kernels read unchecked
-        slot_rows = np.stack([base, base + B], axis=1)    # K row, V row (V follows K in a block)
-        attn = AttnMetadata(slot_rows=torch.from_numpy(slot_rows).to(self.device), decode=decode,
-                            prefills=tuple(spans), prefill_kernel=self.prefill_kernel,
-                            layer_hooks=self.connector)
+        attn = AttnMetadata(slot_rows=self._slot_rows(rows), decode=decode, prefills=tuple(spans),
+                            prefill_kernel=self.prefill_kernel, layer_hooks=self.connector)
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.from_numpy(np.concatenate(positions)).to(self.device),
             attn=attn,
             seqs=seqs,
-            sample_rows=sample_rows,
+            sample_rows=_sample_rows(seqs),
             has_prompt_logprobs=any(s.prompt_logprobs is not None for s in seqs),
         )
+
+    def _decode_and_prefill(self, plan: StepPlan) -> tuple[list[ScheduledSeq], list[ScheduledSeq]]:
+        """The plan's seqs that run as decode rows and those that run as prefill spans; ValueError
+        for a seq with nothing to compute or a block table too short for its context."""
+        decodes: list[ScheduledSeq] = []
+        prefills: list[ScheduledSeq] = []
+        for s in plan.seqs:
+            if s.num_new_tokens == 0:
+                raise ValueError(f"request {s.request_id}: nothing to compute")
+            if len(s.block_table) * self.block_size < s.context_len:
+                raise ValueError(f"request {s.request_id}: {len(s.block_table)} blocks cannot hold "
+                                 f"{s.context_len} tokens")
+            as_rows = s.num_new_tokens == 1 or (s.start_pos > 0 and s.num_new_tokens <= self.decode_rows_max)
+            (decodes if as_rows else prefills).append(s)
+        return decodes, prefills
+
+    def _prefill_span(self, s: ScheduledSeq, offset: int, pos: np.ndarray, table: np.ndarray) -> PrefillSpan:
+        """The attention span of a prefill chunk whose tokens start at row ``offset`` of the batch."""
+        B = self.block_size
+        block_ids = mask = None
+        if s.start_pos > 0 or self.prefill_kernel is not None:
+            n_blocks = (s.context_len + B - 1) // B
+            block_ids = torch.from_numpy(table[:n_blocks]).to(self.device)
+        if s.start_pos > 0 and self.prefill_kernel is None and self.device.type == "cpu":
+            # (CUDA needs no mask tensor: its SDPA takes the lower-right causal bias.)
+            keep = np.arange(s.context_len)[None, :] <= pos[:, None]
+            mask = torch.from_numpy(keep).to(self.device)
+        return PrefillSpan(offset, offset + s.num_new_tokens, s.start_pos, block_ids, mask)
+
+    def _slot_rows(self, rows: list[np.ndarray]) -> torch.Tensor:
+        """The (K row, V row) pair of each token's slot in the pool; ValueError for a row outside it."""
+        base = np.concatenate(rows)
+        if base.size and (base.min() < 0 or base.max() >= self.num_blocks * self._rows_per_block):
+            raise ValueError("a block table points outside the KV pool")     # the C++ kernels read unchecked
+        slot_rows = np.stack([base, base + self.block_size], axis=1)    # V follows K in a block
+        return torch.from_numpy(slot_rows).to(self.device)

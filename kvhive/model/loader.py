@@ -132,10 +132,16 @@ def _read_gguf(path: str, quantized: dict[str, QuantWeight] | None = None,
 
     With ``quantized`` given, Q4_1/Q8_0 matrices are also put there as their GGUF blocks.
     """
-    from gguf.quants import dequantize
-
     reader = _fast_gguf_reader(path)
+    arch, config = _gguf_config(reader, path)
+    weights = _gguf_weights(reader, arch, config, quantized)
+    digest = _file_digest(path, header_bytes=reader.data_offset)
+    return config, weights, "model.layers.0.self_attn.q_proj.bias" in weights, digest
 
+
+def _gguf_config(reader, path: str) -> tuple[str, ModelConfig]:
+    """The GGUF's architecture and model config; ValueError for an architecture or RoPE scaling
+    kvhive does not run."""
     def field(key: str, default: object = None) -> object:
         f = reader.fields.get(key)
         return default if f is None else f.contents()
@@ -148,17 +154,16 @@ def _read_gguf(path: str, quantized: dict[str, QuantWeight] | None = None,
         raise ValueError(f"{path}: RoPE scaling {scaling!r} is not supported")
     tensors = {t.name: t for t in reader.tensors}
     heads = int(field(f"{arch}.attention.head_count"))
-    kv_heads = int(field(f"{arch}.attention.head_count_kv", heads))
     hidden = int(field(f"{arch}.embedding_length"))
     eos = [field("tokenizer.ggml.eos_token_id"), field("tokenizer.ggml.eot_token_id")]
     bos = field("tokenizer.ggml.bos_token_id")
-    config = ModelConfig(
+    return arch, ModelConfig(
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
         hidden_size=hidden,
         intermediate_size=int(field(f"{arch}.feed_forward_length")),
         num_layers=int(field(f"{arch}.block_count")),
         num_heads=heads,
-        num_kv_heads=kv_heads,
+        num_kv_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
         head_dim=int(field(f"{arch}.attention.key_length", hidden // heads)),
         rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
@@ -168,27 +173,33 @@ def _read_gguf(path: str, quantized: dict[str, QuantWeight] | None = None,
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
     )
 
+
+def _gguf_weights(reader, arch: str, config: ModelConfig,
+                  quantized: dict[str, QuantWeight] | None) -> dict[str, torch.Tensor]:
+    """The GGUF's tensors dequantised to float32 under HF names, llama.cpp's Q/K row permutation
+    undone; Q4_1/Q8_0 matrices also put in ``quantized`` (when given) as their blocks."""
+    from gguf.quants import dequantize
+
     weights: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        hf_name = _gguf_to_hf_name(name)
+    for t in reader.tensors:
+        name, hf_name = t.name, _gguf_to_hf_name(t.name)
         if hf_name is None:
             continue
         shape = [int(d) for d in reversed(t.shape)]
         arr = dequantize(t.data, t.tensor_type).reshape(shape)
         permuted = arch in _PERMUTED_QK_ARCHS and name.endswith(("attn_q.weight", "attn_k.weight"))
+        heads = config.num_heads if "attn_q" in name else config.num_kv_heads
         if permuted:
-            arr = _unpermute_rows(arr, heads if "attn_q" in name else kv_heads)
+            arr = _unpermute_rows(arr, heads)
         if quantized is not None and t.tensor_type.name in QUANT_KINDS and len(shape) == 2:
             qw = QuantWeight.from_gguf(t.tensor_type.name, t.data, *shape)
             if permuted:
-                rows = np.arange(shape[0])[:, None]
-                qw = qw.take_rows(_unpermute_rows(rows, heads if "attn_q" in name else kv_heads)[:, 0])
+                qw = qw.take_rows(_unpermute_rows(np.arange(shape[0])[:, None], heads)[:, 0])
             quantized[hf_name] = qw
         if not arr.flags.writeable:            # F32 tensors are views of the read-only file map
             arr = arr.copy()
         weights[hf_name] = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
-    digest = _file_digest(path, header_bytes=reader.data_offset)
-    return config, weights, "model.layers.0.self_attn.q_proj.bias" in weights, digest
+    return weights
 
 
 def _gguf_to_hf_name(name: str) -> str | None:
