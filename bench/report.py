@@ -221,17 +221,34 @@ def render_vllm_replica(name: str, record: dict) -> list[str]:
             f"- vLLM event blocks the gateway could not map: {record['gateway_vllm_unmapped_blocks']:.0f}.", ""]
 
 
+SOAK_GAUGES = (("kvhive_kv_blocks{state=free}", "free blocks"), ("kvhive_kv_blocks{state=cached}", "cached blocks"),
+               ("kvhive_kv_blocks{state=used}", "used blocks"), ("kvhive_sessions_live", "live sessions"),
+               ("kvhive_responses_stored", "stored responses"), ("kvhive_num_requests_running", "running requests"))
+
+
 def render_soak(name: str, record: dict) -> list[str]:
-    """Requests, failures, latency and memory over a soak run."""
+    """Requests, answers by status, latency, memory, and the gauges before and after a soak run."""
     cfg, s, rss = record["config"], record["summary"], record["rss_mb"]
     events = ", ".join(f"{e['event']} at {e['at_s']:.0f} s" for e in record.get("redis_events") or [])
-    return [f"{cfg['clients']} clients for {cfg['minutes']:g} minutes" + (f"; Redis: {events}" if events else "")
-            + ".", "",
-            "| requests | errors | p50 (s) | p99 (s) | requests/s | RSS before / after / max (MB) | healthy after |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
-            f"| {s['requests']} | {s['num_errors']} | {s['p50_s']:.2f} | {s['p99_s']:.2f} | "
-            f"{record['throughput_rps']:.2f} | {rss['before']:.0f} / {rss['after']:.0f} / {rss['max']:.0f} | "
-            f"{'yes' if record['healthy_after'] else 'no'} |", ""]
+    statuses = ", ".join(f"{status}: {count}" for status, count in sorted(s["by_status"].items()))
+    num_5xx = sum(count for status, count in s["by_status"].items() if status.startswith("5"))
+    lines = [f"{cfg['clients']} clients for {cfg['minutes']:g} minutes" + (f"; Redis: {events}" if events else "")
+             + f". Answers by status: {statuses} (5xx: {num_5xx}).", "",
+             "| requests | errors | p50 (s) | p99 (s) | requests/s | RSS before / after / max (MB) | healthy after |",
+             "| --- | --- | --- | --- | --- | --- | --- |",
+             f"| {s['requests']} | {s['num_errors']} | {s['p50_s']:.2f} | {s['p99_s']:.2f} | "
+             f"{record['throughput_rps']:.2f} | {rss['before']:.0f} / {rss['after']:.0f} / {rss['max']:.0f} | "
+             f"{'yes' if record['healthy_after'] else 'no'} |", ""]
+    drained = record.get("drained_after_s")
+    when = ("after the run" if drained is None
+            else f"{drained:.0f} s after the run, once the sessions left alive had expired")
+    lines += [f"Gauges before the run and {when}:", "", "| gauge | before | after |", "| --- | --- | --- |"]
+    for key, label in SOAK_GAUGES:
+        before, after = record["before"]["metrics"].get(key), record["after"]["metrics"].get(key)
+        if before is not None or after is not None:
+            lines.append(f"| {label} | {before if before is None else f'{before:.0f}'} | "
+                         f"{after if after is None else f'{after:.0f}'} |")
+    return [*lines, ""]
 
 
 def goal_words(goals: str) -> tuple[str, ...]:
@@ -298,8 +315,11 @@ SECTIONS = (
             lambda name, record: RENDER_ROUTER[name](name, record), ("router_sim.png",)),
     Section("soak", "Soak", "bench/soak.py",
             "Mixed traffic from several clients for minutes (shared-prefix chats, sessions, `conversation_id` "
-            "chats, dropped streams, `/v1/responses` chains), alone and with Redis stopped and flushed midway.",
-            ("no request fails; the server is healthy afterwards",), ("soak.json", "soak_redis.json"), render_soak),
+            "chats, dropped streams, `/v1/responses` chains), with Redis as the KV tier and session store, "
+            "stopped (SIGSTOP) and then flushed midway.",
+            ("no request fails (no 5xx); the server is healthy afterwards",
+             "once the sessions left alive expire, no used block, live session or stored response is left"),
+            ("soak.json",), render_soak),
 )
 
 RENDER_ROUTER: dict[str, Render] = {"router_sim.json": render_router_sim, "router_lookup.json": render_router_lookup,

@@ -5,6 +5,8 @@
     python bench/soak.py --clients 8 --minutes 2 --redis-url redis://127.0.0.1:6391/0 \\
         --out bench/results/soak_redis.json                  # + a Redis stall and flush
     python bench/soak.py --server-args "--dtype bfloat16 --kv-cache-gb 0.5" --out /tmp/soak_bf16.json
+    python bench/soak.py --clients 32 --minutes 30 --redis-url redis://127.0.0.1:6391/0 --redis-stop-s 20 \\
+        --server-args "--kv-cache-gb 0.25 --max-model-len 2048 --default-session-ttl 120" --drain-s 300
 
 Each client loops over scenarios picked at random: chats sharing a long system prompt (streamed or
 not), sessions (``POST /v1/context``, turns with ``x-session-id``, mostly deleted at the end),
@@ -15,7 +17,8 @@ and halfway through Redis is stopped (SIGSTOP) for ``--redis-stop-s`` seconds, t
 
 Reports requests, answers by status (intended aborts apart), p50/p99 latency overall and per
 request kind, the server's RSS (sampled every 10 s), the device block gauges
-(``kvhive_kv_blocks{state}``) and live sessions before and after; writes ``--out``
+(``kvhive_kv_blocks{state}``) and live sessions before and after (``--drain-s``: after the
+sessions left alive expired); writes ``--out``
 (``bench/results/soak.json``). The server's log goes to ``bench/out/soak_server.log``.
 """
 
@@ -258,6 +261,23 @@ def snapshot(base_url: str, pid: int) -> dict[str, Any]:
     return {"rss_mb": rss_mb(pid), "metrics": scrape(base_url)}
 
 
+LEFT_BEHIND = ("kvhive_sessions_live", "kvhive_responses_stored", "kvhive_kv_blocks{state=used}")
+
+
+def drain(base_url: str, timeout_s: float) -> float | None:
+    """Seconds until no session, stored response or used block is left (their TTLs ran out and
+    the sweep freed them); None when some still are after ``timeout_s`` (or nothing was waited for)."""
+    start = time.monotonic()
+    while timeout_s > 0:
+        samples = scrape(base_url)
+        if all(samples.get(name, 0.0) == 0.0 for name in LEFT_BEHIND):
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            return None
+        time.sleep(5)
+    return None
+
+
 def wait_healthy(base_url: str, process: subprocess.Popen, timeout_s: float) -> float:
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
@@ -382,6 +402,9 @@ def main() -> int:
                         help="more 'kvhive serve' arguments")
     parser.add_argument("--grace-s", type=float, default=120.0, help="time a client may finish its scenario")
     parser.add_argument("--idle-s", type=float, default=3.0, help="idle time before the 'after' snapshot")
+    parser.add_argument("--drain-s", type=float, default=0.0,
+                        help="then wait up to this long for the sessions left alive to expire (no live "
+                             "session, stored response or used block) before the 'after' snapshot")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "soak.json"))
     args = parser.parse_args()
 
@@ -402,6 +425,7 @@ def main() -> int:
         before = snapshot(base_url, server.pid)
         run, timeline, events = asyncio.run(soak(args, base_url, server.pid, redis))
         time.sleep(args.idle_s)
+        drained_s = drain(base_url, args.drain_s)
         after = snapshot(base_url, server.pid)
         healthy = httpx.get(f"{base_url}/health", timeout=10).status_code == 200
     finally:
@@ -426,6 +450,7 @@ def main() -> int:
         "before": before, "after": after,
         "rss_mb": {"before": before["rss_mb"], "after": after["rss_mb"], "max": max(rss, default=None)},
         "healthy_after": healthy, "server_exit_code": exit_code,
+        "drained_after_s": drained_s,
         "redis_events": events, "timeline": timeline,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
