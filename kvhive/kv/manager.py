@@ -20,6 +20,7 @@ the new tokens to compute. A request id holds blocks in ``_blocks`` or a session
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -79,6 +80,8 @@ class KVCacheManager:
         self._events: list[BlockStored | BlockRemoved] | None = None
         # Session id -> blocks kept alive between the session's requests (insertion order = LRU).
         self._sessions: dict[str, SessionBlocks] = {}
+        # Invariant: _session_block_refs[id] == number of holdings in _sessions whose blocks hold id (> 0).
+        self._session_block_refs: Counter[int] = Counter()
         self._park_counter = 0
 
     def enable_events(self) -> None:
@@ -231,6 +234,7 @@ class KVCacheManager:
             token_ids=request.all_token_ids, num_computed_tokens=request.num_computed_tokens,
             blocks=blocks, block_hashes=request.block_hashes, num_cached_blocks=num_cached,
             last_used=self._park_counter)
+        self._session_block_refs.update(block.block_id for block in blocks)
 
     def session_prefix(self, request: Request) -> int:
         """Tokens of the request's session KV that its prompt continues (0: none held, or diverged).
@@ -261,7 +265,7 @@ class KVCacheManager:
         spare = len(held.blocks) - keep
         if extra > self.pool.num_free_blocks + spare:
             return False
-        del self._sessions[request.session_id]
+        self._take_holding(request.session_id)
         rid = request.request_id
         blocks = held.blocks[:keep]
         if spare > 0:
@@ -281,11 +285,22 @@ class KVCacheManager:
 
     def release_session(self, session_id: str) -> bool:
         """Free the blocks a session holds, tail first (full ones stay cached); False if none."""
-        held = self._sessions.pop(session_id, None)
+        held = self._take_holding(session_id)
         if held is None:
             return False
         self.pool.free_blocks(reversed(held.blocks))
         return True
+
+    def _take_holding(self, session_id: str) -> SessionBlocks | None:
+        """Remove and return the session's holding (its blocks keep their references)."""
+        held = self._sessions.pop(session_id, None)
+        if held is not None:
+            refs = self._session_block_refs
+            for block in held.blocks:
+                refs[block.block_id] -= 1
+                if refs[block.block_id] == 0:
+                    del refs[block.block_id]
+        return held
 
     def session_ids(self) -> list[str]:
         """Sessions holding device blocks, least recently parked first."""
@@ -298,7 +313,7 @@ class KVCacheManager:
     @property
     def num_session_blocks(self) -> int:
         """Distinct device blocks held by sessions (a block two sessions share counts once)."""
-        return len({block.block_id for held in self._sessions.values() for block in held.blocks})
+        return len(self._session_block_refs)
 
     def count_cached(self, block_hashes: Sequence[bytes]) -> int:
         """How many of these blocks the device prefix cache holds; changes nothing, not even

@@ -100,3 +100,5 @@ def test_a_block_two_sessions_share_counts_once():
     kv.park_session(b, "b")                          # holds a's two blocks and one of its own
     assert [len(kv.session_blocks(s).blocks) for s in ("a", "b")] == [2, 3]
     assert kv.num_session_blocks == 3
+    assert kv.release_session("a") and kv.num_session_blocks == 3
+    assert kv.release_session("b") and kv.num_session_blocks == 0
