@@ -8,11 +8,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
-from support.servers import REPO_ROOT, free_port, log_file
+from support.servers import REPO_ROOT, free_port, log_file, wait_healthy
 
 from kvhive.model import cpu
 
@@ -27,18 +26,7 @@ def _serve(*args: str) -> tuple[subprocess.Popen, str]:
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, log: str, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            with open(log) as f:
-                raise AssertionError(f"server exited {proc.returncode}:\n{f.read()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("server did not start")
+    assert wait_healthy(proc, url, log, timeout_s), "server did not start"
 
 
 # The host's best level, and AVX2 when the host has more (what an AVX2-only CPU runs).

@@ -10,7 +10,16 @@ import sys
 import time
 
 import httpx
-from support.servers import REPO_ROOT, TEST_DEVICE, free_port, log_file, log_tail, subprocess_env
+
+from support.servers import (
+    REPO_ROOT,
+    TEST_DEVICE,
+    free_port,
+    log_file,
+    log_tail,
+    subprocess_env,
+    wait_healthy,
+)
 
 LONG_PROMPT = " ".join(f"Item {i}: the {['red', 'blue', 'green'][i % 3]} box holds {i * 7 % 50} marbles."
                        for i in range(70))
@@ -27,16 +36,8 @@ class ServeProcess:
                "--log-level", "warning", "--device", TEST_DEVICE, *flags]
         self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
                                         env=subprocess_env())
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"kvhive serve exited:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        if wait_healthy(self.process, self.url, self.log.name, timeout_s):
+            return
         self.kill()
         raise RuntimeError(f"kvhive serve did not start:\n{self.log_tail()}")
 

@@ -81,12 +81,25 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> No
         time.sleep(0.05)
 
 
-def healthy(url: str) -> bool:
+def healthy(url: str, timeout_s: float = 1.0) -> bool:
     """Whether ``url``/health answers 200 now."""
     try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        return httpx.get(f"{url}/health", timeout=timeout_s).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def wait_healthy(process: subprocess.Popen, url: str, log_path: str, timeout_s: float) -> bool:
+    """Poll ``url``/health until it answers 200 (True) or ``timeout_s`` passes (False); RuntimeError
+    with the end of the log at ``log_path`` when the process exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{log_tail(log_path)}")
+        if healthy(url, timeout_s=2.0):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def metric_samples(metrics_text: str, name: str, labels: dict[str, str] | None = None) -> list[float]:
@@ -145,16 +158,8 @@ def start_server(model: str, *, api_keys: tuple[str, ...] = (), max_model_len: i
     process = subprocess.Popen(serve_command(model, port, *args), stdout=log, stderr=subprocess.STDOUT,
                                cwd=REPO_ROOT, env=subprocess_env(env))
     server = ServerProcess(f"http://127.0.0.1:{port}", process, log.name)
-    deadline = time.monotonic() + startup_timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log_tail()}")
-        try:
-            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
+    if wait_healthy(process, server.base_url, log.name, startup_timeout_s):
+        return server
     stop_server(server)
     raise RuntimeError(f"server did not become healthy in {startup_timeout_s}s:\n{server.log_tail()}")
 
