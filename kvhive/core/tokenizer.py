@@ -1,8 +1,8 @@
 """Text and chat messages to token ids and back, shared by the engine and the gateway (torch-free).
 
 The BPE runs in the `tokenizers` library, built from a HF `tokenizer.json` or from a GGUF file's
-vocabulary, merges and token types. For a GGUF the text is split the way llama.cpp splits it for the
-file's `tokenizer.ggml.pre` (that is how the model's merges were learned). Control tokens
+vocabulary (`kvhive.core.gguf_vocab`: byte-level BPE split as llama.cpp splits it for the file's
+`tokenizer.ggml.pre`, or SentencePiece merged by score as llama.cpp merges it). Control tokens
 (`<|im_start|>`, ...) are registered as special added tokens, so they encode to single ids wherever
 they appear in the text. Neither torch nor transformers is imported (a test checks it).
 """
@@ -14,29 +14,13 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders
 
 from kvhive.core.chat_template import END_OF_TURN_TOKENS, ChatTemplate
+from kvhive.core.gguf_vocab import SPACE_MARK, read_gguf_vocab
 from kvhive.core.model_files import read_gguf_metadata
 
-# GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
-
-# llama.cpp's pre-tokenizer names (`tokenizer.ggml.pre`), grouped by the split rule they share.
-_GPT2_PRE = ("default", "gpt2", "gpt-2", "mpt", "olmo", "jais")
-_DIGITS_THEN_GPT2_PRE = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva")
-_LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx")
-_QWEN2_PRE = ("qwen2", "deepseek-r1-qwen")
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 # GPT-2's byte-level alphabet, reversed: the character a byte-level BPE vocabulary writes -> the byte.
 # Printable Latin-1 bytes stand for themselves; the other 68 bytes take the code points from 256 on.
@@ -72,6 +56,8 @@ class Tokenizer:
             eos_ids += [self._id_of(t) for t in END_OF_TURN_TOKENS if self.chat_template.uses_token(t)]
         self._eos_token_ids = tuple(dict.fromkeys(i for i in eos_ids if i is not None))
         self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+        # A SentencePiece-style vocabulary: U+2581 for spaces, `<0xNN>` tokens for other bytes.
+        self._byte_fallback = bool(getattr(backend.model, "byte_fallback", False))
         self._token_bytes: dict[int, bytes] = {}       # filled as token_bytes is asked
 
     @classmethod
@@ -87,37 +73,11 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str) -> Tokenizer:
-        """The byte-level BPE tokenizer a GGUF file describes (`tokenizer.ggml.model == "gpt2"`)."""
+        """The tokenizer a GGUF file describes: byte-level BPE (`gpt2`) or SentencePiece (`llama`)."""
         meta = read_gguf_metadata(path)
-        kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(
-                f"{path}: tokenizer.ggml.model {kind!r} is not supported (only byte-level BPE, 'gpt2')"
-            )
-        if "tokenizer.ggml.tokens" not in meta or "tokenizer.ggml.merges" not in meta:
-            raise ValueError(f"{path}: the GGUF lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
-        tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        backend = _gguf_bpe(meta, tokens)
-
-        def token_of(key: str) -> str | None:
-            token_id = meta.get(f"tokenizer.ggml.{key}")
-            return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
-
-        special = {
-            "bos_token": token_of("bos_token_id"),
-            "eos_token": token_of("eos_token_id"),
-            "unk_token": token_of("unknown_token_id"),
-            "pad_token": token_of("padding_token_id"),
-        }
-        backend.post_processor = _bos_eos_processor(
-            special["bos_token"] if meta.get("tokenizer.ggml.add_bos_token", False) else None,
-            special["eos_token"] if meta.get("tokenizer.ggml.add_eos_token", False) else None,
-            backend,
-        )
-        extra_eos = [
-            meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta
-        ]
-        return cls(backend, path, special, meta.get("tokenizer.chat_template"), extra_eos)
+        vocab = read_gguf_vocab(meta, path)
+        return cls(vocab.backend, path, vocab.special_tokens, meta.get("tokenizer.chat_template"),
+                   vocab.extra_eos_token_ids)
 
     @classmethod
     def from_hf_dir(cls, directory: str) -> Tokenizer:
@@ -173,9 +133,10 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (b"" for an id outside the vocabulary).
 
-        With a byte-level BPE (every GGUF this loads) they are exact, and a token may hold part of
-        a UTF-8 character; a control token gives its text. Other tokenizers give the UTF-8 of the
-        token decoded alone (a byte-fallback piece then comes out as U+FFFD).
+        With a byte-level BPE or a SentencePiece vocabulary with byte fallback (every GGUF this
+        loads) they are exact: a token may hold part of a UTF-8 character, a SentencePiece piece
+        keeps its leading space, and a control token gives its text. Other tokenizers give the
+        UTF-8 of the token decoded alone.
         """
         data = self._token_bytes.get(token_id)
         if data is None:
@@ -186,6 +147,8 @@ class Tokenizer:
         piece = self._backend.id_to_token(token_id)
         if piece is None:
             return b""
+        if self._byte_fallback:
+            return _sentencepiece_bytes(piece)
         if not self._byte_level:
             return self._backend.decode([token_id], skip_special_tokens=False).encode()
         try:
@@ -257,56 +220,14 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens) if ids else ""
 
 
-def _gguf_pre_tokenizer(pre: str) -> tuple[pre_tokenizers.PreTokenizer, bool]:
-    """llama.cpp's text split for `tokenizer.ggml.pre`, as a pre-tokenizer, and whether BPE ignores merges."""
-    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _GPT2_PRE:
-        return gpt2, False
-    if pre in _DIGITS_THEN_GPT2_PRE:
-        # llama.cpp splits "\p{N}" first, then applies the GPT-2 rule; the models' own tokenizer.json
-        # says the same as Digits(individual_digits=True) followed by ByteLevel.
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2]), False
-    for names, split, ignore_merges in (
-        (_LLAMA3_PRE, _LLAMA3_SPLIT, True),
-        (_QWEN2_PRE, _QWEN2_SPLIT, False),
-    ):
-        if pre in names:
-            byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-            return pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(split), "isolated"), byte_level]
-            ), ignore_merges
-    known = sorted(_GPT2_PRE + _DIGITS_THEN_GPT2_PRE + _LLAMA3_PRE + _QWEN2_PRE)
-    raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; known: {', '.join(known)}")
-
-
-def _gguf_bpe(meta: dict, tokens: list[str]) -> BackendTokenizer:
-    """The BPE model, byte-level pre-tokenizer and decoder of GGUF tokenizer metadata; added
-    tokens keep the ids they have in the vocabulary, control ones are special (skipped by decode)."""
-    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    pre_tokenizer, ignore_merges = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    vocab = {token: i for i, token in enumerate(tokens)}
-    backend = BackendTokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
-    backend.pre_tokenizer = pre_tokenizer
-    backend.decoder = decoders.ByteLevel()
-    typed = list(zip(tokens, token_types, strict=True))
-    backend.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, k in typed if k == _TOKEN_TYPE_CONTROL])
-    backend.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, k in typed if k == _TOKEN_TYPE_USER_DEFINED])
-    return backend
-
-
-def _bos_eos_processor(
-    bos: str | None, eos: str | None, backend: BackendTokenizer
-) -> processors.PostProcessor | None:
-    """A post-processor adding `bos` before and `eos` after the text, or None when neither is asked for."""
-    if bos is None and eos is None:
-        return None
-    single = [*([bos] if bos else []), "$A", *([eos] if eos else [])]
-    pair = [*single, *([bos] if bos else []), "$B", *([eos] if eos else [])]
-    specials = [(t, backend.token_to_id(t)) for t in dict.fromkeys(x for x in (bos, eos) if x)]
-    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+def _sentencepiece_bytes(piece: str) -> bytes:
+    """The bytes of a SentencePiece piece: `<0xNN>` is that byte, U+2581 is a space."""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            pass
+    return piece.replace(SPACE_MARK, " ").encode()
 
 
 def _read_json(path: str) -> dict[str, Any]:

@@ -12,8 +12,9 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import pre_tokenizers
 
 from kvhive.core.chat_template import ChatTemplate, ChatTemplateError
+from kvhive.core.gguf_vocab import gguf_pre_tokenizer
 from kvhive.core.model_files import default_model_path, read_gguf_metadata
-from kvhive.core.tokenizer import GIL_FREE_CHARS, IncrementalDetokenizer, Tokenizer, _gguf_pre_tokenizer
+from kvhive.core.tokenizer import GIL_FREE_CHARS, IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
     "Hello, world!",
@@ -155,17 +156,17 @@ def test_numbers_split_one_character_each_like_llama_cpp(tok):
 
 def test_gguf_pre_tokenizer_rules():
     def split(pre: str, text: str) -> list[str]:
-        return [piece for piece, _ in _gguf_pre_tokenizer(pre)[0].pre_tokenize_str(text)]
+        return [piece for piece, _ in gguf_pre_tokenizer(pre)[0].pre_tokenize_str(text)]
 
     assert split("smollm", "a  12") == ["a", "ĠĠ", "1", "2"]
-    assert split("gpt2", "a  12") == ["a", "Ġ", "Ġ12"]
+    assert split("gpt-2", "a  12") == ["a", "Ġ", "Ġ12"]
     assert split("llama-bpe", "a 12345 I'M") == ["a", "Ġ", "123", "45", "ĠI", "'M"]
     assert split("qwen2", "a 123") == ["a", "Ġ", "1", "2", "3"]
     assert (
-        _gguf_pre_tokenizer("llama-bpe")[1] is True
+        gguf_pre_tokenizer("llama-bpe")[1].ignore_merges is True
     )  # llama.cpp ignores merges for Llama 3 words in the vocab
     with pytest.raises(ValueError, match="not supported"):
-        _gguf_pre_tokenizer("made-up")
+        gguf_pre_tokenizer("made-up")
 
 
 def test_control_tokens_encode_to_single_ids(tok):
