@@ -21,6 +21,7 @@ from kvhive.router.proxy import as_openai_error, openai_error
 from kvhive.router.replicas import Replica
 from kvhive.router.sessions import SESSION_HEADER
 from kvhive.router.tokenize import prompt_from_body
+from kvhive.router.tokenize_api import TokenizeAPI
 from kvhive.router.wiring import GatewayParts, build_gateway
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class GatewayRoutes:
         self.replicas = parts.replicas
         self.replica_set = parts.replica_set
         self.metrics = parts.metrics
+        self.tokenizing = TokenizeAPI(parts.prompts.tokenizer, self.list_models, parts.prompts.run)
 
     def install(self, app: FastAPI) -> None:
         """Add the routes, the handler of the gateway's own errors and the routed POSTs' fast path
@@ -56,6 +58,8 @@ class GatewayRoutes:
         app.add_api_route("/health", self.health, methods=["GET"], response_model=None)
         app.add_api_route("/metrics", self.prometheus_metrics, methods=["GET"])
         app.add_api_route("/v1/models", self.list_models, methods=["GET"], response_model=None)
+        for path in ("/tokenize", "/detokenize"):
+            app.add_api_route(path, self.tokenize, methods=["POST"], response_model=None)
         for path in _ROUTED_PATHS:
             app.router.add_route(path, self.routed, methods=["POST"], include_in_schema=False)
         # The hot path: these POSTs skip the router and the middleware below this one.
@@ -85,6 +89,13 @@ class GatewayRoutes:
     async def list_models(self, request: Request) -> Response:
         """The models of every healthy replica, each id once."""
         return _merge_lists(await self.gateway.fan_out(request, "/v1/models"), key="id")
+
+    async def tokenize(self, request: Request) -> Response:
+        """/tokenize and /detokenize, answered with the gateway's own tokenizer."""
+        body = await read_body(request, self.config.max_request_bytes)
+        if body is None:
+            return too_large(self.config.max_request_bytes)
+        return await self.tokenizing.answer(request, body)
 
     async def routed(self, request: Request) -> Response:
         """A request for the best replica: its session's holder, else by KV score and load."""

@@ -36,6 +36,7 @@ from kvhive.server.protocol import (
 from kvhive.server.request_body import parse_body
 from kvhive.server.responses import ResponsesAPI, install_response_routes, response_sweeper
 from kvhive.server.serving import GenerationService, unix_time
+from kvhive.server.tokenize import install_tokenize_routes
 from kvhive.sessions.durable import DurableState
 from kvhive.sessions.responses import ResponseStore
 from kvhive.sessions.service import SessionService, keeper_tier
@@ -53,8 +54,13 @@ ENGINE_FAILURE_GRACE_S = 2.0
 ENGINE_FAILURE_EXIT_S = 5.0
 
 
+# Routes outside /v1 that need the API key too.
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
 class APIKeyMiddleware:
-    """Answers 401 on ``/v1/*`` unless ``Authorization: Bearer <key>`` names one of the keys.
+    """Answers 401 on ``/v1/*``, ``/tokenize`` and ``/detokenize`` unless ``Authorization: Bearer
+    <key>`` names one of the keys.
 
     ``/health`` and ``/metrics`` stay open (probes and scrapers carry no key).
     """
@@ -64,9 +70,10 @@ class APIKeyMiddleware:
         self.api_keys = tuple(k.encode() for k in api_keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Check the key of HTTP requests under /v1, pass everything else through."""
+        """Check the key of HTTP requests under /v1 and to KEYED_PATHS, pass everything else through."""
         if (scope["type"] == "http" and scope["method"] != "OPTIONS"
-                and scope["path"].startswith("/v1") and not self._authorized(scope)):
+                and (scope["path"].startswith("/v1") or scope["path"] in KEYED_PATHS)
+                and not self._authorized(scope)):
             error = APIError(401, "Invalid or missing API key. Send 'Authorization: Bearer <key>'.",
                              code="invalid_api_key")
             await error.response()(scope, receive, send)
@@ -115,6 +122,7 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
     install_generation_routes(app, service)
     install_context_routes(app, service)
     install_response_routes(app, responses)
+    install_tokenize_routes(app, service)
     return app
 
 

@@ -13,11 +13,14 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from kvhive.core.tokenize_bodies import DetokenizeRequest, TokenizeCompletionRequest
 from kvhive.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvhive.server.responses_protocol import ResponsesRequest
+from kvhive.server.tokenize import ChatTokenizeRequest
 
 _REF = "#/components/schemas/{model}"
-_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, ResponsesRequest)
+_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, ResponsesRequest,
+                                        TokenizeCompletionRequest, ChatTokenizeRequest, DetokenizeRequest)
 # PATCH /v1/context/{session_id}: the TTL may also come in x-session-ttl, so the body is optional.
 _TTL_BODY = {"type": "object", "properties": {"ttl": {"type": "integer", "minimum": 1,
                                                       "description": "seconds from now"}}}
@@ -44,6 +47,9 @@ def _bodies(model_name: str) -> dict[tuple[str, str], tuple[dict[str, Any], dict
         ("/v1/responses", "post"): (ref[ResponsesRequest], {"model": model_name, "input": "Say hi",
                                                            "max_output_tokens": 8}, True),
         ("/v1/context/{session_id}", "patch"): (_TTL_BODY, {"ttl": 600}, False),
+        ("/tokenize", "post"): ({"anyOf": [ref[TokenizeCompletionRequest], ref[ChatTokenizeRequest]]},
+                                {"model": model_name, "prompt": "Once upon a time"}, True),
+        ("/detokenize", "post"): (ref[DetokenizeRequest], {"model": model_name, "tokens": [19556, 905]}, True),
     }
 
 

@@ -35,6 +35,7 @@ OPERATIONS = [
     ("PATCH", "/v1/context/{session_id}"), ("DELETE", "/v1/context/{session_id}"),
     ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
     ("GET", "/v1/responses/{response_id}/input_items"), ("DELETE", "/v1/responses/{response_id}"),
+    ("POST", "/tokenize"), ("POST", "/detokenize"),
 ]
 
 

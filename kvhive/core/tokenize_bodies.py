@@ -1,0 +1,186 @@
+"""``POST /tokenize`` and ``POST /detokenize`` in vLLM's shapes, and what they compute over a
+``Tokenizer`` (torch-free): the server and the gateway both answer with these, so they agree.
+
+A tokenize body is a completion prompt (``prompt``) or chat messages (``messages``), never both. Its
+ids are the ones generation uses: ``tokenizer.encode`` of the prompt, or of the chat template's
+text. ``add_special_tokens`` adds the BOS/EOS the model's tokenizer asks for (default: true for a
+prompt, false for messages, whose template writes its own); ``add_generation_prompt`` (default
+true) ends the text with the assistant's turn opening; ``continue_final_message`` leaves the last
+message open instead. vLLM fields kvhive cannot honour (a custom ``chat_template``, ``tools``,
+multimodal options) are refused by name, never ignored. Every problem is a ``BodyError`` naming
+its field; the caller answers it as a 400.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from kvhive.core.json_body import BodyError
+from kvhive.core.tokenizer import Tokenizer
+
+# Most variables ``chat_template_kwargs`` may hand the chat template.
+MAX_TEMPLATE_KWARGS = 32
+# Template variables the request sets through its own fields, never through ``chat_template_kwargs``.
+_RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "continue_final_message"})
+# vLLM fields of a chat tokenize body that kvhive refuses unless left unset (or empty).
+_REFUSED_CHAT_FIELDS = ("chat_template", "tools", "mm_processor_kwargs", "media_io_kwargs")
+
+
+class _Strict(BaseModel):
+    # As the other request bodies: "5" is no integer; fields of newer clients are ignored.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TokenizeContentPart(_Strict):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is rendered."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class TokenizeMessage(_Strict):
+    """One chat message, as ``/v1/chat/completions`` takes it."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TokenizeContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+
+class TokenizeCompletionRequest(_Strict):
+    """``POST /tokenize`` with a completion prompt."""
+
+    model: str | None = None                # None: the served model
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Strict):
+    """``POST /tokenize`` with chat messages, rendered by the model's chat template."""
+
+    model: str | None = None
+    messages: list[TokenizeMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None     # more variables for the template
+    chat_template: str | None = None                       # refused: the model's own template only
+    tools: list[dict[str, Any]] | None = None              # refused
+    mm_processor_kwargs: dict[str, Any] | None = None      # refused: text only
+    media_io_kwargs: dict[str, Any] | None = None          # refused: text only
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize``: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class TokenizeResponse(BaseModel):
+    """The answer of ``/tokenize``: the ids, their count, the model's context length, and each
+    token's text when ``return_token_strs`` asked for it."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    """The answer of ``/detokenize``: the text of the ids (special tokens written out)."""
+
+    prompt: str
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+
+
+def tokenize_model_for(data: Mapping[str, Any]) -> type[TokenizeCompletionRequest] | type[TokenizeChatRequest]:
+    """The body model a parsed ``/tokenize`` object is read as: chat with ``messages``, else a
+    prompt; BodyError when it names both."""
+    if "messages" in data and "prompt" in data:
+        raise BodyError("Give either 'prompt' or 'messages', not both", param="prompt")
+    return TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
+
+
+def check_tokenize_request(body: TokenizeRequest) -> None:
+    """BodyError for fields kvhive cannot honour or that contradict each other."""
+    if isinstance(body, TokenizeCompletionRequest):
+        return
+    for name in _REFUSED_CHAT_FIELDS:
+        if getattr(body, name):
+            raise BodyError(f"'{name}' is not supported; leave it unset", param=name)
+    if body.continue_final_message and body.add_generation_prompt:
+        raise BodyError("'continue_final_message' and 'add_generation_prompt' cannot both be true "
+                        "(set 'add_generation_prompt': false)", param="continue_final_message")
+    if not body.messages:
+        raise BodyError("'messages' must contain at least one message", param="messages")
+    kwargs = body.chat_template_kwargs or {}
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise BodyError(f"'chat_template_kwargs' holds {len(kwargs)} variables; at most "
+                        f"{MAX_TEMPLATE_KWARGS}", param="chat_template_kwargs")
+    reserved = sorted(_RESERVED_TEMPLATE_VARIABLES & kwargs.keys())
+    if reserved:
+        raise BodyError(f"'chat_template_kwargs' may not set '{reserved[0]}' (a field of its own)",
+                        param="chat_template_kwargs")
+
+
+def chat_text(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]], body: TokenizeChatRequest) -> str:
+    """The chat template's text for ``messages`` (as the template takes them); with
+    ``continue_final_message`` it ends where the last message's content does. Raises what the
+    template raises (ValueError, jinja2's TemplateError)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                         **(body.chat_template_kwargs or {}))
+    if not body.continue_final_message:
+        return text
+    final = messages[-1]["content"]
+    for candidate in (final, final.strip()):
+        end = text.rfind(candidate)
+        if end >= 0:
+            return text[:end + len(candidate)]
+    raise BodyError("'continue_final_message': the last message's content does not appear in the chat "
+                    "template's text", param="continue_final_message")
+
+
+def chat_token_ids(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]], body: TokenizeChatRequest
+                   ) -> list[int]:
+    """The ids of ``chat_text`` (BOS/EOS added only with ``add_special_tokens``: the template writes
+    its own); with the defaults these are ``tokenizer.encode_chat(messages)``."""
+    return tokenizer.encode(chat_text(tokenizer, messages, body), add_special_tokens=body.add_special_tokens)
+
+
+def prompt_token_ids(tokenizer: Tokenizer, body: TokenizeCompletionRequest) -> list[int]:
+    """The ids of the prompt, with the model's BOS/EOS when ``add_special_tokens`` (the default)."""
+    return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+
+
+def tokenize_response(tokenizer: Tokenizer, ids: list[int], max_model_len: int, body: TokenizeRequest
+                      ) -> TokenizeResponse:
+    """The answer for ``ids``; ``token_strs`` (each token's text alone, special tokens written out)
+    when the body asks for them."""
+    strs = [tokenizer.decode([i], skip_special_tokens=False) for i in ids] if body.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
+
+
+def check_detokenize_request(body: DetokenizeRequest, vocab_size: int, max_tokens: int) -> None:
+    """BodyError for more than ``max_tokens`` ids or an id outside [0, ``vocab_size``)."""
+    if len(body.tokens) > max_tokens:
+        raise BodyError(f"'tokens' holds {len(body.tokens)} ids; at most {max_tokens} (the model's "
+                        f"context length)", param="tokens")
+    for i, token_id in enumerate(body.tokens):
+        if not 0 <= token_id < vocab_size:
+            raise BodyError(f"Token id {token_id} in 'tokens' is outside the vocabulary [0, {vocab_size})",
+                            param=f"tokens[{i}]")
+
+
+def detokenize_response(tokenizer: Tokenizer, body: DetokenizeRequest) -> DetokenizeResponse:
+    """The text of the ids, special tokens written out (``<|im_start|>``), as vLLM answers it."""
+    return DetokenizeResponse(prompt=tokenizer.decode(body.tokens, skip_special_tokens=False))

@@ -1,0 +1,146 @@
+"""The gateway's ``POST /tokenize`` and ``POST /detokenize``: answered with its own tokenizer, the one
+it routes by (``kvhive.core.tokenize_bodies``, the replicas' shapes and checks).
+
+What only a replica knows comes from one: the gateway asks the healthy replicas' ``/v1/models``
+with the caller's ``Authorization`` header, so a replica's API key guards these routes as it
+guards its own, an unknown ``model`` is a 404, and ``max_model_len`` is the replica's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from jinja2 import TemplateError
+from pydantic import BaseModel, ValidationError
+
+from kvhive.core.json_body import BodyError, load_json
+from kvhive.core.tokenize_bodies import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    chat_token_ids,
+    check_detokenize_request,
+    check_tokenize_request,
+    detokenize_response,
+    prompt_token_ids,
+    tokenize_model_for,
+    tokenize_response,
+)
+from kvhive.core.tokenizer import Tokenizer
+from kvhive.router.proxy import openai_error
+from kvhive.router.tokenize import chat_messages
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+# Texts (characters) and id lists this long or longer are worked on the tokenizer pool.
+OFF_LOOP_SIZE = 4096
+
+
+class ModelUnknown(Exception):
+    """The body names a model no replica serves."""
+
+
+def parse_body(raw: bytes, choose: Callable[[dict[str, Any]], type[BodyT]]) -> BodyT:
+    """``raw`` as the model ``choose`` picks from the parsed JSON object; BodyError naming the
+    first bad field."""
+    if not raw.strip():
+        raise BodyError("Request body is required (a JSON object)")
+    data = load_json(raw)
+    if not isinstance(data, dict):
+        raise BodyError(f"Request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return choose(data).model_validate(data)
+    except ValidationError as exc:
+        raise invalid_field(exc) from None
+
+
+def invalid_field(exc: ValidationError) -> BodyError:
+    """The first problem pydantic found, naming its field as OpenAI's ``param`` (``tokens[3]``)."""
+    first = exc.errors()[0]
+    param = ""
+    for part in first["loc"]:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part.isidentifier() and part not in ("str", "int", "list", "dict", "bool"):
+            param += f".{part}" if param else part
+    if first["type"] == "missing":
+        return BodyError(f"Missing required parameter '{param}'", param=param or None)
+    return BodyError(f"Invalid value for '{param}': {first['msg']}", param=param or None)
+
+
+class TokenizeAPI:
+    """``/tokenize`` and ``/detokenize`` over the gateway's tokenizer; ``list_models`` is the
+    gateway's ``/v1/models`` (the healthy replicas' cards, merged), ``run`` its tokenizer pool."""
+
+    def __init__(self, tokenizer: Tokenizer, list_models: Callable[[Request], Awaitable[Response]],
+                 run: Callable[..., Awaitable[Any]]) -> None:
+        self.tokenizer = tokenizer
+        self.list_models = list_models
+        self.run = run
+
+    async def answer(self, request: Request, raw: bytes) -> Response:
+        """The answer to a ``/tokenize`` or ``/detokenize`` request whose body is ``raw``."""
+        models = await self.list_models(request)
+        if models.status_code != 200:
+            return models               # no replica, or the caller's key refused: as the replicas say
+        cards = json.loads(bytes(models.body)).get("data") or []
+        try:
+            if request.url.path == "/detokenize":
+                return await self.detokenize(raw, cards)
+            return await self.tokenize(raw, cards)
+        except BodyError as exc:
+            return openai_error(400, exc.message, param=exc.param)
+        except ModelUnknown as exc:
+            return openai_error(404, str(exc), code="model_not_found", param="model")
+
+    async def tokenize(self, raw: bytes, cards: Sequence[dict[str, Any]]) -> Response:
+        """The ids of a prompt or of chat messages, as the replicas compute them."""
+        body: TokenizeRequest = parse_body(raw, tokenize_model_for)
+        card = model_card(cards, body.model)
+        check_tokenize_request(body)
+        if isinstance(body, TokenizeChatRequest):
+            ids = await self.chat_ids(body)
+        else:
+            ids = await self.off_loop_if(len(body.prompt), prompt_token_ids, self.tokenizer, body)
+        answer = await self.off_loop_if(len(ids) if body.return_token_strs else 0, tokenize_response,
+                                        self.tokenizer, ids, card["max_model_len"], body)
+        return JSONResponse(answer.model_dump(mode="json"))
+
+    async def chat_ids(self, body: TokenizeChatRequest) -> list[int]:
+        """The ids of the body's messages through the chat template."""
+        messages = chat_messages([m.model_dump() for m in body.messages])
+        if messages is None:
+            raise BodyError("Only text content parts are supported", param="messages")
+        size = sum(len(m["content"]) for m in messages)
+        try:
+            return await self.off_loop_if(size, chat_token_ids, self.tokenizer, list(messages), body)
+        except BodyError:
+            raise
+        except (TemplateError, ValueError) as exc:
+            raise BodyError(f"Could not apply the chat template: {exc}", param="messages") from exc
+
+    async def detokenize(self, raw: bytes, cards: Sequence[dict[str, Any]]) -> Response:
+        """The text of token ids (special tokens written out)."""
+        body = parse_body(raw, lambda _data: DetokenizeRequest)
+        card = model_card(cards, body.model)
+        check_detokenize_request(body, self.tokenizer.vocab_size, card["max_model_len"])
+        answer = await self.off_loop_if(len(body.tokens), detokenize_response, self.tokenizer, body)
+        return JSONResponse(answer.model_dump(mode="json"))
+
+    async def off_loop_if(self, size: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, on the tokenizer pool when ``size`` reaches OFF_LOOP_SIZE."""
+        return await self.run(fn, *args) if size >= OFF_LOOP_SIZE else fn(*args)
+
+
+def model_card(cards: Sequence[dict[str, Any]], model: str | None) -> dict[str, Any]:
+    """The replicas' card of ``model`` (None: the first), with an integer ``max_model_len``;
+    ModelUnknown when no replica serves it."""
+    known = [c for c in cards if isinstance(c, dict) and isinstance(c.get("max_model_len"), int)]
+    found = [c for c in known if model is None or c.get("id") == model]
+    if not found:
+        served = ", ".join(f"`{c.get('id')}`" for c in known) or "none"
+        raise ModelUnknown(f"The model `{model}` does not exist. Served model: {served}.")
+    return found[0]
