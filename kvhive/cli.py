@@ -15,6 +15,7 @@ import socket
 import sys
 
 from kvhive.config import CPU_ISAS, CacheConfig, EngineConfig, SchedulerConfig, SessionConfig, StoreConfig
+from kvhive.core.registry import RegistrationConfig, default_advertise_url
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -93,6 +94,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     _add_session_args(p)
     _add_kv_event_args(p)
     _add_server_args(p)
+    _add_registration_args(p)
     _add_performance_args(p)
     _add_logging_args(p)
 
@@ -190,6 +192,29 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-bytes", type=byte_count, default=None, metavar="N",
                    help="largest request body in bytes; a larger one is refused with 413 before it is "
                         "read (default: max(1 MiB, 64 x --max-model-len): a whole context of text fits)")
+
+
+def _add_registration_args(p: argparse.ArgumentParser) -> None:
+    """Add the options of registering in the replica registry that gateways discover replicas from."""
+    g = p.add_argument_group("registration (gateways started with --discover find this replica)")
+    g.add_argument("--register", default=None, metavar="URL",
+                   help="register this replica in the Redis at URL (redis://HOST:PORT[/DB]) with a heartbeat, "
+                        "so 'kvhive gateway --discover URL' routes to it; deregistered on a clean shutdown "
+                        "(default: off)")
+    g.add_argument("--advertise-url", default=None, metavar="URL",
+                   help="the URL gateways reach this replica at (default: http://HOST:PORT from --host and "
+                        "--port; this machine's host name when --host is 0.0.0.0)")
+    g.add_argument("--register-ttl", type=float, default=10.0, metavar="S",
+                   help="seconds the registration lives without a heartbeat (one every S/3); a gateway "
+                        "removes a replica whose heartbeat stopped within S plus its --discover-interval")
+
+
+def build_registration(args: argparse.Namespace) -> RegistrationConfig | None:
+    """The validated ``--register`` settings, or None without --register."""
+    if args.register is None:
+        return None
+    advertise = args.advertise_url or default_advertise_url(args.host, args.port)
+    return RegistrationConfig(args.register, advertise, args.register_ttl)
 
 
 def _add_performance_args(p: argparse.ArgumentParser) -> None:
@@ -305,6 +330,7 @@ def serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = build_engine_config(args)
+        registration = build_registration(args)
     except ValueError as exc:
         print(f"kvhive serve: {exc}", file=sys.stderr)
         return 2
@@ -314,7 +340,7 @@ def serve(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"kvhive serve: {problem}", file=sys.stderr)
         return 2
-    return run_engine(args, config)
+    return run_engine(args, config, registration)
 
 
 def prepare_runtime(args: argparse.Namespace, config: EngineConfig) -> str | None:
@@ -337,13 +363,16 @@ def prepare_runtime(args: argparse.Namespace, config: EngineConfig) -> str | Non
     return None
 
 
-def run_engine(args: argparse.Namespace, config: EngineConfig) -> int:
+def run_engine(args: argparse.Namespace, config: EngineConfig,
+               registration: RegistrationConfig | None = None) -> int:
     """Build the engine and serve HTTP over it until interrupted: 0 after a clean shutdown, 1 when
     the server never started or the engine loop died, 2 for a model or config the engine cannot run.
-    The API keys are --api-key, else $KVHIVE_API_KEY."""
+    The API keys are --api-key, else $KVHIVE_API_KEY. With ``registration``, the replica keeps its
+    record in the registry while it serves and deregisters when it stops."""
     from kvhive.engine.async_engine import AsyncEngine
     from kvhive.engine.core import LLMEngine
     from kvhive.server.app import run_server
+    from kvhive.server.registration import start_heartbeat
 
     api_keys = args.api_key or ([os.environ["KVHIVE_API_KEY"]] if os.environ.get("KVHIVE_API_KEY")
                                 else [])
@@ -352,9 +381,14 @@ def run_engine(args: argparse.Namespace, config: EngineConfig) -> int:
     except (ValueError, OSError) as exc:              # a model or config the engine cannot run
         print(f"kvhive serve: {exc}", file=sys.stderr)
         return 2
-    served = run_server(AsyncEngine(engine), host=args.host, port=args.port,
-                        served_model_name=config.served_model_name, api_keys=tuple(api_keys),
-                        log_level=args.log_level, max_request_bytes=args.max_request_bytes)
+    heartbeat = start_heartbeat(registration, config, engine.fingerprint) if registration else None
+    try:
+        served = run_server(AsyncEngine(engine), host=args.host, port=args.port,
+                            served_model_name=config.served_model_name, api_keys=tuple(api_keys),
+                            log_level=args.log_level, max_request_bytes=args.max_request_bytes)
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop(deregister=True)
     return 0 if served else 1
 
 

@@ -33,7 +33,11 @@ examples:
   # once both answer /health (the gateway reads their block-hash settings at start):
   kvhive gateway --port 8080 \\
     --replica 'http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558' \\
-    --replica 'http://127.0.0.1:8002,events=tcp://127.0.0.1:5567,replay=tcp://127.0.0.1:5568'"""
+    --replica 'http://127.0.0.1:8002,events=tcp://127.0.0.1:5567,replay=tcp://127.0.0.1:5568'
+  # replicas that register themselves, behind two gateways that share sessions and the index:
+  kvhive serve --port 8001 --kv-events 'tcp://*:5557' --register redis://127.0.0.1:6379/0 &
+  kvhive gateway --port 8080 --discover redis://127.0.0.1:6379/0 --redis-url redis://127.0.0.1:6379/0 &
+  kvhive gateway --port 8081 --discover redis://127.0.0.1:6379/0 --redis-url redis://127.0.0.1:6379/0"""
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
@@ -52,7 +56,7 @@ def _add_replica_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replica", action="append", default=[], metavar="URL[,events=..][,replay=..][,kind=..]",
                    help="a replica: base URL, optionally its KV-event PUB endpoint (events=tcp://host:5557), "
                         "replay endpoint (replay=tcp://host:5558) and engine (kind=kvhive|vllm); repeat "
-                        "for each replica (default: none; at least one is needed)")
+                        "for each replica (default: none; at least one is needed, or --discover)")
     g.add_argument("--replica-api-key", default=None, metavar="KEY",
                    help="key the gateway sends to replicas started with --api-key when it reads their "
                         "block-hash settings from /v1/models at start (default: $KVHIVE_API_KEY, else none)")
@@ -86,12 +90,24 @@ def _add_block_key_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_index_args(p: argparse.ArgumentParser) -> None:
-    """Add the "block index" group to ``p``: Redis, or the bound of the in-memory index."""
-    g = p.add_argument_group("block index")
+    """Add the "shared state" group to ``p``: the Redis several gateways share (block index and
+    session affinity), the bound of the in-memory index, and replica discovery."""
+    g = p.add_argument_group("block index, session affinity and discovery (shared by gateways)")
     g.add_argument("--redis-url", default=None, metavar="URL",
-                   help="keep the block index in Redis, shared by gateways (default: in memory)")
+                   help="keep the block index and which replica holds each session or stored response "
+                        "in Redis, shared by every gateway given the same URL; while it is unreachable "
+                        "each gateway routes by its own session map and by load (default: in memory)")
+    g.add_argument("--session-affinity-ttl", type=int, default=86400, metavar="S",
+                   help="seconds a shared session-affinity entry lives after its last use; give at least "
+                        "the replicas' --max-session-ttl")
     g.add_argument("--index-max-keys", type=int, default=1_000_000, metavar="N",
                    help="bound of the in-memory index (LRU beyond it)")
+    g.add_argument("--discover", default=None, metavar="URL",
+                   help="also route to the replicas registered in this Redis (kvhive serve --register URL), "
+                        "beside any --replica; one whose heartbeat stops is removed within its "
+                        "--register-ttl plus --discover-interval (default: off)")
+    g.add_argument("--discover-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between two reads of the replica registry")
 
 
 def _add_routing_args(p: argparse.ArgumentParser) -> None:
@@ -151,7 +167,9 @@ def build_gateway_config(args: argparse.Namespace) -> GatewayConfig:
     """Parsed ``gateway`` flags as a validated GatewayConfig (the fingerprint may still be None)."""
     return GatewayConfig(
         replicas=tuple(ReplicaSpec.parse(r) for r in args.replica), host=args.host, port=args.port,
-        redis_url=args.redis_url, index_max_keys=args.index_max_keys, model_path=args.model,
+        redis_url=args.redis_url, affinity_ttl_s=args.session_affinity_ttl,
+        discover_url=args.discover, discover_interval_s=args.discover_interval,
+        index_max_keys=args.index_max_keys, model_path=args.model,
         block_size=16 if args.block_size is None else args.block_size,
         hash_seed=0 if args.hash_seed is None else args.hash_seed,
         model_fingerprint=args.model_fingerprint or "", scorer=args.scorer, policy=args.policy,
@@ -248,7 +266,7 @@ def run_gateway(args: argparse.Namespace) -> int:
 def with_replica_hashing(config: GatewayConfig, args: argparse.Namespace) -> GatewayConfig:
     """``config`` with the fingerprint, block size and hash seed that no flag gave read from a kvhive
     replica (``fetch_hashing``); a fingerprint no replica reports is empty, with a warning."""
-    learned = fetch_hashing(config.replicas,
+    learned = fetch_hashing(config.replicas + discovered_replicas(config),
                             api_key=args.replica_api_key or os.environ.get("KVHIVE_API_KEY"))
     if args.model_fingerprint is None:
         if learned.fingerprint is None:
@@ -263,6 +281,21 @@ def with_replica_hashing(config: GatewayConfig, args: argparse.Namespace) -> Gat
     logger.info("block keys: fingerprint %r, block size %d, hash seed %d",
                 config.model_fingerprint, config.block_size, config.hash_seed)
     return config
+
+
+def discovered_replicas(config: GatewayConfig) -> tuple[ReplicaSpec, ...]:
+    """With --discover, the replicas registered now (waiting a while for a first one when no
+    --replica is given), to read block-hash settings from; else ()."""
+    if config.discover_url is None:
+        return ()
+    from kvhive.router.discovery import registered_specs
+    from kvhive.router.redis_link import RedisLink
+
+    link = RedisLink(config.discover_url, timeout_s=1.0, fallback="no replica registered yet")
+    try:
+        return registered_specs(link, wait_s=0.0 if config.replicas else 10.0)
+    finally:
+        link.close()
 
 
 def main(argv: list[str] | None = None) -> int:

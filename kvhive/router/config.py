@@ -56,7 +56,14 @@ class GatewayConfig:
     replicas: tuple[ReplicaSpec, ...]
     host: str = "127.0.0.1"
     port: int = 8080
+    # Redis shared by several gateways: the block index and session affinity (None: in memory).
     redis_url: str | None = None
+    # Seconds a shared session-affinity entry lives after its last use: at least the replicas'
+    # --max-session-ttl, so no entry expires before the session it points to.
+    affinity_ttl_s: int = 86400
+    # Redis where replicas register themselves (kvhive serve --register), polled every interval.
+    discover_url: str | None = None
+    discover_interval_s: float = 1.0
     index_max_keys: int = 1_000_000
     model_path: str | None = None
     block_size: int = 16
@@ -79,8 +86,15 @@ class GatewayConfig:
     max_request_bytes: int = 32 * 2**20
 
     def __post_init__(self) -> None:
-        if not self.replicas:
-            raise ValueError("--replica: give at least one replica")
+        if not self.replicas and self.discover_url is None:
+            raise ValueError("--replica: give at least one replica (or --discover)")
+        for flag, url in (("--redis-url", self.redis_url), ("--discover", self.discover_url)):
+            if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+                raise ValueError(f"{flag} must be a redis:// URL, got {url!r}")
+        if self.affinity_ttl_s < 1:
+            raise ValueError(f"--session-affinity-ttl must be >= 1, got {self.affinity_ttl_s}")
+        if self.discover_interval_s <= 0:
+            raise ValueError(f"--discover-interval must be > 0, got {self.discover_interval_s}")
         names = [r.name for r in self.replicas]
         if len(set(names)) != len(names):
             raise ValueError("--replica: the same URL is given twice")

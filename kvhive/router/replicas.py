@@ -73,7 +73,8 @@ class Replica:
 
 class ReplicaSet:
     """Polls each replica's /health and /metrics; drops a replica after ``failures_to_drop`` failed
-    checks (clearing its index entries) and restores it on its first good check."""
+    checks (clearing its index entries) and restores it on its first good check. Replicas may be
+    added and removed while it runs (discovery); ``replicas`` is changed in place, never rebound."""
 
     def __init__(self, replicas: Sequence[Replica], index: KVBlockIndex, client: httpx.AsyncClient,
                  interval_s: float = 1.0, failures_to_drop: int = 2, timeout_s: float = 2.0) -> None:
@@ -100,14 +101,44 @@ class ReplicaSet:
         running: dict[str, asyncio.Task[None]] = {}
         try:
             while True:
-                for replica in self.replicas:
+                replicas = list(self.replicas)          # discovery may change the list meanwhile
+                if not replicas:
+                    await asyncio.sleep(self.interval_s)
+                for replica in replicas:
                     previous = running.get(replica.name)
                     if previous is None or previous.done():
                         running[replica.name] = asyncio.create_task(self.check(replica))
-                    await asyncio.sleep(self.interval_s / len(self.replicas))
+                    await asyncio.sleep(self.interval_s / len(replicas))
+                for name in [n for n in running if n not in self._by_name]:
+                    running.pop(name).cancel()
         finally:
             for task in running.values():
                 task.cancel()
+
+    def add(self, replica: Replica) -> bool:
+        """Start checking ``replica`` (not routed to until a check passes); False when one of
+        that name is already here."""
+        if replica.name in self._by_name:
+            return False
+        self.replicas.append(replica)
+        self._by_name[replica.name] = replica
+        return True
+
+    async def remove(self, name: str, why: str) -> Replica | None:
+        """Stop checking and routing to the replica named ``name``, forget its blocks and stop its
+        event stream; the removed replica, or None when there is none of that name."""
+        replica = self._by_name.pop(name, None)
+        if replica is None:
+            return None
+        self.replicas.remove(replica)
+        logger.warning("replica %s is removed (%s)", name, why)
+        replica.healthy = False
+        if replica.ingest is not None:
+            await asyncio.to_thread(replica.ingest.close)
+            await asyncio.to_thread(replica.ingest.reset)
+        else:
+            await asyncio.to_thread(self._index.clear_replica, name)
+        return replica
 
     async def check_all(self) -> None:
         """Check every replica once, concurrently."""

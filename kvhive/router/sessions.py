@@ -9,7 +9,11 @@ holds only: an id another key holds routes exactly as an id nobody holds.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 from collections import OrderedDict
+
+from kvhive.router.redis_link import RedisLink, SharedStateUnavailable
 
 SESSION_HEADER = "x-session-id"
 # A replica names a response it stored in this header (kvhive.server.responses).
@@ -49,3 +53,58 @@ class SessionAffinity:
     def forget(self, owner: str, session_id: str) -> None:
         """Drop ``owner``'s ``session_id`` (it was deleted)."""
         self._replica_of.pop((owner, session_id), None)
+
+
+class SharedAffinity:
+    """``SessionAffinity`` shared by every gateway on one Redis (``--redis-url``), over a local map.
+
+    Each holder a gateway learns is written to Redis (``kvhive:affinity:<digest of owner and id>``
+    -> replica URL, expiring ``ttl_s`` after its last use, which should be no shorter than the
+    replicas' longest session TTL) and to the local map; a lookup reads Redis first, so a session
+    created through one gateway and continued through another lands on its holder. While Redis
+    cannot be reached (``RedisLink``'s back-off) the local map answers alone. The calls are one
+    short Redis round trip each, made on the event loop (the link's timeout bounds them).
+    """
+
+    def __init__(self, link: RedisLink, ttl_s: int, local: SessionAffinity | None = None,
+                 prefix: str = "kvhive:affinity:") -> None:
+        self.link = link
+        self.ttl_s = ttl_s
+        self.local = local if local is not None else SessionAffinity()
+        self.prefix = prefix
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+    def _key(self, owner: str, session_id: str) -> str:
+        # A digest: ids are client strings of any length; the owner is already a digest.
+        digest = hashlib.sha256(f"{owner}\n{session_id}".encode(errors="surrogatepass")).hexdigest()
+        return self.prefix + digest[:40]
+
+    def get(self, owner: str, session_id: str) -> str | None:
+        """The replica holding ``owner``'s ``session_id``: as Redis says (refreshing its expiry),
+        else as this gateway last learned it."""
+        key = self._key(owner, session_id)
+        try:
+            found = self.link.call(lambda: self.link.client.getex(key, ex=self.ttl_s))
+        except SharedStateUnavailable:
+            found = None
+        if found is None:
+            return self.local.get(owner, session_id)
+        replica = found.decode(errors="replace")
+        self.local.remember(owner, session_id, replica)
+        return replica
+
+    def remember(self, owner: str, session_id: str, replica: str) -> None:
+        """Record that ``replica`` holds ``owner``'s ``session_id``, here and in Redis."""
+        self.local.remember(owner, session_id, replica)
+        key = self._key(owner, session_id)
+        with contextlib.suppress(SharedStateUnavailable):
+            self.link.call(lambda: self.link.client.set(key, replica, ex=self.ttl_s))
+
+    def forget(self, owner: str, session_id: str) -> None:
+        """Drop ``owner``'s ``session_id`` (it was deleted), here and in Redis."""
+        self.local.forget(owner, session_id)
+        key = self._key(owner, session_id)
+        with contextlib.suppress(SharedStateUnavailable):
+            self.link.call(lambda: self.link.client.delete(key))

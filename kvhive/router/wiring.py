@@ -1,6 +1,7 @@
-"""The gateway's parts wired from its config: the block index, the replicas and their event
-ingesters, the HTTP clients, the tokenizer pool and the ``Gateway``; the app's lifespan starts and
-closes them, and their state is read into the metrics at scrape time."""
+"""The gateway's parts wired from its config: the block index and session affinity (in memory, or
+in the Redis several gateways share), the replicas and their event ingesters, replica discovery,
+the HTTP clients, the tokenizer pool and the ``Gateway``; the app's lifespan starts and closes
+them, and their state is read into the metrics at scrape time."""
 
 from __future__ import annotations
 
@@ -14,24 +15,33 @@ from fastapi import FastAPI
 
 from kvhive.core.blocks import root_hash
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.router.config import GatewayConfig
+from kvhive.router.config import GatewayConfig, ReplicaSpec
+from kvhive.router.discovery import RegistryReader, ReplicaDiscovery
 from kvhive.router.gateway import Gateway
 from kvhive.router.index import InMemoryIndex, KVBlockIndex, RedisIndex
 from kvhive.router.indexer import KVCacheIndexer
 from kvhive.router.ingest import BlockKeyMapper, ReplicaIngest
 from kvhive.router.metrics import GatewayMetrics, InstrumentedIndex, Sample
+from kvhive.router.redis_link import GuardedIndex, RedisLink
 from kvhive.router.replicas import Replica, ReplicaSet
 from kvhive.router.scorer import SCORERS
-from kvhive.router.sessions import SessionAffinity
+from kvhive.router.sessions import SessionAffinity, SharedAffinity
 from kvhive.router.tokenize import PromptTokenizer
 from kvhive.router.upstream import UpstreamClient
 
 
-def build_index(config: GatewayConfig) -> KVBlockIndex:
-    """Redis when ``redis_url`` is set (shared by gateways), else a bounded in-memory LRU."""
+def build_index(config: GatewayConfig, link: RedisLink | None = None) -> KVBlockIndex:
+    """Redis behind ``link`` when ``redis_url`` is set (shared by gateways; a lookup finds nothing
+    while Redis is unreachable), else a bounded in-memory LRU."""
     if config.redis_url:
-        return RedisIndex(config.redis_url)
+        return GuardedIndex(link) if link is not None else RedisIndex(config.redis_url)
     return InMemoryIndex(config.index_max_keys)
+
+
+def build_affinity(config: GatewayConfig, link: RedisLink | None) -> SessionAffinity | SharedAffinity:
+    """Session affinity shared through ``link``'s Redis when there is one, else this gateway's own."""
+    local = SessionAffinity(config.max_sessions)
+    return SharedAffinity(link, config.affinity_ttl_s, local) if link is not None else local
 
 
 @dataclass(frozen=True)
@@ -47,28 +57,38 @@ class GatewayParts:
     prompts: PromptTokenizer
     client: httpx.AsyncClient
     upstream: UpstreamClient
+    discovery: ReplicaDiscovery | None = None
+    links: tuple[RedisLink, ...] = ()       # the Redis connections to close
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
-        """Start the event ingesters, check every replica once, then keep checking them; on exit
-        stop the checks and close the clients, the ingesters and the tokenizer pool."""
+        """Start the event ingesters, read the registry (with discovery), check every replica once,
+        then keep checking them and polling the registry; on exit stop both and close the clients,
+        the ingesters, the Redis connections and the tokenizer pool."""
         for replica in self.replicas:
             if replica.ingest is not None:
                 replica.ingest.start()
+        if self.discovery is not None:
+            await self.discovery.poll()
         await self.replica_set.check_all()
-        health = asyncio.create_task(self.replica_set.run())
+        tasks = [asyncio.create_task(self.replica_set.run())]
+        if self.discovery is not None:
+            tasks.append(asyncio.create_task(self.discovery.run()))
         try:
             yield
         finally:
-            health.cancel()
+            for task in tasks:
+                task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await health
+                await asyncio.gather(*tasks)
             await self.client.aclose()
             self.upstream.close()
             for replica in self.replicas:
                 if replica.ingest is not None:
                     await asyncio.to_thread(replica.ingest.close)
             self.prompts.close()
+            for link in self.links:
+                link.close()
 
 
 def build_gateway(config: GatewayConfig, tokenizer: Tokenizer,
@@ -76,35 +96,56 @@ def build_gateway(config: GatewayConfig, tokenizer: Tokenizer,
     """Wire the gateway's parts over ``index`` (else the one ``build_index`` builds), instrumented;
     their state is read into the metrics at scrape time."""
     metrics = GatewayMetrics()
-    raw_index = index if index is not None else build_index(config)
+    link = RedisLink(config.redis_url) if config.redis_url else None
+    raw_index = index if index is not None else build_index(config, link)
     instrumented = InstrumentedIndex(raw_index, metrics)
     root = root_hash(config.hash_seed, config.model_fingerprint)
-    replicas = build_replicas(config, instrumented, root)
     client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=5.0),
                                limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200))
-    replica_set = ReplicaSet(replicas, instrumented, client, config.health_interval_s,
-                             config.failures_to_drop)
+    replica_set = ReplicaSet(build_replicas(config, instrumented, root), instrumented, client,
+                             config.health_interval_s, config.failures_to_drop)
+    discovery, discover_link = build_discovery(config, replica_set, instrumented, root)
     prompts = PromptTokenizer(tokenizer, config.prefix_chunk_chars, config.prefix_max_chunks,
                               config.tokenize_workers)
     indexer = KVCacheIndexer(prompts, instrumented, SCORERS[config.scorer](), config.tiers,
                              config.block_size, root)
     upstream = UpstreamClient(connect_timeout_s=5.0, read_timeout_s=config.request_timeout_s)
-    gateway = Gateway(replica_set, indexer, SessionAffinity(config.max_sessions), config.weights,
+    gateway = Gateway(replica_set, indexer, build_affinity(config, link), config.weights,
                       metrics, client, config.policy, upstream=upstream)
     metrics.watch(lambda: _state_samples(gateway, raw_index, prompts))
-    return GatewayParts(gateway, replicas, replica_set, metrics, raw_index, prompts, client, upstream)
+    if link is not None:
+        metrics.watch(lambda: _shared_state_samples(link, raw_index))
+    links = tuple(x for x in (link, discover_link) if x is not None)
+    # replica_set.replicas is the one list discovery changes: the routes and the lifespan read it.
+    return GatewayParts(gateway, replica_set.replicas, replica_set, metrics, raw_index, prompts, client,
+                        upstream, discovery, links)
 
 
 def build_replicas(config: GatewayConfig, index: KVBlockIndex, root: bytes) -> list[Replica]:
-    """One Replica per ``config.replicas``, with an ingester that feeds ``index`` from its KV events
-    where it names an event endpoint (block keys chained from ``root``)."""
-    replicas = []
-    for spec in config.replicas:
-        mapper = BlockKeyMapper(spec.kind != "kvhive", config.block_size, root)
-        ingest = ReplicaIngest(spec.name, index, mapper, spec.events, spec.replay) \
-            if spec.events else None
-        replicas.append(Replica(spec, ingest))
-    return replicas
+    """One Replica per ``config.replicas`` (see ``make_replica``)."""
+    return [make_replica(spec, config, index, root) for spec in config.replicas]
+
+
+def make_replica(spec: ReplicaSpec, config: GatewayConfig, index: KVBlockIndex, root: bytes) -> Replica:
+    """A Replica for ``spec``, with an ingester that feeds ``index`` from its KV events where it
+    names an event endpoint (block keys chained from ``root``)."""
+    mapper = BlockKeyMapper(spec.kind != "kvhive", config.block_size, root)
+    ingest = ReplicaIngest(spec.name, index, mapper, spec.events, spec.replay) if spec.events else None
+    return Replica(spec, ingest)
+
+
+def build_discovery(config: GatewayConfig, replica_set: ReplicaSet, index: KVBlockIndex,
+                    root: bytes) -> tuple[ReplicaDiscovery | None, RedisLink | None]:
+    """Discovery of the replicas registered at ``discover_url`` (and its Redis link), or Nones."""
+    if config.discover_url is None:
+        return None, None
+    link = RedisLink(config.discover_url, timeout_s=1.0,
+                     fallback="keeping the replicas discovered so far")
+    discovery = ReplicaDiscovery(RegistryReader(link), replica_set,
+                                 lambda spec: make_replica(spec, config, index, root),
+                                 config.discover_interval_s, config.model_fingerprint,
+                                 static=[r.name for r in config.replicas])
+    return discovery, link
 
 
 def _state_samples(gateway: Gateway, index: KVBlockIndex, prompts: PromptTokenizer) -> Iterator[Sample]:
@@ -138,3 +179,15 @@ def _state_samples(gateway: Gateway, index: KVBlockIndex, prompts: PromptTokeniz
                  {}, float(prompts.chunk_hits))
     yield Sample("kvhive_gateway_prefix_store_misses", "Prompt chunks tokenized.", "counter", {},
                  float(prompts.chunk_misses))
+
+
+def _shared_state_samples(link: RedisLink, index: KVBlockIndex) -> Iterator[Sample]:
+    """Whether the Redis the gateways share answers, and what its outages cost, read at scrape time."""
+    yield Sample("kvhive_gateway_shared_state_up", "1 while the Redis shared by gateways answers "
+                 "(0: routing by this gateway's session map and by load).", "gauge", {},
+                 float(link.reachable))
+    yield Sample("kvhive_gateway_shared_state_failures", "Redis calls that could not reach it.",
+                 "counter", {}, float(link.num_failures))
+    if isinstance(index, GuardedIndex):
+        yield Sample("kvhive_gateway_index_updates_dropped", "Block-index updates dropped while Redis "
+                     "was unreachable.", "counter", {}, float(index.num_dropped))

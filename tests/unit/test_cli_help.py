@@ -11,7 +11,7 @@ from support.servers import free_port
 from kvhive.cli import HelpFormatter, build_parser, listen_error, main
 
 SERVE_GROUPS = ["model and device", "KV cache and prefix caching", "KV tiers", "sessions", "KV events",
-                "server and security", "performance", "logging"]
+                "server and security", "registration", "performance", "logging"]
 GATEWAY_GROUPS = ["replicas", "block keys", "block index", "routing and scoring", "server", "logging"]
 
 

@@ -27,7 +27,8 @@ CASES = {
     "events-and-router": (
         ["kvhive.kv.events", "kvhive.router", "kvhive.router.app", "kvhive.router.cli",
          "kvhive.router.ingest", "kvhive.router.index", "kvhive.router.scorer",
-         "kvhive.router.tokenize", "kvhive.router.gateway"],
+         "kvhive.router.tokenize", "kvhive.router.gateway", "kvhive.router.discovery",
+         "kvhive.router.redis_link", "kvhive.core.registry"],
         ABOVE_THE_ROUTER),
     # What ``kvhive gateway`` imports, from the console script's module on.
     "gateway": (
