@@ -15,6 +15,7 @@ import socket
 import sys
 
 from kvhive.config import CPU_ISAS, CacheConfig, EngineConfig, SchedulerConfig, SessionConfig, StoreConfig
+from kvhive.kv.events_config import parse_kv_events_config
 from kvhive.core.registry import RegistrationConfig, default_advertise_url
 
 
@@ -176,6 +177,13 @@ def _add_kv_event_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
                    help="serve replay of recent KV-event batches on this ZMQ ROUTER endpoint, "
                         "e.g. tcp://*:5558; needs --kv-events (default: off)")
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="KV events with vLLM's KVEventsConfig keys (enable_kv_cache_events, publisher, "
+                        "endpoint, replay_endpoint, buffer_steps, hwm, max_queue_size, topic) plus "
+                        "encoding (map|array), hash_format (bytes|int64) and data_parallel_rank; the "
+                        "topic may hold {host}, {port}, {model}, {rank}, e.g. llm-d's "
+                        "'{\"enable_kv_cache_events\": true, \"topic\": \"kv@{host}@{model}\"}' "
+                        "(see docs/deploy.md) (default: off)")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
@@ -272,13 +280,14 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     sessions = SessionConfig(default_ttl_s=args.default_session_ttl, max_ttl_s=args.max_session_ttl,
                              max_sessions_per_key=args.max_sessions_per_key,
                              max_pinned_gb=args.max_pinned_gb, share_prefix_cache=args.share_prefix_cache)
+    events = parse_kv_events_config(args.kv_events_config, args.kv_events, args.kv_events_replay)
     return EngineConfig(model_path=model_path, served_model_name=name, dtype=args.dtype,
                         device=args.device, num_threads=args.num_threads,
                         quantized_matmul=args.quantized_matmul,
                         native_attention=args.native_attention, enforce_eager=args.enforce_eager,
                         cpu_isa=args.cpu_isa, adaptive_threads=args.num_threads is None,
                         cache=cache,
-                        kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
+                        kv_events_config=None if events is None else events.for_server(args.host, args.port),
                         scheduler=sched, store=store, sessions=sessions)
 
 

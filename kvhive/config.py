@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from kvhive.kv.events_config import KVEventsConfig
+
 # ISA levels of the CPU kernels, best first (kvhive.model.cpu), and "auto": the best the CPU runs.
 CPU_ISAS = ("auto", "avx512_bf16", "avx512", "avx2", "portable")
 # Bytes of one K or V value in the KV pool, by --dtype.
@@ -170,6 +172,7 @@ class EngineConfig:
     adaptive_threads: bool = False         # CPU: size the thread team to the cores others leave free
     kv_events: str | None = None           # ZMQ PUB endpoint for KV events, e.g. tcp://*:5557
     kv_events_replay: str | None = None    # ZMQ ROUTER endpoint serving replay of recent batches
+    kv_events_config: KVEventsConfig | None = None   # --kv-events-config; replaces the two above
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -184,10 +187,22 @@ class EngineConfig:
             raise ValueError(f"--cpu-isa must be one of {', '.join(CPU_ISAS)}, got {self.cpu_isa!r}")
         if self.kv_events_replay and not self.kv_events:
             raise ValueError("--kv-events-replay needs --kv-events")
+        if self.kv_events_config is not None and self.kv_events:
+            raise ValueError("give the KV-event endpoint once: in kv_events_config or as kv_events")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"--num-threads must be positive, got {self.num_threads}")
         if self.store.enabled and not self.cache.enable_prefix_caching:
             raise ValueError("KV tiers (--cpu-offload-gb, --disk-cache-dir, --redis-url) need prefix caching")
+
+    def kv_events_settings(self) -> KVEventsConfig | None:
+        """How the engine publishes KV events: ``kv_events_config``, else the ``kv_events`` short
+        form (events on, at that endpoint); None when neither is set."""
+        if self.kv_events_config is not None:
+            return self.kv_events_config
+        if self.kv_events:
+            return KVEventsConfig(enable_kv_cache_events=True, endpoint=self.kv_events,
+                                  replay_endpoint=self.kv_events_replay)
+        return None
 
     @property
     def on_cpu(self) -> bool:

@@ -21,6 +21,7 @@ from kvhive.core.blocks import root_hash
 from kvhive.engine.scheduler import Scheduler, TierSessionCopy
 from kvhive.engine.stats import ConnectorCounters, EngineStats, TierBudget
 from kvhive.engine.step import StepPlan, StepResult, TokenLogprobs
+from kvhive.kv.events_config import KVEventsConfig
 from kvhive.request import FinishReason, Request, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -133,11 +134,23 @@ class LLMEngine:
         self.scheduler = self._build_scheduler(loaded)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) or loaded.config.eos_token_ids
         self.publisher = None
-        if config.kv_events:
-            from kvhive.kv.events import KVEventPublisher
+        events = config.kv_events_settings()
+        if events is not None and events.active:
+            self.publisher = self._open_publisher(events)
 
-            self.publisher = KVEventPublisher(config.kv_events, config.kv_events_replay)
-            self.scheduler.kv.enable_events()
+    def _open_publisher(self, events: KVEventsConfig):
+        """The KV-event publisher: AllBlocksCleared first (the pool starts empty), then the blocks the
+        store tiers hold and, from then on, the device pool's and the tiers' changes."""
+        from kvhive.kv.events_config import open_publisher
+        from kvhive.kv.tier_events import TierEventForwarder
+
+        publisher = open_publisher(events, self.config.served_model_name)
+        publisher.publish_cleared()
+        self.scheduler.kv.enable_events()
+        if self.store is not None:
+            self.store.send_events_to(TierEventForwarder(publisher, self.config.cache.block_size),
+                                      self.connector_scheduler.key_space.prefix)
+        return publisher
 
     def _build_runner(self, loaded):
         """The model runner over a KV pool of ``num_blocks`` blocks (and the connector's worker half)."""

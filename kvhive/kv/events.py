@@ -12,7 +12,12 @@ Wire format (vLLM's ``vllm/distributed/kv_events.py``):
 Older vLLM encodes arrays (msgspec ``array_like=True``), newer vLLM encodes maps; ``decode_batch``
 reads both. Extra trailing array elements and unknown map keys are ignored (newer vLLM appends
 fields), and events with an unknown tag are skipped. Block hashes are bytes (kvhive's 16-byte
-digests) or ints (vLLM); both decode unchanged.
+digests) or ints (vLLM); both decode unchanged. The map encoding leaves out ``extra_keys`` when it
+is None and ``data_parallel_rank`` when unset, as msgspec's ``omit_defaults`` does; the array
+encoding keeps every field in place.
+
+Hashes on the wire (``int_hashes``): kvhive's digests as they are, or vLLM's int form of them
+(``wire_int_hash``: the digest read big-endian, kept to its low 64 bits).
 """
 
 from __future__ import annotations
@@ -91,14 +96,35 @@ class EventBatch:
     data_parallel_rank: int | None = None
 
 
-def encode_batch(batch: EventBatch, as_map: bool = False) -> bytes:
-    """msgpack payload of ``batch`` as vLLM encodes it: positional arrays, or maps with a "type" tag."""
+def wire_int_hash(block_hash: WireHash) -> int:
+    """vLLM's int form of a block hash: the digest as a big-endian integer, low 64 bits (ints stay)."""
+    if isinstance(block_hash, int):
+        return block_hash
+    return int.from_bytes(block_hash[-8:], "big")
+
+
+def _event_values(event: KVEvent, int_hashes: bool) -> list[Any]:
+    """The event's wire values in field order, hashes converted when ``int_hashes``."""
+    tag = type(event).__name__
+    values = [getattr(event, name) for name in _FIELDS[tag]]
+    if int_hashes and values:           # block_hashes first, then (BlockStored) the parent
+        values[0] = [wire_int_hash(h) for h in values[0]]
+        if tag == "BlockStored" and values[1] is not None:
+            values[1] = wire_int_hash(values[1])
+    return values
+
+
+def encode_batch(batch: EventBatch, as_map: bool = True, int_hashes: bool = False) -> bytes:
+    """msgpack payload of ``batch`` as vLLM encodes it: maps with a "type" tag, or positional arrays."""
     events: list[Any] = []
     for event in batch.events:
         tag = type(event).__name__
-        values = [getattr(event, name) for name in _FIELDS[tag]]
+        values = _event_values(event, int_hashes)
         if as_map:
-            events.append({"type": tag, **dict(zip(_FIELDS[tag], values, strict=True))})
+            fields_map = dict(zip(_FIELDS[tag], values, strict=True))
+            if fields_map.get("extra_keys", 0) is None:
+                del fields_map["extra_keys"]            # a default: omitted, as omit_defaults does
+            events.append({"type": tag, **fields_map})
         else:
             events.append([tag, *values])
     if as_map:
@@ -160,19 +186,24 @@ _STOP = object()
 class KVEventPublisher:
     """Publishes EventBatches on a ZMQ PUB socket from a background thread, with optional replay.
 
-    ``publish`` only enqueues, so the engine loop never waits on the network. The thread owns both
-    sockets; sequence numbers start at 0 and grow by one per batch sent. The last ``buffer_steps``
-    batches are kept for replay. An endpoint with ``*`` (or ipc/inproc) is bound, else connected.
+    ``publish`` only enqueues (from any thread), so the engine loop never waits on the network. The
+    thread owns both sockets; sequence numbers start at 0 and grow by one per batch sent. The last
+    ``buffer_steps`` batches are kept for replay; ``hwm`` is the PUB socket's high-water mark. An
+    endpoint with ``*`` (or ipc/inproc) is bound, else connected. Every batch carries
+    ``data_parallel_rank``, as vLLM's publisher stamps it.
     """
 
     def __init__(self, endpoint: str = "tcp://*:5557", replay_endpoint: str | None = None,
-                 topic: bytes = b"kv-events", buffer_steps: int = 10_000, as_map: bool = False,
-                 max_queue: int = 100_000, data_parallel_rank: int | None = None) -> None:
+                 topic: bytes = b"", buffer_steps: int = 10_000, as_map: bool = True,
+                 max_queue: int = 100_000, data_parallel_rank: int | None = 0, hwm: int = 100_000,
+                 int_hashes: bool = False) -> None:
         import zmq  # optional dependency: only publishers and subscribers need it
 
         self._zmq = zmq
         self.topic = topic
         self._as_map = as_map
+        self._int_hashes = int_hashes
+        self._hwm = hwm
         self._rank = data_parallel_rank
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -225,7 +256,7 @@ class KVEventPublisher:
         ctx = zmq.Context()
         try:
             pub = ctx.socket(zmq.PUB)
-            pub.setsockopt(zmq.SNDHWM, 100_000)
+            pub.setsockopt(zmq.SNDHWM, self._hwm)
             _bind_or_connect(pub, self.endpoint)
             self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT) or self.endpoint
             replay = None
@@ -260,7 +291,7 @@ class KVEventPublisher:
                 return
             seq = self._next_seq
             self._next_seq += 1
-            payload = encode_batch(item, self._as_map)
+            payload = encode_batch(item, self._as_map, self._int_hashes)
             pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
             self._buffer.append((seq, payload))
 

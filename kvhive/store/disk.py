@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from kvhive.store.base import Payload, PutResult, StatsCounter, StoreStats
 from kvhive.store.codec import decode_block, encode_block
-from kvhive.store.key import StoreKey
+from kvhive.store.key import HASH_BYTES, StoreKey
 from kvhive.store.segment import (
     RecordLocation,
     append_record,
@@ -89,6 +89,7 @@ class DiskStore:
         self._pins: set[bytes] = set()
         self._pinned_bytes = 0
         self._sealed_fds: list[int] = []             # sealed by rotation, waiting for fsync + close
+        self._dropped: list[bytes] | None = None     # hashes of records dropped since take_dropped
         os.makedirs(directory, exist_ok=True)
         self._load()
         self._active_fd = os.open(segment_path(directory, self._active_id),
@@ -197,6 +198,25 @@ class DiskStore:
                     loc = self._index.get(encoded)
                     self._pinned_bytes -= loc.length if loc is not None else 0
 
+    def track_drops(self) -> None:
+        """Keep the block hashes of records that leave the index from now on, for ``take_dropped``."""
+        with self._lock:
+            if self._dropped is None:
+                self._dropped = []
+
+    def take_dropped(self) -> list[bytes]:
+        """Block hashes of the records dropped (segment deleted, corrupt, deleted) since the last call."""
+        with self._lock:
+            dropped = self._dropped or []
+            if self._dropped:
+                self._dropped = []
+        return dropped
+
+    def held_hashes(self, prefix: bytes) -> list[bytes]:
+        """Block hashes of the indexed records whose encoded key starts with ``prefix`` (a key space)."""
+        with self._lock:
+            return [bytes.fromhex(k[len(prefix):].decode()) for k in self._index if k.startswith(prefix)]
+
     def stats(self) -> StoreStats:
         """Counters, bytes in segment files and the budget."""
         with self._lock:
@@ -294,6 +314,8 @@ class DiskStore:
         loc = self._index.pop(encoded, None)
         if loc is not None and encoded in self._pins:
             self._pinned_bytes -= loc.length
+        if loc is not None and self._dropped is not None:
+            self._dropped.append(bytes.fromhex(encoded[-2 * HASH_BYTES:].decode()))
 
     def _rotate(self) -> None:
         """Seal the active segment (queued for fsync) and start the next one; lock held."""

@@ -24,6 +24,13 @@ Policy, in one place:
 
 Each tier is thread-safe, and a block in flight between tiers is at worst a miss for a moment,
 never wrong KV. The only lock here guards the pin table.
+
+Tier events (``send_events_to``): once a sink is set, every call that changes a tier tells it, in
+order, which blocks entered it (a put the tier kept, a promotion, a demotion) and which left it (an
+eviction, a disk segment dropped, a delete), once per call, on the caller's thread. Calls on
+different threads may report in another order than they changed the tiers; a consumer's view is a
+hint (a block it thinks is held may be a miss), never wrong KV. Redis's own expiry and eviction are
+not seen here, so they are not reported.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 from kvhive.store.base import BlockStore, Payload, StoreStats
 from kvhive.store.key import StoreKey
@@ -43,6 +51,23 @@ class Tier:
     name: str                    # "cpu", "disk", "redis": the medium in metrics and KV events
     store: BlockStore
     write_through: bool = False  # every put below it lands here too (a shared tier: Redis)
+
+
+class TierChange(NamedTuple):
+    """Blocks (by block hash) that entered (``stored``) or left one tier."""
+
+    tier: str
+    stored: bool
+    block_hashes: tuple[bytes, ...]
+
+
+class TierEventSink(Protocol):
+    """Hears which blocks enter and leave the store's tiers (a replica's CPU/DISK/REMOTE KV events)."""
+
+    def tiers_changed(self, changes: Sequence[TierChange]) -> None:
+        """``changes`` happened in this order during one store call; runs on the caller's thread (a
+        writer or fetcher), so it must not block."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -69,6 +94,19 @@ class TieredStore:
         # Invariant: _pin_counts[k] == number of sessions in _session_pins whose set holds k (> 0).
         self._session_pins: dict[str, frozenset[StoreKey]] = {}
         self._pin_counts: dict[StoreKey, int] = {}
+        self._sink: TierEventSink | None = None
+
+    def send_events_to(self, sink: TierEventSink, key_prefix: bytes) -> None:
+        """Tell ``sink`` from now on which blocks enter and leave each tier, after announcing the
+        blocks of this key space (``KeySpace.prefix``) that local tiers already hold (a disk tier's,
+        from an earlier run). Redis is not listed: it is shared, and listing it would scan it."""
+        for tier in self.tiers:
+            if hasattr(tier.store, "track_drops"):
+                tier.store.track_drops()
+        self._sink = sink
+        held = [TierChange(t.name, True, tuple(t.store.held_hashes(key_prefix)))
+                for t in self.tiers if hasattr(t.store, "held_hashes")]
+        self._emit([change for change in held if change.block_hashes])
 
     def lookup_prefix(self, keys: Sequence[StoreKey]) -> list[int]:
         """Tier index of each block of the longest prefix of ``keys`` held in any tier (top tier wins)."""
@@ -122,28 +160,36 @@ class TieredStore:
 
     def get(self, key: StoreKey) -> Payload | None:
         """The payload from the first tier that has it, promoted into the tiers above; None on a miss."""
+        changes: list[TierChange] = []
+        found = None
         for tier_index, tier in enumerate(self.tiers):
             payload = tier.store.get(key)
+            self._take_drops(tier, changes)          # a disk read may rewrite forward and drop
             if payload is not None:
                 for upper in range(tier_index):
-                    self._put_into(upper, key, payload)
-                return payload
-        return None
+                    self._put_into(upper, key, payload, changes)
+                found = payload
+                break
+        self._emit(changes)
+        return found
 
     def put(self, key: StoreKey, payload: Payload, from_tier: int = 0) -> bool:
         """Store into tier ``from_tier`` and every write-through tier below; True if any tier kept it."""
         if not 0 <= from_tier < len(self.tiers):
             raise ValueError(f"from_tier must be in [0, {len(self.tiers)}), got {from_tier}")
-        stored = self._put_into(from_tier, key, payload)
+        changes: list[TierChange] = []
+        stored = self._put_into(from_tier, key, payload, changes)
         for tier_index in range(from_tier + 1, len(self.tiers)):
             if self.tiers[tier_index].write_through:
-                stored = self._put_into(tier_index, key, payload) or stored
+                stored = self._put_into(tier_index, key, payload, changes) or stored
+        self._emit(changes)
         return stored
 
     def delete(self, key: StoreKey) -> None:
         """Forget the block in every tier (including the shared one)."""
         for tier in self.tiers:
             tier.store.delete(key)
+        self._emit([TierChange(tier.name, False, (key.block_hash,)) for tier in self.tiers])
 
     def pin_session(self, session_id: str, keys: Iterable[StoreKey]) -> None:
         """The session now holds exactly these blocks: pin the new ones, unpin the ones it let go of
@@ -195,18 +241,37 @@ class TieredStore:
         for tier in self.tiers:
             tier.store.close()
 
-    def _put_into(self, tier_index: int, key: StoreKey, payload: Payload) -> bool:
-        """Put into one tier and demote what it evicts into the next one, cascading down."""
-        result = self.tiers[tier_index].store.put(key, payload)
+    def _put_into(self, tier_index: int, key: StoreKey, payload: Payload, changes: list[TierChange]) -> bool:
+        """Put into one tier and demote what it evicts into the next one, cascading down; what
+        entered and left each tier is appended to ``changes``."""
+        tier = self.tiers[tier_index]
+        result = tier.store.put(key, payload)
+        self._take_drops(tier, changes)              # before the put's own block: it may be re-stored
+        if result.stored:
+            changes.append(TierChange(tier.name, True, (key.block_hash,)))
+        if result.evicted:
+            changes.append(TierChange(tier.name, False, tuple(e.key.block_hash for e in result.evicted)))
         below = tier_index + 1
         for evicted in result.evicted:
             if below < len(self.tiers) and not self.tiers[below].write_through:
-                self._put_into(below, evicted.key, evicted.payload)
+                self._put_into(below, evicted.key, evicted.payload, changes)
             elif tier_index < self.keeper and self.is_pinned(evicted.key):
                 # Write-through below usually has it already; a pinned block must not be lost.
                 if not self.tiers[self.keeper].store.contains([evicted.key])[0]:
-                    self._put_into(self.keeper, evicted.key, evicted.payload)
+                    self._put_into(self.keeper, evicted.key, evicted.payload, changes)
         return result.stored
+
+    def _take_drops(self, tier: Tier, changes: list[TierChange]) -> None:
+        """Append the blocks ``tier`` dropped on its own (disk segments) since it was last asked."""
+        if self._sink is not None and hasattr(tier.store, "take_dropped"):
+            dropped = tier.store.take_dropped()
+            if dropped:
+                changes.append(TierChange(tier.name, False, tuple(dropped)))
+
+    def _emit(self, changes: list[TierChange]) -> None:
+        """Hand one call's changes to the sink, if there is one."""
+        if self._sink is not None and changes:
+            self._sink.tiers_changed(changes)
 
     def _count_pin(self, key: StoreKey, delta: int) -> int:
         # Pin lock held; returns the new count (0: the key is gone from the table).

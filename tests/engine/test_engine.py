@@ -88,17 +88,17 @@ def test_kv_events_name_blocks_with_the_spec_hash(tokenizer):
         while poller.poll(timeout=1500):
             topic, seq, payload = sub.recv_multipart()
             assert len(seq) == 8
-            ts, events = msgpack.unpackb(payload, raw=False)[:2]
-            for ev in events:
-                (stored if ev[0] == "BlockStored" else removed).append(ev)
+            for ev in msgpack.unpackb(payload, raw=False)["events"]:       # the map encoding
+                (stored if ev["type"] == "BlockStored" else removed).append(ev)
     finally:
         engine.close()
         sub.close(0)
         ctx.term()
     expected = hash_blocks(prompt, 4, root_hash(0, "tiny-engine-test"))
-    first = next(ev for ev in stored if bytes(ev[1][0]) == expected[0])
-    assert [bytes(h) for h in first[1]] == expected[:len(first[1])]
-    assert first[2] is None and first[3] == prompt[:4 * len(first[1])] and first[4] == 4
-    all_stored = [bytes(h) for ev in stored for h in ev[1]]
+    first = next(ev for ev in stored if bytes(ev["block_hashes"][0]) == expected[0])
+    assert [bytes(h) for h in first["block_hashes"]] == expected[:len(first["block_hashes"])]
+    assert first["parent_block_hash"] is None and first["block_size"] == 4
+    assert first["token_ids"] == prompt[:4 * len(first["block_hashes"])]
+    all_stored = [bytes(h) for ev in stored for h in ev["block_hashes"]]
     assert set(expected) <= set(all_stored)
-    assert set(expected) & {bytes(h) for ev in removed for h in ev[1]}
+    assert set(expected) & {bytes(h) for ev in removed if ev["type"] == "BlockRemoved" for h in ev["block_hashes"]}

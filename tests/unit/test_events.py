@@ -62,7 +62,7 @@ def test_encode_decode_round_trip(as_map: bool) -> None:
 
 
 def test_array_encoding_is_vllm_positional() -> None:
-    body = msgpack.unpackb(encode_batch(sample_batch()), raw=False)
+    body = msgpack.unpackb(encode_batch(sample_batch(), as_map=False), raw=False)
     assert body[0] == 1234.5 and body[2] == 0
     stored = body[1][0]
     assert stored[0] == "BlockStored"
@@ -76,8 +76,18 @@ def test_map_encoding_has_type_tags_and_names() -> None:
     assert body["ts"] == 1234.5 and body["data_parallel_rank"] == 0
     assert body["events"][1] == {"type": "BlockStored", "block_hashes": [2**63 + 5], "parent_block_hash": 77,
                                  "token_ids": list(range(16)), "block_size": 16, "lora_id": 3,
-                                 "medium": "CPU", "lora_name": "adapter-a", "extra_keys": None}
+                                 "medium": "CPU", "lora_name": "adapter-a"}
     assert body["events"][3] == {"type": "AllBlocksCleared"}
+
+
+def test_map_encoding_is_the_default_and_int_hashes_keep_the_low_64_bits() -> None:
+    digest = bytes(range(16))
+    batch = EventBatch(1.0, [BlockStored([digest], digest, [1] * 16, 16), BlockRemoved([digest])], 0)
+    body = msgpack.unpackb(encode_batch(batch, int_hashes=True), raw=False)
+    low = int.from_bytes(digest[8:], "big")
+    assert body["events"][0]["block_hashes"] == [low] and body["events"][0]["parent_block_hash"] == low
+    assert body["events"][1] == {"type": "BlockRemoved", "block_hashes": [low], "medium": "GPU"}
+    assert low == int.from_bytes(digest, "big") & (2**64 - 1)
 
 
 def test_decode_accepts_what_other_vllm_versions_send() -> None:
@@ -155,7 +165,8 @@ def test_publisher_frames_decode_with_independent_decoder(as_map: bool) -> None:
     first, second = (independent_decode(f[2]) for f in frames)
     assert first["events"] == [{"type": "BlockStored", "block_hashes": [b"\xaa" * 16, b"\xbb" * 16],
                                 "parent_block_hash": None, "token_ids": list(range(32)), "block_size": 16,
-                                "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": None}]
+                                "lora_id": None, "medium": "GPU", "lora_name": None,
+                                **({} if as_map else {"extra_keys": None})}]
     assert second["events"] == [{"type": "BlockRemoved", "block_hashes": [b"\xaa" * 16], "medium": "CPU"}]
     assert abs(first["ts"] - time.time()) < 60
 
