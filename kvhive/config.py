@@ -11,8 +11,41 @@ from kvhive.kv.events_config import KVEventsConfig
 
 # ISA levels of the CPU kernels, best first (kvhive.model.cpu), and "auto": the best the CPU runs.
 CPU_ISAS = ("auto", "avx512_bf16", "avx512", "avx2", "portable")
+# What ``--metrics-compat`` may name: "vllm" also exports metrics under vLLM's names (server/metrics_vllm.py).
+METRICS_COMPAT = ("none", "vllm")
 # Bytes of one K or V value in the KV pool, by --dtype.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+ROPE_KINDS = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How a model scales its rotary frequencies; ``kvhive.model.rope`` turns it into cos/sin tables.
+
+    ``kind`` is one of ``ROPE_KINDS``. ``attention_factor`` multiplies cos and sin (YaRN's mscale,
+    resolved when read). ``freq_factors`` divides each inverse frequency, as a GGUF ``rope_freqs``
+    tensor stores llama3 scaling; empty when the checkpoint has none.
+    """
+
+    kind: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+    freq_factors: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_KINDS:
+            raise ValueError(f"model config: RoPE type {self.kind!r} is not one of {', '.join(ROPE_KINDS)}")
+        if self.factor <= 0 or self.attention_factor <= 0:
+            raise ValueError(f"model config: RoPE factor and attention_factor must be positive, "
+                             f"got {self.factor} and {self.attention_factor}")
 
 
 @dataclass(frozen=True)
@@ -32,6 +65,8 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    qk_norm: bool = False                  # RMSNorm over each q and k head before RoPE (Qwen3)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a flat batch of tokens from many sequences.
+"""Llama-family decoder (Llama, Mistral, Qwen2/3, Phi-3, SmolLM) over a flat batch of tokens from many sequences.
 
 Weights are held fused: one QKV projection and one gate+up projection per layer (concatenated at
 load). ``forward`` returns the residual stream *before* the final norm; ``compute_logits`` applies the
@@ -18,6 +18,7 @@ from kvhive.model import cpu
 from kvhive.model.attention import AttnMetadata, paged_attention
 from kvhive.model.fused import FusedOps
 from kvhive.model.quant import QuantMatmul, QuantWeight
+from kvhive.model.rope import rope_tables
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,6 +47,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def norm_heads_(qk: torch.Tensor, num_q_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                eps: float) -> None:
+    """RMSNorm over each head of qk [T, q heads + k heads, hd] in place, q heads by ``q_weight`` and
+    k heads by ``k_weight`` (statistics in float32, scale in the model dtype, as transformers)."""
+    for heads, weight in ((qk[:, :num_q_heads], q_weight), (qk[:, num_q_heads:], k_weight)):
+        xf = heads.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        heads.copy_(weight * xf.to(qk.dtype))
 
 
 class TorchOps:
@@ -114,22 +125,6 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, up
     return torch.addmm(residual, x, weight.t())
 
 
-def rope_tables(config: ModelConfig, dtype: torch.dtype,
-                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed-sin tables [max_positions, head_dim] for rotate-half (HF-layout) RoPE.
-
-    Computed in float32 exactly as transformers does, then cast to the model dtype.
-    ``sin_signed = [-sin, +sin]`` so that ``rope(x) = x * cos + roll(x, head_dim / 2) * sin_signed``.
-    """
-    hd = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-    pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-    freqs = pos[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    sign = torch.cat((-torch.ones(hd // 2), torch.ones(hd // 2)))
-    return emb.cos().to(dtype).to(device), (emb.sin() * sign).to(dtype).to(device)
-
-
 class DecoderLayer(nn.Module):
     """One pre-norm decoder layer's weights (the forward pass lives in ``LlamaModel.forward``)."""
 
@@ -149,6 +144,9 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = param(h)
         self.gate_up_proj = param(2 * config.intermediate_size, h)   # rows: gate, then up
         self.down_proj = param(h, config.intermediate_size)
+        # RMSNorm weights over each q and k head, applied before RoPE (Qwen3).
+        self.q_norm = param(hd) if config.qk_norm else None
+        self.k_norm = param(hd) if config.qk_norm else None
 
 
 class LlamaModel(nn.Module):
@@ -203,6 +201,8 @@ class LlamaModel(nn.Module):
             names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
             if self.qkv_bias:
                 names += [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
+            if self.config.qk_norm:
+                names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         missing = [n for n in names if n not in weights]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -229,6 +229,9 @@ class LlamaModel(nn.Module):
             if layer.qkv_bias is not None:
                 fill(layer.qkv_bias, [p + f"self_attn.{n}_proj.bias" for n in "qkv"])
             fill(layer.o_proj, [p + "self_attn.o_proj.weight"])
+            if layer.q_norm is not None:
+                fill(layer.q_norm, [p + "self_attn.q_norm.weight"])
+                fill(layer.k_norm, [p + "self_attn.k_norm.weight"])
             fill(layer.gate_up_proj, [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")])
             fill(layer.down_proj, [p + "mlp.down_proj.weight"])
 
@@ -332,6 +335,8 @@ class LlamaModel(nn.Module):
                 qkv = qmm(h, q["qkv"]) if layer.qkv_bias is None else qmm(h, q["qkv"]) + layer.qkv_bias
             # RoPE on q and k together (adjacent in qkv), written back in place.
             qk = qkv[:, :qk_width].view(n, nh + nkv, hd)
+            if layer.q_norm is not None:
+                norm_heads_(qk, nh, layer.q_norm, layer.k_norm, eps)
             ops.rope(qk, rope)
             attn = paged_attention(qk[:, :nh], qkv[:, nh * hd:].view(n, 2, nkv, hd), kv_cache, i,
                                    attn_metadata)
