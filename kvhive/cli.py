@@ -14,9 +14,17 @@ import os
 import socket
 import sys
 
-from kvhive.config import CPU_ISAS, CacheConfig, EngineConfig, SchedulerConfig, SessionConfig, StoreConfig
-from kvhive.kv.events_config import parse_kv_events_config
+from kvhive.config import (
+    CPU_ISAS,
+    METRICS_COMPAT,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SessionConfig,
+    StoreConfig,
+)
 from kvhive.core.registry import RegistrationConfig, default_advertise_url
+from kvhive.kv.events_config import parse_kv_events_config
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -200,6 +208,10 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-bytes", type=byte_count, default=None, metavar="N",
                    help="largest request body in bytes; a larger one is refused with 413 before it is "
                         "read (default: max(1 MiB, 64 x --max-model-len): a whole context of text fits)")
+    g.add_argument("--metrics-compat", choices=METRICS_COMPAT, default="none",
+                   help="vllm: /metrics also exports each metric vLLM has under vLLM's name and labels "
+                        "(vllm:num_requests_waiting, vllm:kv_cache_usage_perc, ...; docs/metrics.md), "
+                        "for dashboards and endpoint pickers written for vLLM")
 
 
 def _add_registration_args(p: argparse.ArgumentParser) -> None:
@@ -394,7 +406,8 @@ def run_engine(args: argparse.Namespace, config: EngineConfig,
     try:
         served = run_server(AsyncEngine(engine), host=args.host, port=args.port,
                             served_model_name=config.served_model_name, api_keys=tuple(api_keys),
-                            log_level=args.log_level, max_request_bytes=args.max_request_bytes)
+                            log_level=args.log_level, max_request_bytes=args.max_request_bytes,
+                            metrics_compat=args.metrics_compat)
     finally:
         if heartbeat is not None:
             heartbeat.stop(deregister=True)

@@ -90,6 +90,8 @@ class Request:
     session_id: str | None = None
     end_session: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
+    # When (time.monotonic) the engine first scheduled it; None while it has not run yet.
+    scheduled_time: float | None = None
     status: RequestStatus = RequestStatus.WAITING
     # Tokens whose K/V are in the pool (prefix hits included).
     num_computed_tokens: int = 0

@@ -58,6 +58,11 @@ class RequestOutput:
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
     # With finish_reason ERROR: what failed while computing this request (the others ran on).
     error: str | None = None
+    # When (time.monotonic) the engine queued the request, first scheduled it (None: not yet) and
+    # produced this output: the server's queue, prefill and decode times come from these.
+    queued_time: float = 0.0
+    scheduled_time: float | None = None
+    output_time: float = 0.0
 
 
 def _kernel_isa(config: EngineConfig) -> str | None:
@@ -130,6 +135,8 @@ class LLMEngine:
         self.threads = _thread_governor(config)
         # Prompt logprobs of requests that asked, gathered chunk by chunk until their first output.
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        # Requests queued and not scheduled yet: the step that first schedules one stamps it.
+        self._unscheduled: dict[str, Request] = {}
         self.num_failed_steps_in_row = 0
         self.scheduler = self._build_scheduler(loaded)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) or loaded.config.eos_token_ids
@@ -331,17 +338,18 @@ class LLMEngine:
         if sampling.prompt_logprobs is not None and session_id is not None:
             raise ValueError("prompt logprobs cannot be asked in a session: the session's tokens "
                              "are not computed again")
-        self.scheduler.add_request(Request(request_id=request_id,
-                                           prompt_token_ids=list(prompt_token_ids),
-                                           sampling=sampling, eos_token_ids=self.eos_token_ids,
-                                           cache_salt=cache_salt, session_id=session_id,
-                                           end_session=end_session))
+        request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                          sampling=sampling, eos_token_ids=self.eos_token_ids, cache_salt=cache_salt,
+                          session_id=session_id, end_session=end_session)
+        self.scheduler.add_request(request)
+        self._unscheduled[request_id] = request
         if sampling.prompt_logprobs is not None:
             self._prompt_logprobs[request_id] = []
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks; unknown ids are ignored."""
         self._prompt_logprobs.pop(request_id, None)
+        self._unscheduled.pop(request_id, None)
         self.scheduler.abort_request(request_id)
 
     def has_unfinished(self) -> bool:
@@ -357,6 +365,8 @@ class LLMEngine:
             if finished.done_recving or finished.done_sending:
                 self.scheduler.finish_kv_transfers(finished)
         plan = self.scheduler.schedule()
+        if self._unscheduled:
+            self._note_scheduled(plan)
         if plan.is_empty and plan.connector_meta is None:
             if self.connector_worker is not None and self.scheduler.has_unfinished():
                 time.sleep(0.001)     # only transfers in flight: do not spin on the loop thread
@@ -378,15 +388,26 @@ class LLMEngine:
         for request_id, values in result.prompt_logprobs.items():
             if request_id in self._prompt_logprobs:     # else aborted since: nobody reads them
                 self._prompt_logprobs[request_id].extend(values)
-        outputs = [self._output(req, result) for req in self.scheduler.update_from_result(plan, result)]
+        now = time.monotonic()
+        outputs = [self._output(req, result, now) for req in self.scheduler.update_from_result(plan, result)]
         self._publish_events()
         return outputs
 
-    def _output(self, req: Request, result: StepResult, error: str | None = None) -> RequestOutput:
-        """What the step ``result`` produced for ``req`` (``error``: why it failed, if it did)."""
+    def _note_scheduled(self, plan: StepPlan) -> None:
+        """Stamp the requests ``plan`` runs for the first time: their time in the queue ends now."""
+        now = time.monotonic()
+        for seq in plan.seqs:
+            req = self._unscheduled.pop(seq.request_id, None)
+            if req is not None:
+                req.scheduled_time = now
+
+    def _output(self, req: Request, result: StepResult, now: float, error: str | None = None) -> RequestOutput:
+        """What the step ``result`` produced for ``req`` at ``now`` (``error``: why it failed, if it did)."""
         token = result.sampled.get(req.request_id)
         logprobs = result.logprobs.get(req.request_id) if token is not None else None
         prompt = self._prompt_logprobs.pop(req.request_id, None)
+        if req.is_finished:
+            self._unscheduled.pop(req.request_id, None)     # ended before it ever ran (too long)
         return RequestOutput(
             request_id=req.request_id, new_token_ids=[] if token is None else [token],
             finished=req.is_finished, finish_reason=req.finish_reason,
@@ -397,18 +418,19 @@ class LLMEngine:
                                   else None),
             logprobs=None if logprobs is None else (logprobs,),
             prompt_logprobs=None if prompt is None else tuple(prompt),
-            error=error or result.failed.get(req.request_id))
+            error=error or result.failed.get(req.request_id),
+            queued_time=req.arrival_time, scheduled_time=req.scheduled_time, output_time=now)
 
     def _fail_step(self, plan: StepPlan, error: str) -> list[RequestOutput]:
         """The outputs of a step whose forward raised: each of its requests finished with ERROR
         (nothing the step computed becomes a prefix-cache hit), then those ``schedule`` finished."""
-        empty = StepResult(sampled={})
+        empty, now = StepResult(sampled={}), time.monotonic()
         outputs = []
         for seq in plan.seqs:
             req = self.scheduler.abort_request(seq.request_id, FinishReason.ERROR)
             if req is not None:
-                outputs.append(self._output(req, empty, f"the step computing it failed: {error}"))
-        outputs += [self._output(req, empty) for req in self.scheduler.update_from_result(plan, empty)]
+                outputs.append(self._output(req, empty, now, f"the step computing it failed: {error}"))
+        outputs += [self._output(req, empty, now) for req in self.scheduler.update_from_result(plan, empty)]
         self._publish_events()
         return outputs
 

@@ -91,14 +91,17 @@ class APIKeyMiddleware:
 
 
 def create_app(async_engine: AsyncEngine, *, served_model_name: str,
-               api_keys: tuple[str, ...] = (), max_request_bytes: int | None = None) -> FastAPI:
+               api_keys: tuple[str, ...] = (), max_request_bytes: int | None = None,
+               metrics_compat: str = "none") -> FastAPI:
     """The OpenAI-compatible app over a started ``AsyncEngine`` (the caller owns its lifecycle).
+
+    ``metrics_compat``: "vllm" also exports each metric vLLM has under vLLM's name (docs/metrics.md).
 
     ``max_request_bytes``: larger request bodies are refused with 413 before they are read
     (default: ``default_max_request_bytes`` of the model's context).
     """
     engine = EngineClient(async_engine)
-    service, responses = build_services(engine, served_model_name, api_keys)
+    service, responses = build_services(engine, served_model_name, api_keys, metrics_compat)
 
     @contextlib.asynccontextmanager
     async def sweepers(_app: FastAPI) -> AsyncIterator[None]:
@@ -126,12 +129,15 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
     return app
 
 
-def build_services(engine: EngineClient, served_model_name: str, api_keys: tuple[str, ...]
-                   ) -> tuple[GenerationService, ResponsesAPI]:
-    """The app's generation service (with its metrics, whose runtime paths it shows, and its
-    session service) and the Responses API, over the durable backends of the engine's config."""
-    metrics = ServerMetrics(engine.stats, served_model_name)
+def build_services(engine: EngineClient, served_model_name: str, api_keys: tuple[str, ...],
+                   metrics_compat: str = "none") -> tuple[GenerationService, ResponsesAPI]:
+    """The app's generation service (with its metrics, whose runtime paths and cache config it
+    shows, and its session service) and the Responses API, over the durable backends of the
+    engine's config."""
+    metrics = ServerMetrics(engine.stats, served_model_name, max_model_len=engine.max_model_len,
+                            compat=metrics_compat)
     metrics.show_paths(engine.runtime_info())
+    metrics.show_cache_config(engine.config)
     config = engine.config
     durable = DurableState(config.store, served_model_name)
     sessions = SessionService(config.sessions, engine, block_bytes=engine.block_bytes, block_size=engine.block_size,
@@ -191,7 +197,7 @@ def install_generation_routes(app: FastAPI, service: GenerationService) -> None:
 
 def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_name: str,
                api_keys: tuple[str, ...] = (), log_level: str = "info",
-               max_request_bytes: int | None = None) -> bool:
+               max_request_bytes: int | None = None, metrics_compat: str = "none") -> bool:
     """Serve HTTP on a thread and run the engine loop on this (main) thread until interrupted.
 
     Returns False when the HTTP server never started (e.g. the port is taken) or the engine loop
@@ -204,7 +210,7 @@ def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_nam
     status 1 on its own: closing must not keep a broken server alive).
     """
     app = create_app(async_engine, served_model_name=served_model_name, api_keys=api_keys,
-                     max_request_bytes=max_request_bytes)
+                     max_request_bytes=max_request_bytes, metrics_compat=metrics_compat)
     logger.info("request bodies over %d bytes are refused (413)", app.state.max_request_bytes)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=5)

@@ -1,230 +1,105 @@
-"""Prometheus metrics of one app: request timings observed by the server, engine state read at scrape.
+"""Prometheus metrics of one app: request counts and latencies observed per request, engine state
+read at scrape.
 
 Every metric lives in the app's own ``CollectorRegistry`` (two apps in one process never share
-one). Engine-level values come from ``engine.stats()`` each time ``/metrics`` is scraped, so the
-engine keeps no Prometheus objects: core classes return stats, the edge exports metrics. The
-engine loop takes that snapshot after each step and, while idle, every ``IDLE_STATS_REFRESH_S``
-(0.5 s), so the tier and block gauges follow saves that finish after the last request.
+one). Engine-level values come from ``engine.stats()`` each time ``/metrics`` is scraped
+(``metrics_collectors.py``), so the engine keeps no Prometheus objects: core classes return stats,
+the edge exports metrics. Request latencies combine the server's clock (arrival, each output
+received) with the times the engine stamps on its outputs (queued, first scheduled, produced);
+both are ``time.monotonic`` of this one process. With ``--metrics-compat vllm`` every family that
+vLLM also has is exported a second time under vLLM's name (``metrics_vllm.py``).
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from kvhive.server.metrics_collectors import (
+    EngineStatsCollector,
+    ResponseStatsCollector,
+    SessionStatsCollector,
+)
+from kvhive.server.metrics_vllm import check_metrics_compat, with_vllm_names
+
 if TYPE_CHECKING:
-    from kvhive.engine.stats import ConnectorCounters, EngineStats
+    from kvhive.config import EngineConfig
+    from kvhive.engine.core import RequestOutput
+    from kvhive.engine.stats import EngineStats
     from kvhive.sessions.registry import SessionStats
     from kvhive.sessions.responses import ResponseStats
 
-logger = logging.getLogger(__name__)
-
-_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
-
-
-def model_families(labels: list[str], gauges, counters) -> Iterator[Metric]:
-    """One gauge or counter family per ``(name, doc, value)``, labelled with the model name only."""
-    for family_type, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
-        for name, doc, value in rows:
-            family = family_type(name, doc, labels=["model_name"])
-            family.add_metric(labels, value)
-            yield family
+# Bucket bounds as vLLM v1 has them, so dashboards' quantiles read the same on both.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                           60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# The finish reasons a request ends with; each has its series from the start (at 0).
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
-class EngineStatsCollector(Collector):
-    """Turns one ``EngineStats`` snapshot into gauges and counters at each scrape."""
-
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
-        self._stats = stats
-        self._labels = [model_name]
-
-    def collect(self) -> Iterator[Metric]:
-        """Read the engine's stats once and yield them (nothing if the engine cannot answer)."""
-        try:
-            s = self._stats()
-        except Exception:  # noqa: BLE001 - a scrape must not fail because the engine is down
-            logger.exception("engine.stats() failed; engine metrics left out of this scrape")
-            return
-        gauges = (
-            ("kvhive_num_requests_running", "Requests in the running batch.", s.num_running),
-            ("kvhive_num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
-            ("kvhive_kv_cache_usage_perc", "Fraction of device KV blocks in use (0..1).", s.kv_usage),
-            ("kvhive_cache_num_blocks", "Device KV blocks in the pool.", s.num_blocks),
-            ("kvhive_cache_block_size", "Tokens per KV block.", s.block_size),
-        )
-        counters = (
-            ("kvhive_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-             s.prefix_cache_queries_tokens),
-            ("kvhive_prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-             s.prefix_cache_hits_tokens),
-            ("kvhive_num_preemptions", "Requests preempted (to be recomputed) for lack of blocks.",
-             s.num_preemptions),
-        )
-        yield from model_families(self._labels, gauges, counters)
-        blocks = GaugeMetricFamily("kvhive_kv_blocks", "Device KV blocks by state: free (empty), cached (a "
-                                   "reusable prefix nobody holds, evicted on demand), used (held by a request "
-                                   "or an idle session); the three add up to the pool's usable blocks.",
-                                   labels=["model_name", "state"])
-        for state, count in (("free", s.free_blocks), ("cached", s.cached_blocks), ("used", s.used_blocks)):
-            blocks.add_metric(self._labels + [state], count)
-        yield blocks
-        yield from self._tier_metrics(s)
-
-    def _tier_metrics(self, s: EngineStats) -> Iterator[Metric]:
-        """Per-tier KV store metrics (label ``tier``: cpu, disk, redis) and connector counters."""
-        if not s.tiers:
-            return
-        labels = ["model_name", "tier"]
-        counters = (
-            ("kvhive_kv_tier_hit_tokens", "Prompt tokens this tier supplied at admission.",
-             lambda t: t.hit_tokens),
-            ("kvhive_kv_tier_miss_tokens", "Prompt tokens asked of this tier that it did not hold.",
-             lambda t: t.miss_tokens),
-            ("kvhive_kv_tier_bytes_in", "Block bytes written into this tier.", lambda t: t.store.bytes_in),
-            ("kvhive_kv_tier_bytes_out", "Block bytes read from this tier.", lambda t: t.store.bytes_out),
-            ("kvhive_kv_tier_evictions", "Blocks this tier dropped to stay within its budget.",
-             lambda t: t.store.evictions),
-            ("kvhive_kv_tier_errors", "Failed calls and corrupt objects in this tier (each a miss).",
-             lambda t: t.store.errors),
-        )
-        for name, doc, value in counters:
-            family = CounterMetricFamily(name, doc, labels=labels)
-            for tier in s.tiers:
-                family.add_metric(self._labels + [tier.name], value(tier))
-            yield family
-        latency = SummaryMetricFamily("kvhive_kv_tier_load_seconds", "Time spent reading blocks from this tier.",
-                                      labels=labels)
-        usage = GaugeMetricFamily("kvhive_kv_tier_usage_bytes", "Bytes this tier holds.", labels=labels)
-        budget = GaugeMetricFamily("kvhive_kv_tier_budget_bytes", "Byte budget of this tier.", labels=labels)
-        for tier in s.tiers:
-            tier_labels = self._labels + [tier.name]
-            latency.add_metric(tier_labels, tier.store.load_count, tier.store.load_seconds_sum)
-            if tier.store.used_bytes is not None:
-                usage.add_metric(tier_labels, tier.store.used_bytes)
-            if tier.store.budget_bytes is not None:
-                budget.add_metric(tier_labels, tier.store.budget_bytes)
-        yield from (latency, usage, budget)
-        if s.connector is not None:
-            yield from self._connector_metrics(s.connector)
-
-    def _connector_metrics(self, c: ConnectorCounters) -> Iterator[Metric]:
-        """The KV connector's load and save counters and its asynchronous load time."""
-        for name, doc, value in (
-            ("kvhive_kv_connector_sync_loads", "KV loads copied in during the step (memory tier).", c.sync_loads),
-            ("kvhive_kv_connector_async_loads", "KV loads fetched while the request waited.", c.async_loads),
-            ("kvhive_kv_connector_failed_load_blocks", "Blocks a load could not supply (recomputed).",
-             c.failed_load_blocks),
-            ("kvhive_kv_connector_saved_blocks", "Blocks handed to the KV writer.", c.saved_blocks),
-            ("kvhive_kv_connector_dropped_save_blocks", "Blocks not saved because the writer fell behind.",
-             c.dropped_save_blocks),
-        ):
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric(self._labels, value)
-            yield family
-        wait = SummaryMetricFamily("kvhive_kv_connector_async_load_seconds",
-                                   "Wall time of asynchronous KV loads (request parked meanwhile).",
-                                   labels=["model_name"])
-        wait.add_metric(self._labels, c.async_load_count, c.async_load_seconds_sum)
-        yield wait
-
-
-class SessionStatsCollector(Collector):
-    """Session metrics at each scrape: the registry's counts, and where the sessions' blocks are."""
-
-    def __init__(self, sessions: Callable[[], SessionStats], engine_stats: Callable[[], EngineStats],
-                 pinned_by_tier: Callable[[], dict[str, int]], model_name: str) -> None:
-        self._sessions = sessions
-        self._engine_stats = engine_stats
-        self._pinned_by_tier = pinned_by_tier
-        self._labels = [model_name]
-
-    def collect(self) -> Iterator[Metric]:
-        """Read the registry, the engine snapshot and the store's pins once; yield the families."""
-        try:
-            s, e, pinned = self._sessions(), self._engine_stats(), self._pinned_by_tier()
-        except Exception:  # noqa: BLE001 - a scrape must not fail because a tier is down
-            logger.exception("session stats failed; session metrics left out of this scrape")
-            return
-        gauges = (
-            ("kvhive_sessions_live", "Sessions not expired (busy ones included).", s.num_live),
-            ("kvhive_session_tokens", "Tokens the live sessions hold (prompt + output of their last turn).",
-             s.num_tokens),
-        )
-        counters = (
-            ("kvhive_session_turns", "Turns finished in a session.", s.turns_total),
-            ("kvhive_session_hit_tokens", "Prompt tokens of session turns served from cached KV.",
-             s.hit_tokens_total),
-            ("kvhive_session_expiries", "Sessions dropped at their expiry (their blocks released).",
-             s.expired_total),
-            ("kvhive_session_deletes", "Sessions ended by DELETE or end_conversation.", s.deleted_total),
-            ("kvhive_session_spills", "Idle session holdings moved off the device to the store tiers.",
-             e.num_session_spills),
-        )
-        yield from model_families(self._labels, gauges, counters)
-        # device: blocks idle sessions hold in the pool; a store tier: pinned blocks it holds.
-        blocks = GaugeMetricFamily("kvhive_session_blocks", "Session blocks held, by tier (device = pinned "
-                                   "in the pool by idle sessions; a store tier = session-pinned blocks it holds).",
-                                   labels=["model_name", "tier"])
-        tokens = GaugeMetricFamily("kvhive_session_tier_tokens", "Tokens of the session blocks each tier holds.",
-                                   labels=["model_name", "tier"])
-        for tier, num_blocks in {"device": e.num_session_blocks, **pinned}.items():
-            blocks.add_metric(self._labels + [tier], num_blocks)
-            tokens.add_metric(self._labels + [tier], num_blocks * e.block_size)
-        yield from (blocks, tokens)
-
-
-class ResponseStatsCollector(Collector):
-    """``/v1/responses`` metrics at each scrape: stored responses and conversations, responses created."""
-
-    def __init__(self, stats: Callable[[], ResponseStats], model_name: str) -> None:
-        self._stats = stats
-        self._labels = [model_name]
-
-    def collect(self) -> Iterator[Metric]:
-        """Read the stats once; yield the gauges and the created counter (label ``status``)."""
-        s = self._stats()
-        gauges = (
-            ("kvhive_responses_stored", "Stored responses this replica holds.", s.num_stored),
-            ("kvhive_response_conversations", "Conversations of stored responses this replica holds.",
-             s.num_conversations),
-        )
-        yield from model_families(self._labels, gauges, ())
-        created = CounterMetricFamily("kvhive_responses_created", "Responses created, by final status "
-                                      "(completed, incomplete, failed).", labels=["model_name", "status"])
-        for status, count in sorted(s.created_total.items()):
-            created.add_metric(self._labels + [status], count)
-        yield created
+def token_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (bounds for per-request token counts)."""
+    bounds, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(bounds)
+            bounds.append(mantissa * scale)
+        scale *= 10
 
 
 class ServerMetrics:
-    """The app's registry: request counters and latency histograms, plus the engine collector."""
+    """The app's registry: request counters and histograms, plus the collectors of engine, session
+    and response state; ``compat`` ("none" or "vllm") adds vLLM's names."""
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str, *, max_model_len: int = 8192,
+                 compat: str = "none") -> None:
+        check_metrics_compat(compat)
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self._compat = compat
         self._engine_stats = stats
-        labels = ["model_name"]
-        self.requests = Counter("kvhive_request_finished", "Finished requests by finish reason.",
-                                labels + ["finished_reason"], registry=self.registry)
-        self.prompt_tokens = Counter("kvhive_prompt_tokens", "Prompt tokens of finished requests.",
-                                     labels, registry=self.registry)
-        self.generation_tokens = Counter("kvhive_generation_tokens", "Generated tokens.",
-                                         labels, registry=self.registry)
-        self.ttft = Histogram("kvhive_time_to_first_token_seconds",
-                              "Time from request arrival to its first generated token.",
-                              labels, buckets=_TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram("kvhive_inter_token_latency_seconds",
-                             "Time between consecutive generated tokens of one request.",
-                             labels, buckets=_ITL_BUCKETS, registry=self.registry)
-        self.registry.register(EngineStatsCollector(stats, model_name))
+        self._requests = self._add(Counter("kvhive_request_finished", "Finished requests by finish reason "
+                                           "(stop, length, abort, error).", ["model_name", "finished_reason"],
+                                           registry=None))
+        self._by_reason = {reason: self._requests.labels(model_name, reason) for reason in FINISH_REASONS}
+        self.prompt_tokens = self.counter("kvhive_prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = self.counter("kvhive_generation_tokens", "Generated tokens of finished requests.")
+        self.ttft = self.histogram("kvhive_time_to_first_token_seconds",
+                                    "Time from request arrival to its first generated token.", TTFT_BUCKETS)
+        self.itl = self.histogram("kvhive_inter_token_latency_seconds",
+                                   "Time between consecutive generated tokens of one request.", ITL_BUCKETS)
+        self.phases = RequestPhaseHistograms(self)
+        tokens = token_buckets(max_model_len)
+        self.request_prompt_tokens = self.histogram("kvhive_request_prompt_tokens",
+                                                     "Prompt tokens per finished request.", tokens)
+        self.request_generation_tokens = self.histogram("kvhive_request_generation_tokens",
+                                                         "Generated tokens per finished request.", tokens)
+        self.max_tokens_param = self.histogram("kvhive_request_params_max_tokens",
+                                                "The max_tokens of each finished request (the room left in "
+                                                "the context when the request set none).", tokens)
+        self._add(EngineStatsCollector(stats, model_name))
+
+    def _add(self, collector: Collector):
+        """Register ``collector`` (with its vLLM aliases when asked) and return it."""
+        self.registry.register(with_vllm_names(collector, self._compat))
+        return collector
+
+    def counter(self, name: str, doc: str):
+        """A counter labelled with the model name; returns its one child."""
+        return self._add(Counter(name, doc, ["model_name"], registry=None)).labels(self.model_name)
+
+    def histogram(self, name: str, doc: str, buckets: Sequence[float]):
+        """A histogram labelled with the model name; returns its one child."""
+        return self._add(Histogram(name, doc, ["model_name"], buckets=buckets, registry=None)).labels(self.model_name)
 
     def show_paths(self, info: dict) -> None:
         """``kvhive_runtime_info`` (device, dtype, ISA level) and ``kvhive_kernel_path_info`` (per op), value 1."""
@@ -236,54 +111,116 @@ class ServerMetrics:
         for op, path in info["paths"].items():
             paths.labels(self.model_name, op, path).set(1)
 
+    def show_cache_config(self, config: EngineConfig) -> None:
+        """``kvhive_cache_config_info``: the KV cache's block size, blocks, prefix caching and dtype, value 1."""
+        info = self._add(Gauge("kvhive_cache_config_info", "Configuration of the device KV cache (labels).",
+                               ["model_name", "block_size", "num_blocks", "enable_prefix_caching", "cache_dtype"],
+                               registry=None))
+        cache = config.cache
+        info.labels(self.model_name, str(cache.block_size), str(cache.num_blocks),
+                    str(cache.enable_prefix_caching), config.dtype).set(1)
+
     def watch_sessions(self, sessions: Callable[[], SessionStats],
                        pinned_by_tier: Callable[[], dict[str, int]]) -> None:
         """Export session metrics from the registry's stats and the store's pinned blocks per tier."""
-        self.registry.register(SessionStatsCollector(sessions, self._engine_stats, pinned_by_tier,
-                                                     self.model_name))
+        self._add(SessionStatsCollector(sessions, self._engine_stats, pinned_by_tier, self.model_name))
 
     def watch_responses(self, stats: Callable[[], ResponseStats]) -> None:
         """Export ``/v1/responses`` metrics from the API's stats."""
-        self.registry.register(ResponseStatsCollector(stats, self.model_name))
+        self._add(ResponseStatsCollector(stats, self.model_name))
 
-    def track_request(self) -> RequestMetrics:
-        """Start timing one request (call at arrival)."""
-        return RequestMetrics(self)
+    def track_request(self, max_tokens: int | None = None) -> RequestMetrics:
+        """Start timing one request (call at arrival); ``max_tokens``: its limit, observed at the end."""
+        return RequestMetrics(self, max_tokens)
 
     def render(self) -> tuple[bytes, str]:
         """Prometheus text exposition and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
+    def finished(self, reason: str):
+        """The finished-requests counter of ``reason`` (a reason outside FINISH_REASONS gets its own)."""
+        counter = self._by_reason.get(reason)
+        return counter if counter is not None else self._requests.labels(self.model_name, reason)
+
+
+class RequestPhaseHistograms:
+    """Where a finished request's time went, from the engine's stamps (vLLM's request intervals):
+    queue (queued -> first scheduled), prefill (-> first token), decode (first -> last token),
+    inference (first scheduled -> last token), and the mean time per output token after the first."""
+
+    def __init__(self, m: ServerMetrics) -> None:
+        self.e2e = m.histogram("kvhive_e2e_request_latency_seconds",
+                                "Time from request arrival to its last output (every finish reason).",
+                                REQUEST_LATENCY_BUCKETS)
+        self.queue = m.histogram("kvhive_request_queue_time_seconds",
+                                  "Time from the engine queueing a request to first scheduling it.",
+                                  REQUEST_LATENCY_BUCKETS)
+        self.prefill = m.histogram("kvhive_request_prefill_time_seconds",
+                                    "Time from first scheduling a request to its first token.",
+                                    REQUEST_LATENCY_BUCKETS)
+        self.decode = m.histogram("kvhive_request_decode_time_seconds",
+                                   "Time from a request's first token to its last.", REQUEST_LATENCY_BUCKETS)
+        self.inference = m.histogram("kvhive_request_inference_time_seconds",
+                                      "Time from first scheduling a request to its last token.",
+                                      REQUEST_LATENCY_BUCKETS)
+        self.per_token = m.histogram("kvhive_request_time_per_output_token_seconds",
+                                      "Decode time over the tokens after the first, per request of two "
+                                      "tokens or more.", ITL_BUCKETS)
+
+    def observe(self, queued: float, scheduled: float, first: float, last: float, num_output: int) -> None:
+        """Record one request's phases from the engine's stamps (all ``time.monotonic``)."""
+        self.queue.observe(max(0.0, scheduled - queued))
+        self.prefill.observe(max(0.0, first - scheduled))
+        self.decode.observe(max(0.0, last - first))
+        self.inference.observe(max(0.0, last - scheduled))
+        if num_output > 1:
+            self.per_token.observe(max(0.0, last - first) / (num_output - 1))
+
 
 class RequestMetrics:
-    """Timings and counts of one request; ``finish`` records it exactly once."""
+    """Timings and counts of one request; ``finish`` records it exactly once, whatever ended it."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, max_tokens: int | None = None) -> None:
         self._m = metrics
+        self._max_tokens = max_tokens
         self._arrival = time.monotonic()
         self._last_token: float | None = None
+        # The engine's stamps: queued and first scheduled, first and last output with tokens.
+        self._queued = self._scheduled = self._first_output = self._last_output = None
         self._finished = False
 
-    def on_tokens(self, num_new: int) -> None:
-        """Record an engine output carrying ``num_new`` tokens (TTFT for the first, ITL after)."""
+    def on_output(self, out: RequestOutput) -> None:
+        """Record an engine output: TTFT for the first with tokens, ITL after; keep its stamps."""
+        num_new = len(out.new_token_ids)
         if num_new <= 0:
             return
         now = time.monotonic()
-        name = self._m.model_name
         if self._last_token is None:
-            self._m.ttft.labels(name).observe(now - self._arrival)
+            self._m.ttft.observe(now - self._arrival)
+            self._first_output = out.output_time
         else:
             gap = (now - self._last_token) / num_new
             for _ in range(num_new):
-                self._m.itl.labels(name).observe(gap)
+                self._m.itl.observe(gap)
         self._last_token = now
+        self._last_output = out.output_time
+        self._queued, self._scheduled = out.queued_time, out.scheduled_time
 
     def finish(self, reason: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
-        """Count the finished request (stop / length / abort) and its tokens; later calls do nothing."""
+        """Count the finished request (stop / length / abort / error), its tokens and latencies;
+        the phase times need a token from the engine. Later calls do nothing."""
         if self._finished:
             return
         self._finished = True
-        name = self._m.model_name
-        self._m.requests.labels(name, reason).inc()
-        self._m.prompt_tokens.labels(name).inc(num_prompt_tokens)
-        self._m.generation_tokens.labels(name).inc(num_output_tokens)
+        m = self._m
+        m.finished(reason).inc()
+        m.prompt_tokens.inc(num_prompt_tokens)
+        m.generation_tokens.inc(num_output_tokens)
+        m.phases.e2e.observe(time.monotonic() - self._arrival)
+        m.request_prompt_tokens.observe(num_prompt_tokens)
+        m.request_generation_tokens.observe(num_output_tokens)
+        if self._max_tokens is not None:
+            m.max_tokens_param.observe(self._max_tokens)
+        if self._scheduled is not None and self._first_output is not None:
+            m.phases.observe(self._queued, self._scheduled, self._first_output, self._last_output,
+                             num_output_tokens)

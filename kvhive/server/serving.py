@@ -348,7 +348,7 @@ class GenerationService:
         The request runs in ``turn``'s session, and ends the turn: with what the session holds
         once the engine says so, else (stopped early, failed) with what it held before.
         """
-        tracker = self.metrics.track_request()
+        tracker = self.metrics.track_request(sampling.max_tokens)
         deltas = DeltaAssembler(self.tokenizer, prompt_token_ids, stop_strings, sampling.logprobs is not None)
         outputs = self.engine.generate(request_id, prompt_token_ids, sampling, cache_salt=cache_salt,
                                        session_id=turn.engine_id, end_session=turn.end_session)
@@ -358,7 +358,7 @@ class GenerationService:
                 if out.session_block_hashes is not None:
                     turn.end(out.num_prompt_tokens + out.num_output_tokens, out.session_block_hashes,
                              max(0, out.num_cached_tokens))
-                tracker.on_tokens(len(out.new_token_ids))
+                tracker.on_output(out)
                 delta = deltas.add(out)
                 if delta is None:
                     continue
