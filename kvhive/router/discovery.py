@@ -10,7 +10,9 @@ whose record is gone is removed once the expiry last seen has passed. So a repli
 stops is removed within TTL + ``interval_s`` of its last beat, and a Redis that lost its data
 (FLUSHALL, a restart) removes nobody: its live replicas write their record again within a
 heartbeat (TTL / 3), before the expiry last seen. While Redis cannot be reached, the gateway keeps
-the replicas it has (its health checks still stop routing to dead ones).
+the replicas it has (its health checks still stop routing to dead ones), and after it answers
+again each replica gets one more TTL to beat before a missing record removes it (a hung Redis
+expires every record the moment it resumes).
 """
 
 from __future__ import annotations
@@ -88,7 +90,9 @@ class ReplicaDiscovery:
         self.fingerprint = fingerprint
         self.static = frozenset(static)         # --replica URLs: never added nor removed here
         self._expires: dict[str, float] = {}    # discovered replica -> monotonic expiry last seen
+        self._ttl: dict[str, float] = {}        # discovered replica -> its registration TTL
         self._specs: dict[str, ReplicaSpec] = {}
+        self._blind = False                     # the last read could not reach Redis
         self._refused: set[str] = set()         # URLs whose other model was logged once
 
     @property
@@ -107,8 +111,13 @@ class ReplicaDiscovery:
         try:
             registered = await asyncio.to_thread(self.reader.read)
         except SharedStateUnavailable:
+            self._blind = True
             return
         now = time.monotonic()
+        if self._blind:                 # back after an outage: one more TTL to beat for everyone
+            self._blind = False
+            for name in self._specs:
+                self._expires[name] = max(self._expires[name], now + self._ttl[name])
         live: dict[str, ReplicaSpec] = {}
         for entry in registered:
             spec = self._accepted(entry.record)
@@ -119,6 +128,7 @@ class ReplicaDiscovery:
                 continue
             live[spec.name] = spec
             self._expires[spec.name] = now + entry.expires_in_s
+            self._ttl[spec.name] = entry.record.ttl_s
         for name in [n for n in self._specs if n not in live and now > self._expires[n]]:
             await self._remove(name, "its registration expired")
         await self._add([spec for name, spec in live.items() if self._specs.get(name) != spec])
@@ -160,6 +170,7 @@ class ReplicaDiscovery:
     async def _remove(self, name: str, why: str) -> None:
         if self._specs.pop(name, None) is not None:
             self._expires.pop(name, None)
+            self._ttl.pop(name, None)
             await self.replica_set.remove(name, why)
 
 
