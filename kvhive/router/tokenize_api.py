@@ -21,6 +21,7 @@ from kvhive.core.json_body import BodyError, load_json
 from kvhive.core.tokenize_bodies import (
     DetokenizeRequest,
     TokenizeChatRequest,
+    TokenizeMessage,
     TokenizeRequest,
     chat_token_ids,
     check_detokenize_request,
@@ -111,9 +112,9 @@ class TokenizeAPI:
 
     async def chat_ids(self, body: TokenizeChatRequest) -> list[int]:
         """The ids of the body's messages through the chat template."""
+        check_text_parts(body.messages)
         messages = chat_messages([m.model_dump() for m in body.messages])
-        if messages is None:
-            raise BodyError("Only text content parts are supported", param="messages")
+        assert messages is not None                 # valid messages of text parts: always read
         size = sum(len(m["content"]) for m in messages)
         try:
             return await self.off_loop_if(size, chat_token_ids, self.tokenizer, list(messages), body)
@@ -133,6 +134,15 @@ class TokenizeAPI:
     async def off_loop_if(self, size: int, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``, on the tokenizer pool when ``size`` reaches OFF_LOOP_SIZE."""
         return await self.run(fn, *args) if size >= OFF_LOOP_SIZE else fn(*args)
+
+
+def check_text_parts(messages: Sequence[TokenizeMessage]) -> None:
+    """BodyError naming the first content part that is not text (the replicas read text only)."""
+    for i, message in enumerate(messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            if part.type != "text" or part.text is None:
+                raise BodyError(f"Only text content parts are supported, got type '{part.type}'",
+                                param=f"messages[{i}].content[{j}].type")
 
 
 def model_card(cards: Sequence[dict[str, Any]], model: str | None) -> dict[str, Any]:

@@ -133,6 +133,8 @@ BAD_BODIES = [
     ("/tokenize", {"messages": []}, "messages"),
     ("/tokenize", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ("/tokenize", {"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].type"),
     ("/tokenize", {"messages": CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
     ("/tokenize", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
     ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
