@@ -14,6 +14,11 @@ it). The salt keeps tenants apart as the replicas' prefix caches do: with the ga
 ``--salt-with-api-key``, one key never finds another key's chunks, so the time a request takes at
 the gateway does not tell whether another key sent the same text. A probe at start-up checks the
 property on the actual tokenizer; if it fails the store is off and texts are encoded whole.
+
+A completion's text gets the special tokens the model's tokenizer adds (its BOS), as the server
+encodes it, unless the body's ``add_special_tokens`` is false; they are a piece of their own before
+the chunks, and their key leads the chunks' keys, so a text with them never finds chunks or block
+keys cached for it without them.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ class Prompt:
     messages: tuple[dict[str, str], ...] | None = None
     token_ids: tuple[int, ...] | None = None
     cache_salt: str | None = None
+    # A text gets the BOS/EOS the model's tokenizer asks for, as a completion prompt does by default
+    # (chat messages never: their template writes its own; token ids are used as given).
+    add_special_tokens: bool = True
 
 
 class PromptPieces(NamedTuple):
@@ -63,6 +71,16 @@ class PromptPieces(NamedTuple):
         return out
 
 
+class SpecialAffixes(NamedTuple):
+    """The ids a tokenizer adds before and after every text it encodes with special tokens."""
+
+    prefix: tuple[int, ...]
+    suffix: tuple[int, ...]
+
+
+NO_AFFIXES = SpecialAffixes((), ())
+
+
 def prompt_from_body(body: Mapping[str, Any], key_owner: str | None = None) -> Prompt | None:
     """The prompt of a completion or chat body, as the server reads it; None if it cannot tell.
     ``key_owner`` (``kvhive.core.tenancy.key_owner`` of the caller's key) salts the prompt the way a
@@ -77,8 +95,9 @@ def prompt_from_body(body: Mapping[str, Any], key_owner: str | None = None) -> P
         if len(prompt) != 1:
             return None
         prompt = prompt[0]
-    if isinstance(prompt, str) and prompt:
-        return Prompt(text=prompt, cache_salt=salt)
+    special = body.get("add_special_tokens", True)
+    if isinstance(prompt, str) and prompt and isinstance(special, bool):
+        return Prompt(text=prompt, cache_salt=salt, add_special_tokens=special)
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return Prompt(token_ids=tuple(prompt), cache_salt=salt)
     return None
@@ -124,6 +143,8 @@ class PromptTokenizer:
         self.chunk_hits = 0
         self.chunk_misses = 0
         self.prefix_store_enabled = max_chunks > 0 and all(self._cuts_are_exact(p) for p in _PROBES)
+        # None: special tokens depend on the text (or no store); such texts are then encoded whole.
+        self._affixes = self._special_affixes() if self.prefix_store_enabled else None
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvhive-tokenize")
 
     def token_ids(self, prompt: Prompt, max_new_chars: int | None = None) -> list[int] | None:
@@ -140,48 +161,58 @@ class PromptTokenizer:
         if prompt.messages is not None:
             return self.encode_pieces(self.tokenizer.apply_chat_template(list(prompt.messages)),
                                       max_new_chars, prompt.cache_salt)
-        return self.encode_pieces(prompt.text or "", max_new_chars, prompt.cache_salt)
+        return self.encode_pieces(prompt.text or "", max_new_chars, prompt.cache_salt, prompt.add_special_tokens)
 
     async def run(self, fn: Any, *args: Any) -> Any:
         """Run ``fn(*args)`` on the tokenizer pool, off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    def encode(self, text: str, max_new_chars: int | None = None) -> list[int] | None:
-        """``tokenizer.encode(text)``, built from cached chunks where the store allows; None (nothing
-        tokenized) when more than ``max_new_chars`` characters would need tokenizing."""
-        pieces = self.encode_pieces(text, max_new_chars)
+    def encode(self, text: str, max_new_chars: int | None = None,
+               add_special_tokens: bool = False) -> list[int] | None:
+        """``tokenizer.encode(text, add_special_tokens)``, built from cached chunks where the store
+        allows; None (nothing tokenized) when more than ``max_new_chars`` characters would need
+        tokenizing."""
+        pieces = self.encode_pieces(text, max_new_chars, add_special_tokens=add_special_tokens)
         return None if pieces is None else pieces.joined()
 
-    def encode_pieces(self, text: str, max_new_chars: int | None = None,
-                      salt: str | None = None) -> PromptPieces | None:
+    def encode_pieces(self, text: str, max_new_chars: int | None = None, salt: str | None = None,
+                      add_special_tokens: bool = False) -> PromptPieces | None:
         """``encode`` as one piece per chunk of text (one uncached piece for a short text); chunks
-        are cached under ``salt`` (a prompt's cache salt): found only by texts with the same salt."""
-        if not self.prefix_store_enabled or len(text) <= self.chunk_chars:
+        are cached under ``salt`` (a prompt's cache salt): found only by texts with the same salt.
+        With ``add_special_tokens``, the ids the tokenizer adds around a text (a BOS) are a piece of
+        their own before the chunks (and after them)."""
+        affixes = self._affixes if add_special_tokens else NO_AFFIXES
+        if affixes is None or not self.prefix_store_enabled or len(text) <= self.chunk_chars:
             if max_new_chars is not None and len(text) > max_new_chars:
                 return None
-            return PromptPieces([None], [self.tokenizer.encode(text)])
+            return PromptPieces([None], [self.tokenizer.encode(text, add_special_tokens=add_special_tokens)])
         chunks = self.chunks(text)
-        # Key i names the salt and chunks 0..i: equal keys mean equal salt and text up to the
-        # chunk's end.
-        keys: list[bytes | None] = []
-        key = b"" if salt is None else xxhash.xxh3_128_digest(b"salt:" + salt.encode("utf-8", "surrogatepass"))
-        for chunk in chunks:
-            key = xxhash.xxh3_128_digest(key + chunk.encode("utf-8", "surrogatepass"))
-            keys.append(key)
+        head, keys = _chunk_keys(chunks, salt, affixes.prefix)
+        ids = self._chunk_ids(chunks, keys, max_new_chars)
+        if ids is None:
+            return None
+        tail: list[bytes | None] = [None] if affixes.suffix else []
+        return PromptPieces([*head, *keys, *tail],
+                            [affixes.prefix][:len(head)] + ids + [affixes.suffix][:len(tail)])
+
+    def _chunk_ids(self, chunks: list[str], keys: list[bytes],
+                   max_new_chars: int | None) -> list[Sequence[int]] | None:
+        """Each chunk's ids, from the store or tokenized (and stored); None, having tokenized
+        nothing, when more than ``max_new_chars`` characters are not in the store."""
         with self._lock:
             found = list(map(self._chunks.get, keys))
         if max_new_chars is not None:
             new_chars = sum(len(c) for c, ids in zip(chunks, found, strict=True) if ids is None)
             if new_chars > max_new_chars:
                 return None
-        ids = [cached if cached is not None else self._tokenize_chunk(chunk, key)
-               for chunk, key, cached in zip(chunks, keys, found, strict=True)]
+        ids: list[Sequence[int]] = [cached if cached is not None else self._tokenize_chunk(chunk, key)
+                                    for chunk, key, cached in zip(chunks, keys, found, strict=True)]
         with self._lock:
             self.chunk_hits += len(chunks) - found.count(None)
             for key, cached in zip(keys, found, strict=True):
                 if cached is not None and key in self._chunks:
                     self._chunks.move_to_end(key)
-        return PromptPieces(keys, ids)
+        return ids
 
     def chunks(self, text: str) -> list[str]:
         """``text`` cut at letter-space-letter points, each piece at least ``chunk_chars`` long; the
@@ -221,6 +252,19 @@ class PromptTokenizer:
                 self._chunks.popitem(last=False)
         return ids
 
+    def _special_affixes(self) -> SpecialAffixes | None:
+        """What encoding with special tokens adds around each probe, when it adds the same around
+        every one (the post-processor's BOS/EOS); else None."""
+        found = set()
+        for probe in _PROBES:
+            plain = self.tokenizer.encode(probe)
+            full = self.tokenizer.encode(probe, add_special_tokens=True)
+            start = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), None)
+            if start is None:
+                return None
+            found.add(SpecialAffixes(tuple(full[:start]), tuple(full[start + len(plain):])))
+        return found.pop() if len(found) == 1 else None
+
     def _cuts_are_exact(self, probe: str) -> bool:
         whole = self.tokenizer.encode(probe)
         for match in _CUT_CANDIDATE.finditer(probe):
@@ -229,3 +273,24 @@ class PromptTokenizer:
                 if self.tokenizer.encode(probe[:i]) + self.tokenizer.encode(probe[i:]) != whole:
                     return False
         return True
+
+
+def _chunk_keys(chunks: list[str], salt: str | None, prefix: Sequence[int]) -> tuple[list[bytes], list[bytes]]:
+    """The key of the added ids before the text (none when there are none) and of each chunk: key
+    i names the salt, the added ids and chunks 0..i, so equal keys mean equal salt, added ids and
+    text up to the chunk's end."""
+    key = b"" if salt is None else xxhash.xxh3_128_digest(b"salt:" + salt.encode("utf-8", "surrogatepass"))
+    head = []
+    if prefix:
+        key = xxhash.xxh3_128_digest(key + b"special:" + _ids_bytes(prefix))
+        head.append(key)
+    keys = []
+    for chunk in chunks:
+        key = xxhash.xxh3_128_digest(key + chunk.encode("utf-8", "surrogatepass"))
+        keys.append(key)
+    return head, keys
+
+
+def _ids_bytes(ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian int32s (a key's share of them)."""
+    return b"".join(i.to_bytes(4, "little", signed=True) for i in ids)

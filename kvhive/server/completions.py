@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from fastapi import Request
 from fastapi.responses import Response
 
+from kvhive.core.tokenizer import Tokenizer
 from kvhive.engine.step import TokenLogprobs
 from kvhive.request import MAX_LOGPROBS
 from kvhive.server.errors import bad_request
@@ -54,12 +55,13 @@ def single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str 
     return prompt
 
 
-def prompt_token_ids(service: GenerationService, prompt: str | list[int] | list[str] | list[list[int]]
-                     ) -> list[int]:
-    """The one prompt of the request as token ids (tokenized on the calling thread)."""
+def prompt_token_ids(service: GenerationService, prompt: str | list[int] | list[str] | list[list[int]],
+                     add_special_tokens: bool = True) -> list[int]:
+    """The one prompt of the request as token ids (tokenized on the calling thread): a text with the
+    BOS/EOS the model's tokenizer asks for unless ``add_special_tokens`` is false, token ids as given."""
     prompt = single_prompt(prompt)
     if isinstance(prompt, str):
-        token_ids = service.tokenizer.encode(prompt)
+        token_ids = service.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     else:
         token_ids = list(prompt)
         service.check_token_ids(token_ids, "prompt")
@@ -69,13 +71,35 @@ def prompt_token_ids(service: GenerationService, prompt: str | list[int] | list[
 
 
 async def prompt_token_ids_off_loop(service: GenerationService,
-                                    prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
+                                    prompt: str | list[int] | list[str] | list[list[int]],
+                                    add_special_tokens: bool = True) -> list[int]:
     """``prompt_token_ids``, on a worker thread for a text (or token-id list) of OFF_LOOP_CHARS
     characters (ids) or more: the event loop goes on serving meanwhile."""
     one = single_prompt(prompt)
     if len(one) >= OFF_LOOP_CHARS:
-        return await asyncio.to_thread(prompt_token_ids, service, one)
-    return prompt_token_ids(service, one)
+        return await asyncio.to_thread(prompt_token_ids, service, one, add_special_tokens)
+    return prompt_token_ids(service, one, add_special_tokens)
+
+
+def text_start(tokenizer: Tokenizer, text: str, token_ids: list[int]) -> int:
+    """How many leading ids of ``text``'s encoding with special tokens (``token_ids``) the tokenizer
+    added before the text itself (its BOS): the ids of the text alone follow them."""
+    plain = tokenizer.encode(text)
+    for start in range(len(token_ids) - len(plain) + 1):
+        if token_ids[start:start + len(plain)] == plain:
+            return start
+    return 0
+
+
+async def echo_text_start(service: GenerationService, body: CompletionRequest, token_ids: list[int]) -> int:
+    """``text_start`` of a text prompt encoded with special tokens (0 for token ids, or without
+    them): the echoed text begins at the token after the ones added (off the loop when long)."""
+    prompt = single_prompt(body.prompt)
+    if not isinstance(prompt, str) or not body.add_special_tokens:
+        return 0
+    if len(prompt) >= OFF_LOOP_CHARS:
+        return await asyncio.to_thread(text_start, service.tokenizer, prompt, token_ids)
+    return text_start(service.tokenizer, prompt, token_ids)
 
 
 def echoed_prompt(service: GenerationService, prompt: str | list[int]) -> str:
@@ -113,6 +137,7 @@ class CompletionAnswer:
     body: CompletionRequest
     token_ids: list[int]
     echo: str                                    # the prompt text before each choice; "" without echo
+    text_start: int = 0                          # leading prompt ids added before the text (a BOS)
     request_id: str = field(default_factory=lambda: new_request_id("cmpl"))
     created: int = field(default_factory=unix_time)
 
@@ -124,7 +149,8 @@ class CompletionAnswer:
         if self.body.logprobs is not None:
             tokenizer = self.service.tokenizer
             prompt = (None if prompt_values is None
-                      else prompt_completion_logprobs(self.token_ids, prompt_values, tokenizer))
+                      else prompt_completion_logprobs(self.token_ids, prompt_values, tokenizer,
+                                                      self.text_start))
             logprobs = completion_logprobs(tokens, tokenizer, len(self.echo), prompt)
         return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
 
@@ -180,7 +206,7 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
     one with ``new_session_ttl``; the answer then carries ``x-session-id``)."""
     service.check_common(body)
     _check_unsupported(body)
-    token_ids = await prompt_token_ids_off_loop(service, body.prompt)
+    token_ids = await prompt_token_ids_off_loop(service, body.prompt, body.add_special_tokens)
     echo = echoed_prompt(service, single_prompt(body.prompt)) if body.echo else ""
     prompt_logprobs = prompt_logprobs_wanted(body)
     max_tokens = service.resolve_max_tokens(1 if scores_prompt_only(body) else body.max_tokens, len(token_ids),
@@ -192,7 +218,8 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
     turn = await service.open_session(raw_request, body.model, len(token_ids) + max_tokens,
                                       new_ttl=new_session_ttl, n=body.n)
     headers = session_headers(turn)
-    answer = CompletionAnswer(service, body, token_ids, echo)
+    start = 0 if prompt_logprobs is None else await echo_text_start(service, body, token_ids)
+    answer = CompletionAnswer(service, body, token_ids, echo, text_start=start)
     streams = service.choice_streams(answer.request_id, body.n, token_ids, sampling, body.stop_strings,
                                      service.cache_salt_for(owner, body.cache_salt), turn)
     if not body.stream:

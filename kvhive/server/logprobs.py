@@ -108,13 +108,15 @@ def completion_logprobs(tokens: Sequence[SentToken], tokenizer: Tokenizer, text_
 
 
 def prompt_completion_logprobs(prompt_ids: Sequence[int], values: Sequence[TokenLogprobs],
-                               tokenizer: Tokenizer) -> CompletionLogprobs:
+                               tokenizer: Tokenizer, text_start: int = 0) -> CompletionLogprobs:
     """The echoed prompt's logprobs in the completions shape: the first token with null entries
     (nothing comes before it), then ``values`` (token i given the tokens before it, i >= 1); text
-    offsets into the prompt decoded with its special tokens (the echoed text)."""
+    offsets into the prompt decoded with its special tokens (the echoed text). The first
+    ``text_start`` tokens were added before the text sent (a BOS): they are at offset 0 and the
+    text is the rest decoded."""
     if len(values) != len(prompt_ids) - 1:
         raise ValueError(f"{len(values)} prompt logprobs for a prompt of {len(prompt_ids)} tokens")
-    offsets = _prompt_token_offsets(prompt_ids, tokenizer)
+    offsets = [0] * text_start + _prompt_token_offsets(prompt_ids[text_start:], tokenizer)
     out = CompletionLogprobs(tokens=[token_string(tokenizer.token_bytes(prompt_ids[0]))],
                              token_logprobs=[None], top_logprobs=[None], text_offset=[0])
     for lp, offset in zip(values, offsets[1:], strict=True):

@@ -62,6 +62,9 @@ class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    # vLLM extension: a text prompt gets the BOS/EOS the model's tokenizer asks for (token ids are
+    # used as given).
+    add_special_tokens: bool = True
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None

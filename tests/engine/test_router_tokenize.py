@@ -98,9 +98,9 @@ class CountingTokenizer:
         self.inner = inner
         self.encoded: list[int] = []
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         self.encoded.append(len(text))
-        return self.inner.encode(text)
+        return self.inner.encode(text, add_special_tokens)
 
     def apply_chat_template(self, messages: list) -> str:
         return self.inner.apply_chat_template(messages)
@@ -135,7 +135,7 @@ def test_prefix_store_is_bounded(tokenizer: Tokenizer) -> None:
 
 def test_store_turns_itself_off_for_a_tokenizer_that_is_not_split_exact() -> None:
     class WholeTextTokenizer:
-        def encode(self, text: str) -> list[int]:
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
             return [len(text)]
 
     prompts = PromptTokenizer(WholeTextTokenizer(), chunk_chars=16)

@@ -167,7 +167,8 @@ def test_gateway_gives_the_engine_ids(built: dict[str, Built], name: str, source
         long_texts = [" ".join(TEXTS) * 2, "word " * 200, "Привет мир " * 30]
         for text in [*TEXTS, *long_texts]:
             if text:
-                assert gateway.token_ids(Prompt(text=text)) == engine.encode(text), text
+                assert gateway.token_ids(Prompt(text=text)) == engine.encode(text, add_special_tokens=True), text
+                assert gateway.token_ids(Prompt(text=text, add_special_tokens=False)) == engine.encode(text), text
         for chat in CHATS[:1] + CHATS[2:]:
             messages = chat_messages(chat)
             assert gateway.token_ids(Prompt(messages=messages)) == engine.encode_chat(chat), chat
