@@ -34,7 +34,8 @@ class RedisLink:
 
     def __init__(self, url: str, timeout_s: float = 0.25, base_backoff_s: float = 1.0,
                  max_backoff_s: float = 10.0, client: Any = None,
-                 fallback: str = "routing by the gateway's own session map and by load") -> None:
+                 fallback: str = "routing by the gateway's own session map and by load, keeping the "
+                                 "replicas discovered so far") -> None:
         import redis  # optional dependency: only a gateway with --redis-url needs it
         from redis.backoff import NoBackoff
         from redis.retry import Retry

@@ -104,7 +104,7 @@ def build_gateway(config: GatewayConfig, tokenizer: Tokenizer,
                                limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200))
     replica_set = ReplicaSet(build_replicas(config, instrumented, root), instrumented, client,
                              config.health_interval_s, config.failures_to_drop)
-    discovery, discover_link = build_discovery(config, replica_set, instrumented, root)
+    discovery, discover_link = build_discovery(config, replica_set, instrumented, root, link)
     prompts = PromptTokenizer(tokenizer, config.prefix_chunk_chars, config.prefix_max_chunks,
                               config.tokenize_workers)
     indexer = KVCacheIndexer(prompts, instrumented, SCORERS[config.scorer](), config.tiers,
@@ -115,7 +115,7 @@ def build_gateway(config: GatewayConfig, tokenizer: Tokenizer,
     metrics.watch(lambda: _state_samples(gateway, raw_index, prompts))
     if link is not None:
         metrics.watch(lambda: _shared_state_samples(link, raw_index))
-    links = tuple(x for x in (link, discover_link) if x is not None)
+    links = tuple({x for x in (link, discover_link) if x is not None})
     # replica_set.replicas is the one list discovery changes: the routes and the lifespan read it.
     return GatewayParts(gateway, replica_set.replicas, replica_set, metrics, raw_index, prompts, client,
                         upstream, discovery, links)
@@ -134,13 +134,14 @@ def make_replica(spec: ReplicaSpec, config: GatewayConfig, index: KVBlockIndex, 
     return Replica(spec, ingest)
 
 
-def build_discovery(config: GatewayConfig, replica_set: ReplicaSet, index: KVBlockIndex,
-                    root: bytes) -> tuple[ReplicaDiscovery | None, RedisLink | None]:
-    """Discovery of the replicas registered at ``discover_url`` (and its Redis link), or Nones."""
+def build_discovery(config: GatewayConfig, replica_set: ReplicaSet, index: KVBlockIndex, root: bytes,
+                    shared: RedisLink | None = None) -> tuple[ReplicaDiscovery | None, RedisLink | None]:
+    """Discovery of the replicas registered at ``discover_url`` (and its Redis link: ``shared``
+    when that is the same Redis), or Nones."""
     if config.discover_url is None:
         return None, None
-    link = RedisLink(config.discover_url, timeout_s=1.0,
-                     fallback="keeping the replicas discovered so far")
+    link = shared if shared is not None and shared.url == config.discover_url else RedisLink(
+        config.discover_url, timeout_s=1.0, fallback="keeping the replicas discovered so far")
     discovery = ReplicaDiscovery(RegistryReader(link), replica_set,
                                  lambda spec: make_replica(spec, config, index, root),
                                  config.discover_interval_s, config.model_fingerprint,
