@@ -185,7 +185,9 @@ def test_unknown_dtype_path_and_rope_scaling_are_rejected(tmp_path) -> None:
     with pytest.raises(ValueError, match="neither"):
         load_model(tmp_path / "missing.bin")
     ref = hf_model("llama")
-    ref.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}
+    ref.config.rope_parameters = {"rope_type": "longrope", "factor": 2.0, "rope_theta": 5000.0,
+                                  "short_factor": [1.0] * 4, "long_factor": [1.0] * 4,
+                                  "original_max_position_embeddings": 64}
     ref.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="RoPE scaling"):
+    with pytest.raises(ValueError, match="rope_type 'longrope' is not supported"):
         load_model(tmp_path)

@@ -3,11 +3,10 @@ attention factor; every unsupported variant is refused with the field named."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
+from support.families import llama3_rope_freqs
 from support.tiny import tiny_config
 
 from kvhive.config import RopeScaling
@@ -97,20 +96,9 @@ def test_top_level_original_max_positions_wins() -> None:
 def test_gguf_rope_freqs_give_the_llama3_frequencies() -> None:
     """llama.cpp's converter formula for rope_freqs, applied as divisors, equals transformers' llama3."""
     rope = VARIANTS["llama3"]
-    plain = 1.0 / (500000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
-    factors = []
-    low_wl, high_wl = 512 / rope["low_freq_factor"], 512 / rope["high_freq_factor"]
-    for freq in plain.tolist():
-        wavelen = 2 * math.pi / freq
-        if wavelen < high_wl:
-            factors.append(1.0)
-        elif wavelen > low_wl:
-            factors.append(rope["factor"])
-        else:
-            smooth = (512 / wavelen - 1.0) / (4.0 - 1.0)
-            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    factors = llama3_rope_freqs({**rope, "rope_theta": 500000.0}, HEAD_DIM)
     meta = {"llama.rope.freq_base": 500000.0, "llama.rope.dimension_count": HEAD_DIM}
-    spec = rope_from_gguf(meta.get, "llama", HEAD_DIM, MAX_POS, np.array(factors, dtype=np.float32), "m.gguf")
+    spec = rope_from_gguf(meta.get, "llama", HEAD_DIM, MAX_POS, factors, "m.gguf")
     theirs, _ = _transformers(dict(rope))
     torch.testing.assert_close(inverse_frequencies(spec.scaling, HEAD_DIM, spec.theta), theirs, rtol=1e-6, atol=0)
 
