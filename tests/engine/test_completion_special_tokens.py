@@ -21,19 +21,16 @@ from kvhive.server.completions import text_start
 SHORT = "Hello, world! How are you today?"
 LONG = " ".join(f"The quick brown fox {i} jumps over the lazy dog, again and again." for i in range(12))
 TEXTS = (SHORT, LONG, " leading space and more words after it " * 6, "<|im_start|> literal control text")
-BOS_FAMILIES = ("llama3", "mistral", "gemma")
 
 
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tokenizer]:
     """``family/source`` -> the family's tokenizer read from its GGUF or its HF directory."""
     tmp = tmp_path_factory.mktemp("special-tokens")
-    out = {}
-    for family in FAMILIES:
-        vocab = build_vocab(family)
-        out[f"{family.name}/gguf"] = Tokenizer.from_model_path(write_gguf(family, vocab, tmp / f"{family.name}.gguf"))
-        out[f"{family.name}/hf"] = Tokenizer.from_model_path(write_hf_dir(family, vocab, tmp / family.name))
-    return out
+    vocabs = {family: build_vocab(family) for family in FAMILIES}
+    paths = {f"{f.name}/gguf": write_gguf(f, v, tmp / f"{f.name}.gguf") for f, v in vocabs.items()}
+    paths |= {f"{f.name}/hf": write_hf_dir(f, v, tmp / f.name) for f, v in vocabs.items()}
+    return {name: Tokenizer.from_model_path(path) for name, path in paths.items()}
 
 
 @contextmanager
@@ -52,7 +49,7 @@ NAMES = [f"{f.name}/{source}" for f in FAMILIES for source in ("gguf", "hf")]
 @pytest.mark.parametrize("name", NAMES)
 def test_every_path_gives_the_completion_ids(tokenizers: dict[str, Tokenizer], name: str) -> None:
     tokenizer = tokenizers[name]
-    asks_bos = name.split("/")[0] in BOS_FAMILIES
+    asks_bos = next(f for f in FAMILIES if f.name == name.split("/")[0]).add_bos
     with chunked(tokenizer) as gateway:
         for text in TEXTS:
             check_text(tokenizer, gateway, text, asks_bos)
