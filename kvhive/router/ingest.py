@@ -6,7 +6,9 @@ replica's replay socket first. A number at or below the last one *received on th
 the publisher restarted (its sequence starts again at 0): the replica's blocks are forgotten, then
 its replay buffer is read from 0. A number at or below the last *applied* one but above the last
 received was already applied through replay and is skipped. ``AllBlocksCleared`` forgets the
-replica's blocks too.
+replica's blocks too. When the subscription connects again after losing the publisher, the replica
+may have restarted and sent more batches than before while nobody listened (so neither rule would
+see it): its blocks are forgotten and its replay buffer read from 0 (``on_reconnect``).
 
 Keys: ``BlockKeyMapper`` (``block_keys.py``) turns the replica's block hashes into kvhive block keys.
 """
@@ -103,6 +105,15 @@ class ReplicaIngest:
             self._forget()
             self._last_received = None
 
+    def on_reconnect(self) -> None:
+        """The publisher is back after a disconnect: start over from its replay buffer (a restarted
+        replica's stream begins there with AllBlocksCleared; one that only lost the connection gives
+        its buffered batches again, and blocks stored before its buffer's start are forgotten)."""
+        logger.info("replica %s: KV-event publisher reconnected; reading its replay buffer again", self.replica)
+        self.stats.resets += 1
+        self.reset()
+        self.catch_up()
+
     def apply(self, batch: EventBatch) -> None:
         """Apply the events of one batch to the index, in order."""
         for event in batch.events:
@@ -186,23 +197,50 @@ class ReplicaIngest:
             if self.replay_endpoint else None
         if client is not None and self._fetch is None:
             self._fetch = client.fetch
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
             self.catch_up()
+            lost = False
             while not self._stop.is_set():
-                if not sub.poll(100):
-                    continue
-                frames = sub.recv_multipart()
-                if len(frames) != 3 or len(frames[1]) != 8:
-                    continue
-                try:
-                    self.on_batch(int.from_bytes(frames[1], "big"), frames[2])
-                except Exception:  # noqa: BLE001 - one bad batch must not stop the subscriber
-                    logger.exception("replica %s: KV-event batch failed", self.replica)
+                ready = dict(poller.poll(100))
+                if monitor in ready:
+                    lost = self._connection_event(monitor, lost)
+                if sub in ready:
+                    self._receive(sub)
         finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
             if client is not None:
                 client.close()
             ctx.term()
+
+
+    def _connection_event(self, monitor: Any, lost: bool) -> bool:
+        """Handle one SUB connection event; returns whether the publisher is lost (disconnected)."""
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        event = recv_monitor_message(monitor)["event"]
+        if event == zmq.EVENT_DISCONNECTED:
+            return True
+        if event == zmq.EVENT_CONNECTED and lost:
+            self.on_reconnect()
+            return False
+        return lost
+
+    def _receive(self, sub: Any) -> None:
+        """Apply one message of the PUB stream (frames: topic, 8-byte sequence, payload)."""
+        frames = sub.recv_multipart()
+        if len(frames) != 3 or len(frames[1]) != 8:
+            return
+        try:
+            self.on_batch(int.from_bytes(frames[1], "big"), frames[2])
+        except Exception:  # noqa: BLE001 - one bad batch must not stop the subscriber
+            logger.exception("replica %s: KV-event batch failed", self.replica)
 
 
 class _ReplayClient:

@@ -186,3 +186,36 @@ def test_int_hashes_and_location_only_tier_events_map_through_the_device_event(f
     assert mapper.num_unmapped == 1
     apply(BlockRemoved([11], "CPU"))
     assert index.lookup(ours) == []
+
+
+def test_a_replica_that_restarts_and_sends_more_while_unheard_is_forgotten_and_replayed() -> None:
+    """A restarted replica's stream may pass the old one's sequence before the gateway's SUB socket
+    reconnects (its AllBlocksCleared at 0 unheard): the reconnection itself starts the gateway over
+    from the new replay buffer, so the old life's blocks go and the new life's are all there."""
+    from support.servers import free_port
+
+    events, replay = free_port(), free_port()
+    first = KVEventPublisher(f"tcp://*:{events}", f"tcp://127.0.0.1:{replay}")     # "*": bound
+    index = InMemoryIndex()
+    ingest = ReplicaIngest("r", index, BlockKeyMapper(False, 16, b"\0" * 16), f"tcp://127.0.0.1:{events}",
+                           f"tcp://127.0.0.1:{replay}")
+    ingest.start()
+    try:
+        first.publish_cleared()
+        wait_until(lambda: (first.publish_stored([digest(1)], None, [], 16) or True) and
+                   index.lookup([digest(1)]) != [], "the first life's block")
+        first.close()
+        second = KVEventPublisher(f"tcp://*:{events}", f"tcp://127.0.0.1:{replay}")
+        try:
+            second.publish_cleared()
+            second.publish_stored([digest(2)], None, [], 16)
+            for _ in range(50):                                # more batches than the first life sent
+                second.publish_removed([digest(99)])
+            wait_until(lambda: index.lookup([digest(2)]) != [], "the second life's block")
+            wait_until(lambda: index.lookup([digest(1)]) == [], "the first life's block to go")
+            second.publish_stored([digest(3)], None, [], 16)
+            wait_until(lambda: index.lookup([digest(3)]) != [], "the stream after the restart")
+        finally:
+            second.close()
+    finally:
+        ingest.close()
