@@ -4,7 +4,8 @@ each stored response (``previous_response_id``, ``/v1/responses/{id}``), per ten
 Replicas keep sessions and stored responses per owner (a digest of the caller's API key,
 ``kvhive.core.tenancy.key_owner``): another key's id is unknown to them. The gateway keys what it
 learned the same way, by (owner, id), so a request is routed, and labelled, by what its own key
-holds only: an id another key holds routes exactly as an id nobody holds.
+holds only: an id another key holds routes exactly as an id nobody holds. ``SessionAffinity`` is
+one gateway's map; ``SharedAffinity`` shares it with every gateway on the same Redis.
 """
 
 from __future__ import annotations

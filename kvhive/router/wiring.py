@@ -18,7 +18,7 @@ from kvhive.core.tokenizer import Tokenizer
 from kvhive.router.config import GatewayConfig, ReplicaSpec
 from kvhive.router.discovery import RegistryReader, ReplicaDiscovery
 from kvhive.router.gateway import Gateway
-from kvhive.router.index import InMemoryIndex, KVBlockIndex, RedisIndex
+from kvhive.router.index import InMemoryIndex, KVBlockIndex
 from kvhive.router.indexer import KVCacheIndexer
 from kvhive.router.ingest import BlockKeyMapper, ReplicaIngest
 from kvhive.router.metrics import GatewayMetrics, InstrumentedIndex, Sample
@@ -30,12 +30,10 @@ from kvhive.router.tokenize import PromptTokenizer
 from kvhive.router.upstream import UpstreamClient
 
 
-def build_index(config: GatewayConfig, link: RedisLink | None = None) -> KVBlockIndex:
-    """Redis behind ``link`` when ``redis_url`` is set (shared by gateways; a lookup finds nothing
-    while Redis is unreachable), else a bounded in-memory LRU."""
-    if config.redis_url:
-        return GuardedIndex(link) if link is not None else RedisIndex(config.redis_url)
-    return InMemoryIndex(config.index_max_keys)
+def build_index(config: GatewayConfig, link: RedisLink | None) -> KVBlockIndex:
+    """In the Redis behind ``link`` when there is one (``--redis-url``: shared by gateways; a lookup
+    finds nothing while Redis is unreachable), else a bounded in-memory LRU."""
+    return GuardedIndex(link) if link is not None else InMemoryIndex(config.index_max_keys)
 
 
 def build_affinity(config: GatewayConfig, link: RedisLink | None) -> SessionAffinity | SharedAffinity:
