@@ -6,14 +6,15 @@ discovers (``--discover``); both keep session affinity and the block index in th
 (``--redis-url``). A session created through gateway 1 and continued through gateway 2 lands on its
 holder, cached; so does a ``previous_response_id`` chain. With Redis hung (SIGSTOP), both gateways
 answer every request and keep their replicas. A killed replica leaves both gateways' replica lists
-within the documented bound (TTL + discovery interval). The replicas start once for the module; the
-last test kills one.
+within the documented bound (TTL + discovery interval); one stopped with SIGTERM deregisters. The
+replicas start once for the module; the last two tests stop them.
 
 The registry, affinity and index in process: tests/e2e/test_gateway_registry.py.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -164,3 +165,14 @@ def test_a_killed_replica_leaves_both_gateways_within_the_bound(fleet: Fleet) ->
         assert fleet.listed(gateway) == {survivor.url}
         with gateway.client() as client:
             assert completion(client, long_prompt(730, words=20)).headers["x-kvhive-replica"] == survivor.url
+
+
+def test_a_replica_stopped_cleanly_deregisters(fleet: Fleet) -> None:
+    replica = fleet.replicas[0]                 # static on gateway 1, discovered on gateway 2
+    assert replica.process is not None
+    replica.process.terminate()                 # SIGTERM: the graceful shutdown
+    assert replica.process.wait(60) == 0
+    record = json.loads(fleet.redis.admin().get(f"kvhive:replica:{replica.url}"))
+    assert record["leaving"] is True            # marked at shutdown, not left to expire
+    wait_until(lambda: fleet.listed(fleet.second) == set(), 3 * BOUND_S, "gateway 2 to remove it")
+    assert fleet.listed(fleet.first) == {replica.url}       # a --replica stays listed (as down)
