@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
 
 # Deepest nesting of arrays and objects a body may have (OpenAI bodies need under 10; a tool's
 # JSON schema a few more).
@@ -19,6 +24,10 @@ MAX_JSON_DEPTH = 64
 # A JSON string (escapes included) or one bracket: strings are skipped when counting depth.
 _STRING_OR_BRACKET = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
 _OPENING = frozenset(b"[{")
+# Location parts pydantic adds for union members and model classes ("str", "list[int]", "ContentPart");
+# they are not field names and stay out of ``param``.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]*$")
 # An escape that decodes to a surrogate code point (a lone one, or half of a pair).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
@@ -106,3 +115,51 @@ def load_json(raw: bytes) -> Any:
             raise BodyError(f"Invalid Unicode in {where}: a lone surrogate (\\ud800-\\udfff) is not a "
                             f"character; send text as valid UTF-8", param=param or None)
     return data
+
+
+def param_from_loc(loc: Sequence[str | int]) -> str | None:
+    """A pydantic error location as an OpenAI ``param``: ("body", "messages", 0, "role") -> messages[0].role."""
+    param = ""
+    for part in loc:
+        if part == "body" and not param:
+            continue
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part not in _TYPE_TAGS and _IDENTIFIER.match(part):
+            param += f".{part}" if param else part
+    return param or None
+
+
+def validation_body_error(errors: Sequence[Any]) -> BodyError:
+    """The BodyError for pydantic / FastAPI validation errors, naming the first offending field."""
+    if not errors:
+        return BodyError("Invalid request body")
+    first = errors[0]
+    param = param_from_loc(first.get("loc", ()))
+    if first.get("type") == "missing" and param is None:
+        return BodyError("Request body is required (a JSON object)")
+    if param is None:
+        return BodyError(f"Invalid request body: {first.get('msg')}")
+    if first.get("type") == "missing":
+        return BodyError(f"Missing required parameter '{param}'", param=param)
+    return BodyError(f"Invalid value for '{param}': {first.get('msg')}", param=param)
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """``raw`` as a JSON object; BodyError when it is empty, not acceptable JSON or not an object."""
+    if not raw.strip():
+        raise BodyError("Request body is required (a JSON object)")
+    data: Any = load_json(raw)
+    if not isinstance(data, dict):
+        raise BodyError(f"Request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def parse_chosen_body(raw: bytes, choose: Callable[[dict[str, Any]], type[BodyT]]) -> BodyT:
+    """``raw`` as the model ``choose`` picks from the parsed object (parsed once); BodyError naming
+    the first bad field."""
+    data = json_object(raw)
+    try:
+        return choose(data).model_validate(data)
+    except ValidationError as exc:
+        raise validation_body_error(exc.errors()) from None

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
-from pydantic import BaseModel, ValidationError
 
-from kvhive.core.json_body import BodyError, load_json
+from kvhive.core.json_body import BodyError, parse_chosen_body
 from kvhive.core.tokenize_bodies import (
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -35,41 +34,12 @@ from kvhive.core.tokenizer import Tokenizer
 from kvhive.router.proxy import openai_error
 from kvhive.router.tokenize import chat_messages
 
-BodyT = TypeVar("BodyT", bound=BaseModel)
 # Texts (characters) and id lists this long or longer are worked on the tokenizer pool.
 OFF_LOOP_SIZE = 4096
 
 
 class ModelUnknown(Exception):
     """The body names a model no replica serves."""
-
-
-def parse_body(raw: bytes, choose: Callable[[dict[str, Any]], type[BodyT]]) -> BodyT:
-    """``raw`` as the model ``choose`` picks from the parsed JSON object; BodyError naming the
-    first bad field."""
-    if not raw.strip():
-        raise BodyError("Request body is required (a JSON object)")
-    data = load_json(raw)
-    if not isinstance(data, dict):
-        raise BodyError(f"Request body must be a JSON object, got {type(data).__name__}")
-    try:
-        return choose(data).model_validate(data)
-    except ValidationError as exc:
-        raise invalid_field(exc) from None
-
-
-def invalid_field(exc: ValidationError) -> BodyError:
-    """The first problem pydantic found, naming its field as OpenAI's ``param`` (``tokens[3]``)."""
-    first = exc.errors()[0]
-    param = ""
-    for part in first["loc"]:
-        if isinstance(part, int):
-            param += f"[{part}]"
-        elif part.isidentifier() and part not in ("str", "int", "list", "dict", "bool"):
-            param += f".{part}" if param else part
-    if first["type"] == "missing":
-        return BodyError(f"Missing required parameter '{param}'", param=param or None)
-    return BodyError(f"Invalid value for '{param}': {first['msg']}", param=param or None)
 
 
 class TokenizeAPI:
@@ -99,7 +69,7 @@ class TokenizeAPI:
 
     async def tokenize(self, raw: bytes, cards: Sequence[dict[str, Any]]) -> Response:
         """The ids of a prompt or of chat messages, as the replicas compute them."""
-        body: TokenizeRequest = parse_body(raw, tokenize_model_for)
+        body: TokenizeRequest = parse_chosen_body(raw, tokenize_model_for)
         card = model_card(cards, body.model)
         check_tokenize_request(body)
         if isinstance(body, TokenizeChatRequest):
@@ -125,7 +95,7 @@ class TokenizeAPI:
 
     async def detokenize(self, raw: bytes, cards: Sequence[dict[str, Any]]) -> Response:
         """The text of token ids (special tokens written out)."""
-        body = parse_body(raw, lambda _data: DetokenizeRequest)
+        body = parse_chosen_body(raw, lambda _data: DetokenizeRequest)
         card = model_card(cards, body.model)
         check_detokenize_request(body, self.tokenizer.vocab_size, card["max_model_len"])
         answer = await self.off_loop_if(len(body.tokens), detokenize_response, self.tokenizer, body)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,15 +12,10 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvhive.core.json_body import BodyError
+from kvhive.core.json_body import BodyError, validation_body_error
 from kvhive.sessions.registry import SessionBusy, SessionError, SessionInvalid, SessionLimit, SessionNotFound
 
 logger = logging.getLogger(__name__)
-
-# Location parts pydantic adds for union members and model classes ("str", "list[int]", "ContentPart");
-# they are not field names and stay out of ``param``.
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
-_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]*$")
 
 
 class APIError(Exception):
@@ -77,32 +71,9 @@ def server_error(message: str) -> APIError:
     return APIError(500, message, type="server_error", code="internal_server_error")
 
 
-def param_from_loc(loc: Sequence[str | int]) -> str | None:
-    """A pydantic error location as an OpenAI ``param``: ("body", "messages", 0, "role") -> messages[0].role."""
-    param = ""
-    for part in loc:
-        if part == "body" and not param:
-            continue
-        if isinstance(part, int):
-            param += f"[{part}]"
-        elif part not in _TYPE_TAGS and _IDENTIFIER.match(part):
-            param += f".{part}" if param else part
-    return param or None
-
-
 def validation_error(errors: Sequence[Any]) -> APIError:
     """A 400 from pydantic / FastAPI validation errors, naming the first offending field."""
-    if not errors:
-        return bad_request("Invalid request body")
-    first = errors[0]
-    param = param_from_loc(first.get("loc", ()))
-    if first.get("type") == "missing" and param is None:
-        return bad_request("Request body is required (a JSON object)")
-    if param is None:
-        return bad_request(f"Invalid request body: {first.get('msg')}")
-    if first.get("type") == "missing":
-        return bad_request(f"Missing required parameter '{param}'", param=param)
-    return bad_request(f"Invalid value for '{param}': {first.get('msg')}", param=param)
+    return body_error(validation_body_error(errors))
 
 
 def install_error_handlers(app: FastAPI) -> None:

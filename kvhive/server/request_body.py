@@ -9,10 +9,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from kvhive.core.json_body import BodyError, load_json
-from kvhive.server.errors import bad_request, body_error, validation_error
+from kvhive.core import json_body
+from kvhive.core.json_body import BodyError
+from kvhive.server.errors import body_error
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 # Bodies of this many bytes or more are parsed and validated on a worker thread (json.loads and
@@ -20,31 +21,13 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 OFF_LOOP_BODY_BYTES = 1 << 16
 
 
-def json_object(raw: bytes) -> dict[str, Any]:
-    """``raw`` as a JSON object; 400 when it is empty, not acceptable JSON or not an object."""
-    if not raw.strip():
-        raise bad_request("Request body is required (a JSON object)")
+def parse_chosen_body(raw: bytes, choose: Callable[[dict[str, Any]], type[BodyT]]) -> BodyT:
+    """``raw`` as the model ``choose`` picks from the parsed object (parsed once); 400 naming the
+    first bad field."""
     try:
-        data: Any = load_json(raw)
+        return json_body.parse_chosen_body(raw, choose)
     except BodyError as exc:
         raise body_error(exc) from None
-    if not isinstance(data, dict):
-        raise bad_request(f"Request body must be a JSON object, got {type(data).__name__}")
-    return data
-
-
-def validated(data: dict[str, Any], model: type[BodyT]) -> BodyT:
-    """A parsed body as ``model``; 400 naming the bad fields."""
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc.errors()) from exc
-
-
-def parse_chosen_body(raw: bytes, choose: Callable[[dict[str, Any]], type[BodyT]]) -> BodyT:
-    """``raw`` as the model ``choose`` picks from the parsed object (parsed once)."""
-    data = json_object(raw)
-    return validated(data, choose(data))
 
 
 async def parse_body_as(request: Request, choose: Callable[[dict[str, Any]], type[BodyT]]) -> BodyT:

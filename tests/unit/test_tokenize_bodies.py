@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models, pre_tokenizers, processors
 
-from kvhive.core.json_body import BodyError
+from kvhive.core.json_body import BodyError, parse_chosen_body, validation_body_error
 from kvhive.core.tokenize_bodies import (
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -27,7 +27,7 @@ from kvhive.core.tokenize_bodies import (
     tokenize_response,
 )
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.router.tokenize_api import ModelUnknown, invalid_field, model_card, parse_body
+from kvhive.router.tokenize_api import ModelUnknown, model_card
 
 VOCAB = {"<s>": 0, "</s>": 1, "[UNK]": 2, "hello": 3, "world": 4, "user": 5, "assistant": 6, ":": 7}
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] | trim | replace('!', '.') }} {% endfor %}"
@@ -129,7 +129,7 @@ def test_detokenize_refuses_ids_outside_the_vocabulary_and_long_lists(tokens: li
 ])
 def test_the_gateway_names_the_bad_field(raw: bytes, param: str | None) -> None:
     with pytest.raises(BodyError) as refused:
-        parse_body(raw, lambda _data: DetokenizeRequest)
+        parse_chosen_body(raw, lambda _data: DetokenizeRequest)
     assert refused.value.param == param
 
 
@@ -138,10 +138,10 @@ def test_the_gateway_names_the_bad_field(raw: bytes, param: str | None) -> None:
     ({"role": "user", "content": [{"text": "x"}]}, "messages[0].content"),     # union members unnamed
     ({"role": "user", "name": ["x"]}, "messages[0].name"),
 ])
-def test_invalid_field_names_nested_message_fields(message: dict[str, Any], param: str) -> None:
+def test_validation_errors_name_nested_message_fields(message: dict[str, Any], param: str) -> None:
     with pytest.raises(ValidationError) as bad:
         TokenizeChatRequest.model_validate({"messages": [message]})
-    assert invalid_field(bad.value).param == param
+    assert validation_body_error(bad.value.errors()).param == param
 
 
 def test_model_card_finds_the_replicas_model() -> None:
