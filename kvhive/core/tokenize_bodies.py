@@ -164,9 +164,9 @@ def prompt_token_ids(tokenizer: Tokenizer, body: TokenizeCompletionRequest) -> l
 
 def tokenize_response(tokenizer: Tokenizer, ids: list[int], max_model_len: int, body: TokenizeRequest
                       ) -> TokenizeResponse:
-    """The answer for ``ids``; ``token_strs`` (each token's text alone, special tokens written out)
-    when the body asks for them."""
-    strs = [tokenizer.decode([i], skip_special_tokens=False) for i in ids] if body.return_token_strs else None
+    """The answer for ``ids``; ``token_strs`` (each token's vocabulary piece, as vLLM gives them:
+    "Ġworld" for a byte-level BPE, "▁the" for SentencePiece) when the body asks for them."""
+    strs = [tokenizer.token_piece(i) for i in ids] if body.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
 
 

@@ -130,6 +130,10 @@ class Tokenizer:
         """Text of `ids`; bytes that do not form a whole UTF-8 character come out as U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_piece(self, token_id: int) -> str:
+        """The vocabulary's own string for one token ("Ġworld", "▁the", "<0x0A>"); "" outside it."""
+        return self._backend.id_to_token(token_id) or ""
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (b"" for an id outside the vocabulary).
 
