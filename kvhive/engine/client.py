@@ -3,8 +3,8 @@
 The server never holds the ``LLMEngine`` itself. Each method here keeps to ``AsyncEngine``'s
 thread rule, and says which way it does:
 
-- queued for the loop thread: ``generate`` (submit), ``abort``, the device half of
-  ``release_session`` and of ``session_blocks_by_tier`` (``AsyncEngine.call``);
+- queued for the loop thread: ``generate`` (submit), ``abort``, ``reset_prefix_cache``, the
+  device half of ``release_session`` and of ``session_blocks_by_tier`` (``AsyncEngine.call``);
 - store tiers only (thread-safe by their own contract): ``hold_session``, the store half of
   ``release_session`` and ``session_blocks_by_tier``, ``pinned_blocks_by_tier``, ``keeper_budget``;
 - snapshots and facts fixed at construction: ``stats``, ``is_healthy``, ``runtime_info``, and
@@ -17,6 +17,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
+from kvhive.engine.cache_reset import CacheReset
 from kvhive.engine.core import RequestOutput
 from kvhive.engine.stats import EngineStats, TierBudget
 from kvhive.request import SamplingParams
@@ -70,6 +71,11 @@ class EngineClient:
     def runtime_info(self) -> dict:
         """Device, dtype, CPU kernel level and each op's implementation (``GET /version``)."""
         return self._engine.runtime_info()
+
+    async def reset_prefix_cache(self, reset_external: bool = False) -> CacheReset:
+        """Drop the cached blocks nobody holds (``reset_external``: the local store tiers' too),
+        on the loop thread between steps; what was dropped and what is still held."""
+        return await self._async.call(lambda engine: engine.reset_prefix_cache(reset_external))
 
     # ------------------------------------------------------------ sessions
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from kvhive.config import EngineConfig
 from kvhive.core.blocks import root_hash
+from kvhive.engine.cache_reset import CacheReset, reset_caches
 from kvhive.engine.scheduler import Scheduler, TierSessionCopy
 from kvhive.engine.stats import ConnectorCounters, EngineStats, TierBudget
 from kvhive.engine.step import StepPlan, StepResult, TokenLogprobs
@@ -236,6 +237,13 @@ class LLMEngine:
         tier = store.tiers[store.keeper]
         budget = tier.store.stats().budget_bytes
         return None if budget is None else TierBudget(tier.name, budget)
+
+    def reset_prefix_cache(self, reset_external: bool = False) -> CacheReset:
+        """Drop the cached blocks nobody holds (``reset_external``: also the local store tiers'
+        unpinned ones) and restate what is held on the KV-event stream; loop thread only."""
+        key_prefix = b"" if self.store is None else self.connector_scheduler.key_space.prefix
+        return reset_caches(self.scheduler, self.store, key_prefix, self.publisher,
+                            self.config.cache.block_size, reset_external)
 
     def end_session(self, session_id: str) -> None:
         """Free the blocks a session holds (loop thread only); its store pins go with ``unpin_session``."""

@@ -21,12 +21,13 @@ the new tokens to compute. A request id holds blocks in ``_blocks`` or a session
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvhive.core.blocks import ExtraKeys, hash_blocks
 from kvhive.kv.events import MEDIUM_GPU, BlockRemoved, BlockStored
+from kvhive.kv.held_blocks import HeldChain, held_block_events, stored_runs
 from kvhive.kv.pool import BlockPool, BlockPoolStats, KVBlock
 from kvhive.request import Request
 
@@ -46,6 +47,14 @@ class KVCacheStats:
     prefix_cache_queries_tokens: int
     prefix_cache_hits_tokens: int
     blocks: BlockPoolStats
+
+
+class DeviceReset(NamedTuple):
+    """What a prefix-cache reset did to the device pool, and what the pool still holds."""
+
+    num_dropped: int              # cached blocks nobody held: forgotten
+    num_kept: int                 # cached blocks running requests or sessions hold
+    stored: list[BlockStored]     # the kept blocks, to announce after AllBlocksCleared
 
 
 @dataclass(eq=False)
@@ -195,19 +204,7 @@ class KVCacheManager:
         return stored
 
     def _record_stored(self, request: Request, indices: list[int]) -> None:
-        # One BlockStored per run of consecutive block indices, as vLLM emits them.
-        B, hashes = self.block_size, request.block_hashes
-        run_start = indices[0]
-        for j, i in enumerate(indices):
-            if j + 1 < len(indices) and indices[j + 1] == i + 1:
-                continue
-            self._events.append(BlockStored(
-                block_hashes=hashes[run_start:i + 1],
-                parent_block_hash=hashes[run_start - 1] if run_start > 0 else None,
-                token_ids=request.all_token_ids[run_start * B:(i + 1) * B], block_size=B,
-                medium=MEDIUM_GPU))
-            if j + 1 < len(indices):
-                run_start = indices[j + 1]
+        self._events += stored_runs(request.block_hashes, request.all_token_ids, indices, self.block_size)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks tail first, so a cached chain's end is evicted first."""
@@ -217,6 +214,19 @@ class KVCacheManager:
         self._num_cached_blocks.pop(rid, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self, requests: Mapping[str, Request]) -> DeviceReset:
+        """Forget every cached block nobody holds; list the blocks held by ``requests`` (every
+        unfinished request, and finished ones whose blocks a transfer still holds) and sessions.
+
+        Pending events are dropped: the caller announces AllBlocksCleared, then ``stored``.
+        """
+        self.take_events()
+        dropped = self.pool.reset_prefix_cache()
+        chains = [HeldChain(self._blocks[rid], r.block_hashes, r.all_token_ids)
+                  for rid, r in requests.items() if rid in self._blocks]
+        chains += [HeldChain(h.blocks, h.block_hashes, h.token_ids) for h in self._sessions.values()]
+        return DeviceReset(dropped, len(self.pool.cached), held_block_events(chains, self.block_size))
 
     # ------------------------------------------------------------------ sessions
 

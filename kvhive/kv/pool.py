@@ -201,6 +201,22 @@ class BlockPool:
             self._num_evictable += 1
         return True
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the hash of every evictable block (cached, nobody holds it); returns how many.
+
+        Used blocks keep their hashes, so the prefixes running requests and sessions hold stay
+        shareable. The forgotten blocks become empty and move to the queue head (handed out
+        first). Nothing is recorded in ``evicted_hashes``: the caller announces the reset itself.
+        """
+        dropped = [block for block in self.free_queue if block.block_hash is not None]
+        for block in dropped:
+            del self.cached[block.block_hash]
+            block.block_hash = None
+            self.free_queue.remove(block)
+            self.free_queue.appendleft(block)
+        self._num_evictable -= len(dropped)
+        return len(dropped)
+
     def stats(self) -> BlockPoolStats:
         """Counts for metrics, in O(1)."""
         usable = self.num_blocks - 1

@@ -36,6 +36,20 @@ def tier_medium(tier: str) -> str:
     return TIER_MEDIA.get(tier) or normalize_medium(tier)
 
 
+def tier_change_events(changes: Sequence[TierChange], block_size: int) -> list[KVEvent]:
+    """``BlockStored`` / ``BlockRemoved`` events for ``changes``, in order (empty changes left out)."""
+    events: list[KVEvent] = []
+    for change in changes:
+        if not change.block_hashes:
+            continue
+        medium = tier_medium(change.tier)
+        if change.stored:
+            events.append(BlockStored(list(change.block_hashes), None, [], block_size, None, medium))
+        else:
+            events.append(BlockRemoved(list(change.block_hashes), medium))
+    return events
+
+
 class TierEventForwarder:
     """A TieredStore's event sink that publishes each store call's changes as one batch."""
 
@@ -45,11 +59,4 @@ class TierEventForwarder:
 
     def tiers_changed(self, changes: Sequence[TierChange]) -> None:
         """Queue BlockStored / BlockRemoved events for ``changes``, in order (never blocks)."""
-        events: list[KVEvent] = []
-        for change in changes:
-            medium = tier_medium(change.tier)
-            if change.stored:
-                events.append(BlockStored(list(change.block_hashes), None, [], self.block_size, None, medium))
-            else:
-                events.append(BlockRemoved(list(change.block_hashes), medium))
-        self.publisher.publish(events)
+        self.publisher.publish(tier_change_events(changes, self.block_size))

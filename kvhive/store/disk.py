@@ -217,6 +217,24 @@ class DiskStore:
         with self._lock:
             return [bytes.fromhex(k[len(prefix):].decode()) for k in self._index if k.startswith(prefix)]
 
+    def drop_unpinned(self) -> int:
+        """Forget every record no pin keeps and delete the sealed segments left with no live record;
+        returns how many records were forgotten (a crash before the next clean close may bring them
+        back, as for ``delete``)."""
+        with self._lock:
+            gone = [key for key in self._index if key not in self._pins]
+            for key in gone:
+                del self._index[key]
+            live = {loc.segment for loc in self._index.values()}
+            for seg in list(self._segments)[:-1]:
+                if seg not in live:
+                    self._used_bytes -= self._segments.pop(seg).size
+                    try:
+                        os.unlink(segment_path(self.directory, seg))
+                    except OSError as exc:   # the index no longer points there: at worst disk space leaks
+                        logger.warning("disk tier: cannot delete segment %d: %s", seg, exc)
+        return len(gone)
+
     def stats(self) -> StoreStats:
         """Counters, bytes in segment files and the budget."""
         with self._lock:

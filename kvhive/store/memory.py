@@ -106,6 +106,20 @@ class MemoryStore:
                     self._blocks[key] = data
                     self._pinned_bytes -= len(data)
 
+    def held_hashes(self, prefix: bytes) -> list[bytes]:
+        """Block hashes of the held blocks whose encoded key starts with ``prefix`` (a key space)."""
+        with self._lock:
+            keys = [*self._blocks, *self._pinned_blocks]
+        return [key.block_hash for key in keys if key.encode().startswith(prefix)]
+
+    def drop_unpinned(self) -> int:
+        """Drop every block no pin keeps; returns how many."""
+        with self._lock:
+            dropped = len(self._blocks)
+            self._blocks.clear()
+            self._used_bytes = self._pinned_bytes
+        return dropped
+
     def stats(self) -> StoreStats:
         """Counters, bytes held and the budget."""
         with self._lock:

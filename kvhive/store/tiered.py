@@ -30,13 +30,14 @@ order, which blocks entered it (a put the tier kept, a promotion, a demotion) an
 eviction, a disk segment dropped, a delete), once per call, on the caller's thread. Calls on
 different threads may report in another order than they changed the tiers; a consumer's view is a
 hint (a block it thinks is held may be a miss), never wrong KV. Redis's own expiry and eviction are
-not seen here, so they are not reported.
+not seen here, so they are not reported. ``restate_held`` lists what the local tiers hold with no
+report in flight, so a consumer told to clear and then given that list is exact again.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -95,6 +96,8 @@ class TieredStore:
         self._session_pins: dict[str, frozenset[StoreKey]] = {}
         self._pin_counts: dict[StoreKey, int] = {}
         self._sink: TierEventSink | None = None
+        # Held while the sink hears one call's changes, and while ``restate_held`` lists and announces.
+        self._emit_lock = threading.Lock()
 
     def send_events_to(self, sink: TierEventSink, key_prefix: bytes) -> None:
         """Tell ``sink`` from now on which blocks enter and leave each tier, after announcing the
@@ -104,9 +107,24 @@ class TieredStore:
             if hasattr(tier.store, "track_drops"):
                 tier.store.track_drops()
         self._sink = sink
-        held = [TierChange(t.name, True, tuple(t.store.held_hashes(key_prefix)))
-                for t in self.tiers if hasattr(t.store, "held_hashes")]
-        self._emit([change for change in held if change.block_hashes])
+        self._emit([change for change in self._held(key_prefix) if change.block_hashes])
+
+    def restate_held(self, key_prefix: bytes, announce: Callable[[list[TierChange]], None]) -> list[TierChange]:
+        """Call ``announce`` with what each local tier holds of this key space (one change per tier,
+        empty ones included) while no other call reports to the sink, so a sink that hears the calls
+        before, this, then the calls after ends with what the tiers hold. Returns those changes."""
+        with self._emit_lock:
+            for tier in self.tiers:
+                self._take_drops(tier, [])       # dropped before this listing: it leaves them out
+            held = self._held(key_prefix)
+            announce(held)
+        return held
+
+    def drop_local(self) -> dict[str, int]:
+        """Drop every block no live session pins from the tiers this process owns (memory, disk);
+        a network tier (Redis) is shared with other replicas and keeps its blocks. Blocks dropped,
+        by tier name. Nothing is reported to the sink: ``restate_held`` says what is left."""
+        return {t.name: t.store.drop_unpinned() for t in self.tiers if hasattr(t.store, "drop_unpinned")}
 
     def lookup_prefix(self, keys: Sequence[StoreKey]) -> list[int]:
         """Tier index of each block of the longest prefix of ``keys`` held in any tier (top tier wins)."""
@@ -261,6 +279,11 @@ class TieredStore:
                     self._put_into(self.keeper, evicted.key, evicted.payload, changes)
         return result.stored
 
+    def _held(self, key_prefix: bytes) -> list[TierChange]:
+        """What each tier that can list its blocks (memory, disk; not Redis) holds of a key space."""
+        return [TierChange(t.name, True, tuple(t.store.held_hashes(key_prefix)))
+                for t in self.tiers if hasattr(t.store, "held_hashes")]
+
     def _take_drops(self, tier: Tier, changes: list[TierChange]) -> None:
         """Append the blocks ``tier`` dropped on its own (disk segments) since it was last asked."""
         if self._sink is not None and hasattr(tier.store, "take_dropped"):
@@ -271,7 +294,8 @@ class TieredStore:
     def _emit(self, changes: list[TierChange]) -> None:
         """Hand one call's changes to the sink, if there is one."""
         if self._sink is not None and changes:
-            self._sink.tiers_changed(changes)
+            with self._emit_lock:
+                self._sink.tiers_changed(changes)
 
     def _count_pin(self, key: StoreKey, delta: int) -> int:
         # Pin lock held; returns the new count (0: the key is gone from the table).

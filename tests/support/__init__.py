@@ -13,6 +13,7 @@
 - ``engines``, ``runners``: the tiny model in an engine or a bare runner, driven in process.
 - ``sessions``, ``responses``, ``scheduler_parts``: model-free building blocks for the session
   registry's, the stored responses' and the scheduler's tests.
+- ``tier_sinks``: a store-tier event sink that records what it hears and the view it builds.
 
 Fixtures built on these live in ``tests/conftest.py``.
 """

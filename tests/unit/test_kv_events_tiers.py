@@ -4,9 +4,10 @@ and weighted by the gateway's scorer by the tier that holds them."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import pytest
+from support.tier_sinks import RecordingSink
 
 from kvhive.kv.events import KVEventPublisher
 from kvhive.kv.tier_events import TierEventForwarder, tier_medium
@@ -33,24 +34,6 @@ def key(i: int) -> StoreKey:
 
 def payload(i: int) -> bytes:
     return bytes([i % 256]) * BLOCK
-
-
-class RecordingSink:
-    """Keeps every change and replays them into the view a consumer builds: tier -> hashes held."""
-
-    def __init__(self) -> None:
-        self.calls: list[list[TierChange]] = []
-
-    def tiers_changed(self, changes: Sequence[TierChange]) -> None:
-        self.calls.append(list(changes))
-
-    def view(self) -> dict[str, set[bytes]]:
-        held: dict[str, set[bytes]] = {}
-        for changes in self.calls:
-            for change in changes:
-                tier = held.setdefault(change.tier, set())
-                (tier.update if change.stored else tier.difference_update)(change.block_hashes)
-        return held
 
 
 def production_tiers(path: str, cpu_blocks: int, disk_bytes: int = 10_000_000) -> TieredStore:

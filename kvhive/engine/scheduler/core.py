@@ -22,7 +22,7 @@ from kvhive.engine.scheduler.queues import RequestQueues
 from kvhive.engine.scheduler.session_spill import SessionCopy, SessionSpill
 from kvhive.engine.scheduler.transfers import KVTransfers
 from kvhive.engine.step import ScheduledSeq, StepPlan, StepResult
-from kvhive.kv.manager import KVCacheManager, KVCacheStats
+from kvhive.kv.manager import DeviceReset, KVCacheManager, KVCacheStats
 from kvhive.request import FinishReason, Request, RequestStatus
 
 
@@ -110,6 +110,11 @@ class Scheduler:
     def count_cached_blocks(self, block_hashes: Sequence[bytes]) -> int:
         """How many of these blocks the device prefix cache holds; changes nothing (any thread)."""
         return self.kv.count_cached(block_hashes)
+
+    def reset_prefix_cache(self) -> DeviceReset:
+        """Forget the cached blocks no request (running, loading, saving) and no session holds."""
+        holders = {**self.transfers.sending, **self.transfers.loading, **self.queues.by_id}
+        return self.kv.reset_prefix_cache(holders)
 
     def has_unfinished(self) -> bool:
         """True while any request waits or runs, or KV transfers are still to start or finish."""
