@@ -49,6 +49,26 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class GemmaSpec:
+    """What a Gemma 2 / Gemma 3 decoder adds to the Llama hyper-parameters (``kvhive.model.gemma``)."""
+
+    query_pre_attn_scalar: float           # attention scores scale by its inverse square root
+    window_layers: tuple[bool, ...]        # per layer: True where it attends to the last sliding_window keys
+    sliding_window: int | None = None      # keys a window layer sees, its own included
+    attn_logit_softcapping: float | None = None   # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    local_rope_theta: float | None = None  # RoPE base of the window layers, unscaled (Gemma 3); None: the model's
+
+    def __post_init__(self) -> None:
+        if any(self.window_layers) and (self.sliding_window is None or self.sliding_window <= 0):
+            raise ValueError(f"model config: sliding_window must be positive, got {self.sliding_window}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"model config: {name} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of a Llama-family decoder (read from GGUF metadata or config.json)."""
 
@@ -66,7 +86,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
-    qk_norm: bool = False                  # RMSNorm over each q and k head before RoPE (Qwen3)
+    qk_norm: bool = False                  # RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    gemma: GemmaSpec | None = None         # Gemma 2 / 3 layer graph (kvhive.model.gemma); None: Llama's
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -76,6 +97,9 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model config: num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
+        if self.gemma is not None and len(self.gemma.window_layers) != self.num_layers:
+            raise ValueError(f"model config: layer_types names {len(self.gemma.window_layers)} layers, "
+                             f"num_layers is {self.num_layers}")
 
     @property
     def kv_values_per_token(self) -> int:

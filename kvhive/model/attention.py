@@ -101,10 +101,9 @@ def paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_cache: torch.Tenso
     KV head h // group, as Hugging Face's repeat_kv does.
     """
     num_tokens, num_heads, head_dim = q.shape
-    _, _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    num_kv_heads = kv_cache.shape[4]
     # Write first: decode queries and cached-prefix prefills then read their own new K/V back.
-    rows = kv_cache.view(-1, num_kv_heads * head_dim)[layer * 2 * block_size:]
-    rows.index_put_((meta.slot_rows,), kv_new.reshape(num_tokens, 2, num_kv_heads * head_dim))
+    write_kv(kv_new, kv_cache, layer, meta)
 
     k_layer, v_layer = kv_cache[:, layer, 0], kv_cache[:, layer, 1]   # [blocks, B, kv_heads, hd]
     out_parts: list[torch.Tensor] = []
@@ -134,6 +133,13 @@ def paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_cache: torch.Tenso
             v = v_layer.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)[:ctx]
         out_parts.append(prefill_attention(qs, k, v, span.mask))
     return out_parts[0] if len(out_parts) == 1 else torch.cat(out_parts)
+
+
+def write_kv(kv_new: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttnMetadata) -> None:
+    """Store the step's new K/V ([T, 2, kv_heads, head_dim]) of ``layer`` into their pool slots."""
+    _, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    rows = kv_cache.view(-1, num_kv_heads * head_dim)[layer * 2 * block_size:]
+    rows.index_put_((meta.slot_rows,), kv_new.reshape(kv_new.shape[0], 2, num_kv_heads * head_dim))
 
 
 def decode_mask(context_lens: torch.Tensor, num_keys: int) -> torch.Tensor:

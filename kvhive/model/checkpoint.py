@@ -65,6 +65,9 @@ def expected_shapes(c: ModelConfig, qkv_bias: bool, f: Fields) -> dict[str, tupl
     if qkv_bias:
         layer.update({"self_attn.q_proj.bias": ((q,), q_f), "self_attn.k_proj.bias": ((kv,), kv_f),
                       "self_attn.v_proj.bias": ((kv,), kv_f)})
+    if c.gemma is not None:
+        layer.update({"pre_feedforward_layernorm.weight": ((c.hidden_size,), f.hidden),
+                      "post_feedforward_layernorm.weight": ((c.hidden_size,), f.hidden)})
     if c.qk_norm:
         layer.update({"self_attn.q_norm.weight": ((c.head_dim,), f.head_dim),
                       "self_attn.k_norm.weight": ((c.head_dim,), f.head_dim)})

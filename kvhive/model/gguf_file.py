@@ -4,7 +4,8 @@ Tensors are dequantised with ``gguf.quants.dequantize``; llama.cpp's Q/K row int
 converter permutes Llama and Mistral so that its own RoPE pairs adjacent values) is undone, so
 every family runs the same rotate-half RoPE. Phi-3's fused ``attn_qkv`` and ``ffn_up`` (gate and
 up) are split. The ``rope_freqs`` tensor is llama.cpp's form of llama3 RoPE scaling
-(``kvhive.model.rope``); any other ``rope_*`` tensor, any metadata key under ``{arch}.rope.`` the
+(``kvhive.model.rope``). Gemma's norms are stored with the 1 of ``1 + weight`` added, which the
+reader takes off again (exact in float32). Any other ``rope_*`` tensor, any metadata key under ``{arch}.rope.`` the
 RoPE reader does not read, and any tensor without a place in the model is an error, never ignored.
 A truncated or corrupt file, or a required metadata key that is missing, is an error naming it.
 """
@@ -17,6 +18,7 @@ import torch
 from kvhive.config import ModelConfig
 from kvhive.model.checkpoint import Checkpoint, Fields, check_tensors, file_digest
 from kvhive.model.families import Family, family_for_gguf_arch, fused_name, split_fused
+from kvhive.model.gemma_config import gguf_gemma_spec
 from kvhive.model.quant import KINDS as QUANT_KINDS
 from kvhive.model.quant import QuantWeight
 from kvhive.model.rope import ROPE_FREQS_TENSOR, rope_from_gguf, unread_gguf_rope_keys
@@ -37,6 +39,13 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Gemma's four per-layer norms (llama.cpp's converter stores each with the 1 of ``1 + weight`` added).
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -133,8 +142,10 @@ def _config(meta: _Meta, arch: str, family: Family, tensors: dict, freq_factors:
     context = int(meta.get(f"{arch}.context_length") or 2048)
     rope = rope_from_gguf(meta.get, arch, head_dim, context, freq_factors, meta.path)
     served = rope.max_positions
-    window = meta.get(f"{arch}.attention.sliding_window")
-    if window:                      # full attention is exact only up to the window
+    num_layers = meta.need(f"{arch}.block_count")
+    gemma = gguf_gemma_spec(meta.get, arch, num_layers, hidden, heads, head_dim, meta.path) if family.gemma else None
+    window = None if gemma else meta.get(f"{arch}.attention.sliding_window")
+    if window:                      # full attention is exact only up to the window (Gemma's is exact)
         served = min(served, int(window))
     eos = [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")]
     bos = meta.get("tokenizer.ggml.bos_token_id")
@@ -142,14 +153,14 @@ def _config(meta: _Meta, arch: str, family: Family, tensors: dict, freq_factors:
         return ModelConfig(
             vocab_size=int(tensors["token_embd.weight"].shape[1]), hidden_size=hidden,
             intermediate_size=meta.need(f"{arch}.feed_forward_length"),
-            num_layers=meta.need(f"{arch}.block_count"), num_heads=heads,
+            num_layers=num_layers, num_heads=heads,
             num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads), head_dim=head_dim,
             rope_theta=rope.theta, rope_scaling=rope.scaling,
             rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon") or 1e-5),
             max_position_embeddings=served, tie_word_embeddings="output.weight" not in tensors,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
-            qk_norm=family.qk_norm,
+            qk_norm=family.qk_norm, gemma=gemma,
         )
     except ValueError as exc:
         raise ValueError(f"{meta.path}: {exc}") from None
@@ -188,6 +199,8 @@ def _weights(reader, path: str, family: Family, config: ModelConfig,  # noqa: AN
             quantized[hf_name] = qw
         if not arr.flags.writeable:            # F32 tensors are views of the read-only file map
             arr = arr.copy()
+        if family.gemma and name.endswith("norm.weight"):
+            arr = arr - np.float32(1.0)         # exact in float32; GemmaModel adds the 1 back
         weights[hf_name] = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
         sources[hf_name] = f"{path}: {name}"
     return weights, sources
@@ -199,10 +212,11 @@ def hf_tensor_name(name: str, family: Family) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     parts = name.split(".", 2)
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
+    layer_names = _GEMMA_LAYER_NAMES if family.gemma else _LAYER_NAMES
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in layer_names:
         if family.fused_projections and parts[2] == "ffn_up.weight":    # Phi-3: gate and up rows
             return f"model.layers.{parts[1]}.mlp.gate_up_proj.weight"
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
     if name.startswith("rope_"):
         raise ValueError(f"GGUF tensor {name!r} (RoPE factors kvhive does not apply) is not supported")
     raise ValueError(f"unexpected GGUF tensor {name!r}")

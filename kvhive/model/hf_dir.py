@@ -18,7 +18,15 @@ import torch
 
 from kvhive.config import ModelConfig
 from kvhive.model.checkpoint import Checkpoint, Fields, check_tensors, drop_ignored, file_digest
-from kvhive.model.families import Family, check_graph_keys, family_for_model_type, fused_name, split_fused
+from kvhive.model.families import (
+    Family,
+    check_architectures,
+    check_graph_keys,
+    family_for_model_type,
+    fused_name,
+    split_fused,
+)
+from kvhive.model.gemma_config import gemma_rope_raw, gemma_spec
 from kvhive.model.rope import rope_from_hf
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -44,8 +52,9 @@ def read_hf_dir(path: str) -> Checkpoint:
     """The directory's config, tensors (fused Phi-3 projections split), sources and digest, checked."""
     where = os.path.join(path, "config.json")
     raw = read_config_json(path)
+    check_architectures(raw, where)
     family = family_for_model_type(raw.get("model_type"), where)
-    check_graph_keys(raw, where)
+    check_graph_keys(raw, where, family)
     config = hf_model_config(raw, family, where)
     weights, sources, digest = _read_safetensors(path)
     drop_ignored(weights)
@@ -78,8 +87,11 @@ def hf_model_config(raw: Mapping[str, object], family: Family, where: str) -> Mo
     heads = sizes["num_attention_heads"]
     head_dim = _int(merged, "head_dim", where, sizes["hidden_size"] // heads)
     max_positions = _int(merged, "max_position_embeddings", where, 2048)
-    rope = rope_from_hf(raw, head_dim, max_positions, where)
-    window = merged.get("sliding_window") if merged.get("use_sliding_window", True) else None
+    rope_raw, local_theta = gemma_rope_raw(raw, family.defaults, where) if family.gemma else (raw, None)
+    rope = rope_from_hf(rope_raw, head_dim, max_positions, where)
+    # Gemma attends to its windows exactly; other families' windows bound the served length.
+    gemma = gemma_spec({**family.defaults, **raw}, sizes["num_hidden_layers"], local_theta, where) if family.gemma else None
+    window = merged.get("sliding_window") if merged.get("use_sliding_window", True) and not gemma else None
     served = rope.max_positions
     if window:                      # full attention is exact only up to the window
         served = min(served, _int(merged, "sliding_window", where))
@@ -95,7 +107,7 @@ def hf_model_config(raw: Mapping[str, object], family: Family, where: str) -> Mo
             tie_word_embeddings=bool(merged.get("tie_word_embeddings", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
-            qk_norm=family.qk_norm,
+            qk_norm=family.qk_norm, gemma=gemma,
         )
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None

@@ -17,6 +17,7 @@ import torch
 
 from kvhive.config import ModelConfig, RopeScaling
 from kvhive.model.checkpoint import Checkpoint
+from kvhive.model.gemma import GemmaModel
 from kvhive.model.gguf_file import read_gguf
 from kvhive.model.hf_dir import read_hf_dir
 from kvhive.model.llama import LlamaModel
@@ -28,7 +29,7 @@ class LoadedModel:
     """A ready model, its config, and a stable fingerprint of architecture + weights."""
 
     config: ModelConfig
-    model: LlamaModel
+    model: LlamaModel | GemmaModel
     fingerprint: str
 
 
@@ -54,7 +55,11 @@ def load_model(path: str | os.PathLike[str], dtype: str = "float32", device: str
     quantized: dict[str, QuantWeight] = {}
     keep = quantized_matmul and torch.device(device).type == "cpu"
     ckpt = read_checkpoint(path, quantized if keep else None)
-    model = LlamaModel(ckpt.config, dtype=dtype, device=device, qkv_bias=ckpt.qkv_bias, isa=isa)
+    model: LlamaModel | GemmaModel
+    if ckpt.config.gemma is not None:
+        model = GemmaModel(ckpt.config, dtype=dtype, device=device)
+    else:
+        model = LlamaModel(ckpt.config, dtype=dtype, device=device, qkv_bias=ckpt.qkv_bias, isa=isa)
     model.load_hf_weights(ckpt.weights)
     if quantized:
         model.attach_quantized(quantized)
@@ -75,6 +80,8 @@ def _fingerprint(config: ModelConfig, weights_digest: bytes) -> str:
         del fields["rope_scaling"]
     if not config.qk_norm:
         del fields["qk_norm"]
+    if config.gemma is None:
+        del fields["gemma"]
     h = hashlib.blake2b(digest_size=8)
     h.update(json.dumps(fields, sort_keys=True).encode())
     h.update(weights_digest)

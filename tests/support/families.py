@@ -34,9 +34,20 @@ FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
         "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})),
     "phi3": ("Phi3Config", dict(tie_word_embeddings=False, rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0})),
+    # Windows of 8 keys under 40-token prompts in 16-token blocks; soft-capped scores and logits.
+    # query_pre_attn_scalar = head_dim as llama.cpp derives it for GGUF (other values: HF only).
+    "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # Six layers in Gemma 3's pattern: five window layers (local RoPE base), one global (linear RoPE).
+    "gemma3_text": ("Gemma3TextConfig", dict(num_hidden_layers=6, head_dim=16, sliding_window=8,
+                                             query_pre_attn_scalar=16, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}})),
 }
 # GGUF architecture llama.cpp's converter writes for each family.
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+             "gemma2": "gemma2", "gemma3_text": "gemma3"}
 
 
 def hf_config(family: str, **overrides: object):  # noqa: ANN201 - a transformers PretrainedConfig
@@ -53,7 +64,10 @@ def hf_model(family: str, seed: int = 0, **overrides: object) -> torch.nn.Module
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(family, **overrides), dtype=torch.float32)
+    # Gemma against transformers' eager attention (the reference its soft-capping is written in).
+    eager = {"attn_implementation": "eager"} if family.startswith("gemma") else {}
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(family, **overrides), dtype=torch.float32,
+                                                          **eager)
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if "norm" in name:
@@ -106,16 +120,34 @@ _GGUF_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_lay
                "self_attn.k_norm.weight": "attn_k_norm.weight", "self_attn.qkv_proj.weight": "attn_qkv.weight",
                "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
                "mlp.gate_up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+_GGUF_GEMMA_LAYER = {**_GGUF_LAYER, "post_attention_layernorm.weight": "post_attention_norm.weight",
+                     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                     "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 _GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight"}
 
 
-def gguf_tensor_name(hf_name: str) -> str:
+def gguf_tensor_name(hf_name: str, gemma: bool = False) -> str:
     """llama.cpp's name for an HF tensor name."""
     if hf_name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
-    return f"blk.{layer}.{_GGUF_LAYER[rest]}"
+    return f"blk.{layer}.{(_GGUF_GEMMA_LAYER if gemma else _GGUF_LAYER)[rest]}"
+
+
+def _add_gemma_meta(w, cfg) -> None:  # noqa: ANN001 - a gguf.GGUFWriter and a transformers config
+    """What llama.cpp's converter writes for Gemma 2 / 3 beyond the common keys."""
+    import gguf
+
+    w.add_sliding_window(cfg.sliding_window)
+    if cfg.model_type == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        return
+    full = cfg.rope_parameters["full_attention"]
+    if full["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
 
 
 def save_gguf(model: torch.nn.Module, family: str, path: str, extra_meta: dict | None = None,
@@ -124,7 +156,8 @@ def save_gguf(model: torch.nn.Module, family: str, path: str, extra_meta: dict |
     import gguf
 
     cfg, arch = model.config, GGUF_ARCH[family]
-    rope = dict(cfg.rope_parameters)
+    gemma = family.startswith("gemma")
+    rope = dict(cfg.rope_parameters.get("full_attention", cfg.rope_parameters))
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -138,7 +171,9 @@ def save_gguf(model: torch.nn.Module, family: str, path: str, extra_meta: dict |
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_rope_dimension_count(head_dim)
-    if rope["rope_type"] in ("linear", "yarn"):
+    if gemma:
+        _add_gemma_meta(w, cfg)
+    elif rope["rope_type"] in ("linear", "yarn"):
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR if rope["rope_type"] == "linear"
                                 else gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
@@ -146,8 +181,10 @@ def save_gguf(model: torch.nn.Module, family: str, path: str, extra_meta: dict |
             w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     for key, value in (extra_meta or {}).items():
         w.add_uint32(key, value) if isinstance(value, int) else w.add_string(key, value)
-    tensors = {gguf_tensor_name(n): t.detach().float().numpy().copy() for n, t in model.state_dict().items()
+    tensors = {gguf_tensor_name(n, gemma): t.detach().float().numpy().copy() for n, t in model.state_dict().items()
                if not (cfg.tie_word_embeddings and n == "lm_head.weight")}
+    if gemma:                          # llama.cpp stores Gemma's norms as 1 + weight
+        tensors = {n: a + np.float32(1.0) if n.endswith("norm.weight") else a for n, a in tensors.items()}
     if arch == "llama":
         for name, arr in tensors.items():
             if name.endswith(("attn_q.weight", "attn_k.weight")):

@@ -1,0 +1,98 @@
+"""Masked attention over the paged KV pool for layers the shared paths cannot run exactly.
+
+``paged_attention``'s paths (the C++ decode and prefill kernels, torch SDPA, the blocked GEMMs)
+attend causally to the whole context with 1/sqrt(head_dim) scores. A layer that attends to a
+sliding window of keys, or soft-caps its scores (``cap * tanh(score / cap)``, Gemma 2), runs here
+instead: the layer's new K/V are written to the pool the same way, then each decode row and each
+prefill chunk gathers its keys from the pool (a chunk with no cached prefix uses its own K/V) and
+computes the scores in the model dtype, caps them, masks every key outside
+``(position - window, position]``, and takes the softmax in float32, in transformers' eager order.
+
+Window layers gather only the blocks the chunk's window reaches; every block stays in the pool for
+every layer (``docs/sliding_window.md``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvhive.model.attention import AttnMetadata, DecodeBatch, PrefillSpan, write_kv
+
+
+@dataclass(frozen=True)
+class ScoreRule:
+    """How one layer scores keys: the scale, the soft-cap (None: none), the window (None: all keys)."""
+
+    scale: float
+    softcap: float | None = None
+    window: int | None = None
+
+
+def masked_paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                           meta: AttnMetadata, rule: ScoreRule) -> torch.Tensor:
+    """``paged_attention`` under ``rule``: store kv_new for ``layer``, attend, return [T, heads * head_dim]."""
+    write_kv(kv_new, kv_cache, layer, meta)
+    k_layer, v_layer = kv_cache[:, layer, 0], kv_cache[:, layer, 1]   # [blocks, B, kv_heads, hd]
+    parts: list[torch.Tensor] = []
+    if meta.decode is not None:
+        parts.append(_decode_rows(q, k_layer, v_layer, meta.decode, rule))
+    for span in meta.prefills:
+        parts.append(_prefill_span(q, kv_new, k_layer, v_layer, span, rule))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[queries, keys] bool: key j is visible to the query at position p when j <= p (and p - j < window)."""
+    seen = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        seen &= key_pos[None, :] > query_pos[:, None] - window
+    return seen
+
+
+def _decode_rows(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, dec: DecodeBatch,
+                 rule: ScoreRule) -> torch.Tensor:
+    """The decode rows' attention: each row over its own block table, up to its own position."""
+    n, block_size = dec.num_seqs, k_layer.shape[1]
+    ids = dec.block_tables.view(-1)
+    k = k_layer.index_select(0, ids).view(n, -1, *k_layer.shape[2:])
+    v = v_layer.index_select(0, ids).view(n, -1, *v_layer.shape[2:])
+    keys = torch.arange(dec.block_tables.shape[1] * block_size, device=q.device)
+    mask = visible(dec.context_lens - 1, keys, rule.window)        # row i is at position context_lens[i] - 1
+    return attend(q[:n, None], k, v, mask[:, None], rule).reshape(n, -1)
+
+
+def _prefill_span(q: torch.Tensor, kv_new: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
+                  span: PrefillSpan, rule: ScoreRule) -> torch.Tensor:
+    """One prefill chunk's attention over its context (from the first block its window reaches)."""
+    block_size = k_layer.shape[1]
+    qs, n = q[span.begin:span.end], span.end - span.begin
+    first_key = 0
+    if span.block_ids is None:                     # no cached prefix: the chunk's own K/V
+        k, v = kv_new[span.begin:span.end, 0], kv_new[span.begin:span.end, 1]
+    else:
+        first_block = 0 if rule.window is None else max(0, span.start_pos - rule.window + 1) // block_size
+        first_key, ids = first_block * block_size, span.block_ids[first_block:]
+        k = k_layer.index_select(0, ids).flatten(0, 1)[:span.context_len - first_key]
+        v = v_layer.index_select(0, ids).flatten(0, 1)[:span.context_len - first_key]
+    query_pos = torch.arange(span.start_pos, span.start_pos + n, device=q.device)
+    key_pos = torch.arange(first_key, span.context_len, device=q.device)
+    mask = visible(query_pos, key_pos, rule.window)
+    return attend(qs[None], k[None], v[None], mask[None], rule)[0].reshape(n, -1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, rule: ScoreRule) -> torch.Tensor:
+    """q [b, t, heads, hd] over k, v [b, s, kv_heads, hd] where mask [b, t, s] -> [b, t, heads, hd].
+
+    As transformers' eager attention: scores in the model dtype times the scale, soft-capped,
+    masked, softmax in float32 cast back, times V; query head h reads KV head h // group.
+    """
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2).transpose(1, 2), v.repeat_interleave(group, dim=2).transpose(1, 2)
+    scores = torch.matmul(q.transpose(1, 2), k.transpose(-1, -2)) * rule.scale   # [b, heads, t, s]
+    if rule.softcap is not None:
+        scores = torch.tanh(scores / rule.softcap) * rule.softcap
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v).transpose(1, 2)
