@@ -25,6 +25,7 @@ from kvhive.server.context import install_context_routes, session_sweeper
 from kvhive.server.errors import APIError, install_error_handlers
 from kvhive.server.metrics import ServerMetrics
 from kvhive.server.openapi import install_request_bodies
+from kvhive.server.prefix_cache import install_prefix_cache_routes
 from kvhive.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -55,12 +56,12 @@ ENGINE_FAILURE_EXIT_S = 5.0
 
 
 # Routes outside /v1 that need the API key too.
-KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/reset_prefix_cache"})
 
 
 class APIKeyMiddleware:
-    """Answers 401 on ``/v1/*``, ``/tokenize`` and ``/detokenize`` unless ``Authorization: Bearer
-    <key>`` names one of the keys.
+    """Answers 401 on ``/v1/*`` and KEYED_PATHS (``/tokenize``, ``/detokenize``,
+    ``/reset_prefix_cache``) unless ``Authorization: Bearer <key>`` names one of the keys.
 
     ``/health`` and ``/metrics`` stay open (probes and scrapers carry no key).
     """
@@ -126,6 +127,7 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
     install_context_routes(app, service)
     install_response_routes(app, responses)
     install_tokenize_routes(app, service)
+    install_prefix_cache_routes(app, service)
     return app
 
 
