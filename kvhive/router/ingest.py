@@ -6,9 +6,11 @@ replica's replay socket first. A number at or below the last one *received on th
 the publisher restarted (its sequence starts again at 0): the replica's blocks are forgotten, then
 its replay buffer is read from 0. A number at or below the last *applied* one but above the last
 received was already applied through replay and is skipped. ``AllBlocksCleared`` forgets the
-replica's blocks too. When the subscription connects again after losing the publisher, the replica
-may have restarted and sent more batches than before while nobody listened (so neither rule would
-see it): its blocks are forgotten and its replay buffer read from 0 (``on_reconnect``).
+replica's blocks too, in every medium (a replica whose prefix cache was reset then states again, in
+the same batch, every block it still holds). When the subscription connects again after losing the
+publisher, the replica may have restarted and sent more batches than before while nobody listened
+(so neither rule would see it): its blocks are forgotten and its replay buffer read from 0
+(``on_reconnect``).
 
 Keys: ``BlockKeyMapper`` (``block_keys.py``) turns the replica's block hashes into kvhive block keys.
 """
