@@ -4,7 +4,6 @@ shapes that disagree with the config). Through the real ``kvhive serve`` these e
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -13,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from support.families import hf_model, path_in, save_gguf, save_hf
+from support.families import edited_hf_copy, hf_model, path_in, save_gguf, save_hf
 from support.servers import REPO_ROOT, free_port, subprocess_env
 
 from kvhive.model.loader import load_model
@@ -34,24 +33,8 @@ def saved(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def _edited_copy(src: str, dst: str, **changes: object) -> str:
-    """A copy of HF dir ``src`` whose config.json has ``changes`` (None deletes a key)."""
-    shutil.copytree(src, dst)
-    file = os.path.join(dst, "config.json")
-    with open(file) as f:
-        raw = json.load(f)
-    for key, value in changes.items():
-        if value is None:
-            raw.pop(key, None)
-        else:
-            raw[key] = value
-    with open(file, "w") as f:
-        json.dump(raw, f)
-    return dst
-
-
 @pytest.mark.parametrize(("family", "changes", "named"), [
-    ("llama", {"model_type": "gemma2"}, "model_type 'gemma2'"),
+    ("llama", {"model_type": "olmo2"}, "model_type 'olmo2'"),
     ("llama", {"rope_parameters": None, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
                                                          "long_factor": [1.0] * 8}}, "rope_scaling.rope_type 'longrope'"),
     ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4, "alpha": 1.0}},
@@ -69,7 +52,7 @@ def _edited_copy(src: str, dst: str, **changes: object) -> str:
     ("llama", {"hidden_size": None}, "hidden_size is missing"),
 ])
 def test_unsupported_or_inconsistent_config_is_refused(saved, tmp_path, family: str, changes: dict, named: str) -> None:
-    path = _edited_copy(saved[f"{family}-hf"], str(tmp_path / "m"), **changes)
+    path = edited_hf_copy(saved[f"{family}-hf"], str(tmp_path / "m"), **changes)
     with pytest.raises(ValueError, match=named) as info:
         load_model(path)
     assert os.path.join(path, "") in str(info.value) or path in str(info.value)
@@ -137,7 +120,7 @@ def _broken(saved: dict[str, str], tmp_path, kind: str) -> tuple[str, str]:
         path = shutil.copy(saved["llama-gguf"], str(tmp_path / "m.gguf"))
         _corrupt(path)
         return path, "m.gguf: not a readable GGUF file"
-    path = _edited_copy(saved["llama-hf"], str(tmp_path / "m"), num_key_value_heads=1)
+    path = edited_hf_copy(saved["llama-hf"], str(tmp_path / "m"), num_key_value_heads=1)
     return path, "k_proj.weight has shape"
 
 

@@ -10,8 +10,10 @@ weights around 1, biases non-zero), making greedy tokens a sharp test.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
+import shutil
 
 import numpy as np
 import torch
@@ -69,15 +71,32 @@ def hf_model(family: str, seed: int = 0, **overrides: object) -> torch.nn.Module
     model = transformers.AutoModelForCausalLM.from_config(hf_config(family, **overrides), dtype=torch.float32,
                                                           **eager)
     gen = torch.Generator().manual_seed(seed)
+    norm_base = 0.0 if family.startswith("gemma") else 1.0       # Gemma's norms scale by 1 + weight
     for name, p in model.named_parameters():
         if "norm" in name:
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            p.copy_(norm_base + 0.1 * torch.randn(p.shape, generator=gen))
         elif p.dim() == 1:
             p.copy_(0.1 * torch.randn(p.shape, generator=gen))
         else:
             p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
     model.generation_config.eos_token_id = None
     return model.eval()
+
+
+def edited_hf_copy(src: str, dst: str, **changes: object) -> str:
+    """A copy of HF dir ``src`` whose config.json has ``changes`` (None deletes a key)."""
+    shutil.copytree(src, dst)
+    file = os.path.join(dst, "config.json")
+    with open(file) as f:
+        raw = json.load(f)
+    for key, value in changes.items():
+        if value is None:
+            raw.pop(key, None)
+        else:
+            raw[key] = value
+    with open(file, "w") as f:
+        json.dump(raw, f)
+    return dst
 
 
 def save_hf(model: torch.nn.Module, path: str, dtype: torch.dtype = torch.float32,
