@@ -106,7 +106,7 @@ class ModelRunner:
             self.dtype, c.num_heads, c.num_kv_heads, c.head_dim) else None)
         # CUDA: decode-only steps replay per-bucket graphs (kvhive.model.cuda_graphs).
         self.decode_graphs: DecodeGraphs | None = None
-        if cuda_graphs and self.device.type == "cuda":
+        if cuda_graphs and self.device.type == "cuda" and getattr(model, "cuda_graphs", True):
             self.decode_graphs = DecodeGraphs(model, self.kv_cache, -(-c.max_position_embeddings // block_size),
                                               max_rows=max_num_seqs)
             started = time.perf_counter()

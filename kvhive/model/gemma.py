@@ -69,6 +69,9 @@ class GemmaLayer(nn.Module):
 class GemmaModel(nn.Module):
     """Gemma 2 / Gemma 3 causal LM with ``LlamaModel``'s interface to the runner."""
 
+    # Decode steps run eagerly on CUDA (the masked path is not captured into the runner's graphs).
+    cuda_graphs = False
+
     def __init__(self, config: ModelConfig, dtype: str | torch.dtype = "float32",
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
@@ -87,7 +90,7 @@ class GemmaModel(nn.Module):
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else nn.Parameter(
             torch.empty(v, h, dtype=self.dtype, device=device), requires_grad=False)
         # transformers scales the embedding by sqrt(hidden) rounded to the model dtype.
-        self.embed_scale = torch.tensor(h ** 0.5).to(self.dtype)
+        self.embed_scale = torch.tensor(h ** 0.5).to(self.dtype).to(device)
         self.rope = {False: rope_tables(config, self.dtype, device), True: rope_tables(self._local_rope(), self.dtype, device)}
         self.rules = [self._rule(window) for window in self.spec.window_layers]
 

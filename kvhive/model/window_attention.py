@@ -8,8 +8,9 @@ prefill chunk gathers its keys from the pool (a chunk with no cached prefix uses
 computes the scores in the model dtype, caps them, masks every key outside
 ``(position - window, position]``, and takes the softmax in float32, in transformers' eager order.
 
-Window layers gather only the blocks the chunk's window reaches; every block stays in the pool for
-every layer (``docs/sliding_window.md``).
+A prefill chunk of a window layer gathers only the blocks its window reaches (decode rows gather
+their block table and mask); every block stays in the pool for every layer
+(``docs/sliding_window.md``).
 """
 
 from __future__ import annotations
