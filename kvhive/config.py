@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from kvhive.connector.disagg.config import KVTransferConfig
 from kvhive.kv.events_config import KVEventsConfig
 
 # ISA levels of the CPU kernels, best first (kvhive.model.cpu), and "auto": the best the CPU runs.
@@ -236,6 +237,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     sessions: SessionConfig = field(default_factory=SessionConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)   # --kv-role, --kv-transfer-*
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -252,6 +254,8 @@ class EngineConfig:
             raise ValueError(f"--num-threads must be positive, got {self.num_threads}")
         if self.store.enabled and not self.cache.enable_prefix_caching:
             raise ValueError("KV tiers (--cpu-offload-gb, --disk-cache-dir, --redis-url) need prefix caching")
+        if self.kv_transfer.disaggregated and not self.cache.enable_prefix_caching:
+            raise ValueError(f"--kv-role {self.kv_transfer.role} needs prefix caching (blocks are sent by hash)")
 
     def kv_events_settings(self) -> KVEventsConfig | None:
         """How the engine publishes KV events: ``kv_events_config``, else the ``kv_events`` short

@@ -6,6 +6,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 # Most top logprobs a request may ask for per token (OpenAI caps chat at 20).
 MAX_LOGPROBS = 20
@@ -89,6 +90,8 @@ class Request:
     # when it ends, keeps alive; ``end_session`` frees them instead.
     session_id: str | None = None
     end_session: bool = False
+    # Disaggregated serving: this request's part in a KV transfer (a KVTransferParams), or None.
+    kv_transfer: Any = None
     arrival_time: float = field(default_factory=time.monotonic)
     # When (time.monotonic) the engine first scheduled it; None while it has not run yet.
     scheduled_time: float | None = None

@@ -9,7 +9,7 @@ meta from one half to the other and the finished transfers back (the split of vL
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -34,6 +34,10 @@ class SchedulerOutput:
     newly_cached: tuple[CachedBlock, ...]
     # Requests that ended (aborted) while their asynchronous load was in flight.
     cancelled_loads: tuple[str, ...] = ()
+    # This step's tokens and block table of each scheduled request (a disaggregating connector
+    # sends the blocks a step computes while it computes them).
+    num_scheduled_tokens: Mapping[str, int] = field(default_factory=dict)
+    block_tables: Mapping[str, Sequence[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,29 @@ class LoadSpec:
 
 
 @dataclass(frozen=True)
+class KVSend:
+    """Send layer by layer, as this step computes them, blocks of a prompt to a decode instance."""
+
+    transfer_id: str
+    endpoint: tuple[str, int]
+    first_block: int                        # index in the prompt of block_ids[0]
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]         # every full prompt block's hash known so far
+    last: bool                              # the prompt is complete after this step: end the transfer
+
+
+@dataclass(frozen=True)
+class RemoteLoad:
+    """Load blocks ``first_block`` on of a prompt arriving from a prefill instance into ``block_ids``."""
+
+    request_id: str
+    transfer_id: str
+    first_block: int
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]         # the hashes of those blocks (the shared tier's keys)
+
+
+@dataclass(frozen=True)
 class ConnectorMeta:
     """One step's transfers: blocks to snapshot and save, blocks to load, loads to cut short."""
 
@@ -65,11 +92,15 @@ class ConnectorMeta:
     # Requests whose asynchronous loads are no longer wanted: the worker stops each at its next
     # block and reports it in ``get_finished`` as usual (the blocks loaded so far).
     cancelled_loads: tuple[str, ...] = ()
+    kv_sends: tuple[KVSend, ...] = ()           # prefill instance: blocks to push this step
+    remote_loads: tuple[RemoteLoad, ...] = ()   # decode instance: blocks arriving from a prefill
+    ended_sends: tuple[str, ...] = ()           # transfer ids whose request ended before its prompt
 
     @property
     def is_empty(self) -> bool:
         """True when there is nothing to move or cancel."""
-        return not self.saves and not self.loads and not self.cancelled_loads
+        return not (self.saves or self.loads or self.cancelled_loads or self.kv_sends
+                    or self.remote_loads or self.ended_sends)
 
 
 class FinishedTransfers(NamedTuple):

@@ -130,6 +130,9 @@ class LLMEngine:
         self._pin_thread: ThreadPoolExecutor | None = None       # applies pins with a network tier
         if config.store.enabled or store is not None:
             self._build_connector(loaded, store, self.block_bytes)
+        # The halves the scheduler and the runner use: disaggregation's around the offload ones.
+        self.scheduler_half, self.worker_half = self.connector_scheduler, self.connector_worker
+        self.disagg = self._build_disagg(loaded) if config.kv_transfer.disaggregated else None
         self.runner = self._build_runner(loaded)
         self.paths = {**loaded.model.paths(), **self.runner.paths()}
         logger.info("paths: %s", "; ".join(f"{op} {path}" for op, path in self.paths.items()))
@@ -168,7 +171,7 @@ class LLMEngine:
         runner = ModelRunner(loaded.model, loaded.config, num_blocks=self.num_blocks,
                              block_size=config.cache.block_size, dtype=config.dtype,
                              device=config.device, native_attention=config.native_attention,
-                             connector=self.connector_worker, cuda_graphs=not config.enforce_eager,
+                             connector=self.worker_half, cuda_graphs=not config.enforce_eager,
                              max_num_seqs=config.scheduler.max_num_seqs, isa=self.isa)
         logger.info("KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB %s on %s) in %.1f s",
                     self.num_blocks, config.cache.block_size, self.num_blocks * config.cache.block_size,
@@ -185,7 +188,20 @@ class LLMEngine:
                                                  self.connector_worker.is_saving)
         return Scheduler(self.config.scheduler, cache, self.num_blocks,
                          root_hash(cache.hash_seed, loaded.fingerprint),
-                         connector=self.connector_scheduler, session_copy=self._session_copy)
+                         connector=self.scheduler_half, session_copy=self._session_copy)
+
+    def _build_disagg(self, loaded):
+        """Both disaggregation halves for ``--kv-role`` around the offload connector (or none)."""
+        from kvhive.connector.disagg.build import build_disagg, leading_held
+        from kvhive.connector.offload import KV_LAYOUT_VERSION
+        from kvhive.store.key import KeySpace
+
+        key_space = KeySpace(loaded.fingerprint, KV_LAYOUT_VERSION, self.config.dtype, self.config.cache.block_size)
+        halves = build_disagg(self.config.kv_transfer, key_space, loaded.config.num_layers,
+                              self.connector_scheduler, self.connector_worker, self.store,
+                              lambda hashes: leading_held(self.scheduler.count_cached_blocks, hashes))
+        self.scheduler_half, self.worker_half = halves
+        return halves
 
     def runtime_info(self) -> dict:
         """What this engine runs on and which implementation each op takes (``GET /version``)."""
@@ -323,6 +339,9 @@ class LLMEngine:
             self.publisher = None
         if self.connector_scheduler is not None:
             self.connector_scheduler.close()
+        if self.disagg is not None:
+            self.disagg.worker.close()
+            self.disagg = None
         if self.connector_worker is not None:
             self.connector_worker.close()
             self.connector_worker = None
@@ -332,11 +351,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     cache_salt: str | None = None, session_id: str | None = None,
-                    end_session: bool = False) -> None:
+                    end_session: bool = False, kv_transfer=None) -> None:
         """Queue a request; the caller has checked its length against max_model_len.
 
         With ``session_id`` the request continues that session's held blocks and, when it ends,
         leaves its own blocks to the session (``end_session``: frees them instead).
+        ``kv_transfer`` (a KVTransferParams): its part in a disaggregated prefill/decode transfer.
         """
         if not prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
@@ -348,7 +368,7 @@ class LLMEngine:
                              "are not computed again")
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                           sampling=sampling, eos_token_ids=self.eos_token_ids, cache_salt=cache_salt,
-                          session_id=session_id, end_session=end_session)
+                          session_id=session_id, end_session=end_session, kv_transfer=kv_transfer)
         self.scheduler.add_request(request)
         self._unscheduled[request_id] = request
         if sampling.prompt_logprobs is not None:
@@ -368,15 +388,15 @@ class LLMEngine:
         """Run one scheduler step through the model; return what each touched request produced."""
         if self.threads is not None:
             self.threads.adjust()
-        if self.connector_worker is not None:
-            finished = self.connector_worker.get_finished(())
+        if self.worker_half is not None:
+            finished = self.worker_half.get_finished(())
             if finished.done_recving or finished.done_sending:
                 self.scheduler.finish_kv_transfers(finished)
         plan = self.scheduler.schedule()
         if self._unscheduled:
             self._note_scheduled(plan)
         if plan.is_empty and plan.connector_meta is None:
-            if self.connector_worker is not None and self.scheduler.has_unfinished():
+            if self.worker_half is not None and self.scheduler.has_unfinished():
                 time.sleep(0.001)     # only transfers in flight: do not spin on the loop thread
             # schedule() may have finished requests itself (too long for the pool): report them.
             if plan.finished_request_ids:

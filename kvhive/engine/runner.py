@@ -229,8 +229,8 @@ class ModelRunner:
         attn, meta = inputs.attn, plan.connector_meta
         if self.decode_graphs is None or attn.decode is None or attn.prefills:
             return None
-        if meta is not None and any(not spec.is_async for spec in meta.loads):
-            return None
+        if meta is not None and (meta.kv_sends or any(not spec.is_async for spec in meta.loads)):
+            return None                 # the layer hooks must run
         return self.decode_graphs.forward(inputs.input_ids, inputs.positions, attn.slot_rows, attn.decode)
 
     def release(self, request_ids: list[str]) -> None:

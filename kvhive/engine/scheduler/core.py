@@ -53,6 +53,7 @@ class Scheduler:
                                  root_hash)
         self.queues = RequestQueues()
         self.transfers = KVTransfers(connector, self.kv)
+        self.transfers.track(self.queues.by_id)
         self.spill = SessionSpill(self.kv, session_copy, self.transfers.pending_hashes)
         self.preemption = Preemption(self.queues, self.kv)
         self.batcher = Batcher(self.queues, self.kv, self.spill, self.preemption, self._finish_too_long)
@@ -202,7 +203,7 @@ class Scheduler:
                 prompt_logprobs=prompt_logprobs_span(request, start, end),
             ))
         finished, self._finished_ids = self._finished_ids, []
-        meta = self.transfers.build_meta(tuple(planned), finished)
+        meta = self.transfers.build_meta(tuple(planned), finished, planned)
         return StepPlan(seqs=seqs, finished_request_ids=finished, connector_meta=meta)
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:

@@ -14,7 +14,7 @@ Without a connector every method is a no-op, ``lookup`` answers (0, False) and `
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvhive.connector.base import (
     CachedBlock,
@@ -37,6 +37,12 @@ class KVTransfers:
         self.loading: dict[str, Request] = {}           # async load in flight
         self.sending: dict[str, Request] = {}           # finished; the connector still saves from them
         self.cancelled_loads: list[str] = []            # finished while loading, since the last plan
+        # The scheduler's unfinished requests by id (set by the scheduler): block tables for the meta.
+        self._requests: Mapping[str, Request] | None = None
+
+    def track(self, requests: Mapping[str, Request]) -> None:
+        """Read scheduled requests' block tables from ``requests`` (the scheduler's by-id map)."""
+        self._requests = requests
 
     def busy(self) -> bool:
         """True while saves are still to hand out, or loads or held saves are unfinished."""
@@ -109,13 +115,18 @@ class KVTransfers:
             if request is not None and request_id not in self.loading:
                 self.kv.free(request)
 
-    def build_meta(self, scheduled: Sequence[str], finished: Sequence[str]) -> ConnectorMeta | None:
+    def build_meta(self, scheduled: Sequence[str], finished: Sequence[str],
+                   num_tokens: Mapping[str, int] | None = None) -> ConnectorMeta | None:
         """The connector's meta for the next plan (loads, saves, cancels); None when empty or
-        without a connector. Hands out the blocks and cancels gathered since the last call."""
+        without a connector. Hands out the blocks and cancels gathered since the last call.
+        ``num_tokens``: the step's tokens per scheduled request (with their block tables)."""
         if self.connector is None:
             return None
+        num_tokens = num_tokens or {}
+        tables = {rid: self.kv.get_block_table(self._requests[rid])
+                  for rid in num_tokens} if num_tokens and self._requests is not None else {}
         output = SchedulerOutput(tuple(scheduled), tuple(finished), tuple(self.newly_cached),
-                                 tuple(self.cancelled_loads))
+                                 tuple(self.cancelled_loads), num_tokens, tables)
         self.newly_cached, self.cancelled_loads = [], []
         meta = self.connector.build_connector_meta(output)
         return None if meta.is_empty else meta

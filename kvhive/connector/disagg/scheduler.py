@@ -1,0 +1,109 @@
+"""The scheduler half of disaggregated serving, wrapped around an optional inner connector.
+
+Prefill role: a request with ``do_remote_decode`` gets, every step that computes its prompt, a
+``KVSend`` naming the blocks that step fills (its prefix hits go with the first step); the step
+that completes the prompt ends the transfer. Decode role: a request with ``do_remote_prefill`` is
+admitted with its device hits and an asynchronous ``RemoteLoad`` of the prompt's remaining full
+blocks (all but the last token's, which the decode side computes to sample its first token); the
+worker reports how many blocks landed intact and the scheduler recomputes the rest.
+Everything else (and every request without transfer params) goes to the inner connector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvhive.connector.base import ConnectorMeta, ConnectorScheduler, KVSend, RemoteLoad, SchedulerOutput
+
+
+@dataclass
+class _Sending:
+    """A prefill request whose blocks are being sent: the next block index to send."""
+
+    request: Any
+    next_block: int = 0
+
+
+class DisaggScheduler:
+    """ConnectorScheduler for ``--kv-role prefill|decode`` over an optional inner connector."""
+
+    def __init__(self, role: str, block_size: int, inner: ConnectorScheduler | None = None) -> None:
+        self.role, self.block_size, self.inner = role, block_size, inner
+        self._sending: dict[str, _Sending] = {}
+        self._remote: set[str] = set()              # decode: lookups this half answered
+        self._loads: list[RemoteLoad] = []
+        self._ended: list[str] = []
+        self.remote_load_requests = 0
+
+    def _is_remote_decode(self, request: Any) -> bool:
+        params = request.kv_transfer
+        return self.role == "decode" and params is not None and params.do_remote_prefill
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Decode role, remote request: the prompt's full blocks after the device hits arrive
+        asynchronously; anything else: the inner connector's answer."""
+        if self._is_remote_decode(request):
+            wanted = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+            if wanted > num_computed_tokens:
+                self._remote.add(request.request_id)
+                return wanted - num_computed_tokens, True
+        if self.inner is None:
+            return 0, False
+        return self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """Record a remote load, start tracking a prefill's sends, or hand over to the inner half."""
+        rid = request.request_id
+        params = request.kv_transfer
+        if self.role == "prefill" and params is not None and params.do_remote_decode and rid not in self._sending:
+            self._sending[rid] = _Sending(request)
+        if rid in self._remote:
+            self._remote.discard(rid)
+            if num_external_tokens > 0:
+                first = (request.num_prompt_tokens - 1) // self.block_size - len(block_ids)
+                self._loads.append(RemoteLoad(rid, params.transfer_id, first, tuple(block_ids),
+                                              tuple(request.block_hashes[first:first + len(block_ids)])))
+                self.remote_load_requests += 1
+            return
+        if self.inner is not None:
+            self.inner.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMeta:
+        """The inner connector's meta plus this step's sends, remote loads and ended transfers."""
+        meta = ConnectorMeta() if self.inner is None else self.inner.build_connector_meta(scheduler_output)
+        sends = [send for rid in scheduler_output.scheduled_request_ids if rid in self._sending
+                 for send in [self._plan_send(rid, scheduler_output)] if send is not None]
+        loads, ended = tuple(self._loads), tuple(self._ended)
+        self._loads, self._ended = [], []
+        if not (sends or loads or ended):
+            return meta
+        return replace(meta, kv_sends=tuple(sends), remote_loads=loads, ended_sends=ended)
+
+    def _plan_send(self, rid: str, output: SchedulerOutput) -> KVSend | None:
+        """The blocks request ``rid``'s step fills (and earlier ones not yet sent)."""
+        state = self._sending[rid]
+        request, B = state.request, self.block_size
+        end = request.num_computed_tokens + output.num_scheduled_tokens.get(rid, 0)
+        last = end >= request.num_prompt_tokens
+        # The decode side computes the prompt's last token itself: the block holding it is not sent.
+        wanted = (request.num_prompt_tokens - 1) // B
+        full = min(end // B, wanted, len(request.block_hashes))
+        table = output.block_tables.get(rid, ())
+        first, state.next_block = state.next_block, max(state.next_block, full)
+        if last:
+            del self._sending[rid]
+        elif first >= full:
+            return None
+        params = request.kv_transfer
+        return KVSend(params.transfer_id, params.decode_endpoint, first, tuple(table[first:full]),
+                      tuple(request.block_hashes[:wanted]), last)
+
+    def request_finished(self, request: Any, block_ids: Sequence[int]) -> bool:
+        """Forget the request; a prefill that ends before its prompt did ends its transfer."""
+        rid = request.request_id
+        self._remote.discard(rid)
+        if self._sending.pop(rid, None) is not None:
+            self._ended.append(request.kv_transfer.transfer_id)
+        return False if self.inner is None else self.inner.request_finished(request, block_ids)

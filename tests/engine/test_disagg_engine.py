@@ -1,0 +1,109 @@
+"""A prefill engine pushes a prompt's KV to a decode engine over a real TCP channel (one process,
+tiny model): greedy tokens equal a single engine's, blocks the decode engine holds are not sent,
+and a transfer that breaks or never comes is recomputed."""
+
+from __future__ import annotations
+
+import pytest
+from support.engines import GREEDY, make_engine, run
+
+from kvhive.connector.disagg.config import KVTransferConfig
+from kvhive.connector.disagg.params import KVTransferParams
+from kvhive.request import SamplingParams
+
+FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def _drive(engine, rid):
+    """Step ``engine`` until ``rid`` ends; its tokens and cached-token count."""
+    tokens, cached = [], None
+    for _ in range(20000):
+        for out in engine.step():
+            if out.request_id == rid:
+                tokens += out.new_token_ids
+                if out.finished:
+                    cached = out.num_cached_tokens
+        if not engine.has_unfinished():
+            break
+    return tokens, cached
+
+
+def _pd(prefill, decode, rid, prompt, port=None):
+    """Prefill ``prompt`` on one engine (first token), then decode it on the other; decode's tokens."""
+    port = port or decode.disagg.worker.receiver.port
+    prefill.add_request(rid, prompt, FIRST, kv_transfer=KVTransferParams(
+        rid, do_remote_decode=True, decode_endpoint=("127.0.0.1", port)))
+    first, _ = _drive(prefill, rid)
+    decode.add_request(rid, prompt, GREEDY, kv_transfer=KVTransferParams(rid, do_remote_prefill=True))
+    tokens, cached = _drive(decode, rid)
+    assert tokens[:1] == first
+    return tokens, cached
+
+
+@pytest.fixture()
+def engines(tokenizer):
+    single = make_engine(tokenizer, budget=16)
+    prefill = make_engine(tokenizer, budget=16, kv_transfer=KVTransferConfig(role="prefill", host="127.0.0.1"))
+    decode = make_engine(tokenizer, budget=16, kv_transfer=KVTransferConfig(
+        role="decode", host="127.0.0.1", timeout_s=5))
+    yield single, prefill, decode
+    for engine in (single, prefill, decode):
+        engine.close()
+
+
+def _prompts(n, length=37):
+    return {f"p{i}": [(7 * i + 3 * j) % 250 + 3 for j in range(length + i)] for i in range(n)}
+
+
+def test_pd_tokens_equal_a_single_engine(engines):
+    single, prefill, decode = engines
+    prompts = _prompts(5)
+    want = run(single, prompts)
+    for rid, prompt in prompts.items():
+        tokens, _ = _pd(prefill, decode, rid, prompt)
+        assert tokens == want[rid][0], rid
+    counters = decode.disagg.worker.counters
+    assert counters.recomputed_blocks == 0 and counters.received_blocks == sum(
+        (len(p) - 1) // 4 for p in prompts.values())
+    assert prefill.disagg.worker.counters.sent_blocks == counters.received_blocks
+    decode.scheduler.kv.pool.check_integrity()
+
+
+def test_blocks_the_decode_engine_holds_are_not_sent(engines):
+    single, prefill, decode = engines
+    shared = [(5 * j) % 250 + 3 for j in range(24)]
+    first, second = shared + [9, 8, 7, 6, 5, 4, 3], shared + [11, 12, 13, 14, 15, 16]
+    want = run(single, {"a": first, "b": second})
+    assert _pd(prefill, decode, "a", first)[0] == want["a"][0]
+    sent_before = prefill.disagg.worker.counters.sent_blocks
+    tokens, cached = _pd(prefill, decode, "b", second)
+    assert tokens == want["b"][0]
+    assert cached == (len(second) - 1) // 4 * 4            # its held prefix plus what arrived
+    assert prefill.disagg.worker.counters.sent_blocks - sent_before == (len(second) - 1) // 4 - 6
+    assert prefill.disagg.worker.counters.skipped_blocks == 6
+
+
+def test_a_transfer_that_never_comes_is_recomputed(tokenizer, engines):
+    single, _, _ = engines
+    decode = make_engine(tokenizer, budget=16, kv_transfer=KVTransferConfig(
+        role="decode", host="127.0.0.1", timeout_s=0.3))
+    try:
+        prompt = _prompts(1)["p0"]
+        want = run(single, {"x": prompt})["x"][0]
+        decode.add_request("x", prompt, GREEDY, kv_transfer=KVTransferParams("x", do_remote_prefill=True))
+        tokens, cached = _drive(decode, "x")
+        assert tokens == want and cached == 0
+        assert decode.disagg.worker.counters.recomputed_blocks == (len(prompt) - 1) // 4
+    finally:
+        decode.close()
+
+
+def test_an_unreachable_decode_endpoint_fails_only_the_transfer(engines):
+    single, prefill, _ = engines
+    prompt = _prompts(1)["p0"]
+    want = run(single, {"x": prompt})["x"][0]
+    prefill.add_request("x", prompt, FIRST, kv_transfer=KVTransferParams(
+        "x", do_remote_decode=True, decode_endpoint=("127.0.0.1", 1)))
+    assert _drive(prefill, "x")[0] == want[:1]
+    prefill.disagg.worker.close()
+    assert prefill.disagg.worker.counters.send_failures == 1
