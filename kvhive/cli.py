@@ -24,6 +24,7 @@ from kvhive.config import (
     SessionConfig,
     StoreConfig,
 )
+from kvhive.connector.disagg.config import parse_kv_transfer_config
 from kvhive.core.registry import RegistrationConfig, default_advertise_url
 from kvhive.kv.events_config import parse_kv_events_config
 
@@ -195,6 +196,15 @@ def _add_kv_event_args(p: argparse.ArgumentParser) -> None:
                         "topic may hold {host}, {port}, {model}, {rank}, e.g. llm-d's "
                         "'{\"enable_kv_cache_events\": true, \"topic\": \"kv@{host}@{model}\"}' "
                         "(see docs/deploy.md) (default: off)")
+    g.add_argument("--kv-role", default=None, choices=("prefill", "decode", "both"),
+                   help="disaggregated serving: prefill computes prompts and pushes their KV to a decode "
+                        "instance, decode receives it on --kv-transfer-port; both serves whole requests "
+                        "(see docs/disaggregation.md) (default: both)")
+    g.add_argument("--kv-transfer-port", type=int, default=None, metavar="PORT",
+                   help="decode role: the TCP port prefill instances push KV to (default: any free port)")
+    g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help="the transfer settings as JSON: kv_role, kv_ip, kv_port, timeout_s, buffer_bytes, "
+                        "unclaimed_ttl_s (the flags above win) (default: none)")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
@@ -298,6 +308,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
                              max_sessions_per_key=args.max_sessions_per_key,
                              max_pinned_gb=args.max_pinned_gb, share_prefix_cache=args.share_prefix_cache)
     events = parse_kv_events_config(args.kv_events_config, args.kv_events, args.kv_events_replay)
+    kv_transfer = parse_kv_transfer_config(args.kv_transfer_config, args.kv_role, args.kv_transfer_port)
     return EngineConfig(model_path=model_path, served_model_name=name, dtype=args.dtype,
                         device=args.device, num_threads=args.num_threads,
                         quantized_matmul=args.quantized_matmul,
@@ -305,7 +316,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
                         cpu_isa=args.cpu_isa, adaptive_threads=args.num_threads is None,
                         cache=cache,
                         kv_events_config=None if events is None else events.for_server(args.host, args.port),
-                        scheduler=sched, store=store, sessions=sessions)
+                        scheduler=sched, store=store, sessions=sessions, kv_transfer=kv_transfer)
 
 
 WAIT_POLICIES = ("auto", "active", "passive")

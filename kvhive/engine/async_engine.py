@@ -88,7 +88,7 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                        cache_salt: str | None = None, session_id: str | None = None,
-                       end_session: bool = False) -> AsyncIterator[RequestOutput]:
+                       end_session: bool = False, kv_transfer=None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; leaving early aborts it. Raises
         RequestFailed when computing it failed, RuntimeError when the engine loop has stopped."""
         if self.error is not None:
@@ -102,7 +102,7 @@ class AsyncEngine:
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._queues[request_id] = (asyncio.get_running_loop(), queue)
             self._pending_adds.append((request_id, list(prompt_token_ids), sampling, cache_salt,
-                                       session_id, end_session))
+                                       session_id, end_session, kv_transfer))
             self._wakeup.notify()
         finished = False
         try:
@@ -152,10 +152,11 @@ class AsyncEngine:
             aborts, self._pending_aborts = self._pending_aborts, []
             ends, self._pending_session_ends = self._pending_session_ends, []
             calls, self._pending_calls = self._pending_calls, []
-        for request_id, ids, sampling, salt, session_id, end_session in adds:
+        for request_id, ids, sampling, salt, session_id, end_session, kv_transfer in adds:
             try:
                 self.engine.add_request(request_id, ids, sampling, cache_salt=salt,
-                                        session_id=session_id, end_session=end_session)
+                                        session_id=session_id, end_session=end_session,
+                                        kv_transfer=kv_transfer)
             except Exception as exc:  # noqa: BLE001 - fails this request only
                 self._deliver(request_id, exc)
         for request_id in aborts:

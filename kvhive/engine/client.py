@@ -48,10 +48,10 @@ class EngineClient:
 
     def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  cache_salt: str | None = None, session_id: str | None = None,
-                 end_session: bool = False) -> AsyncIterator[RequestOutput]:
+                 end_session: bool = False, kv_transfer=None) -> AsyncIterator[RequestOutput]:
         """Submit a request and stream its outputs (``AsyncEngine.generate``: leaving early aborts it)."""
         return self._async.generate(request_id, prompt_token_ids, sampling, cache_salt=cache_salt,
-                                    session_id=session_id, end_session=end_session)
+                                    session_id=session_id, end_session=end_session, kv_transfer=kv_transfer)
 
     def abort(self, request_id: str) -> None:
         """Stop a request (queued for the loop thread); unknown ids are ignored."""

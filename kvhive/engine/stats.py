@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvhive.connector.base import TierStats
+from kvhive.connector.disagg.stats import KVTransferStats
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class EngineStats:
     free_blocks: int = 0                    # empty: no request holds them, no prefix in them
     cached_blocks: int = 0                  # evictable: nobody holds them, a cached prefix is in them
     used_blocks: int = 0                    # held by a running request or an idle session
+    kv_transfer: KVTransferStats | None = None   # --kv-role prefill|decode: the transfer counters
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,7 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
     ``conversation_id``, or a new one with ``new_session_ttl``; the answer carries ``x-session-id``)."""
     service.check_common(body)
     _check_unsupported(body)
+    kv_transfer = service.kv_transfer_params(body)
     num_logprobs = logprobs_wanted(body)
     token_ids = await chat_prompt_token_ids(service, body.messages)
     requested, param = max_tokens_field(body)
@@ -168,7 +169,8 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
     headers = session_headers(turn)
     answer = ChatAnswer(service, body, num_logprobs)
     streams = service.choice_streams(answer.request_id, body.n, token_ids, sampling, body.stop_strings,
-                                     service.cache_salt_for(owner, body.cache_salt), turn)
+                                     service.cache_salt_for(owner, body.cache_salt), turn, kv_transfer)
     if not body.stream:
-        return await service.whole_answer(streams, raw_request, headers, answer.response)
+        return await service.whole_answer(streams, raw_request, headers,
+                                          service.with_kv_transfer(answer.response, kv_transfer))
     return service.sse_response(answer.events(streams), headers, turn)

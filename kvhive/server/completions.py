@@ -206,6 +206,7 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
     one with ``new_session_ttl``; the answer then carries ``x-session-id``)."""
     service.check_common(body)
     _check_unsupported(body)
+    kv_transfer = service.kv_transfer_params(body)
     token_ids = await prompt_token_ids_off_loop(service, body.prompt, body.add_special_tokens)
     echo = echoed_prompt(service, single_prompt(body.prompt)) if body.echo else ""
     prompt_logprobs = prompt_logprobs_wanted(body)
@@ -221,7 +222,8 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
     start = 0 if prompt_logprobs is None else await echo_text_start(service, body, token_ids)
     answer = CompletionAnswer(service, body, token_ids, echo, text_start=start)
     streams = service.choice_streams(answer.request_id, body.n, token_ids, sampling, body.stop_strings,
-                                     service.cache_salt_for(owner, body.cache_salt), turn)
+                                     service.cache_salt_for(owner, body.cache_salt), turn, kv_transfer)
     if not body.stream:
-        return await service.whole_answer(streams, raw_request, headers, answer.response)
+        return await service.whole_answer(streams, raw_request, headers,
+                                          service.with_kv_transfer(answer.response, kv_transfer))
     return service.sse_response(answer.events(streams), headers, turn)

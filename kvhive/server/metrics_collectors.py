@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
+from kvhive.server.metrics_kv_transfer import kv_transfer_metrics
+
 if TYPE_CHECKING:
     from kvhive.engine.stats import ConnectorCounters, EngineStats
     from kvhive.sessions.registry import SessionStats
@@ -69,6 +71,8 @@ class EngineStatsCollector(Collector):
             blocks.add_metric(self._labels + [state], count)
         yield blocks
         yield from self._tier_metrics(s)
+        if s.kv_transfer is not None:
+            yield from kv_transfer_metrics(self._labels, s.kv_transfer)
 
     def _tier_metrics(self, s: EngineStats) -> Iterator[Metric]:
         """Per-tier KV store metrics (label ``tier``: cpu, disk, redis) and connector counters."""

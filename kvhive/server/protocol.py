@@ -42,6 +42,7 @@ class SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None                       # vLLM extension: per-tenant prefix cache
+    kv_transfer_params: dict[str, Any] | None = None    # vLLM's field: disaggregated prefill/decode
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -152,6 +153,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None    # a prefill's answer: the decode request's params
 
 
 class AssistantMessage(BaseModel):
@@ -200,6 +202,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    kv_transfer_params: dict[str, Any] | None = None    # a prefill's answer: the decode request's params
 
 
 class DeltaMessage(BaseModel):

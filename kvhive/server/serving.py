@@ -248,6 +248,33 @@ class GenerationService:
             raise bad_request("'logit_bias' is not supported", param="logit_bias")
         self.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
 
+    def kv_transfer_params(self, body: SamplingRequest):
+        """The body's ``kv_transfer_params`` for this instance's ``--kv-role`` (a KVTransferParams,
+        or None); 400 naming the bad key."""
+        from kvhive.connector.disagg.params import KVTransferParamsError, parse_kv_transfer_params
+
+        try:
+            params = parse_kv_transfer_params(body.kv_transfer_params, self.engine.config.kv_transfer.role)
+        except KVTransferParamsError as exc:
+            raise bad_request(str(exc), param=f"kv_transfer_params.{exc.field}".removesuffix(
+                ".kv_transfer_params")) from None
+        if params is not None and body.n != 1:
+            raise bad_request("kv_transfer_params needs n == 1", param="n")
+        return params
+
+    @staticmethod
+    def with_kv_transfer(answer: Callable[[list[TextDelta]], BaseModel], params
+                         ) -> Callable[[list[TextDelta]], BaseModel]:
+        """``answer``, whose response to a prefill request carries the decode request's params."""
+        if params is None or not params.do_remote_decode:
+            return answer
+
+        def with_params(results: list[TextDelta]) -> BaseModel:
+            response = answer(results)
+            response.kv_transfer_params = params.for_decode()
+            return response
+        return with_params
+
     def check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
         """400 if any id is outside the vocabulary."""
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -340,7 +367,7 @@ class GenerationService:
 
     async def stream(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                      stop_strings: Sequence[str], cache_salt: str | None,
-                     turn: SessionTurn = NO_TURN) -> AsyncIterator[TextDelta]:
+                     turn: SessionTurn = NO_TURN, kv_transfer=None) -> AsyncIterator[TextDelta]:
         """Run one request; yield text deltas, the last with its finish reason.
 
         Leaving early (client gone, cancellation) or an engine error aborts the engine request; a
@@ -351,7 +378,8 @@ class GenerationService:
         tracker = self.metrics.track_request(sampling.max_tokens)
         deltas = DeltaAssembler(self.tokenizer, prompt_token_ids, stop_strings, sampling.logprobs is not None)
         outputs = self.engine.generate(request_id, prompt_token_ids, sampling, cache_salt=cache_salt,
-                                       session_id=turn.engine_id, end_session=turn.end_session)
+                                       session_id=turn.engine_id, end_session=turn.end_session,
+                                       kv_transfer=kv_transfer)
         done = False
         try:
             async for out in outputs:
@@ -388,13 +416,14 @@ class GenerationService:
 
     def choice_streams(self, request_id: str, n: int, prompt_token_ids: list[int], sampling: SamplingParams,
                        stop_strings: Sequence[str], cache_salt: str | None,
-                       turn: SessionTurn = NO_TURN) -> list[AsyncIterator[TextDelta]]:
+                       turn: SessionTurn = NO_TURN, kv_transfer=None) -> list[AsyncIterator[TextDelta]]:
         """One ``stream`` per choice. n == 1: the engine request is ``request_id`` itself. n > 1:
         engine requests ``{request_id}-{i}``, each with its own seed (``choice_seed``), never in a
         session; they run concurrently, and the scheduler computes the prompt's full blocks once
         (the other choices wait a step and hit them)."""
         if n == 1:
-            return [self.stream(request_id, prompt_token_ids, sampling, stop_strings, cache_salt, turn)]
+            return [self.stream(request_id, prompt_token_ids, sampling, stop_strings, cache_salt, turn,
+                                kv_transfer)]
         assert turn is NO_TURN, "open_session refuses n > 1 in a session"
         streams = []
         for i in range(n):

@@ -132,6 +132,6 @@ def test_bad_transfer_params_name_the_field(raw, field):
 def test_transfer_params_round_trip():
     params = parse_kv_transfer_params({"do_remote_decode": True, "transfer_id": "abc",
                                        "decode_endpoint": "10.0.0.2:7000", "remote_engine_id": "x"}, "prefill")
-    decode = parse_kv_transfer_params(params.for_decode(3), "decode")
+    decode = parse_kv_transfer_params(params.for_decode(), "decode")
     assert decode.do_remote_prefill and decode.transfer_id == "abc"
     assert parse_kv_transfer_params({"do_remote_decode": False}, "both") is None

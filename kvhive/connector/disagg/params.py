@@ -36,10 +36,10 @@ class KVTransferParams:
     do_remote_prefill: bool = False         # decode side: the prompt's KV arrives from a prefill
     decode_endpoint: tuple[str, int] | None = None
 
-    def for_decode(self, num_blocks: int) -> dict[str, Any]:
+    def for_decode(self) -> dict[str, Any]:
         """The params a prefill response hands on to the decode request."""
         out: dict[str, Any] = {"do_remote_prefill": True, "do_remote_decode": False,
-                               "transfer_id": self.transfer_id, "num_blocks": num_blocks}
+                               "transfer_id": self.transfer_id}
         if self.decode_endpoint is not None:
             out["decode_endpoint"] = f"{self.decode_endpoint[0]}:{self.decode_endpoint[1]}"
         return out

@@ -10,6 +10,24 @@ from dataclasses import dataclass, field
 TRANSFER_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0)
 
 
+@dataclass(frozen=True)
+class KVTransferStats:
+    """A snapshot of one instance's transfer counters (cumulative) for /metrics."""
+
+    role: str
+    sent_bytes: int
+    sent_blocks: int
+    skipped_blocks: int
+    send_failures: int
+    received_bytes: int
+    received_blocks: int
+    recomputed_blocks: int
+    fallback_blocks: int
+    failed_transfers: int
+    time_buckets: tuple[int, ...]       # counts per TRANSFER_BUCKETS_S bound, then above the last
+    time_sum_s: float
+
+
 @dataclass
 class DisaggCounters:
     """Bytes and blocks moved, transfer times, and what went wrong, for one role."""
@@ -48,3 +66,11 @@ class DisaggCounters:
             self.received_blocks += intact
             self.recomputed_blocks += wanted - intact
             self._observe(seconds)
+
+    def snapshot(self, received_bytes: int = 0, failed_transfers: int = 0) -> KVTransferStats:
+        """The counters now, with the receiver's bytes and failed transfers (decode role)."""
+        with self._lock:
+            return KVTransferStats(self.role, self.sent_bytes, self.sent_blocks, self.skipped_blocks,
+                                   self.send_failures, received_bytes, self.received_blocks,
+                                   self.recomputed_blocks, self.fallback_blocks, failed_transfers,
+                                   tuple(self.time_buckets), self.time_sum_s)

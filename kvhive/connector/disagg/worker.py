@@ -24,7 +24,7 @@ import torch
 
 from kvhive.connector.base import ConnectorMeta, ConnectorWorker, FinishedTransfers, KVSend, RemoteLoad
 from kvhive.connector.disagg.config import KVTransferConfig
-from kvhive.connector.disagg.stats import DisaggCounters
+from kvhive.connector.disagg.stats import DisaggCounters, KVTransferStats
 from kvhive.connector.disagg.transfers import TransferTable
 from kvhive.connector.disagg.transport import KVSendChannel, TcpReceiver, TcpSendChannel
 from kvhive.store.key import KeySpace, StoreKey
@@ -118,6 +118,11 @@ class DisaggWorker:
         if not done:
             return inner
         return FinishedTransfers(inner.done_sending, {**inner.done_recving, **done})
+
+    def stats(self) -> KVTransferStats:
+        """This instance's transfer counters (any thread)."""
+        rx = self.receiver
+        return self.counters.snapshot(0 if rx is None else rx.received_bytes, 0 if rx is None else rx.failed_transfers)
 
     def close(self) -> None:
         """Stop the sender, the loaders and the endpoint."""

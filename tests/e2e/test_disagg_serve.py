@@ -1,0 +1,129 @@
+"""Two real ``kvhive serve`` processes, ``--kv-role prefill`` and ``--kv-role decode``, on the default
+model: the prefill computes each prompt and its first token and pushes the KV over TCP; the decode
+continues it. Greedy text equals a whole request on one instance, in a session too, and when the
+prefill process is SIGKILLed in the middle of a transfer the decode side recomputes (no wrong
+token, no hang)."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+from support.kvhive_serve import LONG_PROMPT, ServeProcess
+from support.servers import free_port, metric_samples, wait_until
+
+MODEL = "smollm2-135m"
+ONE = ("--num-threads", "1", "--dtype", "float32")
+PROMPTS = [f"Question {i}: in a village of {i * 13 % 97} houses, each with {i % 5 + 2} windows, a painter "
+           f"named {['Ada', 'Bo', 'Cy', 'Di'][i % 4]} wants to know how many windows there are. Answer:"
+           for i in range(10)]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    port = free_port()
+    decode = ServeProcess(*ONE, "--kv-role", "decode", "--kv-transfer-port", str(port))
+    try:
+        prefill = ServeProcess(*ONE, "--kv-role", "prefill", "--max-num-batched-tokens", "64")
+    except RuntimeError:
+        decode.stop()
+        raise
+    yield prefill, decode, f"127.0.0.1:{port}"
+    prefill.stop()
+    decode.stop()
+
+
+def _complete(server, prompt, max_tokens, kv=None, headers=None, path="/v1/completions"):
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    if kv is not None:
+        body["kv_transfer_params"] = kv
+    r = httpx.post(server.url + path, json=body, headers=headers or {}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def _pd(prefill, decode, endpoint, tid, prompt, max_tokens=8, headers=None, path="/v1/completions"):
+    """Prefill then decode one prompt; the decode's text."""
+    first = _complete(prefill, prompt, 1, {"do_remote_decode": True, "transfer_id": tid,
+                                           "decode_endpoint": endpoint}).json()
+    params = first["kv_transfer_params"]
+    assert params["do_remote_prefill"] and params["transfer_id"] == tid
+    r = _complete(decode, prompt, max_tokens, params, headers, path)
+    text = r.json()["choices"][0]["text"]
+    assert text.startswith(first["choices"][0]["text"])
+    return r
+
+
+def _decode_metric(decode, name, direction=None):
+    labels = {"role": "decode"} | ({"direction": direction} if direction else {})
+    return sum(metric_samples(httpx.get(decode.url + "/metrics", timeout=10).text, name, labels))
+
+
+def test_ten_prompts_equal_a_single_instance(pair):
+    prefill, decode, endpoint = pair
+    for i, prompt in enumerate(PROMPTS):
+        want = prefill.complete(prompt, 8)[0]               # a whole request on one instance
+        assert _pd(prefill, decode, endpoint, f"ten-{i}", prompt).json()["choices"][0]["text"] == want
+    assert _decode_metric(decode, "kvhive_kv_transfer_blocks_total", "received") > 0
+    assert _decode_metric(decode, "kvhive_kv_transfer_recomputed_blocks_total") == 0
+
+
+def test_a_session_on_the_decode_side(pair):
+    prefill, decode, endpoint = pair
+    opening = "A short story about a lighthouse keeper who counts ships every night. " * 3
+    r = _pd(prefill, decode, endpoint, "ctx-1", opening, path="/v1/context")
+    session = r.headers["x-session-id"]
+    second = opening + r.json()["choices"][0]["text"] + " The next morning"
+    want = prefill.complete(second, 8)[0]
+    r2 = _pd(prefill, decode, endpoint, "ctx-2", second, headers={"x-session-id": session})
+    assert r2.json()["choices"][0]["text"] == want
+
+
+def test_prefill_killed_mid_transfer(pair):
+    _, decode, endpoint = pair
+    victim = ServeProcess(*ONE, "--kv-role", "prefill", "--max-num-batched-tokens", "32")
+    prompt = LONG_PROMPT
+    before = _decode_metric(decode, "kvhive_kv_transfer_bytes_total", "received")
+    params = {"do_remote_decode": True, "transfer_id": "killed", "decode_endpoint": endpoint}
+
+    def prefill_until_killed() -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(victim.url + "/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": params})
+
+    threading.Thread(target=prefill_until_killed, daemon=True).start()
+    wait_until(lambda: _decode_metric(decode, "kvhive_kv_transfer_bytes_total", "received") > before, 60,
+               "the first layer frames to land")
+    victim.kill()
+    r = _complete(decode, prompt, 8, {"do_remote_prefill": True, "transfer_id": "killed"})
+    text = r.json()["choices"][0]["text"]
+    reference = ServeProcess(*ONE)
+    try:
+        assert text == reference.complete(prompt, 8)[0]
+    finally:
+        reference.stop()
+    assert _decode_metric(decode, "kvhive_kv_transfer_recomputed_blocks_total") > 0
+
+
+def test_transfer_params_for_the_other_role_answer_400(pair):
+    prefill, _, _ = pair
+    r = httpx.post(prefill.url + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": "hi", "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "x"}})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "kv_transfer_params.do_remote_prefill"
+
+
+@pytest.mark.parametrize("flags, named", [
+    (("--kv-transfer-config", '{"kv_rol": "decode"}'), "kv_rol"),
+    (("--kv-transfer-config", '{"timeout_s": 0}'), "timeout_s"),
+    (("--kv-role", "decode", "--kv-transfer-port", "70000"), "port"),
+])
+def test_bad_transfer_flags_stop_startup(flags, named):
+    done = subprocess.run([sys.executable, "-m", "kvhive.cli", "serve", *flags], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and named in done.stderr
