@@ -5,7 +5,7 @@ and a transfer that breaks or never comes is recomputed."""
 from __future__ import annotations
 
 import pytest
-from support.engines import GREEDY, make_engine, run
+from support.engines import GREEDY, make_engine, make_engine_with_cpu_tier, run
 
 from kvhive.connector.disagg.config import KVTransferConfig
 from kvhive.connector.disagg.params import KVTransferParams
@@ -107,3 +107,22 @@ def test_an_unreachable_decode_endpoint_fails_only_the_transfer(engines):
     assert _drive(prefill, "x")[0] == want[:1]
     prefill.disagg.worker.close()
     assert prefill.disagg.worker.counters.send_failures == 1
+
+
+def test_a_failed_transfer_falls_back_to_the_shared_tier(tokenizer, engines):
+    single, _, _ = engines
+    decode = make_engine_with_cpu_tier(tokenizer, 64, budget=16, kv_transfer=KVTransferConfig(
+        role="decode", host="127.0.0.1", timeout_s=0.3))
+    try:
+        prompt = _prompts(1)["p0"]
+        want = run(single, {"x": prompt})["x"][0]
+        assert run(decode, {"warm": prompt})["warm"][0] == want     # its blocks go to the CPU tier
+        decode.connector_worker.wait_for_save()
+        decode.reset_prefix_cache()                                 # the device pool forgets them
+        decode.add_request("x", prompt, GREEDY, kv_transfer=KVTransferParams("x", do_remote_prefill=True))
+        tokens, cached = _drive(decode, "x")
+        counters = decode.disagg.worker.counters
+        assert tokens == want and cached == (len(prompt) - 1) // 4 * 4
+        assert counters.fallback_blocks == (len(prompt) - 1) // 4 and counters.recomputed_blocks == 0
+    finally:
+        decode.close()
