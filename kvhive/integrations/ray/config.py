@@ -1,0 +1,180 @@
+"""The Ray Serve application's config: ``kvhive serve``'s flags as fields, plus Ray's own.
+
+Engine fields are the ``serve`` flags' names with underscores (``model``, ``dtype``, ``kv_cache_gb``,
+``redis_url``, ``max_sessions_per_key``, ``num_threads``, ...). They are turned back into flags and
+parsed by the very parser and ``build_engine_config`` that ``kvhive serve`` uses, so a value the
+CLI refuses is refused here with the same message. Ray decides where a replica listens and where
+it publishes KV events, so the flags of addresses and registration are not fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from kvhive.cli import _add_serve_args, build_engine_config
+from kvhive.config import EngineConfig
+from kvhive.router.scorer import SCORERS, RoutingWeights, TierWeights
+
+# Serve flags whose job Ray Serve (or this integration) does: not fields.
+RAY_DECIDES = MappingProxyType({
+    "host": "Ray Serve's HTTP proxy listens for the application (serve's http_options)",
+    "port": "Ray Serve's HTTP proxy listens for the application (serve's http_options)",
+    "register": "Ray Serve tracks the replicas itself",
+    "advertise_url": "Ray Serve tracks the replicas itself",
+    "register_ttl": "Ray Serve tracks the replicas itself",
+    "kv_events": "each replica publishes KV events on a port of its own node",
+    "kv_events_replay": "each replica serves replay on a port of its own node",
+    "kv_events_config": "each replica publishes KV events on a port of its own node",
+})
+RAY_FIELDS = ("num_replicas", "autoscaling_config", "ray_actor_options", "max_ongoing_requests",
+              "ingress", "router")
+INGRESS_FIELDS = ("num_replicas", "ray_actor_options", "max_ongoing_requests")
+ROUTER_FIELDS = ("scorer", "tier_weights", "routing_weights", "routing_stats_period_s")
+
+
+class ConfigError(ValueError):
+    """A config value the application refuses; the message names the field."""
+
+
+class _FieldParser(argparse.ArgumentParser):
+    """The ``serve`` parser whose errors raise ``ConfigError`` instead of exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        """Raise instead of printing usage and exiting."""
+        raise ConfigError(message)
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """A parser with every ``kvhive serve`` flag that raises ``ConfigError`` on a bad value."""
+    parser = _FieldParser(prog="kvhive serve", add_help=False)
+    _add_serve_args(parser)
+    return parser
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """How ``KVAwareRequestRouter`` scores: the KV scorer, tier and routing weights, stats period."""
+
+    scorer: str = "longest_prefix"
+    tier_weights: TierWeights = field(default_factory=TierWeights)
+    routing_weights: RoutingWeights = field(default_factory=RoutingWeights)
+    routing_stats_period_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.scorer not in SCORERS:
+            raise ConfigError(f"router.scorer must be one of {', '.join(SCORERS)}, got {self.scorer!r}")
+        if not 0 < self.routing_stats_period_s <= 60:
+            raise ConfigError(f"router.routing_stats_period_s must be in (0, 60], got {self.routing_stats_period_s}")
+
+    def router_kwargs(self) -> dict[str, Any]:
+        """These settings as JSON-able ``request_router_kwargs``."""
+        return {"scorer": self.scorer, "tier_weights": vars(self.tier_weights),
+                "routing_weights": vars(self.routing_weights)}
+
+
+@dataclass(frozen=True)
+class RayAppConfig:
+    """A validated application config: the engine's flags (``engine_args``, as argv) and Ray's options."""
+
+    engine_args: tuple[str, ...]
+    engine: EngineConfig
+    num_replicas: int | str | None = 1
+    autoscaling_config: Mapping[str, Any] | None = None
+    ray_actor_options: Mapping[str, Any] = field(default_factory=dict)
+    max_ongoing_requests: int = 16
+    ingress: Mapping[str, Any] = field(default_factory=dict)
+    router: RouterSettings = field(default_factory=RouterSettings)
+
+
+def parse_app_config(raw: Mapping[str, Any]) -> RayAppConfig:
+    """Validate an application's ``args``: every field known, every engine value as ``kvhive serve``
+    takes it; ``ConfigError`` naming the field otherwise."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"the application's args must be a mapping, got {type(raw).__name__}")
+    parser = serve_parser()
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    argv: list[str] = []
+    for name, value in raw.items():
+        if name in RAY_FIELDS:
+            continue
+        if name in RAY_DECIDES:
+            raise ConfigError(f"field {name!r} is not set in a Ray Serve application: {RAY_DECIDES[name]}")
+        if name not in actions:
+            raise ConfigError(f"unknown field {name!r} (known: kvhive serve's flags with underscores, "
+                              f"e.g. model, dtype, kv_cache_gb, redis_url, num_threads; and {', '.join(RAY_FIELDS)})")
+        argv.extend(_flag_args(actions[name], name, value))
+    args = parser.parse_args(argv)
+    try:
+        engine = build_engine_config(args)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(str(exc)) from exc
+    return RayAppConfig(
+        engine_args=tuple(argv), engine=engine,
+        num_replicas=_replicas(raw.get("num_replicas", None if "autoscaling_config" in raw else 1)),
+        autoscaling_config=_mapping(raw, "autoscaling_config"),
+        ray_actor_options=_mapping(raw, "ray_actor_options") or {},
+        max_ongoing_requests=_positive_int(raw, "max_ongoing_requests", 16),
+        ingress=_ingress(raw), router=_router(raw))
+
+
+def _flag_args(action: argparse.Action, name: str, value: Any) -> list[str]:
+    """The argv that sets field ``name`` to ``value`` through ``action``'s flag."""
+    flag = action.option_strings[0]
+    if value is None:
+        return []
+    if isinstance(action, argparse._StoreConstAction):      # store_true / store_false
+        if not isinstance(value, bool):
+            raise ConfigError(f"field {name!r} must be true or false, got {value!r}")
+        return [flag] if value == action.const else []
+    if isinstance(action, argparse._AppendAction):
+        values = value if isinstance(value, list) else [value]
+        return [part for v in values for part in (flag, str(v))]
+    if isinstance(value, (dict, list, bool)):
+        raise ConfigError(f"field {name!r} takes one value, got {value!r}")
+    return [flag, str(value)]
+
+
+def _mapping(raw: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
+    value = raw.get(name)
+    if value is not None and not isinstance(value, Mapping):
+        raise ConfigError(f"field {name!r} must be a mapping, got {value!r}")
+    return dict(value) if value is not None else None
+
+
+def _positive_int(raw: Mapping[str, Any], name: str, default: int) -> int:
+    value = raw.get(name, default)
+    if type(value) is not int or value < 1:
+        raise ConfigError(f"field {name!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _replicas(value: Any) -> int | str | None:
+    if value is None or value == "auto" or (type(value) is int and 1 <= value <= 1024):
+        return value
+    raise ConfigError(f"field 'num_replicas' must be an integer in 1..1024 or 'auto', got {value!r}")
+
+
+def _ingress(raw: Mapping[str, Any]) -> dict[str, Any]:
+    section = _mapping(raw, "ingress") or {}
+    for name in section:
+        if name not in INGRESS_FIELDS:
+            raise ConfigError(f"unknown field 'ingress.{name}' (known: {', '.join(INGRESS_FIELDS)})")
+    return section
+
+
+def _router(raw: Mapping[str, Any]) -> RouterSettings:
+    section = _mapping(raw, "router") or {}
+    for name in section:
+        if name not in ROUTER_FIELDS:
+            raise ConfigError(f"unknown field 'router.{name}' (known: {', '.join(ROUTER_FIELDS)})")
+    try:
+        tiers = TierWeights(**(_mapping(section, "tier_weights") or {}))
+        weights = RoutingWeights(**(_mapping(section, "routing_weights") or {}))
+    except TypeError as exc:
+        raise ConfigError(f"router: {exc}") from exc
+    return RouterSettings(section.get("scorer", "longest_prefix"), tiers, weights,
+                          float(section.get("routing_stats_period_s", 1.0)))

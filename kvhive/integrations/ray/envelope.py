@@ -1,0 +1,68 @@
+"""One HTTP request as the ingress hands it to a replica through a ``DeploymentHandle`` (plain,
+picklable data), and what the request router reads from it: its prompt and the session it names."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kvhive.core.json_body import BodyError, load_json
+from kvhive.core.tenancy import key_owner
+from kvhive.router.sessions import SESSION_HEADER
+from kvhive.router.tokenize import Prompt, prompt_from_body
+
+# Paths whose last segment names a session or a stored response: sent to its holder.
+_HELD_PATH = re.compile(r"^/v1/(?:context|responses)/([^/]+)(?:/input_items)?$")
+# The header a replica names itself in, so the ingress learns which replica holds what.
+REPLICA_HEADER = "x-kvhive-replica"
+
+
+@dataclass(frozen=True)
+class HTTPEnvelope:
+    """An HTTP request for a replica: method, path, raw query, headers (lower-case names), body;
+    ``holder``: the replica (its unique id) the ingress knows holds the session the request names."""
+
+    method: str
+    path: str
+    query_string: bytes
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+    holder: str | None = None
+
+    def header(self, name: str) -> str | None:
+        """The first value of header ``name`` (lower-case), or None."""
+        return next((v for k, v in self.headers if k == name), None)
+
+    @property
+    def owner(self) -> str:
+        """The digest of the caller's API key that replicas key sessions by."""
+        return key_owner(self.header("authorization") or "")
+
+    def json_body(self) -> dict[str, Any] | None:
+        """The body as a JSON object, or None when it is none (the replica answers it)."""
+        if not self.body or self.method != "POST":
+            return None
+        try:
+            data = load_json(self.body)
+        except (BodyError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def session_named(self, data: dict[str, Any] | None) -> str | None:
+        """The session or stored response the request names: x-session-id, a chat
+        ``conversation_id``, ``previous_response_id``, or the id in a /v1/context or /v1/responses path."""
+        named = self.header(SESSION_HEADER)
+        if named:
+            return named
+        for key in ("conversation_id", "previous_response_id"):
+            if data is not None and isinstance(data.get(key), str):
+                return data[key]
+        held = _HELD_PATH.match(self.path)
+        return held.group(1) if held else None
+
+    def prompt(self, data: dict[str, Any] | None, salt_with_key: bool) -> Prompt | None:
+        """The prompt the replica will read (salted by the caller's key when replicas salt so)."""
+        if data is None:
+            return None
+        return prompt_from_body(data, self.owner if salt_with_key else None)

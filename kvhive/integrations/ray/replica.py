@@ -1,0 +1,101 @@
+"""``KVHiveReplica``: one kvhive engine in a Ray Serve replica, answering with ``kvhive serve``'s
+own FastAPI app (``create_app``) through ``call_asgi``.
+
+The replica parses its engine flags with ``kvhive serve``'s parser, publishes KV events on a free
+port of its node, and states its block geometry, fingerprint and event endpoints in its replica
+metadata, which ``KVAwareRequestRouter`` reads. Its routing stats are the engine's running and
+waiting requests and KV usage. Its health check fails once the engine loop has died, so Ray
+replaces it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvhive.integrations.ray.asgi_bridge import ResponseHead, call_asgi
+from kvhive.integrations.ray.config import serve_parser
+from kvhive.integrations.ray.envelope import REPLICA_HEADER, HTTPEnvelope
+from kvhive.integrations.ray.routing import ReplicaFacts
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class KVHiveReplica:
+    """A kvhive engine and its OpenAI app, in a Ray Serve replica (the deployment's class)."""
+
+    async def __init__(self, engine_args: list[str]) -> None:
+        import ray
+        from ray import serve
+
+        node_ip = ray.util.get_node_ip_address()
+        events, replay = free_port(node_ip), free_port(node_ip)
+        # A PUB socket binds only a wildcard endpoint (vLLM's rule); routers connect to the node's address.
+        args = serve_parser().parse_args([*engine_args, "--kv-events", f"tcp://*:{events}",
+                                          "--kv-events-replay", f"tcp://*:{replay}"])
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.async_engine, self.config = _start_engine(args)
+        self.facts = ReplicaFacts(self.config.model_path, self.config.cache.block_size,
+                                  self.config.cache.hash_seed, self.async_engine.engine.fingerprint,
+                                  f"tcp://{node_ip}:{events}", f"tcp://{node_ip}:{replay}")
+        from kvhive.server.app import create_app
+
+        self.app = create_app(self.async_engine, served_model_name=self.config.served_model_name,
+                              api_keys=tuple(args.api_key or ()), max_request_bytes=args.max_request_bytes,
+                              metrics_compat=args.metrics_compat)
+        self._lifespan = contextlib.AsyncExitStack()
+        await self._lifespan.enter_async_context(self.app.router.lifespan_context(self.app))
+        logger.info("kvhive replica %s ready: %s", self.replica_id, self.facts)
+
+    async def handle_http(self, envelope: HTTPEnvelope) -> AsyncIterator[ResponseHead | bytes]:
+        """The app's answer to ``envelope``: its head (naming this replica), then its body's pieces."""
+        async for item in call_asgi(self.app, envelope, ((REPLICA_HEADER, self.replica_id),)):
+            yield item
+
+    def record_replica_metadata(self) -> dict[str, Any]:
+        """What the request router needs to index this replica's KV blocks."""
+        return self.facts.as_metadata()
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """The engine's load, for the request router."""
+        stats = self.async_engine.stats()
+        return {"running": stats.num_running, "waiting": stats.num_waiting, "kv_usage": stats.kv_usage}
+
+    def check_health(self) -> None:
+        """Raise once the engine loop has died (Ray then replaces this replica)."""
+        if not self.async_engine.is_healthy:
+            raise RuntimeError(f"kvhive engine loop stopped: {self.async_engine.error!r}")
+
+    async def __del__(self) -> None:
+        """Stop the sweepers and the engine (Ray calls this when it stops the replica)."""
+        with contextlib.suppress(Exception):
+            await self._lifespan.aclose()
+        self.async_engine.shutdown()
+
+
+def _start_engine(args: Any) -> tuple[Any, Any]:
+    """Build the engine for ``args`` as ``kvhive serve`` does and start its loop on a thread."""
+    from kvhive.cli import build_engine_config, prepare_runtime, resolve_auto_dtype
+    from kvhive.engine.async_engine import AsyncEngine
+    from kvhive.engine.core import LLMEngine
+
+    config = build_engine_config(args)
+    problem = prepare_runtime(args, config)
+    if problem is not None:
+        raise ValueError(problem)
+    if config.dtype == "auto":
+        config = resolve_auto_dtype(config)
+    async_engine = AsyncEngine(LLMEngine(dataclasses.replace(config)))
+    async_engine.start()
+    return async_engine, config
