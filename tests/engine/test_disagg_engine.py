@@ -126,3 +126,17 @@ def test_a_failed_transfer_falls_back_to_the_shared_tier(tokenizer, engines):
         assert counters.fallback_blocks == (len(prompt) - 1) // 4 and counters.recomputed_blocks == 0
     finally:
         decode.close()
+
+
+def test_the_decode_request_may_come_first(engines):
+    single, prefill, decode = engines
+    prompt = _prompts(2)["p1"]
+    want = run(single, {"x": prompt})["x"][0]
+    decode.add_request("x", prompt, GREEDY, kv_transfer=KVTransferParams("x", do_remote_prefill=True))
+    for _ in range(3):
+        assert decode.step() == []                          # admitted, waiting for the transfer
+    prefill.add_request("x", prompt, FIRST, kv_transfer=KVTransferParams(
+        "x", do_remote_decode=True, decode_endpoint=("127.0.0.1", decode.disagg.worker.receiver.port)))
+    _drive(prefill, "x")
+    tokens, cached = _drive(decode, "x")
+    assert tokens == want and cached == (len(prompt) - 1) // 4 * 4
