@@ -174,7 +174,7 @@ def _router(raw: Mapping[str, Any]) -> RouterSettings:
     try:
         tiers = TierWeights(**(_mapping(section, "tier_weights") or {}))
         weights = RoutingWeights(**(_mapping(section, "routing_weights") or {}))
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise ConfigError(f"router: {exc}") from exc
     return RouterSettings(section.get("scorer", "longest_prefix"), tiers, weights,
                           float(section.get("routing_stats_period_s", 1.0)))

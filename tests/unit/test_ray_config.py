@@ -1,0 +1,56 @@
+"""The Ray Serve application's config: ``kvhive serve``'s flags as fields, refused as the CLI refuses
+them, with the field named; nothing is declared for a config that fails."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvhive.integrations.ray.config import ConfigError, parse_app_config
+
+
+def test_engine_fields_become_serve_flags_and_ray_fields_stay_ray_s() -> None:
+    config = parse_app_config({"num_threads": 1, "kv_cache_gb": 0.25, "enable_prefix_caching": True,
+                               "share_prefix_cache": True, "max_sessions_per_key": 3, "num_replicas": 2,
+                               "ray_actor_options": {"num_cpus": 1}, "router": {"scorer": "coverage"}})
+    assert config.engine.num_threads == 1
+    assert config.engine.sessions.max_sessions_per_key == 3
+    assert config.engine.sessions.share_prefix_cache is True
+    assert config.engine.cache.enable_prefix_caching is True
+    assert config.num_replicas == 2 and config.ray_actor_options == {"num_cpus": 1}
+    assert config.router.router_kwargs()["scorer"] == "coverage"
+    assert parse_app_config({"enable_prefix_caching": False}).engine.cache.enable_prefix_caching is False
+
+
+def test_autoscaling_leaves_the_replica_count_to_ray() -> None:
+    config = parse_app_config({"autoscaling_config": {"min_replicas": 1, "max_replicas": 3}})
+    assert config.num_replicas is None and config.autoscaling_config == {"min_replicas": 1, "max_replicas": 3}
+
+
+@pytest.mark.parametrize(("raw", "named"), [
+    ({"modle": "x.gguf"}, "unknown field 'modle'"),
+    ({"model": "/nonexistent/model.gguf"}, "/nonexistent/model.gguf"),
+    ({"dtype": "int3"}, "--dtype"),
+    ({"num_threads": "many"}, "--num-threads"),
+    ({"port": 8000}, "field 'port'"),
+    ({"kv_events": "tcp://*:5557"}, "field 'kv_events'"),
+    ({"share_prefix_cache": "yes"}, "field 'share_prefix_cache'"),
+    ({"num_replicas": 0}, "field 'num_replicas'"),
+    ({"max_ongoing_requests": -1}, "field 'max_ongoing_requests'"),
+    ({"ray_actor_options": 3}, "field 'ray_actor_options'"),
+    ({"router": {"scorer": "best"}}, "router.scorer"),
+    ({"router": {"weights": {}}}, "router.weights"),
+    ({"router": {"tier_weights": {"gpu": 2.0}}}, "tier weight gpu"),
+    ({"ingress": {"replicas": 2}}, "ingress.replicas"),
+])
+def test_a_bad_field_is_refused_with_its_name(raw: dict, named: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        parse_app_config(raw)
+    assert named in str(refused.value)
+
+
+def test_build_app_refuses_before_declaring_any_deployment() -> None:
+    pytest.importorskip("ray.serve")
+    from kvhive.integrations.ray import build_app
+
+    with pytest.raises(ConfigError, match="unknown field 'num_thread'"):
+        build_app({"num_thread": 1})
