@@ -42,6 +42,10 @@ CASES = {
     "tokenizer": (
         ["kvhive.core.tokenizer", "kvhive.core.chat_template", "kvhive.core.model_files"],
         ("torch", "transformers")),
+    # The Ray application's router and ingress run in the ingress process: torch-free, no engine.
+    "ray-router": (
+        ["kvhive.integrations.ray", "kvhive.integrations.ray.router", "kvhive.integrations.ray.ingress"],
+        ABOVE_THE_ROUTER),
     # The connector's scheduler half (lookups, transfer plans) leaves tensors to its worker half.
     "connector-scheduler-half": (
         ["kvhive.connector.offload", "kvhive.connector.base", "kvhive.engine.scheduler"],
@@ -62,6 +66,8 @@ def loaded_modules(modules: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("modules,forbidden", list(CASES.values()), ids=list(CASES))
 def test_imports_nothing_forbidden(modules: list[str], forbidden: tuple[str, ...]) -> None:
+    if any(m.startswith("kvhive.integrations.ray") for m in modules):
+        pytest.importorskip("ray.serve")
     loaded = loaded_modules(modules)
     assert set(modules) <= set(loaded)
     assert [m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden)] == []
