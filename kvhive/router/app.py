@@ -17,6 +17,7 @@ from kvhive.core.tenancy import key_owner
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.router.config import GatewayConfig
 from kvhive.router.index import KVBlockIndex
+from kvhive.router.pd import route_disaggregated, wants_prefill
 from kvhive.router.proxy import as_openai_error, openai_error
 from kvhive.router.replicas import Replica
 from kvhive.router.sessions import SESSION_HEADER
@@ -111,6 +112,9 @@ class GatewayRoutes:
         prompt = prompt_from_body(data, owner if self.config.salt_with_api_key else None) \
             if data is not None else None
         session_id = _session_named(request, data)
+        if self.config.disaggregated and wants_prefill(request.url.path, data, session_id):
+            return await route_disaggregated(self.gateway, request, data, prompt, owner,
+                                             self.config.request_timeout_s)
         candidates, reason = await self.gateway.choose(prompt, session_id, owner)
         if not candidates:
             return openai_error(503, "No healthy replica", code="no_replica")

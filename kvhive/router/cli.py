@@ -57,6 +57,14 @@ def _add_replica_args(p: argparse.ArgumentParser) -> None:
                    help="a replica: base URL, optionally its KV-event PUB endpoint (events=tcp://host:5557), "
                         "replay endpoint (replay=tcp://host:5558) and engine (kind=kvhive|vllm); repeat "
                         "for each replica (default: none; at least one is needed, or --discover)")
+    g.add_argument("--prefill", action="append", default=[], metavar="URL[,events=..][,..]",
+                   help="a prefill replica (kvhive serve --kv-role prefill): prompts without a session "
+                        "are computed on the best-scoring one, then continued on a --decode replica "
+                        "(docs/disaggregation.md) (default: none)")
+    g.add_argument("--decode", action="append", default=[], metavar="URL,kv=HOST:PORT[,events=..][,..]",
+                   help="a decode replica (kvhive serve --kv-role decode) and its KV transfer endpoint "
+                        "(its --kv-transfer-port); answers, streams and sessions come from these "
+                        "(default: none)")
     g.add_argument("--replica-api-key", default=None, metavar="KEY",
                    help="key the gateway sends to replicas started with --api-key when it reads their "
                         "block-hash settings from /v1/models at start (default: $KVHIVE_API_KEY, else none)")
@@ -166,7 +174,9 @@ def parse_tier_weights(text: str) -> TierWeights:
 def build_gateway_config(args: argparse.Namespace) -> GatewayConfig:
     """Parsed ``gateway`` flags as a validated GatewayConfig (the fingerprint may still be None)."""
     return GatewayConfig(
-        replicas=tuple(ReplicaSpec.parse(r) for r in args.replica), host=args.host, port=args.port,
+        replicas=tuple(ReplicaSpec.parse(r) for r in args.replica)
+        + tuple(ReplicaSpec.parse(r, "prefill") for r in args.prefill)
+        + tuple(ReplicaSpec.parse(r, "decode") for r in args.decode), host=args.host, port=args.port,
         redis_url=args.redis_url, affinity_ttl_s=args.session_affinity_ttl,
         discover_url=args.discover, discover_interval_s=args.discover_interval,
         index_max_keys=args.index_max_keys, model_path=args.model,

@@ -20,8 +20,15 @@ class ReplicaSpec:
     events: str | None = None
     replay: str | None = None
     kind: str = "kvhive"
+    role: str = "both"              # --prefill / --decode replicas of disaggregated serving
+    kv: str | None = None           # a decode replica's KV transfer endpoint, host:port
 
     def __post_init__(self) -> None:
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"replica {self.url}: role must be both, prefill or decode, got {self.role!r}")
+        if self.role == "decode" and not self.kv:
+            raise ValueError(f"--decode {self.url}: give its KV transfer endpoint, kv=host:port "
+                             "(its --kv-transfer-port)")
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"--replica: {self.url!r} is not an http(s) URL")
         if self.kind not in REPLICA_KINDS:
@@ -35,18 +42,20 @@ class ReplicaSpec:
         return self.url
 
     @classmethod
-    def parse(cls, text: str) -> ReplicaSpec:
-        """``URL[,events=tcp://host:port][,replay=tcp://host:port][,kind=kvhive|vllm]``."""
+    def parse(cls, text: str, role: str = "both") -> ReplicaSpec:
+        """``URL[,events=tcp://host:port][,replay=tcp://host:port][,kind=kvhive|vllm]``, and for a
+        ``decode`` replica ``kv=host:port`` (its KV transfer endpoint)."""
         url, *options = [part.strip() for part in text.split(",")]
         values: dict[str, str] = {}
+        known = ("events", "replay", "kind") + (("kv",) if role == "decode" else ())
         for option in options:
             key, sep, value = option.partition("=")
-            if not sep or key not in ("events", "replay", "kind"):
-                raise ValueError(f"--replica {text!r}: unknown option {option!r} "
-                                 f"(expected events=, replay= or kind=)")
+            if not sep or key not in known:
+                raise ValueError(f"--{'replica' if role == 'both' else role} {text!r}: unknown option "
+                                 f"{option!r} (expected {', '.join(k + '=' for k in known)})")
             values[key] = value
         return cls(url.rstrip("/"), values.get("events"), values.get("replay"),
-                   values.get("kind", "kvhive"))
+                   values.get("kind", "kvhive"), role, values.get("kv"))
 
 
 @dataclass(frozen=True)
@@ -98,6 +107,9 @@ class GatewayConfig:
         names = [r.name for r in self.replicas]
         if len(set(names)) != len(names):
             raise ValueError("--replica: the same URL is given twice")
+        roles = {r.role for r in self.replicas}
+        if roles & {"prefill", "decode"} and not {"prefill", "decode"} <= roles:
+            raise ValueError("--prefill and --decode go together: give at least one of each")
         if self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
         if not 0 <= self.hash_seed < 2**64:
@@ -114,3 +126,8 @@ class GatewayConfig:
             raise ValueError(f"--index-max-keys must be >= 1, got {self.index_max_keys}")
         if self.max_request_bytes < 1:
             raise ValueError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
+
+    @property
+    def disaggregated(self) -> bool:
+        """True with --prefill / --decode replicas: prompts prefill on one, decode on the other."""
+        return any(r.role != "both" for r in self.replicas)

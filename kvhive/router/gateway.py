@@ -38,8 +38,11 @@ class Gateway:
 
     def __init__(self, replicas: ReplicaSet, indexer: KVCacheIndexer, sessions: SessionAffinity,
                  weights: RoutingWeights, metrics: GatewayMetrics, client: httpx.AsyncClient,
-                 policy: str = "kv", seed: int = 0, upstream: UpstreamClient | None = None) -> None:
+                 policy: str = "kv", seed: int = 0, upstream: UpstreamClient | None = None,
+                 serve_role: str | None = None) -> None:
+        """``serve_role``: answers come from replicas of this role only (``decode`` with --pd)."""
         self.replicas = replicas
+        self.serve_role = serve_role
         self.policy = policy
         self._random = random.Random(seed)
         self.indexer = indexer
@@ -52,15 +55,17 @@ class Gateway:
         self._turn = 0          # rotates the order in which equal scores are broken
 
     async def choose(self, prompt: Prompt | None, session_id: str | None,
-                     owner: str) -> tuple[list[Replica], str]:
+                     owner: str, role: str | None = None) -> tuple[list[Replica], str]:
         """Healthy replicas in order of preference, and why the first is first.
 
         The replica holding ``owner``'s session ``session_id`` comes first while it is healthy (an
         id only another owner used counts as unknown); otherwise replicas are ranked by
         ``pick_replica`` (KV score of the prompt, then load) under the "kv" policy, by load alone
-        under "least_load", in turn under "round_robin", and at random under "random".
+        under "least_load", in turn under "round_robin", and at random under "random". Only
+        replicas of ``role`` (default: ``serve_role``; None: any) are candidates.
         """
-        healthy = self.replicas.healthy()
+        role = role or self.serve_role
+        healthy = [r for r in self.replicas.healthy() if role is None or r.spec.role == role]
         if not healthy:
             return [], "none"
         holder = self.sessions.get(owner, session_id) if session_id else None

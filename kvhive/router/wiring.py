@@ -109,7 +109,8 @@ def build_gateway(config: GatewayConfig, tokenizer: Tokenizer,
                              config.block_size, root)
     upstream = UpstreamClient(connect_timeout_s=5.0, read_timeout_s=config.request_timeout_s)
     gateway = Gateway(replica_set, indexer, build_affinity(config, link), config.weights,
-                      metrics, client, config.policy, upstream=upstream)
+                      metrics, client, config.policy, upstream=upstream,
+                      serve_role="decode" if config.disaggregated else None)
     metrics.watch(lambda: _state_samples(gateway, raw_index, prompts))
     if link is not None:
         metrics.watch(lambda: _shared_state_samples(link, raw_index))

@@ -13,8 +13,9 @@ import threading
 
 import httpx
 import pytest
+from support.cluster import start_gateway, stop_gateway
 from support.kvhive_serve import LONG_PROMPT, ServeProcess
-from support.servers import free_port, metric_samples, wait_until
+from support.servers import free_port, metric_samples, read_sse, wait_until
 
 MODEL = "smollm2-135m"
 ONE = ("--num-threads", "1", "--dtype", "float32")
@@ -127,3 +128,50 @@ def test_bad_transfer_flags_stop_startup(flags, named):
     done = subprocess.run([sys.executable, "-m", "kvhive.cli", "serve", *flags], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and named in done.stderr
+
+
+@pytest.fixture(scope="module")
+def gateway(pair):
+    prefill, decode, endpoint = pair
+    cluster = start_gateway((), "--prefill", prefill.url, "--decode", f"{decode.url},kv={endpoint}",
+                            until_all_up=False)
+    wait_until(lambda: set(cluster.replica_states().values()) == {"up"}, 60, "both replicas up")
+    yield cluster
+    stop_gateway(cluster)
+
+
+def test_gateway_prefills_on_one_replica_and_decodes_on_the_other(pair, gateway):
+    prefill, decode, _ = pair
+    before = _decode_metric(decode, "kvhive_kv_transfer_blocks_total", "received")
+    for prompt in PROMPTS[:3]:
+        want = prefill.complete(prompt, 8)[0]
+        r = httpx.post(gateway.gateway_url + "/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvhive-replica"] == decode.url
+        assert r.json()["choices"][0]["text"] == want
+    assert _decode_metric(decode, "kvhive_kv_transfer_blocks_total", "received") > before
+    with httpx.stream("POST", gateway.gateway_url + "/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": PROMPTS[4], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "stream": True}) as r:
+        events = read_sse(r)
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == prefill.complete(PROMPTS[4], 8)[0]
+
+
+def test_gateway_keeps_sessions_on_the_decode_replica(pair, gateway):
+    _, decode, _ = pair
+    r = httpx.post(gateway.gateway_url + "/v1/context", timeout=120, json={
+        "model": MODEL, "prompt": "Remember the number 42.", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kvhive-replica"] == decode.url
+    r2 = httpx.post(gateway.gateway_url + "/v1/completions", timeout=120, headers={
+        "x-session-id": r.headers["x-session-id"]}, json={
+        "model": MODEL, "prompt": "Remember the number 42. What was it?", "max_tokens": 4, "temperature": 0})
+    assert r2.status_code == 200 and r2.headers["x-kvhive-replica"] == decode.url
+
+
+def test_gateway_flags_name_what_is_missing():
+    done = subprocess.run([sys.executable, "-m", "kvhive.cli", "gateway", "--prefill", "http://127.0.0.1:1",
+                           "--decode", "http://127.0.0.1:2"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "kv=host:port" in done.stderr
