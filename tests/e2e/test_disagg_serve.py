@@ -22,6 +22,8 @@ ONE = ("--num-threads", "1", "--dtype", "float32")
 PROMPTS = [f"Question {i}: in a village of {i * 13 % 97} houses, each with {i % 5 + 2} windows, a painter "
            f"named {['Ada', 'Bo', 'Cy', 'Di'][i % 4]} wants to know how many windows there are. Answer:"
            for i in range(10)]
+# Prompts no other test sends (the decode replica holds those: their blocks are not sent again).
+FRESH = [f"Riddle {i}: " + p for i, p in enumerate(PROMPTS[:4])]
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +145,7 @@ def gateway(pair):
 def test_gateway_prefills_on_one_replica_and_decodes_on_the_other(pair, gateway):
     prefill, decode, _ = pair
     before = _decode_metric(decode, "kvhive_kv_transfer_blocks_total", "received")
-    for prompt in PROMPTS[:3]:
+    for prompt in FRESH[:3]:
         want = prefill.complete(prompt, 8)[0]
         r = httpx.post(gateway.gateway_url + "/v1/completions", timeout=120, json={
             "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
@@ -152,11 +154,11 @@ def test_gateway_prefills_on_one_replica_and_decodes_on_the_other(pair, gateway)
         assert r.json()["choices"][0]["text"] == want
     assert _decode_metric(decode, "kvhive_kv_transfer_blocks_total", "received") > before
     with httpx.stream("POST", gateway.gateway_url + "/v1/completions", timeout=120, json={
-            "model": MODEL, "prompt": PROMPTS[4], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "model": MODEL, "prompt": FRESH[3], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
             "stream": True}) as r:
         events = read_sse(r)
     assert events[-1] == "[DONE]"
-    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == prefill.complete(PROMPTS[4], 8)[0]
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == prefill.complete(FRESH[3], 8)[0]
 
 
 def test_gateway_keeps_sessions_on_the_decode_replica(pair, gateway):
