@@ -140,3 +140,16 @@ def test_the_decode_request_may_come_first(engines):
     _drive(prefill, "x")
     tokens, cached = _drive(decode, "x")
     assert tokens == want and cached == (len(prompt) - 1) // 4 * 4
+
+
+def test_a_transfer_of_another_prompt_is_used_only_where_they_agree(engines):
+    single, prefill, decode = engines
+    prompt = _prompts(1)["p0"]
+    other = prompt[:8] + [(t + 1) % 250 + 3 for t in prompt[8:]]      # parts after two blocks
+    want = run(single, {"x": other})["x"][0]
+    prefill.add_request("x", prompt, FIRST, kv_transfer=KVTransferParams(
+        "x", do_remote_decode=True, decode_endpoint=("127.0.0.1", decode.disagg.worker.receiver.port)))
+    _drive(prefill, "x")
+    decode.add_request("x", other, GREEDY, kv_transfer=KVTransferParams("x", do_remote_prefill=True))
+    tokens, cached = _drive(decode, "x")
+    assert tokens == want and cached == 8

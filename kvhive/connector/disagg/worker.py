@@ -220,11 +220,16 @@ class DisaggWorker:
                         complete[i] = False
                     elif complete[i]:
                         self._kv[block_id, layer].copy_(self._as_layer(block))
+            # Only blocks of this request's own prompt count: a transfer of another prompt (a
+            # client that sent the decode request a different prompt) agrees up to where they part.
+            sent = transfer.hashes[first:first + n]
+            agree = next((i for i, (a, b) in enumerate(zip(sent, load.block_hashes, strict=False)) if a != b),
+                         min(len(sent), n))
         finally:
             if transfer.error:
                 logger.warning("KV transfer %s: %s", load.transfer_id, transfer.error)
             table.release(transfer)
-        return complete.index(False) if False in complete else n
+        return min(complete.index(False) if False in complete else n, agree)
 
     def _from_shared_tier(self, load: RemoteLoad, intact: int) -> int:
         """Blocks after the first ``intact`` that the shared tier holds, in order; how many."""
