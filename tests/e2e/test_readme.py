@@ -46,6 +46,8 @@ SKIPPED = {
         "starts two replicas and a gateway in the background (tests/e2e/test_gateway.py runs them)",
     "KEY_A=key-of-alice KEY_B=key-of-bob                 # the keys clients send":
         "starts a replica with API keys and a gateway in the background (tests/e2e/test_router_api_keys.py)",
+    "ray start --head --num-cpus 1                                    # one node; on each other node:":
+        "starts a Ray cluster and the Ray Serve application (tests/e2e/test_ray_cluster.py runs them)",
 }
 
 # What the output of a block must contain, by a line of the block.
