@@ -31,8 +31,6 @@ from kvhive.router.sessions import RESPONSE_ID_HEADER, SESSION_HEADER, SessionAf
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
-# Replica failures that mean "no answer from this replica": the request may go to another.
-_REPLICA_GONE = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ActorUnschedulableError")
 
 
 class ReplicaGone(Exception):
@@ -149,12 +147,12 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
 
 async def _first(stream: AsyncIterator[Any]) -> ResponseHead:
     """The head of a replica's answer; ``ReplicaGone`` when the replica died first."""
+    from ray.exceptions import ActorUnavailableError, RayActorError  # ActorDiedError is a RayActorError
+
     try:
         head = await stream.__anext__()
-    except Exception as exc:
-        if type(exc).__name__ in _REPLICA_GONE or any(t.__name__ in _REPLICA_GONE for t in type(exc).__mro__):
-            raise ReplicaGone(str(exc)[:200]) from exc
-        raise
+    except (RayActorError, ActorUnavailableError) as exc:
+        raise ReplicaGone(str(exc)[:200]) from exc
     if not isinstance(head, ResponseHead):
         raise TypeError(f"a replica answered {type(head).__name__} before its head")
     return head
