@@ -38,6 +38,7 @@ def test_autoscaling_leaves_the_replica_count_to_ray() -> None:
     ({"max_ongoing_requests": -1}, "field 'max_ongoing_requests'"),
     ({"ray_actor_options": 3}, "field 'ray_actor_options'"),
     ({"router": {"scorer": "best"}}, "router.scorer"),
+    ({"router": {"index_redis_url": "localhost:6379"}}, "router.index_redis_url"),
     ({"router": {"weights": {}}}, "router.weights"),
     ({"router": {"tier_weights": {"gpu": 2.0}}}, "tier weight gpu"),
     ({"ingress": {"replicas": 2}}, "ingress.replicas"),

@@ -33,7 +33,7 @@ RAY_DECIDES = MappingProxyType({
 RAY_FIELDS = ("num_replicas", "autoscaling_config", "ray_actor_options", "max_ongoing_requests",
               "ingress", "router")
 INGRESS_FIELDS = ("num_replicas", "ray_actor_options", "max_ongoing_requests")
-ROUTER_FIELDS = ("scorer", "tier_weights", "routing_weights", "routing_stats_period_s")
+ROUTER_FIELDS = ("scorer", "tier_weights", "routing_weights", "routing_stats_period_s", "index_redis_url")
 
 
 class ConfigError(ValueError):
@@ -63,6 +63,7 @@ class RouterSettings:
     tier_weights: TierWeights = field(default_factory=TierWeights)
     routing_weights: RoutingWeights = field(default_factory=RoutingWeights)
     routing_stats_period_s: float = 1.0
+    index_redis_url: str | None = None      # the block index in this Redis (shared by ingress replicas)
 
     def __post_init__(self) -> None:
         if self.scorer not in SCORERS:
@@ -73,7 +74,7 @@ class RouterSettings:
     def router_kwargs(self) -> dict[str, Any]:
         """These settings as JSON-able ``request_router_kwargs``."""
         return {"scorer": self.scorer, "tier_weights": vars(self.tier_weights),
-                "routing_weights": vars(self.routing_weights)}
+                "routing_weights": vars(self.routing_weights), "index_redis_url": self.index_redis_url}
 
 
 @dataclass(frozen=True)
@@ -176,5 +177,8 @@ def _router(raw: Mapping[str, Any]) -> RouterSettings:
         weights = RoutingWeights(**(_mapping(section, "routing_weights") or {}))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"router: {exc}") from exc
+    redis_url = section.get("index_redis_url")
+    if redis_url is not None and not (isinstance(redis_url, str) and redis_url.startswith(("redis://", "rediss://"))):
+        raise ConfigError(f"router.index_redis_url must be a redis:// URL, got {redis_url!r}")
     return RouterSettings(section.get("scorer", "longest_prefix"), tiers, weights,
-                          float(section.get("routing_stats_period_s", 1.0)))
+                          float(section.get("routing_stats_period_s", 1.0)), redis_url)

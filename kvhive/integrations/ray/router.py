@@ -29,10 +29,16 @@ class KVAwareRequestRouter(RequestRouter):
 
     def initialize_state(self, scorer: str = "longest_prefix", tier_weights: dict[str, float] | None = None,
                          routing_weights: dict[str, float] | None = None, salt_with_api_key: bool = False,
-                         **_: Any) -> None:
-        """Build the routing state from ``request_router_kwargs``."""
+                         index_redis_url: str | None = None, **_: Any) -> None:
+        """Build the routing state from ``request_router_kwargs`` (the block index in memory, or in
+        the Redis at ``index_redis_url``, as ``kvhive gateway --redis-url`` keeps it)."""
+        index = None
+        if index_redis_url:
+            from kvhive.router.redis_link import GuardedIndex, RedisLink
+
+            index = GuardedIndex(RedisLink(index_redis_url))
         self.routing = ReplicaRouting(scorer, TierWeights(**(tier_weights or {})),
-                                      RoutingWeights(**(routing_weights or {})))
+                                      RoutingWeights(**(routing_weights or {})), index)
         self.salt_with_api_key = salt_with_api_key
         self.reasons: dict[str, int] = {}
 
