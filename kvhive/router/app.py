@@ -139,7 +139,7 @@ class GatewayRoutes:
         """Sent to the replica holding the caller's session or stored response (asking each in turn
         when the gateway does not know it for the caller's key); a DELETE that succeeds forgets it."""
         owner = key_owner(request.headers.get("authorization", ""))
-        holder = self.gateway.sessions.get(owner, session_id)
+        holder = await self.gateway.sessions.aget(owner, session_id)
         healthy = self.replica_set.healthy()
         first = [r for r in healthy if r.name == holder]
         candidates = first + [r for r in healthy if r.name != holder]
@@ -151,7 +151,7 @@ class GatewayRoutes:
         response = await self.gateway.forward(request, body, candidates, "session", owner,
                                               find_session=session_id)
         if request.method == "DELETE" and response.status_code < 400:
-            self.gateway.sessions.forget(owner, session_id)
+            await self.gateway.sessions.aforget(owner, session_id)
         return response
 
     async def context(self, request: Request, session_id: str) -> Response:

@@ -17,7 +17,7 @@ from kvhive.router.metrics import GatewayMetrics
 from kvhive.router.proxy import open_upstream, openai_error, relay
 from kvhive.router.replicas import Replica, ReplicaSet
 from kvhive.router.scorer import RoutingWeights, pick_replica
-from kvhive.router.sessions import RESPONSE_ID_HEADER, SESSION_HEADER, SessionAffinity
+from kvhive.router.sessions import RESPONSE_ID_HEADER, SESSION_HEADER, SessionAffinity, SharedAffinity
 from kvhive.router.tokenize import Prompt
 from kvhive.router.upstream import (
     UpstreamClient,
@@ -36,7 +36,7 @@ REASON_HEADER = "x-kvhive-route-reason"
 class Gateway:
     """Picks a replica for each request (session, then KV score and load) and forwards to it."""
 
-    def __init__(self, replicas: ReplicaSet, indexer: KVCacheIndexer, sessions: SessionAffinity,
+    def __init__(self, replicas: ReplicaSet, indexer: KVCacheIndexer, sessions: SessionAffinity | SharedAffinity,
                  weights: RoutingWeights, metrics: GatewayMetrics, client: httpx.AsyncClient,
                  policy: str = "kv", seed: int = 0, upstream: UpstreamClient | None = None,
                  serve_role: str | None = None) -> None:
@@ -68,7 +68,7 @@ class Gateway:
         healthy = [r for r in self.replicas.healthy() if role is None or r.spec.role == role]
         if not healthy:
             return [], "none"
-        holder = self.sessions.get(owner, session_id) if session_id else None
+        holder = await self.sessions.aget(owner, session_id) if session_id else None
         self._turn += 1
         if self.policy in ("round_robin", "random"):
             names = [r.name for r in healthy]
@@ -138,7 +138,7 @@ class Gateway:
             if find_session is not None and upstream.status_code == 404 and attempt + 1 < len(candidates):
                 last_404 = await relay(upstream, headers, lambda r=replica: self._done(r))
                 continue
-            self._remember_holder(upstream, replica, owner, find_session or session_id)
+            await self._remember_holder(upstream, replica, owner, find_session or session_id)
             return await relay(upstream, headers, lambda r=replica: self._done(r), replica.name,
                                lambda r=replica: self.metrics.stream_errors.labels(r.name).inc())
         if last_404 is not None:
@@ -160,7 +160,7 @@ class Gateway:
         return openai_error(502, f"replica {replica.name} failed: {type(failure).__name__}: {failure}",
                             code="bad_gateway", headers={REPLICA_HEADER: replica.name})
 
-    def _remember_holder(self, upstream: UpstreamResponse, replica: Replica, owner: str,
+    async def _remember_holder(self, upstream: UpstreamResponse, replica: Replica, owner: str,
                          named: str | None) -> None:
         """After a successful answer, remember ``replica`` as the holder of ``owner``'s session (the
         one it echoes in x-session-id, else ``named``) and of the response it names in
@@ -173,7 +173,7 @@ class Gateway:
         held = (echoed.decode("latin-1") if echoed else None) or named
         for key in (held, stored.decode("latin-1") if stored else None):
             if key:
-                self.sessions.remember(owner, key, replica.name)
+                await self.sessions.aremember(owner, key, replica.name)
 
     @staticmethod
     def _unreachable(failure: UpstreamUnanswered | None) -> Response:

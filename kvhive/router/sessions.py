@@ -10,8 +10,10 @@ one gateway's map; ``SharedAffinity`` shares it with every gateway on the same R
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
+import threading
 from collections import OrderedDict
 
 from kvhive.router.redis_link import RedisLink, SharedStateUnavailable
@@ -28,8 +30,9 @@ class SessionAffinity:
 
     def __init__(self, max_sessions: int = 100_000) -> None:
         self.max_sessions = max_sessions
-        # Least recently used first; the event loop is the only writer.
+        # Least recently used first; written by the event loop and by SharedAffinity's threads.
         self._replica_of: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._replica_of)
@@ -38,22 +41,38 @@ class SessionAffinity:
         """The replica that last served ``owner``'s ``session_id``, or None (also when only
         another owner used that id)."""
         key = (owner, session_id)
-        replica = self._replica_of.get(key)
-        if replica is not None:
-            self._replica_of.move_to_end(key)
+        with self._lock:
+            replica = self._replica_of.get(key)
+            if replica is not None:
+                self._replica_of.move_to_end(key)
         return replica
 
     def remember(self, owner: str, session_id: str, replica: str) -> None:
         """Record that ``replica`` holds ``owner``'s ``session_id``."""
         key = (owner, session_id)
-        self._replica_of[key] = replica
-        self._replica_of.move_to_end(key)
-        while len(self._replica_of) > self.max_sessions:
-            self._replica_of.popitem(last=False)
+        with self._lock:
+            self._replica_of[key] = replica
+            self._replica_of.move_to_end(key)
+            while len(self._replica_of) > self.max_sessions:
+                self._replica_of.popitem(last=False)
 
     def forget(self, owner: str, session_id: str) -> None:
         """Drop ``owner``'s ``session_id`` (it was deleted)."""
-        self._replica_of.pop((owner, session_id), None)
+        with self._lock:
+            self._replica_of.pop((owner, session_id), None)
+
+    # The event loop's calls: this map answers at once.
+    async def aget(self, owner: str, session_id: str) -> str | None:
+        """``get`` for the event loop."""
+        return self.get(owner, session_id)
+
+    async def aremember(self, owner: str, session_id: str, replica: str) -> None:
+        """``remember`` for the event loop."""
+        self.remember(owner, session_id, replica)
+
+    async def aforget(self, owner: str, session_id: str) -> None:
+        """``forget`` for the event loop."""
+        self.forget(owner, session_id)
 
 
 class SharedAffinity:
@@ -63,8 +82,9 @@ class SharedAffinity:
     -> replica URL, expiring ``ttl_s`` after its last use, which should be no shorter than the
     replicas' longest session TTL) and to the local map; a lookup reads Redis first, so a session
     created through one gateway and continued through another lands on its holder. While Redis
-    cannot be reached (``RedisLink``'s back-off) the local map answers alone. The calls are one
-    short Redis round trip each, made on the event loop (the link's timeout bounds them).
+    cannot be reached (``RedisLink``'s back-off) the local map answers alone. Each call is one
+    short Redis round trip (the link's timeout bounds it); the event loop's ``a*`` calls make it on
+    a worker thread, so a slow Redis delays only the requests that wait on it.
     """
 
     def __init__(self, link: RedisLink, ttl_s: int, local: SessionAffinity | None = None,
@@ -109,3 +129,15 @@ class SharedAffinity:
         key = self._key(owner, session_id)
         with contextlib.suppress(SharedStateUnavailable):
             self.link.call(lambda: self.link.client.delete(key))
+
+    async def aget(self, owner: str, session_id: str) -> str | None:
+        """``get`` off the event loop."""
+        return await asyncio.to_thread(self.get, owner, session_id)
+
+    async def aremember(self, owner: str, session_id: str, replica: str) -> None:
+        """``remember`` off the event loop."""
+        await asyncio.to_thread(self.remember, owner, session_id, replica)
+
+    async def aforget(self, owner: str, session_id: str) -> None:
+        """``forget`` off the event loop."""
+        await asyncio.to_thread(self.forget, owner, session_id)
