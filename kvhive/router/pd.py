@@ -3,7 +3,9 @@
 A completion or chat request without a session is sent twice: first to the best-scoring prefill
 replica with ``max_tokens`` 1 and ``kv_transfer_params`` naming the chosen decode replica's
 transfer endpoint (the prefill pushes the prompt's KV there layer by layer), then, with the
-params the prefill answered, to that decode replica, whose answer (streamed or not) is relayed.
+params the prefill answered (plus ``prefill_cached_tokens``, the prompt tokens the prefill
+reused), to that decode replica, whose answer (streamed or not) is relayed; its
+``cached_tokens`` count what either side reused.
 Requests in a session, with ``n`` > 1 or with their own ``kv_transfer_params`` go to the decode
 replicas only (a session's holder first). When no prefill replica answers, the decode replica
 computes the whole request; a prefill's 4xx (bad input) is the answer.
@@ -73,10 +75,24 @@ async def route_disaggregated(gateway: Gateway, request: Request, data: dict[str
             gateway.metrics.responses.labels(replica.name, str(answer.status_code)).inc()
             if 400 <= answer.status_code < 500:
                 return JSONResponse(_json_or_error(answer), status_code=answer.status_code)
-            params = _json_or_error(answer).get("kv_transfer_params") if answer.status_code == 200 else None
-            if isinstance(params, dict):
+            params = _decode_params(_json_or_error(answer)) if answer.status_code == 200 else None
+            if params is not None:
                 body = {**data, "kv_transfer_params": params}
     return await gateway.forward(request, json.dumps(body).encode(), decode[:1], reason, owner)
+
+
+def _decode_params(answer: dict[str, Any]) -> dict[str, Any] | None:
+    """The decode request's params from a prefill's answer, with the prompt tokens the prefill
+    reused (``prefill_cached_tokens``), so the decode side reports what either side reused."""
+    params = answer.get("kv_transfer_params")
+    if not isinstance(params, dict):
+        return None
+    usage = answer.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if isinstance(cached, int) and not isinstance(cached, bool) and cached > 0:
+        params = {**params, "prefill_cached_tokens": cached}
+    return params
 
 
 def _forwarded_headers(request: Request) -> dict[str, str]:

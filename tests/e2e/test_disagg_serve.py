@@ -161,6 +161,30 @@ def test_gateway_prefills_on_one_replica_and_decodes_on_the_other(pair, gateway)
     assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == prefill.complete(FRESH[3], 8)[0]
 
 
+def _cached_through(gateway, prompt):
+    """Complete ``prompt`` through the gateway; its (prompt_tokens, cached_tokens)."""
+    r = httpx.post(gateway.gateway_url + "/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_gateway_cached_tokens_count_what_either_side_reused(pair, gateway):
+    prefill, decode, _ = pair
+    prompt = "An inventory of the harbour warehouse, shelf by shelf, lists ropes, lanterns, nets. " * 4
+    before = _decode_metric(decode, "kvhive_kv_transfer_blocks_total", "received")
+    num_tokens, cached = _cached_through(gateway, prompt)
+    assert cached == 0                               # transferred, not reused
+    assert _decode_metric(decode, "kvhive_kv_transfer_blocks_total", "received") > before
+    assert _cached_through(gateway, prompt) == (num_tokens, (num_tokens - 1) // 16 * 16)
+    # A prefix only the prefill replica holds: the prefill's hit is reported.
+    opening = "The lighthouse log of a stormy autumn records winds, tides and ships sighted. " * 3
+    _, opening_tokens, _ = prefill.complete(opening, 1)
+    _, cached = _cached_through(gateway, opening + " The keeper then wrote")
+    assert cached == opening_tokens // 16 * 16 > 0
+
+
 def test_gateway_keeps_sessions_on_the_decode_replica(pair, gateway):
     _, decode, _ = pair
     r = httpx.post(gateway.gateway_url + "/v1/context", timeout=120, json={

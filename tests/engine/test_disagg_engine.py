@@ -28,13 +28,15 @@ def _drive(engine, rid):
     return tokens, cached
 
 
-def _pd(prefill, decode, rid, prompt, port=None):
-    """Prefill ``prompt`` on one engine (first token), then decode it on the other; decode's tokens."""
+def _pd(prefill, decode, rid, prompt, port=None, prefill_cached=False):
+    """Prefill ``prompt`` on one engine (first token), then decode it on the other; decode's tokens
+    and cached count (told the prefill's cached count when ``prefill_cached``)."""
     port = port or decode.disagg.worker.receiver.port
     prefill.add_request(rid, prompt, FIRST, kv_transfer=KVTransferParams(
         rid, do_remote_decode=True, decode_endpoint=("127.0.0.1", port)))
-    first, _ = _drive(prefill, rid)
-    decode.add_request(rid, prompt, GREEDY, kv_transfer=KVTransferParams(rid, do_remote_prefill=True))
+    first, reused = _drive(prefill, rid)
+    decode.add_request(rid, prompt, GREEDY, kv_transfer=KVTransferParams(
+        rid, do_remote_prefill=True, prefill_cached_tokens=reused if prefill_cached else 0))
     tokens, cached = _drive(decode, rid)
     assert tokens[:1] == first
     return tokens, cached
@@ -78,9 +80,23 @@ def test_blocks_the_decode_engine_holds_are_not_sent(engines):
     sent_before = prefill.disagg.worker.counters.sent_blocks
     tokens, cached = _pd(prefill, decode, "b", second)
     assert tokens == want["b"][0]
-    assert cached == (len(second) - 1) // 4 * 4            # its held prefix plus what arrived
+    assert cached == 6 * 4                  # its held prefix; the blocks that arrived are not reuse
     assert prefill.disagg.worker.counters.sent_blocks - sent_before == (len(second) - 1) // 4 - 6
     assert prefill.disagg.worker.counters.skipped_blocks == 6
+
+
+def test_cached_tokens_count_what_either_side_reused(tokenizer, engines):
+    _, prefill, decode = engines
+    shared = [(3 * j) % 250 + 5 for j in range(20)]
+    assert _pd(prefill, decode, "fresh", shared + [1, 2, 3], prefill_cached=True)[1] == 0
+    # The prefill holds the shared prefix (5 blocks); a second decode engine holds nothing.
+    other = make_engine(tokenizer, budget=16, kv_transfer=KVTransferConfig(role="decode", host="127.0.0.1"))
+    try:
+        _, cached = _pd(prefill, other, "again", shared + [4, 5, 6, 7, 8, 9], prefill_cached=True)
+        assert cached == 5 * 4
+        assert other.disagg.worker.counters.received_blocks == (len(shared) + 6 - 1) // 4
+    finally:
+        other.close()
 
 
 def test_a_transfer_that_never_comes_is_recomputed(tokenizer, engines):
@@ -122,7 +138,7 @@ def test_a_failed_transfer_falls_back_to_the_shared_tier(tokenizer, engines):
         decode.add_request("x", prompt, GREEDY, kv_transfer=KVTransferParams("x", do_remote_prefill=True))
         tokens, cached = _drive(decode, "x")
         counters = decode.disagg.worker.counters
-        assert tokens == want and cached == (len(prompt) - 1) // 4 * 4
+        assert tokens == want and cached == 0       # the tier's blocks stand in for the transfer's
         assert counters.fallback_blocks == (len(prompt) - 1) // 4 and counters.recomputed_blocks == 0
     finally:
         decode.close()
@@ -139,7 +155,8 @@ def test_the_decode_request_may_come_first(engines):
         "x", do_remote_decode=True, decode_endpoint=("127.0.0.1", decode.disagg.worker.receiver.port)))
     _drive(prefill, "x")
     tokens, cached = _drive(decode, "x")
-    assert tokens == want and cached == (len(prompt) - 1) // 4 * 4
+    assert tokens == want and cached == 0
+    assert decode.disagg.worker.counters.recomputed_blocks == 0
 
 
 def test_a_transfer_of_another_prompt_is_used_only_where_they_agree(engines):
@@ -152,4 +169,5 @@ def test_a_transfer_of_another_prompt_is_used_only_where_they_agree(engines):
     _drive(prefill, "x")
     decode.add_request("x", other, GREEDY, kv_transfer=KVTransferParams("x", do_remote_prefill=True))
     tokens, cached = _drive(decode, "x")
-    assert tokens == want and cached == 8
+    assert tokens == want and cached == 0
+    assert decode.disagg.worker.counters.recomputed_blocks == (len(other) - 1) // 4 - 2

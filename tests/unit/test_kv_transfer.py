@@ -129,9 +129,19 @@ def test_bad_transfer_params_name_the_field(raw, field):
     assert err.value.field == field
 
 
+@pytest.mark.parametrize("cached", [-1, 1 << 31, 1.5, "8", True, None])
+def test_a_bad_prefill_cached_count_names_the_field(cached):
+    with pytest.raises(KVTransferParamsError) as err:
+        parse_kv_transfer_params({"do_remote_prefill": True, "transfer_id": "x",
+                                  "prefill_cached_tokens": cached}, "decode")
+    assert err.value.field == "prefill_cached_tokens"
+
+
 def test_transfer_params_round_trip():
     params = parse_kv_transfer_params({"do_remote_decode": True, "transfer_id": "abc",
                                        "decode_endpoint": "10.0.0.2:7000", "remote_engine_id": "x"}, "prefill")
     decode = parse_kv_transfer_params(params.for_decode(), "decode")
-    assert decode.do_remote_prefill and decode.transfer_id == "abc"
+    assert decode.do_remote_prefill and decode.transfer_id == "abc" and decode.prefill_cached_tokens == 0
+    told = parse_kv_transfer_params({**params.for_decode(), "prefill_cached_tokens": 32}, "decode")
+    assert told.prefill_cached_tokens == 32
     assert parse_kv_transfer_params({"do_remote_decode": False}, "both") is None

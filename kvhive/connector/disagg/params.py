@@ -2,7 +2,9 @@
 
 A prefill request: ``{"do_remote_decode": true, "transfer_id": ID, "decode_endpoint": "HOST:PORT"}``;
 its response carries ``{"do_remote_prefill": true, "transfer_id": ID, ...}`` for the decode request.
-A decode request: ``{"do_remote_prefill": true, "transfer_id": ID}``. Other keys (vLLM's
+A decode request: ``{"do_remote_prefill": true, "transfer_id": ID}``, optionally with
+``"prefill_cached_tokens": N``, the prompt tokens the prefill reused (its own prefix hits), so the
+decode side reports what either side reused as ``cached_tokens``. Other keys (vLLM's
 ``remote_engine_id``, ``remote_block_ids`` ...) are accepted and ignored, up to ``MAX_KEYS``.
 """
 
@@ -14,6 +16,7 @@ from typing import Any
 
 MAX_KEYS = 16
 MAX_TRANSFER_ID = 128
+MAX_CACHED_TOKENS = 1 << 31
 _TRANSFER_ID = re.compile(r"[A-Za-z0-9._:-]+")
 _ENDPOINT = re.compile(r"(?P<host>[A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:]{2,39}\]):(?P<port>[0-9]{1,5})")
 
@@ -35,6 +38,7 @@ class KVTransferParams:
     do_remote_decode: bool = False          # prefill side: push the prompt's KV to decode_endpoint
     do_remote_prefill: bool = False         # decode side: the prompt's KV arrives from a prefill
     decode_endpoint: tuple[str, int] | None = None
+    prefill_cached_tokens: int = 0          # decode side: prompt tokens the prefill reused
 
     def for_decode(self) -> dict[str, Any]:
         """The params a prefill response hands on to the decode request."""
@@ -81,4 +85,8 @@ def parse_kv_transfer_params(raw: Any, role: str) -> KVTransferParams | None:
         raise KVTransferParamsError("transfer_id", f"kv_transfer_params.transfer_id must be 1 to "
                                     f"{MAX_TRANSFER_ID} characters of [A-Za-z0-9._:-]")
     endpoint = parse_endpoint(raw.get("decode_endpoint")) if remote_decode else None
-    return KVTransferParams(transfer_id, remote_decode, remote_prefill, endpoint)
+    cached = raw.get("prefill_cached_tokens", 0) if remote_prefill else 0
+    if isinstance(cached, bool) or not isinstance(cached, int) or not 0 <= cached < MAX_CACHED_TOKENS:
+        raise KVTransferParamsError("prefill_cached_tokens", f"kv_transfer_params.prefill_cached_tokens must be "
+                                    f"an integer from 0 to {MAX_CACHED_TOKENS - 1}")
+    return KVTransferParams(transfer_id, remote_decode, remote_prefill, endpoint, cached)

@@ -5,7 +5,9 @@ Prefill role: a request with ``do_remote_decode`` gets, every step that computes
 that completes the prompt ends the transfer. Decode role: a request with ``do_remote_prefill`` is
 admitted with its device hits and an asynchronous ``RemoteLoad`` of the prompt's remaining full
 blocks (all but the last token's, which the decode side computes to sample its first token); the
-worker reports how many blocks landed intact and the scheduler recomputes the rest.
+worker reports how many blocks landed intact and the scheduler recomputes the rest. Such a
+request's ``num_cached_tokens`` (``cached_tokens`` in its usage) counts reused tokens only: the
+longer of its device hits and the prefill's hits (``prefill_cached_tokens``), not transferred ones.
 Everything else (and every request without transfer params) goes to the inner connector.
 """
 
@@ -66,9 +68,19 @@ class DisaggScheduler:
                 self._loads.append(RemoteLoad(rid, params.transfer_id, first, tuple(block_ids),
                                               tuple(request.block_hashes[first:first + len(block_ids)])))
                 self.remote_load_requests += 1
+                self._count_reused(request, first)
             return
         if self.inner is not None:
             self.inner.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def _count_reused(self, request: Any, num_hit_blocks: int) -> None:
+        """Report as cached what either side reused: the longer of this side's device hits and
+        the prefill's own hits (both are prefixes of one prompt); transferred blocks were
+        computed for this request, so they are not counted."""
+        if request.num_cached_tokens < 0:           # set once, at first admission
+            limit = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+            own = num_hit_blocks * self.block_size
+            request.num_cached_tokens = min(max(own, request.kv_transfer.prefill_cached_tokens), limit)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMeta:
         """The inner connector's meta plus this step's sends, remote loads and ended transfers."""
