@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
+import support.ray_cluster as ray_support  # noqa: E402
 from support.ray_cluster import RayCluster, ray_cluster, replica_pids, serve_run, write_config  # noqa: E402
 from support.servers import free_port, wait_until  # noqa: E402
 
@@ -70,15 +71,7 @@ def app(cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     with serve_run(cluster, config) as run:
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120.0)
 
-        def ready() -> bool:
-            assert run.process.poll() is None, run.output()
-            try:
-                return client.get("/v1/models").status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(ready, 240, "the Ray Serve application answering /v1/models")
-        wait_until(lambda: len(replica_pids()) == 2, 60, "two kvhive replica processes")
+        ray_support.wait_for_app(run, client)
         yield client
         client.close()
 

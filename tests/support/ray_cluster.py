@@ -107,3 +107,21 @@ def replica_pids() -> list[int]:
     """Process ids of the kvhive engine replicas Ray runs (by their process title)."""
     found = subprocess.run(["pgrep", "-f", REPLICA_PROCESS], capture_output=True, text=True)
     return [int(pid) for pid in found.stdout.split()]
+
+
+def wait_for_app(run: ServeRun, client: Any, replicas: int = 2) -> None:
+    """Wait until the application behind ``client`` (an ``httpx.Client``) answers /v1/models and Ray
+    runs ``replicas`` kvhive replica processes; fail with ``run``'s output if it exits first."""
+    import httpx
+
+    from support.servers import wait_until
+
+    def ready() -> bool:
+        assert run.process.poll() is None, run.output()
+        try:
+            return client.get("/v1/models").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(ready, 240, "the Ray Serve application answering /v1/models")
+    wait_until(lambda: len(replica_pids()) == replicas, 60, f"{replicas} kvhive replica processes")

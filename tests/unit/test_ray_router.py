@@ -63,6 +63,21 @@ def test_a_dead_replica_leaves_the_index_and_routing_falls_back_to_load() -> Non
     asyncio.run(run())
 
 
+def test_a_replica_scaled_away_leaves_the_index_and_its_sessions_go_to_a_survivor() -> None:
+    async def run() -> None:
+        replicas = [StandInReplica("a"), StandInReplica("b", running=2), StandInReplica("c")]
+        router = make_router(replicas)
+        store_prompt(router, "a", DOCUMENT)
+        # Ray stops "a" (scale-down): the next replica list lacks it.
+        router.update_replicas(replicas[1:])   # type: ignore[arg-type]
+        assert "a" not in router.routing.ingests
+        order = await ranked(router, replicas[1:], envelope(completion("Q"), holder="a"))
+        assert order == ["c", "b"] and router.reasons == {"load": 1}
+        router.routing.close()
+
+    asyncio.run(run())
+
+
 def test_requests_without_a_prompt_go_to_the_least_loaded_replica() -> None:
     async def run() -> None:
         replicas = [StandInReplica("a", running=4), StandInReplica("b", running=0)]

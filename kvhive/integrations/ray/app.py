@@ -17,6 +17,8 @@ from kvhive.integrations.ray.config import ConfigError, RayAppConfig, parse_app_
 ROUTER_CLASS = "kvhive.integrations.ray.router:KVAwareRequestRouter"
 DEFAULT_REPLICA_OPTIONS = {"num_cpus": 1}
 DEFAULT_INGRESS_OPTIONS = {"num_cpus": 0}
+# How long Ray gives a stopping replica (its ongoing requests, then its drain) before killing it.
+GRACEFUL_SHUTDOWN_S = 40.0
 # Ray's names for a replica's needs, and where a node states its capacity for each.
 _NEEDS = {"num_cpus": "CPU", "num_gpus": "GPU", "memory": "memory"}
 
@@ -41,7 +43,7 @@ def build_app(args: Mapping[str, Any]) -> Any:
     replicas = serve.deployment(KVHiveReplica, name="KVHiveReplica", ray_actor_options=replica_options,
                                 max_ongoing_requests=config.max_ongoing_requests, request_router_config=router,
                                 health_check_period_s=2.0, health_check_timeout_s=30.0,
-                                graceful_shutdown_timeout_s=10.0, **scaling)
+                                graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S, **scaling)
     ingress_options = {**DEFAULT_INGRESS_OPTIONS, **config.ingress.get("ray_actor_options", {})}
     check_fits(ingress_options, "ingress.ray_actor_options")
     ingress = serve.deployment(serve.ingress()(KVHiveIngress), name="KVHiveIngress",

@@ -5,11 +5,13 @@ The replica parses its engine flags with ``kvhive serve``'s parser, publishes KV
 port of its node, and states its block geometry, fingerprint and event endpoints in its replica
 metadata, which ``KVAwareRequestRouter`` reads. Its routing stats are the engine's running and
 waiting requests and KV usage. Its health check fails once the engine loop has died, so Ray
-replaces it.
+replaces it. When Ray stops it (scale-down, redeploy), it first moves its sessions' KV blocks and
+records to the shared tier (``drain_sessions``), where another replica finds them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -19,10 +21,17 @@ from typing import Any
 
 from kvhive.integrations.ray.asgi_bridge import ResponseHead, call_asgi
 from kvhive.integrations.ray.config import serve_parser
+from kvhive.integrations.ray.drain import drain_sessions
 from kvhive.integrations.ray.envelope import REPLICA_HEADER, HTTPEnvelope
 from kvhive.integrations.ray.routing import ReplicaFacts
 
 logger = logging.getLogger(__name__)
+# Ray Serve writes this logger to the replica's own log file (others stop at WARNING).
+serve_logger = logging.getLogger("ray.serve")
+
+# How long a stopping replica may spend moving its sessions to the shared tier (within Ray's
+# graceful_shutdown_timeout_s, GRACEFUL_SHUTDOWN_S in app.py).
+DRAIN_TIMEOUT_S = 20.0
 
 
 def free_port(host: str) -> int:
@@ -56,7 +65,7 @@ class KVHiveReplica:
                               metrics_compat=args.metrics_compat)
         self._lifespan = contextlib.AsyncExitStack()
         await self._lifespan.enter_async_context(self.app.router.lifespan_context(self.app))
-        logger.info("kvhive replica %s ready: %s", self.replica_id, self.facts)
+        serve_logger.info("kvhive replica %s ready: %s", self.replica_id, self.facts)
 
     async def handle_http(self, envelope: HTTPEnvelope) -> AsyncIterator[ResponseHead | bytes]:
         """The app's answer to ``envelope``: its head (naming this replica), then its body's pieces."""
@@ -78,10 +87,18 @@ class KVHiveReplica:
             raise RuntimeError(f"kvhive engine loop stopped: {self.async_engine.error!r}")
 
     async def __del__(self) -> None:
-        """Stop the sweepers and the engine (Ray calls this when it stops the replica)."""
+        """Hand the sessions to the shared tier, then stop the sweepers and the engine (Ray calls
+        this when it stops the replica, once its ongoing requests are done)."""
+        registry = self.app.state.service.sessions.registry
+        try:
+            report = await asyncio.wait_for(asyncio.to_thread(drain_sessions, self.async_engine, registry),
+                                            DRAIN_TIMEOUT_S)
+            serve_logger.info("kvhive replica %s drained: %s", self.replica_id, report)
+        except Exception:  # noqa: BLE001 - stopping goes on: what reached Redis already stays there
+            serve_logger.exception("kvhive replica %s: drain failed", self.replica_id)
         with contextlib.suppress(Exception):
             await self._lifespan.aclose()
-        self.async_engine.shutdown()
+        await asyncio.to_thread(self.async_engine.shutdown)
 
 
 def _start_engine(args: Any) -> tuple[Any, Any]:
