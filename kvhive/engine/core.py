@@ -23,6 +23,7 @@ from kvhive.engine.scheduler import Scheduler, TierSessionCopy
 from kvhive.engine.stats import ConnectorCounters, EngineStats, TierBudget
 from kvhive.engine.step import StepPlan, StepResult, TokenLogprobs
 from kvhive.kv.events_config import KVEventsConfig
+from kvhive.kv.window_group import window_layout_for
 from kvhive.request import FinishReason, Request, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -172,11 +173,11 @@ class LLMEngine:
                              block_size=config.cache.block_size, dtype=config.dtype,
                              device=config.device, native_attention=config.native_attention,
                              connector=self.worker_half, cuda_graphs=not config.enforce_eager,
-                             max_num_seqs=config.scheduler.max_num_seqs, isa=self.isa)
-        logger.info("KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB %s on %s) in %.1f s",
-                    self.num_blocks, config.cache.block_size, self.num_blocks * config.cache.block_size,
-                    self.num_blocks * self.block_bytes / 2**30, config.dtype, config.device,
-                    time.perf_counter() - started)
+                             max_num_seqs=config.scheduler.max_num_seqs, isa=self.isa,
+                             window=window_layout_for(loaded.config, config, self.worker_half is not None))
+        logger.info("KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB %s on %s) in %.1f s", self.num_blocks,
+                    config.cache.block_size, self.num_blocks * config.cache.block_size, runner.pool_bytes() / 2**30,
+                    config.dtype, config.device, time.perf_counter() - started)
         return runner
 
     def _build_scheduler(self, loaded) -> Scheduler:
@@ -188,7 +189,8 @@ class LLMEngine:
                                                  self.connector_worker.is_saving)
         return Scheduler(self.config.scheduler, cache, self.num_blocks,
                          root_hash(cache.hash_seed, loaded.fingerprint),
-                         connector=self.scheduler_half, session_copy=self._session_copy)
+                         connector=self.scheduler_half, session_copy=self._session_copy,
+                         window=self.runner.window)
 
     def _build_disagg(self, loaded):
         """Both disaggregation halves for ``--kv-role`` around the offload connector (or none)."""

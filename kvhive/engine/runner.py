@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import numpy as np
@@ -19,11 +19,13 @@ from kvhive.config import ModelConfig
 from kvhive.connector.base import ConnectorWorker
 from kvhive.engine.sampling import sample_tokens, token_logprobs
 from kvhive.engine.step import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
+from kvhive.kv.window_group import WindowLayout
 from kvhive.model.attention import AttnMetadata, DecodeBatch, PrefillSpan, decode_mask
 from kvhive.model.cuda_graphs import DecodeGraphs
 from kvhive.model.decode_kernel import CpuDecodeKernel
 from kvhive.model.llama import LlamaModel, resolve_dtype
 from kvhive.model.prefill_kernel import CpuPrefillKernel
+from kvhive.model.window_kv import window_kv
 from kvhive.request import SEED_END
 
 logger = logging.getLogger(__name__)
@@ -74,8 +76,10 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, model_config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: str | torch.dtype = "float32", device: torch.device | str = "cpu",
                  native_attention: bool = True, connector: ConnectorWorker | None = None,
-                 cuda_graphs: bool = True, max_num_seqs: int = 32, isa: str | None = None) -> None:
-        """``isa``: the CPU ISA level of the attention kernels (``kvhive.model.cpu``; None: the CPU's best)."""
+                 cuda_graphs: bool = True, max_num_seqs: int = 32, isa: str | None = None,
+                 window: WindowLayout | None = None) -> None:
+        """``isa``: the CPU ISA level of the attention kernels (``kvhive.model.cpu``; None: the CPU's best).
+        ``window``: the window layers get a pool of their own (``kvhive.kv.window_group``); None: one pool."""
         self.model = model
         self.config = model_config
         self.num_blocks = num_blocks
@@ -85,11 +89,18 @@ class ModelRunner:
         if model.dtype != self.dtype:
             raise ValueError(f"the model holds {model.dtype} weights but the runner was asked for {self.dtype}")
         c = model_config
+        self.window = window
+        if window is not None and connector is not None:
+            raise ValueError("a KV connector moves whole blocks of every layer: no window pool with one")
+        num_layers = c.num_layers - (window.num_window_layers if window is not None else 0)
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]; a block is contiguous.
-        self.kv_cache = torch.zeros(num_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim,
+        self.kv_cache = torch.zeros(num_blocks, num_layers, 2, block_size, c.num_kv_heads, c.head_dim,
                                     dtype=self.dtype, device=self.device)
+        # The window layers' pool (kvhive.model.window_kv), in the same layout; None: one pool.
+        self.window_cache = None if window is None else torch.zeros(
+            window.num_blocks, window.num_window_layers, *self.kv_cache.shape[2:], dtype=self.dtype, device=self.device)
         # Rows of kv_cache.view(-1, kv_heads * head_dim) per block (K of layer 0 at offset 0).
-        self._rows_per_block = c.num_layers * 2 * block_size
+        self._rows_per_block = num_layers * 2 * block_size
         # The KV connector's worker half: moves blocks between the pool and the store tiers.
         self.connector = connector
         if connector is not None:
@@ -118,8 +129,13 @@ class ModelRunner:
         """Which implementation decode and prefill attention run here (for the startup log and /version)."""
         sdpa = f"torch SDPA on {self.device}" if self.device.type != "cpu" else "torch SDPA on gathered K/V"
         prefill = self.prefill_kernel
+        window = {} if self.window is None else {"window_kv": self.window.describe(self.num_blocks)}
         return {"decode_attention": f"C++ {self.decode_kernel.isa}" if self.decode_kernel is not None else sdpa,
-                "prefill_attention": f"C++ {prefill.isa}" if prefill is not None else sdpa}
+                "prefill_attention": f"C++ {prefill.isa}" if prefill is not None else sdpa, **window}
+
+    def pool_bytes(self) -> int:
+        """Bytes of the KV pool (both pools when the window layers have their own)."""
+        return self.kv_cache.nbytes + (0 if self.window_cache is None else self.window_cache.nbytes)
 
     @staticmethod
     def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str | torch.dtype) -> int:
@@ -299,6 +315,8 @@ class ModelRunner:
         seqs = decodes + prefills
         attn = AttnMetadata(slot_rows=self._slot_rows(rows), decode=decode, prefills=tuple(spans),
                             prefill_kernel=self.prefill_kernel, layer_hooks=self.connector)
+        if self.window_cache is not None:
+            attn = replace(attn, window=window_kv(attn, decodes, prefills, self.window_cache))
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.from_numpy(np.concatenate(positions)).to(self.device),

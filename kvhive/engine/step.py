@@ -44,6 +44,8 @@ class ScheduledSeq:
     num_output_tokens: int = 0
     # The prompt logprobs this chunk reports (None: none, the common case).
     prompt_logprobs: PromptLogprobsSpan | None = None
+    # The window layers' blocks, entry i beside block_table[i] (0 where released); None: one pool.
+    window_table: list[int] | None = None
 
     @property
     def num_new_tokens(self) -> int:

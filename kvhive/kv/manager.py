@@ -29,6 +29,7 @@ from kvhive.core.blocks import ExtraKeys, hash_blocks
 from kvhive.kv.events import MEDIUM_GPU, BlockRemoved, BlockStored
 from kvhive.kv.held_blocks import HeldChain, held_block_events, stored_runs
 from kvhive.kv.pool import BlockPool, BlockPoolStats, KVBlock
+from kvhive.kv.window_group import WindowGroup, WindowLayout
 from kvhive.request import Request
 
 
@@ -47,6 +48,7 @@ class KVCacheStats:
     prefix_cache_queries_tokens: int
     prefix_cache_hits_tokens: int
     blocks: BlockPoolStats
+    window: BlockPoolStats | None = None     # the window layers' pool (kvhive.kv.window_group); None: none
 
 
 class DeviceReset(NamedTuple):
@@ -72,8 +74,11 @@ class SessionBlocks:
 class KVCacheManager:
     """Allocates, caches and frees the blocks of requests; matches prompts against cached blocks."""
 
-    def __init__(self, block_size: int, num_blocks: int, enable_prefix_caching: bool, root_hash: bytes) -> None:
+    def __init__(self, block_size: int, num_blocks: int, enable_prefix_caching: bool, root_hash: bytes,
+                 window: WindowLayout | None = None) -> None:
+        """``window``: the window layers' own pool and its layout; None (every layer in one pool)."""
         self.block_size = block_size
+        self.window = WindowGroup(block_size, window) if window is not None else None
         self.enable_prefix_caching = enable_prefix_caching
         self.root_hash = root_hash
         self.pool = BlockPool(num_blocks)
@@ -136,6 +141,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.window is not None:         # usable only where the last window's window parts are kept
+            hits = hits[:self.window.usable_hit(request.block_hashes, len(hits))]
         return ComputedBlocks(hits, len(hits) * self.block_size)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -158,6 +165,9 @@ class KVCacheManager:
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_revived:
             return False
+        if self.window is not None and not self.window.can_grow(
+                rid, [b.block_hash for b in new_computed_blocks], num_held + num_hits + max(num_new_blocks, 0)):
+            return False
         if blocks is None:
             blocks = self._blocks[rid] = []
             self._num_cached_blocks[rid] = 0
@@ -176,6 +186,8 @@ class KVCacheManager:
             blocks.extend(added)
             # Copy on growth only (a C-level concat); plans already handed out keep their lists.
             self._block_ids[rid] = self._block_ids.get(rid, []) + [b.block_id for b in added]
+        if self.window is not None:
+            self.window.grow(rid, [b.block_hash for b in new_computed_blocks], len(blocks))
         return True
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> list[int]:
@@ -198,6 +210,8 @@ class KVCacheManager:
         self._update_block_hashes(request)
         hashes = request.block_hashes
         stored = [i for i in range(start, num_full) if self.pool.cache_block(blocks[i], hashes[i])]
+        if self.window is not None:
+            self.window.cache(rid, hashes, start, num_full)
         self._num_cached_blocks[rid] = num_full
         if self._events is not None and stored:
             self._record_stored(request, stored)
@@ -214,6 +228,12 @@ class KVCacheManager:
         self._num_cached_blocks.pop(rid, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
+        if self.window is not None:
+            self.window.free(rid)
+
+    def slide_window(self, request: Request) -> int:
+        """Release the window blocks no row of the request still to compute can see; returns how many."""
+        return 0 if self.window is None else self.window.slide(request.request_id, request.num_computed_tokens)
 
     def reset_prefix_cache(self, requests: Mapping[str, Request]) -> DeviceReset:
         """Forget every cached block nobody holds; list the blocks held by ``requests`` (every
@@ -223,6 +243,8 @@ class KVCacheManager:
         """
         self.take_events()
         dropped = self.pool.reset_prefix_cache()
+        if self.window is not None:
+            self.window.pool.reset_prefix_cache()
         chains = [HeldChain(self._blocks[rid], r.block_hashes, r.all_token_ids)
                   for rid, r in requests.items() if rid in self._blocks]
         chains += [HeldChain(h.blocks, h.block_hashes, h.token_ids) for h in self._sessions.values()]
@@ -237,6 +259,10 @@ class KVCacheManager:
         blocks = self._blocks.pop(rid, None)
         self._block_ids.pop(rid, None)
         num_cached = self._num_cached_blocks.pop(rid, 0)
+        if self.window is not None and blocks:
+            self.window.move(rid, ("session", session_id))
+        elif self.window is not None:
+            self.window.free(rid)
         if not blocks:
             return
         self._park_counter += 1
@@ -275,11 +301,17 @@ class KVCacheManager:
         spare = len(held.blocks) - keep
         if extra > self.pool.num_free_blocks + spare:
             return False
+        if self.window is not None and not self.window.room_to_resume(("session", request.session_id), keep,
+                                                                      keep + extra):
+            return False
         self._take_holding(request.session_id)
         rid = request.request_id
         blocks = held.blocks[:keep]
         if spare > 0:
             self.pool.free_blocks(reversed(held.blocks[keep:]))
+        if self.window is not None:
+            self.window.move(("session", request.session_id), rid)
+            self.window.free(rid, keep)
         self._blocks[rid] = blocks
         self._block_ids[rid] = [b.block_id for b in blocks]
         num_full = computed // self.block_size
@@ -299,6 +331,8 @@ class KVCacheManager:
         if held is None:
             return False
         self.pool.free_blocks(reversed(held.blocks))
+        if self.window is not None:
+            self.window.free(("session", session_id))
         return True
 
     def _take_holding(self, session_id: str) -> SessionBlocks | None:
@@ -335,11 +369,16 @@ class KVCacheManager:
         """The request's block ids in order (shared, treat as read-only; a new list when it grows)."""
         return self._block_ids.get(request.request_id, [])
 
+    def get_window_table(self, request: Request) -> list[int] | None:
+        """The request's window-pool block ids (0 where released), or None without a window pool."""
+        return None if self.window is None else self.window.table(request.request_id)
+
     def stats(self) -> KVCacheStats:
         """Usage and prefix-cache counters."""
         pool = self.pool.stats()
         return KVCacheStats(usage=pool.usage, prefix_cache_queries_tokens=self._queries_tokens,
-                            prefix_cache_hits_tokens=self._hits_tokens, blocks=pool)
+                            prefix_cache_hits_tokens=self._hits_tokens, blocks=pool,
+                            window=None if self.window is None else self.window.stats())
 
     def _update_block_hashes(self, request: Request) -> None:
         # Extends request.block_hashes to cover every full block of all_token_ids; hashes only the

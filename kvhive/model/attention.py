@@ -31,6 +31,7 @@ from torch.nn.attention.bias import causal_lower_right
 if TYPE_CHECKING:
     from kvhive.model.decode_kernel import CpuDecodeKernel
     from kvhive.model.prefill_kernel import CpuPrefillKernel
+    from kvhive.model.window_kv import WindowKV
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ class AttnMetadata:
     # KV connector worker: ``wait_for_layer_load(l)`` before layer l reads the pool, then
     # ``save_kv_layer(l)`` after it; None without a connector.
     layer_hooks: LayerHooks | None = None
+    # The window layers' own pool and metadata (``kvhive.model.window_kv``); None: one pool for all.
+    window: WindowKV | None = None
 
 
 class LayerHooks(Protocol):

@@ -27,6 +27,7 @@ from kvhive.model.attention import AttnMetadata, paged_attention
 from kvhive.model.llama import TorchOps, can_pack_weights, linear, pack_weight, resolve_dtype
 from kvhive.model.rope import rope_tables
 from kvhive.model.window_attention import ScoreRule, masked_paged_attention
+from kvhive.model.window_kv import group_indices
 
 # HF tensor name (under model.layers.N.) -> layer attribute, for the per-layer norms (scales 1 + w).
 _LAYER_NORMS = {"input_layernorm.weight": "input_norm", "post_attention_layernorm.weight": "post_attn_norm",
@@ -93,6 +94,8 @@ class GemmaModel(nn.Module):
         self.embed_scale = torch.tensor(h ** 0.5).to(self.dtype).to(device)
         self.rope = {False: rope_tables(config, self.dtype, device), True: rope_tables(self._local_rope(), self.dtype, device)}
         self.rules = [self._rule(window) for window in self.spec.window_layers]
+        # Per layer, its index in its group's pool when the window layers have a pool of their own.
+        self.group_index = group_indices(self.spec.window_layers)
 
     def _local_rope(self) -> ModelConfig:
         """The config whose RoPE the window layers use (Gemma 3: their own base, unscaled)."""
@@ -191,12 +194,17 @@ class GemmaModel(nn.Module):
             qk[:, nh:] = gemma_norm(qk[:, nh:], layer.k_norm, c.rms_norm_eps)
         TorchOps.rope(qk, rope[self.spec.window_layers[i]])
         kv_new = qkv[:, nh * hd:].view(n, 2, nkv, hd)
-        rule = self.rules[i]
+        rule, layer_index = self.rules[i], i
+        if meta.window is not None:         # two pools: each layer indexes its own group's
+            layer_index = self.group_index[i]
+            if self.spec.window_layers[i]:
+                return masked_paged_attention(qk[:, :nh], kv_new, meta.window.cache, layer_index, meta.window.meta,
+                                              rule)
         if rule is not None:
-            return masked_paged_attention(qk[:, :nh], kv_new, kv_cache, i, meta, rule)
+            return masked_paged_attention(qk[:, :nh], kv_new, kv_cache, layer_index, meta, rule)
         # The shared paths scale scores by 1/sqrt(head_dim): the queries carry the difference.
         q = qk[:, :nh] * (hd ** 0.5 * self.spec.query_pre_attn_scalar ** -0.5)
-        return paged_attention(q, kv_new, kv_cache, i, meta)
+        return paged_attention(q, kv_new, kv_cache, layer_index, meta)
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """Final norm, LM head and (Gemma 2) logit soft-capping on the sampled rows: float32 [n, vocab]."""

@@ -23,6 +23,7 @@ from kvhive.engine.scheduler.session_spill import SessionCopy, SessionSpill
 from kvhive.engine.scheduler.transfers import KVTransfers
 from kvhive.engine.step import ScheduledSeq, StepPlan, StepResult
 from kvhive.kv.manager import DeviceReset, KVCacheManager, KVCacheStats
+from kvhive.kv.window_group import WindowLayout
 from kvhive.request import FinishReason, Request, RequestStatus
 
 
@@ -46,11 +47,13 @@ class Scheduler:
 
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  root_hash: bytes, connector: ConnectorScheduler | None = None,
-                 session_copy: Callable[[Sequence[bytes]], SessionCopy] | None = None) -> None:
-        """``session_copy(hashes)``: where the store tiers hold these full blocks; None: no tiers."""
+                 session_copy: Callable[[Sequence[bytes]], SessionCopy] | None = None,
+                 window: WindowLayout | None = None) -> None:
+        """``session_copy(hashes)``: where the store tiers hold these full blocks; None: no tiers.
+        ``window``: the window layers' own pool (``kvhive.kv.window_group``); None: one pool."""
         self.config = sched_config
         self.kv = KVCacheManager(cache_config.block_size, num_blocks, cache_config.enable_prefix_caching,
-                                 root_hash)
+                                 root_hash, window)
         self.queues = RequestQueues()
         self.transfers = KVTransfers(connector, self.kv)
         self.transfers.track(self.queues.by_id)
@@ -182,6 +185,7 @@ class Scheduler:
             reason = self._stop_reason(request, token)
         # Blocks filled by this step become shareable now, before the request ends.
         stored = self.kv.cache_full_blocks(request, request.num_computed_tokens)
+        self.kv.slide_window(request)
         self.transfers.note_computed(request, stored, seq.start_pos)
         return reason
 
@@ -197,6 +201,7 @@ class Scheduler:
                 token_ids=request.all_token_ids[start:end],
                 start_pos=start,
                 block_table=self.kv.get_block_table(request),
+                window_table=self.kv.get_window_table(request),
                 sample=end == request.num_tokens,   # never re-samples tokens it already has
                 sampling=request.sampling,
                 num_output_tokens=request.num_output_tokens,

@@ -1,0 +1,248 @@
+"""Gemma's window layers in a pool of their own: blocks released while a request runs, prefix hits
+shortened to where the window parts are kept, sessions, and the tiers (whole blocks of every layer).
+
+Tiny random Gemma 2 (window and global layers alternate) and Gemma 3 (five window layers to one
+global) checkpoints with an 8-key window and 16-token blocks, against transformers' greedy tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import pytest
+import torch
+from support.engines import run
+from support.families import hf_model, path_in, prompt_ids, save_hf
+
+from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, StoreConfig
+from kvhive.core.blocks import ExtraKeys, hash_blocks
+from kvhive.engine.core import LLMEngine
+from kvhive.kv.pool import NULL_BLOCK_ID
+from kvhive.model.loader import LoadedModel, load_model
+from kvhive.request import SamplingParams
+
+pytest.importorskip("transformers")
+
+BLOCK = 16
+NEW_TOKENS = 32
+GEMMAS = ("gemma2", "gemma3_text")
+PROMPT = prompt_ids(70, seed=5)          # four full blocks and a partial one; the window is 8
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+LOGPROB_TOL = 1e-4          # float32: each sampled token's logprob against transformers'
+
+
+class Greedy(NamedTuple):
+    """Greedy tokens and each one's logprob (the logprobs tell wrong KV apart where tokens repeat)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+
+    def matches(self, other: Greedy) -> bool:
+        """Same tokens, logprobs within LOGPROB_TOL."""
+        return self.tokens == other.tokens and max(
+            abs(a - b) for a, b in zip(self.logprobs, other.logprobs, strict=True)) < LOGPROB_TOL
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, tuple[torch.nn.Module, str, Greedy]]:
+    """Per family: the transformers model, its HF directory and its greedy tokens for PROMPT."""
+    root = tmp_path_factory.mktemp("window_kv")
+    out = {}
+    for family in GEMMAS:
+        model = hf_model(family)
+        out[family] = (model, save_hf(model, path_in(root, family)), _hf_greedy(model, PROMPT))
+    return out
+
+
+def _hf_greedy(model: torch.nn.Module, prompt: list[int]) -> Greedy:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                             output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    return Greedy(tokens, [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, tokens, strict=True)])
+
+
+def _generate(engine: LLMEngine, rid: str, prompt: list[int], session_id: str | None = None) -> tuple[Greedy, int]:
+    """Run one request to the end: its greedy tokens and logprobs, and its cached tokens."""
+    engine.add_request(rid, prompt, GREEDY, session_id=session_id)
+    tokens, logprobs, cached = [], [], -1
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            logprobs += [lp.logprob for lp in out.logprobs or ()]
+            if out.finished:
+                cached = out.num_cached_tokens
+    return Greedy(tokens, logprobs), cached
+
+
+def _engine(loaded: LoadedModel, tokenizer, num_blocks: int = 24, store: StoreConfig | None = None,
+            chunk: int = 16) -> LLMEngine:
+    config = EngineConfig(model_path="tiny", cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
+                          scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=chunk, max_model_len=512),
+                          store=store or StoreConfig())
+    return LLMEngine(config, loaded=loaded, tokenizer=tokenizer)
+
+
+def _evict_window_parts(engine: LLMEngine, hashes: list[bytes]) -> None:
+    """Evict these blocks' window parts from the window pool (as other requests' allocations would)."""
+    pool = engine.scheduler.kv.window.pool
+    kept = [b for h, b in pool.cached.items() if h not in hashes and b.ref_cnt == 0]
+    pool.touch(kept)
+    taken = pool.get_new_blocks(pool.num_free_blocks)
+    pool.free_blocks(taken + kept)
+    assert not any(h in pool.cached for h in hashes)
+
+
+@pytest.mark.parametrize("family", GEMMAS)
+def test_window_blocks_return_to_their_pool_while_the_request_runs(saved, tokenizer, family: str) -> None:
+    _, path, reference = saved[family]
+    engine = _engine(load_model(path), tokenizer)
+    try:
+        kv = engine.scheduler.kv
+        assert engine.runner.window is not None and "window_kv" in engine.paths
+        engine.add_request("r", PROMPT, GREEDY)
+        tokens, logprobs = [], []
+        seen_released = False
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens += out.new_token_ids
+                logprobs += [lp.logprob for lp in out.logprobs or ()]
+            request = engine.scheduler.get_request("r")
+            if request is None:
+                continue
+            table, window = kv.get_block_table(request), kv.get_window_table(request)
+            released = [i for i, b in enumerate(window) if b == NULL_BLOCK_ID]
+            first = kv.window.first_needed(request.num_computed_tokens)
+            assert released == list(range(first))            # everything before the window, nothing after
+            assert kv.window.num_held("r") <= 3 < len(table) or len(table) <= 3
+            if released:
+                seen_released = True
+                free_ids = {b.block_id for b in kv.window.pool.free_queue}
+                assert kv.window.stats().num_used == kv.window.num_held("r")
+                assert free_ids.isdisjoint(b for b in window if b != NULL_BLOCK_ID)
+            kv.window.pool.check_integrity()
+        assert seen_released and Greedy(tokens, logprobs).matches(reference)
+        assert kv.window.stats().num_used == 0 and kv.pool.stats().num_used == 0
+    finally:
+        engine.close()
+
+
+@contextmanager
+def _after_cold_run(saved, tokenizer, family: str) -> Iterator[tuple[LLMEngine, Greedy, list[bytes]]]:
+    """An engine that has run PROMPT once (checked against transformers), the reference and
+    PROMPT's block hashes; every one of its blocks is cached."""
+    _, path, reference = saved[family]
+    engine = _engine(load_model(path), tokenizer)
+    try:
+        cold, cached = _generate(engine, "cold", PROMPT)
+        assert cold.matches(reference) and cached == 0
+        chain = _chain(engine)
+        assert all(h in engine.scheduler.kv.pool.cached for h in chain)
+        yield engine, reference, chain
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("family", GEMMAS)
+def test_prefix_hit_over_released_and_evicted_window_parts(saved, tokenizer, family: str) -> None:
+    """The hit at 64 tokens needs only block 3's window part: blocks 0-2's may be gone."""
+    with _after_cold_run(saved, tokenizer, family) as (engine, reference, chain):
+        _evict_window_parts(engine, chain[:3])
+        again, cached = _generate(engine, "again", PROMPT)
+        assert again.matches(reference) and cached == 64
+
+
+def test_the_hit_reads_the_window_part_it_kept(saved, tokenizer) -> None:
+    """Noise in block 3's kept window part changes the logprobs of the hit that uses it: the hit
+    reads the window pool, it does not recompute."""
+    with _after_cold_run(saved, tokenizer, "gemma3_text") as (engine, reference, chain):
+        block = engine.scheduler.kv.window.pool.cached[chain[3]]
+        cache = engine.runner.window_cache
+        cache[block.block_id] = torch.randn(cache.shape[1:], generator=torch.Generator().manual_seed(0))
+        noisy, cached = _generate(engine, "noisy", PROMPT)
+        assert cached == 64 and not noisy.matches(reference)
+
+
+@pytest.mark.parametrize("family", GEMMAS)
+def test_a_missing_window_part_shortens_the_hit(saved, tokenizer, family: str) -> None:
+    """Block 3's window part gone: the hit stops at 48 tokens (block 2's is kept); all gone: a miss."""
+    with _after_cold_run(saved, tokenizer, family) as (engine, reference, chain):
+        _evict_window_parts(engine, [chain[3]])
+        shorter, cached = _generate(engine, "shorter", PROMPT)
+        assert shorter.matches(reference) and cached == 48
+        _evict_window_parts(engine, chain[:4])
+        engine.scheduler.kv.window.pool.check_integrity()
+        missed, cached = _generate(engine, "missed", PROMPT)
+        assert missed.matches(reference) and cached == 0
+
+
+def _chain(engine: LLMEngine) -> list[bytes]:
+    """The block hashes of PROMPT's full blocks under this engine's root."""
+    kv = engine.scheduler.kv
+    return hash_blocks(PROMPT, BLOCK, kv.root_hash, ExtraKeys())
+
+
+@pytest.mark.parametrize("family", GEMMAS)
+def test_session_second_turn_resumes_its_window(saved, tokenizer, family: str) -> None:
+    model, path, reference = saved[family]
+    engine = _engine(load_model(path), tokenizer)
+    try:
+        first, _ = _generate(engine, "t1", PROMPT, session_id="chat")
+        assert first.matches(reference)
+        kv = engine.scheduler.kv
+        held = kv.window.table(("session", "chat"))
+        assert held is not None and held.count(NULL_BLOCK_ID) >= 5          # parked without its old window
+        second_prompt = PROMPT + first.tokens + prompt_ids(9, seed=1)
+        second, cached = _generate(engine, "t2", second_prompt, session_id="chat")
+        assert cached == len(PROMPT) + NEW_TOKENS - 1
+        assert second.matches(_hf_greedy(model, second_prompt))
+        kv.window.pool.check_integrity()
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("family", GEMMAS)
+def test_tiers_keep_every_layer_and_restore_exactly(saved, tokenizer, tmp_path, family: str) -> None:
+    """With a KV tier the window layers stay in the one pool: tier objects are whole blocks of every
+    layer, so a block restored from the CPU tier or (after a restart) the disk tier lacks nothing."""
+    _, path, reference = saved[family]
+    loaded = load_model(path)
+    store = StoreConfig(cpu_offload_gb=0.01, disk_cache_dir=str(tmp_path))
+    engine = _engine(loaded, tokenizer, num_blocks=8, store=store, chunk=64)
+    try:
+        assert engine.runner.window is None and engine.scheduler.kv.window is None
+        cold, _ = _generate(engine, "cold", PROMPT)
+        engine.connector_worker.wait_for_save()
+        run(engine, {f"flood{i}": prompt_ids(70, seed=20 + i) for i in range(2)},
+            SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        engine.connector_worker.wait_for_save()
+        restored, cached = _generate(engine, "restored", PROMPT)
+        assert cold.matches(reference) and restored.matches(reference) and cached == 64
+        assert {t.name: t.hit_tokens for t in engine.stats().tiers}["cpu"] >= 16
+    finally:
+        engine.close()
+    engine = _engine(loaded, tokenizer, num_blocks=8, store=StoreConfig(disk_cache_dir=str(tmp_path)), chunk=64)
+    try:
+        from_disk, cached = _generate(engine, "disk", PROMPT)
+        assert from_disk.matches(reference) and cached == 64
+    finally:
+        engine.close()
+
+
+def test_the_window_pool_is_sized_for_the_windows_not_the_context(saved, tokenizer) -> None:
+    """256 blocks of context: the window pool holds what two sequences' windows and a step need."""
+    _, path, reference = saved["gemma3_text"]
+    engine = _engine(load_model(path), tokenizer, num_blocks=256)
+    try:
+        runner = engine.runner
+        assert runner.window_cache.shape[:2] == (runner.window.num_blocks, 5) and runner.kv_cache.shape[1] == 1
+        assert runner.window.num_blocks < 32
+        one_pool = 256 * runner.kv_cache[0].nbytes * 6
+        assert runner.pool_bytes() < one_pool / 4
+        out, _ = _generate(engine, "r", PROMPT)
+        assert out.matches(reference)
+    finally:
+        engine.close()

@@ -1,0 +1,94 @@
+"""WindowGroup and the manager's window pool: release as the window slides, hits shortened to
+where the window parts are kept, sessions, sizing."""
+
+from __future__ import annotations
+
+from kvhive.kv.manager import KVCacheManager
+from kvhive.kv.pool import NULL_BLOCK_ID
+from kvhive.kv.window_group import WindowGroup, WindowLayout, window_layout
+from kvhive.request import Request, SamplingParams
+
+B = 4
+LAYOUT = WindowLayout((True, False), window=6, num_blocks=12)
+
+
+def _request(rid: str, n: int, session_id: str | None = None) -> Request:
+    return Request(rid, list(range(100, 100 + n)), SamplingParams(max_tokens=4), session_id=session_id)
+
+
+def _manager() -> KVCacheManager:
+    return KVCacheManager(B, 16, True, b"root" * 8, window=LAYOUT)
+
+
+def _compute(kv: KVCacheManager, request: Request, num_tokens: int) -> None:
+    """As a step does: allocate, compute, cache the full blocks, release what the window left."""
+    assert kv.allocate_slots(request, num_tokens)
+    request.num_computed_tokens += num_tokens
+    kv.cache_full_blocks(request, request.num_computed_tokens)
+    kv.slide_window(request)
+
+
+def test_blocks_behind_every_window_are_released_and_cached_for_reuse() -> None:
+    kv = _manager()
+    r = _request("r", 24)
+    _compute(kv, r, 8)
+    assert kv.get_window_table(r).count(NULL_BLOCK_ID) == 0          # next row at 8 sees 3..8: block 0
+    _compute(kv, r, 12)                                              # next row at 20 sees 15..20
+    window = kv.get_window_table(r)
+    assert window[:3] == [NULL_BLOCK_ID] * 3 and NULL_BLOCK_ID not in window[3:]
+    assert len(kv.get_block_table(r)) == 5 and kv.window.num_held("r") == 2
+    assert kv.window.stats().num_used == 2 and kv.window.stats().num_evictable == 3
+    kv.window.pool.check_integrity()
+    kv.free(r)
+    assert kv.window.stats().num_used == 0
+    kv.window.pool.check_integrity()
+
+
+def test_a_hit_is_shortened_to_where_the_window_parts_are_kept() -> None:
+    kv = _manager()
+    first = _request("a", 21)
+    _compute(kv, first, 21)
+    kv.free(first)
+    again = _request("b", 21)
+    assert kv.get_computed_blocks(again).num_computed_tokens == 20
+    group: WindowGroup = kv.window
+    h = again.block_hashes
+    _keep_only(group, [h[2], h[3], h[4]])
+    assert group.usable_hit(h, 5) == 5                   # a row at 20 sees 15..20: blocks 3 and 4
+    _keep_only(group, [h[2], h[3]])
+    assert group.usable_hit(h, 5) == 4                   # block 4's gone: a row at 16 sees 11..16
+    _keep_only(group, [h[3]])
+    assert group.usable_hit(h, 5) == 0 and kv.get_computed_blocks(again).num_computed_tokens == 0
+    group.pool.check_integrity()
+
+
+def _keep_only(group: WindowGroup, hashes: list[bytes]) -> None:
+    """Evict every cached window part but these (as other requests' allocations would)."""
+    kept = [group.pool.cached[h] for h in hashes if h in group.pool.cached]
+    group.pool.touch(kept)
+    taken = group.pool.get_new_blocks(group.pool.num_free_blocks)
+    group.pool.free_blocks(taken + kept)
+    assert set(group.pool.cached) == {h for h in hashes if any(b.block_hash == h for b in kept)}
+
+
+def test_a_parked_session_keeps_only_its_last_window() -> None:
+    kv = _manager()
+    r = _request("r", 22, session_id="s")
+    _compute(kv, r, 22)
+    kv.park_session(r, "s")
+    held = kv.window.table(("session", "s"))
+    assert held[:4] == [NULL_BLOCK_ID] * 4 and held[4:] != [NULL_BLOCK_ID] * 2
+    nxt = Request("r2", r.all_token_ids[:22] + [7] * 8, SamplingParams(max_tokens=4), session_id="s")
+    assert kv.session_prefix(nxt) == 22 and kv.resume_session(nxt, 8)
+    assert kv.window.table(("session", "s")) is None and len(kv.get_window_table(nxt)) == 8
+    kv.free(nxt)
+    assert kv.window.stats().num_used == 0
+    kv.window.pool.check_integrity()
+
+
+def test_the_window_pool_is_sized_by_windows_and_the_step_budget() -> None:
+    layout = window_layout([True, False] * 3, 1024, 16, 100_000, 8, 2048)
+    assert layout.num_blocks == 2 * (8 * (64 + 2) + 128 + 1) and layout.num_window_layers == 3
+    assert window_layout([True] * 4, 8, 16, 100, 2, 64) is None           # no global layer
+    assert window_layout([False] * 4, None, 16, 100, 2, 64) is None
+    assert window_layout([True, False], 8, 16, 10, 2, 64).num_blocks == 10   # never more than the main pool
