@@ -42,6 +42,7 @@ def test_autoscaling_leaves_the_replica_count_to_ray() -> None:
     ({"router": {"weights": {}}}, "router.weights"),
     ({"router": {"tier_weights": {"gpu": 2.0}}}, "tier weight gpu"),
     ({"ingress": {"replicas": 2}}, "ingress.replicas"),
+    ({"router": {"request_router_class": "no.such.module:Router"}}, "router.request_router_class"),
 ])
 def test_a_bad_field_is_refused_with_its_name(raw: dict, named: str) -> None:
     with pytest.raises(ConfigError) as refused:
@@ -55,3 +56,14 @@ def test_build_app_refuses_before_declaring_any_deployment() -> None:
 
     with pytest.raises(ConfigError, match="unknown field 'num_thread'"):
         build_app({"num_thread": 1})
+
+
+def test_another_ray_request_router_takes_its_own_kwargs() -> None:
+    pytest.importorskip("ray.serve")
+    path = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
+    config = parse_app_config({"router": {"request_router_class": path, "request_router_kwargs": {"k": 1}}})
+    assert config.router.request_router_class == path and not config.router.is_kvhive
+    assert config.router.router_kwargs() == {"k": 1}
+    assert parse_app_config({}).router.is_kvhive
+    with pytest.raises(ConfigError, match="not a Ray Serve RequestRouter"):
+        parse_app_config({"router": {"request_router_class": "kvhive.integrations.ray.config:ConfigError"}})

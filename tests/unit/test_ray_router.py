@@ -96,3 +96,11 @@ def test_the_envelope_names_the_session_a_request_continues() -> None:
     assert envelope(method="GET", path="/v1/context/s9").session_named(None) == "s9"
     assert envelope(method="GET", path="/v1/responses/resp_2/input_items").session_named(None) == "resp_2"
     assert envelope().session_named({"prompt": "hi"}) is None
+
+
+def test_the_envelope_shows_ray_s_own_routers_its_prompt_or_messages() -> None:
+    assert envelope({"model": "m", "prompt": "Once upon"}).prompt == "Once upon"
+    messages = [{"role": "user", "content": "Hi"}]
+    assert envelope({"model": "m", "messages": messages}).prompt == messages
+    assert envelope(method="GET", path="/v1/models").prompt is None
+    assert envelope({"model": "m", "prompt": 7}).prompt is None

@@ -14,7 +14,6 @@ from typing import Any
 
 from kvhive.integrations.ray.config import ConfigError, RayAppConfig, parse_app_config
 
-ROUTER_CLASS = "kvhive.integrations.ray.router:KVAwareRequestRouter"
 DEFAULT_REPLICA_OPTIONS = {"num_cpus": 1}
 DEFAULT_INGRESS_OPTIONS = {"num_cpus": 0}
 # How long Ray gives a stopping replica (its ongoing requests, then its drain) before killing it.
@@ -34,9 +33,11 @@ def build_app(args: Mapping[str, Any]) -> Any:
     config = parse_app_config(args)
     replica_options = {**DEFAULT_REPLICA_OPTIONS, **config.ray_actor_options}
     check_fits(replica_options, "ray_actor_options")
-    router = RequestRouterConfig(request_router_class=ROUTER_CLASS,
-                                 request_router_kwargs={**config.router.router_kwargs(),
-                                                        "salt_with_api_key": salts_with_api_key(config)},
+    kwargs = config.router.router_kwargs()
+    if config.router.is_kvhive:
+        kwargs["salt_with_api_key"] = salts_with_api_key(config)
+    router = RequestRouterConfig(request_router_class=config.router.request_router_class,
+                                 request_router_kwargs=kwargs,
                                  request_routing_stats_period_s=config.router.routing_stats_period_s)
     scaling: dict[str, Any] = ({"autoscaling_config": dict(config.autoscaling_config)}
                                if config.autoscaling_config is not None else {"num_replicas": config.num_replicas})

@@ -10,6 +10,7 @@ it publishes KV events, so the flags of addresses and registration are not field
 from __future__ import annotations
 
 import argparse
+import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -33,7 +34,10 @@ RAY_DECIDES = MappingProxyType({
 RAY_FIELDS = ("num_replicas", "autoscaling_config", "ray_actor_options", "max_ongoing_requests",
               "ingress", "router")
 INGRESS_FIELDS = ("num_replicas", "ray_actor_options", "max_ongoing_requests")
-ROUTER_FIELDS = ("scorer", "tier_weights", "routing_weights", "routing_stats_period_s", "index_redis_url")
+ROUTER_FIELDS = ("scorer", "tier_weights", "routing_weights", "routing_stats_period_s", "index_redis_url",
+                 "request_router_class", "request_router_kwargs")
+# The replicas' request router unless ``router.request_router_class`` names another one of Ray's.
+KVHIVE_ROUTER_CLASS = "kvhive.integrations.ray.router:KVAwareRequestRouter"
 
 
 class ConfigError(ValueError):
@@ -64,6 +68,9 @@ class RouterSettings:
     routing_weights: RoutingWeights = field(default_factory=RoutingWeights)
     routing_stats_period_s: float = 1.0
     index_redis_url: str | None = None      # the block index in this Redis (shared by ingress replicas)
+    # Another RequestRouter (Ray's, to compare) and its kwargs; the fields above then do nothing.
+    request_router_class: str = KVHIVE_ROUTER_CLASS
+    request_router_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.scorer not in SCORERS:
@@ -71,8 +78,15 @@ class RouterSettings:
         if not 0 < self.routing_stats_period_s <= 60:
             raise ConfigError(f"router.routing_stats_period_s must be in (0, 60], got {self.routing_stats_period_s}")
 
+    @property
+    def is_kvhive(self) -> bool:
+        """Whether the replicas are routed by ``KVAwareRequestRouter``."""
+        return self.request_router_class == KVHIVE_ROUTER_CLASS
+
     def router_kwargs(self) -> dict[str, Any]:
         """These settings as JSON-able ``request_router_kwargs``."""
+        if not self.is_kvhive:
+            return dict(self.request_router_kwargs)
         return {"scorer": self.scorer, "tier_weights": vars(self.tier_weights),
                 "routing_weights": vars(self.routing_weights), "index_redis_url": self.index_redis_url}
 
@@ -181,4 +195,24 @@ def _router(raw: Mapping[str, Any]) -> RouterSettings:
     if redis_url is not None and not (isinstance(redis_url, str) and redis_url.startswith(("redis://", "rediss://"))):
         raise ConfigError(f"router.index_redis_url must be a redis:// URL, got {redis_url!r}")
     return RouterSettings(section.get("scorer", "longest_prefix"), tiers, weights,
-                          float(section.get("routing_stats_period_s", 1.0)), redis_url)
+                          float(section.get("routing_stats_period_s", 1.0)), redis_url,
+                          _router_class(section.get("request_router_class", KVHIVE_ROUTER_CLASS)),
+                          _mapping(section, "request_router_kwargs") or {})
+
+
+def _router_class(path: Any) -> str:
+    """``path`` when it names an importable Ray ``RequestRouter`` ("module:Class" or "module.Class")."""
+    if path == KVHIVE_ROUTER_CLASS:
+        return path
+    if not isinstance(path, str) or not 0 < len(path) <= 300:
+        raise ConfigError(f"router.request_router_class must be an import path, got {path!r}")
+    module, sep, name = path.rpartition(":") if ":" in path else path.rpartition(".")
+    try:
+        from ray.serve.request_router import RequestRouter
+
+        found = getattr(importlib.import_module(module), name) if sep else None
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"router.request_router_class {path!r} cannot be imported: {exc}") from exc
+    if not (isinstance(found, type) and issubclass(found, RequestRouter)):
+        raise ConfigError(f"router.request_router_class {path!r} is not a Ray Serve RequestRouter")
+    return path

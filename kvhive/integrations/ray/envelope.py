@@ -61,7 +61,17 @@ class HTTPEnvelope:
         held = _HELD_PATH.match(self.path)
         return held.group(1) if held else None
 
-    def prompt(self, data: dict[str, Any] | None, salt_with_key: bool) -> Prompt | None:
+    @property
+    def prompt(self) -> str | list[Any] | None:
+        """The body's ``prompt`` or chat ``messages`` as sent: what Ray's own routers
+        (``PrefixCacheAffinityRouter``) read from a request's first argument."""
+        data = self.json_body()
+        if data is None:
+            return None
+        text = data.get("prompt", data.get("messages"))
+        return text if isinstance(text, (str, list)) else None
+
+    def routing_prompt(self, data: dict[str, Any] | None, salt_with_key: bool) -> Prompt | None:
         """The prompt the replica will read (salted by the caller's key when replicas salt so)."""
         if data is None:
             return None

@@ -67,7 +67,7 @@ class KVAwareRequestRouter(RequestRouter):
         prompt, holder = None, None
         if envelope is not None:
             data = envelope.json_body()
-            prompt, holder = envelope.prompt(data, self.salt_with_api_key), envelope.holder
+            prompt, holder = envelope.routing_prompt(data, self.salt_with_api_key), envelope.holder
         ranking = await self.routing.rank(list(by_id), prompt, holder, self.loads(candidate_replicas))
         self.reasons[ranking.reason] = self.reasons.get(ranking.reason, 0) + 1
         logger.debug("routed %s: %s", ranking.reason, ranking.replicas)
