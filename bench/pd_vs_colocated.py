@@ -9,9 +9,11 @@ Two arms stay up side by side, each behind its own ``kvhive gateway``:
   ``kvhive gateway --prefill .. --decode ..``;
 - **colocated**: two ``kvhive serve`` (``--kv-role both``) on cores 0 and 1, behind
   ``kvhive gateway --replica .. --replica ..``.
-Every instance runs ``--num-threads 1`` on the default model (default dtype). A round sends one arm
+Every instance runs ``--num-threads 1`` on the default model (default dtype), once per
+``--budgets`` value of ``--max-num-batched-tokens`` (the default 2,048 runs a 1,500-token prompt
+in one step; 256 chunks it, as a colocated server does to shield running decodes). A round sends one arm
 a steady stream of decodes (``--decoders`` clients, each streaming ``--decode-tokens`` greedy tokens,
-then the next request) while new long prompts (``--long-tokens`` words-worth, unique per round)
+then the next request) while new long prompts (``--long-sentences`` sentences, ~1,500 tokens, unique per round)
 arrive every ``--interval`` seconds, streamed with ``--long-max-tokens`` tokens. Rounds alternate
 A, B, B, A ... with the same prompts for both arms. Recorded: the running decodes' inter-token gaps
 (p50/p99/p99.9/max), the long prompts' TTFT (p50/p90), the KV transfer throughput from the
@@ -250,16 +252,41 @@ def transfer_figures(counters: dict[str, dict[str, float]], num_prompts: int) ->
     return out
 
 
+def run_budget(args: argparse.Namespace, budget: int) -> dict:
+    """Both arms with ``--max-num-batched-tokens budget`` on every instance: paired rounds, summed up."""
+    log_dir = tempfile.mkdtemp(prefix="kvhive-pd-bench-")
+    load_start, procs = os.getloadavg()[0], []
+    try:
+        procs, gateways, urls = start_arms(log_dir, [*args.server_args.split(), "--max-num-batched-tokens",
+                                                     str(budget)])
+        warm_up(urls, args.long_sentences)
+        got = measure(args, gateways, urls)
+    finally:
+        stop(procs)
+    arms = {arm: summary(rounds) for arm, rounds in got["rounds"].items()}
+    pd, co = arms["pd"], arms["colocated"]
+    ratios = {f"{what}_{q}": pd[f"{what}_ms"][q] / co[f"{what}_ms"][q]
+              for what, q in (("itl", "p99"), ("itl", "p99.9"), ("ttft", "p50"), ("ttft", "p90"))}
+    return {"max_num_batched_tokens": budget, "arms": arms, "ratios": ratios,
+            "load_average_1m": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
+            "targets_met": {"itl_p99 <= 0.5x": ratios["itl_p99"] <= 0.5, "ttft_p50 <= 1.3x": ratios["ttft_p50"] <= 1.3},
+            "transfer": transfer_figures(got["counters"], pd["num_prompts"]),
+            "per_round": {arm: [{"itl_p99_ms": 1000 * pct(r["gaps"], 0.99), "ttft_ms": [1000 * t for t in r["ttfts"]]}
+                                for r in rounds] for arm, rounds in got["rounds"].items()}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=4, help="rounds per arm (paired, the first arm alternates)")
     ap.add_argument("--decoders", type=int, default=4, help="clients streaming decodes back to back")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--long-prompts", type=int, default=4, help="long prompts per round")
-    ap.add_argument("--long-sentences", type=int, default=60, help="sentences of ~25 tokens per long prompt")
+    ap.add_argument("--long-sentences", type=int, default=48, help="sentences of ~31 tokens per long prompt")
     ap.add_argument("--long-max-tokens", type=int, default=16)
     ap.add_argument("--interval", type=float, default=8.0, help="seconds between long prompts")
     ap.add_argument("--warm-s", type=float, default=2.0, help="decodes alone before the first long prompt")
+    ap.add_argument("--budgets", default="2048,256",
+                    help="--max-num-batched-tokens values, one run of both arms each (2048: the default)")
     ap.add_argument("--server-args", default="", help="extra flags for every kvhive serve")
     ap.add_argument("--quick", action="store_true", help="a smoke run: one short round per arm")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
@@ -268,31 +295,15 @@ def main() -> int:
     if args.quick:
         args.rounds, args.decoders, args.decode_tokens, args.long_prompts = 1, 2, 16, 1
         args.long_sentences, args.long_max_tokens, args.interval, args.warm_s = 8, 4, 0.5, 0.5
-        args.out = os.path.join(tempfile.gettempdir(), "pd_vs_colocated_quick.json")
-    log_dir = tempfile.mkdtemp(prefix="kvhive-pd-bench-")
-    load_start, procs = os.getloadavg()[0], []
-    try:
-        procs, gateways, urls = start_arms(log_dir, args.server_args.split())
-        warm_up(urls, args.long_sentences)
-        got = measure(args, gateways, urls)
-    finally:
-        stop(procs)
-    arms = {arm: summary(rounds) for arm, rounds in got["rounds"].items()}
-    pd, co = arms["pd"], arms["colocated"]
-    ratios = {"itl_p99": pd["itl_ms"]["p99"] / co["itl_ms"]["p99"],
-              "ttft_p50": pd["ttft_ms"]["p50"] / co["ttft_ms"]["p50"],
-              "ttft_p90": pd["ttft_ms"]["p90"] / co["ttft_ms"]["p90"]}
+        args.budgets, args.out = "2048", os.path.join(tempfile.gettempdir(), "pd_vs_colocated_quick.json")
+    runs = [run_budget(args, int(b)) for b in args.budgets.split(",")]
     record = {"machine": machine(), "command": command(__file__), "date": time.strftime("%Y-%m-%d"),
-              "load_average_1m": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
-              "config": {k: v for k, v in vars(args).items() if k != "out"}, "dtype": "float32 (the default)",
-              "arms": arms, "ratios": ratios,
-              "targets": {"itl_p99 <= 0.5x": ratios["itl_p99"] <= 0.5, "ttft <= 1.3x": ratios["ttft_p50"] <= 1.3},
-              "transfer": transfer_figures(got["counters"], pd["num_prompts"]),
-              "per_round": {arm: [{"itl_p99_ms": 1000 * pct(r["gaps"], 0.99), "ttft_ms": [1000 * t for t in r["ttfts"]]}
-                                  for r in rounds] for arm, rounds in got["rounds"].items()}}
+              "config": {k: v for k, v in vars(args).items() if k not in ("out", "quick")},
+              "dtype": "float32 (the default)", "runs": runs}
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
-    print(json.dumps({"arms": arms, "ratios": ratios, "transfer": record["transfer"]}, indent=1))
+    for run in runs:
+        print(json.dumps({k: run[k] for k in ("max_num_batched_tokens", "arms", "ratios", "transfer")}, indent=1))
     return 0
 
 
