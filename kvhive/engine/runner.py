@@ -316,7 +316,7 @@ class ModelRunner:
         attn = AttnMetadata(slot_rows=self._slot_rows(rows), decode=decode, prefills=tuple(spans),
                             prefill_kernel=self.prefill_kernel, layer_hooks=self.connector)
         if self.window_cache is not None:
-            attn = replace(attn, window=window_kv(attn, decodes, prefills, self.window_cache))
+            attn = replace(attn, window=window_kv(attn, decodes, prefills, self.window_cache, self.window.window))
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.from_numpy(np.concatenate(positions)).to(self.device),

@@ -94,10 +94,13 @@ class WindowGroup:
 
     def usable_hit(self, block_hashes: Sequence[bytes], num_hits: int) -> int:
         """The longest j <= num_hits whose window parts (blocks a row at j * block_size sees) are cached."""
-        cached = self.pool.cached
-        for j in range(num_hits, 0, -1):
-            if all(h in cached for h in block_hashes[self.first_needed(j * self.block_size):j]):
+        cached, j = self.pool.cached, num_hits
+        while j > 0:
+            first = self.first_needed(j * self.block_size)
+            missing = next((k for k in range(j - 1, first - 1, -1) if block_hashes[k] not in cached), None)
+            if missing is None:
                 return j
+            j = missing             # every point between needs block ``missing`` too
         return 0
 
     def can_grow(self, owner: Hashable, hit_hashes: Sequence[bytes], num_blocks: int) -> bool:

@@ -198,8 +198,9 @@ class GemmaModel(nn.Module):
         if meta.window is not None:         # two pools: each layer indexes its own group's
             layer_index = self.group_index[i]
             if self.spec.window_layers[i]:
-                return masked_paged_attention(qk[:, :nh], kv_new, meta.window.cache, layer_index, meta.window.meta,
-                                              rule)
+                win = meta.window
+                return masked_paged_attention(qk[:, :nh], kv_new, win.cache, layer_index, win.meta, rule,
+                                              win.decode_first_keys)
         if rule is not None:
             return masked_paged_attention(qk[:, :nh], kv_new, kv_cache, layer_index, meta, rule)
         # The shared paths scale scores by 1/sqrt(head_dim): the queries carry the difference.

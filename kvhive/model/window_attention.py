@@ -8,9 +8,10 @@ prefill chunk gathers its keys from the pool (a chunk with no cached prefix uses
 computes the scores in the model dtype, caps them, masks every key outside
 ``(position - window, position]``, and takes the softmax in float32, in transformers' eager order.
 
-A prefill chunk of a window layer gathers only the blocks its window reaches (decode rows gather
-their block table and mask); every block stays in the pool for every layer
-(``docs/sliding_window.md``).
+A prefill chunk of a window layer gathers only the blocks its window reaches. Decode rows gather
+their block table and mask; with the window layers' own pool (``kvhive.model.window_kv``) their
+tables start at the first block their window reaches (``decode_first_keys``), so a window layer
+reads about ``window`` keys per row however long the context (``docs/sliding_window.md``).
 """
 
 from __future__ import annotations
@@ -32,13 +33,17 @@ class ScoreRule:
 
 
 def masked_paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-                           meta: AttnMetadata, rule: ScoreRule) -> torch.Tensor:
-    """``paged_attention`` under ``rule``: store kv_new for ``layer``, attend, return [T, heads * head_dim]."""
+                           meta: AttnMetadata, rule: ScoreRule,
+                           decode_first_keys: torch.Tensor | None = None) -> torch.Tensor:
+    """``paged_attention`` under ``rule``: store kv_new for ``layer``, attend, return [T, heads * head_dim].
+
+    ``decode_first_keys`` ([decode rows]): the position of each decode row's first table entry
+    (its table starts at the first block its window reaches); None: every table starts at 0."""
     write_kv(kv_new, kv_cache, layer, meta)
     k_layer, v_layer = kv_cache[:, layer, 0], kv_cache[:, layer, 1]   # [blocks, B, kv_heads, hd]
     parts: list[torch.Tensor] = []
     if meta.decode is not None:
-        parts.append(_decode_rows(q, k_layer, v_layer, meta.decode, rule))
+        parts.append(_decode_rows(q, k_layer, v_layer, meta.decode, rule, decode_first_keys))
     for span in meta.prefills:
         parts.append(_prefill_span(q, kv_new, k_layer, v_layer, span, rule))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -53,14 +58,21 @@ def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) 
 
 
 def _decode_rows(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, dec: DecodeBatch,
-                 rule: ScoreRule) -> torch.Tensor:
+                 rule: ScoreRule, first_keys: torch.Tensor | None) -> torch.Tensor:
     """The decode rows' attention: each row over its own block table, up to its own position."""
     n, block_size = dec.num_seqs, k_layer.shape[1]
     ids = dec.block_tables.view(-1)
     k = k_layer.index_select(0, ids).view(n, -1, *k_layer.shape[2:])
     v = v_layer.index_select(0, ids).view(n, -1, *v_layer.shape[2:])
     keys = torch.arange(dec.block_tables.shape[1] * block_size, device=q.device)
-    mask = visible(dec.context_lens - 1, keys, rule.window)        # row i is at position context_lens[i] - 1
+    query_pos = dec.context_lens - 1                                # row i is at position context_lens[i] - 1
+    if first_keys is None:
+        mask = visible(query_pos, keys, rule.window)
+    else:                                                           # row i's keys start at first_keys[i]
+        key_pos = first_keys[:, None] + keys[None, :]
+        mask = key_pos <= query_pos[:, None]
+        if rule.window is not None:
+            mask &= key_pos > query_pos[:, None] - rule.window
     return attend(q[:n, None], k, v, mask[:, None], rule).reshape(n, -1)
 
 

@@ -30,6 +30,9 @@ class WindowKV:
 
     cache: torch.Tensor        # [window blocks, window layers, 2, block_size, kv_heads, head_dim]
     meta: AttnMetadata         # slot rows, decode tables and prefill block ids in window-pool blocks
+    # [decode rows] int64: the position of each decode row's first key (its table starts at the
+    # first block its window reaches); None without decode rows.
+    decode_first_keys: torch.Tensor | None = None
 
 
 def group_indices(window_layers: tuple[bool, ...]) -> list[int]:
@@ -43,8 +46,9 @@ def group_indices(window_layers: tuple[bool, ...]) -> list[int]:
 
 
 def window_kv(meta: AttnMetadata, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq],
-              cache: torch.Tensor) -> WindowKV:
-    """The window layers' view of a step whose seqs run as ``decodes`` rows then ``prefills`` spans."""
+              cache: torch.Tensor, window: int) -> WindowKV:
+    """The window layers' view of a step whose seqs run as ``decodes`` rows then ``prefills`` spans
+    (``window``: the keys a window layer sees)."""
     block_size, rows_per_block = cache.shape[3], cache.shape[1] * 2 * cache.shape[3]
     rows: list[np.ndarray] = []
     for s in decodes + prefills:
@@ -53,22 +57,32 @@ def window_kv(meta: AttnMetadata, decodes: list[ScheduledSeq], prefills: list[Sc
         rows.append(table[pos // block_size] * rows_per_block + pos % block_size)
     base = torch.from_numpy(np.concatenate(rows)).to(cache.device)
     slot_rows = torch.stack([base, base + block_size], dim=1)
-    decode = meta.decode
+    decode, first_keys = meta.decode, None
     if decode is not None:
-        tables = np.zeros(tuple(decode.block_tables.shape), dtype=np.int64)
-        j = 0
-        for s in decodes:
-            table = _table(s)
-            for length in range(s.start_pos + 1, s.context_len + 1):
-                n = -(-length // block_size)
-                tables[j, :n] = table[:n]
-                j += 1
-        decode = dataclasses.replace(decode, block_tables=torch.from_numpy(tables).to(cache.device),
-                                     mask=None, kernel=None, workspace=None)
+        tables, first_keys = _decode_tables(decodes, block_size, window)
+        decode = dataclasses.replace(decode, block_tables=tables.to(cache.device), mask=None, kernel=None,
+                                     workspace=None)
+        first_keys = first_keys.to(cache.device)
     spans = tuple(dataclasses.replace(span, mask=None, block_ids=None if span.block_ids is None else torch.tensor(
         _table(s)[:span.block_ids.shape[0]], dtype=torch.int64, device=cache.device))
         for span, s in zip(meta.prefills, prefills, strict=True))
-    return WindowKV(cache, AttnMetadata(slot_rows=slot_rows, decode=decode, prefills=spans))
+    return WindowKV(cache, AttnMetadata(slot_rows=slot_rows, decode=decode, prefills=spans), first_keys)
+
+
+def _decode_tables(decodes: list[ScheduledSeq], block_size: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per decode row: its window table from the first block it can see (padding: block 0), and
+    that block's first position. Rows see keys position - window + 1 .. position."""
+    spans = []
+    for s in decodes:
+        table = _table(s)
+        for length in range(s.start_pos + 1, s.context_len + 1):
+            first = max(0, length - window) // block_size
+            spans.append((first, table[first:-(-length // block_size)]))
+    tables = np.zeros((len(spans), max(len(ids) for _, ids in spans)), dtype=np.int64)
+    for j, (_, ids) in enumerate(spans):
+        tables[j, :len(ids)] = ids
+    first_keys = np.array([first * block_size for first, _ in spans], dtype=np.int64)
+    return torch.from_numpy(tables), torch.from_numpy(first_keys)
 
 
 def _table(seq: ScheduledSeq) -> list[int]:

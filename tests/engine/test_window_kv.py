@@ -19,7 +19,10 @@ from support.families import hf_model, path_in, prompt_ids, save_hf
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, StoreConfig
 from kvhive.core.blocks import ExtraKeys, hash_blocks
 from kvhive.engine.core import LLMEngine
+from kvhive.engine.runner import ModelRunner
+from kvhive.engine.step import ScheduledSeq, StepPlan
 from kvhive.kv.pool import NULL_BLOCK_ID
+from kvhive.kv.window_group import WindowLayout
 from kvhive.model.loader import LoadedModel, load_model
 from kvhive.request import SamplingParams
 
@@ -230,6 +233,19 @@ def test_tiers_keep_every_layer_and_restore_exactly(saved, tokenizer, tmp_path, 
         assert from_disk.matches(reference) and cached == 64
     finally:
         engine.close()
+
+
+def test_window_layers_decode_rows_read_only_their_window(saved) -> None:
+    """A decode row at position 90 with a window of 8 sees 83..90: one window block (from 80)."""
+    loaded = load_model(saved["gemma3_text"][1])
+    layout = WindowLayout(loaded.config.gemma.window_layers, window=8, num_blocks=8)
+    runner = ModelRunner(loaded.model, loaded.config, num_blocks=8, block_size=BLOCK, window=layout)
+    seq = ScheduledSeq("r", [1], 90, [1, 2, 3, 4, 5, 6], True, SamplingParams(temperature=0),
+                       window_table=[0, 0, 0, 0, 0, 6])
+    attn = runner.prepare_inputs(StepPlan([seq])).attn
+    assert attn.decode.block_tables.tolist() == [[1, 2, 3, 4, 5, 6]]
+    assert attn.window.meta.decode.block_tables.tolist() == [[6]] and attn.window.decode_first_keys.tolist() == [80]
+    assert attn.window.meta.slot_rows.tolist() == [[6 * 5 * 2 * BLOCK + 10, 6 * 5 * 2 * BLOCK + 10 + BLOCK]]
 
 
 def test_the_window_pool_is_sized_for_the_windows_not_the_context(saved, tokenizer) -> None:
