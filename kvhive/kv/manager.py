@@ -16,6 +16,10 @@ their ref counts keep them out of the free queue. The session's next request tak
 ``resume_session`` when its prompt starts with the tokens they hold: no hashing, no lookup, only
 the new tokens to compute. A request id holds blocks in ``_blocks`` or a session id holds them in
 ``_sessions``, never both.
+
+Window layers (Gemma): with a ``WindowLayout`` the manager also keeps a ``WindowGroup``, the
+window layers' own pool and a second table per request beside ``_blocks``; each call below makes
+the same change there, and ``slide_window`` releases what no row still to compute can see.
 """
 
 from __future__ import annotations
