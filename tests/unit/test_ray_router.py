@@ -102,5 +102,5 @@ def test_the_envelope_shows_ray_s_own_routers_its_prompt_or_messages() -> None:
     assert envelope({"model": "m", "prompt": "Once upon"}).prompt == "Once upon"
     messages = [{"role": "user", "content": "Hi"}]
     assert envelope({"model": "m", "messages": messages}).prompt == messages
-    assert envelope(method="GET", path="/v1/models").prompt is None
-    assert envelope({"model": "m", "prompt": 7}).prompt is None
+    assert envelope(method="GET", path="/v1/models").prompt == "GET /v1/models"
+    assert envelope({"model": "m", "prompt": 7}).prompt == "POST /v1/completions"

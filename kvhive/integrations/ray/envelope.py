@@ -62,14 +62,13 @@ class HTTPEnvelope:
         return held.group(1) if held else None
 
     @property
-    def prompt(self) -> str | list[Any] | None:
-        """The body's ``prompt`` or chat ``messages`` as sent: what Ray's own routers
-        (``PrefixCacheAffinityRouter``) read from a request's first argument."""
-        data = self.json_body()
-        if data is None:
-            return None
+    def prompt(self) -> str | list[Any]:
+        """The body's ``prompt`` or chat ``messages`` as sent (for a request with neither, its method
+        and path): what Ray's own routers (``PrefixCacheAffinityRouter``) read from a request's first
+        argument, which they need non-empty."""
+        data = self.json_body() or {}
         text = data.get("prompt", data.get("messages"))
-        return text if isinstance(text, (str, list)) else None
+        return text if isinstance(text, (str, list)) and text else f"{self.method} {self.path}"
 
     def routing_prompt(self, data: dict[str, Any] | None, salt_with_key: bool) -> Prompt | None:
         """The prompt the replica will read (salted by the caller's key when replicas salt so)."""
