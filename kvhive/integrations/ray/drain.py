@@ -62,22 +62,23 @@ def drain_sessions(async_engine: Any, registry: Any, idle_timeout_s: float = 5.0
     engine = async_engine.engine
     if not wait_idle(async_engine, idle_timeout_s):
         logger.warning("drain: requests still running after %.1fs", idle_timeout_s)
-    if engine.connector_worker is not None:
-        engine.connector_worker.wait_for_save()
+    wait_for_save = getattr(engine.connector_worker, "wait_for_save", None)
+    if wait_for_save is not None:
+        wait_for_save()
     sessions = registry.live_sessions()
     tier = shared_tier_index(engine.store)
     if tier is None:
         return DrainReport(sessions=len(sessions))
     hashes = sorted({h for session in sessions for h in session.block_hashes})
     keys = engine.connector_scheduler.key_space.keys([bytes.fromhex(h) for h in hashes])
-    copied = _copy_missing(engine.store, tier, keys)
+    copied = copy_missing(engine.store, tier, keys)
     return DrainReport(sessions=len(sessions), blocks=len(keys),
                        in_shared_tier=engine.store.count_in_tier(tier, keys), copied=copied,
                        records_written=_write_missing_records(registry, sessions),
                        shared_tier=engine.store.tiers[tier].name)
 
 
-def _copy_missing(store: Any, tier: int, keys: list[Any]) -> int:
+def copy_missing(store: Any, tier: int, keys: list[Any]) -> int:
     """Copy the ``keys`` the shared tier lacks from the tiers above it; how many were copied."""
     if not keys:
         return 0
