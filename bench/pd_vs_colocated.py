@@ -230,7 +230,8 @@ def measure(args: argparse.Namespace, gateways: dict[str, str], urls: dict[str, 
     counters = {"prefill": scrape(urls["prefill"]), "decode": scrape(urls["decode"])}
     for r in range(args.rounds):
         for arm in ("pd", "colocated") if r % 2 == 0 else ("colocated", "pd"):
-            got = run_round(gateways[arm], f"r{r}", args)
+            load = os.getloadavg()[0]
+            got = {**run_round(gateways[arm], f"r{r}", args), "load_1m": load}
             rounds[arm].append(got)
             print(f"round {r} {arm}: ITL p99 {1000 * pct(got['gaps'], 0.99):.0f} ms, TTFT "
                   f"{', '.join(f'{1000 * t:.0f}' for t in got['ttfts'])} ms", flush=True)
@@ -271,13 +272,23 @@ def run_budget(args: argparse.Namespace, budget: int) -> dict:
             "load_average_1m": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
             "targets_met": {"itl_p99 <= 0.5x": ratios["itl_p99"] <= 0.5, "ttft_p50 <= 1.3x": ratios["ttft_p50"] <= 1.3},
             "transfer": transfer_figures(got["counters"], pd["num_prompts"]),
-            "per_round": {arm: [{"itl_p99_ms": 1000 * pct(r["gaps"], 0.99), "ttft_ms": [1000 * t for t in r["ttfts"]]}
-                                for r in rounds] for arm, rounds in got["rounds"].items()}}
+            "paired_medians": paired_medians(got["rounds"]),
+            "per_round": {arm: [{"itl_p99_ms": 1000 * pct(r["gaps"], 0.99), "ttft_ms": [1000 * t for t in r["ttfts"]],
+                                 "load_1m": round(r["load_1m"], 2)} for r in rounds]
+                          for arm, rounds in got["rounds"].items()}}
+
+
+def paired_medians(rounds: dict[str, list[dict]]) -> dict[str, float]:
+    """Median over rounds of PD / colocated in the same round: ITL p99 and median TTFT."""
+    pairs = list(zip(rounds["pd"], rounds["colocated"], strict=True))
+    return {"itl_p99": statistics.median(pct(p["gaps"], 0.99) / pct(c["gaps"], 0.99) for p, c in pairs),
+            "ttft_p50": statistics.median(statistics.median(p["ttfts"]) / statistics.median(c["ttfts"])
+                                          for p, c in pairs)}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=4, help="rounds per arm (paired, the first arm alternates)")
+    ap.add_argument("--rounds", type=int, default=6, help="rounds per arm (paired, the first arm alternates)")
     ap.add_argument("--decoders", type=int, default=4, help="clients streaming decodes back to back")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--long-prompts", type=int, default=4, help="long prompts per round")
