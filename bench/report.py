@@ -221,6 +221,25 @@ def render_vllm_replica(name: str, record: dict) -> list[str]:
             f"- vLLM event blocks the gateway could not map: {record['gateway_vllm_unmapped_blocks']:.0f}.", ""]
 
 
+def render_ray_routers(name: str, record: dict) -> list[str]:
+    """Ray Serve request routers over the same kvhive replicas: cached fraction and TTFT per arm."""
+    s, load = record["setup"], record.get("load_average_1m", {})
+    lines = [f"2 replicas (one per node, one thread each); {s['contexts']} contexts of ~{s['context_tokens']:,} "
+             f"tokens, Zipf s={s['zipf']:g}; {s['requests']} requests per arm at concurrency {s['concurrency']}, "
+             f"after one warm-up request per context; {s['rounds']} rounds, arms alternating; load average "
+             f"{load.get('start')} to {load.get('end')}. Medians over the rounds:", "",
+             "| router | cached fraction | TTFT p50 (ms) | TTFT p90 (ms) | TTFT mean (ms) |",
+             "| --- | --- | --- | --- | --- |"]
+    for arm, a in record["arms"].items():
+        lines.append(f"| {arm} | {100 * a['cached_fraction']:.1f}% | {a['ttft_p50_ms']:,.0f} | "
+                     f"{a['ttft_p90_ms']:,.0f} | {a['ttft_mean_ms']:,.0f} |")
+    lines.append("")
+    for arm, ratio in record["p90_ratio_kvhive_over"].items():
+        goal = {"power_of_two": 0.5, "prefix_affinity": 0.8}[arm]
+        lines.append(f"- kvhive / {arm}: TTFT p90 **{ratio:.2f}x** (target ≤ {goal}x: {met(ratio <= goal)})")
+    return [*lines, ""]
+
+
 SOAK_GAUGES = (("kvhive_kv_blocks{state=free}", "free blocks"), ("kvhive_kv_blocks{state=cached}", "cached blocks"),
                ("kvhive_kv_blocks{state=used}", "used blocks"), ("kvhive_sessions_live", "live sessions"),
                ("kvhive_responses_stored", "stored responses"), ("kvhive_num_requests_running", "running requests"))
@@ -320,6 +339,13 @@ SECTIONS = (
             ("no request fails (no 5xx); the server is healthy afterwards",
              "once the sessions left alive expire, no used block, live session or stored response is left"),
             ("soak.json",), render_soak),
+    Section("ray_routers", "Ray Serve request routers", "bench/ray_routers.py",
+            "One Ray Serve application of 2 kvhive replicas on a two-node Ray cluster on this machine, routed "
+            "by kvhive's `KVAwareRequestRouter`, Ray's default `PowerOfTwoChoicesRequestRouter` and Ray's "
+            "`PrefixCacheAffinityRouter`: a multi-tenant workload of long shared contexts and short questions "
+            "with Zipf popularity, through the application's ingress.",
+            ("TTFT p90 ≤ 0.5x power-of-two's", "TTFT p90 ≤ 0.8x PrefixCacheAffinityRouter's"),
+            ("ray_routers.json",), render_ray_routers, ("ray_routers.png",)),
 )
 
 RENDER_ROUTER: dict[str, Render] = {"router_sim.json": render_router_sim, "router_lookup.json": render_router_lookup,

@@ -1,0 +1,237 @@
+"""kvhive's KVAwareRequestRouter against Ray Serve's own request routers, on one Ray Serve
+application of 2 kvhive replicas on a two-node Ray cluster on this machine.
+
+    flock /tmp/kvhive-bench.lock python bench/ray_routers.py [--rounds 2] [--requests 90] [--quick]
+
+Workload (the same for every arm): ``--contexts`` shared long contexts of ~``--context-tokens``
+tokens each (tenants' documents), short unique questions, the context of each request drawn with
+Zipf popularity (``--zipf``), ``--concurrency`` clients, through the application's ingress,
+streamed with two output tokens. Arms: ``kvhive`` (KVAwareRequestRouter), ``power_of_two`` (Ray's
+default PowerOfTwoChoicesRequestRouter) and ``prefix_affinity`` (Ray's PrefixCacheAffinityRouter,
+the class ``ray.serve.llm.request_router`` exports; imported from its defining module, since
+``ray.serve.llm`` itself needs vLLM or SGLang installed). Each arm is a fresh ``serve run`` of the
+same config but ``router.request_router_class`` (fresh replicas: empty caches), first sends every
+context once (warm-up, not measured), then the measured requests. Arms alternate in order across
+``--rounds`` (A,B,C then C,B,A). Records TTFT (first streamed token, at the client) p50/p90 and
+the cached fraction of prompt tokens (``usage.prompt_tokens_details.cached_tokens``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import yaml
+from run_info import command, machine
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
+
+from support.ray_cluster import ray_cluster, serve_run, wait_for_app, write_config  # noqa: E402
+from support.servers import free_port  # noqa: E402
+
+MODEL = "smollm2-135m"
+ARMS = {
+    "kvhive": "kvhive.integrations.ray.router:KVAwareRequestRouter",
+    "power_of_two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
+    "prefix_affinity": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router"
+                       ":PrefixCacheAffinityRouter",
+}
+WORDS = ("contract party deliver goods payment notice invoice warranty claim river mountain valley forest "
+         "garden bridge tower market report data system network region cluster harbour engine ledger "
+         "archive council budget schedule shipment supplier customer audit policy").split()
+TARGETS = {"power_of_two": 0.5, "prefix_affinity": 0.8}   # kvhive's p90 TTFT at most this times the arm's
+
+
+def make_contexts(count: int, tokens: int, seed: int) -> list[str]:
+    """``count`` distinct documents of about ``tokens`` tokens (the default model's tokenizer)."""
+    from kvhive.core.model_files import default_model_path
+    from kvhive.core.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_model_path(default_model_path())
+    rng = random.Random(seed)
+    docs = []
+    for i in range(count):
+        words = [f"Document {i} of tenant {rng.randrange(10**6)}."]
+        while len(tokenizer.encode(" ".join(words), add_special_tokens=True)) < tokens:
+            words.extend(rng.choice(WORDS) for _ in range(40))
+        docs.append(" ".join(words))
+    return docs
+
+
+def make_workload(contexts: int, requests: int, zipf: float, seed: int) -> list[tuple[int, str]]:
+    """(context index, question) per request; contexts drawn with Zipf(``zipf``) popularity."""
+    rng = random.Random(seed)
+    weights = [1 / (rank + 1) ** zipf for rank in range(contexts)]
+    return [(rng.choices(range(contexts), weights)[0], f"\n\nQuestion {i}: what does line {rng.randrange(99)} say?")
+            for i in range(requests)]
+
+
+def ask(client: httpx.Client, prompt: str) -> dict[str, object]:
+    """Stream one completion; its TTFT, prompt and cached tokens, and the replica that answered."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft, usage = None, {}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        replica = response.headers.get("x-kvhive-replica")
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if ttft is None and event.get("choices"):
+                ttft = time.perf_counter() - start
+            usage = event.get("usage") or usage
+    return {"ttft_s": ttft, "prompt_tokens": usage.get("prompt_tokens", 0), "replica": replica,
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) by linear interpolation."""
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def summarize(arm: str, rows: list[dict[str, object]], warmup_s: float) -> dict[str, object]:
+    """TTFT percentiles (ms), cached fraction and per-replica counts of one arm's measured requests."""
+    ttfts = [float(r["ttft_s"]) * 1000 for r in rows]
+    prompt = sum(int(r["prompt_tokens"]) for r in rows)
+    replicas: dict[str, int] = {}
+    for r in rows:
+        replicas[str(r["replica"])] = replicas.get(str(r["replica"]), 0) + 1
+    return {"arm": arm, "requests": len(rows), "cached_fraction": round(sum(int(r["cached_tokens"]) for r in rows)
+                                                                         / max(prompt, 1), 4),
+            "ttft_p50_ms": round(percentile(ttfts, 0.5), 1), "ttft_p90_ms": round(percentile(ttfts, 0.9), 1),
+            "ttft_mean_ms": round(statistics.fmean(ttfts), 1), "requests_per_replica": sorted(replicas.values()),
+            "warmup_s": round(warmup_s, 1)}
+
+
+def arm_config(path: str, port: int, arm: str, args: argparse.Namespace) -> str:
+    """The application's config for ``arm``: the example config, one replica per node."""
+    write_config(path, port, kv_cache_gb=args.kv_cache_gb, num_threads=1, max_ongoing_requests=8,
+                 router={"request_router_class": ARMS[arm]})
+    with open(path) as f:
+        config = yaml.safe_load(f)
+    config["applications"][0]["deployments"] = [{"name": "KVHiveReplica", "max_replicas_per_node": 1}]
+    with open(path, "w") as f:
+        yaml.safe_dump(config, f)
+    return path
+
+
+def run_arm(cluster, arm: str, args: argparse.Namespace, contexts: list[str],
+            workload: list[tuple[int, str]], workdir: str) -> dict[str, object]:
+    """One fresh application routed by ``arm``: warm-up, then the measured requests."""
+    port = free_port()
+    config = arm_config(os.path.join(workdir, f"{arm}.yaml"), port, arm, args)
+    with serve_run(cluster, config) as run, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+        wait_for_app(run, client)
+        start = time.perf_counter()
+        for i, context in enumerate(contexts):
+            ask(client, context + f"\n\nQuestion w{i}: what is this about?")
+        warmup_s = time.perf_counter() - start
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            rows = list(pool.map(lambda item: ask(client, contexts[item[0]] + item[1]), workload))
+    result = summarize(arm, rows, warmup_s)
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def combine(runs: list[dict[str, object]]) -> dict[str, dict[str, object]]:
+    """Per arm, the median over rounds of each figure, and each round's."""
+    arms: dict[str, dict[str, object]] = {}
+    for arm in ARMS:
+        mine = [r for r in runs if r["arm"] == arm]
+        if mine:
+            arms[arm] = {k: round(statistics.median(float(r[k]) for r in mine), 4 if k == "cached_fraction" else 1)
+                         for k in ("cached_fraction", "ttft_p50_ms", "ttft_p90_ms", "ttft_mean_ms")}
+            arms[arm]["rounds"] = mine
+    return arms
+
+
+def plot(record: dict[str, object], path: str) -> None:
+    """TTFT p50/p90 and cached fraction per arm, side by side, as a PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = record["arms"]
+    names = list(arms)
+    fig, (ttft, cached) = plt.subplots(1, 2, figsize=(9, 3.6))
+    xs = range(len(names))
+    ttft.bar([x - 0.2 for x in xs], [arms[n]["ttft_p50_ms"] for n in names], 0.4, label="p50")
+    ttft.bar([x + 0.2 for x in xs], [arms[n]["ttft_p90_ms"] for n in names], 0.4, label="p90")
+    ttft.set_xticks(list(xs), names)
+    ttft.set_ylabel("TTFT (ms)")
+    ttft.legend()
+    cached.bar(list(xs), [100 * arms[n]["cached_fraction"] for n in names], 0.5, color="tab:green")
+    cached.set_xticks(list(xs), names)
+    cached.set_ylabel("prompt tokens cached (%)")
+    cached.set_ylim(0, 100)
+    fig.suptitle("Ray Serve request routers, 2 kvhive replicas (median of rounds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", type=int, default=10)
+    ap.add_argument("--context-tokens", type=int, default=1000)
+    ap.add_argument("--requests", type=int, default=90)
+    ap.add_argument("--concurrency", type=int, default=3)
+    ap.add_argument("--zipf", type=float, default=1.1)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--kv-cache-gb", type=float, default=0.25)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 3 small contexts, 9 requests, 1 round")
+    ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "ray_routers.json"))
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))      # so the cluster is stopped
+    os.environ["RAY_memory_monitor_refresh_ms"] = "0"     # other work on the box must not get replicas killed
+    if args.quick:
+        args.contexts, args.context_tokens, args.requests, args.rounds = 3, 200, 9, 1
+        args.out = os.path.join(tempfile.gettempdir(), "ray_routers_quick.json")
+    contexts = make_contexts(args.contexts, args.context_tokens, args.seed)
+    workload = make_workload(args.contexts, args.requests, args.zipf, args.seed)
+    load_start = os.getloadavg()[0]
+    runs = []
+    with ray_cluster(num_nodes=2, cpus_per_node=2) as cluster, tempfile.TemporaryDirectory() as workdir:
+        for round_index in range(args.rounds):
+            arms = [arm for arm in ARMS if arm in args.arms.split(",")]
+            order = arms if round_index % 2 == 0 else arms[::-1]
+            runs += [{**run_arm(cluster, arm, args, contexts, workload, workdir), "round": round_index}
+                     for arm in order]
+    arms = combine(runs)
+    kv = arms["kvhive"]["ttft_p90_ms"] if "kvhive" in arms else None
+    ratios = {arm: round(kv / arms[arm]["ttft_p90_ms"], 3) for arm in TARGETS if arm in arms and kv}
+    record = {"command": command("bench/ray_routers.py"), "machine": machine(),
+              "date": time.strftime("%Y-%m-%d", time.gmtime()),
+              "load_average_1m": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
+              "setup": {k: getattr(args, k) for k in ("contexts", "context_tokens", "requests", "concurrency", "zipf",
+                                                       "rounds", "kv_cache_gb", "seed")},
+              "arms": arms, "p90_ratio_kvhive_over": ratios,
+              "targets_met": {arm: ratios[arm] <= goal for arm, goal in TARGETS.items() if arm in ratios}}
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+    if not args.quick and {"kvhive", "power_of_two", "prefix_affinity"} <= arms.keys():
+        plot(record, os.path.join(REPO, "docs", "ray_routers.png"))
+    print(json.dumps({"p90_ratio_kvhive_over": ratios, "out": args.out}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
