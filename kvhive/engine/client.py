@@ -6,7 +6,8 @@ thread rule, and says which way it does:
 - queued for the loop thread: ``generate`` (submit), ``abort``, ``reset_prefix_cache``, the
   device half of ``release_session`` and of ``session_blocks_by_tier`` (``AsyncEngine.call``);
 - store tiers only (thread-safe by their own contract): ``hold_session``, the store half of
-  ``release_session`` and ``session_blocks_by_tier``, ``pinned_blocks_by_tier``, ``keeper_budget``;
+  ``release_session`` and ``session_blocks_by_tier``, ``pinned_blocks_by_tier``, ``keeper_budget``,
+  ``copy_to_shared_tier`` (blocking: a worker thread's call);
 - snapshots and facts fixed at construction: ``stats``, ``is_healthy``, ``runtime_info``, and
   the attributes (tokenizer, context length, block geometry, fingerprint, config).
 """
@@ -21,6 +22,7 @@ from kvhive.engine.cache_reset import CacheReset
 from kvhive.engine.core import RequestOutput
 from kvhive.engine.stats import EngineStats, TierBudget
 from kvhive.request import SamplingParams
+from kvhive.store.shared_copy import SharedCopy, copy_to_shared_tier
 
 if TYPE_CHECKING:
     from kvhive.config import EngineConfig
@@ -99,6 +101,15 @@ class EngineClient:
     def pinned_blocks_by_tier(self) -> dict[str, int]:
         """How many of the distinct blocks live sessions pin each store tier holds."""
         return self._engine.pinned_blocks_by_tier()
+
+    def copy_to_shared_tier(self, block_hashes: Sequence[bytes]) -> SharedCopy | None:
+        """Wait for the queued KV saves, then copy these blocks the shared tier lacks into it from
+        this process's own tiers; None without a shared tier. Blocking."""
+        engine = self._engine
+        if engine.store is None:
+            return None
+        engine.connector_worker.wait_for_save()
+        return copy_to_shared_tier(engine.store, engine.connector_scheduler.key_space.keys(list(block_hashes)))
 
     def keeper_budget(self) -> TierBudget | None:
         """The store tier that keeps pinned session blocks and its budget; None without one."""

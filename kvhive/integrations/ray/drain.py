@@ -19,7 +19,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvhive.engine.client import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -38,59 +41,30 @@ class DrainReport:
     shared_tier: str | None = None
 
 
-def shared_tier_index(store: Any) -> int | None:
-    """The index of the store's shared (write-through) tier, or None when it has none."""
-    if store is None:
-        return None
-    return next((i for i, tier in enumerate(store.tiers) if tier.write_through), None)
-
-
-def wait_idle(async_engine: Any, timeout_s: float) -> bool:
+def wait_idle(client: EngineClient, timeout_s: float) -> bool:
     """Wait (at most ``timeout_s``) until the engine runs and queues no request; whether it did."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        stats = async_engine.stats()
+        stats = client.stats()
         if stats.num_running == 0 and stats.num_waiting == 0:
             return True
         time.sleep(IDLE_POLL_S)
     return False
 
 
-def drain_sessions(async_engine: Any, registry: Any, idle_timeout_s: float = 5.0) -> DrainReport:
+def drain_sessions(client: EngineClient, registry: Any, idle_timeout_s: float = 5.0) -> DrainReport:
     """Move every live session's KV blocks and record to the shared tier (see the module
     docstring); blocking, so it runs on a worker thread."""
-    engine = async_engine.engine
-    if not wait_idle(async_engine, idle_timeout_s):
+    if not wait_idle(client, idle_timeout_s):
         logger.warning("drain: requests still running after %.1fs", idle_timeout_s)
-    wait_for_save = getattr(engine.connector_worker, "wait_for_save", None)
-    if wait_for_save is not None:
-        wait_for_save()
     sessions = registry.live_sessions()
-    tier = shared_tier_index(engine.store)
-    if tier is None:
-        return DrainReport(sessions=len(sessions))
     hashes = sorted({h for session in sessions for h in session.block_hashes})
-    keys = engine.connector_scheduler.key_space.keys([bytes.fromhex(h) for h in hashes])
-    copied = copy_missing(engine.store, tier, keys)
-    return DrainReport(sessions=len(sessions), blocks=len(keys),
-                       in_shared_tier=engine.store.count_in_tier(tier, keys), copied=copied,
-                       records_written=_write_missing_records(registry, sessions),
-                       shared_tier=engine.store.tiers[tier].name)
-
-
-def copy_missing(store: Any, tier: int, keys: list[Any]) -> int:
-    """Copy the ``keys`` the shared tier lacks from the tiers above it; how many were copied."""
-    if not keys:
-        return 0
-    held = store.tiers[tier].store.contains(keys)
-    copied = 0
-    for key, present in zip(keys, held, strict=True):
-        if present:
-            continue
-        payload = next((p for upper in store.tiers[:tier] if (p := upper.store.get(key)) is not None), None)
-        if payload is not None and store.put(key, payload, from_tier=tier):
-            copied += 1
-    return copied
+    copy = client.copy_to_shared_tier([bytes.fromhex(h) for h in hashes])
+    if copy is None:
+        return DrainReport(sessions=len(sessions))
+    return DrainReport(sessions=len(sessions), blocks=copy.blocks, in_shared_tier=copy.in_shared_tier,
+                       copied=copy.copied, records_written=_write_missing_records(registry, sessions),
+                       shared_tier=copy.tier)
 
 
 def _write_missing_records(registry: Any, sessions: list[Any]) -> int:

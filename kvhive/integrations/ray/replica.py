@@ -55,8 +55,11 @@ class KVHiveReplica:
                                           "--kv-events-replay", f"tcp://*:{replay}"])
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.async_engine, self.config = _start_engine(args)
+        from kvhive.engine.client import EngineClient
+
+        self.client = EngineClient(self.async_engine)
         self.facts = ReplicaFacts(self.config.model_path, self.config.cache.block_size,
-                                  self.config.cache.hash_seed, self.async_engine.engine.fingerprint,
+                                  self.config.cache.hash_seed, self.client.fingerprint,
                                   f"tcp://{node_ip}:{events}", f"tcp://{node_ip}:{replay}")
         from kvhive.server.app import create_app
 
@@ -91,7 +94,7 @@ class KVHiveReplica:
         this when it stops the replica, once its ongoing requests are done)."""
         registry = self.app.state.service.sessions.registry
         try:
-            report = await asyncio.wait_for(asyncio.to_thread(drain_sessions, self.async_engine, registry),
+            report = await asyncio.wait_for(asyncio.to_thread(drain_sessions, self.client, registry),
                                             DRAIN_TIMEOUT_S)
             serve_logger.info("kvhive replica %s drained: %s", self.replica_id, report)
         except Exception:  # noqa: BLE001 - stopping goes on: what reached Redis already stays there

@@ -1,12 +1,12 @@
-"""A stopping Ray replica's drain copies the session blocks its shared tier lacks from the tiers
+"""Before a replica stops, the session blocks its shared tier lacks are copied down from the tiers
 above it (real store tiers: a CPU memory tier over a write-through disk tier in the shared role)."""
 
 from __future__ import annotations
 
-from kvhive.integrations.ray.drain import copy_missing, shared_tier_index
 from kvhive.store.disk import DiskStore
 from kvhive.store.key import KeySpace, StoreKey
 from kvhive.store.memory import MemoryStore
+from kvhive.store.shared_copy import copy_missing, copy_to_shared_tier, shared_tier_index
 from kvhive.store.tiered import Tier, TieredStore
 
 SPACE = KeySpace("test-model", 1, "float32", 16)
@@ -34,8 +34,12 @@ def test_blocks_the_shared_tier_lacks_are_copied_from_the_cpu_tier(tmp_path) -> 
     assert store.count_in_tier(1, keys) == 3
     assert store.tiers[1].store.get(key(3)) == bytes([3]) * BLOCK
     assert copy_missing(store, 1, keys) == 0                    # nothing left to copy
+    copy = copy_to_shared_tier(store, keys)
+    assert (copy.tier, copy.blocks, copy.copied, copy.in_shared_tier) == ("shared", 4, 0, 3)
     store.close()
 
 
 def test_a_store_without_a_shared_tier_has_nothing_to_drain_into() -> None:
-    assert shared_tier_index(TieredStore([Tier("cpu", MemoryStore(4 * BLOCK))])) is None
+    alone = TieredStore([Tier("cpu", MemoryStore(4 * BLOCK))])
+    assert shared_tier_index(alone) is None
+    assert copy_to_shared_tier(alone, [key(1)]) is None and copy_to_shared_tier(None, [key(1)]) is None
