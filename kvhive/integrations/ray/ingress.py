@@ -71,7 +71,7 @@ class KVHiveIngress:
         envelope = _envelope(scope, body)
         named = envelope.session_named(envelope.json_body())
         if named:
-            envelope = dataclasses.replace(envelope, holder=self.affinity.get(envelope.owner, named))
+            envelope = dataclasses.replace(envelope, holder=await self.affinity.aget(envelope.owner, named))
         await self.answer(envelope, named, scope, receive, send)
 
     async def answer(self, envelope: HTTPEnvelope, named: str | None, scope: Scope, receive: Receive,
@@ -89,12 +89,12 @@ class KVHiveIngress:
                 await openai_error(500, f"replica failed: {type(exc).__name__}: {exc}",
                                    code="internal_server_error")(scope, receive, send)
                 return
-            self._learn(envelope, named, head)
+            await self._learn(envelope, named, head)
             await _relay(head, stream, send)
             return
         await openai_error(503, "No replica answered", code="no_replica")(scope, receive, send)
 
-    def _learn(self, envelope: HTTPEnvelope, named: str | None, head: ResponseHead) -> None:
+    async def _learn(self, envelope: HTTPEnvelope, named: str | None, head: ResponseHead) -> None:
         """Remember the answering replica as the holder of the session and response it names."""
         headers = dict(head.headers)
         replica = headers.get(REPLICA_HEADER)
@@ -102,13 +102,13 @@ class KVHiveIngress:
             return
         owner = envelope.owner
         if envelope.method == "DELETE" and named and head.status < 400:
-            self.affinity.forget(owner, named)
+            await self.affinity.aforget(owner, named)
             return
         if head.status >= 400:
             return
         for key in (headers.get(SESSION_HEADER) or named, headers.get(RESPONSE_ID_HEADER)):
             if key:
-                self.affinity.remember(owner, key, replica)
+                await self.affinity.aremember(owner, key, replica)
 
 
 class ASGIEntry:
