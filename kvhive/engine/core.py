@@ -23,7 +23,7 @@ from kvhive.engine.scheduler import Scheduler, TierSessionCopy
 from kvhive.engine.stats import ConnectorCounters, EngineStats, TierBudget
 from kvhive.engine.step import StepPlan, StepResult, TokenLogprobs
 from kvhive.kv.events_config import KVEventsConfig
-from kvhive.kv.window_group import window_layout_for
+from kvhive.kv.window_group import fit_kv_budget, window_layout_for
 from kvhive.request import FinishReason, Request, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -118,6 +118,8 @@ class LLMEngine:
             tokenizer = Tokenizer.from_model_path(config.model_path)
         self.tokenizer = tokenizer
         # From here on the config's model-dependent values (pool size, context length) are fixed.
+        has_connector = config.store.enabled or store is not None or config.kv_transfer.disaggregated
+        config = fit_kv_budget(config, loaded.config, has_connector)
         self.config = config = config.resolved(loaded.config, external_store=store is not None)
         self.model_config = loaded.config
         self.fingerprint = loaded.fingerprint

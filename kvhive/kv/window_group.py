@@ -21,7 +21,7 @@ request id or ``("session", id)`` for a parked session.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvhive.config import EngineConfig, ModelConfig
 from kvhive.kv.pool import NULL_BLOCK_ID, BlockPool, BlockPoolStats, KVBlock
@@ -72,6 +72,26 @@ def window_layout_for(model: ModelConfig, config: EngineConfig, has_connector: b
     sched = config.scheduler
     return window_layout(spec.window_layers, spec.sliding_window, config.cache.block_size, config.cache.num_blocks,
                          sched.max_num_seqs, sched.max_num_batched_tokens)
+
+
+def fit_kv_budget(config: EngineConfig, model: ModelConfig, has_connector: bool) -> EngineConfig:
+    """``config`` with ``cache.num_blocks`` set so that the main pool (global layers only) and the
+    window pool together fill ``kv_cache_gb``: the bytes the window layers do not keep become
+    more main blocks. Unchanged for a model without window layers, a KV connector, or an explicit
+    ``num_blocks``."""
+    if config.cache.num_blocks is not None or has_connector or model.gemma is None:
+        return config
+    full = config.kv_bytes_per_block(model)
+    budget_blocks = config.cache.resolve_num_blocks(full)
+    layout = window_layout_for(model, replace(config, cache=replace(config.cache, num_blocks=budget_blocks)), False)
+    if layout is None:
+        return config
+    per_layer = full // len(layout.window_layers)
+    main_bytes = per_layer * (len(layout.window_layers) - layout.num_window_layers)
+    window_bytes = per_layer * layout.num_window_layers
+    main = (int(config.cache.kv_cache_gb * 2**30) - layout.num_blocks * window_bytes) // main_bytes
+    # A budget too small for the window pool beside more main blocks keeps one pool's count.
+    return replace(config, cache=replace(config.cache, num_blocks=max(main, budget_blocks)))
 
 
 class WindowGroup:

@@ -3,6 +3,8 @@ where the window parts are kept, sessions, sizing."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvhive.kv.manager import KVCacheManager
 from kvhive.kv.pool import NULL_BLOCK_ID
 from kvhive.kv.window_group import WindowGroup, WindowLayout, window_layout
@@ -92,3 +94,33 @@ def test_the_window_pool_is_sized_by_windows_and_the_step_budget() -> None:
     assert window_layout([True] * 4, 8, 16, 100, 2, 64) is None           # no global layer
     assert window_layout([False] * 4, None, 16, 100, 2, 64) is None
     assert window_layout([True, False], 8, 16, 10, 2, 64).num_blocks == 10   # never more than the main pool
+
+
+def _gemma(num_layers: int = 6, window: int = 64):
+    from kvhive.config import GemmaSpec, ModelConfig
+
+    flags = tuple(i % 6 != 5 for i in range(num_layers))            # Gemma 3: five window layers to one global
+    return ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=num_layers, num_heads=2,
+                       num_kv_heads=1, head_dim=8, gemma=GemmaSpec(8.0, flags, sliding_window=window))
+
+
+def test_the_kv_budget_the_window_layers_leave_becomes_more_main_blocks() -> None:
+    from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
+    from kvhive.kv.window_group import fit_kv_budget, window_layout_for
+
+    model = _gemma()
+    config = EngineConfig("m", cache=CacheConfig(block_size=16, kv_cache_gb=0.01),
+                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256))
+    one_pool = config.cache.resolve_num_blocks(config.kv_bytes_per_block(model))
+    fitted = fit_kv_budget(config, model, has_connector=False)
+    layout = window_layout_for(model, fitted, False)
+    per_layer = config.kv_bytes_per_block(model) // model.num_layers
+    used = fitted.cache.num_blocks * per_layer * 1 + layout.num_blocks * per_layer * 5
+    assert fitted.cache.num_blocks > 4 * one_pool                   # one global layer in six keeps every block
+    assert used <= 0.01 * 2**30 < used + per_layer                   # the budget is filled, not exceeded
+    # One pool (a connector moves whole blocks), an explicit count, or no window layers: unchanged.
+    assert fit_kv_budget(config, model, has_connector=True) is config
+    explicit = EngineConfig("m", cache=CacheConfig(num_blocks=9))
+    assert fit_kv_budget(explicit, model, has_connector=False) is explicit
+    llama = replace(model, gemma=None)
+    assert fit_kv_budget(config, llama, has_connector=False) is config
