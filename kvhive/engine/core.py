@@ -490,5 +490,5 @@ class LLMEngine:
                            block_size=self.config.cache.block_size, tiers=tiers, connector=connector,
                            num_session_blocks=s.num_session_blocks, num_session_spills=s.num_session_spills,
                            free_blocks=pool.num_free - pool.num_evictable, cached_blocks=pool.num_evictable,
-                           used_blocks=pool.num_used,
+                           used_blocks=pool.num_used, window_pool=s.kv.window,
                            kv_transfer=None if self.disagg is None else self.disagg.worker.stats())

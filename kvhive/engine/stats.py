@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvhive.connector.base import TierStats
 from kvhive.connector.disagg.stats import KVTransferStats
+from kvhive.kv.pool import BlockPoolStats
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class EngineStats:
     cached_blocks: int = 0                  # evictable: nobody holds them, a cached prefix is in them
     used_blocks: int = 0                    # held by a running request or an idle session
     kv_transfer: KVTransferStats | None = None   # --kv-role prefill|decode: the transfer counters
+    window_pool: BlockPoolStats | None = None    # the window layers' own pool (kvhive.kv.window_group)
 
 
 @dataclass(frozen=True)

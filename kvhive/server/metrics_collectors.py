@@ -18,6 +18,7 @@ from kvhive.server.metrics_kv_transfer import kv_transfer_metrics
 
 if TYPE_CHECKING:
     from kvhive.engine.stats import ConnectorCounters, EngineStats
+    from kvhive.kv.pool import BlockPoolStats
     from kvhive.sessions.registry import SessionStats
     from kvhive.sessions.responses import ResponseStats
 
@@ -70,9 +71,21 @@ class EngineStatsCollector(Collector):
         for state, count in (("free", s.free_blocks), ("cached", s.cached_blocks), ("used", s.used_blocks)):
             blocks.add_metric(self._labels + [state], count)
         yield blocks
+        if s.window_pool is not None:
+            yield self._window_blocks(s.window_pool)
         yield from self._tier_metrics(s)
         if s.kv_transfer is not None:
             yield from kv_transfer_metrics(self._labels, s.kv_transfer)
+
+    def _window_blocks(self, pool: BlockPoolStats) -> Metric:
+        """The window layers' own pool by state, as ``kvhive_kv_blocks`` counts the main pool."""
+        window = GaugeMetricFamily("kvhive_window_kv_blocks", "Blocks of the window layers' own KV pool (models "
+                                   "with sliding-window layers) by state: free, cached, used.",
+                                   labels=["model_name", "state"])
+        for state, count in (("free", pool.num_free - pool.num_evictable), ("cached", pool.num_evictable),
+                             ("used", pool.num_used)):
+            window.add_metric(self._labels + [state], count)
+        return window
 
     def _tier_metrics(self, s: EngineStats) -> Iterator[Metric]:
         """Per-tier KV store metrics (label ``tier``: cpu, disk, redis) and connector counters."""

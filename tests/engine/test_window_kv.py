@@ -262,3 +262,28 @@ def test_the_window_pool_is_sized_for_the_windows_not_the_context(saved, tokeniz
         assert out.matches(reference)
     finally:
         engine.close()
+
+
+def test_metrics_show_the_window_pool_by_state(saved, tokenizer) -> None:
+    from dataclasses import replace
+
+    from kvhive.server.metrics_collectors import EngineStatsCollector
+
+    _, path, reference = saved["gemma2"]
+    engine = _engine(load_model(path), tokenizer)
+    try:
+        assert _generate(engine, "r", PROMPT)[0].matches(reference)
+        stats = engine.stats()
+        assert stats.window_pool == engine.scheduler.kv.window.stats()
+
+        def states(s) -> dict[str, float]:
+            families = {m.name: m for m in EngineStatsCollector(lambda: s, "tiny").collect()}
+            found = families.get("kvhive_window_kv_blocks")
+            return {} if found is None else {x.labels["state"]: x.value for x in found.samples}
+
+        window = states(stats)
+        assert set(window) == {"free", "cached", "used"} and window["used"] == 0
+        assert sum(window.values()) == stats.window_pool.num_blocks and window["cached"] >= 4
+        assert states(replace(stats, window_pool=None)) == {}      # one pool: no window family
+    finally:
+        engine.close()
