@@ -270,6 +270,38 @@ def render_soak(name: str, record: dict) -> list[str]:
     return [*lines, ""]
 
 
+def render_pd(name: str, record: dict) -> list[str]:
+    """Per chunk budget: running decodes' inter-token gaps and new prompts' TTFT per arm, the
+    ratios, and the transfer rate against a loopback bound."""
+    cfg, first = record["config"], record["runs"][0]["arms"]["pd"]
+    lines = [f"{record['dtype']}; {cfg['rounds']} paired rounds per arm; {cfg['decoders']} clients streaming "
+             f"{cfg['decode_tokens']}-token decodes back to back while {cfg['long_prompts']} new "
+             f"{first['prompt_tokens']:,.0f}-token prompts per round arrive {cfg['interval']:g} s apart "
+             f"({cfg['long_max_tokens']} tokens each).", "",
+             "| `--max-num-batched-tokens` | arm | ITL p50 / p99 / p99.9 / max (ms) | TTFT p50 / p90 (ms) | gaps |",
+             "| ---: | --- | --- | --- | ---: |"]
+    for run in record["runs"]:
+        for arm, a in run["arms"].items():
+            itl, ttft = a["itl_ms"], a["ttft_ms"]
+            lines.append(f"| {run['max_num_batched_tokens']:,} | {arm} | {itl['p50']:,.0f} / {itl['p99']:,.0f} / "
+                         f"{itl['p99.9']:,.0f} / {itl['max']:,.0f} | {ttft['p50']:,.0f} / {ttft['p90']:,.0f} | "
+                         f"{a['num_gaps']:,} |")
+    lines.append("")
+    for run in record["runs"]:
+        r, t = run["ratios"], run["transfer"]
+        loop, load = t.get("loopback", {}), run["load_average_1m"]
+        lines += [f"- budget {run['max_num_batched_tokens']:,} (load average {load['start']} to {load['end']}): "
+                  f"PD / colocated ITL p99 **{r['itl_p99']:.2f}x** (target ≤ 0.5x: {met(r['itl_p99'] <= 0.5)}), "
+                  f"p99.9 {r['itl_p99.9']:.2f}x; TTFT p50 **{r['ttft_p50']:.2f}x** (target ≤ 1.3x: "
+                  f"{met(r['ttft_p50'] <= 1.3)}), p90 {r['ttft_p90']:.2f}x; median of the rounds' paired ratios: ITL "
+                  f"p99 {run['paired_medians']['itl_p99']:.2f}x, TTFT {run['paired_medians']['ttft_p50']:.2f}x. Transfer: {t['bytes_per_prompt'] / 1e6:.0f} MB "
+                  f"per prompt in {t['frame_bytes'] / 1e6:.2f} MB layer frames, sent at {t['send_gb_s']:.2f} GB/s "
+                  f"while sending, landed in the decode pool at {t['decode_load_gb_s']:.2f} GB/s "
+                  f"({t['decode_load_ms_per_prompt']:.0f} ms per prompt); a plain loopback TCP copy of the same bytes "
+                  f"{loop.get('tcp_gb_s', float('nan')):.2f} GB/s, memcpy {loop.get('memcpy_gb_s', float('nan')):.1f} GB/s."]
+    return [*lines, ""]
+
+
 def goal_words(goals: str) -> tuple[str, ...]:
     """multiturn_vs_vllm's targets as sentences: 'warm TTFT turns 2-4 <= 0.7x vLLM'."""
     return tuple(f"{label.replace(' (ms)', '')} {op.replace('<=', '≤').replace('>=', '≥')} {goal}x vLLM's"
@@ -332,6 +364,13 @@ SECTIONS = (
                         "gateway overhead p50 < 2 ms per request"),
             ("router_sim.json", "router_lookup.json", "router_real.json", "vllm_replica_routing.json"),
             lambda name, record: RENDER_ROUTER[name](name, record), ("router_sim.png",)),
+    Section("pd", "Disaggregated prefill and decode", "bench/pd_vs_colocated.py",
+            "One prefill and one decode instance behind `kvhive gateway --prefill .. --decode ..` against two "
+            "colocated replicas behind `kvhive gateway --replica .. --replica ..`, one core and one thread per "
+            "instance, in paired rounds: the inter-token gaps of running decodes and the TTFT of new long "
+            "prompts arriving among them, and the KV transfer's throughput against a loopback bound.",
+            ("running decodes' p99 inter-token latency ≤ 0.5x colocated", "new prompts' TTFT ≤ 1.3x colocated"),
+            ("pd_vs_colocated.json",), render_pd),
     Section("soak", "Soak", "bench/soak.py",
             "Mixed traffic from several clients for minutes (shared-prefix chats, sessions, `conversation_id` "
             "chats, dropped streams, `/v1/responses` chains), with Redis as the KV tier and session store, "
