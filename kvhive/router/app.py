@@ -61,6 +61,7 @@ class GatewayRoutes:
         app.add_api_route("/v1/models", self.list_models, methods=["GET"], response_model=None)
         for path in ("/tokenize", "/detokenize"):
             app.add_api_route(path, self.tokenize, methods=["POST"], response_model=None)
+        app.add_api_route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"], response_model=None)
         for path in _ROUTED_PATHS:
             app.router.add_route(path, self.routed, methods=["POST"], include_in_schema=False)
         # The hot path: these POSTs skip the router and the middleware below this one.
@@ -90,6 +91,24 @@ class GatewayRoutes:
     async def list_models(self, request: Request) -> Response:
         """The models of every healthy replica, each id once."""
         return _merge_lists(await self.gateway.fan_out(request, "/v1/models"), key="id")
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """``POST /reset_prefix_cache`` (vLLM's query parameters passed on) on every healthy
+        replica: each one's answer by replica URL; a replica's refusal of the request (4xx) is the
+        answer, and 502 names the replicas that failed or could not be reached. The replicas' KV events then
+        tell this gateway's index what they dropped."""
+        asked = {r.name for r in self.replica_set.healthy()}
+        answers = await self.gateway.fan_out(request, "/reset_prefix_cache", method="POST", timeout_s=60.0)
+        if not answers:
+            return openai_error(503, "No replica could be reached", code="no_replica")
+        refused = next((a for a in answers if 400 <= a[1] < 500), None)
+        if refused is not None:
+            raw = json.dumps(refused[2]).encode() if refused[2] is not None else b""
+            return JSONResponse(status_code=refused[1], content=as_openai_error(refused[1], raw))
+        failed = sorted({r.name for r, status, _ in answers if status >= 400} | (asked - {r.name for r, _, _ in answers}))
+        if failed:
+            return openai_error(502, f"the reset failed on {', '.join(failed)}", code="bad_gateway")
+        return JSONResponse({"replicas": {r.name: body for r, _, body in answers}})
 
     async def tokenize(self, request: Request) -> Response:
         """/tokenize and /detokenize, answered with the gateway's own tokenizer."""

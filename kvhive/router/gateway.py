@@ -182,14 +182,16 @@ class Gateway:
             return openai_error(503, "No replica could be reached", code="no_replica")
         return openai_error(502, f"no replica answered: {failure}", code="bad_gateway")
 
-    async def fan_out(self, request: Request, path: str) -> list[tuple[Replica, int, Any]]:
-        """GET ``path`` on every healthy replica: (replica, status, parsed JSON or None) for each answer."""
+    async def fan_out(self, request: Request, path: str, method: str = "GET",
+                      timeout_s: float = 10.0) -> list[tuple[Replica, int, Any]]:
+        """``method`` ``path`` (no body, the request's query) on every healthy replica: (replica,
+        status, parsed JSON or None) for each answer."""
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "accept")}
 
         async def get(replica: Replica) -> tuple[Replica, int, Any] | None:
             try:
-                response = await self.client.get(replica.name + path, headers=headers,
-                                                  params=request.url.query or None, timeout=10.0)
+                response = await self.client.request(method, replica.name + path, headers=headers,
+                                                      params=request.url.query or None, timeout=timeout_s)
             except httpx.HTTPError:
                 return None
             try:

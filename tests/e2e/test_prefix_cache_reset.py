@@ -142,6 +142,16 @@ def test_a_reset_replica_restates_what_it_holds_and_the_gateway_routes_by_it() -
 
             again = complete(cluster.gateway_url, prompt)
             assert again.headers["x-kvhive-route-reason"] == "load" and cached(again) == 0
+
+            # Through the gateway: passed on to every replica, its refusals answered as they are.
+            assert_error(httpx.post(f"{cluster.gateway_url}/reset_prefix_cache?reset_external=maybe", timeout=60),
+                         400, param="reset_external")
+            assert cached(complete(cluster.gateway_url, prompt)) > 0
+            r = httpx.post(f"{cluster.gateway_url}/reset_prefix_cache?reset_external=true", timeout=60)
+            assert r.status_code == 200, r.text
+            assert list(r.json()["replicas"]) == [replica.url]
+            assert r.json()["replicas"][replica.url]["dropped_blocks"]["cpu"] > 0
+            assert cached(complete(replica.url, prompt)) == 0
             turn = complete(replica.url, session_prompt + " And then the story goes on.", headers=session)
             assert cached(turn) >= 16 * 3
         finally:
