@@ -22,6 +22,7 @@ class CachedBlock(NamedTuple):
 
     block_id: int
     block_hash: bytes
+    window_block_id: int | None = None      # its window part's block in the window pool; None: one pool
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ class LoadSpec:
     block_ids: tuple[int, ...]
     keys: tuple[StoreKey, ...]
     payloads: tuple[Any, ...] | None = None
+    # With a window pool: per block, the window-pool block that receives its window layers
+    # (0: none, no row after the load sees them); None: one pool.
+    window_block_ids: tuple[int, ...] | None = None
 
     @property
     def is_async(self) -> bool:
@@ -88,6 +92,7 @@ class ConnectorMeta:
     """One step's transfers: blocks to snapshot and save, blocks to load, loads to cut short."""
 
     saves: tuple[tuple[int, StoreKey], ...] = ()     # (device block id, key)
+    save_window_ids: tuple[int, ...] = ()             # with a window pool: each save's window block
     loads: tuple[LoadSpec, ...] = ()
     # Requests whose asynchronous loads are no longer wanted: the worker stops each at its next
     # block and reports it in ``get_finished`` as usual (the blocks loaded so far).
@@ -123,9 +128,11 @@ class ConnectorScheduler(Protocol):
         """
         ...
 
-    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int,
+                                 window_block_ids: Sequence[int] | None = None) -> None:
         """Record that ``block_ids`` (the request's blocks after its device hits) will receive
-        ``num_external_tokens`` tokens from the store, and forget the lookup; 0 drops it unused."""
+        ``num_external_tokens`` tokens from the store, and forget the lookup; 0 drops it unused.
+        ``window_block_ids``: with a window pool, the blocks' window entries (0: not loaded)."""
         ...
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMeta:
@@ -143,6 +150,11 @@ class ConnectorWorker(Protocol):
 
     def register_kv_caches(self, kv_cache: Any) -> None:
         """Remember the pool tensor ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``."""
+        ...
+
+    def register_window_cache(self, window_cache: Any, window_layers: tuple[bool, ...]) -> None:
+        """Remember the window layers' own pool (``window_layers``: per layer, True where it lives
+        there); the main pool then holds the other layers. A block still moves as every layer."""
         ...
 
     def start_load_kv(self, meta: ConnectorMeta) -> None:

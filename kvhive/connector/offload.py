@@ -40,7 +40,8 @@ from kvhive.store.memory import MemoryStore
 from kvhive.store.tiered import TieredStore
 
 logger = logging.getLogger(__name__)
-# Version of the pool block layout [num_layers, 2, block_size, kv_heads, head_dim] in store keys.
+# Version, in store keys, of a store object's layout: one block of every layer in layer order,
+# [num_layers, 2, block_size, kv_heads, head_dim], whether the engine keeps one pool or two.
 KV_LAYOUT_VERSION = 1
 
 
@@ -110,8 +111,10 @@ class OffloadScheduler:
         match = lookup.match
         return len(match.keys) * B, match.payloads is None and bool(match.keys)
 
-    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        """Turn the request's kept match into a LoadSpec for ``block_ids``; count the lookup."""
+    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int,
+                                 window_block_ids: Sequence[int] | None = None) -> None:
+        """Turn the request's kept match into a LoadSpec for ``block_ids`` (and their window
+        entries, with a window pool); count the lookup."""
         lookup = self._forget(request.request_id)
         if lookup is None or lookup.match is None:
             return
@@ -124,8 +127,9 @@ class OffloadScheduler:
             raise ValueError(f"request {request.request_id}: {len(block_ids)} blocks for "
                              f"{num_blocks} blocks of external KV")
         payloads = None if match.payloads is None else tuple(match.payloads[:num_blocks])
+        window = None if window_block_ids is None else tuple(window_block_ids)
         self._loads.append(LoadSpec(request.request_id, tuple(block_ids), tuple(match.keys[:num_blocks]),
-                                    payloads))
+                                    payloads, window))
         if payloads is None:
             self._stats.async_loads += 1
         else:
@@ -133,10 +137,13 @@ class OffloadScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMeta:
         """Loads recorded since the last call, and saves of the blocks the last steps computed."""
-        saves = tuple((b.block_id, self.key_space.key(b.block_hash)) for b in scheduler_output.newly_cached)
+        cached = scheduler_output.newly_cached
+        saves = tuple((b.block_id, self.key_space.key(b.block_hash)) for b in cached)
+        window = tuple(b.window_block_id for b in cached) if cached and cached[0].window_block_id is not None else ()
         self._stats.saved_blocks += len(saves)
         loads, self._loads = tuple(self._loads), []
-        return ConnectorMeta(saves=saves, loads=loads, cancelled_loads=scheduler_output.cancelled_loads)
+        return ConnectorMeta(saves=saves, save_window_ids=window, loads=loads,
+                             cancelled_loads=scheduler_output.cancelled_loads)
 
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> bool:
         """Forget the request's lookup and its payloads; False: saves snapshot blocks before any

@@ -14,7 +14,9 @@ Threads (none of them is the engine loop):
   A load cancelled by a later step (its request was aborted) ends at its next block the same way.
 
 Block bytes are the pool rows verbatim (no pickle, one copy each way), so a block of any dtype
-round-trips exactly.
+round-trips exactly. With a window pool a block's global layers come from the main pool and its
+window layers from the window pool, interleaved in layer order (``kvhive.connector.pool_blocks``):
+the objects are byte for byte those of a one-pool engine.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 import torch
 
 from kvhive.connector.base import ConnectorMeta, FinishedTransfers, LoadSpec
+from kvhive.connector.pool_blocks import PoolBlocks
 from kvhive.store.key import StoreKey
 from kvhive.store.tiered import TieredStore
 
@@ -45,7 +47,7 @@ class OffloadWorker:
                  num_fetch_threads: int = 2) -> None:
         self.store = store
         self.max_pending_save_bytes = max_pending_save_bytes
-        self._kv: torch.Tensor | None = None
+        self._blocks: PoolBlocks | None = None
         self._lock = threading.Lock()
         self._done_recving: dict[str, int] = {}
         self._fetching: set[str] = set()        # requests whose async load is queued or running
@@ -71,20 +73,22 @@ class OffloadWorker:
 
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
         """Remember the pool; a block is ``kv_cache[block_id]``, contiguous across all layers."""
-        if not kv_cache[0].is_contiguous():
-            raise ValueError("the KV pool must keep each block contiguous")
-        self._kv = kv_cache
+        self._blocks = PoolBlocks(kv_cache)
+
+    def register_window_cache(self, window_cache: torch.Tensor, window_layers: tuple[bool, ...]) -> None:
+        """Remember the window layers' pool: objects still hold every layer (``PoolBlocks``)."""
+        self._blocks.add_window_pool(window_cache, window_layers)
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one pool block (one store object's payload)."""
-        return self._kv[0].nbytes
+        """Bytes of one store object's payload (one block of every layer)."""
+        return self._blocks.block_bytes
 
     def start_load_kv(self, meta: ConnectorMeta) -> None:
         """Snapshot this step's saves first, then start its loads (sync: layer by layer; async: fetch)."""
         self._finish_layer_load()
         if meta.saves:
-            self._snapshot(meta.saves)
+            self._snapshot(meta.saves, meta.save_window_ids)
         with self._lock:      # cancels name loads of earlier steps: apply them before new loads
             self._cancelled.update(self._fetching.intersection(meta.cancelled_loads))
             self._fetching.update(spec.request_id for spec in meta.loads if spec.is_async)
@@ -93,7 +97,7 @@ class OffloadWorker:
             if spec.is_async:
                 self._fetchers.submit(self._fetch, spec)
         if sync:
-            events = [threading.Event() for _ in range(self._kv.shape[1])]
+            events = [threading.Event() for _ in range(self._blocks.num_layers)]
             self._layer_events = events
             self._layer_load = self._layer_loader.submit(self._copy_layers, sync, events)
 
@@ -137,8 +141,9 @@ class OffloadWorker:
 
     # ------------------------------------------------------------------ saves
 
-    def _snapshot(self, saves: Sequence[tuple[int, StoreKey]]) -> None:
-        """Copy the saved blocks out of the pool (one op) and queue them for the writer."""
+    def _snapshot(self, saves: Sequence[tuple[int, StoreKey]], window_ids: Sequence[int]) -> None:
+        """Copy the saved blocks out of the pool (with a window pool: their window parts from
+        ``window_ids``, interleaved in layer order) and queue them for the writer."""
         nbytes = len(saves) * self.block_bytes
         with self._lock:
             if self._pending_save_bytes + nbytes > self.max_pending_save_bytes:
@@ -149,9 +154,8 @@ class OffloadWorker:
             self._pending_save_bytes += nbytes
             for _, key in saves:
                 self._unsaved[key] = self._unsaved.get(key, 0) + 1
-        ids = torch.tensor([block_id for block_id, _ in saves], device=self._kv.device)
         with torch.inference_mode():
-            snapshot = self._kv.index_select(0, ids).cpu()
+            snapshot = self._blocks.gather([block_id for block_id, _ in saves], window_ids).cpu()
         self._saves.put(([key for _, key in saves], snapshot))
 
     def _write_loop(self) -> None:
@@ -195,20 +199,19 @@ class OffloadWorker:
 
     def _copy_layers(self, specs: list[LoadSpec], events: list[threading.Event]) -> None:
         """Stage every payload once, then copy one layer of all blocks at a time."""
-        kv = self._kv
+        pools, kv = self._blocks, self._blocks.kv
         try:
             payloads = [p for spec in specs for p in spec.payloads]
-            ids = torch.tensor([b for spec in specs for b in spec.block_ids], device=kv.device)
+            targets = pools.load_targets([b for spec in specs for b in spec.block_ids], _window_ids(specs))
             staging = torch.empty((len(payloads), self.block_bytes), dtype=torch.uint8,
                                   pin_memory=kv.is_cuda)
             rows = staging.numpy()
             for i, payload in enumerate(payloads):
                 rows[i] = np.frombuffer(payload, dtype=np.uint8)
-            blocks = staging.view(kv.dtype).view(len(payloads), *kv.shape[1:])
+            blocks = staging.view(kv.dtype).view(len(payloads), pools.num_layers, *kv.shape[2:])
             with torch.inference_mode():
                 for layer, event in enumerate(events):
-                    src = blocks[:, layer].to(kv.device, non_blocking=True)
-                    kv[:, layer].index_copy_(0, ids, src)
+                    pools.copy_layer(layer, blocks[:, layer].to(kv.device, non_blocking=True), targets)
                     if kv.is_cuda:
                         torch.cuda.current_stream(kv.device).synchronize()
                     event.set()
@@ -228,14 +231,15 @@ class OffloadWorker:
         cancelled = False
         start = time.perf_counter()
         try:
-            for block_id, key in zip(spec.block_ids, spec.keys, strict=True):
+            window_ids = spec.window_block_ids or (0,) * len(spec.block_ids)
+            for block_id, window_id, key in zip(spec.block_ids, window_ids, spec.keys, strict=True):
                 if spec.request_id in self._cancelled:
                     cancelled = True
                     break
                 payload = self.store.get(key)
                 if payload is None or memoryview(payload).nbytes != self.block_bytes:
                     break
-                self._write_block(block_id, payload)
+                self._blocks.write_block(block_id, window_id, payload)
                 num_loaded += 1
         except Exception:  # noqa: BLE001 - a failed load is a partial hit, never a dead engine
             logger.exception("KV fetch for request %s failed after %d blocks", spec.request_id, num_loaded)
@@ -254,12 +258,9 @@ class OffloadWorker:
             self.async_load_count += 1
             self._done_recving[spec.request_id] = num_loaded
 
-    def _write_block(self, block_id: int, payload: Any) -> None:
-        """Copy one payload into pool block ``block_id`` (all layers at once)."""
-        dst = self._kv[block_id].view(-1).view(torch.uint8)
-        src = np.frombuffer(payload, dtype=np.uint8)
-        if dst.is_cuda:
-            with torch.inference_mode():
-                dst.copy_(torch.from_numpy(src.copy()))
-        else:
-            dst.numpy()[:] = src
+
+def _window_ids(specs: Sequence[LoadSpec]) -> list[int] | None:
+    """The loads' window entries in block order; None when they have none (one pool)."""
+    if all(spec.window_block_ids is None for spec in specs):
+        return None
+    return [w for spec in specs for w in spec.window_block_ids or (0,) * len(spec.block_ids)]

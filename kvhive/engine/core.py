@@ -118,8 +118,8 @@ class LLMEngine:
             tokenizer = Tokenizer.from_model_path(config.model_path)
         self.tokenizer = tokenizer
         # From here on the config's model-dependent values (pool size, context length) are fixed.
-        has_connector = config.store.enabled or store is not None or config.kv_transfer.disaggregated
-        config = fit_kv_budget(config, loaded.config, has_connector)
+        # Disaggregated serving sends whole pool blocks: it keeps every layer in one pool.
+        config = fit_kv_budget(config, loaded.config, one_pool=config.kv_transfer.disaggregated)
         self.config = config = config.resolved(loaded.config, external_store=store is not None)
         self.model_config = loaded.config
         self.fingerprint = loaded.fingerprint
@@ -176,7 +176,7 @@ class LLMEngine:
                              device=config.device, native_attention=config.native_attention,
                              connector=self.worker_half, cuda_graphs=not config.enforce_eager,
                              max_num_seqs=config.scheduler.max_num_seqs, isa=self.isa,
-                             window=window_layout_for(loaded.config, config, self.worker_half is not None))
+                             window=window_layout_for(loaded.config, config, config.kv_transfer.disaggregated))
         logger.info("KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB %s on %s) in %.1f s", self.num_blocks,
                     config.cache.block_size, self.num_blocks * config.cache.block_size, runner.pool_bytes() / 2**30,
                     config.dtype, config.device, time.perf_counter() - started)

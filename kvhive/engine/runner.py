@@ -90,8 +90,6 @@ class ModelRunner:
             raise ValueError(f"the model holds {model.dtype} weights but the runner was asked for {self.dtype}")
         c = model_config
         self.window = window
-        if window is not None and connector is not None:
-            raise ValueError("a KV connector moves whole blocks of every layer: no window pool with one")
         num_layers = c.num_layers - (window.num_window_layers if window is not None else 0)
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]; a block is contiguous.
         self.kv_cache = torch.zeros(num_blocks, num_layers, 2, block_size, c.num_kv_heads, c.head_dim,
@@ -105,6 +103,8 @@ class ModelRunner:
         self.connector = connector
         if connector is not None:
             connector.register_kv_caches(self.kv_cache)
+            if self.window_cache is not None:
+                connector.register_window_cache(self.window_cache, window.window_layers)
         # Seeded requests keep their generator until they appear in finished_request_ids.
         self._generators: dict[str, torch.Generator] = {}
         # Attention straight from the pool on CPU (C++ kernels built for the ISA level ``isa``); None:

@@ -150,12 +150,15 @@ class KVCacheManager:
         return ComputedBlocks(hits, len(hits) * self.block_size)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Sequence[KVBlock] = ()) -> bool:
+                       new_computed_blocks: Sequence[KVBlock] = (), num_loaded_tokens: int = 0) -> bool:
         """Give the request blocks for ``num_new_tokens`` more tokens; False (nothing changed) if short.
 
         ``new_computed_blocks`` (admission only) are prefix hits not yet counted in
         ``request.num_computed_tokens``; they are referenced and put first in the block table.
         Room is needed for request.num_computed_tokens + hits + num_new_tokens tokens.
+        ``num_loaded_tokens`` (admission only, whole blocks, part of ``num_new_tokens``): the first
+        new tokens, which a KV connector loads; their window entries are null where no row after
+        them sees them.
         """
         rid = request.request_id
         blocks = self._blocks.get(rid)
@@ -169,8 +172,10 @@ class KVCacheManager:
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_revived:
             return False
+        num_loaded = num_loaded_tokens // self.block_size
         if self.window is not None and not self.window.can_grow(
-                rid, [b.block_hash for b in new_computed_blocks], num_held + num_hits + max(num_new_blocks, 0)):
+                rid, [b.block_hash for b in new_computed_blocks], num_held + num_hits + max(num_new_blocks, 0),
+                num_loaded):
             return False
         if blocks is None:
             blocks = self._blocks[rid] = []
@@ -191,7 +196,7 @@ class KVCacheManager:
             # Copy on growth only (a C-level concat); plans already handed out keep their lists.
             self._block_ids[rid] = self._block_ids.get(rid, []) + [b.block_id for b in added]
         if self.window is not None:
-            self.window.grow(rid, [b.block_hash for b in new_computed_blocks], len(blocks))
+            self.window.grow(rid, [b.block_hash for b in new_computed_blocks], len(blocks), num_loaded)
         return True
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> list[int]:
@@ -238,6 +243,10 @@ class KVCacheManager:
     def slide_window(self, request: Request) -> int:
         """Release the window blocks no row of the request still to compute can see; returns how many."""
         return 0 if self.window is None else self.window.slide(request.request_id, request.num_computed_tokens)
+
+    def has_window_context(self, request: Request, next_pos: int) -> bool:
+        """Whether the request holds the window parts a row at ``next_pos`` sees (always without a window pool)."""
+        return self.window is None or self.window.has_context(request.request_id, next_pos)
 
     def reset_prefix_cache(self, requests: Mapping[str, Request]) -> DeviceReset:
         """Forget every cached block nobody holds; list the blocks held by ``requests`` (every

@@ -63,23 +63,23 @@ def window_layout(window_layers: Sequence[bool], window: int | None, block_size:
     return WindowLayout(flags, window, max(2, min(num_blocks, 2 * need)))
 
 
-def window_layout_for(model: ModelConfig, config: EngineConfig, has_connector: bool) -> WindowLayout | None:
-    """The engine's window layout for ``model``; None for a model without window layers, or with a
-    KV connector (tiers, disaggregation), whose objects are whole blocks of every layer."""
+def window_layout_for(model: ModelConfig, config: EngineConfig, one_pool: bool) -> WindowLayout | None:
+    """The engine's window layout for ``model``; None for a model without window layers, or when
+    ``one_pool`` (a disaggregating connector, which sends whole pool blocks of every layer)."""
     spec = model.gemma
-    if spec is None or has_connector:
+    if spec is None or one_pool:
         return None
     sched = config.scheduler
     return window_layout(spec.window_layers, spec.sliding_window, config.cache.block_size, config.cache.num_blocks,
                          sched.max_num_seqs, sched.max_num_batched_tokens)
 
 
-def fit_kv_budget(config: EngineConfig, model: ModelConfig, has_connector: bool) -> EngineConfig:
+def fit_kv_budget(config: EngineConfig, model: ModelConfig, one_pool: bool) -> EngineConfig:
     """``config`` with ``cache.num_blocks`` set so that the main pool (global layers only) and the
     window pool together fill ``kv_cache_gb``: the bytes the window layers do not keep become
-    more main blocks. Unchanged for a model without window layers, a KV connector, or an explicit
+    more main blocks. Unchanged for a model without window layers, ``one_pool``, or an explicit
     ``num_blocks``."""
-    if config.cache.num_blocks is not None or has_connector or model.gemma is None:
+    if config.cache.num_blocks is not None or one_pool or model.gemma is None:
         return config
     full = config.kv_bytes_per_block(model)
     budget_blocks = config.cache.resolve_num_blocks(full)
@@ -123,25 +123,27 @@ class WindowGroup:
             j = missing             # every point between needs block ``missing`` too
         return 0
 
-    def can_grow(self, owner: Hashable, hit_hashes: Sequence[bytes], num_blocks: int) -> bool:
+    def can_grow(self, owner: Hashable, hit_hashes: Sequence[bytes], num_blocks: int, num_loaded: int = 0) -> bool:
         """Whether ``grow`` can succeed: every needed hit's window part present, and room for the rest."""
         held = len(self._tables.get(owner, ()))
-        first = self.first_needed((held + len(hit_hashes)) * self.block_size) if hit_hashes else held
+        start = held + len(hit_hashes)
+        first = self._first_at_admission(held, len(hit_hashes), num_loaded)
         revived = 0
         for h in hit_hashes[max(0, first - held):]:
             block = self.pool.get_cached_block(h)
             if block is None:
                 return False
             revived += block.ref_cnt == 0
-        return num_blocks - held - len(hit_hashes) <= self.pool.num_free_blocks - revived
+        return num_blocks - max(start, first) <= self.pool.num_free_blocks - revived
 
-    def grow(self, owner: Hashable, hit_hashes: Sequence[bytes], num_blocks: int) -> None:
+    def grow(self, owner: Hashable, hit_hashes: Sequence[bytes], num_blocks: int, num_loaded: int = 0) -> None:
         """Extend the owner's table to ``num_blocks`` entries: hits (their window parts where still
-        seen, else null), then new blocks. Call only after ``can_grow`` said yes."""
+        seen, else null), then ``num_loaded`` blocks a KV connector loads (a window block where a
+        row after them sees it, else null), then new blocks. Call only after ``can_grow`` said yes."""
         table = self._tables.setdefault(owner, [])
         held = len(table)
-        if hit_hashes:
-            first = self.first_needed((held + len(hit_hashes)) * self.block_size)
+        if hit_hashes or num_loaded:
+            first = self._first_at_admission(held, len(hit_hashes), num_loaded)
             for i, h in enumerate(hit_hashes, start=held):
                 if i < first:
                     table.append(self.pool.null_block)
@@ -149,11 +151,25 @@ class WindowGroup:
                     block = self.pool.get_cached_block(h)
                     self.pool.touch([block])
                     table.append(block)
+            table.extend([self.pool.null_block] * max(0, first - len(table)))
             self._released[owner] = max(self._released.get(owner, 0), first)
         if num_blocks > len(table):
             table.extend(self.pool.get_new_blocks(num_blocks - len(table)))
         if len(table) != held or owner not in self._ids:
             self._ids[owner] = [b.block_id for b in table]
+
+    def _first_at_admission(self, held: int, num_hits: int, num_loaded: int) -> int:
+        """The first entry a row after ``num_hits`` hits and ``num_loaded`` loaded blocks sees
+        (``held`` without either: every new entry is needed)."""
+        if not (num_hits or num_loaded):
+            return held
+        return self.first_needed((held + num_hits + num_loaded) * self.block_size)
+
+    def has_context(self, owner: Hashable, next_pos: int) -> bool:
+        """Whether the owner holds the window parts a row at ``next_pos`` sees (no null entry among them)."""
+        table = self._tables.get(owner, ())
+        needed = table[self.first_needed(next_pos):-(-next_pos // self.block_size)]
+        return all(b.block_id != NULL_BLOCK_ID for b in needed)
 
     def room_to_resume(self, owner: Hashable, keep: int, num_blocks: int) -> bool:
         """Whether the owner's table, cut to ``keep`` entries, can grow to ``num_blocks``."""

@@ -1,5 +1,6 @@
 """Gemma's window layers in a pool of their own: blocks released while a request runs, prefix hits
-shortened to where the window parts are kept, sessions, and the tiers (whole blocks of every layer).
+shortened to where the window parts are kept, sessions, and the tiers (objects hold every layer, as
+a one-pool engine writes them).
 
 Tiny random Gemma 2 (window and global layers alternate) and Gemma 3 (five window layers to one
 global) checkpoints with an 8-key window and 16-token blocks, against transformers' greedy tokens.
@@ -70,22 +71,15 @@ def _hf_greedy(model: torch.nn.Module, prompt: list[int]) -> Greedy:
 
 def _generate(engine: LLMEngine, rid: str, prompt: list[int], session_id: str | None = None) -> tuple[Greedy, int]:
     """Run one request to the end: its greedy tokens and logprobs, and its cached tokens."""
-    engine.add_request(rid, prompt, GREEDY, session_id=session_id)
-    tokens, logprobs, cached = [], [], -1
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens += out.new_token_ids
-            logprobs += [lp.logprob for lp in out.logprobs or ()]
-            if out.finished:
-                cached = out.num_cached_tokens
-    return Greedy(tokens, logprobs), cached
+    out, cached, _ = _generate_watching_window(engine, rid, prompt, session_id)
+    return out, cached
 
 
 def _engine(loaded: LoadedModel, tokenizer, num_blocks: int = 24, store: StoreConfig | None = None,
-            chunk: int = 16) -> LLMEngine:
+            chunk: int = 16, **extra) -> LLMEngine:
     config = EngineConfig(model_path="tiny", cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
                           scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=chunk, max_model_len=512),
-                          store=store or StoreConfig())
+                          store=store or StoreConfig(), **extra)
     return LLMEngine(config, loaded=loaded, tokenizer=tokenizer)
 
 
@@ -207,30 +201,141 @@ def test_session_second_turn_resumes_its_window(saved, tokenizer, family: str) -
         engine.close()
 
 
+def _generate_watching_window(engine: LLMEngine, rid: str, prompt: list[int],
+                              session_id: str | None = None) -> tuple[Greedy, int, int]:
+    """``_generate``, and the most window entries the request had released at once."""
+    engine.add_request(rid, prompt, GREEDY, session_id=session_id)
+    tokens, logprobs, cached, released = [], [], -1, 0
+    kv = engine.scheduler.kv
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            logprobs += [lp.logprob for lp in out.logprobs or ()]
+            if out.finished:
+                cached = out.num_cached_tokens
+        request = engine.scheduler.get_request(rid)
+        if request is not None and kv.get_window_table(request) is not None:
+            released = max(released, kv.get_window_table(request).count(NULL_BLOCK_ID))
+    return Greedy(tokens, logprobs), cached, released
+
+
+def _flood(engine: LLMEngine) -> None:
+    """Run other prompts through a small pool until PROMPT's blocks are gone from the device."""
+    engine.connector_worker.wait_for_save()
+    run(engine, {f"flood{i}": prompt_ids(70, seed=20 + i) for i in range(2)},
+        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.connector_worker.wait_for_save()
+
+
 @pytest.mark.parametrize("family", GEMMAS)
-def test_tiers_keep_every_layer_and_restore_exactly(saved, tokenizer, tmp_path, family: str) -> None:
-    """With a KV tier the window layers stay in the one pool: tier objects are whole blocks of every
-    layer, so a block restored from the CPU tier or (after a restart) the disk tier lacks nothing."""
+def test_tiers_keep_the_window_pool_and_restore_exactly(saved, tokenizer, tmp_path, family: str) -> None:
+    """With a CPU and a disk tier the window layers keep their own pool and release blocks while
+    a request runs; tier objects hold every layer, so a block restored from the CPU tier or
+    (after a restart) the disk tier gives transformers' tokens and logprobs."""
     _, path, reference = saved[family]
     loaded = load_model(path)
     store = StoreConfig(cpu_offload_gb=0.01, disk_cache_dir=str(tmp_path))
     engine = _engine(loaded, tokenizer, num_blocks=8, store=store, chunk=64)
     try:
-        assert engine.runner.window is None and engine.scheduler.kv.window is None
-        cold, _ = _generate(engine, "cold", PROMPT)
-        engine.connector_worker.wait_for_save()
-        run(engine, {f"flood{i}": prompt_ids(70, seed=20 + i) for i in range(2)},
-            SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-        engine.connector_worker.wait_for_save()
-        restored, cached = _generate(engine, "restored", PROMPT)
-        assert cold.matches(reference) and restored.matches(reference) and cached == 64
+        assert engine.runner.window is not None and engine.scheduler.kv.window is not None
+        cold, _, released = _generate_watching_window(engine, "cold", PROMPT)
+        assert cold.matches(reference) and released >= 5
+        _flood(engine)
+        assert not any(h in engine.scheduler.kv.pool.cached for h in _chain(engine))
+        restored, cached, _ = _generate_watching_window(engine, "restored", PROMPT)
+        assert restored.matches(reference) and cached == 64
         assert {t.name: t.hit_tokens for t in engine.stats().tiers}["cpu"] >= 16
+        engine.scheduler.kv.window.pool.check_integrity()
     finally:
         engine.close()
     engine = _engine(loaded, tokenizer, num_blocks=8, store=StoreConfig(disk_cache_dir=str(tmp_path)), chunk=64)
     try:
-        from_disk, cached = _generate(engine, "disk", PROMPT)
-        assert from_disk.matches(reference) and cached == 64
+        assert engine.runner.window is not None
+        from_disk, cached, released = _generate_watching_window(engine, "disk", PROMPT)
+        assert from_disk.matches(reference) and cached == 64 and released >= 5
+        assert engine.stats().connector.async_loads >= 1
+    finally:
+        engine.close()
+
+
+def test_a_session_restored_from_the_cpu_tier(saved, tokenizer) -> None:
+    """A session's second turn after its blocks left the device: restored from the CPU tier."""
+    model, path, reference = saved["gemma3_text"]
+    engine = _engine(load_model(path), tokenizer, num_blocks=12, store=StoreConfig(cpu_offload_gb=0.01), chunk=64)
+    try:
+        first, _ = _generate(engine, "t1", PROMPT, session_id="chat")
+        assert first.matches(reference)
+        engine.scheduler.end_session("chat")
+        _flood(engine)
+        second_prompt = PROMPT + first.tokens + prompt_ids(9, seed=1)
+        second, cached = _generate(engine, "t2", second_prompt, session_id="chat")
+        assert cached == (len(PROMPT) + NEW_TOKENS - 1) // BLOCK * BLOCK
+        assert second.matches(_hf_greedy(model, second_prompt))
+    finally:
+        engine.close()
+
+
+def _cpu_payloads(engine: LLMEngine) -> list[bytes]:
+    """The CPU tier's objects for PROMPT's full blocks."""
+    engine.connector_worker.wait_for_save()
+    memory = engine.store.tiers[0].store
+    return [bytes(memory.get(key)) for key in engine.connector_scheduler.key_space.keys(_chain(engine))]
+
+
+@pytest.mark.parametrize("family", GEMMAS)
+def test_tier_objects_are_those_of_a_one_pool_engine(saved, tokenizer, monkeypatch, family: str) -> None:
+    """The two-pool engine writes each block as a one-pool engine does: every layer in layer order."""
+    import kvhive.engine.core as engine_core
+
+    _, path, reference = saved[family]
+    loaded = load_model(path)
+    store = StoreConfig(cpu_offload_gb=0.01)
+    payloads = {}
+    for pools in ("two", "one"):
+        if pools == "one":
+            monkeypatch.setattr(engine_core, "window_layout_for", lambda *args: None)
+        engine = _engine(loaded, tokenizer, num_blocks=8, store=store, chunk=64)
+        try:
+            assert (engine.runner.window is not None) == (pools == "two")
+            assert _generate(engine, "r", PROMPT)[0].matches(reference)
+            payloads[pools] = _cpu_payloads(engine)
+        finally:
+            engine.close()
+    assert len(payloads["two"]) == 4 and payloads["two"] == payloads["one"]
+
+
+def test_a_load_cut_short_restarts_and_computes(saved, tokenizer, tmp_path) -> None:
+    """A disk object that fails after the lookup: the load stops after block 0, whose window part
+    no row needs, so the request starts again and computes (greedy equal, no tier lookup)."""
+    _, path, reference = saved["gemma2"]
+    loaded = load_model(path)
+    engine = _engine(loaded, tokenizer, num_blocks=8, store=StoreConfig(disk_cache_dir=str(tmp_path)), chunk=64)
+    try:
+        assert _generate(engine, "cold", PROMPT)[0].matches(reference)
+        engine.connector_worker.wait_for_save()
+    finally:
+        engine.close()
+    engine = _engine(loaded, tokenizer, num_blocks=8, store=StoreConfig(disk_cache_dir=str(tmp_path)), chunk=64)
+    try:
+        bad = engine.connector_scheduler.key_space.key(_chain(engine)[1])
+        get = engine.store.get
+        engine.store.get = lambda key: None if key == bad else get(key)
+        out, cached = _generate(engine, "cut", PROMPT)
+        assert out.matches(reference) and cached == 0
+        assert engine.scheduler.num_preemptions == 1 and not engine.scheduler.transfers.skip_lookup
+    finally:
+        engine.close()
+
+
+def test_a_kv_role_keeps_one_pool(saved, tokenizer) -> None:
+    """Disaggregated serving sends whole pool blocks: a Gemma engine with a KV role keeps one pool."""
+    from kvhive.connector.disagg.config import KVTransferConfig
+
+    _, path, reference = saved["gemma2"]
+    engine = _engine(load_model(path), tokenizer, kv_transfer=KVTransferConfig(role="prefill", host="127.0.0.1"))
+    try:
+        assert engine.runner.window is None and engine.scheduler.kv.window is None
+        assert _generate(engine, "r", PROMPT)[0].matches(reference)
     finally:
         engine.close()
 

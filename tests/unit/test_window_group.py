@@ -112,15 +112,32 @@ def test_the_kv_budget_the_window_layers_leave_becomes_more_main_blocks() -> Non
     config = EngineConfig("m", cache=CacheConfig(block_size=16, kv_cache_gb=0.01),
                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256))
     one_pool = config.cache.resolve_num_blocks(config.kv_bytes_per_block(model))
-    fitted = fit_kv_budget(config, model, has_connector=False)
+    fitted = fit_kv_budget(config, model, one_pool=False)
     layout = window_layout_for(model, fitted, False)
     per_layer = config.kv_bytes_per_block(model) // model.num_layers
     used = fitted.cache.num_blocks * per_layer * 1 + layout.num_blocks * per_layer * 5
     assert fitted.cache.num_blocks > 4 * one_pool                   # one global layer in six keeps every block
     assert used <= 0.01 * 2**30 < used + per_layer                   # the budget is filled, not exceeded
     # One pool (a connector moves whole blocks), an explicit count, or no window layers: unchanged.
-    assert fit_kv_budget(config, model, has_connector=True) is config
+    assert fit_kv_budget(config, model, one_pool=True) is config
     explicit = EngineConfig("m", cache=CacheConfig(num_blocks=9))
-    assert fit_kv_budget(explicit, model, has_connector=False) is explicit
+    assert fit_kv_budget(explicit, model, one_pool=False) is explicit
     llama = replace(model, gemma=None)
-    assert fit_kv_budget(config, llama, has_connector=False) is config
+    assert fit_kv_budget(config, llama, one_pool=False) is config
+
+
+def test_loaded_blocks_get_window_blocks_only_where_a_later_row_sees_them() -> None:
+    """20 tokens loaded from a tier (5 blocks), 3 computed: a row at 20 sees 15..20, so only
+    blocks 3 and 4 (and the new one) take window blocks; resuming at 8 lacks its window."""
+    kv = KVCacheManager(B, 16, True, b"root" * 8, window=replace(LAYOUT, num_blocks=5))
+    r = _request("r", 23)
+    assert kv.allocate_slots(r, 23, (), num_loaded_tokens=20)         # 3 window blocks of 4 free
+    window = kv.get_window_table(r)
+    assert window[:3] == [NULL_BLOCK_ID] * 3 and NULL_BLOCK_ID not in window[3:]
+    assert kv.window.num_held("r") == 3 and len(kv.get_block_table(r)) == 6
+    assert kv.has_window_context(r, 20) and not kv.has_window_context(r, 8)
+    assert kv.slide_window(r) == 0                                    # nothing more to release yet
+    kv.free(r)
+    kv.window.pool.check_integrity()
+    assert not KVCacheManager(B, 16, True, b"root" * 8, window=replace(LAYOUT, num_blocks=3)).allocate_slots(
+        _request("s", 23), 23, (), num_loaded_tokens=20)              # 2 free: short of 3

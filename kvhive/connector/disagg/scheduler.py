@@ -55,8 +55,10 @@ class DisaggScheduler:
             return 0, False
         return self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        """Record a remote load, start tracking a prefill's sends, or hand over to the inner half."""
+    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int,
+                                 window_block_ids: Sequence[int] | None = None) -> None:
+        """Record a remote load, start tracking a prefill's sends, or hand over to the inner half
+        (disaggregation keeps one pool: ``window_block_ids`` is always None here)."""
         rid = request.request_id
         params = request.kv_transfer
         if self.role == "prefill" and params is not None and params.do_remote_decode and rid not in self._sending:
@@ -71,7 +73,7 @@ class DisaggScheduler:
                 self._count_reused(request, first)
             return
         if self.inner is not None:
-            self.inner.update_state_after_alloc(request, block_ids, num_external_tokens)
+            self.inner.update_state_after_alloc(request, block_ids, num_external_tokens, window_block_ids)
 
     def _count_reused(self, request: Any, num_hit_blocks: int) -> None:
         """Report as cached what either side reused: the longer of this side's device hits and

@@ -72,6 +72,10 @@ class DisaggWorker:
         if self.inner is not None:
             self.inner.register_kv_caches(kv_cache)
 
+    def register_window_cache(self, window_cache: torch.Tensor, window_layers: tuple[bool, ...]) -> None:
+        """Refused: a disaggregating engine keeps every layer in one pool (sends are whole blocks)."""
+        raise ValueError("disaggregated serving keeps every layer in one pool: no window pool")
+
     def start_load_kv(self, meta: ConnectorMeta) -> None:
         """Start the inner transfers, this step's remote loads, and note its sends."""
         if self.inner is not None:

@@ -162,7 +162,7 @@ class Admission:
         computed = hit.num_computed_tokens + num_external
         # An async load computes nothing until its blocks arrive; it takes no token budget.
         num_new = 0 if is_async else min(request.num_tokens - computed, budget.tokens)
-        if not self.kv.allocate_slots(request, num_external + num_new, hit.blocks):
+        if not self.kv.allocate_slots(request, num_external + num_new, hit.blocks, num_external):
             return self._spill_for(request)     # then look it up again: the spill may evict hits
         self.queues.start_head()
         self.transfers.after_alloc(request, len(hit.blocks), num_external)

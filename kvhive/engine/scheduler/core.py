@@ -125,8 +125,10 @@ class Scheduler:
         return bool(self.queues.waiting or self.queues.running or self.transfers.busy())
 
     def finish_kv_transfers(self, finished: FinishedTransfers) -> None:
-        """Apply finished connector transfers: loaded requests become runnable, held blocks are freed."""
-        self.transfers.finish(finished)
+        """Apply finished connector transfers: loaded requests become runnable, held blocks are
+        freed; a request a cut-short load left without its window context starts again."""
+        for request in self.transfers.finish(finished):
+            self.preemption.preempt(request)
 
     def schedule(self) -> StepPlan:
         """Pick this step's tokens: decodes, then running prefill chunks, then FCFS admissions."""
@@ -185,8 +187,8 @@ class Scheduler:
             reason = self._stop_reason(request, token)
         # Blocks filled by this step become shareable now, before the request ends.
         stored = self.kv.cache_full_blocks(request, request.num_computed_tokens)
+        self.transfers.note_computed(request, stored, seq.start_pos)     # before the window slides
         self.kv.slide_window(request)
-        self.transfers.note_computed(request, stored, seq.start_pos)
         return reason
 
     def _build_plan(self, planned: dict[str, int]) -> StepPlan:

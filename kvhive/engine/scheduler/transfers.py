@@ -24,6 +24,7 @@ from kvhive.connector.base import (
     SchedulerOutput,
 )
 from kvhive.kv.manager import KVCacheManager
+from kvhive.kv.pool import NULL_BLOCK_ID
 from kvhive.request import Request, RequestStatus
 
 
@@ -37,6 +38,9 @@ class KVTransfers:
         self.loading: dict[str, Request] = {}           # async load in flight
         self.sending: dict[str, Request] = {}           # finished; the connector still saves from them
         self.cancelled_loads: list[str] = []            # finished while loading, since the last plan
+        # Requests restarted after a load that left them without their window context: their next
+        # admission computes instead of asking the tiers again.
+        self.skip_lookup: set[str] = set()
         # The scheduler's unfinished requests by id (set by the scheduler): block tables for the meta.
         self._requests: Mapping[str, Request] | None = None
 
@@ -55,19 +59,25 @@ class KVTransfers:
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens the tiers hold after ``num_computed_tokens`` and whether loading them is async;
         None while the lookup still runs. Without a connector: (0, False)."""
-        if self.connector is None:
+        if self.connector is None or request.request_id in self.skip_lookup:
             return 0, False
         return self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def after_alloc(self, request: Request, first_block: int, num_external: int) -> None:
         """Tell the connector which blocks (from ``first_block``) receive the ``num_external`` tokens."""
+        self.skip_lookup.discard(request.request_id)
         if self.connector is not None:
-            table = self.kv.get_block_table(request)
-            blocks = table[first_block:first_block + num_external // self.kv.block_size]
-            self.connector.update_state_after_alloc(request, blocks, num_external)
+            end = first_block + num_external // self.kv.block_size
+            blocks = self.kv.get_block_table(request)[first_block:end]
+            window = self.kv.get_window_table(request)
+            if window is None:
+                self.connector.update_state_after_alloc(request, blocks, num_external)
+            else:
+                self.connector.update_state_after_alloc(request, blocks, num_external, window[first_block:end])
 
     def drop_lookup(self, request: Request) -> None:
         """Forget a lookup an earlier admission attempt kept (the request loads nothing)."""
+        self.skip_lookup.discard(request.request_id)
         if self.connector is not None:
             self.connector.update_state_after_alloc(request, (), 0)
 
@@ -83,7 +93,12 @@ class KVTransfers:
         if self.connector is None or not stored:
             return
         table, first = self.kv.get_block_table(request), start_pos // self.kv.block_size
-        self.newly_cached += [CachedBlock(table[i], request.block_hashes[i]) for i in stored if i >= first]
+        window = self.kv.get_window_table(request)
+        if window is None:
+            self.newly_cached += [CachedBlock(table[i], request.block_hashes[i]) for i in stored if i >= first]
+        else:   # read before the window slides: a block just computed still has its window part
+            self.newly_cached += [CachedBlock(table[i], request.block_hashes[i], window[i])
+                                  for i in stored if i >= first and window[i] != NULL_BLOCK_ID]
 
     def cancel_load(self, request: Request) -> bool:
         """For a request that just finished: True (its load is cut short, its blocks held until it
@@ -95,25 +110,32 @@ class KVTransfers:
 
     def park(self, request: Request) -> None:
         """Tell the connector a session request finished; its blocks stay allocated in the session."""
+        self.skip_lookup.discard(request.request_id)
         if self.connector is not None:
             self.connector.request_finished(request, ())
 
     def release(self, request: Request) -> None:
         """Free a finished request's blocks, unless the connector still saves from them."""
+        self.skip_lookup.discard(request.request_id)
         if self.connector is not None and self.connector.request_finished(
                 request, self.kv.get_block_table(request)):
             self.sending[request.request_id] = request
             return
         self.kv.free(request)
 
-    def finish(self, finished: FinishedTransfers) -> None:
-        """Apply finished transfers: loaded requests become RUNNING, held blocks are freed."""
+    def finish(self, finished: FinishedTransfers) -> list[Request]:
+        """Apply finished transfers: loaded requests become RUNNING, held blocks are freed.
+        Returns the requests to restart from their first token (see ``_finish_load``)."""
+        restart = []
         for request_id, num_loaded in finished.done_recving.items():
-            self._finish_load(self.loading.pop(request_id), num_loaded)
+            request = self.loading.pop(request_id)
+            if not self._finish_load(request, num_loaded):
+                restart.append(request)
         for request_id in finished.done_sending:
             request = self.sending.pop(request_id, None)
             if request is not None and request_id not in self.loading:
                 self.kv.free(request)
+        return restart
 
     def build_meta(self, scheduled: Sequence[str], finished: Sequence[str],
                    num_tokens: Mapping[str, int] | None = None) -> ConnectorMeta | None:
@@ -131,16 +153,26 @@ class KVTransfers:
         meta = self.connector.build_connector_meta(output)
         return None if meta.is_empty else meta
 
-    def _finish_load(self, request: Request, num_loaded: int) -> None:
-        """A load reported ``num_loaded`` blocks: count them computed, or free a finished request's."""
+    def _finish_load(self, request: Request, num_loaded: int) -> bool:
+        """A load reported ``num_loaded`` blocks: count them computed, or free a finished request's.
+
+        False when the request must restart instead: a load cut short left window entries it
+        skipped (null) inside the window of the point where computing would resume. Its next
+        admission computes from its device hits without asking the tiers.
+        """
         if request.is_finished:         # finished while loading: its blocks were held for the load
             if request.request_id in self.cancelled_loads:     # reported before the cancel went out
                 self.cancelled_loads.remove(request.request_id)
             self.release(request)
-            return
+            return True
+        resume = request.num_computed_tokens + num_loaded * self.kv.block_size
+        if not self.kv.has_window_context(request, resume):
+            self.skip_lookup.add(request.request_id)
+            return False
         # Blocks after the first one that failed stay allocated and are recomputed.
-        request.num_computed_tokens += num_loaded * self.kv.block_size
+        request.num_computed_tokens = resume
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = request.num_computed_tokens
         self.kv.cache_full_blocks(request, request.num_computed_tokens)
         request.status = RequestStatus.RUNNING
+        return True
