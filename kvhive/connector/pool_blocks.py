@@ -43,6 +43,7 @@ class PoolBlocks:
         # Per layer: whether it lives in the window pool, and its index in its pool.
         self._layers: list[tuple[bool, int]] = [(False, i) for i in range(kv.shape[1])]
         self._split: tuple[np.ndarray, np.ndarray] | None = None     # global, window layer numbers
+        self._split_index: tuple[torch.Tensor, torch.Tensor] | None = None   # the same, on the pool's device
 
     def add_window_pool(self, window: torch.Tensor, window_layers: tuple[bool, ...]) -> None:
         """Keep ``window_layers`` (per layer: True where it lives in ``window``) out of the main pool."""
@@ -55,6 +56,7 @@ class PoolBlocks:
         self._layers = list(zip(window_layers, group_indices(window_layers), strict=True))
         flags = np.array(window_layers, dtype=bool)
         self._split = (np.flatnonzero(~flags), np.flatnonzero(flags))
+        self._split_index = tuple(torch.from_numpy(part).to(self.kv.device) for part in self._split)
 
     @property
     def num_layers(self) -> int:
@@ -76,7 +78,7 @@ class PoolBlocks:
         if len(window_ids) != len(block_ids) or NULL_BLOCK_ID in window_ids:
             raise ValueError("every saved block needs its window part")
         out = torch.empty((len(block_ids), self.num_layers, *self.kv.shape[2:]), dtype=self.kv.dtype, device=device)
-        global_layers, window_layers = (torch.from_numpy(part).to(device) for part in self._split)
+        global_layers, window_layers = self._split_index
         out[:, global_layers] = main
         out[:, window_layers] = self.window.index_select(0, torch.tensor(window_ids, device=device))
         return out
@@ -120,7 +122,8 @@ def _write(block: torch.Tensor, src: np.ndarray) -> None:
     """Copy bytes ``src`` into the contiguous pool block ``block``."""
     dst = block.view(-1).view(torch.uint8)
     if dst.is_cuda:
-        with torch.inference_mode():
-            dst.copy_(torch.from_numpy(np.ascontiguousarray(src).reshape(-1).copy()))
+        flat = np.ascontiguousarray(src).reshape(-1)
+        with torch.inference_mode():      # a payload's own buffer is read-only: torch needs a writable one
+            dst.copy_(torch.from_numpy(flat if flat.flags.writeable else flat.copy()))
     else:
         dst.numpy()[:] = src.reshape(-1)

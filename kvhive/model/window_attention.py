@@ -50,10 +50,12 @@ def masked_paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_cache: torc
 
 
 def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """[queries, keys] bool: key j is visible to the query at position p when j <= p (and p - j < window)."""
-    seen = key_pos[None, :] <= query_pos[:, None]
+    """[queries, keys] bool: key j is visible to the query at position p when j <= p (and p - j < window).
+    ``key_pos``: [keys] shared by every query, or [queries, keys], each query's own."""
+    keys, queries = (key_pos if key_pos.dim() == 2 else key_pos[None, :]), query_pos[:, None]
+    seen = keys <= queries
     if window is not None:
-        seen &= key_pos[None, :] > query_pos[:, None] - window
+        seen &= keys > queries - window
     return seen
 
 
@@ -65,14 +67,9 @@ def _decode_rows(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, 
     k = k_layer.index_select(0, ids).view(n, -1, *k_layer.shape[2:])
     v = v_layer.index_select(0, ids).view(n, -1, *v_layer.shape[2:])
     keys = torch.arange(dec.block_tables.shape[1] * block_size, device=q.device)
-    query_pos = dec.context_lens - 1                                # row i is at position context_lens[i] - 1
-    if first_keys is None:
-        mask = visible(query_pos, keys, rule.window)
-    else:                                                           # row i's keys start at first_keys[i]
-        key_pos = first_keys[:, None] + keys[None, :]
-        mask = key_pos <= query_pos[:, None]
-        if rule.window is not None:
-            mask &= key_pos > query_pos[:, None] - rule.window
+    if first_keys is not None:                                      # row i's keys start at first_keys[i]
+        keys = first_keys[:, None] + keys[None, :]
+    mask = visible(dec.context_lens - 1, keys, rule.window)        # row i is at position context_lens[i] - 1
     return attend(q[:n, None], k, v, mask[:, None], rule).reshape(n, -1)
 
 
