@@ -24,6 +24,7 @@ from kvhive.engine.runner import ModelRunner
 from kvhive.engine.step import ScheduledSeq, StepPlan
 from kvhive.kv.pool import NULL_BLOCK_ID
 from kvhive.kv.window_group import WindowLayout
+from kvhive.model import cpu
 from kvhive.model.loader import LoadedModel, load_model
 from kvhive.request import SamplingParams
 
@@ -390,5 +391,28 @@ def test_metrics_show_the_window_pool_by_state(saved, tokenizer) -> None:
         assert set(window) == {"free", "cached", "used"} and window["used"] == 0
         assert sum(window.values()) == stats.window_pool.num_blocks and window["cached"] >= 4
         assert states(replace(stats, window_pool=None)) == {}      # one pool: no window family
+    finally:
+        engine.close()
+
+
+ISA_LEVELS = list(dict.fromkeys([cpu.detect().best] + [lvl for lvl in ("avx2", "portable")
+                                                       if cpu.detect().supports(lvl)]))
+
+
+@pytest.mark.parametrize("isa", ISA_LEVELS)
+def test_the_two_pools_give_the_reference_tokens_at_every_kernel_level(saved, tokenizer, isa: str) -> None:
+    """The global layers' pool (fewer layers per block than the model has) read by the attention
+    kernels each CPU level builds (an AVX2-only or portable host's included), cold and from a hit."""
+    _, path, reference = saved["gemma3_text"]
+    config = EngineConfig(model_path="tiny", cpu_isa=isa, cache=CacheConfig(block_size=BLOCK, num_blocks=24),
+                          scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=512))
+    engine = LLMEngine(config, loaded=load_model(path, isa=isa), tokenizer=tokenizer)
+    try:
+        assert engine.runner.window is not None
+        assert isa in engine.paths["decode_attention"], engine.paths
+        assert engine.paths["prefill_attention"] in (f"C++ {isa}", "torch SDPA on gathered K/V"), engine.paths
+        cold, _ = _generate(engine, "cold", PROMPT)
+        hit, cached = _generate(engine, "hit", PROMPT)
+        assert cold.matches(reference) and hit.matches(reference) and cached > 0
     finally:
         engine.close()
