@@ -23,6 +23,7 @@ from kvhive.connector.disagg.transfers import Transfer, TransferTable
 from kvhive.connector.disagg.wire import (
     MAX_BLOCKS,
     WireError,
+    blocking_with_deadline,
     decode_layer,
     encode_layer,
     recv_frame,
@@ -127,7 +128,7 @@ class TcpReceiver:
         """Receive one transfer; any error fails it (the decode side then recomputes)."""
         transfer = None
         with conn:
-            conn.settimeout(self.timeout_s)
+            blocking_with_deadline(conn, self.timeout_s)
             try:
                 transfer = self._hello(conn)
                 if transfer is not None:

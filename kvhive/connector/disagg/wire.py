@@ -29,6 +29,7 @@ MAX_BODY_BYTES = 1 << 30
 MAX_BLOCKS = 16384
 _LEN = struct.Struct("<I")
 _SUM = struct.Struct("<Q")
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
 
 
 class WireError(ConnectionError):
@@ -44,12 +45,29 @@ def send_frame(sock: socket.socket, header: dict[str, Any], body: list[bytes | m
         sock.sendall(part)
 
 
+def blocking_with_deadline(sock: socket.socket, timeout_s: float) -> None:
+    """Make ``sock`` blocking with a kernel receive/send deadline of ``timeout_s``, so a whole
+    frame body arrives in one ``MSG_WAITALL`` call (one wake-up, the GIL released throughout,
+    instead of one per segment); a socket the kernel refuses the deadline for keeps Python's."""
+    seconds = int(timeout_s)
+    micros = int((timeout_s - seconds) * 1e6) if seconds else max(int(timeout_s * 1e6), 1)   # 0 is "never"
+    timeval = struct.pack("ll", seconds, micros)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    except (OSError, AttributeError):
+        sock.settimeout(timeout_s)
+        return
+    sock.settimeout(None)
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    """Exactly ``n`` bytes, or WireError when the stream ends first."""
+    """Exactly ``n`` bytes, or WireError when the stream ends first (OSError past a deadline)."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
+    flags = _WAITALL if sock.gettimeout() is None else 0
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        k = sock.recv_into(view[got:], n - got, flags)
         if k == 0:
             raise WireError(f"the stream ended after {got} of {n} bytes")
         got += k
