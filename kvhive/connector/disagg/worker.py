@@ -218,15 +218,12 @@ class DisaggWorker:
                     waiting = table.wait_layer(transfer, layer, first, n, self.config.timeout_s, cancelled)
                 with table.cond:
                     got = dict(transfer.layers[layer])
-                ids, blocks = [], []
                 for i, block_id in enumerate(load.block_ids):
                     block = got.get(first + i)
                     if block is None:
                         complete[i] = False
                     elif complete[i]:
-                        ids.append(block_id)
-                        blocks.append(self._as_layer(block))
-                self._land(layer, ids, blocks)
+                        self._kv[block_id, layer].copy_(self._as_layer(block))
             # Only blocks of this request's own prompt count: a transfer of another prompt (a
             # client that sent the decode request a different prompt) agrees up to where they part.
             sent = transfer.hashes[first:first + n]
@@ -253,14 +250,6 @@ class DisaggWorker:
             found += 1
         self.counters.fallback_blocks += found
         return found
-
-    def _land(self, layer: int, block_ids: list[int], blocks: list[torch.Tensor]) -> None:
-        """Copy one layer of ``blocks`` into the pool's ``block_ids`` (one indexed copy, not one per block)."""
-        if len(block_ids) == 1:
-            self._kv[block_ids[0], layer].copy_(blocks[0])
-        elif block_ids:
-            index = torch.tensor(block_ids, dtype=torch.long, device=self._kv.device)
-            self._kv[:, layer].index_copy_(0, index, torch.stack(blocks).to(self._kv.device))
 
     def _as_layer(self, block: memoryview) -> torch.Tensor:
         """One block's layer record as a tensor shaped like ``kv[block, layer]``."""
