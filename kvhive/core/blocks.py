@@ -9,6 +9,10 @@ Spec (docs/hashing.md has golden vectors):
 
 H is xxh3-128, digests are 16 bytes. Only full blocks get a hash. Extra keys are encoded as
 length-prefixed fields, so ("ab", "c") and ("a", "bc") never collide.
+
+A prompt's partial last block is named only on the prefill-to-decode channel, never cached:
+
+    tail = H(b"kvhive-tail-v1" || h_{k-1} || tokens[kB:] as little-endian int32 || extra_k)
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import xxhash
 
 HASH_BYTES = 16
 _ROOT_TAG = b"kvhive-root-v1"
+_TAIL_TAG = b"kvhive-tail-v1"
 
 
 def _h(data: bytes) -> bytes:
@@ -88,3 +93,16 @@ def hash_blocks(
         prev = _h(prev + raw[j * step:(j + 1) * step] + (extra0 if i == 0 else b""))
         out.append(prev)
     return out
+
+
+def hash_tail(tokens: Sequence[int], block_size: int, root: bytes, full_hashes: Sequence[bytes],
+              extra: ExtraKeys | None = None) -> bytes | None:
+    """The name of the partial block after the full blocks of ``tokens`` (None when there is none):
+    chained from ``full_hashes`` (the hashes of those full blocks), tagged so that it never equals
+    a full block's hash."""
+    k = len(tokens) // block_size
+    if k * block_size == len(tokens):
+        return None
+    parent = full_hashes[k - 1] if k else root
+    extra0 = extra.encode() if extra is not None and k == 0 else b""
+    return _h(_TAIL_TAG + parent + np.asarray(tokens[k * block_size:], dtype="<i4").tobytes() + extra0)

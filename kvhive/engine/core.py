@@ -201,7 +201,8 @@ class LLMEngine:
         from kvhive.store.key import KeySpace
 
         key_space = KeySpace(loaded.fingerprint, KV_LAYOUT_VERSION, self.config.dtype, self.config.cache.block_size)
-        halves = build_disagg(self.config.kv_transfer, key_space, loaded.config.num_layers,
+        root = root_hash(self.config.cache.hash_seed, loaded.fingerprint)
+        halves = build_disagg(self.config.kv_transfer, key_space, root, loaded.config.num_layers,
                               self.connector_scheduler, self.connector_worker, self.store,
                               lambda hashes: leading_held(self.scheduler.count_cached_blocks, hashes))
         self.scheduler_half, self.worker_half = halves

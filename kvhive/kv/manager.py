@@ -156,9 +156,9 @@ class KVCacheManager:
         ``new_computed_blocks`` (admission only) are prefix hits not yet counted in
         ``request.num_computed_tokens``; they are referenced and put first in the block table.
         Room is needed for request.num_computed_tokens + hits + num_new_tokens tokens.
-        ``num_loaded_tokens`` (admission only, whole blocks, part of ``num_new_tokens``): the first
-        new tokens, which a KV connector loads; their window entries are null where no row after
-        them sees them.
+        ``num_loaded_tokens`` (admission only, part of ``num_new_tokens``): the first new tokens,
+        which a KV connector loads (whole blocks from a tier; a transfer's may end mid-block);
+        their window entries are null where no row after them sees them.
         """
         rid = request.request_id
         blocks = self._blocks.get(rid)

@@ -53,6 +53,11 @@ def engines(tokenizer):
         engine.close()
 
 
+def _blocks(prompt):
+    """Blocks a transfer of ``prompt`` carries: every token but the last, the partial block too."""
+    return -(-(len(prompt) - 1) // 4)
+
+
 def _prompts(n, length=37):
     return {f"p{i}": [(7 * i + 3 * j) % 250 + 3 for j in range(length + i)] for i in range(n)}
 
@@ -65,9 +70,31 @@ def test_pd_tokens_equal_a_single_engine(engines):
         tokens, _ = _pd(prefill, decode, rid, prompt)
         assert tokens == want[rid][0], rid
     counters = decode.disagg.worker.counters
-    assert counters.recomputed_blocks == 0 and counters.received_blocks == sum(
-        (len(p) - 1) // 4 for p in prompts.values())
+    assert counters.recomputed_blocks == 0 and counters.received_blocks == sum(map(_blocks, prompts.values()))
     assert prefill.disagg.worker.counters.sent_blocks == counters.received_blocks
+    decode.scheduler.kv.pool.check_integrity()
+
+
+def test_the_decode_engine_computes_only_the_last_prompt_token(engines):
+    """A prompt shorter than a block, and one ending mid-block: the partial block travels too."""
+    single, prefill, decode = engines
+    prompts = {"short": [17, 4, 99], "mid": [(11 * j) % 250 + 3 for j in range(14)]}
+    want = run(single, prompts)
+    first_rows = {}                    # each request's first scheduled chunk on the decode side
+    original = decode.scheduler.schedule
+
+    def schedule():
+        plan = original()
+        for seq in plan.seqs:
+            first_rows.setdefault(seq.request_id, (seq.start_pos, len(seq.token_ids)))
+        return plan
+
+    decode.scheduler.schedule = schedule
+    for rid, prompt in prompts.items():
+        assert _pd(prefill, decode, rid, prompt)[0] == want[rid][0], rid
+    assert first_rows == {rid: (len(p) - 1, 1) for rid, p in prompts.items()}   # one row each
+    counters = decode.disagg.worker.counters
+    assert counters.received_blocks == 1 + 4 and counters.recomputed_blocks == 0
     decode.scheduler.kv.pool.check_integrity()
 
 
@@ -81,7 +108,7 @@ def test_blocks_the_decode_engine_holds_are_not_sent(engines):
     tokens, cached = _pd(prefill, decode, "b", second)
     assert tokens == want["b"][0]
     assert cached == 6 * 4                  # its held prefix; the blocks that arrived are not reuse
-    assert prefill.disagg.worker.counters.sent_blocks - sent_before == (len(second) - 1) // 4 - 6
+    assert prefill.disagg.worker.counters.sent_blocks - sent_before == _blocks(second) - 6
     assert prefill.disagg.worker.counters.skipped_blocks == 6
 
 
@@ -94,7 +121,7 @@ def test_cached_tokens_count_what_either_side_reused(tokenizer, engines):
     try:
         _, cached = _pd(prefill, other, "again", shared + [4, 5, 6, 7, 8, 9], prefill_cached=True)
         assert cached == 5 * 4
-        assert other.disagg.worker.counters.received_blocks == (len(shared) + 6 - 1) // 4
+        assert other.disagg.worker.counters.received_blocks == _blocks(shared + [4, 5, 6, 7, 8, 9])
     finally:
         other.close()
 

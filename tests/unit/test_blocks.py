@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvhive.core.blocks import ExtraKeys, hash_block, hash_blocks, root_hash
+from kvhive.core.blocks import ExtraKeys, hash_block, hash_blocks, hash_tail, root_hash
 
 R0 = root_hash(0)
 
@@ -78,3 +78,20 @@ def test_root_does_not_depend_on_process():
                            env={"PYTHONHASHSEED": str(s), "PATH": ""}, check=True).stdout
             for s in (1, 2)}
     assert len(outs) == 1
+
+
+def test_a_partial_block_is_named_apart_from_every_full_block():
+    root = root_hash(0)
+    tokens = list(range(40))
+    full = hash_blocks(tokens, 16, root)
+    tail = hash_tail(tokens, 16, root, full)
+    assert tail is not None and tail not in full
+    assert tail != hash_block(full[-1], tokens[32:])        # a full block's rule on the same tokens
+    assert hash_tail(tokens[:39], 16, root, full) != tail   # every token counts
+    assert hash_tail(tokens[:32], 16, root, full) is None   # no partial block
+    # A partial first block carries the salt, as block 0 does.
+    short = [5, 6, 7]
+    salted = hash_tail(short, 16, root, [], ExtraKeys(cache_salt="a"))
+    assert salted != hash_tail(short, 16, root, []) and salted != hash_tail(short, 16, root, [], ExtraKeys(cache_salt="b"))
+    # After the first block the salt is in the chain, not mixed in again.
+    assert hash_tail(tokens, 16, root, full, ExtraKeys(cache_salt="a")) == tail

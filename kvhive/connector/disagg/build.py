@@ -18,12 +18,13 @@ class DisaggHalves(NamedTuple):
     worker: DisaggWorker
 
 
-def build_disagg(config: KVTransferConfig, key_space: KeySpace, num_layers: int, inner_scheduler: Any,
+def build_disagg(config: KVTransferConfig, key_space: KeySpace, root: bytes, num_layers: int, inner_scheduler: Any,
                  inner_worker: Any, store: Any, held_blocks: Callable[[list[bytes]], int]) -> DisaggHalves:
-    """The halves for ``config.role``; ``store`` (a TieredStore or None) is the shared fallback."""
+    """The halves for ``config.role``; ``root``: the engine's root block hash; ``store`` (a
+    TieredStore or None) is the shared fallback."""
     worker = DisaggWorker(config, key_space, num_layers, inner=inner_worker, held_blocks=held_blocks,
                           shared_tier=None if store is None else store.get)
-    return DisaggHalves(DisaggScheduler(config.role, key_space.block_size, inner_scheduler), worker)
+    return DisaggHalves(DisaggScheduler(config.role, key_space.block_size, root, inner_scheduler), worker)
 
 
 def leading_held(count_cached: Callable[[list[bytes]], int], hashes: list[bytes]) -> int:

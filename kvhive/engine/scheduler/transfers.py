@@ -67,7 +67,7 @@ class KVTransfers:
         """Tell the connector which blocks (from ``first_block``) receive the ``num_external`` tokens."""
         self.skip_lookup.discard(request.request_id)
         if self.connector is not None:
-            end = first_block + num_external // self.kv.block_size
+            end = first_block + -(-num_external // self.kv.block_size)     # a transfer may end mid-block
             blocks = self.kv.get_block_table(request)[first_block:end]
             window = self.kv.get_window_table(request)
             if window is None:
@@ -165,7 +165,8 @@ class KVTransfers:
                 self.cancelled_loads.remove(request.request_id)
             self.release(request)
             return True
-        resume = request.num_computed_tokens + num_loaded * self.kv.block_size
+        # A load never supplies the last token (a transfer's last block may be partial).
+        resume = min(request.num_computed_tokens + num_loaded * self.kv.block_size, request.num_tokens - 1)
         if not self.kv.has_window_context(request, resume):
             self.skip_lookup.add(request.request_id)
             return False
