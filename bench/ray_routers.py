@@ -2,6 +2,7 @@
 application of 2 kvhive replicas on a two-node Ray cluster on this machine.
 
     flock /tmp/kvhive-bench.lock python bench/ray_routers.py [--rounds 2] [--requests 90] [--quick]
+    flock /tmp/kvhive-bench.lock python bench/ray_routers.py --api responses
 
 Workload (the same for every arm): ``--contexts`` shared long contexts of ~``--context-tokens``
 tokens each (tenants' documents), short unique questions, the context of each request drawn with
@@ -14,11 +15,19 @@ same config but ``router.request_router_class`` (fresh replicas: empty caches), 
 context once (warm-up, not measured), then the measured requests. Arms alternate in order across
 ``--rounds`` (A,B,C then C,B,A). Records TTFT (first streamed token, at the client) p50/p90 and
 the cached fraction of prompt tokens (``usage.prompt_tokens_details.cached_tokens``).
+
+``--api responses`` holds each context as a stored response instead (``POST /v1/responses``
+with the context as ``input``, during the warm-up) and asks each question as a follow-up of it
+(``previous_response_id``, the question as ``input``, ``store: false``), streamed; the replicas share a Redis
+(``redis_url``: sessions, stored responses and a KV tier), fresh for every arm, so a follow-up
+sent to the replica that does not hold its conversation is still answered. Ray's routers see the
+request's ``input`` as its prompt. Writes ``ray_routers_responses.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -37,6 +46,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
 
 from support.ray_cluster import ray_cluster, serve_run, wait_for_app, write_config  # noqa: E402
+from support.redis_server import RedisServer  # noqa: E402
 from support.servers import free_port  # noqa: E402
 
 MODEL = "smollm2-135m"
@@ -74,6 +84,36 @@ def make_workload(contexts: int, requests: int, zipf: float, seed: int) -> list[
     weights = [1 / (rank + 1) ** zipf for rank in range(contexts)]
     return [(rng.choices(range(contexts), weights)[0], f"\n\nQuestion {i}: what does line {rng.randrange(99)} say?")
             for i in range(requests)]
+
+
+def create_response(client: httpx.Client, context: str) -> str:
+    """Store ``context`` as a response (one output token); its id."""
+    r = client.post("/v1/responses", json={"model": MODEL, "input": context, "max_output_tokens": 1,
+                                           "temperature": 0, "store": True})
+    r.raise_for_status()
+    return r.json()["id"]
+
+
+def follow_up(client: httpx.Client, previous: str, question: str) -> dict[str, object]:
+    """Stream a follow-up of response ``previous`` (not stored: questions about one context run at
+    once, and a stored follow-up would take the conversation's session, one request at a time)."""
+    body = {"model": MODEL, "previous_response_id": previous, "input": question, "max_output_tokens": 2,
+            "temperature": 0, "stream": True, "store": False}
+    start = time.perf_counter()
+    ttft, usage = None, {}
+    with client.stream("POST", "/v1/responses", json=body) as response:
+        response.raise_for_status()
+        replica = response.headers.get("x-kvhive-replica")
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if ttft is None and event.get("type") == "response.output_text.delta":
+                ttft = time.perf_counter() - start
+            if event.get("type") in ("response.completed", "response.incomplete"):     # incomplete: max_output_tokens
+                usage = event["response"].get("usage") or {}
+    return {"ttft_s": ttft, "prompt_tokens": usage.get("input_tokens", 0), "replica": replica,
+            "cached_tokens": (usage.get("input_tokens_details") or {}).get("cached_tokens", 0)}
 
 
 def ask(client: httpx.Client, prompt: str) -> dict[str, object]:
@@ -119,10 +159,10 @@ def summarize(arm: str, rows: list[dict[str, object]], warmup_s: float) -> dict[
             "warmup_s": round(warmup_s, 1)}
 
 
-def arm_config(path: str, port: int, arm: str, args: argparse.Namespace) -> str:
+def arm_config(path: str, port: int, arm: str, args: argparse.Namespace, redis_url: str | None = None) -> str:
     """The application's config for ``arm``: the example config, one replica per node."""
     write_config(path, port, kv_cache_gb=args.kv_cache_gb, num_threads=1, max_ongoing_requests=8,
-                 router={"request_router_class": ARMS[arm]})
+                 router={"request_router_class": ARMS[arm]}, redis_url=redis_url)
     with open(path) as f:
         config = yaml.safe_load(f)
     config["applications"][0]["deployments"] = [{"name": "KVHiveReplica", "max_replicas_per_node": 1}]
@@ -135,15 +175,28 @@ def run_arm(cluster, arm: str, args: argparse.Namespace, contexts: list[str],
             workload: list[tuple[int, str]], workdir: str) -> dict[str, object]:
     """One fresh application routed by ``arm``: warm-up, then the measured requests."""
     port = free_port()
-    config = arm_config(os.path.join(workdir, f"{arm}.yaml"), port, arm, args)
-    with serve_run(cluster, config) as run, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+    with contextlib.ExitStack() as stack:
+        redis_url = None
+        if args.api == "responses":      # a fresh Redis per arm: no arm finds another's KV
+            redis = RedisServer(free_port(), stack.enter_context(tempfile.TemporaryDirectory()))
+            redis.start()
+            stack.callback(redis.stop)
+            redis_url = redis.url
+        config = arm_config(os.path.join(workdir, f"{arm}.yaml"), port, arm, args, redis_url)
+        run = stack.enter_context(serve_run(cluster, config))
+        client = stack.enter_context(httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600))
         wait_for_app(run, client)
         start = time.perf_counter()
-        for i, context in enumerate(contexts):
-            ask(client, context + f"\n\nQuestion w{i}: what is this about?")
+        if args.api == "responses":
+            ids = [create_response(client, context) for context in contexts]
+            send = lambda item: follow_up(client, ids[item[0]], item[1].strip())  # noqa: E731
+        else:
+            for i, context in enumerate(contexts):
+                ask(client, context + f"\n\nQuestion w{i}: what is this about?")
+            send = lambda item: ask(client, contexts[item[0]] + item[1])  # noqa: E731
         warmup_s = time.perf_counter() - start
         with ThreadPoolExecutor(args.concurrency) as pool:
-            rows = list(pool.map(lambda item: ask(client, contexts[item[0]] + item[1]), workload))
+            rows = list(pool.map(send, workload))
     result = summarize(arm, rows, warmup_s)
     print(json.dumps(result), flush=True)
     return result
@@ -181,7 +234,8 @@ def plot(record: dict[str, object], path: str) -> None:
     cached.set_xticks(list(xs), names)
     cached.set_ylabel("prompt tokens cached (%)")
     cached.set_ylim(0, 100)
-    fig.suptitle("Ray Serve request routers, 2 kvhive replicas (median of rounds)")
+    api = {"prompts": "contexts as prompt text", "responses": "contexts as stored responses"}[record["setup"]["api"]]
+    fig.suptitle(f"Ray Serve request routers, 2 kvhive replicas, {api} (median of rounds)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -197,14 +251,18 @@ def main() -> int:
     ap.add_argument("--kv-cache-gb", type=float, default=0.25)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    ap.add_argument("--api", choices=("prompts", "responses"), default="prompts",
+                    help="contexts sent as prompt text, or held as stored responses and continued by id")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 3 small contexts, 9 requests, 1 round")
-    ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "ray_routers.json"))
+    ap.add_argument("--out", default=None, help="default: bench/results/ray_routers[_responses].json")
     args = ap.parse_args()
+    suffix = "" if args.api == "prompts" else f"_{args.api}"
+    args.out = args.out or os.path.join(REPO, "bench", "results", f"ray_routers{suffix}.json")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))      # so the cluster is stopped
     os.environ["RAY_memory_monitor_refresh_ms"] = "0"     # other work on the box must not get replicas killed
     if args.quick:
         args.contexts, args.context_tokens, args.requests, args.rounds = 3, 200, 9, 1
-        args.out = os.path.join(tempfile.gettempdir(), "ray_routers_quick.json")
+        args.out = os.path.join(tempfile.gettempdir(), f"ray_routers{suffix}_quick.json")
     contexts = make_contexts(args.contexts, args.context_tokens, args.seed)
     workload = make_workload(args.contexts, args.requests, args.zipf, args.seed)
     load_start = os.getloadavg()[0]
@@ -221,14 +279,14 @@ def main() -> int:
     record = {"command": command("bench/ray_routers.py"), "machine": machine(),
               "date": time.strftime("%Y-%m-%d", time.gmtime()),
               "load_average_1m": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
-              "setup": {k: getattr(args, k) for k in ("contexts", "context_tokens", "requests", "concurrency", "zipf",
-                                                       "rounds", "kv_cache_gb", "seed")},
+              "setup": {k: getattr(args, k) for k in ("api", "contexts", "context_tokens", "requests", "concurrency",
+                                                       "zipf", "rounds", "kv_cache_gb", "seed")},
               "arms": arms, "p90_ratio_kvhive_over": ratios,
               "targets_met": {arm: ratios[arm] <= goal for arm, goal in TARGETS.items() if arm in ratios}}
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     if not args.quick and {"kvhive", "power_of_two", "prefix_affinity"} <= arms.keys():
-        plot(record, os.path.join(REPO, "docs", "ray_routers.png"))
+        plot(record, os.path.join(REPO, "docs", f"ray_routers{suffix}.png"))
     print(json.dumps({"p90_ratio_kvhive_over": ratios, "out": args.out}))
     return 0
 

@@ -224,7 +224,10 @@ def render_vllm_replica(name: str, record: dict) -> list[str]:
 def render_ray_routers(name: str, record: dict) -> list[str]:
     """Ray Serve request routers over the same kvhive replicas: cached fraction and TTFT per arm."""
     s, load = record["setup"], record.get("load_average_1m", {})
-    lines = [f"2 replicas (one per node, one thread each); {s['contexts']} contexts of ~{s['context_tokens']:,} "
+    api = {"prompts": "each request sends its context as prompt text",
+           "responses": "each context is a stored response (`POST /v1/responses`) and each question a "
+                        "follow-up of it (`previous_response_id`); the replicas share a Redis"}[s.get("api", "prompts")]
+    lines = [f"2 replicas (one per node, one thread each); {api}; {s['contexts']} contexts of ~{s['context_tokens']:,} "
              f"tokens, Zipf s={s['zipf']:g}; {s['requests']} requests per arm at concurrency {s['concurrency']}, "
              f"after one warm-up request per context; {s['rounds']} rounds, arms alternating; load average "
              f"{load.get('start')} to {load.get('end')}. Medians over the rounds:", "",
@@ -295,9 +298,10 @@ def render_pd(name: str, record: dict) -> list[str]:
                   f"p99.9 {r['itl_p99.9']:.2f}x; TTFT p50 **{r['ttft_p50']:.2f}x** (target ≤ 1.3x: "
                   f"{met(r['ttft_p50'] <= 1.3)}), p90 {r['ttft_p90']:.2f}x; median of the rounds' paired ratios: ITL "
                   f"p99 {run['paired_medians']['itl_p99']:.2f}x, TTFT {run['paired_medians']['ttft_p50']:.2f}x. Transfer: {t['bytes_per_prompt'] / 1e6:.0f} MB "
-                  f"per prompt in {t['frame_bytes'] / 1e6:.2f} MB layer frames, sent at {t['send_gb_s']:.2f} GB/s "
+                  f"sent per long prompt (the decodes' own short prompts' transfers included) in layer frames of "
+                  f"{t['frame_bytes'] / 1e6:.2f} MB on average, sent at {t['send_gb_s']:.2f} GB/s "
                   f"while sending, landed in the decode pool at {t['decode_load_gb_s']:.2f} GB/s "
-                  f"({t['decode_load_ms_per_prompt']:.0f} ms per prompt); a plain loopback TCP copy of the same bytes "
+                  f"({t['decode_load_ms_per_prompt']:.0f} ms per load, short or long); a plain loopback TCP copy of the same bytes "
                   f"{loop.get('tcp_gb_s', float('nan')):.2f} GB/s, memcpy {loop.get('memcpy_gb_s', float('nan')):.1f} GB/s."]
     return [*lines, ""]
 
@@ -384,7 +388,8 @@ SECTIONS = (
             "`PrefixCacheAffinityRouter`: a multi-tenant workload of long shared contexts and short questions "
             "with Zipf popularity, through the application's ingress.",
             ("TTFT p90 ≤ 0.5x power-of-two's", "TTFT p90 ≤ 0.8x PrefixCacheAffinityRouter's"),
-            ("ray_routers.json",), render_ray_routers, ("ray_routers.png",)),
+            ("ray_routers.json", "ray_routers_responses.json"), render_ray_routers,
+            ("ray_routers.png", "ray_routers_responses.png")),
 )
 
 RENDER_ROUTER: dict[str, Render] = {"router_sim.json": render_router_sim, "router_lookup.json": render_router_lookup,

@@ -98,9 +98,10 @@ def test_the_envelope_names_the_session_a_request_continues() -> None:
     assert envelope().session_named({"prompt": "hi"}) is None
 
 
-def test_the_envelope_shows_ray_s_own_routers_its_prompt_or_messages() -> None:
+def test_the_envelope_shows_ray_s_own_routers_its_prompt_messages_or_input() -> None:
     assert envelope({"model": "m", "prompt": "Once upon"}).prompt == "Once upon"
     messages = [{"role": "user", "content": "Hi"}]
     assert envelope({"model": "m", "messages": messages}).prompt == messages
+    assert envelope({"model": "m", "input": "And then?", "previous_response_id": "resp_1"}).prompt == "And then?"
     assert envelope(method="GET", path="/v1/models").prompt == "GET /v1/models"
     assert envelope({"model": "m", "prompt": 7}).prompt == "POST /v1/completions"

@@ -63,11 +63,11 @@ class HTTPEnvelope:
 
     @property
     def prompt(self) -> str | list[Any]:
-        """The body's ``prompt`` or chat ``messages`` as sent (for a request with neither, its method
-        and path): what Ray's own routers (``PrefixCacheAffinityRouter``) read from a request's first
-        argument, which they need non-empty."""
+        """The body's ``prompt``, chat ``messages`` or Responses ``input`` as sent (for a request with
+        none, its method and path): what Ray's own routers (``PrefixCacheAffinityRouter``) read from
+        a request's first argument, which they need non-empty."""
         data = self.json_body() or {}
-        text = data.get("prompt", data.get("messages"))
+        text = next((data[k] for k in ("prompt", "messages", "input") if k in data), None)
         return text if isinstance(text, (str, list)) and text else f"{self.method} {self.path}"
 
     def routing_prompt(self, data: dict[str, Any] | None, salt_with_key: bool) -> Prompt | None:
