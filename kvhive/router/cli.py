@@ -135,6 +135,9 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-usage-weight", type=float, default=0.1, metavar="W", help="weight of KV pool usage")
     g.add_argument("--waiting-factor", type=float, default=2.0, metavar="F",
                    help="a waiting request counts as this many running ones")
+    g.add_argument("--min-cached-share", type=float, default=0.1, metavar="S",
+                   help="a replica holding less than this share of the prompt counts as holding none "
+                        "(so a common chat template does not draw every new prompt to one replica)")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
@@ -185,7 +188,7 @@ def build_gateway_config(args: argparse.Namespace) -> GatewayConfig:
         model_fingerprint=args.model_fingerprint or "", scorer=args.scorer, policy=args.policy,
         tiers=parse_tier_weights(args.tier_weights),
         weights=RoutingWeights(args.cache_weight, args.load_weight, args.kv_usage_weight,
-                               args.waiting_factor),
+                               args.waiting_factor, args.min_cached_share),
         health_interval_s=args.health_interval, failures_to_drop=args.failures_to_drop,
         salt_with_api_key=args.salt_with_api_key, max_request_bytes=args.max_request_bytes)
 

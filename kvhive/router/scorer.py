@@ -117,23 +117,29 @@ class LoadStats:
 class RoutingWeights:
     """How the pick weighs cache against load. For each candidate replica r::
 
-        final(r) = cache    * kv(r) / num_blocks                  (share of the prompt cached, 0..1)
+        final(r) = cache    * share(r)                            (share of the prompt cached, 0..1)
                  - load     * queue(r) / (1 + max_r' queue(r'))   (relative queue length, 0..1)
                  - kv_usage * usage(r)                            (KV pool in use, 0..1)
+        share(r) = kv(r) / num_blocks, or 0 below min_share
         queue(r) = running(r) + waiting_factor * waiting(r)
 
-    The highest final score wins; equal scores are broken round-robin.
+    The highest final score wins; equal scores are broken round-robin. ``min_share`` keeps a small
+    common prefix (a chat template's system prompt, a few blocks of a long prompt) from drawing
+    every new prompt to the replica that holds it: below it, load and pool usage decide.
     """
 
     cache: float = 1.0
     load: float = 0.5
     kv_usage: float = 0.1
     waiting_factor: float = 2.0
+    min_share: float = 0.1
 
     def __post_init__(self) -> None:
-        for name in ("cache", "load", "kv_usage", "waiting_factor"):
+        for name in ("cache", "load", "kv_usage", "waiting_factor", "min_share"):
             if getattr(self, name) < 0:
                 raise ValueError(f"routing weight {name} must be >= 0, got {getattr(self, name)}")
+        if self.min_share > 1:
+            raise ValueError(f"routing weight min_share must be <= 1, got {self.min_share}")
 
 
 @dataclass(frozen=True)
@@ -158,6 +164,7 @@ def pick_replica(candidates: Sequence[str], kv_scores: Mapping[str, float], num_
     scores = {}
     for r in candidates:
         cached = kv_scores.get(r, 0.0) / num_blocks if num_blocks else 0.0
+        cached = cached if cached >= weights.min_share else 0.0
         score = (weights.cache * cached - weights.load * queues[r] / (1.0 + max_queue)
                  - weights.kv_usage * loads.get(r, idle).kv_usage)
         scores[r] = round(score, 9)   # equal up to float noise counts as a tie

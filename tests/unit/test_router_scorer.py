@@ -81,6 +81,18 @@ def test_pick_weights_waiting_and_kv_usage() -> None:
     assert pick_replica(["a", "b"], {"a": 1.0}, 10, loads, only_cache).replica == "a"
 
 
+def test_a_small_common_prefix_does_not_draw_new_prompts_to_its_holder() -> None:
+    # 2 of 63 blocks (a chat template's system prompt) cached on a, which fills more of its pool.
+    usage = {"a": LoadStats(kv_usage=0.3), "b": LoadStats(kv_usage=0.1)}
+    assert pick_replica(["a", "b"], {"a": 2.0}, 63, usage, RoutingWeights()).replica == "b"
+    assert pick_replica(["a", "b"], {"a": 2.0}, 63, usage, RoutingWeights(min_share=0)).replica == "a"
+    # From min_share up the cached share counts again.
+    assert pick_replica(["a", "b"], {"a": 7.0}, 63, usage, RoutingWeights()).replica == "a"
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="min_share"):
+            RoutingWeights(min_share=bad)
+
+
 def test_ties_are_broken_round_robin() -> None:
     picks = [pick_replica(["a", "b", "c"], {}, 0, {}, RoutingWeights(), turn).replica for turn in range(6)]
     assert picks == ["a", "b", "c", "a", "b", "c"]
