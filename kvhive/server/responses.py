@@ -8,9 +8,10 @@ without their instructions), then this request's ``input``.
 A stored response (``store``, the default) keeps its conversation's KV in a session whose id is the
 conversation's (``kvhive.sessions.responses``): a follow-up continues that session and computes only its new
 tokens; a branch (a second follow-up of one response) diverges from what the session holds, falls
-back to prefix matching, and the session then follows the branch. One request at a time per
-conversation, as for any session: a request continuing a response of a conversation whose session
-is busy gets 409 ``session_busy``. ``store: false`` runs outside any session (prefix caching still
+back to prefix matching, and the session then follows the branch. A session runs one request at a
+time: a request continuing a conversation whose session is busy with another runs beside it (prefix
+caching finds the conversation's blocks) and is stored in the conversation; the session keeps
+following the request it runs. ``store: false`` runs outside any session (prefix caching still
 finds the conversation's blocks) and stores nothing.
 """
 
@@ -112,20 +113,22 @@ class ResponsesAPI:
     # ------------------------------------------------------------ sessions
 
     async def open_session(self, raw_request: Request, body: ResponsesRequest, conversation_id: str,
-                           num_tokens: int) -> SessionTurn:
-        """The turn of the conversation's session, busy with this request (created when it has none)."""
+                           num_tokens: int) -> tuple[SessionTurn, Session | None]:
+        """The turn of the conversation's session, busy with this request (created when it has
+        none), and the session; a continuation whose session is busy with another request gets
+        ``NO_TURN`` (it runs beside the session) and the session, whose expiry it is stored under."""
         owner = self.service.owner_of(raw_request)
         self.store.check_room(conversation_id, owner)
+        continuation = body.previous_response_id is not None
         try:
             turn = await self.service.open_session(raw_request, body.model, num_tokens,
-                                                   conversation_id=conversation_id)
+                                                   conversation_id=conversation_id, wait_if_busy=not continuation)
         except SessionBusy:
-            raise SessionBusy(f"Response '{body.previous_response_id}' is being continued by another "
-                              f"request: the responses of one conversation share a session, which runs "
-                              f"one request at a time. Retry when it has finished",
-                              "session_busy", "previous_response_id") from None
+            with contextlib.suppress(SessionNotFound):      # ended meanwhile: open it again below
+                return NO_TURN, await self.sessions.find(conversation_id, owner)
+            turn = await self.service.open_session(raw_request, body.model, num_tokens, conversation_id=conversation_id)
         assert turn.session is not None
-        return turn
+        return turn, turn.session
 
     async def end_unused_session(self, conversation_id: str, owner: str | None) -> None:
         """End the session of a conversation that stores no response (its last response was
@@ -152,15 +155,16 @@ class ResponsesAPI:
         return num_logprobs
 
     async def open_conversation(self, raw_request: Request, body: ResponsesRequest, num_tokens: int
-                                ) -> tuple[str | None, SessionTurn]:
-        """The conversation a stored response joins (``previous_response_id``'s, else a new one) and
-        the turn of its session; ``(None, NO_TURN)`` for a response not stored."""
+                                ) -> tuple[str | None, SessionTurn, Session | None]:
+        """The conversation a stored response joins (``previous_response_id``'s, else a new one), the
+        turn of its session and the session (``open_session``); ``(None, NO_TURN, None)`` for a
+        response not stored."""
         if not body.store:
-            return None, NO_TURN
+            return None, NO_TURN, None
         conversation_id = (conversation_of(body.previous_response_id) if body.previous_response_id
                            else new_conversation_id())
         assert conversation_id is not None
-        return conversation_id, await self.open_session(raw_request, body, conversation_id, num_tokens)
+        return conversation_id, *await self.open_session(raw_request, body, conversation_id, num_tokens)
 
     async def create(self, body: ResponsesRequest, raw_request: Request) -> Response:
         """Validate, run, store (with ``store``) and answer one request, streamed or whole."""
@@ -174,12 +178,12 @@ class ResponsesAPI:
         sampling = service.sampling_params(
             SamplingRequest(model=body.model, temperature=body.temperature, top_p=body.top_p), max_tokens,
             num_logprobs)
-        conversation_id, session_turn = await self.open_conversation(raw_request, body, len(token_ids) + max_tokens)
+        conversation_id, session_turn, session = await self.open_conversation(
+            raw_request, body, len(token_ids) + max_tokens)
         response_id = new_response_id(conversation_id)
         deltas = service.stream(response_id, token_ids, sampling, (), service.cache_salt_for(owner, None),
                                 session_turn)
-        turn = Turn(self, body, owner, response_id, conversation_id, items, session_turn.session,
-                    num_logprobs is not None)
+        turn = Turn(self, body, owner, response_id, conversation_id, items, session, num_logprobs is not None)
         headers = {RESPONSE_ID_HEADER: response_id} if body.store else {}
         if body.stream:
             return self.stream_answer(turn, deltas, headers, session_turn)

@@ -348,7 +348,7 @@ class GenerationService:
 
     async def open_session(self, raw_request: Request, model: str, num_tokens: int, *,
                            conversation_id: str | None = None, new_ttl: int | None = None,
-                           end_session: bool = False, n: int = 1) -> SessionTurn:
+                           end_session: bool = False, n: int = 1, wait_if_busy: bool = True) -> SessionTurn:
         """The session turn this request runs in (``SessionService.open_turn``): a new session
         (``new_ttl``), the one named by ``x-session-id`` or ``conversation_id``, or ``NO_TURN``.
         ``num_tokens`` is prompt + max output. A request of ``n`` > 1 choices cannot run in a
@@ -361,7 +361,7 @@ class GenerationService:
                               f"/v1/context): a session holds one continuation, got n={n}", param="n")
         return await self.sessions.open_turn(self.owner_of(raw_request), model, num_tokens, session_id=header or None,
                                              conversation_id=conversation_id, new_ttl=new_ttl,
-                                             end_session=end_session)
+                                             end_session=end_session, wait_if_busy=wait_if_busy)
 
     # ------------------------------------------------------------ generation
 

@@ -109,7 +109,7 @@ class SessionService:
 
     async def open_turn(self, owner: str | None, model: str, num_tokens: int, *, session_id: str | None = None,
                         conversation_id: str | None = None, new_ttl: int | None = None,
-                        end_session: bool = False) -> SessionTurn:
+                        end_session: bool = False, wait_if_busy: bool = True) -> SessionTurn:
         """The turn this request runs in, its session marked busy: a new session (``new_ttl``), the
         one named by ``session_id`` (must exist) or ``conversation_id`` (an unknown one starts a
         session with the default TTL), or ``NO_TURN``. ``num_tokens`` (prompt + max output) is
@@ -117,7 +117,8 @@ class SessionService:
 
         A session busy with another turn is waited for up to ``busy_wait_s`` before SessionBusy: a
         client that aborts a stream and sends its next turn at once may reach the server before
-        the server has processed its disconnect (which ends the aborted turn)."""
+        the server has processed its disconnect (which ends the aborted turn); ``wait_if_busy``
+        False raises it at once (for a caller that runs the request beside the session instead)."""
         registry = self.registry
         name = session_id or conversation_id
         if new_ttl is not None:
@@ -133,7 +134,7 @@ class SessionService:
             registry.check_pinned(owner, num_tokens)
             return self._turn(registry.create(owner, model, self.config.default_ttl_s, session_id=conversation_id),
                               end_session)
-        if session.busy and await self._wait_until_idle(session):
+        if session.busy and wait_if_busy and await self._wait_until_idle(session):
             session = await registry.aget(name, owner)        # as it is after that turn
         registry.begin_turn(session, model, num_tokens)
         return self._turn(session, end_session)

@@ -202,29 +202,36 @@ def test_store_false_keeps_nothing_and_leaves_the_conversation_as_it_was(tiny_cl
     assert text_of(r2) == text_of(unstored)
 
 
-def test_two_requests_on_one_conversation_the_second_gets_409(tiny_client: httpx.Client) -> None:
+def test_a_request_on_a_busy_conversation_runs_beside_its_session(tiny_client: httpx.Client) -> None:
     r1 = ok(create(tiny_client, "Start"))
     r2 = ok(create(tiny_client, "Next", previous_response_id=r1["id"]))
-    # A turn that lasts seconds (SLOW_MARKER), longer than a busy request waits for it to end.
+    # A turn that lasts seconds (SLOW_MARKER): while it runs, the conversation's session is busy.
     body = {"model": SERVED_MODEL_NAME, "input": "A long answer please " + SLOW_MARKER, "previous_response_id": r2["id"],
             "max_output_tokens": 200, "temperature": 0, "stream": True}
+    conversation = conversation_of(r1["id"])
     with tiny_client.stream("POST", "/v1/responses", json=body) as running:
         lines = running.iter_lines()
         while not next(lines).startswith("data: {\"type\": \"response.output_text.delta\""):
             pass
-        # While that turn runs, any response of its conversation is busy, as one session is.
-        for previous in (r2, r1):
-            busy = create(tiny_client, "Me too", previous_response_id=previous["id"])
-            assert busy.status_code == 409, busy.text
-            assert busy.json()["error"]["code"] == "session_busy"
-            assert busy.json()["error"]["param"] == "previous_response_id"
-        ok(create(tiny_client, "An unrelated conversation"))
+        assert tiny_client.get(f"/v1/context/{conversation}").json()["busy"]
+        # Follow-ups of any response of the conversation run at once, beside the session, and are
+        # stored in the conversation; prefix caching finds what the conversation computed.
+        beside = {previous["id"]: ok(create(tiny_client, "Me too", previous_response_id=previous["id"]))
+                  for previous in (r2, r1)}
+        for previous_id, answer in beside.items():
+            assert answer["previous_response_id"] == previous_id
+            assert conversation_of(answer["id"]) == conversation
+            assert answer["usage"]["input_tokens_details"]["cached_tokens"] >= 16
+            assert ok(tiny_client.get(f"/v1/responses/{answer['id']}"))["id"] == answer["id"]
+        assert tiny_client.get(f"/v1/context/{conversation}").json()["busy"]     # still the running turn's
     # The client left: the turn was aborted and the conversation is free again.
-    conversation = conversation_of(r1["id"])
     deadline = time.monotonic() + 10
     while tiny_client.get(f"/v1/context/{conversation}").json()["busy"] and time.monotonic() < deadline:
         time.sleep(0.05)
-    ok(create(tiny_client, "Me too", previous_response_id=r1["id"]))
+    after = ok(create(tiny_client, "And now?", previous_response_id=beside[r2["id"]]["id"]))
+    assert after["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    session = ok(tiny_client.get(f"/v1/context/{conversation}"))
+    assert session["tokens"] == after["usage"]["total_tokens"]          # the session follows it
 
 
 def test_a_first_turn_the_client_leaves_stores_nothing_and_ends_its_session(tiny_client: httpx.Client) -> None:
