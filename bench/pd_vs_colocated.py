@@ -14,7 +14,8 @@ Every instance runs ``--num-threads 1`` on the default model (default dtype), on
 in one step; 256 chunks it, as a colocated server does to shield running decodes). A round sends one arm
 a steady stream of decodes (``--decoders`` clients, each streaming ``--decode-tokens`` greedy tokens,
 then the next request) while new long prompts (``--long-sentences`` sentences, ~1,500 tokens, unique per round)
-arrive every ``--interval`` seconds, streamed with ``--long-max-tokens`` tokens. Rounds alternate
+arrive every ``--interval`` seconds (``--budgets 256@6``: that run every 6 s), streamed with
+``--long-max-tokens`` tokens. Rounds alternate
 A, B, B, A ... with the same prompts for both arms. Recorded: the running decodes' inter-token gaps
 (p50/p99/p99.9/max), the long prompts' TTFT (p50/p90), the KV transfer throughput from the
 decode and prefill /metrics, and a loopback TCP and memcpy bound for the same bytes.
@@ -253,8 +254,10 @@ def transfer_figures(counters: dict[str, dict[str, float]], num_prompts: int) ->
     return out
 
 
-def run_budget(args: argparse.Namespace, budget: int) -> dict:
-    """Both arms with ``--max-num-batched-tokens budget`` on every instance: paired rounds, summed up."""
+def run_budget(args: argparse.Namespace, budget: int, interval: float) -> dict:
+    """Both arms with ``--max-num-batched-tokens budget`` on every instance and long prompts
+    ``interval`` seconds apart: paired rounds, summed up."""
+    args = argparse.Namespace(**{**vars(args), "interval": interval})
     log_dir = tempfile.mkdtemp(prefix="kvhive-pd-bench-")
     load_start, procs = os.getloadavg()[0], []
     try:
@@ -268,7 +271,7 @@ def run_budget(args: argparse.Namespace, budget: int) -> dict:
     pd, co = arms["pd"], arms["colocated"]
     ratios = {f"{what}_{q}": pd[f"{what}_ms"][q] / co[f"{what}_ms"][q]
               for what, q in (("itl", "p99"), ("itl", "p99.9"), ("ttft", "p50"), ("ttft", "p90"))}
-    return {"max_num_batched_tokens": budget, "arms": arms, "ratios": ratios,
+    return {"max_num_batched_tokens": budget, "interval_s": interval, "arms": arms, "ratios": ratios,
             "load_average_1m": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
             "targets_met": {"itl_p99 <= 0.5x": ratios["itl_p99"] <= 0.5, "ttft_p50 <= 1.3x": ratios["ttft_p50"] <= 1.3},
             "transfer": transfer_figures(got["counters"], pd["num_prompts"]),
@@ -294,10 +297,11 @@ def main() -> int:
     ap.add_argument("--long-prompts", type=int, default=4, help="long prompts per round")
     ap.add_argument("--long-sentences", type=int, default=48, help="sentences of ~31 tokens per long prompt")
     ap.add_argument("--long-max-tokens", type=int, default=16)
-    ap.add_argument("--interval", type=float, default=8.0, help="seconds between long prompts")
+    ap.add_argument("--interval", type=float, default=8.0, help="seconds between long prompts (for --budgets)")
     ap.add_argument("--warm-s", type=float, default=2.0, help="decodes alone before the first long prompt")
     ap.add_argument("--budgets", default="2048,256",
-                    help="--max-num-batched-tokens values, one run of both arms each (2048: the default)")
+                    help="--max-num-batched-tokens values, one run of both arms each (2048: the default); "
+                         "BUDGET@SECONDS gives that run its own --interval")
     ap.add_argument("--server-args", default="", help="extra flags for every kvhive serve")
     ap.add_argument("--quick", action="store_true", help="a smoke run: one short round per arm")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
@@ -307,14 +311,18 @@ def main() -> int:
         args.rounds, args.decoders, args.decode_tokens, args.long_prompts = 1, 2, 16, 1
         args.long_sentences, args.long_max_tokens, args.interval, args.warm_s = 8, 4, 0.5, 0.5
         args.budgets, args.out = "2048", os.path.join(tempfile.gettempdir(), "pd_vs_colocated_quick.json")
-    runs = [run_budget(args, int(b)) for b in args.budgets.split(",")]
+    runs = []
+    for spec in args.budgets.split(","):
+        budget, _, interval = spec.partition("@")
+        runs.append(run_budget(args, int(budget), float(interval) if interval else args.interval))
     record = {"machine": machine(), "command": command(__file__), "date": time.strftime("%Y-%m-%d"),
               "config": {k: v for k, v in vars(args).items() if k not in ("out", "quick")},
               "dtype": "float32 (the default)", "runs": runs}
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     for run in runs:
-        print(json.dumps({k: run[k] for k in ("max_num_batched_tokens", "arms", "ratios", "transfer")}, indent=1))
+        print(json.dumps({k: run[k] for k in ("max_num_batched_tokens", "interval_s", "arms", "ratios", "transfer")},
+                         indent=1))
     return 0
 
 

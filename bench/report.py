@@ -273,27 +273,35 @@ def render_soak(name: str, record: dict) -> list[str]:
     return [*lines, ""]
 
 
+def interval(run: dict, cfg: dict) -> float:
+    """Seconds between a PD run's long prompts (its own, else the benchmark's)."""
+    return run.get("interval_s", cfg["interval"])
+
+
 def render_pd(name: str, record: dict) -> list[str]:
     """Per chunk budget: running decodes' inter-token gaps and new prompts' TTFT per arm, the
     ratios, and the transfer rate against a loopback bound."""
     cfg, first = record["config"], record["runs"][0]["arms"]["pd"]
     lines = [f"{record['dtype']}; {cfg['rounds']} paired rounds per arm; {cfg['decoders']} clients streaming "
              f"{cfg['decode_tokens']}-token decodes back to back while {cfg['long_prompts']} new "
-             f"{first['prompt_tokens']:,.0f}-token prompts per round arrive {cfg['interval']:g} s apart "
+             f"{first['prompt_tokens']:,.0f}-token prompts per round arrive, the run's interval apart "
              f"({cfg['long_max_tokens']} tokens each).", "",
-             "| `--max-num-batched-tokens` | arm | ITL p50 / p99 / p99.9 / max (ms) | TTFT p50 / p90 (ms) | gaps |",
-             "| ---: | --- | --- | --- | ---: |"]
+             "| `--max-num-batched-tokens` | prompts every | arm | ITL p50 / p99 / p99.9 / max (ms) | "
+             "TTFT p50 / p90 (ms) | gaps |",
+             "| ---: | ---: | --- | --- | --- | ---: |"]
     for run in record["runs"]:
         for arm, a in run["arms"].items():
             itl, ttft = a["itl_ms"], a["ttft_ms"]
-            lines.append(f"| {run['max_num_batched_tokens']:,} | {arm} | {itl['p50']:,.0f} / {itl['p99']:,.0f} / "
+            lines.append(f"| {run['max_num_batched_tokens']:,} | {interval(run, cfg):g} s | {arm} | "
+                         f"{itl['p50']:,.0f} / {itl['p99']:,.0f} / "
                          f"{itl['p99.9']:,.0f} / {itl['max']:,.0f} | {ttft['p50']:,.0f} / {ttft['p90']:,.0f} | "
                          f"{a['num_gaps']:,} |")
     lines.append("")
     for run in record["runs"]:
         r, t = run["ratios"], run["transfer"]
         loop, load = t.get("loopback", {}), run["load_average_1m"]
-        lines += [f"- budget {run['max_num_batched_tokens']:,} (load average {load['start']} to {load['end']}): "
+        lines += [f"- budget {run['max_num_batched_tokens']:,}, prompts every {interval(run, cfg):g} s (load average "
+                  f"{load['start']} to {load['end']}): "
                   f"PD / colocated ITL p99 **{r['itl_p99']:.2f}x** (target ≤ 0.5x: {met(r['itl_p99'] <= 0.5)}), "
                   f"p99.9 {r['itl_p99.9']:.2f}x; TTFT p50 **{r['ttft_p50']:.2f}x** (target ≤ 1.3x: "
                   f"{met(r['ttft_p50'] <= 1.3)}), p90 {r['ttft_p90']:.2f}x; median of the rounds' paired ratios: ITL "
