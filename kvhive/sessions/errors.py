@@ -1,0 +1,41 @@
+"""The kinds of session errors: a request about a session (or a stored response) that cannot be served.
+
+A domain error names its kind by its class and its reason by ``code``; the server maps each kind
+to an HTTP status in one place (``kvhive/server/errors.py``).
+"""
+
+from __future__ import annotations
+
+
+class SessionError(Exception):
+    """A request about a session (or a stored response) that cannot be served: its kind is the
+    subclass; ``code`` and ``param`` name the reason and the field (the server maps kinds to statuses)."""
+
+    def __init__(self, message: str, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.param = param
+
+
+class SessionInvalid(SessionError):
+    """The request names a session wrongly: a malformed id or TTL, another model's session."""
+
+
+class SessionNotFound(SessionError):
+    """No such live session (or stored response) for this caller: unknown, expired, deleted or another key's."""
+
+
+class SessionBusy(SessionError):
+    """The session is running another turn; nothing changed."""
+
+
+class SessionLimit(SessionError):
+    """A limit (sessions per key, KV per key, the keeper tier, responses per conversation) refuses it."""
+
+
+def not_found(session_id: str) -> SessionNotFound:
+    """An id that is unknown, expired, deleted or another key's."""
+    return SessionNotFound(f"Session '{session_id}' does not exist (unknown, expired or deleted)",
+                           "session_not_found", "x-session-id")
+
