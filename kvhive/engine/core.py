@@ -3,27 +3,23 @@
 ``LLMEngine`` is synchronous: ``step()`` asks the scheduler for a ``StepPlan``, hands it to the
 runner, and feeds the ``StepResult`` back. Beside it: ``async_engine.py`` (``AsyncEngine`` runs
 ``step()`` on one loop thread), ``client.py`` (the server's narrow view of it), ``stats.py`` (the
-stats snapshot types).
+stats snapshot types), ``assembly.py`` (how its parts are built from the config), ``holdings.py``
+(what the store tiers hold for it: session pins, block counts by tier).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from kvhive.config import EngineConfig
-from kvhive.core.blocks import root_hash
+from kvhive.engine import assembly
 from kvhive.engine.cache_reset import CacheReset, reset_caches
-from kvhive.engine.scheduler import Scheduler, TierSessionCopy
+from kvhive.engine.holdings import TierHoldings
 from kvhive.engine.stats import ConnectorCounters, EngineStats, TierBudget
 from kvhive.engine.step import StepPlan, StepResult, TokenLogprobs
-from kvhive.kv.events_config import KVEventsConfig
-from kvhive.kv.window_group import fit_kv_budget, window_layout_for
+from kvhive.kv.window_group import fit_kv_budget
 from kvhive.request import FinishReason, Request, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -32,8 +28,6 @@ logger = logging.getLogger(__name__)
 # AsyncEngine loop stops): each failed step fails only its own requests, but a model that fails
 # every step is broken, and the process should exit for a supervisor to restart it.
 MAX_FAILED_STEPS_IN_ROW = 3
-# How long a metrics read waits for a network tier (Redis) before reusing its previous answer.
-NETWORK_STATS_WAIT_S = 0.25
 
 
 class RequestFailed(RuntimeError):
@@ -67,51 +61,14 @@ class RequestOutput:
     output_time: float = 0.0
 
 
-def _kernel_isa(config: EngineConfig) -> str | None:
-    """The ISA level the CPU kernels run at (ValueError naming what the CPU lacks); None off the CPU."""
-    if not config.on_cpu:
-        return None
-    from kvhive.model import cpu
-
-    cpu.check_dtype(config.dtype, config.device)
-    features = cpu.detect()
-    isa = features.level(config.cpu_isa)
-    logger.info("CPU: %s; kernels for %s%s", features.describe(), isa,
-                "" if config.cpu_isa == "auto" else " (forced by --cpu-isa)")
-    return isa
-
-
-def _load_model(config: EngineConfig, isa: str | None):
-    """The model ``config.model_path`` names, loaded for the config's dtype, device and kernels."""
-    from kvhive.model.loader import load_model
-
-    started = time.perf_counter()
-    loaded = load_model(config.model_path, dtype=config.dtype, device=config.device,
-                        quantized_matmul=config.quantized_matmul, isa=isa)
-    logger.info("loaded %s (%s, %s) in %.1f s", os.path.basename(config.model_path.rstrip("/")),
-                config.dtype, config.device, time.perf_counter() - started)
-    return loaded
-
-
-def _thread_governor(config: EngineConfig):
-    """A ThreadGovernor sizing torch's thread team, with ``adaptive_threads`` on the CPU; else None."""
-    if not (config.adaptive_threads and config.on_cpu):
-        return None
-    import torch
-
-    from kvhive.model.threads import ThreadGovernor
-
-    return ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
-
-
 class LLMEngine:
     """Loads a model and tokenizer, and runs scheduler steps through the model runner."""
 
     def __init__(self, config: EngineConfig, loaded=None, tokenizer=None, store=None) -> None:
         """``store`` (a TieredStore) replaces the tiers ``config.store`` describes; the engine closes it."""
-        self.isa = _kernel_isa(config)
+        self.isa = assembly.kernel_isa(config)
         if loaded is None:
-            loaded = _load_model(config, self.isa)
+            loaded = assembly.load_model(config, self.isa)
         if tokenizer is None:
             from kvhive.core.tokenizer import Tokenizer
 
@@ -127,86 +84,35 @@ class LLMEngine:
         self.num_blocks = config.cache.num_blocks
         self.block_bytes = config.kv_bytes_per_block(loaded.config)
         self.store = self.connector_scheduler = self.connector_worker = None
-        self._network_stats: ThreadPoolExecutor | None = None    # asks a network tier for metrics
-        self._network_stats_lock = threading.Lock()
-        self._network_counts: dict[str, int] = {}               # its last answers, by tier name
-        self._pin_thread: ThreadPoolExecutor | None = None       # applies pins with a network tier
         if config.store.enabled or store is not None:
-            self._build_connector(loaded, store, self.block_bytes)
+            self.store, self.connector_scheduler, self.connector_worker = assembly.build_connector(
+                config, loaded, store, self.block_bytes)
+        self.holdings = TierHoldings(self.store, None if self.store is None else self.connector_scheduler.key_space)
         # The halves the scheduler and the runner use: disaggregation's around the offload ones.
         self.scheduler_half, self.worker_half = self.connector_scheduler, self.connector_worker
-        self.disagg = self._build_disagg(loaded) if config.kv_transfer.disaggregated else None
-        self.runner = self._build_runner(loaded)
+        self.disagg = None
+        if config.kv_transfer.disaggregated:
+            self.disagg = assembly.build_disagg(config, loaded, self.connector_scheduler, self.connector_worker,
+                                                self.store, lambda hashes: self.scheduler.count_cached_blocks(hashes))
+            self.scheduler_half, self.worker_half = self.disagg
+        self.runner = assembly.build_runner(config, loaded, self.num_blocks, self.worker_half, self.isa)
         self.paths = {**loaded.model.paths(), **self.runner.paths()}
         logger.info("paths: %s", "; ".join(f"{op} {path}" for op, path in self.paths.items()))
-        self.threads = _thread_governor(config)
+        self.threads = assembly.thread_governor(config)
         # Prompt logprobs of requests that asked, gathered chunk by chunk until their first output.
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         # Requests queued and not scheduled yet: the step that first schedules one stamps it.
         self._unscheduled: dict[str, Request] = {}
         self.num_failed_steps_in_row = 0
-        self.scheduler = self._build_scheduler(loaded)
+        self._session_copy = assembly.session_copy(self.store, self.connector_scheduler, self.connector_worker)
+        self.scheduler = assembly.build_scheduler(config, loaded, self.num_blocks, self.scheduler_half,
+                                                  self._session_copy, self.runner.window)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) or loaded.config.eos_token_ids
         self.publisher = None
         events = config.kv_events_settings()
         if events is not None and events.active:
-            self.publisher = self._open_publisher(events)
-
-    def _open_publisher(self, events: KVEventsConfig):
-        """The KV-event publisher: AllBlocksCleared first (the pool starts empty), then the blocks the
-        store tiers hold and, from then on, the device pool's and the tiers' changes."""
-        from kvhive.kv.events_config import open_publisher
-        from kvhive.kv.tier_events import TierEventForwarder
-
-        publisher = open_publisher(events, self.config.served_model_name)
-        publisher.publish_cleared()
-        self.scheduler.kv.enable_events()
-        if self.store is not None:
-            self.store.send_events_to(TierEventForwarder(publisher, self.config.cache.block_size),
-                                      self.connector_scheduler.key_space.prefix)
-        return publisher
-
-    def _build_runner(self, loaded):
-        """The model runner over a KV pool of ``num_blocks`` blocks (and the connector's worker half)."""
-        from kvhive.engine.runner import ModelRunner
-
-        config, started = self.config, time.perf_counter()
-        runner = ModelRunner(loaded.model, loaded.config, num_blocks=self.num_blocks,
-                             block_size=config.cache.block_size, dtype=config.dtype,
-                             device=config.device, native_attention=config.native_attention,
-                             connector=self.worker_half, cuda_graphs=not config.enforce_eager,
-                             max_num_seqs=config.scheduler.max_num_seqs, isa=self.isa,
-                             window=window_layout_for(loaded.config, config, config.kv_transfer.disaggregated))
-        logger.info("KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB %s on %s) in %.1f s", self.num_blocks,
-                    config.cache.block_size, self.num_blocks * config.cache.block_size, runner.pool_bytes() / 2**30,
-                    config.dtype, config.device, time.perf_counter() - started)
-        return runner
-
-    def _build_scheduler(self, loaded) -> Scheduler:
-        """The scheduler over the device pool; with store tiers it spills sessions they hold copies of."""
-        cache = self.config.cache
-        self._session_copy = None
-        if self.store is not None:
-            self._session_copy = TierSessionCopy(self.store, self.connector_scheduler.key_space,
-                                                 self.connector_worker.is_saving)
-        return Scheduler(self.config.scheduler, cache, self.num_blocks,
-                         root_hash(cache.hash_seed, loaded.fingerprint),
-                         connector=self.scheduler_half, session_copy=self._session_copy,
-                         window=self.runner.window)
-
-    def _build_disagg(self, loaded):
-        """Both disaggregation halves for ``--kv-role`` around the offload connector (or none)."""
-        from kvhive.connector.disagg.build import build_disagg, leading_held
-        from kvhive.connector.offload import KV_LAYOUT_VERSION
-        from kvhive.store.key import KeySpace
-
-        key_space = KeySpace(loaded.fingerprint, KV_LAYOUT_VERSION, self.config.dtype, self.config.cache.block_size)
-        root = root_hash(self.config.cache.hash_seed, loaded.fingerprint)
-        halves = build_disagg(self.config.kv_transfer, key_space, root, loaded.config.num_layers,
-                              self.connector_scheduler, self.connector_worker, self.store,
-                              lambda hashes: leading_held(self.scheduler.count_cached_blocks, hashes))
-        self.scheduler_half, self.worker_half = halves
-        return halves
+            self.publisher = assembly.open_publisher(events, config, self.scheduler, self.store,
+                                                     self.connector_scheduler)
 
     def runtime_info(self) -> dict:
         """What this engine runs on and which implementation each op takes (``GET /version``)."""
@@ -218,24 +124,6 @@ class LLMEngine:
         return {"device": self.config.device, "dtype": self.config.dtype, "cpu": cpu_line,
                 "cpu_isa": self.isa, "paths": dict(self.paths)}
 
-    def _build_connector(self, loaded, store, block_bytes: int) -> None:
-        """The store tiers and both halves of the offload connector over them."""
-        from kvhive.connector.offload import KV_LAYOUT_VERSION, OffloadScheduler
-        from kvhive.connector.offload_worker import OffloadWorker
-        from kvhive.sessions.durable import DurableState
-        from kvhive.store.key import KeySpace
-
-        started = time.perf_counter()
-        if store is None:
-            store = DurableState(self.config.store, self.config.served_model_name).tiered_store()
-        self.store = store
-        logger.info("KV tiers: %s opened in %.1f s", ", ".join(t.name for t in self.store.tiers),
-                    time.perf_counter() - started)
-        key_space = KeySpace(loaded.fingerprint, KV_LAYOUT_VERSION, self.config.dtype,
-                             self.config.cache.block_size)
-        self.connector_scheduler = OffloadScheduler(self.store, key_space, block_bytes)
-        self.connector_worker = OffloadWorker(self.store)
-
     def count_device_blocks(self, block_hashes) -> int:
         """How many of these blocks the device prefix cache holds; loop thread only (it reads the pool)."""
         return self.scheduler.count_cached_blocks(block_hashes)
@@ -245,19 +133,12 @@ class LLMEngine:
 
         Safe from any thread (touches only the store tiers, which are thread-safe).
         """
-        if self.store is None or not block_hashes:
-            return {}
-        return self.store.count_by_tier(self.connector_scheduler.key_space.keys(block_hashes))
+        return self.holdings.count_tier_blocks(block_hashes)
 
     def keeper_budget(self) -> TierBudget | None:
         """The tier that keeps pinned session blocks and its byte budget; None without store tiers
         or when that tier has no budget of its own (Redis: its own memory limit applies). Any thread."""
-        store = self.store
-        if store is None:
-            return None
-        tier = store.tiers[store.keeper]
-        budget = tier.store.stats().budget_bytes
-        return None if budget is None else TierBudget(tier.name, budget)
+        return self.holdings.keeper_budget()
 
     def reset_prefix_cache(self, reset_external: bool = False) -> CacheReset:
         """Drop the cached blocks nobody holds (``reset_external``: also the local store tiers'
@@ -278,67 +159,22 @@ class LLMEngine:
         With a network tier (Redis) the pins are applied on a helper thread, in call order, so the
         caller (the HTTP event loop) never waits on the network.
         """
-        store = self.store
-        if store is not None:
-            keys = self.connector_scheduler.key_space.keys(block_hashes)
-            self._apply_pins(lambda: store.pin_session(session_id, keys))
+        self.holdings.pin_session(session_id, block_hashes)
 
     def unpin_session(self, session_id: str) -> None:
         """Let the store tiers evict the session's blocks (those no other session pins); any thread."""
-        store = self.store
-        if store is not None:
-            self._apply_pins(lambda: store.unpin_session(session_id))
-
-    def _apply_pins(self, change) -> None:
-        """Run a pin change now, or on the pin thread (in order) when a tier is on the network."""
-        if not self.store.has_network_tier:
-            change()
-            return
-        with self._network_stats_lock:
-            if self._pin_thread is None:
-                self._pin_thread = ThreadPoolExecutor(1, thread_name_prefix="kvhive-tier-pins")
-            self._pin_thread.submit(change)
+        self.holdings.unpin_session(session_id)
 
     def pinned_blocks_by_tier(self) -> dict[str, int]:
         """How many of the distinct blocks live sessions pin each store tier holds; any thread.
 
         A network tier (Redis) is asked on a helper thread, waited for at most
         NETWORK_STATS_WAIT_S (then its previous answer stands); while it is down it holds 0."""
-        store = self.store
-        if store is None:
-            return {}
-        keys = store.pinned_keys()
-        counts = {}
-        for index, name in enumerate(store.tier_names):
-            available = store.tier_available(index)
-            if available is None:
-                counts[name] = store.count_in_tier(index, keys)
-            elif not available or not keys:
-                counts[name] = 0
-            else:
-                counts[name] = self._network_count(name, index, keys)
-        return counts
-
-    def _network_count(self, name: str, tier_index: int, keys) -> int:
-        """``store.count_in_tier(tier_index, keys)`` from a helper thread, or the last answer when slow."""
-        store = self.store
-        with self._network_stats_lock:
-            if self._network_stats is None:
-                self._network_stats = ThreadPoolExecutor(1, thread_name_prefix="kvhive-tier-stats")
-            future = self._network_stats.submit(lambda: store.count_in_tier(tier_index, keys))
-        try:
-            count = future.result(timeout=NETWORK_STATS_WAIT_S)
-        except FutureTimeout:
-            return self._network_counts.get(name, 0)
-        self._network_counts[name] = count
-        return count
+        return self.holdings.pinned_blocks_by_tier()
 
     def close(self) -> None:
         """Flush and close the KV-event publisher; finish KV saves and close the store tiers."""
-        for helper in (self._pin_thread, self._network_stats):
-            if helper is not None:
-                helper.shutdown(wait=True)
-        self._pin_thread = self._network_stats = None
+        self.holdings.close()
         if self.publisher is not None:
             self.publisher.close()
             self.publisher = None

@@ -286,7 +286,7 @@ def _cpu_payloads(engine: LLMEngine) -> list[bytes]:
 @pytest.mark.parametrize("family", GEMMAS)
 def test_tier_objects_are_those_of_a_one_pool_engine(saved, tokenizer, monkeypatch, family: str) -> None:
     """The two-pool engine writes each block as a one-pool engine does: every layer in layer order."""
-    import kvhive.engine.core as engine_core
+    import kvhive.engine.assembly as engine_assembly
 
     _, path, reference = saved[family]
     loaded = load_model(path)
@@ -294,7 +294,7 @@ def test_tier_objects_are_those_of_a_one_pool_engine(saved, tokenizer, monkeypat
     payloads = {}
     for pools in ("two", "one"):
         if pools == "one":
-            monkeypatch.setattr(engine_core, "window_layout_for", lambda *args: None)
+            monkeypatch.setattr(engine_assembly, "window_layout_for", lambda *args: None)
         engine = _engine(loaded, tokenizer, num_blocks=8, store=store, chunk=64)
         try:
             assert (engine.runner.window is not None) == (pools == "two")

@@ -1,0 +1,138 @@
+"""How an engine is put together: the kernels' ISA, the model, the KV tiers and connector halves,
+the runner, the scheduler and the KV-event publisher, each built from the resolved config.
+
+``LLMEngine`` calls these in order (connector, disaggregation, runner, scheduler, publisher) and
+holds what they return; none of them keeps state of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+
+from kvhive.config import EngineConfig
+from kvhive.core.blocks import root_hash
+from kvhive.engine.scheduler import Scheduler, TierSessionCopy
+from kvhive.kv.events_config import KVEventsConfig
+from kvhive.kv.window_group import window_layout_for
+
+logger = logging.getLogger(__name__)
+
+
+def kernel_isa(config: EngineConfig) -> str | None:
+    """The ISA level the CPU kernels run at (ValueError naming what the CPU lacks); None off the CPU."""
+    if not config.on_cpu:
+        return None
+    from kvhive.model import cpu
+
+    cpu.check_dtype(config.dtype, config.device)
+    features = cpu.detect()
+    isa = features.level(config.cpu_isa)
+    logger.info("CPU: %s; kernels for %s%s", features.describe(), isa,
+                "" if config.cpu_isa == "auto" else " (forced by --cpu-isa)")
+    return isa
+
+
+def load_model(config: EngineConfig, isa: str | None):
+    """The model ``config.model_path`` names, loaded for the config's dtype, device and kernels."""
+    from kvhive.model.loader import load_model as load
+
+    started = time.perf_counter()
+    loaded = load(config.model_path, dtype=config.dtype, device=config.device,
+                  quantized_matmul=config.quantized_matmul, isa=isa)
+    logger.info("loaded %s (%s, %s) in %.1f s", os.path.basename(config.model_path.rstrip("/")),
+                config.dtype, config.device, time.perf_counter() - started)
+    return loaded
+
+
+def thread_governor(config: EngineConfig):
+    """A ThreadGovernor sizing torch's thread team, with ``adaptive_threads`` on the CPU; else None."""
+    if not (config.adaptive_threads and config.on_cpu):
+        return None
+    import torch
+
+    from kvhive.model.threads import ThreadGovernor
+
+    return ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
+
+
+def build_connector(config: EngineConfig, loaded, store, block_bytes: int) -> tuple:
+    """The store tiers (``store``, else those ``config.store`` describes) and both halves of the
+    offload connector over them: ``(store, scheduler half, worker half)``."""
+    from kvhive.connector.offload import KV_LAYOUT_VERSION, OffloadScheduler
+    from kvhive.connector.offload_worker import OffloadWorker
+    from kvhive.sessions.durable import DurableState
+    from kvhive.store.key import KeySpace
+
+    started = time.perf_counter()
+    if store is None:
+        store = DurableState(config.store, config.served_model_name).tiered_store()
+    logger.info("KV tiers: %s opened in %.1f s", ", ".join(t.name for t in store.tiers),
+                time.perf_counter() - started)
+    key_space = KeySpace(loaded.fingerprint, KV_LAYOUT_VERSION, config.dtype, config.cache.block_size)
+    return store, OffloadScheduler(store, key_space, block_bytes), OffloadWorker(store)
+
+
+def build_disagg(config: EngineConfig, loaded, connector_scheduler, connector_worker, store,
+                 count_cached: Callable[[Sequence[bytes]], int]):
+    """Both disaggregation halves for ``--kv-role`` around the offload connector (or none);
+    ``count_cached`` counts the blocks the device prefix cache holds."""
+    from kvhive.connector.disagg.build import build_disagg as build
+    from kvhive.connector.disagg.build import leading_held
+    from kvhive.connector.offload import KV_LAYOUT_VERSION
+    from kvhive.store.key import KeySpace
+
+    key_space = KeySpace(loaded.fingerprint, KV_LAYOUT_VERSION, config.dtype, config.cache.block_size)
+    root = root_hash(config.cache.hash_seed, loaded.fingerprint)
+    return build(config.kv_transfer, key_space, root, loaded.config.num_layers, connector_scheduler,
+                 connector_worker, store, lambda hashes: leading_held(count_cached, hashes))
+
+
+def build_runner(config: EngineConfig, loaded, num_blocks: int, worker_half, isa: str | None):
+    """The model runner over a KV pool of ``num_blocks`` blocks (and the connector's worker half)."""
+    from kvhive.engine.runner import ModelRunner
+
+    started = time.perf_counter()
+    runner = ModelRunner(loaded.model, loaded.config, num_blocks=num_blocks,
+                         block_size=config.cache.block_size, dtype=config.dtype,
+                         device=config.device, native_attention=config.native_attention,
+                         connector=worker_half, cuda_graphs=not config.enforce_eager,
+                         max_num_seqs=config.scheduler.max_num_seqs, isa=isa,
+                         window=window_layout_for(loaded.config, config, config.kv_transfer.disaggregated))
+    logger.info("KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB %s on %s) in %.1f s", num_blocks,
+                config.cache.block_size, num_blocks * config.cache.block_size, runner.pool_bytes() / 2**30,
+                config.dtype, config.device, time.perf_counter() - started)
+    return runner
+
+
+def session_copy(store, connector_scheduler, connector_worker) -> TierSessionCopy | None:
+    """Where the store tiers hold a copy of a session's blocks (None without tiers)."""
+    if store is None:
+        return None
+    return TierSessionCopy(store, connector_scheduler.key_space, connector_worker.is_saving)
+
+
+def build_scheduler(config: EngineConfig, loaded, num_blocks: int, scheduler_half,
+                    copy: TierSessionCopy | None, window) -> Scheduler:
+    """The scheduler over the device pool; with store tiers it spills sessions they hold copies of."""
+    cache = config.cache
+    return Scheduler(config.scheduler, cache, num_blocks, root_hash(cache.hash_seed, loaded.fingerprint),
+                     connector=scheduler_half, session_copy=copy, window=window)
+
+
+def open_publisher(events: KVEventsConfig, config: EngineConfig, scheduler: Scheduler, store,
+                   connector_scheduler):
+    """The KV-event publisher: AllBlocksCleared first (the pool starts empty), then the blocks the
+    store tiers hold and, from then on, the device pool's and the tiers' changes."""
+    from kvhive.kv.events_config import open_publisher as open_events
+    from kvhive.kv.tier_events import TierEventForwarder
+
+    publisher = open_events(events, config.served_model_name)
+    publisher.publish_cleared()
+    scheduler.kv.enable_events()
+    if store is not None:
+        store.send_events_to(TierEventForwarder(publisher, config.cache.block_size),
+                             connector_scheduler.key_space.prefix)
+    return publisher
