@@ -28,14 +28,15 @@ def _drive(engine, rid):
     return tokens, cached
 
 
-def _pd(prefill, decode, rid, prompt, port=None, prefill_cached=False):
+def _pd(prefill, decode, rid, prompt, port=None, prefill_cached=False, salts=(None, None)):
     """Prefill ``prompt`` on one engine (first token), then decode it on the other; decode's tokens
-    and cached count (told the prefill's cached count when ``prefill_cached``)."""
+    and cached count (told the prefill's cached count when ``prefill_cached``). ``salts``: each
+    side's cache salt."""
     port = port or decode.disagg.worker.receiver.port
-    prefill.add_request(rid, prompt, FIRST, kv_transfer=KVTransferParams(
+    prefill.add_request(rid, prompt, FIRST, cache_salt=salts[0], kv_transfer=KVTransferParams(
         rid, do_remote_decode=True, decode_endpoint=("127.0.0.1", port)))
     first, reused = _drive(prefill, rid)
-    decode.add_request(rid, prompt, GREEDY, kv_transfer=KVTransferParams(
+    decode.add_request(rid, prompt, GREEDY, cache_salt=salts[1], kv_transfer=KVTransferParams(
         rid, do_remote_prefill=True, prefill_cached_tokens=reused if prefill_cached else 0))
     tokens, cached = _drive(decode, rid)
     assert tokens[:1] == first
@@ -96,6 +97,19 @@ def test_the_decode_engine_computes_only_the_last_prompt_token(engines):
     counters = decode.disagg.worker.counters
     assert counters.received_blocks == 1 + 4 and counters.recomputed_blocks == 0
     decode.scheduler.kv.pool.check_integrity()
+
+
+def test_a_partial_first_block_carries_the_tenant_salt(engines):
+    """A prompt shorter than a block travels as one partial block named with the salt: the same
+    tenant's decode uses it; a decode request under another salt computes the prompt itself."""
+    single, prefill, decode = engines
+    prompt = [23, 5, 77]
+    want = run(single, {"x": prompt})["x"][0]
+    counters = decode.disagg.worker.counters
+    assert _pd(prefill, decode, "same", prompt, salts=("tenant-a", "tenant-a"))[0] == want
+    assert counters.received_blocks == 1 and counters.recomputed_blocks == 0
+    assert _pd(prefill, decode, "other", prompt, salts=("tenant-a", "tenant-b"))[0] == want
+    assert counters.received_blocks == 1 and counters.recomputed_blocks == 1     # refused, computed
 
 
 def test_blocks_the_decode_engine_holds_are_not_sent(engines):
