@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from kvhive.router.config import ROUTING_POLICIES, GatewayConfig, ReplicaSpec
-from kvhive.router.scorer import SCORERS, RoutingWeights, TierWeights
+from kvhive.router.scorer import SCORERS, RoutingWeights, TierWeights, weight_problem
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +174,22 @@ def parse_tier_weights(text: str) -> TierWeights:
     return TierWeights(**values)
 
 
+# The flag that sets each RoutingWeights field (its errors name the flag).
+WEIGHT_FLAGS = {"cache": "--cache-weight", "load": "--load-weight", "kv_usage": "--kv-usage-weight",
+                "waiting_factor": "--waiting-factor", "min_share": "--min-cached-share"}
+
+
+def routing_weights(args: argparse.Namespace) -> RoutingWeights:
+    """The scoring weights from their flags; ValueError naming the flag of a value out of range."""
+    values = {"cache": args.cache_weight, "load": args.load_weight, "kv_usage": args.kv_usage_weight,
+              "waiting_factor": args.waiting_factor, "min_share": args.min_cached_share}
+    for name, value in values.items():
+        problem = weight_problem(name, value)
+        if problem is not None:
+            raise ValueError(f"{WEIGHT_FLAGS[name]} {problem}")
+    return RoutingWeights(**values)
+
+
 def build_gateway_config(args: argparse.Namespace) -> GatewayConfig:
     """Parsed ``gateway`` flags as a validated GatewayConfig (the fingerprint may still be None)."""
     return GatewayConfig(
@@ -187,8 +203,7 @@ def build_gateway_config(args: argparse.Namespace) -> GatewayConfig:
         hash_seed=0 if args.hash_seed is None else args.hash_seed,
         model_fingerprint=args.model_fingerprint or "", scorer=args.scorer, policy=args.policy,
         tiers=parse_tier_weights(args.tier_weights),
-        weights=RoutingWeights(args.cache_weight, args.load_weight, args.kv_usage_weight,
-                               args.waiting_factor, args.min_cached_share),
+        weights=routing_weights(args),
         health_interval_s=args.health_interval, failures_to_drop=args.failures_to_drop,
         salt_with_api_key=args.salt_with_api_key, max_request_bytes=args.max_request_bytes)
 

@@ -136,10 +136,18 @@ class RoutingWeights:
 
     def __post_init__(self) -> None:
         for name in ("cache", "load", "kv_usage", "waiting_factor", "min_share"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"routing weight {name} must be >= 0, got {getattr(self, name)}")
-        if self.min_share > 1:
-            raise ValueError(f"routing weight min_share must be <= 1, got {self.min_share}")
+            problem = weight_problem(name, getattr(self, name))
+            if problem is not None:
+                raise ValueError(f"routing weight {name} {problem}")
+
+
+def weight_problem(name: str, value: float) -> str | None:
+    """What is wrong with ``value`` for RoutingWeights field ``name`` ("must be >= 0, got -1"), or None."""
+    if value < 0:
+        return f"must be >= 0, got {value}"
+    if name == "min_share" and value > 1:
+        return f"must be <= 1, got {value}"
+    return None
 
 
 @dataclass(frozen=True)

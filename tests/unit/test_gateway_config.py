@@ -37,6 +37,11 @@ def test_replica_flags_and_gateway_config() -> None:
     with pytest.raises(ValueError):
         parse_tier_weights("GPU=x")
     assert run_gateway(parser.parse_args([])) == 2          # no replica: a clear error, no traceback
+    assert build_gateway_config(parser.parse_args(["--replica", "http://a:1", "--min-cached-share", "0.2"])) \
+        .weights.min_share == 0.2
+    for flag, value in (("--min-cached-share", "1.5"), ("--load-weight", "-1"), ("--waiting-factor", "-2")):
+        with pytest.raises(ValueError, match=f"^{flag} must be"):
+            build_gateway_config(parser.parse_args(["--replica", "http://a:1", flag, value]))
 
 
 def test_load_from_prometheus_text_and_error_shapes() -> None:
