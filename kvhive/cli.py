@@ -19,10 +19,6 @@ from kvhive.config import CPU_ISAS, EngineConfig
 from kvhive.core.registry import RegistrationConfig
 from kvhive.serve_args import AUTO_SPIN_COUNT, add_serve_args, build_engine_config, build_registration
 
-# The gateway's flags (kvhive/router/cli.py) take these two from here.
-from kvhive.serve_args import LOG_LEVELS as LOG_LEVELS
-from kvhive.serve_args import port_number as port_number
-
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the description's and epilog's line breaks and ends each option's help with its default

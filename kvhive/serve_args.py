@@ -59,7 +59,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     _add_server_args(p)
     _add_registration_args(p)
     _add_performance_args(p)
-    _add_logging_args(p)
+    add_logging_args(p)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -229,8 +229,8 @@ def _add_performance_args(p: argparse.ArgumentParser) -> None:
                         "engine starts) (default: off)")
 
 
-def _add_logging_args(p: argparse.ArgumentParser) -> None:
-    """Add the options of log verbosity."""
+def add_logging_args(p: argparse.ArgumentParser) -> None:
+    """Add the options of log verbosity (``serve`` and ``gateway`` alike)."""
     g = p.add_argument_group("logging")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log verbosity")
 

@@ -41,13 +41,15 @@ examples:
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
-    """Add the ``gateway`` flags to ``p``, in argument groups."""
+    """Add the ``gateway`` flags to ``p``, in argument groups (the logging group is ``serve``'s)."""
+    from kvhive.serve_args import add_logging_args
+
     _add_replica_args(p)
     _add_block_key_args(p)
     _add_index_args(p)
     _add_routing_args(p)
     _add_server_args(p)
-    _add_logging_args(p)
+    add_logging_args(p)
 
 
 def _add_replica_args(p: argparse.ArgumentParser) -> None:
@@ -142,7 +144,7 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
     """Add the "server" group to ``p``: the address to listen on and the largest body read."""
-    from kvhive.cli import port_number
+    from kvhive.serve_args import port_number
 
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
@@ -150,14 +152,6 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-bytes", type=int, default=32 * 2**20, metavar="N",
                    help="largest request body in bytes the gateway reads (it holds each body in memory "
                         "to forward it); a larger one is refused with 413 (default: 32 MiB)")
-
-
-def _add_logging_args(p: argparse.ArgumentParser) -> None:
-    """Add the "logging" group to ``p``."""
-    from kvhive.cli import LOG_LEVELS
-
-    g = p.add_argument_group("logging")
-    g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log verbosity")
 
 
 def parse_tier_weights(text: str) -> TierWeights:
