@@ -113,16 +113,16 @@ class ResponsesAPI:
     # ------------------------------------------------------------ sessions
 
     async def open_session(self, raw_request: Request, body: ResponsesRequest, conversation_id: str,
-                           num_tokens: int) -> tuple[SessionTurn, Session | None]:
+                           num_tokens: int) -> tuple[SessionTurn, Session]:
         """The turn of the conversation's session, busy with this request (created when it has
-        none), and the session; a continuation whose session is busy with another request gets
-        ``NO_TURN`` (it runs beside the session) and the session, whose expiry it is stored under."""
+        none), and the session; a request whose session is busy with another (only a continuation
+        can find it so) gets ``NO_TURN``, running beside the session, and the session, whose expiry
+        it is stored under."""
         owner = self.service.owner_of(raw_request)
         self.store.check_room(conversation_id, owner)
-        continuation = body.previous_response_id is not None
         try:
             turn = await self.service.open_session(raw_request, body.model, num_tokens,
-                                                   conversation_id=conversation_id, wait_if_busy=not continuation)
+                                                   conversation_id=conversation_id, wait_if_busy=False)
         except SessionBusy:
             with contextlib.suppress(SessionNotFound):      # ended meanwhile: open it again below
                 return NO_TURN, await self.sessions.find(conversation_id, owner)
