@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 
 import msgpack
 import numpy as np
@@ -114,6 +115,29 @@ def test_a_frame_with_a_bad_header_checksum_is_a_wire_error():
     with pytest.raises(WireError, match="checksum"):
         recv_frame(b)
     a.close(), b.close()
+
+
+@pytest.mark.parametrize("kernel_deadline", [True, False])
+def test_a_frame_arrives_whole_with_or_without_a_kernel_deadline(monkeypatch, kernel_deadline):
+    """With the kernel's receive deadline a body arrives in one MSG_WAITALL call; a socket that
+    refuses it keeps Python's timeout and reads segment by segment, to the same frame."""
+    from kvhive.connector.disagg import wire
+
+    if not kernel_deadline:
+        monkeypatch.delattr(socket, "SO_RCVTIMEO", raising=False)
+    a, b = socket.socketpair()
+    wire.blocking_with_deadline(b, 2.0)
+    assert (b.gettimeout() is None) is kernel_deadline
+    body = [bytes(range(256)) * 4096, b"tail"]          # 1 MB: more than the socket buffers hold
+    sender = threading.Thread(target=send_frame, args=(a, {"type": "layer"}, body))
+    sender.start()
+    header, got = wire.recv_frame(b)
+    sender.join()
+    assert header["type"] == "layer" and bytes(got) == b"".join(body)
+    a.close()
+    with pytest.raises(WireError, match="ended"):
+        wire.recv_frame(b)
+    b.close()
 
 
 @pytest.mark.parametrize("raw, field", [
