@@ -36,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -94,24 +95,35 @@ def create_response(client: httpx.Client, context: str) -> str:
     return r.json()["id"]
 
 
-def follow_up(client: httpx.Client, previous: str, question: str) -> dict[str, object]:
-    """Stream a follow-up of response ``previous`` (not stored: questions about one context run at
-    once, and a stored follow-up would take the conversation's session, one request at a time)."""
-    body = {"model": MODEL, "previous_response_id": previous, "input": question, "max_output_tokens": 2,
-            "temperature": 0, "stream": True, "store": False}
+def timed_stream(client: httpx.Client, path: str, body: dict, is_token: Callable[[dict], bool],
+                 usage_of: Callable[[dict], dict | None]) -> tuple[float | None, dict, str | None]:
+    """Stream ``body`` to ``path``: the time to the first event ``is_token`` accepts, the last usage
+    ``usage_of`` finds in an event, and the replica that answered."""
     start = time.perf_counter()
     ttft, usage = None, {}
-    with client.stream("POST", "/v1/responses", json=body) as response:
+    with client.stream("POST", path, json=body) as response:
         response.raise_for_status()
         replica = response.headers.get("x-kvhive-replica")
         for line in response.iter_lines():
             if not line.startswith("data: {"):
                 continue
             event = json.loads(line[6:])
-            if ttft is None and event.get("type") == "response.output_text.delta":
+            if ttft is None and is_token(event):
                 ttft = time.perf_counter() - start
-            if event.get("type") in ("response.completed", "response.incomplete"):     # incomplete: max_output_tokens
-                usage = event["response"].get("usage") or {}
+            usage = usage_of(event) or usage
+    return ttft, usage, replica
+
+
+def follow_up(client: httpx.Client, previous: str, question: str) -> dict[str, object]:
+    """Stream a follow-up of response ``previous`` (not stored: questions about one context run at
+    once, and a stored follow-up would take the conversation's session, one request at a time)."""
+    body = {"model": MODEL, "previous_response_id": previous, "input": question, "max_output_tokens": 2,
+            "temperature": 0, "stream": True, "store": False}
+    # The usage comes with response.completed, or response.incomplete when max_output_tokens ends it.
+    ttft, usage, replica = timed_stream(
+        client, "/v1/responses", body, lambda e: e.get("type") == "response.output_text.delta",
+        lambda e: e["response"].get("usage") if e.get("type") in ("response.completed", "response.incomplete")
+        else None)
     return {"ttft_s": ttft, "prompt_tokens": usage.get("input_tokens", 0), "replica": replica,
             "cached_tokens": (usage.get("input_tokens_details") or {}).get("cached_tokens", 0)}
 
@@ -120,18 +132,8 @@ def ask(client: httpx.Client, prompt: str) -> dict[str, object]:
     """Stream one completion; its TTFT, prompt and cached tokens, and the replica that answered."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    ttft, usage = None, {}
-    with client.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        replica = response.headers.get("x-kvhive-replica")
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if ttft is None and event.get("choices"):
-                ttft = time.perf_counter() - start
-            usage = event.get("usage") or usage
+    ttft, usage, replica = timed_stream(client, "/v1/completions", body, lambda e: bool(e.get("choices")),
+                                        lambda e: e.get("usage"))
     return {"ttft_s": ttft, "prompt_tokens": usage.get("prompt_tokens", 0), "replica": replica,
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
 
