@@ -53,8 +53,11 @@ class ThreadGovernor:
 
     def __init__(self, max_threads: int, set_threads: Callable[[int], None], interval_s: float = 0.5,
                  cores: int | None = None,
-                 read: Callable[[], tuple[float, int, int] | None] = read_cpu_ticks) -> None:
-        """``read`` gives (seconds, machine busy ticks, own ticks), ``read_cpu_ticks`` by default."""
+                 read: Callable[[], tuple[float, int, int] | None] = read_cpu_ticks,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``read`` gives (seconds, machine busy ticks, own ticks), ``read_cpu_ticks`` by default;
+        ``clock`` is the seconds clock of those readings (checked first, so that a step between
+        readings costs no file read)."""
         self.max_threads = max_threads
         self.threads = max_threads
         self._set_threads = set_threads
@@ -63,12 +66,13 @@ class ThreadGovernor:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.cores = cores
         self._read = read
+        self._clock = clock
         self._last = read()
         self.others = 0.0               # cores other processes used over the last interval
 
     def adjust(self) -> int:
         """Re-size the team if ``interval_s`` has passed since the last reading; the team's size."""
-        if self._last is None:
+        if self._last is None or self._clock() - self._last[0] < self.interval_s:
             return self.threads
         now = self._read()
         if now is None or now[0] - self._last[0] < self.interval_s:

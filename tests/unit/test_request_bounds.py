@@ -92,6 +92,15 @@ def test_a_bad_row_raises_before_any_generator_draws() -> None:
         sample_tokens(torch.stack([logits[0], torch.full((50,), float("-inf"))]), [SamplingParams()] * 2, [None] * 2)
 
 
+def test_masked_and_huge_finite_logits_are_not_bad_rows() -> None:
+    masked = torch.randn(2, 50)
+    masked[1, :49] = float("-inf")                   # a mask that leaves one token
+    assert sample_tokens(masked, [SamplingParams(temperature=0)] * 2, [None] * 2)[1] == 49
+    huge = torch.full((1, 50), 3e38)                 # every value finite, their sum is not
+    huge[0, 7] = 3.3e38
+    assert sample_tokens(huge, [SamplingParams(temperature=0)], [None]) == [7]
+
+
 # ---------------------------------------------------------------- unit: JSON bodies
 
 

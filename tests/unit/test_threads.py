@@ -19,6 +19,7 @@ class FakeClock:
 
     def __init__(self) -> None:
         self.t, self.busy, self.own = 0.0, 0, 0
+        self.reads = 0
 
     def advance(self, seconds: float, others: float, own: float) -> None:
         self.t += seconds
@@ -26,14 +27,19 @@ class FakeClock:
         self.own += round(own * seconds * TICKS)
 
     def __call__(self) -> tuple[float, int, int]:
+        self.reads += 1
         return self.t, self.busy, self.own
+
+    def seconds(self) -> float:
+        return self.t
 
 
 def test_the_team_shrinks_under_a_busy_neighbour_and_grows_back() -> None:
     clock, sizes = FakeClock(), []
-    gov = ThreadGovernor(4, sizes.append, interval_s=0.5, cores=4, read=clock)
+    gov = ThreadGovernor(4, sizes.append, interval_s=0.5, cores=4, read=clock, clock=clock.seconds)
     clock.advance(0.2, others=0.0, own=4.0)
     assert gov.adjust() == 4 and sizes == []            # inside the interval: no reading
+    assert clock.reads == 1                             # only the first, at construction
     clock.advance(0.5, others=1.0, own=3.0)             # one core taken
     assert gov.adjust() == 3 and sizes == [3]
     clock.advance(0.5, others=0.5, own=3.0)             # half a core taken: within the hysteresis
@@ -46,7 +52,7 @@ def test_the_team_shrinks_under_a_busy_neighbour_and_grows_back() -> None:
 
 def test_never_beyond_the_configured_count_nor_below_one() -> None:
     clock = FakeClock()
-    gov = ThreadGovernor(2, lambda n: None, cores=8, read=clock)
+    gov = ThreadGovernor(2, lambda n: None, cores=8, read=clock, clock=clock.seconds)
     clock.advance(1.0, others=0.0, own=2.0)
     assert gov.adjust() == 2
     clock.advance(1.0, others=20.0, own=0.1)
