@@ -79,29 +79,37 @@ def make_contexts(count: int, tokens: int, seed: int) -> list[str]:
     return docs
 
 
-def make_workload(contexts: int, requests: int, zipf: float, seed: int) -> list[tuple[int, str]]:
-    """(context index, question) per request; contexts drawn with Zipf(``zipf``) popularity."""
-    rng = random.Random(seed)
+def make_workload(contexts: int, requests: int, zipf: float, seed: int,
+                  tenants: int = 1) -> list[tuple[int, str, int]]:
+    """(context index, question, tenant) per request; contexts drawn with Zipf(``zipf``) popularity,
+    tenants uniformly (from their own generator: one tenant gives the same contexts and questions)."""
+    rng, tenant_rng = random.Random(seed), random.Random(seed + 1)
     weights = [1 / (rank + 1) ** zipf for rank in range(contexts)]
-    return [(rng.choices(range(contexts), weights)[0], f"\n\nQuestion {i}: what does line {rng.randrange(99)} say?")
-            for i in range(requests)]
+    return [(rng.choices(range(contexts), weights)[0], f"\n\nQuestion {i}: what does line {rng.randrange(99)} say?",
+             tenant_rng.randrange(tenants)) for i in range(requests)]
 
 
-def create_response(client: httpx.Client, context: str) -> str:
+def tenant_key(tenant: int) -> str:
+    """The API key of tenant ``tenant``."""
+    return f"kvhive-bench-tenant-{tenant}"
+
+
+def create_response(client: httpx.Client, context: str, headers: dict[str, str]) -> str:
     """Store ``context`` as a response (one output token); its id."""
     r = client.post("/v1/responses", json={"model": MODEL, "input": context, "max_output_tokens": 1,
-                                           "temperature": 0, "store": True})
+                                           "temperature": 0, "store": True}, headers=headers)
     r.raise_for_status()
     return r.json()["id"]
 
 
-def timed_stream(client: httpx.Client, path: str, body: dict, is_token: Callable[[dict], bool],
+def timed_stream(client: httpx.Client, path: str, body: dict, headers: dict[str, str],
+                 is_token: Callable[[dict], bool],
                  usage_of: Callable[[dict], dict | None]) -> tuple[float | None, dict, str | None]:
     """Stream ``body`` to ``path``: the time to the first event ``is_token`` accepts, the last usage
     ``usage_of`` finds in an event, and the replica that answered."""
     start = time.perf_counter()
     ttft, usage = None, {}
-    with client.stream("POST", path, json=body) as response:
+    with client.stream("POST", path, json=body, headers=headers) as response:
         response.raise_for_status()
         replica = response.headers.get("x-kvhive-replica")
         for line in response.iter_lines():
@@ -114,25 +122,25 @@ def timed_stream(client: httpx.Client, path: str, body: dict, is_token: Callable
     return ttft, usage, replica
 
 
-def follow_up(client: httpx.Client, previous: str, question: str) -> dict[str, object]:
+def follow_up(client: httpx.Client, previous: str, question: str, headers: dict[str, str]) -> dict[str, object]:
     """Stream a follow-up of response ``previous`` (not stored: questions about one context run at
     once, and a stored follow-up would take the conversation's session, one request at a time)."""
     body = {"model": MODEL, "previous_response_id": previous, "input": question, "max_output_tokens": 2,
             "temperature": 0, "stream": True, "store": False}
     # The usage comes with response.completed, or response.incomplete when max_output_tokens ends it.
     ttft, usage, replica = timed_stream(
-        client, "/v1/responses", body, lambda e: e.get("type") == "response.output_text.delta",
+        client, "/v1/responses", body, headers, lambda e: e.get("type") == "response.output_text.delta",
         lambda e: e["response"].get("usage") if e.get("type") in ("response.completed", "response.incomplete")
         else None)
     return {"ttft_s": ttft, "prompt_tokens": usage.get("input_tokens", 0), "replica": replica,
             "cached_tokens": (usage.get("input_tokens_details") or {}).get("cached_tokens", 0)}
 
 
-def ask(client: httpx.Client, prompt: str) -> dict[str, object]:
+def ask(client: httpx.Client, prompt: str, headers: dict[str, str]) -> dict[str, object]:
     """Stream one completion; its TTFT, prompt and cached tokens, and the replica that answered."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    ttft, usage, replica = timed_stream(client, "/v1/completions", body, lambda e: bool(e.get("choices")),
+    ttft, usage, replica = timed_stream(client, "/v1/completions", body, headers, lambda e: bool(e.get("choices")),
                                         lambda e: e.get("usage"))
     return {"ttft_s": ttft, "prompt_tokens": usage.get("prompt_tokens", 0), "replica": replica,
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
@@ -163,8 +171,9 @@ def summarize(arm: str, rows: list[dict[str, object]], warmup_s: float) -> dict[
 
 def arm_config(path: str, port: int, arm: str, args: argparse.Namespace, redis_url: str | None = None) -> str:
     """The application's config for ``arm``: the example config, one replica per node."""
+    keys = [tenant_key(t) for t in range(args.tenants)] if args.tenants > 1 else None
     write_config(path, port, kv_cache_gb=args.kv_cache_gb, num_threads=1, max_ongoing_requests=8,
-                 router={"request_router_class": ARMS[arm]}, redis_url=redis_url)
+                 router={"request_router_class": ARMS[arm]}, redis_url=redis_url, api_key=keys)
     with open(path) as f:
         config = yaml.safe_load(f)
     config["applications"][0]["deployments"] = [{"name": "KVHiveReplica", "max_replicas_per_node": 1}]
@@ -174,7 +183,7 @@ def arm_config(path: str, port: int, arm: str, args: argparse.Namespace, redis_u
 
 
 def run_arm(cluster, arm: str, args: argparse.Namespace, contexts: list[str],
-            workload: list[tuple[int, str]], workdir: str) -> dict[str, object]:
+            workload: list[tuple[int, str, int]], workdir: str) -> dict[str, object]:
     """One fresh application routed by ``arm``: warm-up, then the measured requests."""
     port = free_port()
     with contextlib.ExitStack() as stack:
@@ -188,14 +197,18 @@ def run_arm(cluster, arm: str, args: argparse.Namespace, contexts: list[str],
         run = stack.enter_context(serve_run(cluster, config))
         client = stack.enter_context(httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600))
         wait_for_app(run, client)
+        headers = [{"Authorization": f"Bearer {tenant_key(t)}"} if args.tenants > 1 else {}
+                   for t in range(args.tenants)]
         start = time.perf_counter()
         if args.api == "responses":
-            ids = [create_response(client, context) for context in contexts]
-            send = lambda item: follow_up(client, ids[item[0]], item[1].strip())  # noqa: E731
+            ids = {(t, c): create_response(client, context, headers[t])
+                   for t in range(args.tenants) for c, context in enumerate(contexts)}
+            send = lambda item: follow_up(client, ids[item[2], item[0]], item[1].strip(), headers[item[2]])  # noqa: E731
         else:
-            for i, context in enumerate(contexts):
-                ask(client, context + f"\n\nQuestion w{i}: what is this about?")
-            send = lambda item: ask(client, contexts[item[0]] + item[1])  # noqa: E731
+            for t in range(args.tenants):
+                for i, context in enumerate(contexts):
+                    ask(client, context + f"\n\nQuestion w{i}: what is this about?", headers[t])
+            send = lambda item: ask(client, contexts[item[0]] + item[1], headers[item[2]])  # noqa: E731
         warmup_s = time.perf_counter() - start
         with ThreadPoolExecutor(args.concurrency) as pool:
             rows = list(pool.map(send, workload))
@@ -237,6 +250,8 @@ def plot(record: dict[str, object], path: str) -> None:
     cached.set_ylabel("prompt tokens cached (%)")
     cached.set_ylim(0, 100)
     api = {"prompts": "contexts as prompt text", "responses": "contexts as stored responses"}[record["setup"]["api"]]
+    if record["setup"].get("tenants", 1) > 1:
+        api += f", {record['setup']['tenants']} tenants"
     fig.suptitle(f"Ray Serve request routers, 2 kvhive replicas, {api} (median of rounds)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -255,10 +270,14 @@ def main() -> int:
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     ap.add_argument("--api", choices=("prompts", "responses"), default="prompts",
                     help="contexts sent as prompt text, or held as stored responses and continued by id")
+    ap.add_argument("--tenants", type=int, default=1,
+                    help="API keys (tenants) sharing the contexts, each with its own KV (salted by its key)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 3 small contexts, 9 requests, 1 round")
     ap.add_argument("--out", default=None, help="default: bench/results/ray_routers[_responses].json")
     args = ap.parse_args()
-    suffix = "" if args.api == "prompts" else f"_{args.api}"
+    if args.tenants < 1:
+        ap.error("--tenants must be >= 1")
+    suffix = ("" if args.api == "prompts" else f"_{args.api}") + ("_tenants" if args.tenants > 1 else "")
     args.out = args.out or os.path.join(REPO, "bench", "results", f"ray_routers{suffix}.json")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))      # so the cluster is stopped
     os.environ["RAY_memory_monitor_refresh_ms"] = "0"     # other work on the box must not get replicas killed
@@ -266,7 +285,7 @@ def main() -> int:
         args.contexts, args.context_tokens, args.requests, args.rounds = 3, 200, 9, 1
         args.out = os.path.join(tempfile.gettempdir(), f"ray_routers{suffix}_quick.json")
     contexts = make_contexts(args.contexts, args.context_tokens, args.seed)
-    workload = make_workload(args.contexts, args.requests, args.zipf, args.seed)
+    workload = make_workload(args.contexts, args.requests, args.zipf, args.seed, args.tenants)
     load_start = os.getloadavg()[0]
     runs = []
     with ray_cluster(num_nodes=2, cpus_per_node=2) as cluster, tempfile.TemporaryDirectory() as workdir:
@@ -282,7 +301,7 @@ def main() -> int:
               "date": time.strftime("%Y-%m-%d", time.gmtime()),
               "load_average_1m": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
               "setup": {k: getattr(args, k) for k in ("api", "contexts", "context_tokens", "requests", "concurrency",
-                                                       "zipf", "rounds", "kv_cache_gb", "seed")},
+                                                       "zipf", "rounds", "kv_cache_gb", "seed", "tenants")},
               "arms": arms, "p90_ratio_kvhive_over": ratios,
               "targets_met": {arm: ratios[arm] <= goal for arm, goal in TARGETS.items() if arm in ratios}}
     with open(args.out, "w") as f:

@@ -227,9 +227,12 @@ def render_ray_routers(name: str, record: dict) -> list[str]:
     api = {"prompts": "each request sends its context as prompt text",
            "responses": "each context is a stored response (`POST /v1/responses`) and each question a "
                         "follow-up of it (`previous_response_id`); the replicas share a Redis"}[s.get("api", "prompts")]
+    if s.get("tenants", 1) > 1:
+        api += (f"; {s['tenants']} tenants (API keys) ask about the same contexts, each tenant's KV salted by its "
+                f"key, so each (tenant, context) pair is its own cache entry")
     lines = [f"2 replicas (one per node, one thread each); {api}; {s['contexts']} contexts of ~{s['context_tokens']:,} "
              f"tokens, Zipf s={s['zipf']:g}; {s['requests']} requests per arm at concurrency {s['concurrency']}, "
-             f"after one warm-up request per context; {s['rounds']} rounds, arms alternating; load average "
+             f"after one warm-up request per {'pair' if s.get('tenants', 1) > 1 else 'context'}; {s['rounds']} rounds, arms alternating; load average "
              f"{load.get('start')} to {load.get('end')}. Medians over the rounds:", "",
              "| router | cached fraction | TTFT p50 (ms) | TTFT p90 (ms) | TTFT mean (ms) |",
              "| --- | --- | --- | --- | --- |"]
@@ -396,8 +399,8 @@ SECTIONS = (
             "`PrefixCacheAffinityRouter`: a multi-tenant workload of long shared contexts and short questions "
             "with Zipf popularity, through the application's ingress.",
             ("TTFT p90 ≤ 0.5x power-of-two's", "TTFT p90 ≤ 0.8x PrefixCacheAffinityRouter's"),
-            ("ray_routers.json", "ray_routers_responses.json"), render_ray_routers,
-            ("ray_routers.png", "ray_routers_responses.png")),
+            ("ray_routers.json", "ray_routers_tenants.json", "ray_routers_responses.json"), render_ray_routers,
+            ("ray_routers.png", "ray_routers_tenants.png", "ray_routers_responses.png")),
 )
 
 RENDER_ROUTER: dict[str, Render] = {"router_sim.json": render_router_sim, "router_lookup.json": render_router_lookup,
