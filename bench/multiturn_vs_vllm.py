@@ -249,7 +249,9 @@ def main() -> int:
               "command": command(__file__),
               "goals": args.goals,
               "peer": f"vLLM for CPU 0.32.0, {args.vllm_dtype}"
-                      + (f", VLLM_EXTRA='{args.vllm_args}'" if args.vllm_args else ""),
+                      + (f", VLLM_EXTRA='{args.vllm_args}'" if args.vllm_args else "")
+                      + (", torch and oneDNN held to AVX2" if os.environ.get("DNNL_MAX_CPU_ISA", "").upper() == "AVX2"
+                         else ""),
               "rounds": collect(args.work_dir, pairs)}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:

@@ -23,6 +23,12 @@ def machine() -> str:
             f"{platform.release()}, Python {platform.python_version()}")
 
 
+# Environment variables that change what a benchmark measures (the ISA torch and oneDNN may use,
+# OpenMP's threads): a command that ran with them set names them.
+COMMAND_ENV = ("DNNL_MAX_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS", "OMP_WAIT_POLICY")
+
+
 def command(script: str) -> str:
     """The command line that ran ``script`` (a path under bench/), as a reader would retype it."""
-    return shlex.join(["python", f"bench/{os.path.basename(script)}", *sys.argv[1:]])
+    env = [f"{name}={shlex.quote(os.environ[name])}" for name in COMMAND_ENV if name in os.environ]
+    return " ".join([*env, shlex.join(["python", f"bench/{os.path.basename(script)}", *sys.argv[1:]])])
