@@ -195,10 +195,11 @@ def run_arm(cluster, arm: str, args: argparse.Namespace, contexts: list[str],
             redis_url = redis.url
         config = arm_config(os.path.join(workdir, f"{arm}.yaml"), port, arm, args, redis_url)
         run = stack.enter_context(serve_run(cluster, config))
-        client = stack.enter_context(httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600))
-        wait_for_app(run, client)
         headers = [{"Authorization": f"Bearer {tenant_key(t)}"} if args.tenants > 1 else {}
                    for t in range(args.tenants)]
+        client = stack.enter_context(httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600,
+                                                  headers=headers[0]))     # /v1/models needs a key too
+        wait_for_app(run, client)
         start = time.perf_counter()
         if args.api == "responses":
             ids = {(t, c): create_response(client, context, headers[t])
