@@ -32,6 +32,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from forward_speed import decode_plan, warm_prefill_plan  # noqa: E402
+from run_info import command  # noqa: E402
 
 from kvhive.core.model_files import default_model_path  # noqa: E402
 from kvhive.engine.runner import ModelRunner  # noqa: E402
@@ -119,7 +120,7 @@ def main() -> int:
     record = {
         "machine": f"{features.model}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
         "flags": flags, "cpu_isa": isa, "dtype": args.dtype, "threads": args.threads,
-        "command": "python bench/roofline.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
+        "command": command(__file__), "date": time.strftime("%Y-%m-%d"),
         "paths": {**model.paths(), **runner.paths()},
         "bandwidth": bw, "gemm_gflops": peak,
         "decode": {"context": args.context, "weight_bytes": wbytes, "kv_bytes": kv_bytes,
