@@ -75,7 +75,7 @@ class ThreadGovernor:
         if self._last is None or self._clock() - self._last[0] < self.interval_s:
             return self.threads
         now = self._read()
-        if now is None or now[0] - self._last[0] < self.interval_s:
+        if now is None:
             return self.threads
         elapsed = (now[0] - self._last[0]) * _CLOCK_TICKS
         self.others = max(0.0, ((now[1] - self._last[1]) - (now[2] - self._last[2])) / elapsed)

@@ -175,8 +175,7 @@ WEIGHT_FLAGS = {"cache": "--cache-weight", "load": "--load-weight", "kv_usage": 
 
 def routing_weights(args: argparse.Namespace) -> RoutingWeights:
     """The scoring weights from their flags; ValueError naming the flag of a value out of range."""
-    values = {"cache": args.cache_weight, "load": args.load_weight, "kv_usage": args.kv_usage_weight,
-              "waiting_factor": args.waiting_factor, "min_share": args.min_cached_share}
+    values = {name: getattr(args, flag[2:].replace("-", "_")) for name, flag in WEIGHT_FLAGS.items()}
     for name, value in values.items():
         problem = weight_problem(name, value)
         if problem is not None:
