@@ -155,6 +155,8 @@ class ModelRunner:
         if self.connector is not None and plan.connector_meta is not None:
             # Saves are snapshotted here, before this step's forward can overwrite a reused block.
             self.connector.start_load_kv(plan.connector_meta)
+        for src, dst, n in plan.block_copies:
+            self.kv_cache[dst, :, :, :n] = self.kv_cache[src, :, :, :n]
         if plan.is_empty:
             return StepResult(sampled={})
         inputs = self.prepare_inputs(plan)

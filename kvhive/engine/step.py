@@ -13,6 +13,7 @@ from kvhive.request import SamplingParams
 
 if TYPE_CHECKING:
     from kvhive.connector.base import ConnectorMeta
+    from kvhive.kv.manager import BlockCopy
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,9 @@ class StepPlan:
     # KV transfers for the connector's worker half (None: nothing to move this step). A plan may
     # carry transfers and no seqs; the engine still hands it to the runner.
     connector_meta: ConnectorMeta | None = None
+    # Partial-block prefix hits: token slots the runner copies between pool blocks before the
+    # forward pass (into blocks of requests this plan admits).
+    block_copies: tuple[BlockCopy, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -44,6 +44,14 @@ class ComputedBlocks(NamedTuple):
     num_computed_tokens: int      # len(blocks) * block_size
 
 
+class BlockCopy(NamedTuple):
+    """Copy the first ``num_tokens`` token slots of pool block ``src`` into block ``dst`` (every layer)."""
+
+    src: int
+    dst: int
+    num_tokens: int
+
+
 @dataclass(frozen=True)
 class KVCacheStats:
     """KV usage and prefix-cache counters (tokens) for metrics."""
@@ -101,6 +109,10 @@ class KVCacheManager:
         # Invariant: _session_block_refs[id] == number of holdings in _sessions whose blocks hold id (> 0).
         self._session_block_refs: Counter[int] = Counter()
         self._park_counter = 0
+        # Partial-block hits admitted since the last plan, and their source blocks, referenced
+        # until the step that copies them has run (``release_copy_sources``).
+        self._copies: list[BlockCopy] = []
+        self._copy_sources: list[KVBlock] = []
 
     def enable_events(self) -> None:
         """Start recording BlockStored / BlockRemoved events for take_events()."""
@@ -148,6 +160,54 @@ class KVCacheManager:
         if self.window is not None:         # usable only where the last window's window parts are kept
             hits = hits[:self.window.usable_hit(request.block_hashes, len(hits))]
         return ComputedBlocks(hits, len(hits) * self.block_size)
+
+    def partial_hit(self, request: Request, num_hit_blocks: int) -> tuple[KVBlock | None, int]:
+        """After ``num_hit_blocks`` full-block hits: the cached block whose leading tokens match the
+        most of the request's next block, and how many tokens match (at most the block less one,
+        and never the request's last token); (None, 0) when none does.
+
+        That block follows the same chain (the same parent hash, so the same model, salt and
+        earlier tokens), so its first tokens' KV is what computing them would give: a finished
+        turn's last prompt block, whose later tokens are the reply the next turn's history replaced.
+        Off with a window pool (its blocks are not copied) and for a first block (no parent to key on).
+        """
+        if not self.enable_prefix_caching or self.window is not None or num_hit_blocks == 0:
+            return None, 0
+        start = num_hit_blocks * self.block_size
+        limit = min(self.block_size - 1, request.num_tokens - 1 - start)
+        if limit <= 0:
+            return None, 0
+        block, n = self.pool.longest_child(request.block_hashes[num_hit_blocks - 1],
+                                           request.all_token_ids[start:start + limit])
+        return (block, n) if n else (None, 0)
+
+    def pin(self, block: KVBlock) -> None:
+        """Take a reference on a block (a partial hit's source, while its admission allocates)."""
+        self.pool.touch([block])
+
+    def unpin(self, block: KVBlock) -> None:
+        """Drop a reference ``pin`` took."""
+        self.pool.free_blocks([block])
+
+    def take_partial_hit(self, request: Request, num_hit_blocks: int, source: KVBlock, num_tokens: int) -> None:
+        """Plan the copy of a pinned partial hit into the request's block after its full hits
+        (allocated already); the source stays referenced until ``release_copy_sources``."""
+        dst = self.get_block_table(request)[num_hit_blocks]
+        self._copies.append(BlockCopy(source.block_id, dst, num_tokens))
+        self._copy_sources.append(source)
+        if request.num_cached_tokens < 0:
+            self._hits_tokens += num_tokens
+
+    def take_block_copies(self) -> tuple[BlockCopy, ...]:
+        """The block copies planned since the last call (for the next plan)."""
+        copies, self._copies = tuple(self._copies), []
+        return copies
+
+    def release_copy_sources(self) -> None:
+        """Drop the references on the sources of copies a step has run."""
+        if self._copy_sources:
+            self.pool.free_blocks(self._copy_sources)
+            self._copy_sources = []
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[KVBlock] = (), num_loaded_tokens: int = 0) -> bool:
@@ -217,8 +277,10 @@ class KVCacheManager:
         if num_full <= start:
             return []
         self._update_block_hashes(request)
-        hashes = request.block_hashes
-        stored = [i for i in range(start, num_full) if self.pool.cache_block(blocks[i], hashes[i])]
+        hashes, tokens, B = request.block_hashes, request.all_token_ids, self.block_size
+        # Listed under its parent (see partial_hit); a first block has none.
+        stored = [i for i in range(start, num_full) if self.pool.cache_block(
+            blocks[i], hashes[i], hashes[i - 1] if i else None, tokens[i * B:(i + 1) * B])]
         if self.window is not None:
             self.window.cache(rid, hashes, start, num_full)
         self._num_cached_blocks[rid] = num_full

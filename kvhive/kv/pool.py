@@ -8,16 +8,23 @@ Every block is in exactly one of three states (torch-free, pure bookkeeping):
     used        > 0      any         no             iff block_hash is set
 
 so empty + evictable + used == num_blocks (block 0 aside, see ``NULL_BLOCK_ID``).
+
+A cached block registered with its parent's hash and its tokens is also listed under that parent
+(``children``), so a prompt whose next block is not cached can still reuse the leading tokens a
+cached sibling shares with it (``longest_child``): the partial-block reuse of the manager.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 # Block 0 is never handed out: the runner may point padding slots at it (CUDA-graph padding,
 # dummy positions). It is in no queue and no map.
 NULL_BLOCK_ID = 0
+# Siblings ``BlockPool.longest_child`` compares a prompt's next block with, most recent first.
+MAX_SIBLINGS_SCANNED = 32
 
 
 @dataclass(eq=False, slots=True)
@@ -27,6 +34,9 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+    # Set with block_hash when the block is listed under its parent (see BlockPool.children).
+    parent_hash: bytes | None = None
+    token_ids: tuple[int, ...] | None = None
     # Intrusive links; meaningful only while the block is in the free queue.
     prev_free: KVBlock | None = None
     next_free: KVBlock | None = None
@@ -130,6 +140,9 @@ class BlockPool:
         self.evicted_hashes: list[bytes] | None = None
         # Invariant: the number of blocks with ref_cnt == 0 and a hash (evictable), kept in O(1).
         self._num_evictable = 0
+        # Parent hash -> {block id: block} of the cached blocks registered with that parent, oldest
+        # first. Invariant: b in children[p].values() <=> b is cached and b.parent_hash == p.
+        self.children: dict[bytes, dict[int, KVBlock]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -150,10 +163,9 @@ class BlockPool:
             if block.block_hash is not None:
                 # Evict: the block's contents are about to be overwritten.
                 self._num_evictable -= 1
-                del self.cached[block.block_hash]
                 if self.evicted_hashes is not None:
                     self.evicted_hashes.append(block.block_hash)
-                block.block_hash = None
+                self._forget(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -185,11 +197,14 @@ class BlockPool:
             elif block.ref_cnt < 0:
                 raise RuntimeError(f"double free of {block}")
 
-    def cache_block(self, block: KVBlock, block_hash: bytes) -> bool:
+    def cache_block(self, block: KVBlock, block_hash: bytes, parent_hash: bytes | None = None,
+                    token_ids: Sequence[int] | None = None) -> bool:
         """Register a full, computed block under ``block_hash``; False if the hash is already cached.
 
-        When two requests computed the same block at once, the first registration wins and the
-        second block stays unhashed (private to its request, recycled first when freed).
+        With ``parent_hash`` (the hash of the block before it) and its ``token_ids``, the block is
+        also listed under its parent for ``longest_child``. When two requests computed the same
+        block at once, the first registration wins and the second block stays unhashed (private to
+        its request, recycled first when freed).
         """
         if block.block_hash is not None:
             return block.block_hash == block_hash and self.cached.get(block_hash) is block
@@ -197,9 +212,45 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if parent_hash is not None and token_ids is not None:
+            block.parent_hash, block.token_ids = parent_hash, tuple(token_ids)
+            self.children.setdefault(parent_hash, {})[block.block_id] = block
         if block.ref_cnt == 0:
             self._num_evictable += 1
         return True
+
+    def longest_child(self, parent_hash: bytes, token_ids: Sequence[int]) -> tuple[KVBlock | None, int]:
+        """The cached block under ``parent_hash`` whose tokens share the longest prefix with
+        ``token_ids``, and that prefix's length; (None, 0) when none shares a first token.
+
+        Looks at the ``MAX_SIBLINGS_SCANNED`` most recently cached siblings only, so a prefix
+        followed by thousands of different continuations costs one admission no more than that.
+        Changes nothing.
+        """
+        siblings = self.children.get(parent_hash)
+        if not siblings:
+            return None, 0
+        best, best_len = None, 0
+        for block in itertools.islice(reversed(siblings.values()), MAX_SIBLINGS_SCANNED):
+            n = 0
+            for a, b in zip(block.token_ids, token_ids, strict=False):    # token_ids may be shorter
+                if a != b:
+                    break
+                n += 1
+            if n > best_len:
+                best, best_len = block, n
+        return best, best_len
+
+    def _forget(self, block: KVBlock) -> None:
+        """Drop a block's hash from the map and its parent's list (the caller fixes the counters)."""
+        del self.cached[block.block_hash]
+        block.block_hash = None
+        if block.parent_hash is not None:
+            siblings = self.children[block.parent_hash]
+            del siblings[block.block_id]
+            if not siblings:
+                del self.children[block.parent_hash]
+            block.parent_hash = block.token_ids = None
 
     def reset_prefix_cache(self) -> int:
         """Forget the hash of every evictable block (cached, nobody holds it); returns how many.
@@ -210,8 +261,7 @@ class BlockPool:
         """
         dropped = [block for block in self.free_queue if block.block_hash is not None]
         for block in dropped:
-            del self.cached[block.block_hash]
-            block.block_hash = None
+            self._forget(block)
             self.free_queue.remove(block)
             self.free_queue.appendleft(block)
         self._num_evictable -= len(dropped)
@@ -257,3 +307,12 @@ class BlockPool:
         check(evictable == self._num_evictable, f"evictable counter {self._num_evictable} != {evictable}")
         for h, block in self.cached.items():
             check(block.block_hash == h, f"map entry {h.hex()[:8]} points at {block}")
+        listed = 0
+        for parent, siblings in self.children.items():
+            check(bool(siblings), f"empty child list under {parent.hex()[:8]}")
+            for block in siblings.values():
+                check(block.parent_hash == parent and self.cached.get(block.block_hash) is block,
+                      f"{block} listed under {parent.hex()[:8]} but not cached there")
+                listed += 1
+        check(listed == sum(1 for b in self.cached.values() if b.parent_hash is not None),
+              "a cached block with a parent is missing from its parent's list")

@@ -146,8 +146,10 @@ def test_other_key_gets_404_and_no_shared_prefix(server):
         # The same prompt from key B gets no prefix hit from key A's blocks (separate cache salt).
         r = b.post("/v1/completions", json=completion(prompt))
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        # Key A's own blocks serve every token but the last: three blocks by hash, and 15 tokens
+        # copied from the fourth (the last token is always computed).
         r = a.post("/v1/completions", json=completion(prompt))
-        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 63
         a.delete(f"/v1/context/{sid}")
 
 
@@ -224,7 +226,9 @@ def test_session_metrics(server):
         sid, first = create(c)                # its prompt may hit blocks earlier tests left cached
         r = c.post("/v1/completions", json=completion(PROMPT + [5, 6, 7]), headers={"x-session-id": sid})
         cached = [x["usage"]["prompt_tokens_details"]["cached_tokens"] for x in (first, r.json())]
-        assert cached[1] == 32
+        # Diverged from the session: its 2 whole blocks in common by hash, and at most every token
+        # but the last where an earlier request left a block that continues them.
+        assert 32 <= cached[1] <= len(PROMPT) + 2
         assert metric("kvhive_session_turns_total") == turns + 2
         assert metric("kvhive_session_hit_tokens_total") == hits + sum(cached)
         assert metric("kvhive_sessions_live") >= 1

@@ -49,6 +49,13 @@ def cached(response: dict[str, Any]) -> int:
     return response["usage"]["input_tokens_details"]["cached_tokens"]
 
 
+def whole_blocks_before_last(response: dict[str, Any]) -> int:
+    """The tokens of a response's prompt in whole blocks before its last token: the least a next
+    turn reuses, since re-rendering the history may tokenise that last token (the assistant
+    header's newline) together with the reply."""
+    return (response["usage"]["input_tokens"] - 1) // 16 * 16
+
+
 def uncached_chat(client: httpx.Client, messages: list[dict[str, str]], max_tokens: int = 6) -> str:
     """The greedy reply of /v1/chat/completions to the whole history, computed without any cache."""
     body = {"model": SERVED_MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
@@ -100,7 +107,7 @@ def test_create_continue_fetch_list_and_delete(tiny_client: httpx.Client) -> Non
 
     r2 = ok(create(tiny_client, "And then?", previous_response_id=r1["id"], instructions="Be brief."))
     assert r2["previous_response_id"] == r1["id"] and r2["id"] != r1["id"]
-    assert cached(r2) >= r1["usage"]["input_tokens"] // 16 * 16 > 0
+    assert cached(r2) >= whole_blocks_before_last(r1) > 0
     # The same history sent whole to chat completions, without cache, gives the same greedy text.
     history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"},
                {"role": "assistant", "content": text_of(r1)}, {"role": "user", "content": "And then?"}]
@@ -132,10 +139,10 @@ def test_cached_tokens_grow_over_a_three_turn_chain(tiny_client: httpx.Client) -
     r2 = ok(create(tiny_client, "Go on", previous_response_id=r1["id"], instructions=system))
     r3 = ok(create(tiny_client, "And the end?", previous_response_id=r2["id"], instructions=system))
     assert cached(r1) == 0
-    # Each turn finds at least the whole previous prompt (all but a partial block, if the session's
-    # tokens and the re-rendered history ever differ), so cached tokens grow with the history.
-    assert cached(r2) >= r1["usage"]["input_tokens"] // 16 * 16
-    assert cached(r3) >= r2["usage"]["input_tokens"] // 16 * 16
+    # Each turn finds the previous prompt (all of it from the session; when the re-rendered history
+    # differs from the session's tokens, at least its whole blocks), so cached tokens grow.
+    assert cached(r2) >= whole_blocks_before_last(r1)
+    assert cached(r3) >= whole_blocks_before_last(r2)
     assert cached(r3) > cached(r2) > cached(r1)
     items = [ok(tiny_client.get(f"/v1/responses/{r['id']}/input_items"))["data"] for r in (r1, r2, r3)]
     assert [[i["content"][0]["text"] for i in page] for page in items] == \
@@ -154,8 +161,8 @@ def test_branches_from_one_response_are_each_correct(tiny_client: httpx.Client) 
     assert text_of(a2) == uncached_chat(tiny_client, [
         *base, {"role": "user", "content": "Why red?"}, {"role": "assistant", "content": text_of(a)},
         {"role": "user", "content": "Really?"}])
-    assert cached(b) >= r1["usage"]["input_tokens"] // 16 * 16
-    assert cached(a2) >= r1["usage"]["input_tokens"] // 16 * 16
+    assert cached(b) >= whole_blocks_before_last(r1)
+    assert cached(a2) >= whole_blocks_before_last(r1)
 
 
 def test_streaming_events_in_order_and_stored(tiny_client: httpx.Client) -> None:
@@ -180,7 +187,7 @@ def test_streaming_events_in_order_and_stored(tiny_client: httpx.Client) -> None
     assert all((d["item_id"], d["output_index"], d["content_index"]) == (item_id, 0, 0) for d in deltas)
     assert events[-4][1]["text"] == text == text_of(final)
     assert events[-2][1]["item"] == final["output"][0]
-    assert final["usage"]["output_tokens"] == 8 and cached(final) >= r1["usage"]["input_tokens"] // 16 * 16
+    assert final["usage"]["output_tokens"] == 8 and cached(final) >= whole_blocks_before_last(r1)
     # The streamed response is stored, and the same request whole gives the same text.
     assert ok(tiny_client.get(f"/v1/responses/{final['id']}")) == final
     whole = ok(create(tiny_client, "One, two", previous_response_id=r1["id"], max_output_tokens=8))
@@ -192,7 +199,7 @@ def test_store_false_keeps_nothing_and_leaves_the_conversation_as_it_was(tiny_cl
     aside = create(tiny_client, "What number?", previous_response_id=r1["id"], store=False)
     unstored = ok(aside)
     assert unstored["store"] is False and "x-kvhive-response-id" not in aside.headers
-    assert cached(unstored) >= r1["usage"]["input_tokens"] // 16 * 16     # the session's blocks, by prefix
+    assert cached(unstored) >= whole_blocks_before_last(r1)     # the session's blocks, by prefix
     assert tiny_client.get(f"/v1/responses/{unstored['id']}").status_code == 404
     assert create(tiny_client, "More", previous_response_id=unstored["id"]).status_code == 404
     # The session still holds r1's conversation, not the unstored turn.

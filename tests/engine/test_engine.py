@@ -4,8 +4,9 @@ KV events. Token ids go in directly; the tokenizer is the real one of the defaul
 from __future__ import annotations
 
 import msgpack
+import pytest
 import zmq
-from support.engines import make_engine, run
+from support.engines import make_engine, run, turn
 
 from kvhive.core.blocks import hash_blocks, root_hash
 from kvhive.request import SamplingParams
@@ -26,10 +27,29 @@ def test_cached_and_uncached_generation_agree(tokenizer):
         assert first[rid][0] == uncached[rid][0]
         assert again[f"{rid}-again"][0] == uncached[rid][0]
         assert uncached[rid][1] == 0
-        # every full block but the one holding the last prompt token comes from the cache
+        # every prompt token but the last comes from the cache: the full blocks by hash, the
+        # leading tokens of the last prompt block copied from the first run's (its reply followed)
         n = len(prompts[rid])
-        assert again[f"{rid}-again"][1] == (n - 1) // 4 * 4
+        assert again[f"{rid}-again"][1] == n - 1
     assert engine.stats().prefix_cache_hits_tokens > 0
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-attention", "torch-attention"])
+def test_chat_turns_copy_the_last_prompt_block_and_match_an_uncached_run(tokenizer, native):
+    # Each turn's prompt is the last prompt, a canned reply (not the model's own) and a new user
+    # message, as chat clients send. The block holding the end of the last prompt also holds the
+    # model's reply, so no hash matches it; its leading tokens are copied instead of computed.
+    engine = make_engine(tokenizer, native_attention=native)
+    uncached = make_engine(tokenizer, prefix=False, native_attention=native)
+    prompt, last = [(5 * i + 1) % 250 + 3 for i in range(22)], []
+    for t in range(4):
+        got = turn(engine, f"t{t}", prompt)
+        want = turn(uncached, f"t{t}", prompt)
+        assert got[0] == want[0]
+        assert got[1] == len(last)            # every token of the last prompt, none after it
+        last = prompt
+        prompt = prompt + [(3 * t + j) % 250 + 3 for j in range(5 + t)] + [(7 * t + j) % 250 + 3 for j in range(6)]
+    assert engine.stats().prefix_cache_hits_tokens == 22 + 33 + 45
 
 
 def test_blocks_are_shared_while_the_first_request_still_runs(tokenizer):

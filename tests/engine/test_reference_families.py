@@ -143,7 +143,10 @@ def test_greedy_tokens_equal_transformers_cold_cached_and_from_cpu_tier(checkpoi
         _assert_same_greedy(reference, cold, f"{family} {source} cold")
         engine.connector_worker.wait_for_save()
         again, cached = run(engine, {"again": PROMPT}, GREEDY)["again"]
-        assert cold_cached == 0 and cached == 32 and again == cold          # two full blocks from the device
+        # two full blocks from the device, and the tokens before the last copied from the third
+        # (whole blocks only where window layers keep a pool of their own)
+        device_hit = 32 if engine.runner.window is not None else len(PROMPT) - 1
+        assert cold_cached == 0 and cached == device_hit and again == cold
         flood = {f"flood{i}": prompt_ids(60, seed=10 + i) for i in range(4)}
         run(engine, flood, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         engine.connector_worker.wait_for_save()

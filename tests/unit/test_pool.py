@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvhive.kv.pool import NULL_BLOCK_ID, BlockPool, FreeBlockQueue, KVBlock
+from kvhive.kv.pool import MAX_SIBLINGS_SCANNED, NULL_BLOCK_ID, BlockPool, FreeBlockQueue, KVBlock
 
 
 def ids(blocks) -> list[int]:
@@ -115,6 +115,39 @@ def test_double_free_is_an_error():
         pool.free_blocks([a])
 
 
+def test_cached_blocks_are_listed_under_their_parent_until_evicted_or_reset():
+    pool = BlockPool(6)
+    a, b, c = pool.get_new_blocks(3)
+    assert pool.cache_block(a, h(1), h(0), [1, 2, 3, 4])
+    assert pool.cache_block(b, h(2), h(0), [1, 2, 9, 9])
+    assert pool.cache_block(c, h(3))                       # a first block: no parent, not listed
+    assert pool.longest_child(h(0), [1, 2, 3, 7]) == (a, 3)
+    assert pool.longest_child(h(0), [1, 2, 9]) == (b, 3)
+    assert pool.longest_child(h(0), [5, 2, 3]) == (None, 0)
+    assert pool.longest_child(h(9), [1, 2, 3]) == (None, 0)
+    pool.free_blocks([a, b, c])                            # evictable: still listed
+    assert pool.longest_child(h(0), [1, 2, 3]) == (a, 3)
+    pool.check_integrity()
+    pool.get_new_blocks(3)                                 # the two empty blocks, then a: evicted
+    assert a.block_hash is None and a.parent_hash is None and a.token_ids is None
+    assert pool.longest_child(h(0), [1, 2, 3]) == (b, 2)
+    pool.check_integrity()
+    pool.reset_prefix_cache()
+    assert pool.children == {} and pool.longest_child(h(0), [1, 2]) == (None, 0)
+    pool.check_integrity()
+
+
+def test_longest_child_compares_the_most_recent_siblings_only():
+    n = MAX_SIBLINGS_SCANNED + 2
+    pool = BlockPool(n + 1)
+    blocks = pool.get_new_blocks(n)
+    for i, block in enumerate(blocks):
+        assert pool.cache_block(block, h(100 + i), h(0), [i, 0, 0, 0])
+    assert pool.longest_child(h(0), [n - 1, 0]) == (blocks[-1], 2)
+    assert pool.longest_child(h(0), [0, 0]) == (None, 0)   # the oldest sibling is past the scan
+    pool.check_integrity()
+
+
 class PoolMachine(RuleBasedStateMachine):
     """Random allocate / free / cache / touch / evict against a plain-Python model of the pool."""
 
@@ -180,6 +213,17 @@ class PoolMachine(RuleBasedStateMachine):
             assert ok == expected
             if ok:
                 self.model_map[h(key)] = blk.block_id
+
+    @precondition(lambda self: self.owners)
+    @rule(data=st.data(), key=st.integers(0, 5), parent=st.integers(6, 7), first=st.integers(0, 2))
+    def cache_child(self, data, key: int, parent: int, first: int) -> None:
+        owner = data.draw(st.sampled_from(self.owners))
+        blk = data.draw(st.sampled_from(owner))
+        had = blk.block_hash
+        ok = self.pool.cache_block(blk, h(key), h(parent), [first, key])
+        if had is None and ok:
+            self.model_map[h(key)] = blk.block_id
+            assert self.pool.longest_child(h(parent), [first, key]) == (blk, 2)
 
     @rule(key=st.integers(0, 5))
     def touch(self, key: int) -> None:

@@ -11,6 +11,7 @@ from kvhive.connector.base import ConnectorMeta, FinishedTransfers, SchedulerOut
 from kvhive.core.blocks import root_hash
 from kvhive.engine.scheduler import Scheduler
 from kvhive.engine.step import StepPlan, StepResult
+from kvhive.kv.manager import BlockCopy
 from kvhive.request import FinishReason, Request, RequestStatus, SamplingParams
 
 VOCAB = 97
@@ -45,6 +46,12 @@ class FakeRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         sampled = {}
+        for src, dst, n in plan.block_copies:
+            source, target = self.pool.blocks[src], self.pool.blocks[dst]
+            assert source.ref_cnt > 0 and source.block_hash is not None, "a copy source must be pinned and cached"
+            assert target.ref_cnt > 0 and target.block_hash is None and 0 < n < self.B
+            for i in range(n):
+                self.slots[dst * self.B + i] = self.slots[src * self.B + i]
         for seq in plan.seqs:
             for i, tok in enumerate(seq.token_ids):
                 p = seq.start_pos + i
@@ -295,6 +302,62 @@ def test_shared_system_prompt_reused_while_first_request_runs():
     assert b.output_token_ids == reference(b.prompt_token_ids, 4)
     s = sched.stats()
     assert (s.prefix_cache_queries_tokens, s.prefix_cache_hits_tokens) == (67 + 66, 64)
+
+
+def test_next_turn_copies_the_prompt_tail_of_the_last_turns_block():
+    # Turn 1: 10 prompt tokens (2 full blocks of 4 and 2 more) and 6 generated: block 2 holds the
+    # prompt's last 2 tokens and 2 generated ones. Turn 2 continues the prompt with other tokens
+    # (its history replaced the reply): 2 blocks hit by hash, 2 tokens copied from block 2.
+    sched = make_sched(block_size=4)
+    runner = FakeRunner(sched)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    a = req("a", prompt, max_tokens=6)
+    sched.add_request(a)
+    drive(sched, runner)
+    source = sched.kv.pool.get_cached_block(a.block_hashes[2])
+    assert source is not None and source.ref_cnt == 0
+    b = req("b", prompt + [40, 41, 42, 43, 44], max_tokens=5)
+    sched.add_request(b)
+    plan, _ = step(sched, runner)
+    table = sched.kv.get_block_table(b)
+    assert plan.block_copies == (BlockCopy(source.block_id, table[2], 2),)
+    assert b.num_cached_tokens == 10 and [s.start_pos for s in plan.seqs] == [10]
+    assert source.ref_cnt == 0                      # pinned for the step only
+    drive(sched, runner)
+    assert b.output_token_ids == reference(b.prompt_token_ids, 5)
+    assert sched.stats().prefix_cache_hits_tokens == 10
+
+
+def test_an_identical_prompt_computes_only_its_last_token():
+    sched = make_sched(block_size=4)
+    runner = FakeRunner(sched)
+    prompt = list(range(3, 17))                     # 14 tokens: 3 full blocks and 2
+    sched.add_request(req("a", prompt, max_tokens=4))
+    drive(sched, runner)
+    b = req("b", prompt, max_tokens=4)
+    sched.add_request(b)
+    plan, _ = step(sched, runner)
+    assert b.num_cached_tokens == 13 and plan.seqs[0].token_ids == [16]
+    drive(sched, runner)
+    assert b.output_token_ids == reference(prompt, 4)
+
+
+def test_a_partial_hit_whose_source_is_the_only_free_block_left_gives_way():
+    # Block 3 of turn 1 is the copy source; turn 2 needs every free block, the source among them:
+    # it is admitted without the partial hit (computing those tokens) instead of waiting forever.
+    sched = make_sched(block_size=4, num_blocks=7)
+    runner = FakeRunner(sched)
+    prompt = list(range(20, 34))                    # 14 tokens; with 2 generated: 4 full blocks
+    a = req("a", prompt, max_tokens=3)
+    sched.add_request(a)
+    drive(sched, runner)
+    b = req("b", prompt + [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], max_tokens=1)    # 24 tokens: 6 blocks
+    sched.add_request(b)
+    assert len(sched.kv.get_computed_blocks(b).blocks) == 3 and sched.kv.partial_hit(b, 3)[1] == 2
+    plan, _ = step(sched, runner)
+    assert plan.block_copies == () and b.num_cached_tokens == 12
+    drive(sched, runner)
+    assert b.output_token_ids == reference(b.prompt_token_ids, 1)
 
 
 @pytest.mark.parametrize("seed", range(25))

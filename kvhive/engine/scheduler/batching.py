@@ -159,16 +159,29 @@ class Admission:
         num_external, is_async = self.transfers.lookup(request, hit.num_computed_tokens)
         if num_external is None:
             return False            # its tier lookup is still running; FCFS: the rest wait too
-        computed = hit.num_computed_tokens + num_external
-        # An async load computes nothing until its blocks arrive; it takes no token budget.
-        num_new = 0 if is_async else min(request.num_tokens - computed, budget.tokens)
-        if not self.kv.allocate_slots(request, num_external + num_new, hit.blocks, num_external):
-            return self._spill_for(request)     # then look it up again: the spill may evict hits
+        # Where the tiers have nothing more, the leading tokens of the next block may be on the
+        # device in a sibling block: copied, not computed. Pinned so allocating cannot evict it.
+        source, num_partial = self.kv.partial_hit(request, len(hit.blocks)) if not num_external else (None, 0)
+        if source is not None:
+            self.kv.pin(source)
+        while True:
+            computed = hit.num_computed_tokens + num_external + num_partial
+            # An async load computes nothing until its blocks arrive; it takes no token budget.
+            num_new = 0 if is_async else min(request.num_tokens - computed, budget.tokens)
+            if self.kv.allocate_slots(request, num_external + num_partial + num_new, hit.blocks, num_external):
+                break
+            if source is None:
+                return self._spill_for(request)     # then look it up again: the spill may evict hits
+            # Short of blocks by the pinned source itself, maybe: try again without the partial hit.
+            self.kv.unpin(source)
+            source, num_partial = None, 0
         self.queues.start_head()
         self.transfers.after_alloc(request, len(hit.blocks), num_external)
         if is_async:
             self.transfers.start_load(request, hit.num_computed_tokens)
             return True
+        if source is not None:
+            self.kv.take_partial_hit(request, len(hit.blocks), source, num_partial)
         request.num_computed_tokens = computed
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = computed

@@ -132,6 +132,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """Pick this step's tokens: decodes, then running prefill chunks, then FCFS admissions."""
+        self.kv.release_copy_sources()          # the last plan's copies have run, applied or not
         budget = StepBudget(self.config.max_num_batched_tokens)
         if not self.batcher.schedule_running(budget):
             self.admission.admit(budget)
@@ -144,6 +145,7 @@ class Scheduler:
         Returns the requests that got a token or finished (including any that ``schedule`` ended).
         Call it after every ``schedule()``, with an empty StepResult when the plan was empty.
         """
+        self.kv.release_copy_sources()          # the step copied them
         touched, self._finished_in_schedule = self._finished_in_schedule, []
         any_finished = False
         for seq in plan.seqs:
@@ -211,7 +213,8 @@ class Scheduler:
             ))
         finished, self._finished_ids = self._finished_ids, []
         meta = self.transfers.build_meta(tuple(planned), finished, planned)
-        return StepPlan(seqs=seqs, finished_request_ids=finished, connector_meta=meta)
+        return StepPlan(seqs=seqs, finished_request_ids=finished, connector_meta=meta,
+                        block_copies=self.kv.take_block_copies())
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         """STOP on an end-of-sequence or stop token, LENGTH at max_tokens or max_model_len, else None."""
