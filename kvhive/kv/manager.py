@@ -168,7 +168,8 @@ class KVCacheManager:
 
         That block follows the same chain (the same parent hash, so the same model, salt and
         earlier tokens), so its first tokens' KV is what computing them would give: a finished
-        turn's last prompt block, whose later tokens are the reply the next turn's history replaced.
+        turn's last prompt block, whose later tokens are the reply the next turn's history replaced,
+        or the partly filled last block of a finished request (listed as it was freed).
         Off with a window pool (its blocks are not copied) and for a first block (no parent to key on).
         """
         if not self.enable_prefix_caching or self.window is not None or num_hit_blocks == 0:
@@ -298,9 +299,23 @@ class KVCacheManager:
         self._block_ids.pop(rid, None)
         self._num_cached_blocks.pop(rid, None)
         if blocks:
+            self._list_partial(blocks, request.block_hashes, request.all_token_ids, request.num_computed_tokens)
             self.pool.free_blocks(reversed(blocks))
         if self.window is not None:
             self.window.free(rid)
+
+    def _list_partial(self, blocks: list[KVBlock], block_hashes: Sequence[bytes], token_ids: Sequence[int],
+                      num_computed: int) -> None:
+        """Before its last holder frees it, list the partly computed block after the full ones
+        under its parent, with its computed tokens (see ``partial_hit``)."""
+        if not self.enable_prefix_caching or self.window is not None:
+            return
+        num_full, rest = divmod(num_computed, self.block_size)
+        if not rest or not num_full or num_full >= len(blocks) or len(block_hashes) < num_full:
+            return
+        block = blocks[num_full]
+        if block.ref_cnt == 1 and block.block_hash is None and block.parent_hash is None:
+            self.pool.list_partial(block, block_hashes[num_full - 1], token_ids[num_full * self.block_size:num_computed])
 
     def slide_window(self, request: Request) -> int:
         """Release the window blocks no row of the request still to compute can see; returns how many."""
@@ -405,6 +420,7 @@ class KVCacheManager:
         held = self._take_holding(session_id)
         if held is None:
             return False
+        self._list_partial(held.blocks, held.block_hashes, held.token_ids, held.num_computed_tokens)
         self.pool.free_blocks(reversed(held.blocks))
         if self.window is not None:
             self.window.free(("session", session_id))

@@ -2,16 +2,19 @@
 
 Every block is in exactly one of three states (torch-free, pure bookkeeping):
 
-    state       ref_cnt  block_hash  in free queue  in hash map
-    empty       0        None        yes            no
-    evictable   0        set         yes            yes      (cached, reusable, evicted on demand)
-    used        > 0      any         no             iff block_hash is set
+    state       ref_cnt  hash or listing  in free queue
+    empty       0        neither          yes
+    evictable   0        either           yes      (reusable, evicted on demand)
+    used        > 0      any              no
 
-so empty + evictable + used == num_blocks (block 0 aside, see ``NULL_BLOCK_ID``).
+so empty + evictable + used == num_blocks (block 0 aside, see ``NULL_BLOCK_ID``). A block is in
+the hash map (``cached``) iff it has a hash.
 
 A cached block registered with its parent's hash and its tokens is also listed under that parent
 (``children``), so a prompt whose next block is not cached can still reuse the leading tokens a
-cached sibling shares with it (``longest_child``): the partial-block reuse of the manager.
+cached sibling shares with it (``longest_child``): the partial-block reuse of the manager. A
+request's last, partly filled block gets such a listing, and no hash, as it is freed
+(``list_partial``).
 """
 
 from __future__ import annotations
@@ -160,10 +163,10 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
-            if block.block_hash is not None:
+            if _reusable(block):
                 # Evict: the block's contents are about to be overwritten.
                 self._num_evictable -= 1
-                if self.evicted_hashes is not None:
+                if self.evicted_hashes is not None and block.block_hash is not None:
                     self.evicted_hashes.append(block.block_hash)
                 self._forget(block)
             block.ref_cnt = 1
@@ -175,7 +178,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
-                if block.block_hash is not None:
+                if _reusable(block):
                     self._num_evictable -= 1
             block.ref_cnt += 1
 
@@ -183,13 +186,13 @@ class BlockPool:
         """Drop one reference on each block; blocks reaching 0 return to the free queue.
 
         ``blocks`` come in eviction order: among the cached ones, the first given is evicted first
-        (the manager passes a request's blocks tail first). Blocks without a hash hold nothing
-        reusable and go to the head, so they are handed out before any cached block.
+        (the manager passes a request's blocks tail first). Blocks without a hash or a listing
+        hold nothing reusable and go to the head, so they are handed out before any cached block.
         """
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.block_hash is None:
+                if not _reusable(block):
                     self.free_queue.appendleft(block)
                 else:
                     self.free_queue.append(block)
@@ -208,7 +211,7 @@ class BlockPool:
         """
         if block.block_hash is not None:
             return block.block_hash == block_hash and self.cached.get(block_hash) is block
-        if block_hash in self.cached:
+        if block_hash in self.cached or block.parent_hash is not None:    # taken, or a listed partial
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
@@ -218,6 +221,14 @@ class BlockPool:
         if block.ref_cnt == 0:
             self._num_evictable += 1
         return True
+
+    def list_partial(self, block: KVBlock, parent_hash: bytes, token_ids: Sequence[int]) -> None:
+        """List a held, unhashed block under its parent with the tokens its first slots hold, before
+        its last holder frees it: evictable like a cached block, a source for ``longest_child``."""
+        if block.block_hash is not None or block.parent_hash is not None or block.ref_cnt == 0:
+            raise ValueError(f"only a held block with no hash and no listing can be listed, not {block}")
+        block.parent_hash, block.token_ids = parent_hash, tuple(token_ids)
+        self.children.setdefault(parent_hash, {})[block.block_id] = block
 
     def longest_child(self, parent_hash: bytes, token_ids: Sequence[int]) -> tuple[KVBlock | None, int]:
         """The cached block under ``parent_hash`` whose tokens share the longest prefix with
@@ -243,8 +254,9 @@ class BlockPool:
 
     def _forget(self, block: KVBlock) -> None:
         """Drop a block's hash from the map and its parent's list (the caller fixes the counters)."""
-        del self.cached[block.block_hash]
-        block.block_hash = None
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = None
         if block.parent_hash is not None:
             siblings = self.children[block.parent_hash]
             del siblings[block.block_id]
@@ -253,13 +265,13 @@ class BlockPool:
             block.parent_hash = block.token_ids = None
 
     def reset_prefix_cache(self) -> int:
-        """Forget the hash of every evictable block (cached, nobody holds it); returns how many.
+        """Forget the hash or listing of every evictable block (nobody holds it); returns how many.
 
         Used blocks keep their hashes, so the prefixes running requests and sessions hold stay
         shareable. The forgotten blocks become empty and move to the queue head (handed out
         first). Nothing is recorded in ``evicted_hashes``: the caller announces the reset itself.
         """
-        dropped = [block for block in self.free_queue if block.block_hash is not None]
+        dropped = [block for block in self.free_queue if _reusable(block)]
         for block in dropped:
             self._forget(block)
             self.free_queue.remove(block)
@@ -299,7 +311,7 @@ class BlockPool:
                 check(self.cached.get(block.block_hash) is block, f"{block} hashed but not mapped")
             if block.ref_cnt > 0:
                 used += 1
-            elif block.block_hash is None:
+            elif not _reusable(block):
                 empty += 1
             else:
                 evictable += 1
@@ -311,8 +323,15 @@ class BlockPool:
         for parent, siblings in self.children.items():
             check(bool(siblings), f"empty child list under {parent.hex()[:8]}")
             for block in siblings.values():
-                check(block.parent_hash == parent and self.cached.get(block.block_hash) is block,
-                      f"{block} listed under {parent.hex()[:8]} but not cached there")
+                check(block.parent_hash == parent and block.token_ids is not None,
+                      f"{block} listed under {parent.hex()[:8]} without that parent or tokens")
+                check(block.block_hash is None or self.cached.get(block.block_hash) is block,
+                      f"{block} listed with a hash that is not cached")
                 listed += 1
-        check(listed == sum(1 for b in self.cached.values() if b.parent_hash is not None),
-              "a cached block with a parent is missing from its parent's list")
+        check(listed == sum(1 for b in self.blocks if b.parent_hash is not None),
+              "a block with a parent is missing from its parent's list")
+
+
+def _reusable(block: KVBlock) -> bool:
+    """Whether a block's contents can be reused: it has a hash, or a listing under its parent."""
+    return block.block_hash is not None or block.parent_hash is not None

@@ -60,8 +60,10 @@ def test_create_use_extend(server):
         # Rebuild the exact session tokens from the engine's view: prompt + 8 greedy tokens.
         r = c.post("/v1/completions", json=completion(PROMPT + [5, 6, 7]), headers={"x-session-id": sid})
         assert r.status_code == 200 and r.headers["x-session-id"] == sid
-        # Diverged after the prompt (the outputs were not resent): prefix match on the common part.
-        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(PROMPT) // 16) * 16
+        # Diverged after the prompt (the outputs were not resent): the common part by prefix match,
+        # its whole blocks by hash and the rest copied from the session's partly filled block (and
+        # any of 5, 6 the session's reply started with, too).
+        assert len(PROMPT) <= r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] <= len(PROMPT) + 2
         assert c.get(f"/v1/context/{sid}").json()["tokens"] == len(PROMPT) + 3 + 8 != tokens
 
 
@@ -226,9 +228,9 @@ def test_session_metrics(server):
         sid, first = create(c)                # its prompt may hit blocks earlier tests left cached
         r = c.post("/v1/completions", json=completion(PROMPT + [5, 6, 7]), headers={"x-session-id": sid})
         cached = [x["usage"]["prompt_tokens_details"]["cached_tokens"] for x in (first, r.json())]
-        # Diverged from the session: its 2 whole blocks in common by hash, and at most every token
-        # but the last where an earlier request left a block that continues them.
-        assert 32 <= cached[1] <= len(PROMPT) + 2
+        # Diverged from the session: the prompt in common, its 2 whole blocks by hash and the rest
+        # copied from the session's partly filled block (and any of 5, 6 its reply started with).
+        assert len(PROMPT) <= cached[1] <= len(PROMPT) + 2
         assert metric("kvhive_session_turns_total") == turns + 2
         assert metric("kvhive_session_hit_tokens_total") == hits + sum(cached)
         assert metric("kvhive_sessions_live") >= 1

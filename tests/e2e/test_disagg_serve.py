@@ -182,7 +182,8 @@ def test_gateway_cached_tokens_count_what_either_side_reused(pair, gateway):
     opening = "The lighthouse log of a stormy autumn records winds, tides and ships sighted. " * 3
     _, opening_tokens, _ = prefill.complete(opening, 1)
     _, cached = _cached_through(gateway, opening + " The keeper then wrote")
-    assert cached == opening_tokens // 16 * 16 > 0
+    # Its whole blocks by hash, and the rest copied from the block the first request left partly filled.
+    assert cached == opening_tokens > 16
 
 
 def test_gateway_keeps_sessions_on_the_decode_replica(pair, gateway):

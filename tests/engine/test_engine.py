@@ -52,6 +52,17 @@ def test_chat_turns_copy_the_last_prompt_block_and_match_an_uncached_run(tokeniz
     assert engine.stats().prefix_cache_hits_tokens == 22 + 33 + 45
 
 
+def test_a_prompt_sent_again_after_a_one_token_answer_computes_only_its_last_token(tokenizer):
+    # The first request stops after one token, inside the block after its 11 full ones, so that
+    # block never gets a hash; freed, it is listed under its parent, and the same prompt again
+    # copies its first token's KV instead of computing it.
+    prompt = prompts_with_shared_prefix(n=2)["r1"]            # 46 tokens: 11 blocks of 4 and 2
+    engine = make_engine(tokenizer)
+    run(engine, {"short": prompt}, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    again = run(engine, {"again": prompt})["again"]
+    assert again == (run(make_engine(tokenizer, prefix=False), {"u": prompt})["u"][0], len(prompt) - 1)
+
+
 def test_blocks_are_shared_while_the_first_request_still_runs(tokenizer):
     # Budget 16 tokens/step: the 40-token shared prefix of r0 takes 3 steps. r1 arrives one step
     # later and must reuse the blocks r0 has already computed, long before r0 finishes.

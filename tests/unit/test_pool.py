@@ -137,6 +137,36 @@ def test_cached_blocks_are_listed_under_their_parent_until_evicted_or_reset():
     pool.check_integrity()
 
 
+def test_a_listed_partial_block_is_evictable_and_a_source_until_handed_out():
+    pool = BlockPool(4)
+    a, b = pool.get_new_blocks(2)
+    pool.list_partial(a, h(0), [7, 8])
+    with pytest.raises(ValueError):
+        pool.list_partial(a, h(0), [7, 8])                 # listed already
+    assert not pool.cache_block(a, h(1))                   # a partial never gets a hash
+    pool.free_blocks([a, b])
+    assert ids(pool.free_queue) == [b.block_id, 3, a.block_id]     # b empty: head; a reusable: tail
+    assert pool.stats().num_evictable == 1 and pool.longest_child(h(0), [7, 8, 9]) == (a, 2)
+    pool.touch([a])                                        # pinned as a copy source
+    assert pool.stats().num_evictable == 0
+    pool.free_blocks([a])
+    assert pool.stats().num_evictable == 1
+    pool.check_integrity()
+    pool.get_new_blocks(3)
+    assert a.parent_hash is None and pool.children == {} and pool.evicted_hashes is None
+    pool.check_integrity()
+
+
+def test_reset_forgets_listed_partial_blocks():
+    pool = BlockPool(3)
+    (a,) = pool.get_new_blocks(1)
+    pool.list_partial(a, h(0), [1])
+    pool.free_blocks([a])
+    assert pool.reset_prefix_cache() == 1 and pool.children == {}
+    assert pool.stats().num_evictable == 0
+    pool.check_integrity()
+
+
 def test_longest_child_compares_the_most_recent_siblings_only():
     n = MAX_SIBLINGS_SCANNED + 2
     pool = BlockPool(n + 1)
@@ -157,7 +187,11 @@ class PoolMachine(RuleBasedStateMachine):
         self.owners: list[list[KVBlock]] = []      # each owner holds one reference per block
         self.model_queue: list[int] = ids(self.pool.free_queue)
         self.model_map: dict[bytes, int] = {}
+        self.model_listed: set[int] = set()           # listed partial blocks
         self.model_ref = {i: 0 for i in range(1, 9)}
+
+    def _reusable(self, bid: int) -> bool:
+        return bid in self.model_map.values() or bid in self.model_listed
 
     def _allocate(self, n: int) -> None:
         got = self.pool.get_new_blocks(n)
@@ -165,6 +199,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert ids(got) == expected
         for bid in expected:
             self.model_map = {k: v for k, v in self.model_map.items() if v != bid}
+            self.model_listed.discard(bid)
             self.model_ref[bid] = 1
         self.owners.append(got)
 
@@ -176,15 +211,16 @@ class PoolMachine(RuleBasedStateMachine):
             with pytest.raises(ValueError):
                 self.pool.get_new_blocks(n)
 
-    @precondition(lambda self: set(self.model_queue) & set(self.model_map.values()))
+    @precondition(lambda self: any(self._reusable(bid) for bid in self.model_queue))
     @rule()
     def evict(self) -> None:
-        # Allocate up to and including the first cached block in the queue: it must lose its hash.
-        pos = next(i for i, bid in enumerate(self.model_queue) if bid in self.model_map.values())
+        # Allocate up to and including the first reusable block in the queue: it must lose its
+        # hash or listing.
+        pos = next(i for i, bid in enumerate(self.model_queue) if self._reusable(bid))
         victim = self.model_queue[pos]
         self._allocate(pos + 1)
-        assert self.pool.blocks[victim].block_hash is None
-        assert victim not in self.model_map.values()
+        assert self.pool.blocks[victim].block_hash is None and self.pool.blocks[victim].parent_hash is None
+        assert not self._reusable(victim)
 
     @precondition(lambda self: self.owners)
     @rule(data=st.data())
@@ -195,7 +231,7 @@ class PoolMachine(RuleBasedStateMachine):
         for blk in reversed(owner):
             self.model_ref[blk.block_id] -= 1
             if self.model_ref[blk.block_id] == 0:
-                if blk.block_id in self.model_map.values():
+                if self._reusable(blk.block_id):
                     self.model_queue.append(blk.block_id)
                 else:
                     head.insert(0, blk.block_id)
@@ -206,7 +242,7 @@ class PoolMachine(RuleBasedStateMachine):
     def cache(self, data, key: int) -> None:
         owner = data.draw(st.sampled_from(self.owners))
         blk = data.draw(st.sampled_from(owner))
-        expected = blk.block_hash is None and h(key) not in self.model_map
+        expected = blk.block_hash is None and h(key) not in self.model_map and blk.block_id not in self.model_listed
         had = blk.block_hash
         ok = self.pool.cache_block(blk, h(key))
         if had is None:
@@ -221,9 +257,21 @@ class PoolMachine(RuleBasedStateMachine):
         blk = data.draw(st.sampled_from(owner))
         had = blk.block_hash
         ok = self.pool.cache_block(blk, h(key), h(parent), [first, key])
+        assert not (ok and blk.block_id in self.model_listed)
         if had is None and ok:
             self.model_map[h(key)] = blk.block_id
             assert self.pool.longest_child(h(parent), [first, key]) == (blk, 2)
+
+    @precondition(lambda self: self.owners)
+    @rule(data=st.data(), parent=st.integers(6, 7))
+    def list_partial(self, data, parent: int) -> None:
+        blk = data.draw(st.sampled_from(data.draw(st.sampled_from(self.owners))))
+        if blk.block_hash is not None or blk.block_id in self.model_listed:
+            with pytest.raises(ValueError):
+                self.pool.list_partial(blk, h(parent), [9])
+            return
+        self.pool.list_partial(blk, h(parent), [9])
+        self.model_listed.add(blk.block_id)
 
     @rule(key=st.integers(0, 5))
     def touch(self, key: int) -> None:

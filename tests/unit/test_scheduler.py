@@ -48,7 +48,8 @@ class FakeRunner:
         sampled = {}
         for src, dst, n in plan.block_copies:
             source, target = self.pool.blocks[src], self.pool.blocks[dst]
-            assert source.ref_cnt > 0 and source.block_hash is not None, "a copy source must be pinned and cached"
+            assert source.ref_cnt > 0 and source.token_ids is not None and n <= len(source.token_ids), \
+                "a copy source must be pinned and listed with the tokens copied"
             assert target.ref_cnt > 0 and target.block_hash is None and 0 < n < self.B
             for i in range(n):
                 self.slots[dst * self.B + i] = self.slots[src * self.B + i]
@@ -340,6 +341,37 @@ def test_an_identical_prompt_computes_only_its_last_token():
     assert b.num_cached_tokens == 13 and plan.seqs[0].token_ids == [16]
     drive(sched, runner)
     assert b.output_token_ids == reference(prompt, 4)
+
+
+def test_a_short_reply_leaves_its_partly_filled_block_to_the_next_turn():
+    # Turn 1 ends inside the block after its prompt (10 prompt tokens, 1 reply token computed of
+    # 2), so that block never fills or gets a hash; freed, it is listed with its 11 computed
+    # tokens' last 3, and turn 2 (prompt, reply, more) copies them.
+    sched = make_sched(block_size=4)
+    runner = FakeRunner(sched)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    a = req("a", prompt, max_tokens=2)
+    sched.add_request(a)
+    drive(sched, runner)
+    b = req("b", prompt + a.output_token_ids + [50, 51], max_tokens=3)
+    sched.add_request(b)
+    plan, _ = step(sched, runner)
+    assert [c.num_tokens for c in plan.block_copies] == [3] and b.num_cached_tokens == 11
+    drive(sched, runner)
+    assert b.output_token_ids == reference(b.prompt_token_ids, 3)
+
+
+def test_a_preempted_request_copies_back_its_own_partial_block():
+    sched = make_sched(block_size=4)
+    runner = FakeRunner(sched)
+    a = req("a", list(range(30, 40)), max_tokens=6)
+    sched.add_request(a)
+    step(sched, runner)                                        # the 10-token prompt, 1 sampled
+    sched.preemption.preempt(a)
+    plan, _ = step(sched, runner)
+    assert [c.num_tokens for c in plan.block_copies] == [2] and plan.seqs[0].start_pos == 10
+    drive(sched, runner)
+    assert a.output_token_ids == reference(list(range(30, 40)), 6)
 
 
 def test_a_partial_hit_whose_source_is_the_only_free_block_left_gives_way():
