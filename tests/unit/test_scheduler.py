@@ -305,16 +305,22 @@ def test_shared_system_prompt_reused_while_first_request_runs():
     assert (s.prefix_cache_queries_tokens, s.prefix_cache_hits_tokens) == (67 + 66, 64)
 
 
+def after_one_turn(prompt: list[int], max_tokens: int) -> tuple[Scheduler, FakeRunner, Request]:
+    """A scheduler (blocks of 4) that has run request "a" on ``prompt`` to the end."""
+    sched = make_sched(block_size=4)
+    runner = FakeRunner(sched)
+    a = req("a", prompt, max_tokens=max_tokens)
+    sched.add_request(a)
+    drive(sched, runner)
+    return sched, runner, a
+
+
 def test_next_turn_copies_the_prompt_tail_of_the_last_turns_block():
     # Turn 1: 10 prompt tokens (2 full blocks of 4 and 2 more) and 6 generated: block 2 holds the
     # prompt's last 2 tokens and 2 generated ones. Turn 2 continues the prompt with other tokens
     # (its history replaced the reply): 2 blocks hit by hash, 2 tokens copied from block 2.
-    sched = make_sched(block_size=4)
-    runner = FakeRunner(sched)
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
-    a = req("a", prompt, max_tokens=6)
-    sched.add_request(a)
-    drive(sched, runner)
+    sched, runner, a = after_one_turn(prompt, max_tokens=6)
     source = sched.kv.pool.get_cached_block(a.block_hashes[2])
     assert source is not None and source.ref_cnt == 0
     b = req("b", prompt + [40, 41, 42, 43, 44], max_tokens=5)
@@ -330,11 +336,8 @@ def test_next_turn_copies_the_prompt_tail_of_the_last_turns_block():
 
 
 def test_an_identical_prompt_computes_only_its_last_token():
-    sched = make_sched(block_size=4)
-    runner = FakeRunner(sched)
     prompt = list(range(3, 17))                     # 14 tokens: 3 full blocks and 2
-    sched.add_request(req("a", prompt, max_tokens=4))
-    drive(sched, runner)
+    sched, runner, _ = after_one_turn(prompt, max_tokens=4)
     b = req("b", prompt, max_tokens=4)
     sched.add_request(b)
     plan, _ = step(sched, runner)
@@ -347,12 +350,8 @@ def test_a_short_reply_leaves_its_partly_filled_block_to_the_next_turn():
     # Turn 1 ends inside the block after its prompt (10 prompt tokens, 1 reply token computed of
     # 2), so that block never fills or gets a hash; freed, it is listed with its 11 computed
     # tokens' last 3, and turn 2 (prompt, reply, more) copies them.
-    sched = make_sched(block_size=4)
-    runner = FakeRunner(sched)
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
-    a = req("a", prompt, max_tokens=2)
-    sched.add_request(a)
-    drive(sched, runner)
+    sched, runner, a = after_one_turn(prompt, max_tokens=2)
     b = req("b", prompt + a.output_token_ids + [50, 51], max_tokens=3)
     sched.add_request(b)
     plan, _ = step(sched, runner)
