@@ -216,8 +216,7 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
         if parent_hash is not None and token_ids is not None:
-            block.parent_hash, block.token_ids = parent_hash, tuple(token_ids)
-            self.children.setdefault(parent_hash, {})[block.block_id] = block
+            self._list(block, parent_hash, token_ids)
         if block.ref_cnt == 0:
             self._num_evictable += 1
         return True
@@ -227,6 +226,10 @@ class BlockPool:
         its last holder frees it: evictable like a cached block, a source for ``longest_child``."""
         if block.block_hash is not None or block.parent_hash is not None or block.ref_cnt == 0:
             raise ValueError(f"only a held block with no hash and no listing can be listed, not {block}")
+        self._list(block, parent_hash, token_ids)
+
+    def _list(self, block: KVBlock, parent_hash: bytes, token_ids: Sequence[int]) -> None:
+        """Put a block under its parent in ``children``, with the tokens its first slots hold."""
         block.parent_hash, block.token_ids = parent_hash, tuple(token_ids)
         self.children.setdefault(parent_hash, {})[block.block_id] = block
 

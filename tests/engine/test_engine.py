@@ -9,6 +9,7 @@ import zmq
 from support.engines import make_engine, run, turn
 
 from kvhive.core.blocks import hash_blocks, root_hash
+from kvhive.model import cpu
 from kvhive.request import SamplingParams
 
 
@@ -34,13 +35,22 @@ def test_cached_and_uncached_generation_agree(tokenizer):
     assert engine.stats().prefix_cache_hits_tokens > 0
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native-attention", "torch-attention"])
-def test_chat_turns_copy_the_last_prompt_block_and_match_an_uncached_run(tokenizer, native):
+# The kernel levels this host runs (an AVX2-only or portable host's included), and torch attention.
+KERNELS = [*dict.fromkeys([cpu.detect().best] + [lvl for lvl in ("avx2", "portable") if cpu.detect().supports(lvl)]),
+           "torch"]
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_chat_turns_copy_the_last_prompt_block_and_match_an_uncached_run(tokenizer, kernels):
     # Each turn's prompt is the last prompt, a canned reply (not the model's own) and a new user
     # message, as chat clients send. The block holding the end of the last prompt also holds the
     # model's reply, so no hash matches it; its leading tokens are copied instead of computed.
-    engine = make_engine(tokenizer, native_attention=native)
-    uncached = make_engine(tokenizer, prefix=False, native_attention=native)
+    native = kernels != "torch"
+    forced = {"native_attention": native, "cpu_isa": kernels if native else "auto"}
+    engine = make_engine(tokenizer, **forced)
+    uncached = make_engine(tokenizer, prefix=False, **forced)
+    if native:
+        assert kernels in engine.paths["decode_attention"], engine.paths
     prompt, last = [(5 * i + 1) % 250 + 3 for i in range(22)], []
     for t in range(4):
         got = turn(engine, f"t{t}", prompt)
