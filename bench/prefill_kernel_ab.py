@@ -2,6 +2,7 @@
 """One layer of prefill attention: the C++ kernel at an earlier commit against the working tree's.
 
     python bench/prefill_kernel_ab.py --rev REV              # REV's kernel against the working tree's
+    python bench/prefill_kernel_ab.py --rev REV --cpu-isa avx2   # both built for AVX2 + FMA
 
 Both kernels run on the same pool (the default model's shapes: 30 layers, 3 KV heads, 9 query heads,
 head_dim 64, shuffled blocks of 16), alternating, min of --repeat runs per round; the table gives ms,
@@ -25,12 +26,12 @@ LAYERS, BLOCK, KV_HEADS, HEADS, HEAD_DIM = 30, 16, 3, 9, 64
 SHAPES = ((1600, 100), (0, 1600), (1536, 64))        # (cached tokens, new tokens)
 
 
-def kernel_at(rev: str | None):
+def kernel_at(rev: str | None, isa: str | None = None):
     """CpuPrefillKernel of ``rev`` (None: the working tree): that commit's ``kvhive/model`` (its
     prefill_kernel.py, native.py and C++ sources) is unpacked and loaded beside the installed package."""
     if rev is None:
         from kvhive.model.prefill_kernel import CpuPrefillKernel
-        return CpuPrefillKernel.load()
+        return CpuPrefillKernel.load(isa)
     archive = subprocess.run(["git", "archive", rev, "kvhive/model"], cwd=ROOT, check=True,
                              capture_output=True).stdout
     tmp = tempfile.mkdtemp()
@@ -43,7 +44,7 @@ def kernel_at(rev: str | None):
         source = f.read().replace("from kvhive.model.native import", f"from {native_name} import")
     with open(path, "w") as f:
         f.write(source)
-    return load_module(f"prefill_kernel_{rev}", path).CpuPrefillKernel.load()
+    return load_module(f"prefill_kernel_{rev}", path).CpuPrefillKernel.load(isa)
 
 
 def load_module(name: str, path: str):
@@ -70,11 +71,12 @@ def main() -> int:
     ap.add_argument("--rev", required=True, help="git revision of the kernel to compare against")
     ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--cpu-isa", default=None, help="ISA level both kernels are built for (default: the CPU's best)")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    kernels = {args.rev: kernel_at(args.rev), "now": kernel_at(None)}
+    kernels = {args.rev: kernel_at(args.rev, args.cpu_isa), "now": kernel_at(None, args.cpu_isa)}
     if None in kernels.values():
-        print("no compiler or no AVX-512: nothing to compare")
+        print("no compiler, or no prefill kernel at this ISA level: nothing to compare")
         return 1
     print(f"| dtype | cached + new | {args.rev} (ms) | now (ms) | GFLOP/s {args.rev} -> now | max diff |")
     print("| --- | --- | --- | --- | --- | --- |")

@@ -20,7 +20,7 @@ from kvhive.connector.base import ConnectorWorker
 from kvhive.engine.sampling import sample_tokens, token_logprobs
 from kvhive.engine.step import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
 from kvhive.kv.window_group import WindowLayout
-from kvhive.model.attention import AttnMetadata, DecodeBatch, PrefillSpan, decode_mask
+from kvhive.model.attention import AttnMetadata, DecodeBatch, PrefillSpan, decode_mask, output_rows
 from kvhive.model.cuda_graphs import DecodeGraphs
 from kvhive.model.decode_kernel import CpuDecodeKernel
 from kvhive.model.llama import LlamaModel, resolve_dtype
@@ -162,15 +162,18 @@ class ModelRunner:
         inputs = self.prepare_inputs(plan)
         with torch.inference_mode():
             hidden = self._graphed_decode(plan, inputs)
+            selected = False            # hidden holds the sampled rows alone
             if hidden is None:
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache)
+                selected = inputs.attn.out_rows is not None
             failed: dict[str, str] = {}
             prompt = self._prompt_logprobs(hidden, inputs.seqs, failed) if inputs.has_prompt_logprobs else {}
             sampled_seqs = [s for s in inputs.seqs if s.sample]
             if not sampled_seqs:
                 return StepResult(sampled={}, prompt_logprobs=prompt, failed=failed)
-            rows = torch.tensor(inputs.sample_rows, device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            if not selected:
+                hidden = hidden.index_select(0, torch.tensor(inputs.sample_rows, device=self.device))
+            logits = self.model.compute_logits(hidden)
             tokens = self._by_row(sampled_seqs, failed, "sampling", lambda rows: self.sample_rows(
                 _rows(logits, rows), [sampled_seqs[i] for i in rows]))
             # Rows (of logits, and indices of sampled_seqs) whose seq got a token and asks for logprobs;
@@ -292,8 +295,10 @@ class ModelRunner:
         return DecodeBatch(num_seqs=num_rows, block_tables=torch.from_numpy(tables).to(self.device),
                            context_lens=context_lens, mask=mask, kernel=self.decode_kernel, workspace=workspace)
 
-    def prepare_inputs(self, plan: StepPlan) -> StepInputs:
-        """Flatten the plan into ids, positions, slot rows and attention metadata (decode first)."""
+    def prepare_inputs(self, plan: StepPlan, all_rows: bool = False) -> StepInputs:
+        """Flatten the plan into ids, positions, slot rows and attention metadata (decode first).
+        The model then returns the hidden states of the sampled rows alone where that is fewer than
+        all (``AttnMetadata.out_rows``); ``all_rows`` keeps every row's."""
         B, rpb = self.block_size, self._rows_per_block
         decodes, prefills = self._decode_and_prefill(plan)
         ids: list[int] = []
@@ -319,13 +324,19 @@ class ModelRunner:
                             prefill_kernel=self.prefill_kernel, layer_hooks=self.connector)
         if self.window_cache is not None:
             attn = replace(attn, window=window_kv(attn, decodes, prefills, self.window_cache, self.window.window))
+        sample_rows = _sample_rows(seqs)
+        has_prompt_logprobs = any(s.prompt_logprobs is not None for s in seqs)
+        if (not all_rows and getattr(self.model, "selects_output_rows", False) and not has_prompt_logprobs
+                and len(sample_rows) < len(ids)):
+            # Rows nobody samples need only the last layer's K/V: the model skips the rest for them.
+            attn = replace(attn, out_rows=output_rows(attn, sample_rows, self.device))
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.from_numpy(np.concatenate(positions)).to(self.device),
             attn=attn,
             seqs=seqs,
-            sample_rows=_sample_rows(seqs),
-            has_prompt_logprobs=any(s.prompt_logprobs is not None for s in seqs),
+            sample_rows=sample_rows,
+            has_prompt_logprobs=has_prompt_logprobs,
         )
 
     def _decode_and_prefill(self, plan: StepPlan) -> tuple[list[ScheduledSeq], list[ScheduledSeq]]:

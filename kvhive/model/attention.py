@@ -21,7 +21,7 @@ torch's flash SDPA, else with SDPA.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -82,6 +82,60 @@ class AttnMetadata:
     layer_hooks: LayerHooks | None = None
     # The window layers' own pool and metadata (``kvhive.model.window_kv``); None: one pool for all.
     window: WindowKV | None = None
+    # The rows whose final hidden state the step reads, where fewer than all; None: every row.
+    out_rows: OutputRows | None = None
+
+
+@dataclass(frozen=True)
+class OutputRows:
+    """The rows of a step whose last-layer output is read (the sampled ones, in batch order).
+
+    The other rows still need the last layer's K/V, written to the pool for later steps, but not
+    its attention, output projection or MLP, so a model computes those for these rows alone.
+    """
+
+    rows: torch.Tensor                  # [k] int64, ascending; may be empty
+    # The last layer's attention over these rows' queries only (the pool written for every row);
+    # None: attend for every row, then keep these.
+    attn: AttnMetadata | None
+
+
+def output_rows(meta: AttnMetadata, rows: list[int], device: torch.device) -> OutputRows:
+    """``OutputRows`` for batch rows ``rows`` (ascending). The last layer's attention is restricted
+    to them where the prefill kernel runs, no window pool is in use, and every kept row of a prefill
+    span is its last (a span then becomes one query row at its last position)."""
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    attn = None
+    if meta.prefill_kernel is not None and meta.window is None:
+        attn = _restrict(meta, rows, index)
+    return OutputRows(index, attn)
+
+
+def _restrict(meta: AttnMetadata, rows: list[int], index: torch.Tensor) -> AttnMetadata | None:
+    """``meta`` for the queries of ``rows`` alone (slot rows unchanged: every row's K/V is written)."""
+    decode = meta.decode
+    num_decode = decode.num_seqs if decode is not None else 0
+    if decode is not None:
+        dec_rows = [r for r in rows if r < num_decode]
+        if not dec_rows:
+            decode = None
+        elif len(dec_rows) < num_decode:
+            sel = index[:len(dec_rows)]
+            decode = DecodeBatch(len(dec_rows), decode.block_tables.index_select(0, sel),
+                                 decode.context_lens.index_select(0, sel),
+                                 None if decode.mask is None else decode.mask.index_select(0, sel),
+                                 decode.kernel, decode.workspace)
+    spans = []
+    offset = 0 if decode is None else decode.num_seqs
+    for span in meta.prefills:
+        inside = [r for r in rows if span.begin <= r < span.end]
+        if not inside:
+            continue
+        if inside != [span.end - 1]:
+            return None
+        spans.append(PrefillSpan(offset, offset + 1, span.context_len - 1, span.block_ids, None))
+        offset += 1
+    return replace(meta, decode=decode, prefills=tuple(spans), out_rows=None)
 
 
 class LayerHooks(Protocol):

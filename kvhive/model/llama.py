@@ -15,7 +15,7 @@ from torch import nn
 
 from kvhive.config import ModelConfig
 from kvhive.model import cpu
-from kvhive.model.attention import AttnMetadata, paged_attention
+from kvhive.model.attention import AttnMetadata, paged_attention, write_kv
 from kvhive.model.fused import FusedOps
 from kvhive.model.quant import QuantMatmul, QuantWeight
 from kvhive.model.rope import rope_tables
@@ -151,6 +151,9 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """Llama-family causal LM over a flat batch of tokens and a paged KV pool."""
+
+    # forward() honours ``AttnMetadata.out_rows``: it returns those rows' hidden states alone.
+    selects_output_rows = True
 
     def __init__(self, config: ModelConfig, dtype: str | torch.dtype = "float32",
                  device: torch.device | str = "cpu", qkv_bias: bool = False, isa: str | None = None) -> None:
@@ -312,7 +315,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttnMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
-        """Run all layers over a flat batch [T]; write K/V into kv_cache; return hidden [T, H]."""
+        """Run all layers over a flat batch [T]; write K/V into kv_cache; return hidden [T, H], or
+        [k, H] of the rows ``attn_metadata.out_rows`` names (the last layer's K/V is still written
+        for every row, but its attention, output projection and MLP run for those rows alone)."""
         c = self.config
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
         eps = c.rms_norm_eps
@@ -324,6 +329,7 @@ class LlamaModel(nn.Module):
         hooks = attn_metadata.layer_hooks
         qmm = self.qmatmul if n <= QUANT_MAX_ROWS.get(self.dtype, 0) else None
         up = self.upcast
+        out, last = attn_metadata.out_rows, len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             if hooks is not None:
                 hooks.wait_for_layer_load(i)
@@ -338,8 +344,15 @@ class LlamaModel(nn.Module):
             if layer.q_norm is not None:
                 norm_heads_(qk, nh, layer.q_norm, layer.k_norm, eps)
             ops.rope(qk, rope)
-            attn = paged_attention(qk[:, :nh], qkv[:, nh * hd:].view(n, 2, nkv, hd), kv_cache, i,
-                                   attn_metadata)
+            kv = qkv[:, nh * hd:].view(n, 2, nkv, hd)
+            if out is not None and i == last:
+                attn, x = self._last_layer_rows(qk[:, :nh], kv, x, kv_cache, i, attn_metadata)
+                if x.shape[0] == 0:
+                    if hooks is not None:
+                        hooks.save_kv_layer(i)
+                    return x
+            else:
+                attn = paged_attention(qk[:, :nh], kv, kv_cache, i, attn_metadata)
             x = linear_add(attn, layer.o_proj, x, up) if q is None else qmm(attn, q["o"], x)
             if hooks is not None:
                 hooks.save_kv_layer(i)
@@ -348,6 +361,21 @@ class LlamaModel(nn.Module):
             act = ops.silu_mul(gate_up)
             x = linear_add(act, layer.down_proj, x, up) if q is None else qmm(act, q["down"], x)
         return x
+
+    @staticmethod
+    def _last_layer_rows(q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                         meta: AttnMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's attention output and residual for the rows of ``meta.out_rows`` alone;
+        every row's K/V is written."""
+        out = meta.out_rows
+        if out.rows.numel() == 0:
+            write_kv(kv, kv_cache, layer, meta)
+            return x[:0], x[:0]
+        if out.attn is not None:
+            attn = paged_attention(q.index_select(0, out.rows), kv, kv_cache, layer, out.attn)
+        else:
+            attn = paged_attention(q, kv, kv_cache, layer, meta).index_select(0, out.rows)
+        return attn, x.index_select(0, out.rows)
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the sampled rows only: [n, H] -> float32 [n, vocab].

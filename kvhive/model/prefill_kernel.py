@@ -2,9 +2,10 @@
 
 A prefill chunk of n new tokens at positions start_pos..start_pos+n-1 attends causally to every key
 0..start_pos+n-1 of its sequence, which the layer has already written into the pool. The kernel
-first packs each KV head's keys and values into tiles of 32 keys (transposed for the score
-products), then runs one work item per (KV head, tile of 16 query tokens): the group of query heads
-sharing a KV head are rows of the same item, so each K/V tile is read once for all of them. Scores,
+first packs each KV head's keys into tiles of 32 keys (transposed for the score products; a
+bfloat16 pool's values too, while a float32 pool's are read where they lie), then runs one work
+item per (KV head, tile of 16 query tokens): the group of query heads sharing a KV head are rows
+of the same item, so each K/V tile is read once for all of them. Scores,
 the running softmax and the output accumulators stay in float32; the output is in the pool's dtype.
 
 The path depends on the ISA level the library is built for (``kvhive.model.cpu``):

@@ -46,7 +46,7 @@ def _logits(loaded: LoadedModel, prompt: list[int], native: bool = True) -> torc
     blocks = -(-len(prompt) // BLOCK)
     runner = ModelRunner(loaded.model, loaded.config, num_blocks=blocks, block_size=BLOCK, native_attention=native)
     plan = StepPlan([ScheduledSeq("x", prompt, 0, list(range(blocks)), True, SamplingParams(temperature=0))])
-    inputs = runner.prepare_inputs(plan)
+    inputs = runner.prepare_inputs(plan, all_rows=True)
     with torch.inference_mode():
         return loaded.model.compute_logits(loaded.model(inputs.input_ids, inputs.positions, inputs.attn,
                                                         runner.kv_cache))

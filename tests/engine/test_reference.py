@@ -173,7 +173,7 @@ def test_hf_directory_gives_the_gguf_logits(reference, kvhive_gguf: LoadedModel,
         runner = ModelRunner(loaded.model, loaded.config, num_blocks=8, block_size=BLOCK_SIZE)
         prompt = prompts[4]
         plan = StepPlan([ScheduledSeq("x", prompt, 0, list(range(8)), True, SamplingParams(temperature=0))])
-        inputs = runner.prepare_inputs(plan)
+        inputs = runner.prepare_inputs(plan, all_rows=True)
         with torch.inference_mode():
             hidden = loaded.model(inputs.input_ids, inputs.positions, inputs.attn, runner.kv_cache)
             logits.append(loaded.model.compute_logits(hidden[-4:]))

@@ -57,7 +57,7 @@ def _prompt_logits(loaded: LoadedModel, prompt: list[int]) -> torch.Tensor:
     runner = ModelRunner(loaded.model, loaded.config, num_blocks=blocks, block_size=BLOCK,
                          dtype=str(loaded.model.dtype).removeprefix("torch."))
     plan = StepPlan([ScheduledSeq("x", prompt, 0, list(range(blocks)), True, SamplingParams(temperature=0))])
-    inputs = runner.prepare_inputs(plan)
+    inputs = runner.prepare_inputs(plan, all_rows=True)
     with torch.inference_mode():
         hidden = loaded.model(inputs.input_ids, inputs.positions, inputs.attn, runner.kv_cache)
         return loaded.model.compute_logits(hidden)

@@ -58,7 +58,7 @@ def kv_logits(model: LlamaModel, tokens: list[int], block_size: int = 4) -> torc
     runner = ModelRunner(model, model.config, num_blocks=64, block_size=block_size, dtype=model.dtype)
     plan = StepPlan([ScheduledSeq("x", tokens, 0, list(range(63, 63 - 16, -1)), True,
                                   SamplingParams(temperature=0))])
-    inputs = runner.prepare_inputs(plan)
+    inputs = runner.prepare_inputs(plan, all_rows=True)
     with torch.inference_mode():
         hidden = model(inputs.input_ids, inputs.positions, inputs.attn, runner.kv_cache)
         return model.compute_logits(hidden)

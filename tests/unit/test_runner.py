@@ -22,7 +22,7 @@ BF16_TOL = dict(atol=0.15, rtol=0.05)
 
 def step_logits(runner: ModelRunner, plan: StepPlan) -> dict[str, torch.Tensor]:
     """Logits of every computed token of every sequence (not only the sampled ones)."""
-    inputs = runner.prepare_inputs(plan)
+    inputs = runner.prepare_inputs(plan, all_rows=True)
     with torch.inference_mode():
         hidden = runner.model(inputs.input_ids, inputs.positions, inputs.attn, runner.kv_cache)
         logits = runner.model.compute_logits(hidden)
@@ -102,7 +102,7 @@ def test_short_chunk_on_a_cached_prefix_attends_as_decode_rows(dtype: str, tol: 
     step_logits(runner, StepPlan([seq("a", a, 0, ta), seq("b", b[:33], 0, tb)]))
     # One decode, a 4-token chunk over b's 33 cached tokens (crossing a block edge), a fresh prefill.
     plan = StepPlan([seq("a", [7], 20, ta), seq("b", b[33:], 33, tb), seq("c", c, 0, tc)])
-    inputs = runner.prepare_inputs(plan)
+    inputs = runner.prepare_inputs(plan, all_rows=True)
     short_rows = runner.decode_kernel is not None
     assert inputs.attn.decode.num_seqs == (5 if short_rows else 1)
     assert inputs.sample_rows == [0, 4, 13]          # a's token, b's last token, c's last token
@@ -113,8 +113,55 @@ def test_short_chunk_on_a_cached_prefix_attends_as_decode_rows(dtype: str, tol: 
     # The same step with every chunk through the prefill path gives the same greedy tokens.
     sampled = runner.execute(plan).sampled
     runner.decode_rows_max = 1
-    assert runner.prepare_inputs(plan).attn.decode.num_seqs == 1
+    assert runner.prepare_inputs(plan, all_rows=True).attn.decode.num_seqs == 1
     assert runner.execute(plan).sampled == sampled
+
+
+@DECODE_PATHS
+def test_sampled_rows_alone_match_every_row(native: bool) -> None:
+    """The last layer runs attention, projection and MLP for the sampled rows only: their hidden
+    states and every row's K/V equal those of a forward over every row."""
+    runs = []
+    for all_rows in (True, False):
+        runner, blocks = make_runner(16, native=native), Blocks(256, 16, seed=21)
+        a, b, c, d, e = prompt(20, 22), prompt(37, 23), prompt(9, 24), prompt(40, 25), prompt(70, 26)
+        ta, tb, tc, td, te = (blocks.grow([], n) for n in (21, 41, 9, 40, 70))
+        runner.execute(StepPlan([seq("a", a, 0, ta), seq("b", b[:33], 0, tb), seq("e", e[:50], 0, te)]))
+        # A decode, a short chunk on a cached prefix, a fresh prompt, a chunk nobody samples, and
+        # a long chunk on a cached prefix.
+        plan = StepPlan([seq("a", [7], 20, ta), seq("b", b[33:], 33, tb), seq("c", c, 0, tc),
+                         seq("d", d[:24], 0, td, sample=False), seq("e", e[50:], 50, te)])
+        inputs = runner.prepare_inputs(plan, all_rows=all_rows)
+        out = inputs.attn.out_rows
+        assert (out is None) == all_rows
+        if out is not None:
+            assert out.rows.tolist() == inputs.sample_rows
+            assert (out.attn is not None) == (runner.prefill_kernel is not None)
+        with torch.inference_mode():
+            hidden = runner.model(inputs.input_ids, inputs.positions, inputs.attn, runner.kv_cache)
+        if all_rows:
+            hidden = hidden[inputs.sample_rows]
+        assert hidden.shape[0] == len(inputs.sample_rows)
+        runs.append((hidden, runner.kv_cache.clone(), runner.execute(plan).sampled))
+    torch.testing.assert_close(runs[1][0], runs[0][0], **F32_TOL)
+    torch.testing.assert_close(runs[1][1], runs[0][1], **F32_TOL)
+    assert runs[1][2] == runs[0][2]
+
+
+def test_a_step_nobody_samples_still_writes_the_last_layer() -> None:
+    """A middle chunk of a long prompt: no row is sampled, yet every layer's K/V lands in the pool."""
+    pools = []
+    for all_rows in (True, False):
+        runner, blocks = make_runner(16), Blocks(256, 16, seed=27)
+        plan = StepPlan([seq("x", prompt(40, 28), 0, blocks.grow([], 40), sample=False)])
+        inputs = runner.prepare_inputs(plan, all_rows=all_rows)
+        with torch.inference_mode():
+            hidden = runner.model(inputs.input_ids, inputs.positions, inputs.attn, runner.kv_cache)
+        assert hidden.shape[0] == (40 if all_rows else 0)
+        assert runner.execute(plan).sampled == {}
+        pools.append(runner.kv_cache.clone())
+    assert pools[1][:, -1].abs().sum() > 0
+    torch.testing.assert_close(pools[1], pools[0], **F32_TOL)
 
 
 @pytest.mark.parametrize("blocked", [True, False], ids=["blocked", "sdpa"])

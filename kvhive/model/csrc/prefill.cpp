@@ -4,9 +4,11 @@
 //   AVX2 + FMA: 8-wide float32 for both dtypes; it also serves bf16 pools at the avx512 level
 //            (built without AVX512-BF16).
 // Without AVX2 + FMA (the portable level) there is no path and kvhive_prefill_caps() is 0.
-// Phase 1 packs each KV head's keys and values into tiles of kTile keys in the caller's workspace:
+// Phase 1 packs each KV head's keys (and a bf16 pool's values) into tiles of kTile keys in the
+// caller's workspace:
 //   float32 (AVX-512 float32 pools; AVX2 for both dtypes, bf16 widened by a 16-bit shift):
-//            K as [d][kTile keys], V as [kTile keys][d]
+//            K as [d][kTile keys]; a bf16 pool's V as [kTile keys][d] (a float32 pool's V rows are
+//            already [key][d] and are read where they lie)
 //   bf16 (AVX512-BF16): K as [d/2][kTile keys][2] (dword = the pair of dims a vdpbf16ps multiplies),
 //            V as [kTile/2 key pairs][d][2]
 // Phase 2: one item per (KV head, 16 query tokens); its rows are (token, head of the group), so a
@@ -17,6 +19,7 @@
 #include <cfloat>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 #include "bf16.h"
@@ -109,14 +112,21 @@ inline void transpose_rows(const T* const* rows, uint32_t* kt) {
 }
 
 // Per-dtype parts: packing one tile, scores of kRB rows, value products of R rows into their accumulators.
+// V is read where it lies (the tile's rows in the pool) or from the packed tile, as D::VSrc says.
 struct F32 {
   using T = float;
+  using VSrc = const float* const*;   // the tile's kTile V rows in the pool
   template <int HD>
-  static void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, float* kt, float* vt) {
+  static void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, float* kt, float*) {
     const float *k[kTile], *v[kTile];
     tile_rows<float, HD>(a, h, t, ctx, k, v);
-    transpose_rows<HD>(k, reinterpret_cast<uint32_t*>(kt));   // K: [d][kTile]
-    for (int j = 0; j < kTile; ++j) std::memcpy(vt + j * HD, v[j], HD * 4);   // V: plain rows
+    transpose_rows<HD>(k, reinterpret_cast<uint32_t*>(kt));   // K: [d][kTile]; V stays in the pool
+  }
+  template <int HD>
+  static VSrc value_rows(const Args& a, int64_t h, int64_t t, int64_t ctx, const float*, const float** v) {
+    const float* k[kTile];
+    tile_rows<float, HD>(a, h, t, ctx, k, v);
+    return v;
   }
   template <int HD>
   static void scores(const float* q, const float* kt, __m512 (*s)[kNV]) {   // q: kRB rows of HD
@@ -132,13 +142,13 @@ struct F32 {
     }
   }
   template <int HD, int R>
-  static void values(__m512 (*p)[kNV], const float* vt, __m512 (*o)[HD / 16]) {
+  static void values(__m512 (*p)[kNV], VSrc vrow, __m512 (*o)[HD / 16]) {
     alignas(64) float pv[R][kTile];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < kNV; ++v) _mm512_store_ps(pv[r] + v * 16, p[r][v]);
     for (int j = 0; j < kTile; ++j) {
       __m512 vv[HD / 16];
-      for (int c = 0; c < HD / 16; ++c) vv[c] = _mm512_loadu_ps(vt + j * HD + c * 16);
+      for (int c = 0; c < HD / 16; ++c) vv[c] = _mm512_loadu_ps(vrow[j] + c * 16);
       for (int r = 0; r < R; ++r) {
         const __m512 w = _mm512_set1_ps(pv[r][j]);
         for (int c = 0; c < HD / 16; ++c) o[r][c] = _mm512_fmadd_ps(w, vv[c], o[r][c]);
@@ -151,6 +161,9 @@ struct F32 {
 #if defined(__AVX512BF16__)
 struct BF16 {
   using T = uint16_t;
+  using VSrc = const uint16_t*;   // the packed tile
+  template <int HD>
+  static VSrc value_rows(const Args&, int64_t, int64_t, int64_t, const uint16_t* vt, const uint16_t**) { return vt; }
   template <int HD>
   static void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, uint16_t* kt, uint16_t* vt) {
     const uint16_t *k[kTile], *v[kTile];
@@ -240,7 +253,7 @@ inline float softmax_step(__m512* s, int64_t key0, int64_t lo, int64_t hi, float
 // Value products of R rows over one tile: o[r] = o[r] * alpha[r] + p[r] . V, the R x HD float32
 // accumulators held in registers so that each V vector loaded serves every row.
 template <typename D, int HD, int R>
-inline void values(__m512 (*p)[kNV], const float* alpha, const typename D::T* vt, float* o) {
+inline void values(__m512 (*p)[kNV], const float* alpha, typename D::VSrc vt, float* o) {
   __m512 acc[R][HD / 16];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < HD / 16; ++c)
@@ -295,7 +308,8 @@ void prefill(const Args& a) {
         const int64_t last = a.start_pos + t0 + ntok - 1;   // the item's last position
         for (int64_t t = 0; t * kTile <= last; ++t) {
           const T* kt = kpack + (h * tiles + t) * tile_elems;
-          const T* vt = vpack + (h * tiles + t) * tile_elems;
+          const T* vrows[kTile];
+          const typename D::VSrc vt = D::template value_rows<HD>(a, h, t, ctx, vpack + (h * tiles + t) * tile_elems, vrows);
           const bool diagonal = t * kTile + kTile - 1 > a.start_pos + t0;   // some key past some row
           for (int64_t rb = 0; rb < rows_pad; rb += kRB) {
             __m512 s[kRB][kNV];
@@ -381,7 +395,8 @@ inline void transpose8x8(__m256* r) {
 }
 
 // One tile of KV head h packed as float32 (bf16 widened once here, not in the products):
-// K as [HD][kTile] (dim d of key j at d * kTile + j), V as [kTile][HD].
+// K as [HD][kTile] (dim d of key j at d * kTile + j); V of a bf16 pool as [kTile][HD] (a float32
+// pool's V rows are read where they lie: value_rows).
 template <typename T, int HD>
 void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, float* kt, float* vt) {
   const T *k[kTile], *v[kTile];
@@ -393,8 +408,20 @@ void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, float* kt, float* vt
       transpose8x8(r);
       for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d + i) * kTile + g, r[i]);
     }
-  for (int j = 0; j < kTile; ++j)
-    for (int d = 0; d < HD; d += 8) _mm256_storeu_ps(vt + j * HD + d, load8(v[j] + d));
+  if (!std::is_same<T, float>::value)
+    for (int j = 0; j < kTile; ++j)
+      for (int d = 0; d < HD; d += 8) _mm256_storeu_ps(vt + j * HD + d, load8(v[j] + d));
+}
+
+// The kTile V rows of tile t as float32: a float32 pool's own rows, else the packed tile's.
+template <typename T, int HD>
+inline void value_rows(const Args& a, int64_t h, int64_t t, int64_t ctx, const float* vt, const float** v) {
+  if (std::is_same<T, float>::value) {
+    const T* k[kTile];
+    tile_rows<T, HD>(a, h, t, ctx, k, reinterpret_cast<const T**>(v));
+  } else {
+    for (int j = 0; j < kTile; ++j) v[j] = vt + j * HD;
+  }
 }
 
 // Raw scores of kRows query rows (q: kRows rows of HD, already scaled) against one packed K tile,
@@ -460,7 +487,7 @@ inline float softmax_step(float* s, int64_t key0, int64_t last, float& m, __m256
 // Value products of kRows rows over one tile: o[r] = o[r] * alpha[r] + p[r] . V, 16 dims at a time
 // (6 x 2 accumulators), so that each V vector loaded serves every row.
 template <int HD>
-inline void values(const float (*p)[kTile], const float* alpha, const float* vt, float* o) {
+inline void values(const float (*p)[kTile], const float* alpha, const float* const* v, float* o) {
   for (int c = 0; c < HD; c += 16) {
     __m256 acc[kRows][2];
     for (int r = 0; r < kRows; ++r) {
@@ -469,7 +496,7 @@ inline void values(const float (*p)[kTile], const float* alpha, const float* vt,
       acc[r][1] = _mm256_mul_ps(_mm256_load_ps(o + r * HD + c + 8), a);
     }
     for (int j = 0; j < kTile; ++j) {
-      const __m256 v0 = _mm256_loadu_ps(vt + j * HD + c), v1 = _mm256_loadu_ps(vt + j * HD + c + 8);
+      const __m256 v0 = _mm256_loadu_ps(v[j] + c), v1 = _mm256_loadu_ps(v[j] + c + 8);
       for (int r = 0; r < kRows; ++r) {
         const __m256 w = _mm256_broadcast_ss(p[r] + j);
         acc[r][0] = _mm256_fmadd_ps(w, v0, acc[r][0]);
@@ -528,7 +555,8 @@ void prefill(const Args& a) {
         const int64_t last = a.start_pos + t0 + ntok - 1;   // the item's last position
         for (int64_t t = 0; t * kTile <= last; ++t) {
           const float* kt = kpack + (h * tiles + t) * tile_elems;
-          const float* vt = vpack + (h * tiles + t) * tile_elems;
+          const float* v[kTile];
+          value_rows<T, HD>(a, h, t, ctx, vpack + (h * tiles + t) * tile_elems, v);
           const bool diagonal = t * kTile + kTile - 1 > a.start_pos + t0;   // some key past some row
           for (int64_t rb = 0; rb < rows_pad; rb += kRows) {
             float alpha[kRows];
@@ -536,7 +564,7 @@ void prefill(const Args& a) {
             for (int r = 0; r < kRows; ++r)
               alpha[r] = diagonal ? softmax_step<true>(s[r], t * kTile, pos[rb + r], m[rb + r], l[rb + r])
                                   : softmax_step<false>(s[r], t * kTile, 0, m[rb + r], l[rb + r]);
-            values<HD>(s, alpha, vt, o + rb * HD);
+            values<HD>(s, alpha, v, o + rb * HD);
           }
         }
         for (int64_t r = 0; r < rows; ++r) {
