@@ -118,12 +118,13 @@ def test_short_chunk_on_a_cached_prefix_attends_as_decode_rows(dtype: str, tol: 
 
 
 @DECODE_PATHS
-def test_sampled_rows_alone_match_every_row(native: bool) -> None:
+@pytest.mark.parametrize("dtype,tol", [("float32", F32_TOL), ("bfloat16", BF16_TOL)])
+def test_sampled_rows_alone_match_every_row(native: bool, dtype: str, tol: dict) -> None:
     """The last layer runs attention, projection and MLP for the sampled rows only: their hidden
     states and every row's K/V equal those of a forward over every row."""
     runs = []
     for all_rows in (True, False):
-        runner, blocks = make_runner(16, native=native), Blocks(256, 16, seed=21)
+        runner, blocks = make_runner(16, dtype, native=native), Blocks(256, 16, seed=21)
         a, b, c, d, e = prompt(20, 22), prompt(37, 23), prompt(9, 24), prompt(40, 25), prompt(70, 26)
         ta, tb, tc, td, te = (blocks.grow([], n) for n in (21, 41, 9, 40, 70))
         runner.execute(StepPlan([seq("a", a, 0, ta), seq("b", b[:33], 0, tb), seq("e", e[:50], 0, te)]))
@@ -143,9 +144,10 @@ def test_sampled_rows_alone_match_every_row(native: bool) -> None:
             hidden = hidden[inputs.sample_rows]
         assert hidden.shape[0] == len(inputs.sample_rows)
         runs.append((hidden, runner.kv_cache.clone(), runner.execute(plan).sampled))
-    torch.testing.assert_close(runs[1][0], runs[0][0], **F32_TOL)
-    torch.testing.assert_close(runs[1][1], runs[0][1], **F32_TOL)
-    assert runs[1][2] == runs[0][2]
+    torch.testing.assert_close(runs[1][0], runs[0][0], **tol)
+    torch.testing.assert_close(runs[1][1], runs[0][1], **tol)
+    if dtype == "float32":      # bf16 rows may round differently in a smaller batch: near ties can flip
+        assert runs[1][2] == runs[0][2]
 
 
 def test_a_step_nobody_samples_still_writes_the_last_layer() -> None:
