@@ -111,7 +111,8 @@ def replica_pids() -> list[int]:
 
 def wait_for_app(run: ServeRun, client: Any, replicas: int = 2) -> None:
     """Wait until the application behind ``client`` (an ``httpx.Client``) answers /v1/models and Ray
-    runs ``replicas`` kvhive replica processes; fail with ``run``'s output if it exits first."""
+    runs ``replicas`` kvhive replica processes; fail with ``run``'s output if it exits first or
+    either takes too long."""
     import httpx
 
     from support.servers import wait_until
@@ -123,5 +124,8 @@ def wait_for_app(run: ServeRun, client: Any, replicas: int = 2) -> None:
         except httpx.HTTPError:
             return False
 
-    wait_until(ready, 240, "the Ray Serve application answering /v1/models")
-    wait_until(lambda: len(replica_pids()) == replicas, 60, f"{replicas} kvhive replica processes")
+    try:
+        wait_until(ready, 240, "the Ray Serve application answering /v1/models")
+        wait_until(lambda: len(replica_pids()) == replicas, 60, f"{replicas} kvhive replica processes")
+    except AssertionError as exc:       # say why: what `serve run` printed
+        raise AssertionError(f"{exc}; `serve run` printed:\n{run.output()}") from None
