@@ -40,11 +40,18 @@ def cluster() -> Iterator[RayCluster]:
         yield running
 
 
+@pytest.fixture(scope="module")
+def http_port() -> int:
+    """The one HTTP port every config of this module names: Ray Serve keeps the HTTP options of its
+    first start for the cluster's life, so a later ``serve run`` naming another port is not served."""
+    return free_port()
+
+
 @pytest.mark.parametrize(("args", "named"), [({"kv_cache_gigs": 1}, "unknown field 'kv_cache_gigs'"),
                                              ({"model": "/nonexistent/model.gguf"}, "/nonexistent/model.gguf")])
-def test_a_bad_config_is_refused_and_starts_nothing(cluster: RayCluster, tmp_path: Any,
+def test_a_bad_config_is_refused_and_starts_nothing(cluster: RayCluster, tmp_path: Any, http_port: int,
                                                     args: dict[str, Any], named: str) -> None:
-    config = write_config(str(tmp_path / "bad.yaml"), free_port(), **args)
+    config = write_config(str(tmp_path / "bad.yaml"), http_port, **args)
     with serve_run(cluster, config) as run:
         wait_until(lambda: named in run.output(), 120, f"serve run reporting {named}")
         assert replica_pids() == []
@@ -64,9 +71,9 @@ def test_resources_no_node_has_are_refused_by_name(cluster: RayCluster) -> None:
 
 
 @pytest.fixture(scope="module")
-def app(cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+def app(cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory, http_port: int) -> Iterator[httpx.Client]:
     """The example config's application (2 replicas, one thread each) behind Ray's proxy."""
-    port = free_port()
+    port = http_port
     config = write_config(str(tmp_path_factory.mktemp("ray") / "config.yaml"), port)
     with serve_run(cluster, config) as run:
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120.0)
