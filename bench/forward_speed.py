@@ -27,6 +27,7 @@ from kvhive.core.model_files import default_model_path
 from kvhive.engine.runner import ModelRunner
 from kvhive.engine.step import ScheduledSeq, StepPlan
 from kvhive.model.loader import load_model
+from kvhive.model.quant_rows import time_projections
 from kvhive.request import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -84,38 +85,8 @@ def time_matmuls(repeat: int, dtypes: list[str]) -> None:
             return
         print(f"{dtype} activations: rows, GGUF blocks (ms), dense oneDNN (ms); min of {repeat} interleaved runs")
         for rows in (1, 2, 4, 8, 12, 16, 24, 32, 64):
-            blocks_ms, dense_ms = _time_projections(model, rows, repeat)
+            blocks_ms, dense_ms = time_projections(model, rows, repeat)
             print(f"  {rows:4d}   {blocks_ms:8.1f}   {dense_ms:8.1f}")
-
-
-def _time_projections(model, rows: int, repeat: int) -> tuple[float, float]:
-    """Min ms of all layers' projections at ``rows`` rows: (GGUF blocks, dense oneDNN), interleaved."""
-    from kvhive.model.llama import linear, linear_add
-
-    names, with_residual = ("qkv", "o", "gate_up", "down"), {"o", "down"}
-    quant = [(n, layer_q[n]) for layer_q in model.quant_layers for n in names]
-    dense = [getattr(layer, f"{n}_proj") for layer in model.layers for n in names]
-    xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(model.dtype) for _, w in quant}
-    res = {w.shape[0]: torch.randn(rows, w.shape[0]).to(model.dtype) for _, w in quant}
-
-    def blocks() -> None:
-        for n, w in quant:
-            model.qmatmul(xs[w.shape[1]], w, res[w.shape[0]] if n in with_residual else None)
-
-    def onednn() -> None:
-        for (n, w), d in zip(quant, dense, strict=True):
-            x = xs[w.shape[1]]
-            linear_add(x, d, res[w.shape[0]]) if n in with_residual else linear(x, d)
-
-    best = {blocks: float("inf"), onednn: float("inf")}
-    for fn in best:
-        fn()
-    for _ in range(repeat):
-        for fn in best:
-            t = time.perf_counter()
-            fn()
-            best[fn] = min(best[fn], (time.perf_counter() - t) * 1000)
-    return best[blocks], best[onednn]
 
 
 def main() -> None:

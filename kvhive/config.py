@@ -216,6 +216,9 @@ class SessionConfig:
             raise ValueError(f"--max-pinned-gb must be positive, got {self.max_pinned_gb}")
 
 
+MAX_QUANT_ROWS = 4096      # --quantized-matmul-rows: past a few dozen rows the dense GEMM always wins
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs: which model, on what device, with which cache and scheduler."""
@@ -226,6 +229,7 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None
     quantized_matmul: bool = True          # few-row steps read GGUF Q4_1/Q8_0 blocks directly (CPU)
+    quantized_matmul_rows: int | None = None   # up to how many rows they do; None: measured per machine
     native_attention: bool = True          # C++ attention kernels over the KV pool (CPU)
     enforce_eager: bool = False            # CUDA: no decode graphs (kvhive.model.cuda_graphs)
     cpu_isa: str = "auto"                  # ISA level of the C++ kernels (kvhive.model.cpu.LEVELS)
@@ -252,6 +256,9 @@ class EngineConfig:
             raise ValueError("give the KV-event endpoint once: in kv_events_config or as kv_events")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"--num-threads must be positive, got {self.num_threads}")
+        if self.quantized_matmul_rows is not None and not 0 <= self.quantized_matmul_rows <= MAX_QUANT_ROWS:
+            raise ValueError(f"--quantized-matmul-rows must be auto or 0..{MAX_QUANT_ROWS}, "
+                             f"got {self.quantized_matmul_rows}")
         if self.store.enabled and not self.cache.enable_prefix_caching:
             raise ValueError("KV tiers (--cpu-offload-gb, --disk-cache-dir, --redis-url) need prefix caching")
         if self.kv_transfer.disaggregated and not self.cache.enable_prefix_caching:

@@ -11,6 +11,7 @@ import os
 
 from kvhive.config import (
     CPU_ISAS,
+    MAX_QUANT_ROWS,
     METRICS_COMPAT,
     CacheConfig,
     EngineConfig,
@@ -202,6 +203,19 @@ def build_registration(args: argparse.Namespace) -> RegistrationConfig | None:
     return RegistrationConfig(args.register, advertise, args.register_ttl)
 
 
+def _quant_rows(value: str) -> int | None:
+    """``--quantized-matmul-rows``: ``auto`` (None) or a row count 0..MAX_QUANT_ROWS."""
+    if value == "auto":
+        return None
+    try:
+        rows = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a row count, got {value!r}") from None
+    if not 0 <= rows <= MAX_QUANT_ROWS:
+        raise argparse.ArgumentTypeError(f"must be auto or 0..{MAX_QUANT_ROWS}, got {rows}")
+    return rows
+
+
 def _add_performance_args(p: argparse.ArgumentParser) -> None:
     """Add the options of batching, threads and the CPU and CUDA compute paths."""
     g = p.add_argument_group("performance")
@@ -217,9 +231,13 @@ def _add_performance_args(p: argparse.ArgumentParser) -> None:
                         f"briefly ({AUTO_SPIN_COUNT} iterations) then sleeps; OMP_WAIT_POLICY or "
                         "GOMP_SPINCOUNT in the environment take precedence")
     g.add_argument("--no-quantized-matmul", dest="quantized_matmul", action="store_false",
-                   help="always multiply by the dequantised weights; without it, on CPU, steps of up to "
-                        "16 (float32) or 8 (bfloat16) tokens read a GGUF file's Q4_1/Q8_0 blocks directly "
+                   help="always multiply by the dequantised weights; without it, on CPU, steps of few "
+                        "tokens (--quantized-matmul-rows) read a GGUF file's Q4_1/Q8_0 blocks directly "
                         "(default: off)")
+    g.add_argument("--quantized-matmul-rows", type=_quant_rows, default=None, metavar="auto|N",
+                   help="steps of at most N tokens multiply by the GGUF blocks (0: none); auto measures "
+                        "where they stop beating the dense weights on this machine, once, and caches it "
+                        "beside the compiled kernels (default: auto)")
     g.add_argument("--no-native-attention", dest="native_attention", action="store_false",
                    help="attend with torch's SDPA on gathered K/V; without it, on CPU, decode and "
                         "prefill attention read the KV pool directly in C++ kernels (default: off)")
@@ -263,7 +281,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     kv_transfer = parse_kv_transfer_config(args.kv_transfer_config, args.kv_role, args.kv_transfer_port)
     return EngineConfig(model_path=model_path, served_model_name=name, dtype=args.dtype,
                         device=args.device, num_threads=args.num_threads,
-                        quantized_matmul=args.quantized_matmul,
+                        quantized_matmul=args.quantized_matmul, quantized_matmul_rows=args.quantized_matmul_rows,
                         native_attention=args.native_attention, enforce_eager=args.enforce_eager,
                         cpu_isa=args.cpu_isa, adaptive_threads=args.num_threads is None,
                         cache=cache,

@@ -44,7 +44,17 @@ def load_model(config: EngineConfig, isa: str | None):
                   quantized_matmul=config.quantized_matmul, isa=isa)
     logger.info("loaded %s (%s, %s) in %.1f s", os.path.basename(config.model_path.rstrip("/")),
                 config.dtype, config.device, time.perf_counter() - started)
+    if getattr(loaded.model, "qmatmul", None) is not None and config.quantized_matmul_rows is None:
+        from kvhive.model import quant_rows
+
+        quant_rows.calibrate(loaded.model)
     return loaded
+
+
+def fix_quant_rows(config: EngineConfig, model) -> None:
+    """Apply ``--quantized-matmul-rows N`` to a model with GGUF blocks (auto: left as loaded)."""
+    if getattr(model, "qmatmul", None) is not None and config.quantized_matmul_rows is not None:
+        model.quant_max_rows = config.quantized_matmul_rows
 
 
 def thread_governor(config: EngineConfig):

@@ -69,6 +69,7 @@ class LLMEngine:
         self.isa = assembly.kernel_isa(config)
         if loaded is None:
             loaded = assembly.load_model(config, self.isa)
+        assembly.fix_quant_rows(config, loaded.model)
         if tokenizer is None:
             from kvhive.core.tokenizer import Tokenizer
 

@@ -25,9 +25,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Below this many rows the fused rms_norm kernel wins (one op); above it the composite is faster on CPU.
 _FUSED_NORM_MAX_ROWS = 64
 # Steps with at most this many rows multiply by GGUF's quantised blocks when the model has them
-# (weight bytes dominate); above it the dense oneDNN copy wins (compute dominates). Measured, all
-# layers' projections, blocks vs dense (`bench/forward_speed.py --matmuls`): float32 8 rows 14.9 vs
-# 27.1 ms, 16 rows 25.9 vs 30.4, 24 rows 41.3 vs 43.0; bfloat16 8 rows 14.8 vs 15.8, 12 rows 23.5 vs 18.2.
+# (weight bytes dominate); above it the dense oneDNN copy wins (compute dominates). These are the
+# defaults until ``kvhive.model.quant_rows`` measures the machine's own crossover (on an AMD EPYC,
+# all layers' projections, blocks vs dense: float32 16 rows 25.9 vs 30.4 ms, 24 rows 41.3 vs 43.0;
+# bfloat16 8 rows 14.8 vs 15.8, 12 rows 23.5 vs 18.2).
 QUANT_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 8}
 
 
@@ -178,6 +179,7 @@ class LlamaModel(nn.Module):
         self.qmatmul: QuantMatmul | None = None
         self.quant_layers: list[dict[str, QuantWeight]] = []
         self.quant_lm_head: QuantWeight | None = None
+        self.quant_max_rows = 0          # steps of at most this many rows use the blocks (attach_quantized)
         # Tied embeddings: lm_head is the embedding matrix itself (one tensor, not a copy).
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else nn.Parameter(
             torch.empty(v, h, dtype=self.dtype, device=device), requires_grad=False)
@@ -241,7 +243,7 @@ class LlamaModel(nn.Module):
     def attach_quantized(self, weights: Mapping[str, QuantWeight]) -> bool:
         """Keep GGUF Q4_1/Q8_0 blocks (HF names) for few-row steps; False (and unused) unless every
         projection and the LM head have them and the kernel builds. Load the dense weights first:
-        prefill and any step above ``QUANT_MAX_ROWS`` rows still use them."""
+        prefill and any step above ``quant_max_rows`` rows still use them."""
         if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
             return False
         fused = {"qkv": [f"self_attn.{n}_proj.weight" for n in "qkv"], "o": ["self_attn.o_proj.weight"],
@@ -259,6 +261,7 @@ class LlamaModel(nn.Module):
         if kernel is None:
             return False
         self.qmatmul, self.quant_layers, self.quant_lm_head = kernel, layers, lm_head
+        self.quant_max_rows = QUANT_MAX_ROWS[self.dtype]
         return True
 
     def pack_weights(self) -> None:
@@ -288,7 +291,7 @@ class LlamaModel(nn.Module):
             proj = "torch float32 on bfloat16 weights (no fast bf16 GEMM on this CPU)"
         else:
             proj = f"torch {dt}"
-        limit = QUANT_MAX_ROWS.get(self.dtype, 0)
+        limit = self.quant_max_rows
         return {
             "projections": proj,
             "quantized_matmul": (f"C++ {self.qmatmul.isa} on GGUF blocks, steps of <= {limit} rows"
@@ -327,7 +330,7 @@ class LlamaModel(nn.Module):
         rope = ops.prepare_rope(positions, self.rope_cos, self.rope_sin)   # once for all layers
         x = F.embedding(input_ids, self.embed_tokens)
         hooks = attn_metadata.layer_hooks
-        qmm = self.qmatmul if n <= QUANT_MAX_ROWS.get(self.dtype, 0) else None
+        qmm = self.qmatmul if n <= self.quant_max_rows else None
         up = self.upcast
         out, last = attn_metadata.out_rows, len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -384,7 +387,7 @@ class LlamaModel(nn.Module):
         not rounded to bf16, whose 0.125 steps near 25 would tie close candidates).
         """
         h = self.ops.rms_norm(hidden_rows, self.norm, self.config.rms_norm_eps)
-        if self.qmatmul is not None and h.shape[0] <= QUANT_MAX_ROWS.get(self.dtype, 0):
+        if self.qmatmul is not None and h.shape[0] <= self.quant_max_rows:
             return self.qmatmul(h.float(), self.quant_lm_head)
         if self.upcast:
             return F.linear(h.float(), self.lm_head.float())
