@@ -26,8 +26,8 @@ from run_info import command, machine
 from kvhive.core.model_files import default_model_path
 from kvhive.engine.runner import ModelRunner
 from kvhive.engine.step import ScheduledSeq, StepPlan
+from kvhive.model import quant_rows
 from kvhive.model.loader import load_model
-from kvhive.model.quant_rows import time_projections
 from kvhive.request import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -85,7 +85,7 @@ def time_matmuls(repeat: int, dtypes: list[str]) -> None:
             return
         print(f"{dtype} activations: rows, GGUF blocks (ms), dense oneDNN (ms); min of {repeat} interleaved runs")
         for rows in (1, 2, 4, 8, 12, 16, 24, 32, 64):
-            blocks_ms, dense_ms = time_projections(model, rows, repeat)
+            blocks_ms, dense_ms = quant_rows.time_projections(model, rows, repeat)
             print(f"  {rows:4d}   {blocks_ms:8.1f}   {dense_ms:8.1f}")
 
 
@@ -112,6 +112,8 @@ def main() -> None:
     steps_by_dtype: dict[str, dict[str, dict[str, float]]] = {}
     for dtype in [args.dtype] if args.dtype else ["float32", "bfloat16"]:
         loaded = load_model(default_model_path(), dtype=dtype, device=args.device)
+        if getattr(loaded.model, "qmatmul", None) is not None:
+            quant_rows.calibrate(loaded.model)                  # the row limit kvhive serve uses here
         num_blocks = max(8 * (args.context // BLOCK + 2), 5504 // BLOCK + 2) + 2 * (1600 // BLOCK + 2)
         runner = ModelRunner(loaded.model, loaded.config, num_blocks, BLOCK, dtype, device=args.device,
                              cuda_graphs=not args.enforce_eager)
