@@ -115,6 +115,8 @@ class ModelRunner:
         prefill = CpuPrefillKernel.load(isa) if native else None
         self.prefill_kernel = (prefill if prefill is not None and prefill.supports(
             self.dtype, c.num_heads, c.num_kv_heads, c.head_dim) else None)
+        if self.prefill_kernel is not None and self.dtype == torch.bfloat16:
+            logger.info("bfloat16 prefill attention: the %s path (faster here)", self.prefill_kernel.pick_bf16_path())
         # CUDA: decode-only steps replay per-bucket graphs (kvhive.model.cuda_graphs).
         self.decode_graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda" and getattr(model, "cuda_graphs", True):

@@ -10,9 +10,14 @@ the running softmax and the output accumulators stay in float32; the output is i
 
 The path depends on the ISA level the library is built for (``kvhive.model.cpu``):
 
-* ``avx512_bf16`` and ``avx512``: 512-bit float32 for float32 pools. On a bfloat16 pool with
-  AVX512-BF16 the score and value products run on ``vdpbf16ps`` (bf16 inputs, float32 sums; tiles
-  packed in pairs of bf16) with the probabilities rounded to bf16, as flash attention does on GPUs.
+* ``avx512_bf16`` and ``avx512``: 512-bit float32 for float32 pools. A bfloat16 pool has two paths,
+  and the faster on this CPU is measured once (``pick_bf16_path``, a few milliseconds when the model
+  runner starts): ``wide`` widens keys and values to float32 as their tiles are packed and runs the
+  float32 kernel (its output is the float32 result rounded once); ``native`` runs the score and
+  value products on ``vdpbf16ps`` (bf16 inputs, float32 sums; tiles packed in pairs of bf16) with
+  the probabilities rounded to bf16, as flash attention does on GPUs (at ``avx512``: the AVX2 path).
+  On an Intel Xeon with AMX the wide path took 9.5 ms where vdpbf16ps took 14.5 (1,600 new tokens,
+  one layer of the default model); a CPU where vdpbf16ps is the faster keeps it.
 * ``avx2`` (AVX2 + FMA), and bfloat16 pools at ``avx512``: 256-bit float32. A bfloat16 pool's keys
   and values are widened to float32 as they are packed (its workspace then takes 4 bytes an
   element) and the output is rounded back to bf16 (nearest even).
@@ -24,6 +29,7 @@ Built once per machine and level by ``kvhive.model.native``.
 from __future__ import annotations
 
 import ctypes
+import time
 
 import torch
 
@@ -41,9 +47,13 @@ class _Args(ctypes.Structure):
 
 
 # Capability bits reported by the library (what it was compiled for): float32 pools, bfloat16 pools,
-# and bfloat16 tiles packed as float32 (the AVX2 path: 4 workspace bytes an element).
-_CAP_FLOAT32, _CAP_BFLOAT16, _CAP_BF16_AS_FLOAT32 = 1, 2, 4
+# bfloat16 tiles packed as float32 (the AVX2 path: 4 workspace bytes an element), and a second
+# bfloat16 path widened to float32 at 16 lanes (AVX-512 builds).
+_CAP_FLOAT32, _CAP_BFLOAT16, _CAP_BF16_AS_FLOAT32, _CAP_BF16_WIDE = 1, 2, 4, 8
 _TILE = 32              # keys per packed tile (both paths)
+# The library's modes: a float32 pool, a bf16 pool on the build's own path, a bf16 pool widened.
+_MODE_FLOAT32, _MODE_BF16, _MODE_BF16_WIDE = 0, 1, 2
+BF16_PATHS = ("auto", "native", "wide")
 
 
 class CpuPrefillKernel:
@@ -63,7 +73,44 @@ class CpuPrefillKernel:
                                 if bits & bit)
         # Bytes per packed K/V element of a bf16 pool: 4 where the bf16 tiles are widened to float32.
         self._bf16_packed_bytes = 4 if bits & _CAP_BF16_AS_FLOAT32 else 2
+        self._has_wide = bool(bits & _CAP_BF16_WIDE) and torch.bfloat16 in self.dtypes
+        self._bf16_mode: int | None = None       # chosen on the first bf16 call (pick_bf16_path)
         self._ws = torch.empty(0, dtype=torch.uint8)
+
+    @property
+    def bf16_path(self) -> str:
+        """Which bf16 path runs: ``native`` (the build's own: vdpbf16ps pairs, or AVX2 widened) or
+        ``wide`` (widened to float32 at 16 lanes); ``auto`` until the first bf16 call measures them."""
+        return {None: "auto", _MODE_BF16: "native", _MODE_BF16_WIDE: "wide"}[self._bf16_mode]
+
+    def pick_bf16_path(self, path: str = "auto") -> str:
+        """Fix the bf16 path: ``native``, ``wide`` (AVX-512 builds; else native) or ``auto``, the faster
+        of the two on a synthetic layer of this CPU (a few milliseconds). Returns the path taken."""
+        if path not in BF16_PATHS:
+            raise ValueError(f"bf16 path must be one of {', '.join(BF16_PATHS)}, got {path!r}")
+        if path == "native" or not self._has_wide:
+            self._bf16_mode = _MODE_BF16
+        elif path == "wide":
+            self._bf16_mode = _MODE_BF16_WIDE
+        else:
+            self._bf16_mode = self._faster_bf16_mode()
+        return self.bf16_path
+
+    def _faster_bf16_mode(self) -> int:
+        """Time both bf16 modes on one synthetic layer (768 cached + 128 new tokens, 9 heads on 3 KV
+        heads of 64), alternating, min of 5 each."""
+        blocks, block_size, kv_heads, heads, hd, start, n = 56, 16, 3, 9, 64, 768, 128
+        gen = torch.Generator().manual_seed(0)
+        pool = torch.randn(blocks, 1, 2, block_size, kv_heads, hd, generator=gen).to(torch.bfloat16)
+        q = torch.randn(n, heads, hd, generator=gen).to(torch.bfloat16)
+        table = torch.randperm(blocks, generator=gen)
+        best = {_MODE_BF16: float("inf"), _MODE_BF16_WIDE: float("inf")}
+        for _ in range(6):
+            for mode in best:
+                started = time.perf_counter()
+                self._run(q, pool, 0, table, start, mode)
+                best[mode] = min(best[mode], time.perf_counter() - started)
+        return min(best, key=best.get)
 
     @classmethod
     def load(cls, isa: str | None = None, cache_dir: str | None = None) -> CpuPrefillKernel | None:
@@ -87,6 +134,16 @@ class CpuPrefillKernel:
         block_ids (int64, contiguous) lists the pool blocks of positions 0..start_pos+n-1; the
         chunk's own K/V must already be written there.
         """
+        if kv_cache.dtype == torch.bfloat16:
+            if self._bf16_mode is None:
+                self.pick_bf16_path()
+            mode = self._bf16_mode
+        else:
+            mode = _MODE_FLOAT32
+        return self._run(q, kv_cache, layer, block_ids, start_pos, mode)
+
+    def _run(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_ids: torch.Tensor,
+             start_pos: int, mode: int) -> torch.Tensor:
         n, heads, head_dim = q.shape
         _, num_layers, _, block_size, kv_heads, _ = kv_cache.shape
         if q.dtype != kv_cache.dtype or q.stride(2) != 1 or q.stride(1) != head_dim:
@@ -97,15 +154,16 @@ class CpuPrefillKernel:
         out = torch.empty(n, heads * head_dim, dtype=q.dtype)
         args = _Args(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_ids.data_ptr(), n, start_pos,
                      num_layers, layer, block_size, kv_heads, heads // kv_heads, head_dim, head_dim ** -0.5,
-                     out.data_ptr(), self._workspace(ctx, kv_cache), torch.get_num_threads())
-        if self._fn(ctypes.byref(args), int(kv_cache.dtype == torch.bfloat16)):
+                     out.data_ptr(), self._workspace(ctx, kv_cache, mode), torch.get_num_threads())
+        if self._fn(ctypes.byref(args), mode):
             raise ValueError(f"prefill kernel: unsupported shape (head_dim {head_dim}, dtype {q.dtype})")
         return out
 
-    def _workspace(self, keys: int, kv_cache: torch.Tensor) -> int:
+    def _workspace(self, keys: int, kv_cache: torch.Tensor, mode: int) -> int:
         """Address of room for the packed K/V tiles of ``keys`` keys (grown as needed)."""
         _, _, _, _, kv_heads, head_dim = kv_cache.shape
-        elem = self._bf16_packed_bytes if kv_cache.dtype == torch.bfloat16 else kv_cache.element_size()
+        elem = 4 if mode == _MODE_BF16_WIDE else (
+            self._bf16_packed_bytes if kv_cache.dtype == torch.bfloat16 else kv_cache.element_size())
         need = 2 * kv_heads * -(-keys // _TILE) * _TILE * head_dim * elem
         if self._ws.numel() < need:
             self._ws = torch.empty(need + (need >> 2), dtype=torch.uint8)

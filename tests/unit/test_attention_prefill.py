@@ -161,15 +161,51 @@ def test_kernel_matches_reference_float32(level: str, n: int, prefix: int, heads
     torch.testing.assert_close(KERNELS[level](q, pool, 1, ids, prefix), reference(q, k, v), **F32_TOL)
 
 
+def bf16_kernel(level: str, path: str) -> CpuPrefillKernel:
+    """A kernel at ``level`` held to one bf16 path (a level without the wide path runs its own)."""
+    kernel = CpuPrefillKernel.load(level)
+    kernel.pick_bf16_path(path)
+    return kernel
+
+
 @pytest.mark.parametrize("level", kernel_levels(torch.bfloat16))
+@pytest.mark.parametrize("path", ["native", "wide"])
 @pytest.mark.parametrize("n,prefix,block_size", [(1, 0, 16), (17, 3, 5), (40, 21, 16), (33, 100, 5), (130, 600, 16)])
 @pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (4, 4, 16), (8, 2, 32), (4, 1, 128)])
-def test_kernel_matches_reference_bfloat16(level: str, n: int, prefix: int, heads: int, kv_heads: int, hd: int,
-                                           block_size: int) -> None:
+def test_kernel_matches_reference_bfloat16(level: str, path: str, n: int, prefix: int, heads: int, kv_heads: int,
+                                           hd: int, block_size: int) -> None:
     q, pool, ids, k, v = pool_inputs(n, prefix, heads, kv_heads, hd, torch.bfloat16, block_size)
-    got = KERNELS[level](q, pool, 1, ids, prefix)
+    got = bf16_kernel(level, path)(q, pool, 1, ids, prefix)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), reference(q, k, v), **BF16_TOL)
+
+
+@pytest.mark.parametrize("level", kernel_levels(torch.bfloat16))
+def test_wide_bfloat16_is_the_float32_path_rounded_once(level: str) -> None:
+    """The wide path widens bf16 exactly and runs the float32 kernel: its result is the float32
+    result on the same values, rounded to bf16 (nearest even) bit for bit."""
+    kernel = bf16_kernel(level, "wide")
+    if kernel.bf16_path != "wide":
+        pytest.skip(f"no 16-lane float32 path at {level}")
+    q, pool, ids, _, _ = pool_inputs(45, 70, 9, 3, 64, torch.bfloat16, 16)
+    got = kernel(q, pool, 1, ids, 70)
+    want = kernel(q.float(), pool.float(), 1, ids, 70).to(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_bf16_path_choice() -> None:
+    """auto measures and settles on one path; native and wide are taken as asked (wide only where the
+    build has it); anything else is refused."""
+    kernel = next((k for k in KERNELS.values() if k is not None and torch.bfloat16 in k.dtypes), None)
+    if kernel is None:
+        pytest.skip("no bf16 prefill kernel on this CPU")
+    kernel = CpuPrefillKernel.load(kernel.isa)
+    assert kernel.bf16_path == "auto"
+    assert kernel.pick_bf16_path() in ("native", "wide") and kernel.bf16_path != "auto"
+    assert kernel.pick_bf16_path("native") == "native"
+    assert kernel.pick_bf16_path("wide") == ("wide" if kernel.isa.startswith("avx512") else "native")
+    with pytest.raises(ValueError, match="bf16 path"):
+        kernel.pick_bf16_path("fastest")
 
 
 @pytest.mark.skipif(KERNELS.get("avx2") is None, reason="no AVX2 kernel on this CPU")
@@ -190,7 +226,8 @@ def test_kernel_workspace_holds_the_packed_tiles(level: str) -> None:
     kernel = CpuPrefillKernel.load(level)
     q, pool, ids, k, v = pool_inputs(70, 130, 8, 2, 32, torch.bfloat16, 16)
     torch.testing.assert_close(kernel(q, pool, 1, ids, 130).float(), reference(q, k, v), **BF16_TOL)
-    packed_bytes = 2 if level == "avx512_bf16" else 4   # vdpbf16ps reads bf16 tiles; AVX2 widens them
+    # vdpbf16ps reads bf16 tiles; AVX2 and the wide path widen them
+    packed_bytes = 2 if level == "avx512_bf16" and kernel.bf16_path == "native" else 4
     tiles = -(-200 // 32)
     assert kernel._ws.numel() >= 2 * 2 * tiles * 32 * 32 * packed_bytes
 

@@ -1,6 +1,7 @@
 // Causal prefill attention over kvhive's KV pool [blocks, layers, 2, block_size, kv_heads, head_dim].
 // Two paths, chosen by the ISA level the library is compiled for:
-//   AVX-512: 16-wide float32 for float32 pools; bf16 pools on vdpbf16ps where AVX512-BF16 is there.
+//   AVX-512: 16-wide float32 for float32 pools; bf16 pools on vdpbf16ps where AVX512-BF16 is there,
+//            or (mode 2) widened to float32 as they are packed and run as a float32 pool.
 //   AVX2 + FMA: 8-wide float32 for both dtypes; it also serves bf16 pools at the avx512 level
 //            (built without AVX512-BF16).
 // Without AVX2 + FMA (the portable level) there is no path and kvhive_prefill_caps() is 0.
@@ -114,7 +115,8 @@ inline void transpose_rows(const T* const* rows, uint32_t* kt) {
 // Per-dtype parts: packing one tile, scores of kRB rows, value products of R rows into their accumulators.
 // V is read where it lies (the tile's rows in the pool) or from the packed tile, as D::VSrc says.
 struct F32 {
-  using T = float;
+  using T = float;                    // the pool's and the output's element
+  using P = float;                    // the packed tiles' and the queries' element
   using VSrc = const float* const*;   // the tile's kTile V rows in the pool
   template <int HD>
   static void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, float* kt, float*) {
@@ -155,13 +157,58 @@ struct F32 {
       }
     }
   }
+  static void load_q(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * 4); }
   static void store(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
+};
+
+// A bfloat16 pool computed in float32 at 16 lanes: keys and values widened once as their tile is
+// packed (K as [d][kTile], V as [kTile][d]) and the queries as they are loaded; scores,
+// probabilities and value products as for a float32 pool; the output rounded to bf16. Where
+// vdpbf16ps runs no faster than two float32 FMAs (Intel with AMX measured 1.4x slower on the
+// pairs path) this is the faster bf16 path; CpuPrefillKernel measures which one a CPU gets.
+struct WideBF16 {
+  using T = uint16_t;
+  using P = float;
+  using VSrc = const float* const*;   // the packed tile's kTile V rows
+  static void widen(const uint16_t* src, float* dst, int64_t n) {   // n: a multiple of 16
+    for (int64_t i = 0; i < n; i += 16)
+      _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))), 16)));
+  }
+  template <int HD>
+  static void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, float* kt, float* vt) {
+    const uint16_t *k[kTile], *v[kTile];
+    tile_rows<uint16_t, HD>(a, h, t, ctx, k, v);
+    alignas(64) float kw[kTile][HD];
+    const float* rows[kTile];
+    for (int j = 0; j < kTile; ++j) {
+      widen(k[j], kw[j], HD);
+      widen(v[j], vt + j * HD, HD);
+      rows[j] = kw[j];
+    }
+    transpose_rows<HD>(rows, reinterpret_cast<uint32_t*>(kt));
+  }
+  template <int HD>
+  static VSrc value_rows(const Args&, int64_t, int64_t, int64_t, const float* vt, const float** v) {
+    for (int j = 0; j < kTile; ++j) v[j] = vt + j * HD;
+    return v;
+  }
+  template <int HD>
+  static void scores(const float* q, const float* kt, __m512 (*s)[kNV]) { F32::scores<HD>(q, kt, s); }
+  template <int HD, int R>
+  static void values(__m512 (*p)[kNV], VSrc vrow, __m512 (*o)[HD / 16]) { F32::values<HD, R>(p, vrow, o); }
+  static void load_q(float* dst, const uint16_t* src, int64_t n) { widen(src, dst, n); }
+  static void store(const float* src, uint16_t* dst, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+  }
 };
 
 #if defined(__AVX512BF16__)
 struct BF16 {
   using T = uint16_t;
+  using P = uint16_t;
   using VSrc = const uint16_t*;   // the packed tile
+  static void load_q(uint16_t* dst, const uint16_t* src, int64_t n) { std::memcpy(dst, src, n * 2); }
   template <int HD>
   static VSrc value_rows(const Args&, int64_t, int64_t, int64_t, const uint16_t* vt, const uint16_t**) { return vt; }
   template <int HD>
@@ -266,11 +313,12 @@ inline void values(__m512 (*p)[kNV], const float* alpha, typename D::VSrc vt, fl
 template <typename D, int HD>
 void prefill(const Args& a) {
   using T = typename D::T;
+  using P = typename D::P;
   const int64_t ctx = a.start_pos + a.n, tiles = (ctx + kTile - 1) / kTile, heads = a.kv_heads * a.group;
   const int64_t tile_elems = kTile * HD;
   constexpr int kRV = HD >= 128 ? 2 : HD >= 64 ? 4 : 8;   // rows per value block: 16 accumulators
-  T* kpack = static_cast<T*>(a.ws);                            // [kv_heads][tiles][tile_elems]
-  T* vpack = kpack + a.kv_heads * tiles * tile_elems;
+  P* kpack = static_cast<P*>(a.ws);                            // [kv_heads][tiles][tile_elems]
+  P* vpack = kpack + a.kv_heads * tiles * tile_elems;
   const int64_t q_items = (a.n + kQTok - 1) / kQTok, rows_max = (kQTok * a.group + kRB - 1) / kRB * kRB;
   const float scale = a.scale * 1.4426950408889634f;          // scores in log2 units
 #pragma omp parallel num_threads(a.n_threads)
@@ -280,7 +328,7 @@ void prefill(const Args& a) {
     for (int64_t t = 0; t < tiles; ++t)
       for (int64_t h = 0; h < a.kv_heads; ++h)
         D::template pack<HD>(a, h, t, ctx, kpack + (h * tiles + t) * tile_elems, vpack + (h * tiles + t) * tile_elems);
-    T* qb = new T[rows_max * HD];
+    P* qb = new P[rows_max * HD];
     float* o = static_cast<float*>(_mm_malloc(rows_max * HD * sizeof(float), 64));
     float* m = new float[rows_max];
     __m512* l = static_cast<__m512*>(_mm_malloc(rows_max * sizeof(__m512), 64));
@@ -294,11 +342,10 @@ void prefill(const Args& a) {
         for (int64_t r = 0; r < rows_pad; ++r) {
           if (r < rows) {
             const int64_t t = r / a.group, g = r % a.group;
-            std::memcpy(qb + r * HD, static_cast<const T*>(a.q) + (t0 + t) * a.q_stride + (h * a.group + g) * HD,
-                        HD * sizeof(T));
+            D::load_q(qb + r * HD, static_cast<const T*>(a.q) + (t0 + t) * a.q_stride + (h * a.group + g) * HD, HD);
             pos[r] = a.start_pos + t0 + t;
           } else {
-            std::memset(qb + r * HD, 0, HD * sizeof(T));
+            std::memset(qb + r * HD, 0, HD * sizeof(P));
             pos[r] = a.start_pos + t0 + ntok - 1;
           }
           m[r] = -FLT_MAX;
@@ -307,8 +354,8 @@ void prefill(const Args& a) {
         std::memset(o, 0, rows_pad * HD * sizeof(float));
         const int64_t last = a.start_pos + t0 + ntok - 1;   // the item's last position
         for (int64_t t = 0; t * kTile <= last; ++t) {
-          const T* kt = kpack + (h * tiles + t) * tile_elems;
-          const T* vrows[kTile];
+          const P* kt = kpack + (h * tiles + t) * tile_elems;
+          const P* vrows[kTile];
           const typename D::VSrc vt = D::template value_rows<HD>(a, h, t, ctx, vpack + (h * tiles + t) * tile_elems, vrows);
           const bool diagonal = t * kTile + kTile - 1 > a.start_pos + t0;   // some key past some row
           for (int64_t rb = 0; rb < rows_pad; rb += kRB) {
@@ -597,11 +644,15 @@ int run(const Args& a) {
 }  // namespace
 
 // Capability bits: 1 float32 pools, 2 bf16 pools, 4 bf16 tiles packed as float32 (the workspace
-// then takes 4 bytes per packed element for both dtypes).
+// then takes 4 bytes per packed element for both dtypes), 8 a second bf16 path computed in float32
+// at 16 lanes (mode 2 below; its workspace also takes 4 bytes an element).
 extern "C" int kvhive_prefill_caps() {
   int caps = 0;
 #if defined(__AVX512F__) || defined(KVHIVE_PREFILL_AVX2)
   caps |= 1;
+#endif
+#if defined(__AVX512F__)
+  caps |= 8;
 #endif
 #if defined(__AVX512BF16__)
   caps |= 2;
@@ -611,8 +662,14 @@ extern "C" int kvhive_prefill_caps() {
   return caps;
 }
 
-extern "C" int kvhive_prefill_attention(const Args* a, int is_bf16) {
-  if (a->n <= 0 || a->group <= 0) return 1;
+// mode: 0 a float32 pool; 1 a bf16 pool on the build's own bf16 path; 2 a bf16 pool widened to
+// float32 at 16 lanes (caps bit 8).
+extern "C" int kvhive_prefill_attention(const Args* a, int mode) {
+  if (a->n <= 0 || a->group <= 0 || mode < 0 || mode > 2) return 1;
+#if defined(__AVX512F__)
+  if (mode == 2) return run<WideBF16>(*a);
+#endif
+  const int is_bf16 = mode != 0;
 #if defined(__AVX512BF16__)
   if (is_bf16) return run<BF16>(*a);
 #elif defined(KVHIVE_PREFILL_AVX2)
