@@ -116,7 +116,7 @@ def main() -> None:
             quant_rows.calibrate(loaded.model)                  # the row limit kvhive serve uses here
         num_blocks = max(8 * (args.context // BLOCK + 2), 5504 // BLOCK + 2) + 2 * (1600 // BLOCK + 2)
         runner = ModelRunner(loaded.model, loaded.config, num_blocks, BLOCK, dtype, device=args.device,
-                             cuda_graphs=not args.enforce_eager)
+                             cuda_graphs=not args.enforce_eager, measure_attention=True)
         plans = {"prefill": prefill_plan(1600), "warm": warm_prefill_plan(1536, 64),
                  "long": warm_prefill_plan(3456, 2048),
                  "decode1": decode_plan(1, args.context), "decode8": decode_plan(8, args.context)}

@@ -110,7 +110,8 @@ def build_runner(config: EngineConfig, loaded, num_blocks: int, worker_half, isa
                          device=config.device, native_attention=config.native_attention,
                          connector=worker_half, cuda_graphs=not config.enforce_eager,
                          max_num_seqs=config.scheduler.max_num_seqs, isa=isa,
-                         window=window_layout_for(loaded.config, config, config.kv_transfer.disaggregated))
+                         window=window_layout_for(loaded.config, config, config.kv_transfer.disaggregated),
+                         measure_attention=config.cpu_isa == "auto")   # a forced level runs its kernels
     logger.info("KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB %s on %s) in %.1f s", num_blocks,
                 config.cache.block_size, num_blocks * config.cache.block_size, runner.pool_bytes() / 2**30,
                 config.dtype, config.device, time.perf_counter() - started)

@@ -20,7 +20,14 @@ from kvhive.connector.base import ConnectorWorker
 from kvhive.engine.sampling import sample_tokens, token_logprobs
 from kvhive.engine.step import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
 from kvhive.kv.window_group import WindowLayout
-from kvhive.model.attention import AttnMetadata, DecodeBatch, PrefillSpan, decode_mask, output_rows
+from kvhive.model.attention import (
+    AttnMetadata,
+    DecodeBatch,
+    PrefillSpan,
+    decode_mask,
+    output_rows,
+    torch_prefill_is_faster,
+)
 from kvhive.model.cuda_graphs import DecodeGraphs
 from kvhive.model.decode_kernel import CpuDecodeKernel
 from kvhive.model.llama import LlamaModel, resolve_dtype
@@ -77,9 +84,11 @@ class ModelRunner:
                  dtype: str | torch.dtype = "float32", device: torch.device | str = "cpu",
                  native_attention: bool = True, connector: ConnectorWorker | None = None,
                  cuda_graphs: bool = True, max_num_seqs: int = 32, isa: str | None = None,
-                 window: WindowLayout | None = None) -> None:
+                 window: WindowLayout | None = None, measure_attention: bool = False) -> None:
         """``isa``: the CPU ISA level of the attention kernels (``kvhive.model.cpu``; None: the CPU's best).
-        ``window``: the window layers get a pool of their own (``kvhive.kv.window_group``); None: one pool."""
+        ``window``: the window layers get a pool of their own (``kvhive.kv.window_group``); None: one pool.
+        ``measure_attention``: a bf16 pool's prefill attention runs in torch instead of the C++ kernel
+        where a synthetic layer says torch is faster here (else the kernel, whatever the timing)."""
         self.model = model
         self.config = model_config
         self.num_blocks = num_blocks
@@ -116,7 +125,15 @@ class ModelRunner:
         self.prefill_kernel = (prefill if prefill is not None and prefill.supports(
             self.dtype, c.num_heads, c.num_kv_heads, c.head_dim) else None)
         if self.prefill_kernel is not None and self.dtype == torch.bfloat16:
-            logger.info("bfloat16 prefill attention: the %s path (faster here)", self.prefill_kernel.pick_bf16_path())
+            # Two candidates for bf16 prefill attention: the kernel's faster bf16 path, and torch's
+            # (AMX-backed where the CPU has AMX); measured here on a synthetic layer.
+            path = self.prefill_kernel.pick_bf16_path()
+            if measure_attention and torch_prefill_is_faster(self.prefill_kernel, self.dtype, c.num_heads,
+                                                             c.num_kv_heads, c.head_dim):
+                self.prefill_kernel = None
+                logger.info("bfloat16 prefill attention: torch on gathered K/V (faster here than the C++ kernel)")
+            else:
+                logger.info("bfloat16 prefill attention: the C++ kernel's %s path (faster here)", path)
         # CUDA: decode-only steps replay per-bucket graphs (kvhive.model.cuda_graphs).
         self.decode_graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda" and getattr(model, "cuda_graphs", True):
