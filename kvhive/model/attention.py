@@ -243,7 +243,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 # Where the blocked GEMMs beat torch's flash SDPA on CPU in float32 (SmolLM2-135M: 9 heads / 3 KV
-# heads of 64, 1 and 2 threads; in bf16 SDPA wins: 2.1 against 1.1 ms for 512 new tokens on an
+# heads of 64, 1 and 2 threads; in bf16 SDPA wins: 0.85 against 2.0 ms for 512 new tokens on an
 # Intel Xeon with AMX): chunks of this many new tokens over at most this many keys. Outside, SDPA is
 # as fast or faster, and less hurt when other processes take the cores (one parallel region
 # instead of four per query block).
