@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from kvhive.model.timing import min_times
+
 if TYPE_CHECKING:
     from kvhive.model.decode_kernel import CpuDecodeKernel
     from kvhive.model.prefill_kernel import CpuPrefillKernel
@@ -346,8 +348,6 @@ def torch_prefill_is_faster(kernel: CpuPrefillKernel, dtype: torch.dtype, num_he
     of the C++ kernel's time (a cold 1,024-token chunk plus 96 new tokens on 1,024 cached,
     alternating, min of 3 each; ~0.1 s). On an Intel Xeon with AMX, torch's bf16 flash attention
     runs on AMX tiles: 5.0 against 9.7 ms for 1,600 new tokens, 1.0 against 1.5 ms for 96 on 1,760."""
-    import time
-
     block, gen = 16, torch.Generator().manual_seed(0)
     pool = torch.randn(72, 1, 2, block, num_kv_heads, head_dim, generator=gen).to(dtype)
     table = torch.randperm(72, generator=gen)           # 72 blocks of 16 hold 1,120 tokens
@@ -365,13 +365,5 @@ def torch_prefill_is_faster(kernel: CpuPrefillKernel, dtype: torch.dtype, num_he
             v = pool[:, 0, 1].index_select(0, ids).view(-1, num_kv_heads, head_dim)[:start + n]
             prefill_attention(q, k, v)
 
-    best = {run_kernel: float("inf"), run_torch: float("inf")}
-    with torch.inference_mode():
-        for fn in best:
-            fn()
-        for _ in range(3):
-            for fn in best:
-                started = time.perf_counter()
-                fn()
-                best[fn] = min(best[fn], time.perf_counter() - started)
-    return best[run_torch] < margin * best[run_kernel]
+    kernel_s, torch_s = min_times([run_kernel, run_torch], 3)
+    return torch_s < margin * kernel_s

@@ -29,12 +29,12 @@ Built once per machine and level by ``kvhive.model.native``.
 from __future__ import annotations
 
 import ctypes
-import time
 
 import torch
 
 from kvhive.model.cpu import resolve
 from kvhive.model.native import build_library, kernel_source
+from kvhive.model.timing import min_times
 
 
 class _Args(ctypes.Structure):
@@ -98,19 +98,15 @@ class CpuPrefillKernel:
 
     def _faster_bf16_mode(self) -> int:
         """Time both bf16 modes on one synthetic layer (768 cached + 128 new tokens, 9 heads on 3 KV
-        heads of 64), alternating, min of 5 each."""
+        heads of 64), one warm-up, then alternating, min of 5 each."""
         blocks, block_size, kv_heads, heads, hd, start, n = 56, 16, 3, 9, 64, 768, 128
         gen = torch.Generator().manual_seed(0)
         pool = torch.randn(blocks, 1, 2, block_size, kv_heads, hd, generator=gen).to(torch.bfloat16)
         q = torch.randn(n, heads, hd, generator=gen).to(torch.bfloat16)
         table = torch.randperm(blocks, generator=gen)
-        best = {_MODE_BF16: float("inf"), _MODE_BF16_WIDE: float("inf")}
-        for _ in range(6):
-            for mode in best:
-                started = time.perf_counter()
-                self._run(q, pool, 0, table, start, mode)
-                best[mode] = min(best[mode], time.perf_counter() - started)
-        return min(best, key=best.get)
+        modes = (_MODE_BF16, _MODE_BF16_WIDE)
+        times = min_times([lambda m=m: self._run(q, pool, 0, table, start, m) for m in modes], 5)
+        return modes[times.index(min(times))]
 
     @classmethod
     def load(cls, isa: str | None = None, cache_dir: str | None = None) -> CpuPrefillKernel | None:

@@ -26,6 +26,7 @@ import time
 import torch
 
 from kvhive.model.native import cpu_model, default_cache_dir
+from kvhive.model.timing import min_times
 
 logger = logging.getLogger(__name__)
 
@@ -54,16 +55,8 @@ def time_projections(model, rows: int, repeat: int) -> tuple[float, float]:
             x = xs[w.shape[1]]
             linear_add(x, d, res[w.shape[0]]) if n in _WITH_RESIDUAL else linear(x, d)
 
-    best = {blocks: float("inf"), onednn: float("inf")}
-    with torch.inference_mode():
-        for fn in best:
-            fn()
-        for _ in range(repeat):
-            for fn in best:
-                t = time.perf_counter()
-                fn()
-                best[fn] = min(best[fn], (time.perf_counter() - t) * 1000)
-    return best[blocks], best[onednn]
+    blocks_s, dense_s = min_times([blocks, onednn], repeat)
+    return blocks_s * 1000, dense_s * 1000
 
 
 def measure(model, repeat: int = 3) -> int:
