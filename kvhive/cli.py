@@ -16,6 +16,7 @@ import socket
 import sys
 
 from kvhive.config import CPU_ISAS, EngineConfig
+from kvhive.core.redis_check import redis_refusal
 from kvhive.core.registry import RegistrationConfig
 from kvhive.serve_args import AUTO_SPIN_COUNT, add_serve_args, build_engine_config, build_registration
 
@@ -113,6 +114,8 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     problem = listen_error(args.host, args.port)      # before the model loads, which takes a while
     if problem is None:
+        problem = redis_refusals(config, registration)
+    if problem is None:
         problem = prepare_runtime(args, config)
     if problem is None and config.dtype == "auto":
         try:
@@ -123,6 +126,18 @@ def serve(args: argparse.Namespace) -> int:
         print(f"kvhive serve: {problem}", file=sys.stderr)
         return 2
     return run_engine(args, config, registration)
+
+
+def redis_refusals(config: EngineConfig, registration: RegistrationConfig | None) -> str | None:
+    """Why a Redis that ``--redis-url`` or ``--register`` names refuses this replica (a wrong
+    password, a missing database), or None; an unreachable Redis is a runtime fault, not this."""
+    urls = [("--redis-url", config.store.redis_url)]
+    if registration is not None:
+        urls.append(("--register", registration.redis_url))
+    for flag, url in urls:
+        if url is not None and (problem := redis_refusal(url, flag)) is not None:
+            return problem
+    return None
 
 
 def resolve_auto_dtype(config: EngineConfig) -> EngineConfig:

@@ -264,8 +264,12 @@ def run_gateway(args: argparse.Namespace) -> int:
         print(f"kvhive gateway: {exc}", file=sys.stderr)
         return 2
     from kvhive.cli import listen_error
+    from kvhive.core.redis_check import redis_refusal
 
     problem = listen_error(config.host, config.port)      # before waiting on replicas and the tokenizer
+    for flag, url in (("--redis-url", config.redis_url), ("--discover", config.discover_url)):
+        if problem is None and url is not None:
+            problem = redis_refusal(url, flag)
     if problem is not None:
         print(f"kvhive gateway: {problem}", file=sys.stderr)
         return 2

@@ -35,7 +35,8 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
-from urllib.parse import urlsplit
+
+from kvhive.core.redis_check import redacted
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,16 +74,6 @@ def backend_lost_data(backend: object) -> bool:
         return bool(check_data is not None and check_data())
     except Exception:  # noqa: BLE001 - cannot tell: keep what this replica holds
         return True
-
-
-def redacted(url: str) -> str:
-    """The URL without its password, for logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    return parts._replace(netloc=f"{parts.username or ''}:***@{host}{port}").geturl()
 
 
 class CircuitBreaker:

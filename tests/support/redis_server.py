@@ -32,24 +32,27 @@ def require_redis_server() -> None:
 class RedisServer:
     """A redis-server subprocess on a fixed port that a test can stop, pause and start again."""
 
-    def __init__(self, port: int, workdir: str) -> None:
+    def __init__(self, port: int, workdir: str, password: str | None = None) -> None:
         self.port = port
         self.workdir = workdir
-        self.url = f"redis://127.0.0.1:{port}/0"
+        self.password = password
+        self.url = f"redis://{f':{password}@' if password else ''}127.0.0.1:{port}/0"
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        """Start it (no persistence, data under ``workdir``) and wait until it answers PING."""
+        """Start it (no persistence, data under ``workdir``; with ``password``, clients must give it)
+        and wait until it answers PING."""
         import redis
 
+        auth = ["--requirepass", self.password] if self.password else []
         self.process = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.workdir],
+             "--appendonly", "no", "--dir", self.workdir, *auth],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
-                if redis.Redis(port=self.port, socket_timeout=1).ping():
+                if redis.Redis(port=self.port, password=self.password, socket_timeout=1).ping():
                     return
             except redis.ConnectionError:
                 time.sleep(0.02)
@@ -67,14 +70,15 @@ class RedisServer:
         """A client for the test's own commands (FLUSHALL, CONFIG SET, ...)."""
         import redis
 
-        return redis.Redis(port=self.port, socket_timeout=5)
+        return redis.Redis(port=self.port, password=self.password, socket_timeout=5)
 
 
 @contextmanager
-def running_redis_server(workdir: str) -> Iterator[RedisServer]:
-    """A started RedisServer on a free port, stopped on exit (skips the test where there is none)."""
+def running_redis_server(workdir: str, password: str | None = None) -> Iterator[RedisServer]:
+    """A started RedisServer on a free port (with ``password``: one that requires it), stopped on
+    exit (skips the test where there is none)."""
     require_redis_server()
-    server = RedisServer(free_port(), workdir)
+    server = RedisServer(free_port(), workdir, password)
     server.start()
     try:
         yield server
