@@ -44,8 +44,13 @@ class Bound(NamedTuple):
         too_low = value < self.low if self.low_inclusive else value <= self.low
         if too_low or value > self.high:
             low = "[" if self.low_inclusive else "("
-            return f"{self.flag} must be in {low}{self.low:g}, {self.high:g}], got {value:g}"
+            return f"{self.flag} must be in {low}{_number(self.low)}, {_number(self.high)}], got {_number(value)}"
         return None
+
+
+def _number(value: float) -> str:
+    """``value`` as a person writes it: 16777216, 0.5, 3600."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
 BOUNDS: dict[str, Bound] = {
@@ -102,7 +107,6 @@ def _flag_type(bound: Bound) -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(problem.removeprefix(f"{bound.flag} "))
         return value
 
-    parse.__name__ = bound.flag          # argparse names the type in some of its messages
     return parse
 
 

@@ -46,14 +46,14 @@ def test_flags_set_every_limit() -> None:
 
 
 @pytest.mark.parametrize(("flag", "value", "says"), [
-    ("--http-max-header-bytes", "1023", "must be in [1024, 1.67772e+07], got 1023"),
+    ("--http-max-header-bytes", "1023", "must be in [1024, 16777216], got 1023"),
     ("--http-max-header-bytes", "64k", "'64k' is not a whole number"),
     ("--http-max-headers", "0", "must be in [1, 10000], got 0"),
     ("--http-header-timeout", "0", "must be in (0, 3600], got 0"),
     ("--http-header-timeout", "soon", "'soon' is not a number"),
     ("--http-keep-alive-timeout", "-1", "must be in (0, 3600], got -1"),
     ("--http-keep-alive-timeout", "3601", "must be in (0, 3600], got 3601"),
-    ("--http-max-connections", "0", "must be in [1, 1.04858e+06], got 0"),
+    ("--http-max-connections", "0", "must be in [1, 1048576], got 0"),
 ])
 @pytest.mark.parametrize("command", ["serve", "gateway"])
 def test_a_value_out_of_bounds_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str], command: str,
