@@ -90,8 +90,11 @@ class LimitedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         """Count the connection; refuse it (503) over the cap, else start timing its first head."""
         super().connection_made(transport)
-        if len(self.connections) > self.limits.max_connections:
-            self.logger.warning("%d connections open, over --http-max-connections: 503", len(self.connections))
+        open_connections = len(self.connections)
+        if open_connections > self.limits.max_connections:
+            if open_connections == self.limits.max_connections + 1:     # once each time the cap is reached
+                self.logger.warning("%d connections open (--http-max-connections): new ones get 503",
+                                    self.limits.max_connections)
             self.refuse(503, f"The server has {self.limits.max_connections} connections open, its limit.")
             return
         self._start_head_timer()
