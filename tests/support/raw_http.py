@@ -62,11 +62,10 @@ def flood_until_answered(sock: socket.socket, prefix: bytes, filler: bytes, most
     sent = len(prefix)
     while sent < most_bytes:
         readable, writable, _ = select.select([sock], [sock], [], READ_TIMEOUT_S)
-        if readable:
+        if readable or not writable:            # an answer, or a server that stopped reading
             break
-        if writable:
-            try:
-                sent += sock.send(filler)
-            except (BrokenPipeError, ConnectionResetError):
-                break
+        try:
+            sent += sock.send(filler)
+        except (BrokenPipeError, ConnectionResetError):
+            break
     return sent
