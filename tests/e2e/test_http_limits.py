@@ -2,7 +2,7 @@
 gateway process in front of it, each started with small ``--http-*`` limits: a head too large or
 with too many fields is 431, a head that stalls 408, an idle kept-alive connection is closed, a
 connection over the cap is 503 while open and freed slots keep working, and a stream that outlasts
-both timeouts completes. Flags and bounds in process: tests/unit/test_http_limits.py."""
+both timeouts completes. Flags and bounds in process: tests/unit/test_http_limit_flags.py."""
 
 from __future__ import annotations
 
