@@ -16,6 +16,7 @@ import socket
 import sys
 
 from kvhive.config import CPU_ISAS, EngineConfig
+from kvhive.core.http_limits import http_limits_from_args
 from kvhive.core.redis_check import redis_refusal
 from kvhive.core.registry import RegistrationConfig
 from kvhive.serve_args import AUTO_SPIN_COUNT, add_serve_args, build_engine_config, build_registration
@@ -193,7 +194,7 @@ def run_engine(args: argparse.Namespace, config: EngineConfig,
         served = run_server(AsyncEngine(engine), host=args.host, port=args.port,
                             served_model_name=config.served_model_name, api_keys=tuple(api_keys),
                             log_level=args.log_level, max_request_bytes=args.max_request_bytes,
-                            metrics_compat=args.metrics_compat)
+                            metrics_compat=args.metrics_compat, http_limits=http_limits_from_args(args))
     finally:
         if heartbeat is not None:
             heartbeat.stop(deregister=True)

@@ -20,6 +20,7 @@ from kvhive.config import (
     StoreConfig,
 )
 from kvhive.connector.disagg.config import parse_kv_transfer_config
+from kvhive.core.http_limits import add_http_limit_args
 from kvhive.core.registry import RegistrationConfig, default_advertise_url
 from kvhive.kv.events_config import parse_kv_events_config
 
@@ -58,6 +59,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     _add_session_args(p)
     _add_kv_event_args(p)
     _add_server_args(p)
+    add_http_limit_args(p)
     _add_registration_args(p)
     _add_performance_args(p)
     add_logging_args(p)

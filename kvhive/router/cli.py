@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from kvhive.core.http_limits import add_http_limit_args, http_limits_from_args
 from kvhive.router.config import ROUTING_POLICIES, GatewayConfig, ReplicaSpec
 from kvhive.router.scorer import SCORERS, RoutingWeights, TierWeights, weight_problem
 
@@ -49,6 +50,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     _add_index_args(p)
     _add_routing_args(p)
     _add_server_args(p)
+    add_http_limit_args(p)
     add_logging_args(p)
 
 
@@ -198,7 +200,8 @@ def build_gateway_config(args: argparse.Namespace) -> GatewayConfig:
         tiers=parse_tier_weights(args.tier_weights),
         weights=routing_weights(args),
         health_interval_s=args.health_interval, failures_to_drop=args.failures_to_drop,
-        salt_with_api_key=args.salt_with_api_key, max_request_bytes=args.max_request_bytes)
+        salt_with_api_key=args.salt_with_api_key, max_request_bytes=args.max_request_bytes,
+        http=http_limits_from_args(args))
 
 
 @dataclass(frozen=True)
@@ -275,6 +278,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         return 2
     import uvicorn
 
+    from kvhive.core.http_protocol import uvicorn_options
     from kvhive.core.model_files import default_model_path
     from kvhive.core.tokenizer import Tokenizer
     from kvhive.router.app import create_gateway_app
@@ -284,7 +288,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.from_model_path(config.model_path or default_model_path())
     app = create_gateway_app(config, tokenizer)
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, **uvicorn_options(config.http))
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvhive.core.http_limits import HttpLimits
 from kvhive.router.scorer import SCORERS, RoutingWeights, TierWeights
 
 REPLICA_KINDS = ("kvhive", "vllm")
@@ -93,6 +94,8 @@ class GatewayConfig:
     salt_with_api_key: bool = False
     # Largest request body the gateway reads (413 above): it holds each body in memory to forward it.
     max_request_bytes: int = 32 * 2**20
+    # Per-connection HTTP limits: request head size, fields and time, keep-alive, open connections.
+    http: HttpLimits = field(default_factory=HttpLimits)
 
     def __post_init__(self) -> None:
         if not self.replicas and self.discover_url is None:

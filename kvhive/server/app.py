@@ -17,6 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvhive.core.http_limits import HttpLimits
+from kvhive.core.http_protocol import uvicorn_options
 from kvhive.engine.client import EngineClient
 from kvhive.server.body_limit import BodyLimitMiddleware, default_max_request_bytes
 from kvhive.server.chat import create_chat_completion
@@ -199,11 +201,13 @@ def install_generation_routes(app: FastAPI, service: GenerationService) -> None:
 
 def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_name: str,
                api_keys: tuple[str, ...] = (), log_level: str = "info",
-               max_request_bytes: int | None = None, metrics_compat: str = "none") -> bool:
+               max_request_bytes: int | None = None, metrics_compat: str = "none",
+               http_limits: HttpLimits | None = None) -> bool:
     """Serve HTTP on a thread and run the engine loop on this (main) thread until interrupted.
 
     Returns False when the HTTP server never started (e.g. the port is taken) or the engine loop
-    died: the caller then exits non-zero, so a supervisor restarts the server.
+    died: the caller then exits non-zero, so a supervisor restarts the server. ``http_limits``: what
+    each connection may send and hold before a request reaches the app (default: ``HttpLimits()``).
 
     SIGINT/SIGTERM start uvicorn's graceful shutdown; the engine keeps stepping until the HTTP
     server has finished, so in-flight streams complete. If the engine loop dies, its requests fail
@@ -214,8 +218,8 @@ def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_nam
     app = create_app(async_engine, served_model_name=served_model_name, api_keys=api_keys,
                      max_request_bytes=max_request_bytes, metrics_compat=metrics_compat)
     logger.info("request bodies over %d bytes are refused (413)", app.state.max_request_bytes)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                            **uvicorn_options(http_limits or HttpLimits()))
     server = uvicorn.Server(config)
 
     def serve_http() -> None:

@@ -1,5 +1,5 @@
 """The test server process: ``python -m support.serve_faulty --model tiny|default --port N [--api-key K]
-[--max-model-len N] [--faulty] [--served-model-name NAME]`` (``support.servers.start_server`` runs it).
+[--max-model-len N] [--faulty] [--served-model-name NAME] [--http-* limits]`` (``support.servers.start_server`` runs it).
 
 ``tiny`` is a random-weight Llama (``support/tiny.py``) behind the real tokenizer of the default GGUF;
 ``default`` is the real default model. ``--faulty`` makes prompts that start with
@@ -149,6 +149,9 @@ def main() -> None:
     parser.add_argument("--max-pinned-gb", type=float, default=None)
     parser.add_argument("--share-prefix-cache", action="store_true")
     parser.add_argument("--served-model-name", default=SERVED_MODEL_NAME)
+    from kvhive.core.http_limits import add_http_limit_args, http_limits_from_args
+
+    add_http_limit_args(parser)              # kvhive serve's --http-* flags
     args = parser.parse_args()
     import torch
 
@@ -157,7 +160,7 @@ def main() -> None:
 
     served = run_server(build_engine(args), host="127.0.0.1", port=args.port,
                         served_model_name=args.served_model_name, api_keys=tuple(args.api_key),
-                        log_level="warning")
+                        log_level="warning", http_limits=http_limits_from_args(args))
     sys.exit(0 if served else 1)           # as ``kvhive serve``: 1 when the engine loop died
 
 

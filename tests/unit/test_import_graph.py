@@ -32,7 +32,8 @@ CASES = {
         ABOVE_THE_ROUTER),
     # What ``kvhive gateway`` imports, from the console script's module on.
     "gateway": (
-        ["kvhive.cli", "kvhive.router.app", "kvhive.router.cli", "kvhive.core.tenancy"],
+        ["kvhive.cli", "kvhive.router.app", "kvhive.router.cli", "kvhive.core.tenancy",
+         "kvhive.core.http_protocol"],
         ABOVE_THE_ROUTER),
     # The builder of the KV tiers and the record backends sits below the engine and the server.
     "durable-state": (

@@ -33,6 +33,7 @@ def test_autoscaling_leaves_the_replica_count_to_ray() -> None:
     ({"num_threads": "many"}, "--num-threads"),
     ({"port": 8000}, "field 'port'"),
     ({"kv_events": "tcp://*:5557"}, "field 'kv_events'"),
+    ({"http_header_timeout": 5}, "field 'http_header_timeout' is not set in a Ray Serve application"),
     ({"share_prefix_cache": "yes"}, "field 'share_prefix_cache'"),
     ({"num_replicas": 0}, "field 'num_replicas'"),
     ({"max_ongoing_requests": -1}, "field 'max_ongoing_requests'"),

@@ -4,7 +4,8 @@ Engine fields are the ``serve`` flags' names with underscores (``model``, ``dtyp
 ``redis_url``, ``max_sessions_per_key``, ``num_threads``, ...). They are turned back into flags and
 parsed by the very parser and ``build_engine_config`` that ``kvhive serve`` uses, so a value the
 CLI refuses is refused here with the same message. Ray decides where a replica listens and where
-it publishes KV events, so the flags of addresses and registration are not fields.
+it publishes KV events, and its HTTP proxy reads the requests, so the flags of addresses,
+registration and HTTP limits are not fields.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from types import MappingProxyType
 from typing import Any
 
 from kvhive.config import EngineConfig
+from kvhive.core.http_limits import BOUNDS, http_dest
 from kvhive.router.scorer import SCORERS, RoutingWeights, TierWeights
 from kvhive.serve_args import add_serve_args, build_engine_config
 
@@ -30,6 +32,9 @@ RAY_DECIDES = MappingProxyType({
     "kv_events": "each replica publishes KV events on a port of its own node",
     "kv_events_replay": "each replica serves replay on a port of its own node",
     "kv_events_config": "each replica publishes KV events on a port of its own node",
+    **dict.fromkeys(map(http_dest, BOUNDS),
+                    "Ray Serve's HTTP proxy reads the requests, not kvhive's server (its limits are "
+                    "serve's http_options, e.g. keep_alive_timeout_s)"),
 })
 RAY_FIELDS = ("num_replicas", "autoscaling_config", "ray_actor_options", "max_ongoing_requests",
               "ingress", "router")
