@@ -103,6 +103,8 @@ class EngineStatsCollector(Collector):
              lambda t: t.store.evictions),
             ("kvhive_kv_tier_errors", "Failed calls and corrupt objects in this tier (each a miss).",
              lambda t: t.store.errors),
+            ("kvhive_kv_tier_write_errors", "Writes this tier failed (disk full, I/O error): blocks refused.",
+             lambda t: t.store.write_errors),
         )
         for name, doc, value in counters:
             family = CounterMetricFamily(name, doc, labels=labels)
