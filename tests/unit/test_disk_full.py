@@ -4,11 +4,13 @@ record intact; no temp file stays; failures are logged once per interval with a 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 
 import pytest
+from support.sessions import BLOCK_BYTES, BLOCK_SIZE, CONFIG, Holder
 from support.tmpfs import SmallTmpfs, small_tmpfs
 
 from kvhive.core.failure_log import FailureLog
@@ -17,6 +19,7 @@ from kvhive.sessions.errors import SessionNotDurable, SessionNotFound
 from kvhive.sessions.records import SessionRecords
 from kvhive.sessions.response_backends import FileResponseBackend
 from kvhive.sessions.responses import ResponseStore, StoredResponse, new_conversation_id, new_response_id
+from kvhive.sessions.service import SessionService
 from kvhive.sessions.session import Session
 from kvhive.store.disk import DiskStore
 from kvhive.store.key import KeySpace
@@ -154,6 +157,35 @@ def test_session_record_on_a_full_disk_is_refused_and_the_old_one_stays(tmpfs):
     os.unlink(filler)
     records.save(session(2))
     assert sorted(s.session_id for s in records.load_all()) == ["sess-1", "sess-2"]
+
+
+def test_a_session_turn_whose_record_cannot_be_written_raises_and_keeps_the_old_record(tmpfs):
+    holder = Holder()
+    sessions = SessionService(CONFIG, holder, block_bytes=BLOCK_BYTES, block_size=BLOCK_SIZE,
+                              backend=FileBackend(tmpfs.path))
+    old = asyncio.run(sessions.open_turn("k", "m", 64, new_ttl=600))
+    old.end(40, [bytes(16)] * 2)
+    created = asyncio.run(sessions.open_turn("k", "m", 64, new_ttl=600))   # its record is written
+    turn = asyncio.run(sessions.open_turn("k", "m", 64, session_id=old.session.session_id))
+    filler = tmpfs.fill()
+    with pytest.raises(SessionNotDurable):
+        created.end(20, [bytes(16)])         # a new session whose first turn cannot be recorded: ended
+    assert created.session.engine_id in holder.released
+    refill = tmpfs.fill("refill")            # its deleted record freed a page
+    with pytest.raises(SessionNotDurable):
+        turn.end(60, [bytes(16)] * 3)        # an old session keeps what it holds here
+    assert [s.session_id for s in sessions.list("k")] == [old.session.session_id]
+    assert holder.held[-1] == (old.session.engine_id, [bytes(16)] * 3)
+    with pytest.raises(SessionNotDurable):
+        sessions.set_ttl(old.session, 60)    # a new TTL is refused and not applied
+    assert old.session.ttl_s == 600
+    aborted = asyncio.run(sessions.open_turn("k", "m", 64, session_id=old.session.session_id))
+    aborted.end()                            # a turn nobody waits for: no error, the old record stays
+    assert temp_files(tmpfs.path) == []
+    os.unlink(filler)
+    os.unlink(refill)
+    on_disk = SessionRecords(FileBackend(tmpfs.path)).load_all()
+    assert [(s.session_id, s.num_tokens) for s in on_disk] == [(old.session.session_id, 40)]
 
 
 def stored(conversation_id: str, text: str) -> StoredResponse:
