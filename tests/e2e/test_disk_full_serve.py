@@ -11,7 +11,14 @@ from typing import Any
 
 import httpx
 from support.api import assert_error
-from support.servers import SERVED_MODEL_NAME, ServerProcess, kill_server, start_server, stop_server
+from support.servers import (
+    SERVED_MODEL_NAME,
+    ServerProcess,
+    kill_server,
+    read_sse,
+    start_server,
+    stop_server,
+)
 from support.tmpfs import SmallTmpfs, small_tmpfs
 
 from kvhive.sessions.responses import conversation_of
@@ -84,6 +91,11 @@ def test_full_disk_refuses_records_with_507_and_loses_no_session(tmp_path) -> No
                 # A turn of the old session (its blocks are on disk already): its record cannot be
                 # rewritten, so the turn answers 507; the session stays, its old record intact.
                 assert_not_durable(c.post("/v1/completions", json=BODY, headers={"x-session-id": old_id}))
+                with c.stream("POST", "/v1/completions", json={**BODY, "stream": True},
+                              headers={"x-session-id": old_id}) as streamed_turn:
+                    assert streamed_turn.status_code == 200      # the headers went out before the turn ended
+                    events = read_sse(streamed_turn)
+                assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "insufficient_storage", events
                 assert ok(c.get(f"/v1/context/{old_id}"))["tokens"] == before["tokens"]
                 live = {s["id"] for s in ok(c.get("/v1/context"))["data"]}
                 assert live == {old_id, conversation_of(kept_response["id"])}
