@@ -85,6 +85,7 @@ class SessionStats:
     hit_tokens_total: int = 0      # prompt tokens of those turns served from cached KV
     expired_total: int = 0         # sessions dropped at their expiry
     deleted_total: int = 0         # sessions ended by DELETE or end_conversation
+    record_write_errors_total: int = 0   # session records a local backend could not write (SessionNotDurable)
 
 
 class SessionRegistry:
@@ -157,7 +158,8 @@ class SessionRegistry:
         """Live sessions, what they hold, and the cumulative counters."""
         live = self.live_sessions()
         return SessionStats(len(live), sum(s.num_tokens for s in live), sum(len(s.block_hashes) for s in live),
-                            self._turns, self._hit_tokens, self._expired, self._deleted)
+                            self._turns, self._hit_tokens, self._expired, self._deleted,
+                            self.records.write_failures.total)
 
     def pinned_bytes(self, owner: str | None) -> int:
         """KV bytes the owner's sessions hold."""

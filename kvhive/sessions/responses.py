@@ -93,6 +93,7 @@ class ResponseStats:
     num_stored: int                    # stored responses (live or not yet swept)
     num_conversations: int             # conversations holding them
     created_total: dict[str, int] = field(default_factory=dict)   # completed, incomplete, failed
+    write_errors_total: int = 0        # responses a local backend could not write (SessionNotDurable)
 
 
 @dataclass
@@ -268,7 +269,8 @@ class ResponseStore:
 
     def stats(self) -> ResponseStats:
         """The responses and conversations this replica holds (live or not yet swept)."""
-        return ResponseStats(self.num_responses(), len(self._conversations))
+        return ResponseStats(self.num_responses(), len(self._conversations),
+                             write_errors_total=self.write_failures.total)
 
     # ------------------------------------------------------------------ persistence
 

@@ -106,6 +106,8 @@ def test_full_disk_refuses_records_with_507_and_loses_no_session(tmp_path) -> No
                 assert ok(c.get(f"/v1/responses/{kept_response['id']}")) == kept_response
                 assert c.get("/health").status_code == 200
                 assert "kvhive_kv_tier_write_errors_total{" in c.get("/metrics").text
+                # Two creates, a conversation, a response's conversation and two turns were refused.
+                assert server.metric("kvhive_session_record_write_errors_total") == 6
 
                 os.unlink(filler)                  # room again
                 fresh = new_session(c, PROMPT[:40])
