@@ -75,7 +75,8 @@ class SessionTurn:
     def end(self, num_tokens: int | None = None, block_hashes: Sequence[bytes] | None = None,
             cached_tokens: int = 0) -> None:
         """End the turn (once: later calls, or calls after a newer turn began, do nothing).
-        ``num_tokens``/``block_hashes``: what the session holds now, when the engine said so."""
+        ``num_tokens``/``block_hashes``: what the session holds now, when the engine said so; then
+        SessionNotDurable when its record cannot be written (``SessionService.end_turn``)."""
         if self.service is not None:
             self.service.end_turn(self, num_tokens, block_hashes, cached_tokens)
 
