@@ -13,7 +13,14 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvhive.core.json_body import BodyError, validation_body_error
-from kvhive.sessions.registry import SessionBusy, SessionError, SessionInvalid, SessionLimit, SessionNotFound
+from kvhive.sessions.registry import (
+    SessionBusy,
+    SessionError,
+    SessionInvalid,
+    SessionLimit,
+    SessionNotDurable,
+    SessionNotFound,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +63,15 @@ SESSION_ERROR_STATUS: dict[type[SessionError], int] = {
     SessionNotFound: 404,
     SessionBusy: 409,
     SessionLimit: 429,
+    SessionNotDurable: 507,        # Insufficient Storage: its record could not be written to disk
 }
 
 
 def session_error(exc: SessionError) -> APIError:
     """A session (or stored response) refusal as an OpenAI-shaped error with its kind's status."""
     status = next(code for kind, code in SESSION_ERROR_STATUS.items() if isinstance(exc, kind))
-    error_type = "rate_limit_error" if status == 429 else "invalid_request_error"
+    error_type = ("rate_limit_error" if status == 429 else "server_error" if status >= 500
+                  else "invalid_request_error")
     return APIError(status, exc.message, type=error_type, param=exc.param, code=exc.code)
 
 

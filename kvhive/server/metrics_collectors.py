@@ -103,6 +103,8 @@ class EngineStatsCollector(Collector):
              lambda t: t.store.evictions),
             ("kvhive_kv_tier_errors", "Failed calls and corrupt objects in this tier (each a miss).",
              lambda t: t.store.errors),
+            ("kvhive_kv_tier_write_errors", "Writes this tier failed (disk full, I/O error): blocks refused.",
+             lambda t: t.store.write_errors),
         )
         for name, doc, value in counters:
             family = CounterMetricFamily(name, doc, labels=labels)
@@ -182,6 +184,8 @@ class SessionStatsCollector(Collector):
             ("kvhive_session_expiries", "Sessions dropped at their expiry (their blocks released).",
              s.expired_total),
             ("kvhive_session_deletes", "Sessions ended by DELETE or end_conversation.", s.deleted_total),
+            ("kvhive_session_record_write_errors", "Session records the disk could not take (each request "
+             "answered 507).", s.record_write_errors_total),
             ("kvhive_session_spills", "Idle session holdings moved off the device to the store tiers.",
              e.num_session_spills),
         )
@@ -213,7 +217,9 @@ class ResponseStatsCollector(Collector):
             ("kvhive_response_conversations", "Conversations of stored responses this replica holds.",
              s.num_conversations),
         )
-        yield from model_families(self._labels, gauges, ())
+        counters = (("kvhive_response_record_write_errors", "Stored responses the disk could not take (each "
+                     "request answered 507 or response.failed).", s.write_errors_total),)
+        yield from model_families(self._labels, gauges, counters)
         created = CounterMetricFamily("kvhive_responses_created", "Responses created, by final status "
                                       "(completed, incomplete, failed).", labels=["model_name", "status"])
         for status, count in sorted(s.created_total.items()):

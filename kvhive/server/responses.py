@@ -53,7 +53,7 @@ from kvhive.server.responses_protocol import (
 )
 from kvhive.server.serving import GenerationService, TextDelta, unix_time
 from kvhive.server.sse import ClosingStreamingResponse
-from kvhive.sessions.registry import Session, SessionBusy, SessionNotFound
+from kvhive.sessions.registry import Session, SessionBusy, SessionNotDurable, SessionNotFound
 from kvhive.sessions.responses import (
     ResponseStats,
     ResponseStore,
@@ -219,6 +219,9 @@ class ResponsesAPI:
             if result is None:
                 return Response(status_code=499)          # the client is gone; nobody reads this
             return JSONResponse(turn.finish(result), headers=headers)
+        except SessionNotDurable:
+            self.created["failed"] += 1                # its record could not be written: 507
+            raise
         finally:
             turn.close()
 
@@ -267,7 +270,6 @@ class Turn:
         incomplete = result.finish_reason == "length"
         status = "incomplete" if incomplete else "completed"
         self.response.status = status
-        self.api.created[status] += 1
         self.response.incomplete_details = IncompleteDetails() if incomplete else None
         self.response.output = [self.message(status, result.text, result.tokens)]
         self.response.usage = ResponseUsage(
@@ -280,13 +282,21 @@ class Turn:
             expires = session.expires if session is not None else unix_time()
             self.api.store.add(StoredResponse(self.owner, answer, self.items), expires)
             self.stored = True
+        self.api.created[status] += 1
         return answer
 
     def fail(self, exc: Exception) -> ResponseObject:
-        """The response object of a turn the engine failed (never stored)."""
+        """The response object of a turn the engine failed, or whose storing failed (never stored)."""
         self.response.status = "failed"
         self.api.created["failed"] += 1
         self.response.error = ResponseError(message=f"Engine error: {type(exc).__name__}: {exc}")
+        return self.response
+
+    def not_stored(self, exc: SessionNotDurable) -> ResponseObject:
+        """The response object of a turn whose record could not be written (counted as failed)."""
+        self.response.status = "failed"
+        self.api.created["failed"] += 1
+        self.response.error = ResponseError(code=exc.code, message=exc.message)
         return self.response
 
     def close(self) -> None:
@@ -319,14 +329,21 @@ class Turn:
                     if delta.text or (self.with_logprobs and delta.tokens):
                         yield event("response.output_text.delta", **ids, delta=delta.text,
                                     logprobs=self.logprobs(delta.tokens))
+        except SessionNotDurable as exc:          # the session turn's record could not be written
+            yield event("response.failed", response=self.not_stored(exc))
+            return
         except Exception as exc:  # noqa: BLE001 - reported to the client as OpenAI's response.failed
             logger.exception("engine error while streaming response %s", self.response_id)
             yield event("response.failed", response=self.fail(exc))
             return
         assert last is not None
         text = "".join(parts)
-        answer = self.finish(TextDelta(text, last.finish_reason, last.num_prompt_tokens,
-                                       last.num_cached_tokens, last.num_output_tokens, tuple(tokens)))
+        try:
+            answer = self.finish(TextDelta(text, last.finish_reason, last.num_prompt_tokens,
+                                           last.num_cached_tokens, last.num_output_tokens, tuple(tokens)))
+        except SessionNotDurable as exc:
+            yield event("response.failed", response=self.not_stored(exc))
+            return
         item = answer["output"][0]
         yield event("response.output_text.done", **ids, text=text, logprobs=item["content"][0]["logprobs"])
         yield event("response.content_part.done", **ids, part=item["content"][0])

@@ -233,9 +233,9 @@ class IncompleteDetails(BaseModel):
 
 
 class ResponseError(BaseModel):
-    """Why a response failed (an engine error)."""
+    """Why a response failed: an engine error, or its record could not be written (a full disk)."""
 
-    code: Literal["server_error"] = "server_error"
+    code: Literal["server_error", "insufficient_storage", "storage_error"] = "server_error"
     message: str
 
 

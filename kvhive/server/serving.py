@@ -33,7 +33,7 @@ from kvhive.server.metrics import ServerMetrics
 from kvhive.server.protocol import PromptTokensDetails, SamplingRequest, Usage
 from kvhive.server.sse import sse_response
 from kvhive.server.stop import StopStringMatcher
-from kvhive.sessions.registry import check_session_id
+from kvhive.sessions.registry import SessionError, check_session_id
 from kvhive.sessions.service import NO_TURN, SessionService, SessionTurn
 
 if TYPE_CHECKING:
@@ -491,8 +491,8 @@ class GenerationService:
     def _result(task: asyncio.Task[list[TextDelta]]) -> list[TextDelta]:
         try:
             return task.result()
-        except APIError:
-            raise
+        except (APIError, SessionError):
+            raise                                     # answered with its own status
         except Exception as exc:
             logger.exception("engine error")
             raise server_error(f"Engine error: {type(exc).__name__}: {exc}") from exc

@@ -14,7 +14,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from kvhive.server.errors import server_error
+from kvhive.server.errors import server_error, session_error
+from kvhive.sessions.errors import SessionError
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +36,15 @@ def sse_named_event(event_type: str, data: dict[str, Any]) -> str:
 
 
 async def with_error_event(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Pass SSE events through; an engine error after the headers went out becomes an error event
-    (OpenAI's error body) and ``[DONE]``."""
+    """Pass SSE events through; an engine error (or a session turn's record that could not be
+    written) after the headers went out becomes an error event (OpenAI's error body) and ``[DONE]``."""
     async with contextlib.aclosing(events):
         try:
             async for event in events:
                 yield event
+        except SessionError as exc:  # its turn's record could not be written (logged where it failed)
+            yield sse_event(session_error(exc).body())
+            yield SSE_DONE
         except Exception as exc:  # noqa: BLE001 - reported to the client in the stream
             logger.exception("engine error while streaming")
             yield sse_event(server_error(f"Engine error: {type(exc).__name__}: {exc}").body())

@@ -6,7 +6,8 @@ of sessions, and replicas sharing a Redis never overwrite each other's sessions.
 
 - ``FileBackend`` (``--disk-cache-dir`` without ``--redis-url``; local to one replica): one file
   per session under ``sessions/``, replaced atomically (temp file, fsync, rename), so a kill
-  leaves the old record or the new one. The registry loads them all at start.
+  leaves the old record or the new one, and a failed write (a full disk: OSError) the old one; the
+  temp files a kill leaves are removed at start. The registry loads them all at start.
 - ``RedisBackend`` (``--redis-url``, with or without a disk dir; shared by replicas): one key per
   session, ``{prefix}:{owner}:{id}`` (``kvhive:{model}:sessions:{owner}:{id}``, named by
   ``kvhive.sessions.durable``), whose Redis expiry is the session's expiry,
@@ -19,6 +20,7 @@ of sessions, and replicas sharing a Redis never overwrite each other's sessions.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -59,14 +61,36 @@ def record_digest(owner: str | None, record_id: str) -> str:
     return hashlib.sha256(record_name(owner, record_id).encode()).hexdigest()[:40]
 
 
+TEMP_SUFFIX = ".tmp"
+
+
 def atomic_write(path: str, data: bytes) -> None:
-    """Replace ``path`` with ``data``; a kill at any point leaves the old or the new file."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Replace ``path`` with ``data``; a kill at any point leaves the old or the new file. A failed
+    write (OSError: a full disk) removes its temp file and leaves the old file as it was."""
+    tmp = f"{path}{TEMP_SUFFIX}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def remove_temp_files(directory: str) -> int:
+    """Delete the temp files a kill left in ``directory`` (mid ``atomic_write``); how many."""
+    removed = 0
+    for name in os.listdir(directory):
+        if name.endswith(TEMP_SUFFIX):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
+                removed += 1
+    if removed:
+        logger.info("removed %d temp files left in %s", removed, directory)
+    return removed
 
 
 class FileBackend:
@@ -77,6 +101,7 @@ class FileBackend:
     def __init__(self, directory: str) -> None:
         self.directory = os.path.join(directory, SESSIONS_DIR)
         os.makedirs(self.directory, exist_ok=True)
+        remove_temp_files(self.directory)
 
     def _path(self, owner: str | None, session_id: str) -> str:
         return os.path.join(self.directory, f"{record_digest(owner, session_id)}.json")
@@ -86,7 +111,7 @@ class FileBackend:
         records = []
         for name in sorted(os.listdir(self.directory)):
             if not name.endswith(".json"):
-                continue                       # a temp file a kill left behind
+                continue
             path = os.path.join(self.directory, name)
             try:
                 with open(path, "rb") as f:

@@ -6,6 +6,8 @@ to an HTTP status in one place (``kvhive/server/errors.py``).
 
 from __future__ import annotations
 
+import errno
+
 
 class SessionError(Exception):
     """A request about a session (or a stored response) that cannot be served: its kind is the
@@ -32,6 +34,20 @@ class SessionBusy(SessionError):
 
 class SessionLimit(SessionError):
     """A limit (sessions per key, KV per key, the keeper tier, responses per conversation) refuses it."""
+
+
+class SessionNotDurable(SessionError):
+    """The record of a new session, a turn or a stored response could not be written durably (the
+    disk is full, a quota, an I/O error); the record written before stays as it was."""
+
+
+def not_durable(what: str, exc: OSError) -> SessionNotDurable:
+    """``what`` (e.g. "session 'sess-…'") could not be written: code ``insufficient_storage`` for a
+    full disk or quota, ``storage_error`` for another I/O error."""
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return SessionNotDurable(f"The record of {what} could not be written to disk ({exc.strerror or exc}), "
+                             f"so it would not survive a restart; try again later",
+                             "insufficient_storage" if full else "storage_error")
 
 
 def not_found(session_id: str) -> SessionNotFound:

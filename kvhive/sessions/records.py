@@ -1,6 +1,7 @@
 """The registry's session records in its backend: writes, reads, and whether the backend may lack them.
 
-Without a backend nothing is written. With a shared one (Redis), ``want_republish`` notes (from
+Without a backend nothing is written. A local backend's write that fails raises SessionNotDurable
+(the server answers 507); its old record stays. With a shared one (Redis), ``want_republish`` notes (from
 any thread) that the backend may lack the records held here; the registry then writes them again
 before its next read. A corrupt record reads as no record.
 """
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import logging
 
+from kvhive.core.failure_log import FailureLog
 from kvhive.sessions.backends import SessionBackend
+from kvhive.sessions.errors import not_durable
 from kvhive.sessions.session import Session
 from kvhive.store.redis_guard import RedisUnavailable, backend_lost_data
 
@@ -25,14 +28,20 @@ class SessionRecords:
         # republish (on the registry's own thread).
         self._republish_wanted = False
         self.losses = 0            # times told the backend may lack what is held here (any thread)
+        self.write_failures = FailureLog(logger, "session records: writes failed")
 
     def save(self, session: Session) -> None:
-        """Write the session's record (a failure is logged; the next change writes it again)."""
+        """Write the session's record. A local backend that cannot (a full disk, an I/O error)
+        raises SessionNotDurable and keeps the record it had; failures are logged once per
+        interval. A shared backend queues its writes (see ``want_republish`` for their loss)."""
         if self.backend is None:
             return
         try:
             self.backend.save(session.to_json())
-        except Exception:  # noqa: BLE001 - a failed save must not fail the request; the next one retries
+        except OSError as exc:
+            self.write_failures.record(exc)
+            raise not_durable(f"session '{session.session_id}'", exc) from exc
+        except Exception:  # noqa: BLE001 - not a storage failure; the next change writes it again
             logger.exception("could not persist session %s", session.session_id)
 
     @staticmethod

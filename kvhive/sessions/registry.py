@@ -18,7 +18,8 @@ Rules, in one place:
   all sessions must fit in the keeper tier that pins them, less ``KEEPER_MARGIN``); a request over
   one is refused (a limit) before anything changes.
 - Persistence (``kvhive.sessions.backends``): every change writes that session's record. A local
-  backend (disk dir) is loaded whole at start. A shared one (Redis) is the truth for every
+  backend (disk dir) is loaded whole at start. A write it cannot make (a full disk) raises
+  SessionNotDurable and leaves its old record: a new session is not created, a TTL not changed. A shared one (Redis) is the truth for every
   replica: a session this replica does not hold is loaded on first use, and one it holds is read
   again on each use (another replica may have extended, re-TTL'd or deleted it since).
 - Across replicas the busy rule is per process: two replicas running a turn on one session at
@@ -50,6 +51,7 @@ from kvhive.sessions.errors import (
     SessionError,
     SessionInvalid,
     SessionLimit,
+    SessionNotDurable,
     SessionNotFound,
     not_found,
 )
@@ -66,8 +68,8 @@ from kvhive.store.redis_guard import check_backend_data
 
 # The session vocabulary stays importable from here, where the server and the service take it.
 __all__ = ["KEEPER_MARGIN", "MAX_SESSION_ID_CHARS", "SESSION_ID_PATTERN", "KeeperTier", "Session", "SessionBusy",
-           "SessionError", "SessionInvalid", "SessionLimit", "SessionNotFound", "SessionRegistry", "SessionStats",
-           "check_session_id", "format_bytes", "not_found", "parse_ttl"]
+           "SessionError", "SessionInvalid", "SessionLimit", "SessionNotDurable", "SessionNotFound",
+           "SessionRegistry", "SessionStats", "check_session_id", "format_bytes", "not_found", "parse_ttl"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ class SessionStats:
     hit_tokens_total: int = 0      # prompt tokens of those turns served from cached KV
     expired_total: int = 0         # sessions dropped at their expiry
     deleted_total: int = 0         # sessions ended by DELETE or end_conversation
+    record_write_errors_total: int = 0   # session records a local backend could not write (SessionNotDurable)
 
 
 class SessionRegistry:
@@ -155,7 +158,8 @@ class SessionRegistry:
         """Live sessions, what they hold, and the cumulative counters."""
         live = self.live_sessions()
         return SessionStats(len(live), sum(s.num_tokens for s in live), sum(len(s.block_hashes) for s in live),
-                            self._turns, self._hit_tokens, self._expired, self._deleted)
+                            self._turns, self._hit_tokens, self._expired, self._deleted,
+                            self.records.write_failures.total)
 
     def pinned_bytes(self, owner: str | None) -> int:
         """KV bytes the owner's sessions hold."""
@@ -178,8 +182,8 @@ class SessionRegistry:
         now = self.clock()
         session = Session(session_id or f"sess-{uuid.uuid4().hex}", owner, model, ttl_s, now, now + ttl_s,
                           busy=True, turn=1)
+        self.records.save(session)            # SessionNotDurable: refused before it exists
         self._add(session)
-        self.records.save(session)
         return session
 
     def begin_turn(self, session: Session, model: str, new_tokens: int) -> None:
@@ -215,9 +219,14 @@ class SessionRegistry:
 
     def set_ttl(self, session: Session, ttl_s: int) -> None:
         """New TTL; the session now expires ttl_s from now."""
+        before = session.ttl_s, session.expires
         session.ttl_s = ttl_s
         session.expires = self.clock() + ttl_s
-        self.records.save(session)
+        try:
+            self.records.save(session)
+        except SessionNotDurable:
+            session.ttl_s, session.expires = before
+            raise
 
     def delete(self, session: Session) -> None:
         """Forget the session, here and in the backend (the caller frees its blocks in the engine)."""

@@ -6,7 +6,8 @@ conversation) and keep the conversation's expiry beside its responses.
 
 - ``FileResponseBackend`` (``--disk-cache-dir`` without ``--redis-url``; local to one replica): one
   directory per conversation under ``responses/``, holding ``conversation.json`` (id, owner,
-  expires) and one file per response, each replaced atomically. Loaded whole at start.
+  expires) and one file per response, each replaced atomically; a save that fails (a full disk)
+  removes what it wrote, and the temp files a kill leaves are removed at start. Loaded whole at start.
 - ``RedisResponseBackend`` (``--redis-url``; shared by replicas): one hash per conversation,
   ``{prefix}:{owner}:{id}`` (``kvhive:{model}:responses:{owner}:{id}``, named by
   ``kvhive.sessions.durable``), with a field per response and a ``conversation`` field, whose Redis
@@ -17,13 +18,14 @@ conversation) and keep the conversation's expiry beside its responses.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 from typing import Any, Protocol
 
-from kvhive.sessions.backends import RedisRecords, atomic_write, record_digest
+from kvhive.sessions.backends import RedisRecords, atomic_write, record_digest, remove_temp_files
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,10 @@ class FileResponseBackend:
     def __init__(self, directory: str) -> None:
         self.directory = os.path.join(directory, RESPONSES_DIR)
         os.makedirs(self.directory, exist_ok=True)
+        for name in os.listdir(self.directory):
+            path = os.path.join(self.directory, name)
+            if os.path.isdir(path):
+                remove_temp_files(path)
 
     def _dir(self, owner: str | None, conversation_id: str) -> str:
         return os.path.join(self.directory, record_digest(owner, conversation_id))
@@ -92,7 +98,7 @@ class FileResponseBackend:
                 record = json.loads(f.read())
             record["responses"] = []
             for name in sorted(os.listdir(path)):
-                if name.endswith(".json") and name != CONVERSATION_FILE:      # not a kill's temp file
+                if name.endswith(".json") and name != CONVERSATION_FILE:
                     with open(os.path.join(path, name), "rb") as f:
                         record["responses"].append(json.loads(f.read()))
         except FileNotFoundError:
@@ -103,12 +109,23 @@ class FileResponseBackend:
         return record
 
     def save(self, owner: str | None, conversation_id: str, expires: float, response: dict[str, Any]) -> None:
-        """Write the response's file, then the conversation's new expiry."""
+        """Write the response's file, then the conversation's new expiry. On OSError (a full disk)
+        a new response's file goes again and the conversation stays as it was."""
         path = self._dir(owner, conversation_id)
-        os.makedirs(path, exist_ok=True)
-        atomic_write(os.path.join(path, f"{response['response']['id']}.json"), json.dumps(response).encode())
+        response_path = os.path.join(path, f"{response['response']['id']}.json")
         header = _header(owner, conversation_id, expires)
-        atomic_write(os.path.join(path, CONVERSATION_FILE), json.dumps(header).encode())
+        existed = os.path.exists(response_path)
+        try:
+            os.makedirs(path, exist_ok=True)
+            atomic_write(response_path, json.dumps(response).encode())
+            atomic_write(os.path.join(path, CONVERSATION_FILE), json.dumps(header).encode())
+        except OSError:
+            if not existed:
+                with contextlib.suppress(OSError):
+                    os.unlink(response_path)
+            with contextlib.suppress(OSError):
+                os.rmdir(path)                  # only when empty: a new conversation's directory
+            raise
 
     def save_conversation(self, owner: str | None, conversation_id: str, expires: float,
                           responses: list[dict[str, Any]]) -> None:

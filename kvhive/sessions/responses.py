@@ -18,7 +18,8 @@ Rules, in one place:
 - Delete removes one response; the caller ends the session when its conversation has no response
   left. A response whose history lost a response to DELETE cannot be continued (not found).
 - Persistence (``kvhive.sessions.response_backends``): each stored turn writes its record and the
-  conversation's expiry. A local backend is loaded whole at start; a shared one (Redis) is read
+  conversation's expiry; a local backend that cannot (a full disk) refuses the turn's storing
+  (SessionNotDurable) and holds nothing new. A local backend is loaded whole at start; a shared one (Redis) is read
   again on each use, since another replica may have added responses or deleted some since. The
   server reads it off the event loop (``aget``, ``ais_empty``). When it may lack what is held here
   (its Redis breaker closed after an outage, or Redis lost its data), every live conversation held
@@ -37,6 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvhive.core.failure_log import FailureLog
+from kvhive.sessions.errors import not_durable
 from kvhive.sessions.registry import SessionLimit, SessionNotFound
 from kvhive.sessions.response_backends import ResponseBackend
 from kvhive.store.redis_guard import RedisUnavailable, backend_lost_data, check_backend_data
@@ -90,6 +93,7 @@ class ResponseStats:
     num_stored: int                    # stored responses (live or not yet swept)
     num_conversations: int             # conversations holding them
     created_total: dict[str, int] = field(default_factory=dict)   # completed, incomplete, failed
+    write_errors_total: int = 0        # responses a local backend could not write (SessionNotDurable)
 
 
 @dataclass
@@ -147,6 +151,7 @@ class ResponseStore:
         self._conversations: dict[tuple[str | None, str], Conversation] = {}
         self._republish_wanted = False       # set from any thread; cleared by the republish
         self._losses = 0                     # times told the backend may lack what is held here
+        self.write_failures = FailureLog(logger, "stored responses: writes failed")
         if backend is not None:
             add_listener = getattr(backend, "add_listener", None)
             if add_listener is not None:
@@ -196,18 +201,23 @@ class ResponseStore:
                                "too_many_responses", "previous_response_id")
 
     def add(self, stored: StoredResponse, expires: float) -> None:
-        """Store a response in its conversation, whose expiry becomes ``expires``."""
+        """Store a response in its conversation, whose expiry becomes ``expires``. A local backend
+        that cannot write it (a full disk, an I/O error) raises SessionNotDurable, and nothing
+        changes; failures are logged once per interval."""
         conversation_id = conversation_of(stored.response_id)
         assert conversation_id is not None, stored.response_id
+        if self.backend is not None:
+            try:
+                self.backend.save(stored.owner, conversation_id, expires, stored.to_json())
+            except OSError as exc:
+                self.write_failures.record(exc)
+                raise not_durable(f"response '{stored.response_id}'", exc) from exc
+            except Exception:  # noqa: BLE001 - not a storage failure: a shared backend republishes
+                logger.exception("could not persist response %s", stored.response_id)
         key = (stored.owner, conversation_id)
         conversation = self._conversations.setdefault(key, Conversation(conversation_id, stored.owner, expires))
         conversation.expires = expires
         conversation.responses[stored.response_id] = stored
-        if self.backend is not None:
-            try:
-                self.backend.save(stored.owner, conversation_id, expires, stored.to_json())
-            except Exception:  # noqa: BLE001 - a failed save must not fail the request
-                logger.exception("could not persist response %s", stored.response_id)
 
     def delete(self, stored: StoredResponse) -> bool:
         """Forget one response, here and in the backend; True when its conversation is now empty
@@ -259,7 +269,8 @@ class ResponseStore:
 
     def stats(self) -> ResponseStats:
         """The responses and conversations this replica holds (live or not yet swept)."""
-        return ResponseStats(self.num_responses(), len(self._conversations))
+        return ResponseStats(self.num_responses(), len(self._conversations),
+                             write_errors_total=self.write_failures.total)
 
     # ------------------------------------------------------------------ persistence
 

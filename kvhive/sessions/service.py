@@ -25,6 +25,7 @@ from kvhive.sessions.backends import SessionBackend
 from kvhive.sessions.registry import (
     KeeperTier,
     Session,
+    SessionNotDurable,
     SessionNotFound,
     SessionRegistry,
     SessionStats,
@@ -64,6 +65,7 @@ class SessionTurn:
     session: Session | None
     number: int = 0                # the session's turn counter when this turn began
     end_session: bool = False      # the session is deleted when this turn ends
+    created: bool = False          # the session was created for this turn
 
     @property
     def engine_id(self) -> str | None:
@@ -73,7 +75,8 @@ class SessionTurn:
     def end(self, num_tokens: int | None = None, block_hashes: Sequence[bytes] | None = None,
             cached_tokens: int = 0) -> None:
         """End the turn (once: later calls, or calls after a newer turn began, do nothing).
-        ``num_tokens``/``block_hashes``: what the session holds now, when the engine said so."""
+        ``num_tokens``/``block_hashes``: what the session holds now, when the engine said so; then
+        SessionNotDurable when its record cannot be written (``SessionService.end_turn``)."""
         if self.service is not None:
             self.service.end_turn(self, num_tokens, block_hashes, cached_tokens)
 
@@ -123,7 +126,7 @@ class SessionService:
         name = session_id or conversation_id
         if new_ttl is not None:
             registry.check_pinned(owner, num_tokens)
-            return self._turn(registry.create(owner, model, new_ttl), end_session)
+            return self._turn(registry.create(owner, model, new_ttl), end_session, created=True)
         if not name:
             return NO_TURN
         try:
@@ -133,14 +136,14 @@ class SessionService:
                 raise
             registry.check_pinned(owner, num_tokens)
             return self._turn(registry.create(owner, model, self.config.default_ttl_s, session_id=conversation_id),
-                              end_session)
+                              end_session, created=True)
         if session.busy and wait_if_busy and await self._wait_until_idle(session):
             session = await registry.aget(name, owner)        # as it is after that turn
         registry.begin_turn(session, model, num_tokens)
         return self._turn(session, end_session)
 
-    def _turn(self, session: Session, end_session: bool) -> SessionTurn:
-        return SessionTurn(self, session, session.turn, end_session)
+    def _turn(self, session: Session, end_session: bool, created: bool = False) -> SessionTurn:
+        return SessionTurn(self, session, session.turn, end_session, created)
 
     async def _wait_until_idle(self, session: Session) -> bool:
         """Wait up to ``busy_wait_s`` for the session's running turn to end; True once it has."""
@@ -152,7 +155,9 @@ class SessionService:
     def end_turn(self, turn: SessionTurn, num_tokens: int | None, block_hashes: Sequence[bytes] | None,
                  cached_tokens: int = 0) -> None:
         """``SessionTurn.end``: record what the session holds, slide its expiry and pin its blocks
-        (or, with ``end_session``, delete it and release them). Only the running turn ends."""
+        (or, with ``end_session``, delete it and release them). Only the running turn ends. A
+        finished turn whose record cannot be written raises SessionNotDurable (a session created
+        for it is ended first)."""
         session = turn.session
         if session is None or not session.busy or session.turn != turn.number:
             return
@@ -160,7 +165,18 @@ class SessionService:
             self.end(session)
             return
         hashes = None if block_hashes is None else [h.hex() for h in block_hashes]
-        self.registry.end_turn(session, num_tokens, hashes, cached_tokens)
+        try:
+            self.registry.end_turn(session, num_tokens, hashes, cached_tokens)
+        except SessionNotDurable:
+            # Its record could not be written; the one before stays. A session created for this
+            # turn is not made at all; an older one keeps here what it holds now.
+            if turn.created:
+                self.end(session)
+            elif block_hashes is not None:
+                self.pin(session)
+            if num_tokens is not None:
+                raise                          # the finished turn answers the error
+            return
         if block_hashes is not None:
             self.pin(session)
 

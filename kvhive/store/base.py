@@ -51,6 +51,7 @@ class StoreStats:
     budget_bytes: int | None = 0   # None where the tier has no budget of its own (Redis)
     load_seconds_sum: float = 0.0  # total time spent in get, hit or miss
     load_count: int = 0            # number of get calls timed
+    write_errors: int = 0          # writes that failed (disk full, I/O error); each block a miss
 
 
 class StatsCounter:
@@ -59,7 +60,7 @@ class StatsCounter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._hits = self._misses = self._bytes_in = self._bytes_out = 0
-        self._evictions = self._errors = self._load_count = 0
+        self._evictions = self._errors = self._load_count = self._write_errors = 0
         self._load_seconds = 0.0
 
     def record_get(self, payload_len: int | None, seconds: float) -> None:
@@ -88,11 +89,18 @@ class StatsCounter:
         with self._lock:
             self._errors += 1
 
+    def record_write_error(self) -> None:
+        """Count one failed write (also a failed call, in ``errors``)."""
+        with self._lock:
+            self._errors += 1
+            self._write_errors += 1
+
     def snapshot(self, used_bytes: int | None, budget_bytes: int | None) -> StoreStats:
         """The counters now, with the tier's current usage and budget."""
         with self._lock:
             return StoreStats(self._hits, self._misses, self._bytes_in, self._bytes_out, self._evictions,
-                              self._errors, used_bytes, budget_bytes, self._load_seconds, self._load_count)
+                              self._errors, used_bytes, budget_bytes, self._load_seconds, self._load_count,
+                              self._write_errors)
 
 
 class BlockStore(Protocol):

@@ -22,6 +22,13 @@ dropped segment holds only blocks not used for that long. Below half the budget 
 rewritten (no write amplification while there is room). Deletes are not persisted: a deleted block
 can come back after a restart, which is harmless because a key names its content.
 
+A full filesystem (ENOSPC, EDQUOT: other files took the room the budget counted on): the partial
+record is cut off, the oldest segments holding no live pinned record are deleted one by one and the
+write retried; when none is left the block is refused (a miss later). Failed writes are counted
+(``StoreStats.write_errors``) and logged once per ``failure_log_interval_s`` with a count.
+
+Startup removes what a crash can leave besides a torn tail: the snapshot's temp file.
+
 Pins: a pinned key's record is never dropped. Before a segment is deleted, its live pinned records
 are copied into the active segment; a put that would not fit beside the pinned records is
 refused instead. Pins live in memory only: the owner (the session registry) pins again after a
@@ -30,6 +37,7 @@ restart.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -37,6 +45,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvhive.core.failure_log import DEFAULT_INTERVAL_S, FailureLog
 from kvhive.store.base import Payload, PutResult, StatsCounter, StoreStats
 from kvhive.store.codec import decode_block, encode_block
 from kvhive.store.key import HASH_BYTES, StoreKey
@@ -53,6 +62,8 @@ from kvhive.store.segment import (
 
 logger = logging.getLogger(__name__)
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
+# The errors of a filesystem with no room left for this process: dropping segments makes room.
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 @dataclass
@@ -70,7 +81,8 @@ class _Segment:
 class DiskStore:
     """Blocks in append-only segment files with a persistent index; LRU by segment under a byte budget."""
 
-    def __init__(self, directory: str, budget_bytes: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+    def __init__(self, directory: str, budget_bytes: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+                 failure_log_interval_s: float = DEFAULT_INTERVAL_S) -> None:
         if budget_bytes <= 0 or segment_bytes <= 0:
             raise ValueError(f"disk tier budget and segment size must be > 0, "
                              f"got {budget_bytes}, {segment_bytes}")
@@ -80,6 +92,7 @@ class DiskStore:
         self.segment_bytes = max(1, min(segment_bytes, budget_bytes // 4))
         self._lock = threading.Lock()
         self._stats = StatsCounter()
+        self._write_failures = FailureLog(logger, "disk tier: writes failed", failure_log_interval_s)
         # Invariants: _segments is ordered oldest -> newest and its last entry is the active segment;
         # every index entry points into a segment in _segments; used bytes == sum of segment sizes.
         self._segments: dict[int, _Segment] = {}
@@ -242,15 +255,20 @@ class DiskStore:
         return self._stats.snapshot(used, self.budget_bytes)
 
     def close(self) -> None:
-        """fsync the active segment and write the index snapshot for a fast next start."""
+        """fsync the active segment and write the index snapshot for a fast next start (when that
+        fails, e.g. on a full filesystem, the next start scans the segments instead)."""
         self._sync_sealed()
         with self._lock:
             if self._active_fd < 0:
                 return
-            os.fsync(self._active_fd)
-            os.close(self._active_fd)
-            self._active_fd = -1
-            write_snapshot(self.directory, {seg: s.size for seg, s in self._segments.items()}, self._index)
+            fd, self._active_fd = self._active_fd, -1
+            try:
+                os.fsync(fd)
+                write_snapshot(self.directory, {seg: s.size for seg, s in self._segments.items()}, self._index)
+            except OSError as exc:
+                logger.warning("disk tier: no index snapshot written (the next start scans): %s", exc)
+            finally:
+                os.close(fd)
 
     # ------------------------------------------------------------------ internals
 
@@ -290,34 +308,62 @@ class DiskStore:
         return self._write(encoded, buffers, record_len)
 
     def _write(self, encoded: bytes, buffers: list[bytes | memoryview], record_len: int) -> bool:
-        """Write one record at the end of the active segment (a new one if it is full); lock held."""
+        """Write one record at the end of the active segment (a new one if it is full) and index it;
+        on a full filesystem drop the oldest unpinned segments and retry; False when refused. Lock held."""
+        while True:
+            error = self._try_write(encoded, buffers, record_len)
+            if error is None:
+                return True
+            if error.errno not in FULL_ERRNOS or not self._drop_oldest_unpinned():
+                self._stats.record_write_error()
+                self._write_failures.record(error)
+                return False
+
+    def _try_write(self, encoded: bytes, buffers: list[bytes | memoryview], record_len: int) -> OSError | None:
+        """One attempt of ``_write``: the error, or None once the record is written and indexed."""
         if self._segments[self._active_id].size + record_len > self.segment_bytes:
             try:
                 self._rotate()
             except OSError as exc:
-                self._stats.record_error()
-                logger.warning("disk tier: cannot start a new segment: %s", exc)
-                return False
+                return exc
         active = self._segments[self._active_id]
         offset = active.size
         try:
             append_record(self._active_fd, buffers)
         except OSError as exc:
-            # Cut the partial record off; if that fails, count what stayed so offsets remain true.
-            self._stats.record_error()
-            logger.warning("disk tier: write failed: %s", exc)
-            try:
-                os.ftruncate(self._active_fd, offset)
-            except OSError:
-                pass        # the torn tail stays; the next startup scan truncates it
-            grown = os.fstat(self._active_fd).st_size - offset
-            active.size += grown
-            self._used_bytes += grown
-            return False
+            self._cut_torn_tail(active, offset)
+            return exc
         active.size += record_len
         self._used_bytes += record_len
         active.keys.append(encoded)
         self._index_set(encoded, RecordLocation(self._active_id, offset, record_len))
+        return None
+
+    def _cut_torn_tail(self, active: _Segment, offset: int) -> None:
+        """Cut a partial record off the active segment; if that fails, count what stayed so offsets
+        remain true (the torn record is never indexed, and its payload checksum makes it a miss
+        if a startup scan finds its header). Lock held."""
+        try:
+            os.ftruncate(self._active_fd, offset)
+        except OSError:
+            grown = os.fstat(self._active_fd).st_size - offset
+            active.size += grown
+            self._used_bytes += grown
+
+    def _drop_oldest_unpinned(self) -> bool:
+        """Delete the oldest segment that holds no live pinned record, to make room on a full
+        filesystem; the active one is sealed first when it is the only candidate. False when no
+        segment can go. Lock held."""
+        pinned = {self._index[key].segment for key in self._pins if key in self._index}
+        candidates = [seg for seg, segment in self._segments.items() if seg not in pinned and segment.size]
+        if not candidates:
+            return False
+        if candidates[0] == self._active_id:
+            try:
+                self._rotate()
+            except OSError:
+                return False
+        self._drop_segment(candidates[0])
         return True
 
     def _index_set(self, encoded: bytes, loc: RecordLocation) -> None:
@@ -353,7 +399,8 @@ class DiskStore:
             if fds:
                 fsync_directory(self.directory)
         except OSError as exc:
-            logger.warning("disk tier: fsync failed: %s", exc)
+            self._stats.record_write_error()
+            self._write_failures.record(exc)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -368,32 +415,41 @@ class DiskStore:
             return True
         if self._pinned_bytes + record_len > self.budget_bytes:
             return False
-        # One pass over the segments sealed now: copies land in newer segments, never in these.
+        # One pass over the segments sealed now: copies land in newer segments, never in these. A
+        # segment whose pinned records cannot all be copied (a full filesystem) stays; a copy that
+        # made room on a full filesystem may have dropped a later one of these already.
         for seg in list(self._segments)[:-1]:
             if self._used_bytes + record_len <= self.budget_bytes:
                 break
-            self._carry_pinned_forward(seg)
-            segment = self._segments.pop(seg)
-            self._used_bytes -= segment.size
-            dropped = 0
-            for key in segment.keys:
-                loc = self._index.get(key)
-                if loc is not None and loc.segment == seg:
-                    self._index_pop(key)
-                    dropped += 1
-            try:
-                os.unlink(segment_path(self.directory, seg))
-            except OSError as exc:   # the index no longer points there: at worst disk space leaks
-                logger.warning("disk tier: cannot delete segment %d: %s", seg, exc)
-            self._stats.record_evictions(dropped)
+            if seg in self._segments and self._carry_pinned_forward(seg) and seg in self._segments:
+                self._drop_segment(seg)
         return self._used_bytes + record_len <= self.budget_bytes
 
-    def _carry_pinned_forward(self, seg: int) -> None:
-        """Copy the live pinned records of ``seg`` to the end of the active segment; lock held."""
+    def _drop_segment(self, seg: int) -> None:
+        """Delete a sealed segment and forget the records it holds live; lock held."""
+        segment = self._segments.pop(seg)
+        self._used_bytes -= segment.size
+        dropped = 0
+        for key in segment.keys:
+            loc = self._index.get(key)
+            if loc is not None and loc.segment == seg:
+                self._index_pop(key)
+                dropped += 1
+        try:
+            os.unlink(segment_path(self.directory, seg))
+        except OSError as exc:   # the index no longer points there: at worst disk space leaks
+            logger.warning("disk tier: cannot delete segment %d: %s", seg, exc)
+        self._stats.record_evictions(dropped)
+
+    def _carry_pinned_forward(self, seg: int) -> bool:
+        """Copy the live pinned records of ``seg`` to the end of the active segment; False when one
+        could not be copied (the segment must then stay). Lock held."""
+        kept = True
         for key in self._segments[seg].keys:
             loc = self._index.get(key)
             if key not in self._pins or loc is None or loc.segment != seg:
                 continue
             record = self._read(loc)
-            if record is None or not self._write(key, [record], loc.length):
-                logger.warning("disk tier: could not keep a pinned block of segment %d", seg)
+            if record is not None and not self._write(key, [record], loc.length):
+                kept = False
+        return kept

@@ -7,6 +7,7 @@ is only a shortcut for that scan, written on clean shutdown.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from collections.abc import Sequence
@@ -108,7 +109,8 @@ def fsync_directory(directory: str) -> None:
 
 def write_snapshot(directory: str, segment_sizes: dict[int, int],
                    index: dict[bytes, RecordLocation]) -> None:
-    """Write the index atomically (temp file, fsync, rename); the checksum guards against bit rot."""
+    """Write the index atomically (temp file, fsync, rename; on failure the temp file is removed and
+    the error raised); the checksum guards against bit rot."""
     body = msgpack.packb({
         "version": _SNAPSHOT_VERSION,
         "segments": [[seg, size] for seg, size in segment_sizes.items()],
@@ -116,21 +118,29 @@ def write_snapshot(directory: str, segment_sizes: dict[int, int],
     })
     path = os.path.join(directory, SNAPSHOT_NAME)
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(xxhash.xxh3_64_digest(body))
-        f.write(body)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(xxhash.xxh3_64_digest(body))
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     fsync_directory(directory)
 
 
 def take_snapshot(directory: str) -> Snapshot | None:
     """Read and remove the snapshot; None when absent or damaged.
 
-    Removing it on read keeps it true: after a crash there is no snapshot and the store scans.
+    Removing it on read keeps it true: after a crash there is no snapshot and the store scans. A
+    temp file a crash left mid-write is removed too.
     """
     path = os.path.join(directory, SNAPSHOT_NAME)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path + ".tmp")
     try:
         with open(path, "rb") as f:
             raw = f.read()

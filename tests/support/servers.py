@@ -139,12 +139,14 @@ def serve_command(model: str, port: int, *args: str) -> list[str]:
 
 def start_server(model: str, *, api_keys: tuple[str, ...] = (), max_model_len: int | None = None,
                  faulty: bool = False, startup_timeout_s: float = 180.0,
-                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> ServerProcess:
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                 command_prefix: tuple[str, ...] = ()) -> ServerProcess:
     """Start a server subprocess and wait until /health answers 200.
 
     ``extra_args``: more flags of the server script (``--num-blocks``, ``--kv-cache-gb``, ``--cpu-offload-gb``,
     ``--disk-cache-dir``, ``--redis-url``, the session flags, ``--no-prefix-caching``,
     ``--served-model-name``). ``env``: more environment variables for the server process.
+    ``command_prefix``: what runs the server (e.g. ``nsenter`` into a mount namespace).
     """
     port = free_port()
     args = list(extra_args)
@@ -155,8 +157,8 @@ def start_server(model: str, *, api_keys: tuple[str, ...] = (), max_model_len: i
     if faulty:
         args.append("--faulty")
     log = log_file(f"kvhive-server-{port}-")
-    process = subprocess.Popen(serve_command(model, port, *args), stdout=log, stderr=subprocess.STDOUT,
-                               cwd=REPO_ROOT, env=subprocess_env(env))
+    process = subprocess.Popen([*command_prefix, *serve_command(model, port, *args)], stdout=log,
+                               stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=subprocess_env(env))
     server = ServerProcess(f"http://127.0.0.1:{port}", process, log.name)
     if wait_healthy(process, server.base_url, log.name, startup_timeout_s):
         return server

@@ -1,5 +1,5 @@
-"""A SessionRegistry without a model: fake block hashes, a recorder of the pins it asks for, and
-sessions one turn old."""
+"""A SessionRegistry without a model: fake block hashes, recorders of the pins it (and a
+SessionService) asks for, and sessions one turn old."""
 
 from __future__ import annotations
 
@@ -23,6 +23,20 @@ class Pins:
 
     def __call__(self, session: Session) -> None:
         self.calls.append((session.engine_id, list(session.block_hashes)))
+
+
+class Holder:
+    """Records what a SessionService asks the engine to hold and release."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[str, list[bytes]]] = []
+        self.released: list[str] = []
+
+    def hold_session(self, session_id: str, block_hashes) -> None:
+        self.held.append((session_id, list(block_hashes)))
+
+    def release_session(self, session_id: str) -> None:
+        self.released.append(session_id)
 
 
 def registry(backend=None, keeper=None, pins=None, config=CONFIG) -> SessionRegistry:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from support.sessions import BLOCK_BYTES, BLOCK_SIZE, CONFIG, hashes
+from support.sessions import BLOCK_BYTES, BLOCK_SIZE, CONFIG, Holder, hashes
 
 from kvhive.config import SessionConfig, StoreConfig
 from kvhive.engine.stats import TierBudget
@@ -14,20 +14,6 @@ from kvhive.server.errors import session_error
 from kvhive.sessions.backends import FileBackend
 from kvhive.sessions.registry import SessionBusy, SessionInvalid, SessionLimit, SessionNotFound
 from kvhive.sessions.service import NO_TURN, SessionService, keeper_tier
-
-
-class Holder:
-    """Records what the service asks the engine to hold and release."""
-
-    def __init__(self) -> None:
-        self.held: list[tuple[str, list[bytes]]] = []
-        self.released: list[str] = []
-
-    def hold_session(self, session_id: str, block_hashes) -> None:
-        self.held.append((session_id, list(block_hashes)))
-
-    def release_session(self, session_id: str) -> None:
-        self.released.append(session_id)
 
 
 class Clock:
