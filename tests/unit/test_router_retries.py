@@ -86,12 +86,12 @@ def served(*handlers: Handler | None) -> Callable[[Callable[..., Awaitable[Any]]
     return run
 
 
-def gateway_for(urls: list[str], read_timeout_s: float = 5.0) -> Gateway:
+def gateway_for(urls: list[str], request_timeout_s: float = 5.0) -> Gateway:
     replicas = [Replica(ReplicaSpec(u), healthy=True) for u in urls]
     return Gateway(ReplicaSet(replicas, InMemoryIndex(), client=None), indexer=None,
                    sessions=SessionAffinity(), weights=RoutingWeights(), metrics=GatewayMetrics(),
                    client=None, policy="round_robin",
-                   upstream=UpstreamClient(connect_timeout_s=1.0, read_timeout_s=read_timeout_s))
+                   upstream=UpstreamClient(connect_timeout_s=1.0, request_timeout_s=request_timeout_s))
 
 
 def scope_for(path: str = "/v1/completions", authorization: str = "Bearer key-a") -> dict[str, Any]:
@@ -133,7 +133,7 @@ def sample(gateway: Gateway, name: str, labels: dict[str, str] | None = None) ->
 def test_unanswered_failures_are_told_apart_from_answers_that_broke() -> None:
     async def go(urls: list[str]) -> None:
         refused, dropped, half, slow = urls
-        client = UpstreamClient(connect_timeout_s=1.0, read_timeout_s=0.3)
+        client = UpstreamClient(connect_timeout_s=1.0, request_timeout_s=0.3)
         with pytest.raises(UpstreamConnectError) as refused_error:
             await client.send("POST", refused + "/v1/completions", [], b"{}")
         assert refused_error.value.reason == "connect"
@@ -185,10 +185,11 @@ def test_only_one_retry_and_no_retry_once_an_answer_began_or_is_slow() -> None:
     served(None, None, answers(OK))(twice_unanswered)
 
     async def not_retried(urls: list[str]) -> None:
-        gateway = gateway_for(urls, read_timeout_s=0.3)
-        for _ in range(2):                  # first a half status line, then a replica too slow
+        gateway = gateway_for(urls, request_timeout_s=0.3)
+        # First a half status line (502), then a replica too slow (504).
+        for expected in ((502, "bad_gateway"), (504, "gateway_timeout")):
             status, headers, body = await forward(gateway)
-            assert status == 502 and json.loads(body)["error"]["code"] == "bad_gateway"
+            assert (status, json.loads(body)["error"]["code"]) == expected
             gateway.replicas.replicas.append(gateway.replicas.replicas.pop(0))
         assert sample(gateway, "kvhive_gateway_retries_total", {"reason": "reset"}) == 0
         assert sample(gateway, "kvhive_gateway_responses_total", {"replica": urls[2], "status": "200"}) == 0
