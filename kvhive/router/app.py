@@ -169,7 +169,8 @@ class GatewayRoutes:
         routable = self.gateway.routable(healthy)
         first = [r for r in routable if r.name == holder]
         # Ejected replicas last: one of them may still be the only one holding the id.
-        candidates = first + [r for r in routable if r.name != holder] + [r for r in healthy if r not in routable]
+        ejected = [r for r in healthy if all(r is not k for k in routable)]
+        candidates = first + [r for r in routable if r.name != holder] + ejected
         if not candidates:
             return openai_error(503, "No healthy replica", code="no_replica")
         body = await read_body(request, self.config.max_request_bytes)
