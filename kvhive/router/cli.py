@@ -150,8 +150,8 @@ def _add_upstream_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="longest a forwarded request may take: the whole of an answer of known length "
                         "(a non-streamed completion), or a streamed answer's start and first piece, then "
-                        "each gap between pieces; past it the request fails with 504 and counts against "
-                        "the replica (0: no limit)")
+                        "each gap between pieces; past it the request fails (504, or a cut stream) and "
+                        "counts against the replica (0: no limit)")
     g.add_argument("--connect-timeout", type=float, default=5.0, metavar="S",
                    help="longest wait for a connection to a replica (the request then goes to another)")
     g.add_argument("--outlier-consecutive-failures", type=int, default=5, metavar="N",
