@@ -5,8 +5,10 @@ gateway's time-limit and ejection flags."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import socket
 
 import pytest
 from support.upstream_servers import OK, SSE_HEAD, answers, chunk, forward, gateway_for, sample, served
@@ -175,3 +177,28 @@ def test_the_request_timeout_bounds_a_whole_answer_of_known_length() -> None:
         client.close()
 
     served(answers(head, b'{"ok": "y"}', delay_s=1.0), answers(b"garbage", close=True))(go)
+
+
+def test_a_replica_that_never_accepts_is_cut_by_the_connect_timeout_and_the_next_one_answers() -> None:
+    # A listening socket that never accepts, its backlog filled: a new connection's SYN goes unanswered.
+    with socket.socket() as stuck:
+        stuck.bind(("127.0.0.1", 0))
+        stuck.listen(0)
+        waiting = [socket.socket() for _ in range(8)]
+        for s in waiting:
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                s.connect(stuck.getsockname())
+
+        async def go(urls: list[str]) -> None:
+            gateway = gateway_for([f"http://127.0.0.1:{stuck.getsockname()[1]}", *urls])
+            gateway.upstream.connect_timeout_s = 0.3
+            status, headers, _ = await forward(gateway)
+            assert (status, headers[REPLICA_HEADER], headers[REASON_HEADER]) == (200, urls[0], "retry")
+            assert sample(gateway, "kvhive_gateway_retries_total", {"reason": "connect_timeout"}) == 1
+
+        try:
+            served(answers(OK))(go)
+        finally:
+            for s in waiting:
+                s.close()
