@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -77,11 +78,16 @@ class GatewayRoutes:
                           response_model=None)
 
     async def health(self) -> JSONResponse:
-        """200 while at least one replica is healthy, else 503; lists each replica's state."""
+        """200 while at least one replica is healthy, else 503; lists each replica's health check
+        state ("replicas": up or down) and its details ("details": ``Replica.describe``: ejection,
+        events endpoint)."""
         states = {r.name: "up" if r.healthy else "down" for r in self.replicas}
+        now, wall = time.monotonic(), time.time()
+        details = {r.name: r.describe(now, wall) for r in self.replicas}
         ok = any(r.healthy for r in self.replicas)
         return JSONResponse(status_code=200 if ok else 503,
-                            content={"status": "ok" if ok else "no healthy replica", "replicas": states})
+                            content={"status": "ok" if ok else "no healthy replica", "replicas": states,
+                                     "details": details})
 
     async def prometheus_metrics(self) -> Response:
         """Routing decisions, index lookup latency, replica and event-stream state."""
@@ -160,8 +166,11 @@ class GatewayRoutes:
         owner = key_owner(request.headers.get("authorization", ""))
         holder = await self.gateway.sessions.aget(owner, session_id)
         healthy = self.replica_set.healthy()
-        first = [r for r in healthy if r.name == holder]
-        candidates = first + [r for r in healthy if r.name != holder]
+        routable = self.gateway.routable(healthy)
+        first = [r for r in routable if r.name == holder]
+        # Ejected replicas last: one of them may still be the only one holding the id.
+        ejected = [r for r in healthy if all(r is not k for k in routable)]
+        candidates = first + [r for r in routable if r.name != holder] + ejected
         if not candidates:
             return openai_error(503, "No healthy replica", code="no_replica")
         body = await read_body(request, self.config.max_request_bytes)

@@ -15,6 +15,7 @@ import httpx
 
 from kvhive.core.http_limits import add_http_limit_args, http_limits_from_args
 from kvhive.router.config import ROUTING_POLICIES, GatewayConfig, ReplicaSpec
+from kvhive.router.outlier import OutlierPolicy
 from kvhive.router.scorer import SCORERS, RoutingWeights, TierWeights, weight_problem
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     _add_block_key_args(p)
     _add_index_args(p)
     _add_routing_args(p)
+    _add_upstream_args(p)
     _add_server_args(p)
     add_http_limit_args(p)
     add_logging_args(p)
@@ -144,6 +146,37 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
                         "(so a common chat template does not draw every new prompt to one replica)")
 
 
+def _add_upstream_args(p: argparse.ArgumentParser) -> None:
+    """Add the "upstream time limits and outlier ejection" group to ``p``."""
+    g = p.add_argument_group("upstream time limits, outlier ejection, KV-event watch")
+    g.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                   help="longest a forwarded request may take: the whole of an answer of known length "
+                        "(a non-streamed completion), or a streamed answer's start and first piece, then "
+                        "each gap between pieces; past it the request fails (504, or a cut stream) and "
+                        "counts against the replica (0: no limit)")
+    g.add_argument("--connect-timeout", type=float, default=5.0, metavar="S",
+                   help="longest wait for a connection to a replica (the request then goes to another)")
+    g.add_argument("--outlier-consecutive-failures", type=int, default=5, metavar="N",
+                   help="failed requests in a row (5xx, refused or reset connection, timeout, an answer "
+                        "that is not HTTP or not the JSON or event stream expected, a cut body) that eject "
+                        "a replica (0: never eject)")
+    g.add_argument("--outlier-base-ejection-s", type=float, default=30.0, metavar="S",
+                   help="an ejection lasts this times the replica's ejections in a row")
+    g.add_argument("--outlier-max-ejection-s", type=float, default=300.0, metavar="S",
+                   help="the longest an ejection lasts")
+    g.add_argument("--events-silent-after", type=float, default=30.0, metavar="S",
+                   help="warn (once, and in /health) when no KV event came from a replica's events= "
+                        "endpoint this long after a request was routed to it")
+
+
+def upstream_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The GatewayConfig fields of the ``_add_upstream_args`` flags (ValueError naming a bad one)."""
+    return {"request_timeout_s": args.request_timeout, "connect_timeout_s": args.connect_timeout,
+            "outliers": OutlierPolicy(args.outlier_consecutive_failures, args.outlier_base_ejection_s,
+                                      args.outlier_max_ejection_s),
+            "events_silent_after_s": args.events_silent_after}
+
+
 def _add_server_args(p: argparse.ArgumentParser) -> None:
     """Add the "server" group to ``p``: the address to listen on and the largest body read."""
     from kvhive.serve_args import port_number
@@ -201,7 +234,8 @@ def build_gateway_config(args: argparse.Namespace) -> GatewayConfig:
         weights=routing_weights(args),
         health_interval_s=args.health_interval, failures_to_drop=args.failures_to_drop,
         salt_with_api_key=args.salt_with_api_key, max_request_bytes=args.max_request_bytes,
-        http=http_limits_from_args(args))
+        http=http_limits_from_args(args),
+        **upstream_settings(args))
 
 
 @dataclass(frozen=True)

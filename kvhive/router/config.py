@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvhive.core.http_limits import HttpLimits
+from kvhive.router.outlier import OutlierPolicy
 from kvhive.router.scorer import SCORERS, RoutingWeights, TierWeights
 
 REPLICA_KINDS = ("kvhive", "vllm")
@@ -85,7 +87,12 @@ class GatewayConfig:
     weights: RoutingWeights = field(default_factory=RoutingWeights)
     health_interval_s: float = 1.0
     failures_to_drop: int = 2
+    # Upstream time limits (``upstream.py`` says what each bounds); request_timeout_s 0: none.
     request_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    outliers: OutlierPolicy = field(default_factory=OutlierPolicy)
+    # A replica's events endpoint is silent when nothing came this long after a request went there.
+    events_silent_after_s: float = 30.0
     prefix_chunk_chars: int = 512
     prefix_max_chunks: int = 100_000
     tokenize_workers: int = 2
@@ -129,6 +136,17 @@ class GatewayConfig:
             raise ValueError(f"--index-max-keys must be >= 1, got {self.index_max_keys}")
         if self.max_request_bytes < 1:
             raise ValueError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
+        if not (math.isfinite(self.request_timeout_s) and 0 <= self.request_timeout_s <= 86400):
+            raise ValueError(f"--request-timeout must be in [0, 86400] (0: no limit), got {self.request_timeout_s}")
+        if not (math.isfinite(self.connect_timeout_s) and 0 < self.connect_timeout_s <= 600):
+            raise ValueError(f"--connect-timeout must be in (0, 600], got {self.connect_timeout_s}")
+        if not (math.isfinite(self.events_silent_after_s) and 0 < self.events_silent_after_s <= 86400):
+            raise ValueError(f"--events-silent-after must be in (0, 86400], got {self.events_silent_after_s}")
+
+    @property
+    def request_limit_s(self) -> float | None:
+        """--request-timeout in seconds, None for no limit."""
+        return self.request_timeout_s or None
 
     @property
     def disaggregated(self) -> bool:

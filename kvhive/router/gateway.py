@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +15,16 @@ from fastapi.responses import Response
 
 from kvhive.router.indexer import KVCacheIndexer, KVScores
 from kvhive.router.metrics import GatewayMetrics
-from kvhive.router.proxy import open_upstream, openai_error, relay
+from kvhive.router.outlier import OutlierPolicy
+from kvhive.router.proxy import (
+    RelayResponse,
+    answer_problem,
+    failed_answer,
+    failure_status,
+    open_upstream,
+    openai_error,
+    whole_answer,
+)
 from kvhive.router.replicas import Replica, ReplicaSet
 from kvhive.router.scorer import RoutingWeights, pick_replica
 from kvhive.router.sessions import RESPONSE_ID_HEADER, SESSION_HEADER, SessionAffinity, SharedAffinity
@@ -23,6 +33,7 @@ from kvhive.router.upstream import (
     UpstreamClient,
     UpstreamConnectError,
     UpstreamError,
+    UpstreamMalformed,
     UpstreamResponse,
     UpstreamUnanswered,
 )
@@ -31,6 +42,10 @@ logger = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-kvhive-replica"
 REASON_HEADER = "x-kvhive-route-reason"
+# Failures sent once more to another replica: nothing reached the client yet, and the replica either
+# never saw the request or answered it with an error or garbage (a timed-out request may still be
+# running there; a cut answer was being generated).
+_RETRIED = frozenset(("connect", "connect_timeout", "reset", "malformed"))
 
 
 class Gateway:
@@ -39,9 +54,11 @@ class Gateway:
     def __init__(self, replicas: ReplicaSet, indexer: KVCacheIndexer, sessions: SessionAffinity | SharedAffinity,
                  weights: RoutingWeights, metrics: GatewayMetrics, client: httpx.AsyncClient,
                  policy: str = "kv", seed: int = 0, upstream: UpstreamClient | None = None,
-                 serve_role: str | None = None) -> None:
-        """``serve_role``: answers come from replicas of this role only (``decode`` with --pd)."""
+                 serve_role: str | None = None, outliers: OutlierPolicy | None = None) -> None:
+        """``serve_role``: answers come from replicas of this role only (``decode`` with --pd);
+        ``outliers``: when replicas whose requests fail are ejected."""
         self.replicas = replicas
+        self.outliers = outliers if outliers is not None else OutlierPolicy()
         self.serve_role = serve_role
         self.policy = policy
         self._random = random.Random(seed)
@@ -62,10 +79,11 @@ class Gateway:
         id only another owner used counts as unknown); otherwise replicas are ranked by
         ``pick_replica`` (KV score of the prompt, then load) under the "kv" policy, by load alone
         under "least_load", in turn under "round_robin", and at random under "random". Only
-        replicas of ``role`` (default: ``serve_role``; None: any) are candidates.
+        replicas of ``role`` (default: ``serve_role``; None: any) that are not ejected
+        (``routable``) are candidates.
         """
         role = role or self.serve_role
-        healthy = [r for r in self.replicas.healthy() if role is None or r.spec.role == role]
+        healthy = self.routable([r for r in self.replicas.healthy() if role is None or r.spec.role == role])
         if not healthy:
             return [], "none"
         holder = await self.sessions.aget(owner, session_id) if session_id else None
@@ -97,6 +115,16 @@ class Gateway:
             self.metrics.routed_cached_blocks.labels(pick.replica).inc(pick.kv_blocks)
         return self._ordered(ranking), reason
 
+    def routable(self, replicas: list[Replica]) -> list[Replica]:
+        """``replicas`` less the ejected ones; all of them when every one is ejected (routing to
+        a sick replica beats refusing every request), counted in kvhive_gateway_outlier_panic_total."""
+        now = time.monotonic()
+        kept = [r for r in replicas if not r.outlier.ejected(now)]
+        if replicas and not kept:
+            self.metrics.outlier_panic.inc()
+            return replicas
+        return kept
+
     def _ordered(self, names: Sequence[str]) -> list[Replica]:
         return [r for r in (self.replicas.get(n) for n in names) if r is not None]
 
@@ -105,60 +133,125 @@ class Gateway:
                       session_id: str | None = None) -> Response:
         """Send the request to the first candidate and relay its answer.
 
-        A request that no byte of an answer came back for (connection refused, connect timeout,
-        closed or reset before the status line) goes to the next candidate, once per request,
-        counted in kvhive_gateway_retries_total{reason}; a refused connection also marks that
-        replica down. Any other upstream failure is a 502. With ``find_session``, a 404 also moves
-        on to the next candidate: the first replica that knows the session answers. A replica that
-        answers a request naming ``session_id`` (a session, or the response a request continues)
-        is remembered as the holder of ``owner``'s id, and as the holder of a response it names in
-        ``x-kvhive-response-id``."""
+        An answer of known length (and any error answer) is read whole before the client gets a
+        byte of it; a streamed one is relayed as it comes (``RelayResponse``). A request that failed
+        before any byte reached the client goes to the next candidate, once per request, counted in
+        kvhive_gateway_retries_total{reason}, when no byte of an answer came back (connection
+        refused, connect timeout, closed or reset before the status line), the replica answered
+        5xx, or its answer was not HTTP or not the JSON expected. A request that timed out
+        (--request-timeout: the replica may still be working on it) or whose answer was cut
+        part-way is not sent again: 504 or 502. A refused connection also marks that replica down.
+        Every request's outcome feeds outlier ejection (``record``). With ``find_session``, a 404
+        also moves on to the next candidate: the first replica that knows the session answers. A
+        replica that answers a request naming ``session_id`` (a session, or the response a request
+        continues) is remembered as the holder of ``owner``'s id, and as the holder of a response it
+        names in ``x-kvhive-response-id``."""
         last_404: Response | None = None
-        unanswered: UpstreamUnanswered | None = None
-        # Each pass either returns or moves on after a 404 (find_session) or a first unanswered try.
+        retried = False
+        target = path or request.scope["path"]
+        # Each pass either returns or moves on after a 404 (find_session) or a first retried failure.
         for attempt, replica in enumerate(candidates):
             replica.inflight += 1
+            replica.routed(time.monotonic())
+            label = reason if attempt == 0 else "retry"
+            headers = {REPLICA_HEADER: replica.name, REASON_HEADER: label}
             try:
                 upstream = await open_upstream(self.upstream, replica.name, request, body, path)
-            except UpstreamUnanswered as exc:
-                await self._unanswered(replica, exc)
-                if unanswered is not None:
-                    return self._unreachable(exc)       # retried once already
-                unanswered = exc
-                if attempt + 1 < len(candidates):
-                    self.metrics.retries.labels(exc.reason).inc()
-                    logger.info("retrying on another replica: %s did not answer (%s)", replica.name, exc)
-                continue
+                self.metrics.decisions.labels(replica.name, label).inc()
+                self.metrics.responses.labels(replica.name, str(upstream.status_code)).inc()
+                whole = await self._read_whole(upstream, target)
             except UpstreamError as exc:
-                return self._failed(replica, exc)
-            label = reason if attempt == 0 else "retry"
-            self.metrics.decisions.labels(replica.name, label).inc()
-            self.metrics.responses.labels(replica.name, str(upstream.status_code)).inc()
-            headers = {REPLICA_HEADER: replica.name, REASON_HEADER: label}
+                await self._failed(replica, exc)
+                if not retried and attempt + 1 < len(candidates) and exc.kind in _RETRIED:
+                    retried = True
+                    self.metrics.retries.labels(exc.kind).inc()
+                    logger.info("retrying on another replica: %s failed (%s)", replica.name, exc)
+                    continue
+                return last_404 if last_404 is not None else self._failure_answer(replica, exc)
+            if failure_status(upstream.status_code):
+                self._done(replica, "5xx")
+                if not retried and attempt + 1 < len(candidates):
+                    retried = True
+                    self.metrics.retries.labels("5xx").inc()
+                    logger.info("retrying on another replica: %s answered %d", replica.name,
+                                upstream.status_code)
+                    continue
+                return whole_answer(upstream, whole or b"", headers)
             if find_session is not None and upstream.status_code == 404 and attempt + 1 < len(candidates):
-                last_404 = await relay(upstream, headers, lambda r=replica: self._done(r))
+                self._done(replica, None)
+                last_404 = whole_answer(upstream, whole or b"", headers)
                 continue
             await self._remember_holder(upstream, replica, owner, find_session or session_id)
-            return await relay(upstream, headers, lambda r=replica: self._done(r), replica.name,
-                               lambda r=replica: self.metrics.stream_errors.labels(r.name).inc())
+            if whole is not None:
+                self._done(replica, None)
+                return whole_answer(upstream, whole, headers)
+            return RelayResponse(upstream, headers, lambda failure, r=replica: self._done(r, failure),
+                                 replica.name)
         if last_404 is not None:
             return last_404
-        return self._unreachable(unanswered)
+        return openai_error(503, "No replica could be reached", code="no_replica")
 
-    async def _unanswered(self, replica: Replica, failure: UpstreamUnanswered) -> None:
-        """Count a request ``replica`` sent no byte of an answer to (no longer in flight there); a
-        refused connection marks it down."""
-        replica.inflight -= 1
+    @staticmethod
+    async def _read_whole(upstream: UpstreamResponse, path: str) -> bytes | None:
+        """The body of an error answer or of one of known length, read now (None: a streamed
+        answer, left to stream); UpstreamMalformed for a 2xx answer that is not what ``path``
+        expects. The answer is closed once read."""
+        if upstream.streamed and upstream.status_code < 400:
+            problem = answer_problem(path, upstream, None)
+            if problem is not None:
+                upstream.close()
+                raise UpstreamMalformed(problem)
+            return None
+        try:
+            body = await upstream.read()
+        except UpstreamError:
+            if upstream.status_code < 400:
+                raise
+            body = b""                  # an error answer cut short: its status still says it
+        finally:
+            upstream.close()
+        problem = answer_problem(path, upstream, body)
+        if problem is not None:
+            raise UpstreamMalformed(problem)
+        return body
+
+    async def _failed(self, replica: Replica, failure: UpstreamError) -> None:
+        """Count a request that failed on ``replica`` (no longer in flight there); a refused
+        connection marks it down."""
         self.metrics.upstream_errors.labels(replica.name).inc()
+        if isinstance(failure, UpstreamUnanswered):
+            replica.inflight -= 1
+            self.record(replica, failure.kind)
+        else:
+            self._done(replica, failure.kind)
         if isinstance(failure, UpstreamConnectError):
             await self.replicas.mark_down(replica, f"connection failed: {failure}")
 
-    def _failed(self, replica: Replica, failure: UpstreamError) -> Response:
-        """Count a request ``replica`` failed in any other way (no longer in flight there); its 502."""
-        replica.inflight -= 1
-        self.metrics.upstream_errors.labels(replica.name).inc()
-        return openai_error(502, f"replica {replica.name} failed: {type(failure).__name__}: {failure}",
-                            code="bad_gateway", headers={REPLICA_HEADER: replica.name})
+    @staticmethod
+    def _failure_answer(replica: Replica, failure: UpstreamError) -> Response:
+        """503 when the replica could not be connected to; else its failure's 502 or 504."""
+        if isinstance(failure, UpstreamConnectError):
+            return openai_error(503, "No replica could be reached", code="no_replica")
+        return failed_answer(replica.name, failure, {REPLICA_HEADER: replica.name})
+
+    def record(self, replica: Replica, failure: str | None) -> None:
+        """Feed one request's outcome on ``replica`` (None: success; else the kind of failure) to
+        its outlier state: count the failure, log and count an ejection, log a return."""
+        now = time.monotonic()
+        if failure is None:
+            if replica.outlier.succeeded(now):
+                logger.warning("replica %s is routed to again: a request succeeded after its ejection",
+                               replica.name)
+            return
+        self.metrics.upstream_failures.labels(replica.name, failure).inc()
+        if failure == "timeout":
+            self.metrics.timeouts.labels(replica.name).inc()
+        ejected_s = replica.outlier.failed(now, self.outliers)
+        if ejected_s is not None:
+            self.metrics.ejections.labels(replica.name).inc()
+            logger.warning("replica %s is ejected for %.1f s (ejection %d in a row; last failure: %s); "
+                           "requests go to the other replicas meanwhile", replica.name, ejected_s,
+                           replica.outlier.ejections, failure)
 
     async def _remember_holder(self, upstream: UpstreamResponse, replica: Replica, owner: str,
                          named: str | None) -> None:
@@ -174,13 +267,6 @@ class Gateway:
         for key in (held, stored.decode("latin-1") if stored else None):
             if key:
                 await self.sessions.aremember(owner, key, replica.name)
-
-    @staticmethod
-    def _unreachable(failure: UpstreamUnanswered | None) -> Response:
-        """503 when no candidate could be connected to; 502 when one dropped the request."""
-        if failure is None or isinstance(failure, UpstreamConnectError):
-            return openai_error(503, "No replica could be reached", code="no_replica")
-        return openai_error(502, f"no replica answered: {failure}", code="bad_gateway")
 
     async def fan_out(self, request: Request, path: str, method: str = "GET",
                       timeout_s: float = 10.0) -> list[tuple[Replica, int, Any]]:
@@ -202,7 +288,10 @@ class Gateway:
         answers = await asyncio.gather(*(get(r) for r in self.replicas.healthy()))
         return [a for a in answers if a is not None]
 
-    @staticmethod
-    def _done(replica: Replica) -> None:
+    def _done(self, replica: Replica, failure: str | None) -> None:
+        """A request the replica received is over (``failure``: None, or why it failed)."""
         replica.inflight -= 1
         replica.finished += 1
+        if failure == "cut":
+            self.metrics.stream_errors.labels(replica.name).inc()
+        self.record(replica, failure)

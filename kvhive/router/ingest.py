@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +74,8 @@ class ReplicaIngest:
         self._lock = threading.Lock()
         self.last_applied: int | None = None
         self._last_received: int | None = None
+        # time.monotonic() of the last message on the PUB stream since the subscription (re)started.
+        self.received_at: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -80,6 +83,7 @@ class ReplicaIngest:
 
     def on_batch(self, seq: int, payload: bytes) -> None:
         """Apply one batch received on the PUB stream, replaying or resetting first when needed."""
+        self.received_at = time.monotonic()
         with self._lock:
             if self._last_received is not None and seq <= self._last_received:
                 logger.info("replica %s: KV-event sequence went back (%d -> %d); it restarted",
@@ -106,6 +110,7 @@ class ReplicaIngest:
         with self._lock:
             self._forget()
             self._last_received = None
+            self.received_at = None
 
     def on_reconnect(self) -> None:
         """The publisher is back after a disconnect: start over from its replay buffer (a restarted

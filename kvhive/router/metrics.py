@@ -46,14 +46,28 @@ class GatewayMetrics:
         self.responses = Counter("kvhive_gateway_responses", "Upstream responses by replica and status.",
                                  ["replica", "status"], registry=self.registry)
         self.upstream_errors = Counter("kvhive_gateway_upstream_errors",
-                                       "Requests a replica could not be reached for.", ["replica"],
+                                       "Requests whose answer from a replica failed (none came, it was "
+                                       "cut, too late or not HTTP or the JSON expected).", ["replica"],
                                        registry=self.registry)
+        self.upstream_failures = Counter("kvhive_gateway_upstream_failures",
+                                         "Failed requests by replica and kind (5xx, connect, "
+                                         "connect_timeout, reset, timeout, malformed, cut): what outlier "
+                                         "ejection counts.", ["replica", "kind"], registry=self.registry)
+        self.timeouts = Counter("kvhive_gateway_upstream_timeouts",
+                                "Requests cut by --request-timeout, by replica.", ["replica"],
+                                registry=self.registry)
+        self.ejections = Counter("kvhive_gateway_outlier_ejections",
+                                 "Times a replica was ejected for failing requests in a row.", ["replica"],
+                                 registry=self.registry)
+        self.outlier_panic = Counter("kvhive_gateway_outlier_panic",
+                                     "Requests routed among ejected replicas because every candidate "
+                                     "was ejected.", registry=self.registry)
         self.retries = Counter("kvhive_gateway_retries",
-                               "Requests sent to another replica because no byte of an answer came back "
-                               "(reason: connect, connect_timeout, reset).", ["reason"],
-                               registry=self.registry)
+                               "Requests sent to another replica after a failure before any byte reached "
+                               "the client (reason: connect, connect_timeout, reset, 5xx, malformed).",
+                               ["reason"], registry=self.registry)
         self.stream_errors = Counter("kvhive_gateway_stream_errors",
-                                     "Answers a replica cut mid-body (an SSE stream ends with an error "
+                                     "Answers a replica cut part-way (an SSE stream ends with an error "
                                      "event, a whole JSON body is a 502).", ["replica"],
                                      registry=self.registry)
         self.lookup_seconds = Histogram("kvhive_gateway_index_lookup_seconds",

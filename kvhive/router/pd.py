@@ -23,7 +23,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from kvhive.router.gateway import Gateway
-from kvhive.router.proxy import openai_error
+from kvhive.router.proxy import failure_status, openai_error
 from kvhive.router.tokenize import Prompt
 
 logger = logging.getLogger(__name__)
@@ -60,16 +60,19 @@ async def route_disaggregated(gateway: Gateway, request: Request, data: dict[str
     if prefill:
         replica, transfer_id = prefill[0], f"pd-{uuid.uuid4().hex}"
         replica.inflight += 1
+        failure: str | None = None
         try:
             answer = await gateway.client.post(
                 replica.name + request.url.path, content=prefill_body(data, transfer_id, decode[0].spec.kv),
-                headers=_forwarded_headers(request), timeout=timeout_s)
+                headers=_forwarded_headers(request), timeout=timeout_s or None)
+            failure = "5xx" if failure_status(answer.status_code) else None
         except httpx.HTTPError as exc:
             logger.warning("prefill on %s failed (%s); the decode replica computes the prompt", replica.name, exc)
-            answer = None
+            answer, failure = None, _failure_kind(exc)
         finally:
             replica.inflight -= 1
             replica.finished += 1
+        gateway.record(replica, failure)
         if answer is not None:
             gateway.metrics.decisions.labels(replica.name, "prefill").inc()
             gateway.metrics.responses.labels(replica.name, str(answer.status_code)).inc()
@@ -93,6 +96,19 @@ def _decode_params(answer: dict[str, Any]) -> dict[str, Any] | None:
     if isinstance(cached, int) and not isinstance(cached, bool) and cached > 0:
         params = {**params, "prefill_cached_tokens": cached}
     return params
+
+
+def _failure_kind(exc: httpx.HTTPError) -> str:
+    """The outlier-detection kind of a prefill request's failure."""
+    if isinstance(exc, httpx.ConnectTimeout):
+        return "connect_timeout"
+    if isinstance(exc, httpx.ConnectError):
+        return "connect"
+    if isinstance(exc, httpx.TimeoutException):
+        return "timeout"
+    if isinstance(exc, httpx.DecodingError):
+        return "malformed"
+    return "reset"
 
 
 def _forwarded_headers(request: Request) -> dict[str, str]:

@@ -5,14 +5,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
 import httpx
 
 from kvhive.router.config import ReplicaSpec
+from kvhive.router.event_watch import EventSilence
 from kvhive.router.index import KVBlockIndex
 from kvhive.router.ingest import ReplicaIngest
+from kvhive.router.outlier import OutlierState
 from kvhive.router.scorer import LoadStats
 
 logger = logging.getLogger(__name__)
@@ -58,11 +62,39 @@ class Replica:
     finished: int = 0           # requests the gateway has finished reading, ever
     finished_at_poll: int = 0   # ``finished`` when the last good /metrics poll was sent
     failures: int = 0           # consecutive failed health checks
+    outlier: OutlierState = field(default_factory=OutlierState)     # failed requests, ejections
+    events: EventSilence | None = None      # watches the events endpoint, where there is one
 
     @property
     def name(self) -> str:
         """The replica's URL, its name everywhere."""
         return self.spec.name
+
+    def routed(self, now: float) -> None:
+        """A request is sent to the replica at ``now`` (``time.monotonic()``)."""
+        if self.events is not None:
+            self.events.routed(now, self.events_heard())
+
+    def events_heard(self) -> bool:
+        """Whether a KV event arrived on its events endpoint since the subscription (re)started."""
+        return self.ingest is not None and self.ingest.received_at is not None
+
+    def describe(self, now: float, wall: float) -> dict[str, object]:
+        """Its state for /health: health, routing (ok, ejected, probation), failed requests in a row,
+        ejections, while ejected until when (UTC, and seconds left), and its events' state."""
+        routing = self.outlier.state(now)
+        out: dict[str, object] = {"health": "up" if self.healthy else "down", "routing": routing,
+                                  "consecutive_failures": self.outlier.consecutive,
+                                  "ejections": self.outlier.ejections}
+        if routing == "ejected" and self.outlier.ejected_until is not None:
+            left = self.outlier.ejected_until - now
+            until = datetime.fromtimestamp(wall + left, timezone.utc)
+            out["ejected_until"] = until.isoformat(timespec="milliseconds")
+            out["ejected_for_s"] = round(left, 3)
+        if self.events is not None:
+            out["events"] = {"endpoint": self.events.endpoint,
+                             "state": self.events.check(now, self.events_heard())}
+        return out
 
     def routing_load(self) -> LoadStats:
         """Load for the scorer: the last polled figures, less the gateway's requests that finished
@@ -145,7 +177,10 @@ class ReplicaSet:
         await asyncio.gather(*(self.check(r) for r in self.replicas))
 
     async def check(self, replica: Replica) -> None:
-        """One health check; on success also refresh the replica's load."""
+        """One health check; on success also refresh the replica's load. Its events endpoint is
+        watched too (a warning when it stays silent: ``event_watch``)."""
+        if replica.events is not None:
+            replica.events.check(time.monotonic(), replica.events_heard())
         try:
             response = await self._client.get(f"{replica.name}/health", timeout=self.timeout_s)
             ok = response.status_code == 200

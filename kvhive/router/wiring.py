@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from kvhive.core.blocks import root_hash
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.router.config import GatewayConfig, ReplicaSpec
 from kvhive.router.discovery import RegistryReader, ReplicaDiscovery
+from kvhive.router.event_watch import EventSilence
 from kvhive.router.gateway import Gateway
 from kvhive.router.index import InMemoryIndex, KVBlockIndex
 from kvhive.router.indexer import KVCacheIndexer
@@ -98,7 +100,7 @@ def build_gateway(config: GatewayConfig, tokenizer: Tokenizer,
     raw_index = index if index is not None else build_index(config, link)
     instrumented = InstrumentedIndex(raw_index, metrics)
     root = root_hash(config.hash_seed, config.model_fingerprint)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=5.0),
+    client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_limit_s, connect=config.connect_timeout_s),
                                limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200))
     replica_set = ReplicaSet(build_replicas(config, instrumented, root), instrumented, client,
                              config.health_interval_s, config.failures_to_drop)
@@ -107,10 +109,11 @@ def build_gateway(config: GatewayConfig, tokenizer: Tokenizer,
                               config.tokenize_workers)
     indexer = KVCacheIndexer(prompts, instrumented, SCORERS[config.scorer](), config.tiers,
                              config.block_size, root)
-    upstream = UpstreamClient(connect_timeout_s=5.0, read_timeout_s=config.request_timeout_s)
+    upstream = UpstreamClient(connect_timeout_s=config.connect_timeout_s,
+                              request_timeout_s=config.request_limit_s)
     gateway = Gateway(replica_set, indexer, build_affinity(config, link), config.weights,
                       metrics, client, config.policy, upstream=upstream,
-                      serve_role="decode" if config.disaggregated else None)
+                      serve_role="decode" if config.disaggregated else None, outliers=config.outliers)
     metrics.watch(lambda: _state_samples(gateway, raw_index, prompts))
     if link is not None:
         metrics.watch(lambda: _shared_state_samples(link, raw_index))
@@ -127,10 +130,12 @@ def build_replicas(config: GatewayConfig, index: KVBlockIndex, root: bytes) -> l
 
 def make_replica(spec: ReplicaSpec, config: GatewayConfig, index: KVBlockIndex, root: bytes) -> Replica:
     """A Replica for ``spec``, with an ingester that feeds ``index`` from its KV events where it
-    names an event endpoint (block keys chained from ``root``)."""
+    names an event endpoint (block keys chained from ``root``), and a watch on that endpoint."""
+    if not spec.events:
+        return Replica(spec)
     mapper = BlockKeyMapper(spec.kind != "kvhive", config.block_size, root)
-    ingest = ReplicaIngest(spec.name, index, mapper, spec.events, spec.replay) if spec.events else None
-    return Replica(spec, ingest)
+    ingest = ReplicaIngest(spec.name, index, mapper, spec.events, spec.replay)
+    return Replica(spec, ingest, events=EventSilence(spec.name, spec.events, config.events_silent_after_s))
 
 
 def build_discovery(config: GatewayConfig, replica_set: ReplicaSet, index: KVBlockIndex, root: bytes,
@@ -151,10 +156,13 @@ def build_discovery(config: GatewayConfig, replica_set: ReplicaSet, index: KVBlo
 def _state_samples(gateway: Gateway, index: KVBlockIndex, prompts: PromptTokenizer) -> Iterator[Sample]:
     """The state of the replicas, their event streams, the index, the sessions and the prefix store as
     samples read at scrape time."""
+    now = time.monotonic()
     for r in gateway.replicas.replicas:
         labels = {"replica": r.name}
         yield Sample("kvhive_gateway_replica_up", "1 while the replica passes health checks.", "gauge",
                      labels, float(r.healthy))
+        yield Sample("kvhive_gateway_replica_ejected", "1 while the replica is ejected for failing "
+                     "requests in a row.", "gauge", labels, float(r.outlier.ejected(now)))
         yield Sample("kvhive_gateway_replica_inflight", "Requests in flight to the replica.", "gauge",
                      labels, float(r.inflight))
         yield Sample("kvhive_gateway_replica_running", "Running requests (last poll).", "gauge",

@@ -9,6 +9,12 @@ engine errors reach clients, also in the middle of a stream. Inside the engine i
 row of a prompt holding ``ROW_FAULT_MARKER`` raises (in a batch too), the forward of every step
 computing a prompt holding ``STEP_FAULT_MARKER`` raises, and a prompt holding ``LOOP_FAULT_MARKER``
 kills the engine loop (the server then exits with status 1).
+
+``--fault-mode`` makes the whole replica sick while its ``/health`` stays 200 (as a replica behind
+a broken proxy, or with a wedged engine, is): every POST is answered with ``garbage`` (a 200 whose
+body is not the JSON it announces), ``500`` (OpenAI's server error), or ``hang`` (read, never
+answered); ``none`` serves normally. ``PUT /fault-mode`` with one of these as its body switches
+mode while the server runs.
 """
 
 from __future__ import annotations
@@ -129,6 +135,67 @@ def faulty_engine(async_engine_class: type, engine):  # -> a FaultyAsyncEngine o
     return FaultyAsyncEngine(engine)
 
 
+FAULT_MODES = ("none", "garbage", "500", "hang")
+
+
+class FaultModes:
+    """ASGI middleware: POSTs answered as the current mode says (``FAULT_MODES``); ``PUT
+    /fault-mode`` sets the mode. Everything else goes to the app."""
+
+    def __init__(self, app, mode: str) -> None:
+        self.app = app
+        self.mode = mode
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if scope["path"] == "/fault-mode" and scope["method"] == "PUT":
+            mode = (await _body(receive)).decode().strip()
+            ok = mode in FAULT_MODES
+            if ok:
+                self.mode = mode
+            await _answer(send, 200 if ok else 400, b"application/json", b'{"mode": "%s"}' % self.mode.encode())
+        elif scope["method"] != "POST" or self.mode == "none":
+            await self.app(scope, receive, send)
+        elif self.mode == "garbage":
+            await _answer(send, 200, b"application/json", b"\x00\x01 <html>not json")
+        elif self.mode == "500":
+            await _answer(send, 500, b"application/json", b'{"error": {"message": "injected replica failure", '
+                          b'"type": "server_error", "param": null, "code": "internal_server_error"}}')
+        else:
+            await asyncio.Event().wait()            # hang: the request is read, never answered
+
+
+async def _body(receive) -> bytes:
+    body, more = b"", True
+    while more:
+        message = await receive()
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    return body
+
+
+async def _answer(send, status: int, content_type: bytes, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type), (b"content-length", b"%d" % len(body))]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def with_fault_modes(mode: str) -> None:
+    """Make ``kvhive.server.app.run_server`` serve its app behind ``FaultModes`` starting in ``mode``."""
+    from kvhive.server import app as server_app
+
+    create_app = server_app.create_app
+
+    def create_sick_app(*args, **kwargs):
+        app = create_app(*args, **kwargs)
+        app.add_middleware(FaultModes, mode=mode)
+        return app
+
+    server_app.create_app = create_sick_app
+
+
 def main() -> None:
     """Parse the flags, build the engine and serve it until SIGTERM."""
     parser = argparse.ArgumentParser(description="kvhive test server")
@@ -149,6 +216,7 @@ def main() -> None:
     parser.add_argument("--max-pinned-gb", type=float, default=None)
     parser.add_argument("--share-prefix-cache", action="store_true")
     parser.add_argument("--served-model-name", default=SERVED_MODEL_NAME)
+    parser.add_argument("--fault-mode", choices=FAULT_MODES, default=None)
     from kvhive.core.http_limits import add_http_limit_args, http_limits_from_args
 
     add_http_limit_args(parser)              # kvhive serve's --http-* flags
@@ -158,6 +226,8 @@ def main() -> None:
     torch.set_num_threads(2)
     from kvhive.server.app import run_server
 
+    if args.fault_mode is not None:
+        with_fault_modes(args.fault_mode)
     served = run_server(build_engine(args), host="127.0.0.1", port=args.port,
                         served_model_name=args.served_model_name, api_keys=tuple(args.api_key),
                         log_level="warning", http_limits=http_limits_from_args(args))

@@ -12,8 +12,8 @@ from kvhive.cli import HelpFormatter, build_parser, listen_error, main
 
 SERVE_GROUPS = ["model and device", "KV cache and prefix caching", "KV tiers", "sessions", "KV events",
                 "server and security", "HTTP limits", "registration", "performance", "logging"]
-GATEWAY_GROUPS = ["replicas", "block keys", "block index", "routing and scoring", "server", "HTTP limits",
-                  "logging"]
+GATEWAY_GROUPS = ["replicas", "block keys", "block index", "routing and scoring", "upstream time limits", "server",
+                  "HTTP limits", "logging"]
 
 
 

@@ -44,7 +44,7 @@ def run(coro_fn, server: TinyServer):
     async def main():
         port = free_port()
         srv = await asyncio.start_server(server.handle, "127.0.0.1", port)
-        client = UpstreamClient(read_timeout_s=5)
+        client = UpstreamClient(request_timeout_s=5)
         try:
             return await coro_fn(client, f"http://127.0.0.1:{port}")
         finally:
