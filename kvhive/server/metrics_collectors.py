@@ -182,7 +182,7 @@ class SessionStatsCollector(Collector):
             ("kvhive_session_expiries", "Sessions dropped at their expiry (their blocks released).",
              s.expired_total),
             ("kvhive_session_deletes", "Sessions ended by DELETE or end_conversation.", s.deleted_total),
-            ("kvhive_session_spills", "Idle session holdings moved off the device to the store tiers.",
+            ("kvhive_session_spills", "Idle session holdings released from the device pool under pressure.",
              e.num_session_spills),
         )
         yield from model_families(self._labels, gauges, counters)
