@@ -131,6 +131,9 @@ def faulty_engine(async_engine_class: type, engine):  # -> a FaultyAsyncEngine o
 
 def main() -> None:
     """Parse the flags, build the engine and serve it until SIGTERM."""
+    from kvhive.config import PINNED_AUTO
+    from kvhive.serve_args import pinned_gib
+
     parser = argparse.ArgumentParser(description="kvhive test server")
     parser.add_argument("--model", choices=["tiny", "default"], required=True)
     parser.add_argument("--port", type=int, required=True)
@@ -146,7 +149,7 @@ def main() -> None:
     parser.add_argument("--default-session-ttl", type=int, default=600)
     parser.add_argument("--max-session-ttl", type=int, default=86400)
     parser.add_argument("--max-sessions-per-key", type=int, default=None)
-    parser.add_argument("--max-pinned-gb", type=float, default=None)
+    parser.add_argument("--max-pinned-gb", type=pinned_gib, default=PINNED_AUTO)
     parser.add_argument("--share-prefix-cache", action="store_true")
     parser.add_argument("--served-model-name", default=SERVED_MODEL_NAME)
     args = parser.parse_args()
