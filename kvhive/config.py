@@ -5,6 +5,7 @@ Environment variables are read only in ``cli.py``; everything below is plain dat
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from kvhive.connector.disagg.config import KVTransferConfig
@@ -194,6 +195,10 @@ class StoreConfig:
         return self.cpu_offload_gb > 0 or self.disk_cache_dir is not None or self.redis_url is not None
 
 
+# --max-pinned-gb's default: a share of the room sessions may pin (``kvhive.sessions.limits``).
+PINNED_AUTO = "auto"
+
+
 @dataclass(frozen=True)
 class SessionConfig:
     """Sessions (``/v1/context``, ``x-session-id``, ``conversation_id``): TTLs, limits, isolation."""
@@ -201,7 +206,9 @@ class SessionConfig:
     default_ttl_s: int = 600               # a conversation_id seen for the first time
     max_ttl_s: int = 86400                 # every TTL is capped here (400 above it)
     max_sessions_per_key: int | None = None
-    max_pinned_gb: float | None = None     # KV bytes one API key's sessions may hold
+    # KV GiB one API key's sessions may hold; PINNED_AUTO: a share of the keeper tier (else of the
+    # device pool), see ``kvhive.sessions.limits.KEY_PINNED_SHARE``; None: no limit.
+    max_pinned_gb: float | str | None = PINNED_AUTO
     share_prefix_cache: bool = False       # False: each API key has its own prefix cache (salt)
 
     def __post_init__(self) -> None:
@@ -212,8 +219,11 @@ class SessionConfig:
                              f"got {self.default_ttl_s}")
         if self.max_sessions_per_key is not None and self.max_sessions_per_key < 1:
             raise ValueError(f"--max-sessions-per-key must be at least 1, got {self.max_sessions_per_key}")
-        if self.max_pinned_gb is not None and self.max_pinned_gb <= 0:
-            raise ValueError(f"--max-pinned-gb must be positive, got {self.max_pinned_gb}")
+        pinned = self.max_pinned_gb
+        if isinstance(pinned, str) and pinned != PINNED_AUTO:
+            raise ValueError(f"--max-pinned-gb must be a number of GiB, '{PINNED_AUTO}' or none, got {pinned!r}")
+        if isinstance(pinned, (int, float)) and not (0 < pinned < math.inf):
+            raise ValueError(f"--max-pinned-gb must be a positive number of GiB (none: no limit), got {pinned}")
 
 
 MAX_QUANT_ROWS = 4096      # --quantized-matmul-rows: past a few dozen rows the dense GEMM always wins

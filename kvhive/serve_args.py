@@ -7,12 +7,14 @@ arguments with the same groups. Torch-free, so ``kvhive gateway`` imports it wit
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from kvhive.config import (
     CPU_ISAS,
     MAX_QUANT_ROWS,
     METRICS_COMPAT,
+    PINNED_AUTO,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
@@ -121,6 +123,19 @@ def _add_tier_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a KV block lives in Redis (default: until Redis evicts it)")
 
 
+def pinned_gib(value: str) -> float | str | None:
+    """argparse type of --max-pinned-gb: ``auto`` (the default share), ``none`` (no limit) or a positive GiB count."""
+    if value in (PINNED_AUTO, "none"):
+        return None if value == "none" else value
+    try:
+        gib = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB, auto or none, got {value!r}") from None
+    if not 0 < gib < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB (none: no limit), got {value}")
+    return gib
+
+
 def _add_session_args(p: argparse.ArgumentParser) -> None:
     """Add the options of session TTLs and per-key session limits."""
     g = p.add_argument_group("sessions")
@@ -131,8 +146,11 @@ def _add_session_args(p: argparse.ArgumentParser) -> None:
                    help="largest session TTL a client may ask for, in seconds")
     g.add_argument("--max-sessions-per-key", type=int, default=None, metavar="N",
                    help="live sessions one API key may hold, 429 above (default: no limit)")
-    g.add_argument("--max-pinned-gb", type=float, default=None, metavar="G",
-                   help="KV GiB one API key's sessions may hold, 429 above (default: no limit)")
+    g.add_argument("--max-pinned-gb", type=pinned_gib, default=PINNED_AUTO, metavar="G|auto|none",
+                   help="KV GiB one API key's sessions may hold, 429 above; auto: half of what all "
+                        "sessions may pin in the disk, else CPU, tier (90%% of its budget), or of the "
+                        "device KV pool without one, per API key (without --api-key: no limit); none: "
+                        "no limit (default: auto)")
 
 
 def _add_kv_event_args(p: argparse.ArgumentParser) -> None:

@@ -127,7 +127,7 @@ def session_copy(store, connector_scheduler, connector_worker) -> TierSessionCop
 
 def build_scheduler(config: EngineConfig, loaded, num_blocks: int, scheduler_half,
                     copy: TierSessionCopy | None, window) -> Scheduler:
-    """The scheduler over the device pool; with store tiers it spills sessions they hold copies of."""
+    """The scheduler over the device pool; with store tiers it spills first the sessions they hold copies of."""
     cache = config.cache
     return Scheduler(config.scheduler, cache, num_blocks, root_hash(cache.hash_seed, loaded.fingerprint),
                      connector=scheduler_half, session_copy=copy, window=window)

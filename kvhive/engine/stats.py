@@ -24,7 +24,7 @@ class EngineStats:
     tiers: tuple[TierStats, ...] = ()       # one per store tier below the device pool, fastest first
     connector: ConnectorCounters | None = None
     num_session_blocks: int = 0             # device blocks pinned by idle sessions
-    num_session_spills: int = 0             # session holdings released to the tiers under pressure
+    num_session_spills: int = 0             # session holdings released from the pool under pressure
     # Device blocks by state; free + cached + used == num_blocks - 1 (the null block aside).
     free_blocks: int = 0                    # empty: no request holds them, no prefix in them
     cached_blocks: int = 0                  # evictable: nobody holds them, a cached prefix is in them

@@ -146,7 +146,8 @@ def build_services(engine: EngineClient, served_model_name: str, api_keys: tuple
     durable = DurableState(config.store, served_model_name)
     sessions = SessionService(config.sessions, engine, block_bytes=engine.block_bytes, block_size=engine.block_size,
                               backend=durable.session_backend(),
-                              keeper=keeper_tier(engine.keeper_budget(), config.store))
+                              keeper=keeper_tier(engine.keeper_budget(), config.store),
+                              device_pool_bytes=config.cache.num_blocks * engine.block_bytes)
     service = GenerationService(engine, metrics, served_model_name, sessions=sessions,
                                 api_keys=api_keys, share_prefix_cache=config.sessions.share_prefix_cache)
     return service, ResponsesAPI(service, ResponseStore(durable.response_backend()))

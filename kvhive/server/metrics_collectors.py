@@ -186,7 +186,7 @@ class SessionStatsCollector(Collector):
             ("kvhive_session_deletes", "Sessions ended by DELETE or end_conversation.", s.deleted_total),
             ("kvhive_session_record_write_errors", "Session records the disk could not take (each request "
              "answered 507).", s.record_write_errors_total),
-            ("kvhive_session_spills", "Idle session holdings moved off the device to the store tiers.",
+            ("kvhive_session_spills", "Idle session holdings released from the device pool under pressure.",
              e.num_session_spills),
         )
         yield from model_families(self._labels, gauges, counters)

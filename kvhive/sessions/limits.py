@@ -3,6 +3,15 @@
 ``SessionLimits`` counts the distinct full blocks the registry's sessions hold and refuses, with
 ``SessionLimit``, a session or a turn that would take its key or the keeper tier over a limit; the
 registry asks it before anything changes.
+
+The per-key KV limit (``--max-pinned-gb``) defaults to ``KEY_PINNED_SHARE`` of the room sessions
+may pin: in the keeper tier (the lowest with a budget: disk, else CPU memory), the share of its
+budget kept for sessions; without one, the device pool. One key can then never take that room
+alone: the keeper tier stays open to other keys' sessions, and without tiers one key's sessions
+claim at most half the pool (their device pins give way to running requests in any case:
+``kvhive.engine.scheduler.session_spill``). The default divides room between API keys, so it
+applies to callers with one; a server without ``--api-key`` serves one tenant, whom only a limit
+set in GiB bounds (the keeper tier's server-wide rule bounds everyone).
 """
 
 from __future__ import annotations
@@ -11,13 +20,15 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvhive.config import SessionConfig
+from kvhive.config import PINNED_AUTO, SessionConfig
 from kvhive.sessions.errors import SessionLimit
 from kvhive.sessions.session import Session
 
 # The share of the keeper tier's budget kept free of session pins: room for block headers, for the
 # disk tier's partly filled segments, and for the blocks other requests pass through the tier.
 KEEPER_MARGIN = 0.10
+# --max-pinned-gb auto: the share of that room (or of the device pool) one API key's sessions may hold.
+KEY_PINNED_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -32,6 +43,35 @@ class KeeperTier:
     def session_budget_bytes(self) -> int:
         """What all sessions together may pin in it."""
         return int(self.budget_bytes * (1 - KEEPER_MARGIN))
+
+
+@dataclass(frozen=True)
+class KeyPinnedLimit:
+    """The KV bytes one API key's sessions may hold, and the setting that says so (for messages)."""
+
+    num_bytes: int
+    source: str            # "--max-pinned-gb 2", or what the default is a share of
+    keyed_only: bool = False      # the default share: callers without an API key are one tenant, not limited
+
+
+def key_pinned_limit(config: SessionConfig, keeper: KeeperTier | None,
+                     device_pool_bytes: int | None) -> KeyPinnedLimit | None:
+    """``--max-pinned-gb`` in bytes: as set, or by default ``KEY_PINNED_SHARE`` of the keeper tier's
+    session room, else of the device pool; None for no limit (``none``, or a default with no size known)."""
+    setting = config.max_pinned_gb
+    if setting is None:
+        return None
+    if setting != PINNED_AUTO:
+        return KeyPinnedLimit(int(setting * 2**30), f"--max-pinned-gb {setting:g}")
+    if keeper is not None:
+        room, where = keeper.session_budget_bytes, f"what sessions may pin in the {keeper.name} tier"
+    elif device_pool_bytes is not None:
+        room, where = device_pool_bytes, "the device KV pool"
+    else:
+        return None
+    return KeyPinnedLimit(int(room * KEY_PINNED_SHARE),
+                          f"--max-pinned-gb {PINNED_AUTO}: {KEY_PINNED_SHARE:.0%} of {where}, {format_bytes(room)}",
+                          keyed_only=True)
 
 
 
@@ -49,12 +89,15 @@ class SessionLimits:
     """The per-key and keeper-tier limits over the blocks the registry's sessions hold."""
 
     def __init__(self, config: SessionConfig, block_bytes: int, block_size: int,
-                 keeper: KeeperTier | None = None) -> None:
+                 keeper: KeeperTier | None = None, device_pool_bytes: int | None = None) -> None:
+        """``device_pool_bytes``: the device KV pool's size, the default per-key limit's base
+        without a keeper tier (None: unknown, then only a set --max-pinned-gb limits a key)."""
         self.config = config
         self.block_bytes = block_bytes
         self.block_size = block_size
         self.bytes_per_token = block_bytes / block_size
         self.keeper = keeper
+        self.key_limit = key_pinned_limit(config, keeper, device_pool_bytes)
         # Invariant: _block_refs[h] == number of sessions the registry holds whose block_hashes hold h (> 0).
         self._block_refs: Counter[str] = Counter()
 
@@ -86,30 +129,33 @@ class SessionLimits:
                                f"(--max-sessions-per-key); delete one or let one expire",
                                "too_many_sessions")
 
-    def check_pinned(self, owned: Iterable[Session], num_tokens: int, exclude: Session | None = None) -> None:
+    def check_pinned(self, owner: str | None, owned: Iterable[Session], num_tokens: int,
+                     exclude: Session | None = None) -> None:
         """SessionLimit when a session holding ``num_tokens`` (prompt + max_tokens) in place of ``exclude``
-        would take the key's sessions (``owned``) over --max-pinned-gb, or all sessions over the keeper tier."""
-        self._check_key_limit(owned, num_tokens, exclude)
+        would take the key's sessions (``owner``'s, ``owned``; None: no API key) over --max-pinned-gb,
+        or all sessions over the keeper tier."""
+        self._check_key_limit(owner, owned, num_tokens, exclude)
         self._check_keeper(num_tokens, exclude)
 
-    def _check_key_limit(self, owned: Iterable[Session], num_tokens: int, exclude: Session | None) -> None:
-        if self.config.max_pinned_gb is None:
+    def _check_key_limit(self, owner: str | None, owned: Iterable[Session], num_tokens: int,
+                         exclude: Session | None) -> None:
+        limit = self.key_limit
+        if limit is None or (owner is None and limit.keyed_only):
             return
-        limit = self.config.max_pinned_gb * 2**30
         held_tokens = sum(s.num_tokens for s in owned if s is not exclude)
         wanted_tokens = held_tokens + num_tokens
         wanted = wanted_tokens * self.bytes_per_token
-        if wanted > limit:
+        if wanted > limit.num_bytes:
             raise SessionLimit(f"This API key's sessions would hold {wanted_tokens} tokens "
-                               f"({format_bytes(wanted)}) of KV, over its limit of {format_bytes(limit)} "
-                               f"(--max-pinned-gb {self.config.max_pinned_gb:g}): {held_tokens} tokens held "
+                               f"({format_bytes(wanted)}) of KV, over its limit of {format_bytes(limit.num_bytes)} "
+                               f"({limit.source}): {held_tokens} tokens held "
                                f"by its sessions, {num_tokens} for this request (prompt + max_tokens). "
                                f"Delete a session, let one expire, or send a shorter request",
                                "session_kv_limit")
 
     def _check_keeper(self, num_tokens: int, exclude: Session | None) -> None:
-        # The scheduler moves an idle session off the device only once the keeper holds its blocks:
-        # sessions pinning more than the keeper can hold would leave new requests waiting forever.
+        # The keeper never evicts a pinned block and refuses new ones when its budget is all
+        # pinned: sessions pinning more than it can hold would leave it no room for other blocks.
         if self.keeper is None:
             return
         held = self.pinned_block_bytes(exclude)

@@ -14,7 +14,8 @@ Rules, in one place:
 - Expiry is sliding: each finished turn sets ``expires = now + ttl``; TTLs are whole seconds in
   (0, max_ttl]. A session busy with a turn never expires under it.
 - One turn at a time: a second request on a busy session is refused (busy), nothing changes.
-- Limits: per key (``--max-sessions-per-key``, ``--max-pinned-gb``) and server-wide (the blocks of
+- Limits: per key (``--max-sessions-per-key``, ``--max-pinned-gb``: by default half the room
+  sessions may pin) and server-wide (the blocks of
   all sessions must fit in the keeper tier that pins them, less ``KEEPER_MARGIN``); a request over
   one is refused (a limit) before anything changes.
 - Persistence (``kvhive.sessions.backends``): every change writes that session's record. A local
@@ -94,9 +95,10 @@ class SessionRegistry:
     def __init__(self, config: SessionConfig, block_bytes: int, block_size: int,
                  backend: SessionBackend | None = None, keeper: KeeperTier | None = None,
                  on_load: Callable[[Session], None] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, device_pool_bytes: int | None = None) -> None:
+        """``keeper`` and ``device_pool_bytes`` size the limits (``kvhive.sessions.limits``)."""
         self.config = config
-        self.limits = SessionLimits(config, block_bytes, block_size, keeper)
+        self.limits = SessionLimits(config, block_bytes, block_size, keeper, device_pool_bytes)
         self.backend = backend
         self.records = SessionRecords(backend)
         self.on_load = on_load
@@ -202,7 +204,7 @@ class SessionRegistry:
     def check_pinned(self, owner: str | None, num_tokens: int, exclude: Session | None = None) -> None:
         """SessionLimit when a session holding ``num_tokens`` (prompt + max_tokens) in place of ``exclude``
         would take the owner's sessions over --max-pinned-gb, or all sessions over the keeper tier."""
-        self.limits.check_pinned(self._owned(owner), num_tokens, exclude)
+        self.limits.check_pinned(owner, self._owned(owner), num_tokens, exclude)
 
     def end_turn(self, session: Session, num_tokens: int | None, block_hashes: list[str] | None,
                  cached_tokens: int = 0) -> None:

@@ -5,7 +5,9 @@ The HTTP layer validates a request and streams it; this service decides its sess
 1. ``open_turn`` finds, creates or refuses the session (limits, busy, model) and marks it busy;
 2. the request runs in the engine under ``SessionTurn.engine_id``;
 3. ``SessionTurn.end`` records what the session holds now, slides its expiry and pins its blocks
-   in the store tiers (or deletes it and releases its blocks: ``end_conversation``);
+   in the store tiers (or deletes it and releases its blocks: ``end_conversation``); the engine
+   keeps them on the device only while no request needs the room, least recently used going first
+   (``kvhive.engine.scheduler.session_spill``), and the record here stays whatever it does;
 4. ``end`` (DELETE, a conversation left empty) and ``sweep`` (expiry) release a session's blocks.
 
 The engine side is a ``SessionHolder`` (``kvhive.engine.client.EngineClient`` in the server).
@@ -100,12 +102,15 @@ class SessionService:
 
     def __init__(self, config: SessionConfig, holder: SessionHolder, *, block_bytes: int, block_size: int,
                  backend: SessionBackend | None = None, keeper: KeeperTier | None = None,
-                 clock: Callable[[], float] = time.time, busy_wait_s: float = SESSION_BUSY_WAIT_S) -> None:
+                 clock: Callable[[], float] = time.time, busy_wait_s: float = SESSION_BUSY_WAIT_S,
+                 device_pool_bytes: int | None = None) -> None:
+        """``keeper``: the tier that pins sessions' blocks (``keeper_tier``); ``device_pool_bytes``:
+        the device KV pool's size; both size the limits (``kvhive.sessions.limits``)."""
         self.holder = holder
         self.busy_wait_s = busy_wait_s
         # The registry pins the sessions it loads from the backend (now, and on use when shared).
         self.registry = SessionRegistry(config, block_bytes, block_size, backend=backend, keeper=keeper,
-                                        on_load=self.pin, clock=clock)
+                                        on_load=self.pin, clock=clock, device_pool_bytes=device_pool_bytes)
         self.config = config
 
     # ------------------------------------------------------------ turns

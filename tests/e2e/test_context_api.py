@@ -269,9 +269,10 @@ def test_max_pinned_gb_answers_429():
 
 
 def test_sessions_over_the_keeper_tier_answer_429():
-    # A CPU tier of 12 tiny-model blocks (8 KiB each) keeps the pins: sessions may pin 10.8 of them.
+    # A CPU tier of 12 tiny-model blocks (8 KiB each) keeps the pins: sessions may pin 10.8 of them
+    # (no per-key share: one key may take them all).
     srv = start_server("tiny", api_keys=(KEY_A, KEY_B), max_model_len=512,
-                       extra_args=("--cpu-offload-gb", str(12 * 8192 / 2**30)))
+                       extra_args=("--cpu-offload-gb", str(12 * 8192 / 2**30), "--max-pinned-gb", "none"))
     prompts = [[(i * 11 + k * 5) % 200 + 3 for i in range(41)] for k in range(5)]
     try:
         with client(srv) as a, client(srv, KEY_B) as b:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from support.engines import GREEDY, make_engine, turn
 
 from kvhive.config import StoreConfig
+from kvhive.request import SamplingParams
 
 
 def conversation(engine, turns, session_id=None):
@@ -108,3 +109,37 @@ def test_idle_sessions_never_stall_a_request_without_tiers(tokenizer):
     kv = engine.scheduler.kv
     assert kv.session_blocks("s0") is None and kv.session_blocks("s2") is not None
     assert engine.scheduler.num_session_spills >= 1
+
+
+def test_idle_sessions_give_way_to_concurrent_requests_and_answer_like_an_uncached_run(tokenizer):
+    # Idle sessions hold all 39 usable blocks and no tier can take them: four requests still run
+    # at once (the least recently used sessions' pins go), and every session's next turn, spilled
+    # or not, samples what an engine without any cache samples.
+    engine = make_engine(tokenizer, num_blocks=40, max_seqs=4)
+    fresh = make_engine(tokenizer, prefix=False)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    history = {}
+    for k in range(13):
+        prompt = [10 + k + j for j in range(10)]
+        tokens, _, _ = turn(engine, f"s{k}-0", prompt, f"s{k}", sampling=one)
+        history[f"s{k}"] = prompt + tokens
+    kv = engine.scheduler.kv
+    assert kv.pool.num_free_blocks == 0 and len(kv.session_ids()) == 13
+    prompts = {f"r{i}": [150 + 3 * i + j % 7 for j in range(20)] for i in range(4)}
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, GREEDY)
+    outs = {rid: [] for rid in prompts}
+    for out in engine.step():
+        outs[out.request_id] += out.new_token_ids
+    assert len(engine.scheduler.running) == 4 and not engine.scheduler.waiting
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] += out.new_token_ids
+    assert engine.scheduler.num_preemptions == 0
+    spilled = [sid for sid in history if kv.session_blocks(sid) is None]
+    assert spilled == [f"s{k}" for k in range(len(spilled))] and 0 < len(spilled) < 13
+    for rid, prompt in prompts.items():
+        assert outs[rid] == turn(fresh, rid, prompt)[0]
+    for sid, past in history.items():
+        prompt = past + [7, 8, 9]
+        assert turn(engine, f"{sid}-1", prompt, sid)[0] == turn(fresh, f"{sid}-1", prompt)[0], sid

@@ -198,6 +198,9 @@ def with_fault_modes(mode: str) -> None:
 
 def main() -> None:
     """Parse the flags, build the engine and serve it until SIGTERM."""
+    from kvhive.config import PINNED_AUTO
+    from kvhive.serve_args import pinned_gib
+
     parser = argparse.ArgumentParser(description="kvhive test server")
     parser.add_argument("--model", choices=["tiny", "default"], required=True)
     parser.add_argument("--port", type=int, required=True)
@@ -213,7 +216,7 @@ def main() -> None:
     parser.add_argument("--default-session-ttl", type=int, default=600)
     parser.add_argument("--max-session-ttl", type=int, default=86400)
     parser.add_argument("--max-sessions-per-key", type=int, default=None)
-    parser.add_argument("--max-pinned-gb", type=float, default=None)
+    parser.add_argument("--max-pinned-gb", type=pinned_gib, default=PINNED_AUTO)
     parser.add_argument("--share-prefix-cache", action="store_true")
     parser.add_argument("--served-model-name", default=SERVED_MODEL_NAME)
     parser.add_argument("--fault-mode", choices=FAULT_MODES, default=None)

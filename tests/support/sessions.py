@@ -7,7 +7,7 @@ from kvhive.config import SessionConfig
 from kvhive.sessions.registry import Session, SessionRegistry
 
 BLOCK_SIZE, BLOCK_BYTES = 16, 8192
-CONFIG = SessionConfig(max_ttl_s=3600)
+CONFIG = SessionConfig(max_ttl_s=3600, max_pinned_gb=None)       # no per-key KV limit unless a test sets one
 
 
 def hashes(prefix: str, n: int) -> list[str]:

@@ -24,13 +24,13 @@ def copies_by_session(kv, where: dict[str, SessionCopy]):
     return lambda hashes: by_hashes[tuple(hashes)]
 
 
-def test_without_tiers_holdings_go_only_when_admission_is_stuck():
-    kv = parked("old", "new")
+def test_without_tiers_holdings_go_least_recently_used_first_whenever_asked():
+    kv = parked("old", "mid", "new")
     spill = SessionSpill(kv, None, set)
-    assert not spill.spill()
-    assert spill.spill(stuck=True) and kv.session_ids() == ["new"]
-    assert spill.num_spills == 1
-    assert not spill.spill(keep="new", stuck=True)
+    assert spill.spill() and kv.session_ids() == ["mid", "new"]
+    assert spill.spill(keep="mid") and kv.session_ids() == ["mid"]
+    assert spill.num_spills == 2
+    assert not spill.spill(keep="mid")
 
 
 def test_the_least_recently_used_holding_with_a_copy_below_goes_first():
@@ -40,9 +40,8 @@ def test_the_least_recently_used_holding_with_a_copy_below_goes_first():
     spill = SessionSpill(kv, copies_by_session(kv, where), set)
     assert spill.spill() and kv.session_ids() == ["pending", "none", "lowest"]
     assert spill.spill() and kv.session_ids() == ["pending", "none"]
-    assert not spill.spill()                        # a pending copy waits; no copy needs stuck
-    assert spill.spill(stuck=True) and kv.session_ids() == ["pending"]
-    assert not spill.spill(stuck=True) and spill.num_spills == 3
+    assert spill.spill() and kv.session_ids() == ["pending"]      # no copy: goes after those with one
+    assert not spill.spill() and spill.num_spills == 3          # a pending copy waits for its saves
 
 
 def test_a_holding_whose_blocks_are_not_yet_handed_to_saves_waits():
@@ -58,14 +57,14 @@ def test_the_kept_session_is_never_spilled():
     kv = parked("mine", "other")
     spill = SessionSpill(kv, lambda hashes: SessionCopy.LOWEST, set)
     assert spill.spill(keep="mine") and kv.session_ids() == ["mine"]
-    assert not spill.spill(keep="mine", stuck=True)
+    assert not spill.spill(keep="mine")
     kv.pool.check_integrity()
 
 
 def test_spilled_full_blocks_stay_cached_in_the_pool():
     kv = parked("s")
     hashes = kv.session_blocks("s").block_hashes
-    assert SessionSpill(kv, None, set).spill(stuck=True)
+    assert SessionSpill(kv, None, set).spill()
     assert kv.count_cached(hashes) == 2 and kv.num_session_blocks == 0
 
 

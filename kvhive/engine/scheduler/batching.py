@@ -7,8 +7,9 @@ Each step, under ``max_num_batched_tokens`` tokens and ``max_num_seqs`` running 
 3. waiting requests are admitted in FCFS order (prefix lookup on admission); the head of the queue
    blocks everything behind it when it does not fit, so nothing starves.
 
-A running request short of blocks first spills an idle session, then preempts the newest running
-request; a step that preempted admits nothing. A request that cannot fit even alone in the pool
+A request short of blocks first spills idle sessions (``session_spill``: least recently used
+first, whatever the tiers hold); a running request still short then preempts the newest running
+request, and a step that preempted admits nothing; a waiting head still short waits. A request that cannot fit even alone in the pool
 finishes with LENGTH.
 """
 
@@ -191,7 +192,7 @@ class Admission:
 
     def _spill_for(self, request: Request) -> bool:
         """Spill an idle session (not the request's own) to make room; False if none could go."""
-        return self.spill.spill(keep=request.session_id, stuck=not self.queues.running)
+        return self.spill.spill(keep=request.session_id)
 
     def _start_running(self, request: Request, num_cached: int, num_new: int, budget: StepBudget) -> None:
         """Move the head of the queue, its blocks allocated and no tier load pending, to running:

@@ -1,17 +1,20 @@
 """Session spill: releasing idle sessions' device blocks when a request needs them.
 
 A finished request with a ``session_id`` parks its blocks in the KV manager (pinned in the
-device pool). With store tiers, when blocks run out, the least recently used holding whose full
-blocks have a copy below is released to the pool (spilled) before anything is preempted; its next
-request finds its blocks by prefix match, on the device or loaded back from the tiers.
-``SessionCopy`` says where a holding's full blocks are: in the lowest tier (spill), on their way
-there (saves in flight: wait a step), or not going there (the lowest tier is down, emptied or
-full): then in a tier above (spill), or nowhere.
+device pool). When a running or waiting request needs blocks that the free and evictable blocks
+cannot give, idle holdings are released to the pool (spilled), least recently used first, before
+anything is preempted and before a waiting request is made to wait. A spilled holding's full
+blocks stay cached (evictable), so its next turn still hits whatever nobody evicted meanwhile, and
+loads or recomputes the rest; the session's record (its tokens and hashes, kept by
+``kvhive.sessions``) is untouched: only its device pins go.
 
-A holding with no copy anywhere, and every holding without tiers, follows the no-tier rule: when
-the head of the waiting queue does not fit while nothing runs (``stuck``: nothing else will ever
-free a block), the least recently used such holding is released, its full blocks cached in the
-pool until evicted and recomputed after that. Idle sessions never stall a request forever.
+With store tiers, holdings whose full blocks have a copy below go first (their next turn loads
+them back). ``SessionCopy`` says where a holding's full blocks are: in the lowest tier, on their
+way there (saves in flight: that holding waits, since its blocks are the saves' sources), or not
+going there (the lowest tier is down, emptied or full): then in a tier above, or nowhere. A
+holding with no copy anywhere, and every holding without tiers, goes after those, in the same
+least-recently-used order, and is recomputed on its next turn. Idle sessions never hold the pool
+against running requests.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ class SessionCopy(enum.Enum):
     LOWEST = "lowest"      # the lowest tier holds every one: spill
     PENDING = "pending"    # saves of some are still on their way to it: wait
     HIGHER = "higher"      # it will not get them (down, emptied, full), a tier above holds them all: spill
-    NONE = "none"          # no tier holds them all, and none will: the no-tier rule
+    NONE = "none"          # no tier holds them all, and none will: spilled after the others
 
 
 class TierSessionCopy:
@@ -78,27 +81,28 @@ class SessionSpill:
         self.pending_hashes = pending_hashes
         self.num_spills = 0
 
-    def spill(self, keep: str | None = None, stuck: bool = False) -> bool:
-        """Release the least recently used holding (other than ``keep``) that may go; False if none.
+    def spill(self, keep: str | None = None) -> bool:
+        """Release one idle holding (other than ``keep``) to the pool; False if none may go.
 
-        With tiers, one whose full blocks have a copy below (``SessionCopy.LOWEST`` or ``HIGHER``);
-        one whose saves are still in flight waits (the partial last block is recomputed on resume).
-        Without tiers, or when no tier holds a holding's blocks, only when ``stuck``.
+        The least recently used holding whose full blocks have a copy below (``SessionCopy.LOWEST``
+        or ``HIGHER``); else the least recently used one with no copy anywhere (every holding
+        without tiers). A holding whose saves are still in flight waits (``PENDING``).
         """
-        if self.session_copy is None and not stuck:
-            return False
         pending = self.pending_hashes()
         uncopied = None
         for session_id in self.kv.session_ids():
             if session_id == keep:
                 continue
-            copy = None if self.session_copy is None else self._copy_of(session_id, pending)
-            if copy in (SessionCopy.LOWEST, SessionCopy.HIGHER) or (copy is None and stuck):
+            if self.session_copy is None:
+                self._release(session_id)
+                return True
+            copy = self._copy_of(session_id, pending)
+            if copy in (SessionCopy.LOWEST, SessionCopy.HIGHER):
                 self._release(session_id)
                 return True
             if copy is SessionCopy.NONE:
                 uncopied = uncopied or session_id
-        if uncopied is not None and stuck:
+        if uncopied is not None:
             self._release(uncopied)          # recomputed on its next turn
             return True
         return False
