@@ -124,6 +124,7 @@ class TinyReplica(_ReplicaBase):
     """The tiny-model test server on a fixed port."""
 
     api_keys: tuple[str, ...] = ()
+    extra_args: tuple[str, ...] = ()
 
     @property
     def spec(self) -> str:
@@ -132,7 +133,7 @@ class TinyReplica(_ReplicaBase):
 
     def start(self) -> None:
         """Start it (not waiting for it)."""
-        args = ["--max-model-len", str(TINY_MAX_MODEL_LEN)]
+        args = ["--max-model-len", str(TINY_MAX_MODEL_LEN), *self.extra_args]
         for key in self.api_keys:
             args += ["--api-key", key]
         self._start("tiny-replica", serve_command("tiny", self.port, *args))

@@ -149,6 +149,7 @@ def main() -> None:
     parser.add_argument("--max-pinned-gb", type=float, default=None)
     parser.add_argument("--share-prefix-cache", action="store_true")
     parser.add_argument("--served-model-name", default=SERVED_MODEL_NAME)
+    parser.add_argument("--max-request-bytes", type=int, default=None)
     args = parser.parse_args()
     import torch
 
@@ -157,7 +158,7 @@ def main() -> None:
 
     served = run_server(build_engine(args), host="127.0.0.1", port=args.port,
                         served_model_name=args.served_model_name, api_keys=tuple(args.api_key),
-                        log_level="warning")
+                        log_level="warning", max_request_bytes=args.max_request_bytes)
     sys.exit(0 if served else 1)           # as ``kvhive serve``: 1 when the engine loop died
 
 
