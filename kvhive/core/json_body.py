@@ -6,9 +6,11 @@ float), whose strings are valid Unicode: no lone surrogate (``"\\ud800"``), whic
 the UTF-8 response headers cannot carry.
 
 Every check here takes time linear in the body's size, whatever its bytes (a string that never
-closes, runs of escapes, megabytes of brackets or digits): one pass of C loops (bytes methods,
-numpy, the json module), no regular expression that can backtrack. The work of a body of
-OFF_LOOP_BODY_BYTES or more belongs on a worker thread, not on an event loop.
+closes, runs of escapes, megabytes of brackets or digits): passes of C loops (bytes methods,
+``kvhive.core.json_shape``'s numpy scan, the json module), no regular expression that can
+backtrack. The scan also bounds what the parser builds: at most MAX_JSON_CONTAINERS arrays and
+objects and MAX_JSON_ITEMS items. The work of a body of OFF_LOOP_BODY_BYTES or more belongs on a
+worker thread, not on an event loop.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import json
 import math
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-import numpy as np
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
+
+from kvhive.core import json_shape
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 T = TypeVar("T")
@@ -29,9 +32,18 @@ T = TypeVar("T")
 # Deepest nesting of arrays and objects a body may have (OpenAI bodies need under 10; a tool's
 # JSON schema a few more).
 MAX_JSON_DEPTH = 64
+# Most arrays and objects, and most items (arrays, objects, and the values and keys their commas
+# and colons separate), a body may hold: a parser spends ~1 us on each array or object, ~0.3 us on
+# each other value, all of it holding the GIL; OpenAI bodies hold far fewer.
+MAX_JSON_CONTAINERS = 1 << 16
+MAX_JSON_ITEMS = 1 << 20
 # Bodies of this many bytes or more are checked and parsed on a worker thread (json.loads and
 # pydantic take ~10 ms per MiB, a hostile body up to ~50).
 OFF_LOOP_BODY_BYTES = 1 << 16
+
+# A list field of a request model that stops at its first bad item: a million bad items are one
+# error, not a million error records (and not one per member of a union of lists).
+ListOf = Annotated[list[T], Field(fail_fast=True)]
 
 # Location parts pydantic adds for union members and model classes ("str", "list[int]", "ContentPart");
 # they are not field names and stay out of ``param``.
@@ -41,16 +53,6 @@ _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]*$")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 # The longest key a ``param`` path shows whole.
 _PARAM_KEY_CHARS = 64
-
-# The nesting scan keeps quotes and brackets only, objects' braces read as arrays' brackets.
-_AS_BRACKETS = bytes.maketrans(b"{}", b"[]")
-_NOT_MARKS = bytes(sorted(set(range(256)) - set(b'"[]{}')))
-_QUOTE = b'"'[0]
-# A mark's step in depth: +1 for "[", -1 for "]", 0 for a quote.
-_STEP = np.zeros(256, dtype=np.int8)
-_STEP[b"["[0]], _STEP[b"]"[0]] = 1, -1
-# The scan works through this many marks at a time (bounded memory, and each numpy call short).
-_SCAN_WINDOW = 1 << 18
 
 
 class BodyError(ValueError):
@@ -67,43 +69,27 @@ class MalformedJSON(BodyError):
 
 
 def nesting_exceeds(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
-    """True when the JSON text ``raw`` nests arrays and objects deeper than ``limit``.
-
-    Brackets inside strings are text. A string runs from a quote to the next quote that is not
-    escaped (one after an odd run of backslashes is), or to the end of ``raw`` when none closes it.
-    Closing brackets count down even below zero (malformed JSON, which the parser refuses anyway).
-    Linear in ``len(raw)``."""
-    if raw.count(b"[") + raw.count(b"{") <= limit:
-        return False                    # the common case: too few brackets to nest that deep
-    if b"\\" in raw:
-        # A run of backslashes loses its pairs (each an escaped backslash); one left before a quote
-        # escapes it, and both go. Every quote left opens or closes a string.
-        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
-    marks = raw.translate(_AS_BRACKETS, _NOT_MARKS)
-    if marks.count(b"[") <= limit:
-        return False
-    return _marks_deeper_than(np.frombuffer(marks, dtype=np.uint8), limit)
+    """True when the JSON text ``raw`` nests arrays and objects deeper than ``limit`` (brackets in
+    strings are text); linear in ``len(raw)``."""
+    return json_shape.nesting_exceeds(raw, limit)
 
 
-def _marks_deeper_than(marks: np.ndarray, limit: int) -> bool:
-    """Whether ``marks`` (quotes and square brackets only, no escapes) nest deeper than ``limit``
-    outside strings; a window at a time, carrying the depth and whether a string is open."""
-    depth, in_string = 0, 0
-    for start in range(0, len(marks), _SCAN_WINDOW):
-        window = marks[start:start + _SCAN_WINDOW]
-        steps = _STEP[window]
-        if in_string or (window == _QUOTE).any():
-            # Odd after an odd number of quotes (the one opening a string included): in a string.
-            inside = np.cumsum(window == _QUOTE, dtype=np.uint8)
-            inside += in_string
-            inside &= 1
-            steps = np.where(inside.view(bool), np.int8(0), steps)
-            in_string = int(inside[-1])
-        depths = np.cumsum(steps, dtype=np.int32)
-        if int(depths.max()) + depth > limit:
-            return True
-        depth += int(depths[-1])
-    return False
+def shape_refusal(raw: bytes) -> str | None:
+    """Why the JSON text ``raw`` is refused before it is parsed (nested deeper than MAX_JSON_DEPTH,
+    more than MAX_JSON_CONTAINERS arrays and objects or MAX_JSON_ITEMS items); None when it is not.
+    Linear in ``len(raw)``, and a few ``bytes.count`` calls for the common body."""
+    opened = raw.count(b"[") + raw.count(b"{")
+    if opened <= MAX_JSON_DEPTH and opened + raw.count(b",") + raw.count(b":") <= MAX_JSON_ITEMS:
+        return None
+    shape = json_shape.json_shape(raw)
+    if shape.depth > MAX_JSON_DEPTH:
+        return f"The request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels"
+    if shape.containers > MAX_JSON_CONTAINERS:
+        return f"The request body holds {shape.containers} arrays and objects; at most {MAX_JSON_CONTAINERS}"
+    if shape.containers + shape.separators > MAX_JSON_ITEMS:
+        return (f"The request body holds {shape.containers + shape.separators} values and keys; "
+                f"at most {MAX_JSON_ITEMS}")
+    return None
 
 
 def lone_surrogate_param(data: Any, path: str = "") -> str | None:
@@ -174,10 +160,11 @@ def _finite_float(text: str) -> float:
 
 def load_json(raw: bytes) -> Any:
     """The parsed body; MalformedJSON when it is not UTF-8 JSON (or holds NaN, Infinity or a number
-    out of a float's range), BodyError when it nests deeper than MAX_JSON_DEPTH or a string holds a
-    lone surrogate (its field is ``param``). Linear in ``len(raw)``."""
-    if nesting_exceeds(raw):
-        raise BodyError(f"The request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels")
+    out of a float's range), BodyError when its shape is refused (``shape_refusal``) or a string
+    holds a lone surrogate (its field is ``param``). Linear in ``len(raw)``."""
+    refusal = shape_refusal(raw)
+    if refusal is not None:
+        raise BodyError(refusal)
     try:
         # Strict UTF-8 (json.loads of bytes would let encoded surrogates through).
         data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)

@@ -13,9 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.hostile_bodies import hostile_bodies
 
-import kvhive.core.json_body as json_body
+from kvhive.core import json_shape
 from kvhive.core.json_body import (
+    MAX_JSON_CONTAINERS,
     MAX_JSON_DEPTH,
+    MAX_JSON_ITEMS,
     BodyError,
     MalformedJSON,
     json_object,
@@ -23,12 +25,13 @@ from kvhive.core.json_body import (
     lone_surrogate_param,
     nesting_exceeds,
 )
+from kvhive.core.json_shape import JSONShape
 
 
-def reference_depth(raw: bytes) -> int:
-    """The deepest nesting of ``raw``, one byte at a time: a quote after an even run of backslashes
-    opens or closes a string, brackets outside strings count (closing ones below zero too)."""
-    depth = deepest = backslashes = 0
+def reference_shape(raw: bytes) -> JSONShape:
+    """The shape of ``raw``, one byte at a time: a quote after an even run of backslashes opens or
+    closes a string; brackets and separators outside strings count (closing ones below zero too)."""
+    depth = deepest = containers = separators = backslashes = 0
     in_string = False
     for byte in raw:
         if byte == ord("\\"):
@@ -38,11 +41,18 @@ def reference_depth(raw: bytes) -> int:
             in_string = not in_string
         elif not in_string and byte in b"[{":
             depth += 1
+            containers += 1
             deepest = max(deepest, depth)
         elif not in_string and byte in b"]}":
             depth -= 1
+        elif not in_string and byte in b",:":
+            separators += 1
         backslashes = 0
-    return deepest
+    return JSONShape(deepest, containers, separators)
+
+
+def reference_depth(raw: bytes) -> int:
+    return reference_shape(raw).depth
 
 
 def parsed_depth(value: Any) -> int:
@@ -60,7 +70,7 @@ json_values = st.recursive(
                                                                 max_size=4),
     max_leaves=40)
 # Bytes that matter to the scan, and a filler.
-scan_bytes = st.binary(max_size=300).map(lambda b: bytes(b'[]{}"\\a'[x % 7] for x in b))
+scan_bytes = st.binary(max_size=300).map(lambda b: bytes(b'[]{}"\\a,:'[x % 9] for x in b))
 
 
 @settings(max_examples=400, deadline=None)
@@ -76,18 +86,20 @@ def test_the_scan_agrees_with_the_parsed_depth(value: Any, ascii_only: bool) -> 
 @settings(max_examples=400, deadline=None)
 @given(scan_bytes, st.integers(0, 6))
 def test_the_scan_agrees_with_the_reference_on_any_bytes(raw: bytes, limit: int) -> None:
+    assert json_shape.json_shape(raw) == reference_shape(raw)
     assert nesting_exceeds(raw, limit) == (reference_depth(raw) > limit)
 
 
 @settings(max_examples=100, deadline=None)
 @given(scan_bytes, st.integers(0, 6), st.integers(1, 5))
 def test_windows_carry_depth_and_strings(raw: bytes, limit: int, window: int) -> None:
-    whole = json_body._SCAN_WINDOW
-    json_body._SCAN_WINDOW = window
+    whole = json_shape._SCAN_WINDOW
+    json_shape._SCAN_WINDOW = window
     try:
+        assert json_shape.json_shape(raw) == reference_shape(raw)
         assert nesting_exceeds(raw, limit) == (reference_depth(raw) > limit)
     finally:
-        json_body._SCAN_WINDOW = whole
+        json_shape._SCAN_WINDOW = whole
 
 
 @pytest.mark.parametrize("raw,deepest", [
@@ -115,6 +127,20 @@ def test_depth_at_the_limit_parses_and_over_it_is_refused() -> None:
     with pytest.raises(BodyError, match="deeper than") as caught:
         load_json(b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1))
     assert not isinstance(caught.value, MalformedJSON)
+
+
+def test_bodies_that_would_build_too_much_are_refused() -> None:
+    at_most = b"[" + b"[]," * (MAX_JSON_CONTAINERS - 2) + b"[]]"
+    assert len(load_json(at_most)) == MAX_JSON_CONTAINERS - 1
+    with pytest.raises(BodyError, match=f"{MAX_JSON_CONTAINERS + 1} arrays and objects") as caught:
+        load_json(b"[" + b"{}," * (MAX_JSON_CONTAINERS - 1) + b"{}]")
+    assert not isinstance(caught.value, MalformedJSON)
+    items = b"[" + b"1," * (MAX_JSON_ITEMS - 2) + b"1]"     # one array, MAX_JSON_ITEMS - 2 commas
+    assert len(load_json(items)) == MAX_JSON_ITEMS - 1
+    with pytest.raises(BodyError, match=f"at most {MAX_JSON_ITEMS}"):
+        load_json(b'{"a": [' + b"1," * MAX_JSON_ITEMS + b"1]}")
+    # Separators and brackets in strings are text.
+    assert load_json(b'{"p": "' + b",:[{" * MAX_JSON_ITEMS + b'"}')["p"][:4] == ",:[{"
 
 
 @pytest.mark.parametrize("raw,match", [
