@@ -37,6 +37,9 @@ MAX_JSON_DEPTH = 64
 # each other value, all of it holding the GIL; OpenAI bodies hold far fewer.
 MAX_JSON_CONTAINERS = 1 << 16
 MAX_JSON_ITEMS = 1 << 20
+# Most digits an integer may have (a seed needs 20): Python converts a long one in time quadratic
+# in its digits, up to its own limit of 4,300.
+MAX_INT_DIGITS = 100
 # Bodies of this many bytes or more are checked and parsed on a worker thread (json.loads and
 # pydantic take ~10 ms per MiB, a hostile body up to ~50).
 OFF_LOOP_BODY_BYTES = 1 << 16
@@ -51,6 +54,8 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]*$")
 # An escape that decodes to a surrogate code point (a lone one, or half of a pair).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+# A run of digits longer than any integer may be (in a string or not: the parser tells).
+_LONG_DIGITS = re.compile(rb"(?<![0-9])[0-9]{%d}" % (MAX_INT_DIGITS + 1))
 # The longest key a ``param`` path shows whole.
 _PARAM_KEY_CHARS = 64
 
@@ -151,6 +156,12 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
 def _finite_float(text: str) -> float:
     value = float(text)                 # linear: CPython rounds from the first digits it needs
     if math.isinf(value):
@@ -159,18 +170,20 @@ def _finite_float(text: str) -> float:
 
 
 def load_json(raw: bytes) -> Any:
-    """The parsed body; MalformedJSON when it is not UTF-8 JSON (or holds NaN, Infinity or a number
-    out of a float's range), BodyError when its shape is refused (``shape_refusal``) or a string
+    """The parsed body; MalformedJSON when it is not UTF-8 JSON (or holds NaN, Infinity, a number
+    out of a float's range or an integer over MAX_INT_DIGITS digits), BodyError when its shape is refused (``shape_refusal``) or a string
     holds a lone surrogate (its field is ``param``). Linear in ``len(raw)``."""
     refusal = shape_refusal(raw)
     if refusal is not None:
         raise BodyError(refusal)
     try:
         # Strict UTF-8 (json.loads of bytes would let encoded surrogates through).
-        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)
+        parse_int = _bounded_int if _LONG_DIGITS.search(raw) else None     # else: the C parser's own
+        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float,
+                          parse_int=parse_int)
     except RecursionError:
         raise BodyError(f"The request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels") from None
-    except ValueError as exc:           # JSONDecodeError, UnicodeDecodeError, NaN, integers over 4,300 digits
+    except ValueError as exc:           # JSONDecodeError, UnicodeDecodeError, NaN, long integers
         raise MalformedJSON(f"Malformed JSON in request body: {exc}") from None
     if _SURROGATE_ESCAPE.search(raw):
         param = lone_surrogate_param(data)

@@ -15,6 +15,7 @@ from support.hostile_bodies import hostile_bodies
 
 from kvhive.core import json_shape
 from kvhive.core.json_body import (
+    MAX_INT_DIGITS,
     MAX_JSON_CONTAINERS,
     MAX_JSON_DEPTH,
     MAX_JSON_ITEMS,
@@ -145,7 +146,8 @@ def test_bodies_that_would_build_too_much_are_refused() -> None:
 
 @pytest.mark.parametrize("raw,match", [
     (b'{"t": 1e999}', "out of range"), (b'{"t": -1.5e400}', "out of range"),
-    (b'{"t": NaN}', "NaN"), (b'{"n": ' + b"9" * 5000 + b"}", "4300"),
+    (b'{"t": NaN}', "NaN"), (b'{"n": ' + b"9" * 5000 + b"}", "5000 digits"),
+    (b'{"n": [1, -' + b"9" * (MAX_INT_DIGITS + 1) + b"]}", f"at most {MAX_INT_DIGITS}"),
     (b'{"p": "\xff"}', "utf-8"), (b'{"p": "\xed\xa0\x80"}', "utf-8"), (b'{"p": "a\x00"}', "control"),
     (b"\xef\xbb\xbf{}", "BOM"), (b'{"p": "abc', "Unterminated"),
 ])
@@ -155,7 +157,9 @@ def test_values_python_takes_but_json_does_not(raw: bytes, match: str) -> None:
 
 
 def test_numbers_in_range_parse() -> None:
-    assert load_json(b'{"t": 1e308, "u": 1e-999, "n": ' + b"9" * 4300 + b"}")["t"] == 1e308
+    data = load_json(b'{"t": 1e308, "u": 1e-999, "n": -' + b"9" * MAX_INT_DIGITS + b', "s": "' + b"9" * 5000 + b'"}')
+    assert data["t"] == 1e308 and data["n"] == -(10 ** MAX_INT_DIGITS - 1) and len(data["s"]) == 5000
+    assert load_json(b"[" + b"12345," * 1000 + b"1]")[999] == 12345
 
 
 def test_the_lone_surrogate_path_is_written_once_and_shown_safely() -> None:
