@@ -54,8 +54,10 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]*$")
 # An escape that decodes to a surrogate code point (a lone one, or half of a pair).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
-# A run of digits longer than any integer may be (in a string or not: the parser tells).
-_LONG_DIGITS = re.compile(rb"(?<![0-9])[0-9]{%d}" % (MAX_INT_DIGITS + 1))
+# A run of digits longer than any integer may be (in a string or not: the parser tells), found
+# as a run of nines once every digit reads as one (a search with no backtracking).
+_DIGITS_AS_NINES = bytes.maketrans(b"0123456789", b"9" * 10)
+_LONG_DIGITS = b"9" * (MAX_INT_DIGITS + 1)
 # The longest key a ``param`` path shows whole.
 _PARAM_KEY_CHARS = 64
 
@@ -178,7 +180,8 @@ def load_json(raw: bytes) -> Any:
         raise BodyError(refusal)
     try:
         # Strict UTF-8 (json.loads of bytes would let encoded surrogates through).
-        parse_int = _bounded_int if _LONG_DIGITS.search(raw) else None     # else: the C parser's own
+        long_digits = _LONG_DIGITS in raw.translate(_DIGITS_AS_NINES)
+        parse_int = _bounded_int if long_digits else None       # else: the C parser's own
         data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float,
                           parse_int=parse_int)
     except RecursionError:
