@@ -21,11 +21,13 @@ from support.cluster import Cluster, TinyReplica, running_replicas, start_gatewa
 from support.hostile_bodies import hostile_bodies
 from support.servers import SERVED_MODEL_NAME, TINY_MAX_MODEL_LEN
 
+from kvhive.router.config import GatewayConfig
 from kvhive.server.body_limit import default_max_request_bytes
 
 REPLICA_BODY_BYTES = default_max_request_bytes(TINY_MAX_MODEL_LEN)
 GATEWAY_BODY_BYTES = 3 << 20
 REPLICA_LIMIT = GATEWAY_BODY_BYTES + 4096
+GATEWAY_LIMIT = GatewayConfig.max_request_bytes          # its default
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/context", "/tokenize")
 # A probe that waits this long means the process stopped serving (an error, not a measurement).
 PROBE_TIMEOUT_S = 120
@@ -82,7 +84,7 @@ def send_all(base_url: str, bodies: dict[str, bytes]) -> dict[str, int]:
                 what = f"{route} {name} ({len(body)} bytes)"
                 hostile = InFlight(base_url, route, body)
                 # The hostile response is read only after the probe's: the probe answered while the
-                # hostile request was in flight.
+                # hostile request was in flight (a process stuck on the body would not answer).
                 probe = prober.get("/health")
                 assert probe.status_code == 200, f"/health during {what}: {probe.status_code}"
                 status, answer = hostile.answer()
@@ -111,7 +113,11 @@ def test_the_replica_refuses_hostile_bodies_and_keeps_serving(cluster: Cluster) 
 
 def test_the_gateway_refuses_hostile_bodies_and_keeps_serving(cluster: Cluster) -> None:
     statuses = send_all(cluster.gateway_url, hostile_bodies(GATEWAY_BODY_BYTES))
-    # Refused by the gateway (too deep, a lone surrogate) or by the replica (the rest): 400 each.
+    # Refused by the gateway (its shape, a lone surrogate) or by the replica (the rest): 400 each.
     assert set(statuses.values()) == {400}
+    too_big = InFlight(cluster.gateway_url, "/v1/chat/completions", b'{"messages": "', declared=GATEWAY_LIMIT + 1)
+    status, answer = too_big.answer()
+    assert status == 413
+    assert_refused(status, answer, "over the gateway's limit")
     assert_still_serves(cluster.gateway_url)
     assert set(cluster.replica_states().values()) == {"up"}
