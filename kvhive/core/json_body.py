@@ -1,35 +1,65 @@
 """Reading a request's JSON body without trusting it (torch-free; the server and the gateway share it).
 
 A body is UTF-8 JSON nested at most MAX_JSON_DEPTH levels (checked before parsing: Python's parser
-and pydantic recurse per level), without NaN or Infinity (not JSON), whose strings are valid
-Unicode: no lone surrogate (``"\\ud800"``), which the tokenizer and the UTF-8 response headers
-cannot carry.
+and pydantic recurse per level), without NaN or Infinity (not JSON, nor a number too large for a
+float), whose strings are valid Unicode: no lone surrogate (``"\\ud800"``), which the tokenizer and
+the UTF-8 response headers cannot carry.
+
+Every check here takes time linear in the body's size, whatever its bytes (a string that never
+closes, runs of escapes, megabytes of brackets or digits): passes of C loops (bytes methods,
+``kvhive.core.json_shape``'s numpy scan, the json module), no regular expression that can
+backtrack. The scan also bounds what the parser builds: at most MAX_JSON_CONTAINERS arrays and
+objects and MAX_JSON_ITEMS items. The work of a body of OFF_LOOP_BODY_BYTES or more belongs on a
+worker thread, not on an event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
+
+from kvhive.core import json_shape
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
+T = TypeVar("T")
 
 # Deepest nesting of arrays and objects a body may have (OpenAI bodies need under 10; a tool's
 # JSON schema a few more).
 MAX_JSON_DEPTH = 64
+# Most arrays and objects, and most items (arrays, objects, and the values and keys their commas
+# and colons separate), a body may hold: a parser spends ~1 us on each array or object, ~0.3 us on
+# each other value, all of it holding the GIL; OpenAI bodies hold far fewer.
+MAX_JSON_CONTAINERS = 1 << 16
+MAX_JSON_ITEMS = 1 << 20
+# Most digits an integer may have (a seed needs 20): Python converts a long one in time quadratic
+# in its digits, up to its own limit of 4,300.
+MAX_INT_DIGITS = 100
+# Bodies of this many bytes or more are checked and parsed on a worker thread (json.loads and
+# pydantic take ~10 ms per MiB, a hostile body up to ~50).
+OFF_LOOP_BODY_BYTES = 1 << 16
 
-# A JSON string (escapes included) or one bracket: strings are skipped when counting depth.
-_STRING_OR_BRACKET = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
-_OPENING = frozenset(b"[{")
+# A list field of a request model that stops at its first bad item: a million bad items are one
+# error, not a million error records (and not one per member of a union of lists).
+ListOf = Annotated[list[T], Field(fail_fast=True)]
+
 # Location parts pydantic adds for union members and model classes ("str", "list[int]", "ContentPart");
 # they are not field names and stay out of ``param``.
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]*$")
 # An escape that decodes to a surrogate code point (a lone one, or half of a pair).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+# A run of digits longer than any integer may be (in a string or not: the parser tells), found
+# as a run of nines once every digit reads as one (a search with no backtracking).
+_DIGITS_AS_NINES = bytes.maketrans(b"0123456789", b"9" * 10)
+_LONG_DIGITS = b"9" * (MAX_INT_DIGITS + 1)
+# The longest key a ``param`` path shows whole.
+_PARAM_KEY_CHARS = 64
 
 
 class BodyError(ValueError):
@@ -46,42 +76,74 @@ class MalformedJSON(BodyError):
 
 
 def nesting_exceeds(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
-    """True when the JSON text ``raw`` nests arrays and objects deeper than ``limit``."""
-    if raw.count(b"[") + raw.count(b"{") <= limit:
-        return False                    # the common case: too few brackets to nest that deep
-    depth = 0
-    for match in _STRING_OR_BRACKET.finditer(raw):
-        first = match.group()[0]
-        if first == ord('"'):
-            continue
-        if first in _OPENING:
-            depth += 1
-            if depth > limit:
-                return True
-        else:
-            depth -= 1
-    return False
+    """True when the JSON text ``raw`` nests arrays and objects deeper than ``limit`` (brackets in
+    strings are text); linear in ``len(raw)``."""
+    return json_shape.nesting_exceeds(raw, limit)
+
+
+def shape_refusal(raw: bytes) -> str | None:
+    """Why the JSON text ``raw`` is refused before it is parsed (nested deeper than MAX_JSON_DEPTH,
+    more than MAX_JSON_CONTAINERS arrays and objects or MAX_JSON_ITEMS items); None when it is not.
+    Linear in ``len(raw)``, and two ``bytes.count`` calls for the common body."""
+    opened = raw.count(b"[") + raw.count(b"{")
+    if opened <= MAX_JSON_DEPTH and len(raw) + opened <= MAX_JSON_ITEMS:
+        return None                     # too few brackets to nest that deep, too short for the rest
+    shape = json_shape.json_shape(raw)
+    if shape.depth > MAX_JSON_DEPTH:
+        return f"The request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels"
+    if shape.containers > MAX_JSON_CONTAINERS:
+        return f"The request body holds {shape.containers} arrays and objects; at most {MAX_JSON_CONTAINERS}"
+    if shape.containers + shape.separators > MAX_JSON_ITEMS:
+        return (f"The request body holds {shape.containers + shape.separators} values and keys; "
+                f"at most {MAX_JSON_ITEMS}")
+    return None
 
 
 def lone_surrogate_param(data: Any, path: str = "") -> str | None:
     """The path (``messages[0].content``) of the first string, or key, in parsed JSON ``data``
-    that holds a lone surrogate; "" for the top level; None when every string is valid Unicode."""
+    that holds a lone surrogate, after ``path``; "" for the top level; None when every string is
+    valid Unicode. Linear in the size of ``data`` (the path is written once, for the string found);
+    a key over 64 characters shows its start, a lone surrogate as its escape."""
+    found = _lone_surrogate_at(data)
+    if found is None:
+        return None
+    for part in reversed(found):
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            key = _shown_key(part)
+            path = f"{path}.{key}" if path else key
+    return path
+
+
+def _lone_surrogate_at(data: Any) -> list[str | int] | None:
+    """Where the first string or key holding a lone surrogate is: keys and indexes, innermost
+    first; None when there is none."""
     if isinstance(data, str):
-        return path if _has_lone_surrogate(data) else None
+        return [] if _has_lone_surrogate(data) else None
     if isinstance(data, list):
         for i, item in enumerate(data):
-            found = lone_surrogate_param(item, f"{path}[{i}]")
+            found = _lone_surrogate_at(item)
             if found is not None:
+                found.append(i)
                 return found
     elif isinstance(data, dict):
         for key, value in data.items():
-            inner = f"{path}.{key}" if path else key
             if _has_lone_surrogate(key):
-                return inner
-            found = lone_surrogate_param(value, inner)
+                return [key]
+            found = _lone_surrogate_at(value)
             if found is not None:
+                found.append(key)
                 return found
     return None
+
+
+def _shown_key(key: str) -> str:
+    """A key as a ``param`` shows it: its lone surrogates escaped (an answer is UTF-8), a long key
+    cut short."""
+    if len(key) > _PARAM_KEY_CHARS:
+        key = key[:_PARAM_KEY_CHARS - 3] + "..."
+    return key.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _has_lone_surrogate(text: str) -> bool:
@@ -96,17 +158,35 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)                 # linear: CPython rounds from the first digits it needs
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:32]}{'...' if len(text) > 32 else ''} is out of range")
+    return value
+
+
 def load_json(raw: bytes) -> Any:
-    """The parsed body; MalformedJSON when it is not UTF-8 JSON (or holds NaN or Infinity), BodyError
-    when it nests deeper than MAX_JSON_DEPTH or a string holds a lone surrogate (its field is ``param``)."""
-    if nesting_exceeds(raw):
-        raise BodyError(f"The request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels")
+    """The parsed body; MalformedJSON when it is not UTF-8 JSON (or holds NaN, Infinity, a number
+    out of a float's range or an integer over MAX_INT_DIGITS digits), BodyError when its shape is refused (``shape_refusal``) or a string
+    holds a lone surrogate (its field is ``param``). Linear in ``len(raw)``."""
+    refusal = shape_refusal(raw)
+    if refusal is not None:
+        raise BodyError(refusal)
     try:
         # Strict UTF-8 (json.loads of bytes would let encoded surrogates through).
-        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        long_digits = _LONG_DIGITS in raw.translate(_DIGITS_AS_NINES)
+        parse_int = _bounded_int if long_digits else None       # else: the C parser's own
+        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float,
+                          parse_int=parse_int)
     except RecursionError:
         raise BodyError(f"The request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels") from None
-    except ValueError as exc:           # JSONDecodeError, UnicodeDecodeError, NaN, over-long integers
+    except ValueError as exc:           # JSONDecodeError, UnicodeDecodeError, NaN, long integers
         raise MalformedJSON(f"Malformed JSON in request body: {exc}") from None
     if _SURROGATE_ESCAPE.search(raw):
         param = lone_surrogate_param(data)
@@ -163,3 +243,11 @@ def parse_chosen_body(raw: bytes, choose: Callable[[dict[str, Any]], type[BodyT]
         return choose(data).model_validate(data)
     except ValidationError as exc:
         raise validation_body_error(exc.errors()) from None
+
+
+async def off_loop_for(raw: bytes, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, work on the body ``raw``: on a worker thread when ``raw`` has
+    OFF_LOOP_BODY_BYTES or more, so the event loop serves other requests meanwhile."""
+    if len(raw) < OFF_LOOP_BODY_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from kvhive.core.json_body import BodyError
+from kvhive.core.json_body import BodyError, ListOf
 from kvhive.core.tokenizer import Tokenizer
 
 # Most variables ``chat_template_kwargs`` may hand the chat template.
@@ -47,7 +47,7 @@ class TokenizeMessage(_Strict):
     """One chat message, as ``/v1/chat/completions`` takes it."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TokenizeContentPart] | None = None
+    content: str | ListOf[TokenizeContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
 
@@ -65,14 +65,14 @@ class TokenizeChatRequest(_Strict):
     """``POST /tokenize`` with chat messages, rendered by the model's chat template."""
 
     model: str | None = None
-    messages: list[TokenizeMessage]
+    messages: ListOf[TokenizeMessage]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None     # more variables for the template
     chat_template: str | None = None                       # refused: the model's own template only
-    tools: list[dict[str, Any]] | None = None              # refused
+    tools: ListOf[dict[str, Any]] | None = None            # refused
     mm_processor_kwargs: dict[str, Any] | None = None      # refused: text only
     media_io_kwargs: dict[str, Any] | None = None          # refused: text only
 
@@ -81,7 +81,7 @@ class DetokenizeRequest(_Strict):
     """``POST /detokenize``: token ids back to text."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: ListOf[int]
 
 
 class TokenizeResponse(BaseModel):

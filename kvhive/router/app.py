@@ -7,13 +7,13 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvhive.core.json_body import BodyError, MalformedJSON, load_json
+from kvhive.core.json_body import BodyError, MalformedJSON, load_json, off_loop_for
 from kvhive.core.tenancy import key_owner
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.router.config import GatewayConfig
@@ -22,7 +22,7 @@ from kvhive.router.pd import route_disaggregated, wants_prefill
 from kvhive.router.proxy import as_openai_error, openai_error
 from kvhive.router.replicas import Replica
 from kvhive.router.sessions import SESSION_HEADER
-from kvhive.router.tokenize import prompt_from_body
+from kvhive.router.tokenize import Prompt, prompt_from_body
 from kvhive.router.tokenize_api import TokenizeAPI
 from kvhive.router.wiring import GatewayParts, build_gateway
 
@@ -129,13 +129,12 @@ class GatewayRoutes:
         body = await read_body(request, limit)
         if body is None:
             return too_large(limit)
+        owner = key_owner(request.headers.get("authorization", ""))
         try:
-            data = _json_object(body)
+            data, prompt = await off_loop_for(body, _routing_view, body,
+                                              owner if self.config.salt_with_api_key else None)
         except BodyError as exc:
             return openai_error(400, exc.message, param=exc.param)
-        owner = key_owner(request.headers.get("authorization", ""))
-        prompt = prompt_from_body(data, owner if self.config.salt_with_api_key else None) \
-            if data is not None else None
         session_id = _session_named(request, data)
         if self.config.disaggregated and wants_prefill(request.url.path, data, session_id):
             return await route_disaggregated(self.gateway, request, data, prompt, owner,
@@ -258,6 +257,20 @@ def too_large(limit: int) -> Response:
     return openai_error(413, f"The request body exceeds the gateway's limit of {limit} bytes "
                              f"(--max-request-bytes)", code="request_too_large",
                         headers={"connection": "close"})
+
+
+class RoutingView(NamedTuple):
+    """What routing reads from a body: the JSON object (None when it is none) and its prompt."""
+
+    data: dict[str, Any] | None
+    prompt: Prompt | None
+
+
+def _routing_view(body: bytes, salt_owner: str | None) -> RoutingView:
+    """The body as a JSON object (``_json_object``) and the prompt it asks for (salted by
+    ``salt_owner``); linear in the body's size, and run off the event loop for a large body."""
+    data = _json_object(body)
+    return RoutingView(data, prompt_from_body(data, salt_owner) if data is not None else None)
 
 
 def _json_object(body: bytes) -> dict[str, Any] | None:

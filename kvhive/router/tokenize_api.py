@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 
-from kvhive.core.json_body import BodyError, parse_chosen_body
+from kvhive.core.json_body import BodyError, off_loop_for, parse_chosen_body
 from kvhive.core.tokenize_bodies import (
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -69,22 +69,20 @@ class TokenizeAPI:
 
     async def tokenize(self, raw: bytes, cards: Sequence[dict[str, Any]]) -> Response:
         """The ids of a prompt or of chat messages, as the replicas compute them."""
-        body: TokenizeRequest = parse_chosen_body(raw, tokenize_model_for)
+        body: TokenizeRequest = await off_loop_for(raw, parse_chosen_body, raw, tokenize_model_for)
         card = model_card(cards, body.model)
         check_tokenize_request(body)
         if isinstance(body, TokenizeChatRequest):
-            ids = await self.chat_ids(body)
+            messages = await off_loop_for(raw, template_input, body)
+            ids = await self.chat_ids(body, messages)
         else:
             ids = await self.off_loop_if(len(body.prompt), prompt_token_ids, self.tokenizer, body)
         answer = await self.off_loop_if(len(ids) if body.return_token_strs else 0, tokenize_response,
                                         self.tokenizer, ids, card["max_model_len"], body)
         return JSONResponse(answer.model_dump(mode="json"))
 
-    async def chat_ids(self, body: TokenizeChatRequest) -> list[int]:
-        """The ids of the body's messages through the chat template."""
-        check_text_parts(body.messages)
-        messages = chat_messages([m.model_dump() for m in body.messages])
-        assert messages is not None                 # valid messages of text parts: always read
+    async def chat_ids(self, body: TokenizeChatRequest, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The ids of the body's ``messages`` (``template_input``) through the chat template."""
         size = sum(len(m["content"]) for m in messages)
         try:
             return await self.off_loop_if(size, chat_token_ids, self.tokenizer, list(messages), body)
@@ -95,15 +93,23 @@ class TokenizeAPI:
 
     async def detokenize(self, raw: bytes, cards: Sequence[dict[str, Any]]) -> Response:
         """The text of token ids (special tokens written out)."""
-        body = parse_chosen_body(raw, lambda _data: DetokenizeRequest)
+        body = await off_loop_for(raw, parse_chosen_body, raw, lambda _data: DetokenizeRequest)
         card = model_card(cards, body.model)
-        check_detokenize_request(body, self.tokenizer.vocab_size, card["max_model_len"])
+        await off_loop_for(raw, check_detokenize_request, body, self.tokenizer.vocab_size, card["max_model_len"])
         answer = await self.off_loop_if(len(body.tokens), detokenize_response, self.tokenizer, body)
         return JSONResponse(answer.model_dump(mode="json"))
 
     async def off_loop_if(self, size: int, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``, on the tokenizer pool when ``size`` reaches OFF_LOOP_SIZE."""
         return await self.run(fn, *args) if size >= OFF_LOOP_SIZE else fn(*args)
+
+
+def template_input(body: TokenizeChatRequest) -> tuple[dict[str, str], ...]:
+    """The body's messages as the chat template takes them; BodyError for a part that is not text."""
+    check_text_parts(body.messages)
+    messages = chat_messages([m.model_dump() for m in body.messages])
+    assert messages is not None                 # valid messages of text parts: always read
+    return messages
 
 
 def check_text_parts(messages: Sequence[TokenizeMessage]) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from kvhive.core.json_body import BodyError, load_json
+from kvhive.core.json_body import BodyError, load_json, off_loop_for
 from kvhive.server.chat import create_chat_completion
 from kvhive.server.completions import create_completion
 from kvhive.server.errors import bad_request, body_error
@@ -127,7 +127,8 @@ def install_session_routes(app: FastAPI, service: GenerationService) -> None:
     async def patch_context(session_id: str, raw_request: Request) -> dict[str, Any]:
         """Set a new TTL (body ``{"ttl": N}`` or header x-session-ttl); expiry becomes now + TTL."""
         session = await lookup(raw_request, session_id)
-        value, param = patched_ttl(await raw_request.body(), raw_request.headers.get("x-session-ttl"))
+        raw = await raw_request.body()
+        value, param = await off_loop_for(raw, patched_ttl, raw, raw_request.headers.get("x-session-ttl"))
         sessions.set_ttl(session, sessions.parse_ttl(value, param))
         return session_info(session)
 

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from kvhive.core.json_body import ListOf
 from kvhive.request import MIN_SEED, SEED_END
 from kvhive.sessions.registry import MAX_SESSION_ID_CHARS, SESSION_ID_PATTERN
 
@@ -33,8 +34,8 @@ class SamplingRequest(_Strict):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)      # vLLM extension; 0 or -1: disabled
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None             # vLLM extension
+    stop: str | ListOf[str] | None = None
+    stop_token_ids: ListOf[int] | None = None             # vLLM extension
     seed: int | None = Field(default=None, ge=MIN_SEED, lt=SEED_END)    # any signed or unsigned 64-bit
     ignore_eos: bool = False                            # vLLM extension
     n: int = 1
@@ -62,7 +63,7 @@ class SamplingRequest(_Strict):
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | ListOf[int] | ListOf[str] | ListOf[ListOf[int]]
     # vLLM extension: a text prompt gets the BOS/EOS the model's tokenizer asks for (token ids are
     # used as given).
     add_special_tokens: bool = True
@@ -88,7 +89,7 @@ class ChatMessage(_Strict):
     """One chat message; ``content`` is a string or a list of text parts."""
 
     role: Role
-    content: str | list[ContentPart] | None = None
+    content: str | ListOf[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
 
@@ -96,11 +97,11 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage]
+    messages: ListOf[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: ListOf[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     conversation_id: str | None = Field(default=None, max_length=MAX_SESSION_ID_CHARS,
                                        pattern=SESSION_ID_PATTERN)   # a session

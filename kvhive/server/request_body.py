@@ -1,10 +1,10 @@
-"""A route's JSON body, parsed once: a JSON object (``load_json``: depth, UTF-8, no lone surrogate),
-then a pydantic model, with OpenAI-shaped 400s. A large body is parsed and validated off the event
-loop. The body's size is ``BodyLimitMiddleware``'s (413 while it is read)."""
+"""A route's JSON body, parsed once: a JSON object (``load_json``: depth, UTF-8, no lone surrogate;
+linear in the body's size), then a pydantic model, with OpenAI-shaped 400s. A body of
+OFF_LOOP_BODY_BYTES or more is parsed and validated off the event loop. The body's size is
+``BodyLimitMiddleware``'s (413 while it is read)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -12,13 +12,11 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from kvhive.core import json_body
-from kvhive.core.json_body import BodyError
+from kvhive.core.json_body import OFF_LOOP_BODY_BYTES, BodyError, off_loop_for
 from kvhive.server.errors import body_error
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
-# Bodies of this many bytes or more are parsed and validated on a worker thread (json.loads and
-# pydantic hold the event loop ~10 ms per MiB).
-OFF_LOOP_BODY_BYTES = 1 << 16
+__all__ = ["OFF_LOOP_BODY_BYTES", "parse_body", "parse_body_as", "parse_chosen_body"]
 
 
 def parse_chosen_body(raw: bytes, choose: Callable[[dict[str, Any]], type[BodyT]]) -> BodyT:
@@ -32,12 +30,10 @@ def parse_chosen_body(raw: bytes, choose: Callable[[dict[str, Any]], type[BodyT]
 
 async def parse_body_as(request: Request, choose: Callable[[dict[str, Any]], type[BodyT]]) -> BodyT:
     """The JSON body, whatever the Content-Type, as the model ``choose`` picks from the parsed
-    object; 400 for bad JSON or bad fields; 413 for a body over the limit. A large body is parsed
-    off the event loop."""
+    object; 400 for bad JSON or bad fields; 413 for a body over the limit. A body of
+    OFF_LOOP_BODY_BYTES or more is parsed off the event loop."""
     raw = await request.body()
-    if len(raw) < OFF_LOOP_BODY_BYTES:
-        return parse_chosen_body(raw, choose)
-    return await asyncio.to_thread(parse_chosen_body, raw, choose)
+    return await off_loop_for(raw, parse_chosen_body, raw, choose)
 
 
 async def parse_body(request: Request, model: type[BodyT]) -> BodyT:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvhive.core.json_body import ListOf
 from kvhive.request import MAX_LOGPROBS
 from kvhive.server.errors import bad_request
 from kvhive.server.protocol import ChatMessage, ChatTokenLogprob, ContentPart
@@ -43,7 +44,7 @@ class InputItem(BaseModel):
 
     type: str | None = None
     role: str | None = None
-    content: str | list[InputPart] | None = None
+    content: str | ListOf[InputPart] | None = None
 
 
 class ResponsesRequest(BaseModel):
@@ -52,7 +53,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str
-    input: str | list[InputItem]
+    input: str | ListOf[InputItem]
     instructions: str | None = None
     previous_response_id: str | None = None
     store: bool = True

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from jinja2 import TemplateError
 
-from kvhive.core.json_body import BodyError
+from kvhive.core.json_body import BodyError, ListOf
 from kvhive.core.tokenize_bodies import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -41,7 +41,7 @@ T = TypeVar("T")
 class ChatTokenizeRequest(TokenizeChatRequest):
     """A chat ``/tokenize`` body whose messages are the chat completions' own model."""
 
-    messages: list[ChatMessage]     # type: ignore[assignment]
+    messages: ListOf[ChatMessage]   # type: ignore[assignment]
 
 
 def _tokenize_model(data: dict[str, Any]) -> type[TokenizeCompletionRequest] | type[ChatTokenizeRequest]:

@@ -124,7 +124,7 @@ class TinyReplica(_ReplicaBase):
     """The tiny-model test server on a fixed port."""
 
     api_keys: tuple[str, ...] = ()
-    extra_args: tuple[str, ...] = ()        # more flags of the test server (``--faulty``, ``--http-*``)
+    extra_args: tuple[str, ...] = ()        # more flags of the test server (``--faulty``, ``--http-*``, ``--max-request-bytes``)
 
     @property
     def spec(self) -> str:

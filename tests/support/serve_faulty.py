@@ -220,6 +220,7 @@ def main() -> None:
     parser.add_argument("--share-prefix-cache", action="store_true")
     parser.add_argument("--served-model-name", default=SERVED_MODEL_NAME)
     parser.add_argument("--fault-mode", choices=FAULT_MODES, default=None)
+    parser.add_argument("--max-request-bytes", type=int, default=None)
     from kvhive.core.http_limits import add_http_limit_args, http_limits_from_args
 
     add_http_limit_args(parser)              # kvhive serve's --http-* flags
@@ -233,7 +234,8 @@ def main() -> None:
         with_fault_modes(args.fault_mode)
     served = run_server(build_engine(args), host="127.0.0.1", port=args.port,
                         served_model_name=args.served_model_name, api_keys=tuple(args.api_key),
-                        log_level="warning", http_limits=http_limits_from_args(args))
+                        log_level="warning", max_request_bytes=args.max_request_bytes,
+                        http_limits=http_limits_from_args(args))
     sys.exit(0 if served else 1)           # as ``kvhive serve``: 1 when the engine loop died
 
 

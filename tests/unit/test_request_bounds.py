@@ -126,7 +126,7 @@ def test_json_values_and_unicode() -> None:
             load_json(raw)
     assert load_json(json.dumps({"p": "😀 é"}).encode())["p"] == "😀 é"           # a valid pair passes
     cases = [({"prompt": LONE}, "prompt"), ({"messages": [{"role": "user", "content": [{"text": LONE}]}]},
-             "messages[0].content[0].text"), ({"metadata": {LONE: "v"}}, f"metadata.{LONE}"), ([LONE], "[0]"), (LONE, None)]
+             "messages[0].content[0].text"), ({"metadata": {LONE: "v"}}, "metadata.a\\ud800b"), ([LONE], "[0]"), (LONE, None)]
     for data, param in cases:
         with pytest.raises(BodyError, match="lone surrogate") as caught:
             load_json(json.dumps(data).encode())

@@ -23,6 +23,7 @@ from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
+from kvhive.core.json_body import off_loop_for
 from kvhive.integrations.ray.asgi_bridge import ResponseHead
 from kvhive.integrations.ray.envelope import REPLICA_HEADER, HTTPEnvelope
 from kvhive.router.proxy import openai_error
@@ -69,7 +70,7 @@ class KVHiveIngress:
                                code="request_too_large")(scope, receive, send)
             return
         envelope = _envelope(scope, body)
-        named = envelope.session_named(envelope.json_body())
+        named = envelope.session_named(await off_loop_for(envelope.body, envelope.json_body))
         if named:
             envelope = dataclasses.replace(envelope, holder=await self.affinity.aget(envelope.owner, named))
         await self.answer(envelope, named, scope, receive, send)

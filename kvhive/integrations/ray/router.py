@@ -16,6 +16,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from kvhive.core.json_body import off_loop_for
 from kvhive.integrations.ray.envelope import HTTPEnvelope
 from kvhive.integrations.ray.routing import ReplicaFacts, ReplicaRouting
 from kvhive.router.scorer import LoadStats, RoutingWeights, TierWeights
@@ -66,8 +67,9 @@ class KVAwareRequestRouter(RequestRouter):
         envelope = _envelope(pending_request)
         prompt, holder = None, None
         if envelope is not None:
-            data = envelope.json_body()
-            prompt, holder = envelope.routing_prompt(data, self.salt_with_api_key), envelope.holder
+            prompt = await off_loop_for(envelope.body, lambda: envelope.routing_prompt(envelope.json_body(),
+                                                                                        self.salt_with_api_key))
+            holder = envelope.holder
         ranking = await self.routing.rank(list(by_id), prompt, holder, self.loads(candidate_replicas))
         self.reasons[ranking.reason] = self.reasons.get(ranking.reason, 0) + 1
         logger.debug("routed %s: %s", ranking.reason, ranking.replicas)
