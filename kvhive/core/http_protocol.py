@@ -15,6 +15,9 @@ An idle kept-alive connection is closed ``keep_alive_timeout_s`` after its last 
 (uvicorn's own timer). Each refusal is a plain-text response with ``Connection: close``, then a
 lingering close: the server shuts its sending side, discards what the client still sends, and
 closes when the client does or after LINGER_S, so the client reads the status instead of a reset.
+A response the application sent before reading the whole request body (a 413 for a declared
+length over the limit) is closed the same lingering way: a proxy still sending that body, the
+gateway among them, then reads the answer and passes it on instead of a connection reset.
 """
 
 from __future__ import annotations
@@ -90,6 +93,8 @@ class LimitedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         """Count the connection; refuse it (503) over the cap, else start timing its first head."""
         super().connection_made(transport)
+        self.raw_transport = transport
+        self.transport = LingeringTransport(transport, self)  # type: ignore[assignment]
         open_connections = len(self.connections)
         if open_connections > self.limits.max_connections:
             if open_connections == self.limits.max_connections + 1:     # once each time the cap is reached
@@ -124,9 +129,21 @@ class LimitedH11Protocol(H11Protocol):
     def shutdown(self) -> None:
         """Close a refused connection at once; others as uvicorn does (after their response)."""
         if self.refused:
-            self.transport.close()
+            self.raw_transport.close()
             return
         super().shutdown()
+
+    def close_transport(self) -> None:
+        """Close the connection; while the client is still sending a request body, lingering."""
+        transport = self.raw_transport
+        if self.linger_timer is not None or transport.is_closing():
+            return                              # lingering already, or closed
+        if self.conn.their_state is h11.SEND_BODY and transport.can_write_eof():
+            self.refused = True                 # what the client still sends is dropped
+            transport.write_eof()
+            self.linger_timer = self.loop.call_later(LINGER_S, transport.close)
+            return
+        transport.close()
 
     def refuse(self, status: int, message: str) -> None:
         """Answer ``status`` with ``message`` and ``Connection: close``, then close lingering."""
@@ -137,12 +154,12 @@ class LimitedH11Protocol(H11Protocol):
         head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
                 f"content-type: text/plain; charset=utf-8\r\ncontent-length: {len(body)}\r\n"
                 "connection: close\r\n\r\n").encode()
-        self.transport.write(head + body)
-        if not self.transport.can_write_eof():
-            self.transport.close()
+        self.raw_transport.write(head + body)
+        if not self.raw_transport.can_write_eof():
+            self.raw_transport.close()
             return
-        self.transport.write_eof()             # the client reads the answer, then its EOF
-        self.linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
+        self.raw_transport.write_eof()         # the client reads the answer, then its EOF
+        self.linger_timer = self.loop.call_later(LINGER_S, self.raw_transport.close)
 
     def _start_head_timer(self) -> None:
         self.head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
@@ -156,6 +173,22 @@ class LimitedH11Protocol(H11Protocol):
         self.head_timer = None
         if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
             self.refuse(408, f"The request head did not arrive within {self.limits.header_timeout_s:g} s.")
+
+
+class LingeringTransport:
+    """A connection's transport whose ``close`` lingers while the client is still sending a body
+    (``LimitedH11Protocol.close_transport``); every other call goes to the transport as it is."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: LimitedH11Protocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def close(self) -> None:
+        """Close, lingering where the client has not sent its whole request."""
+        self._protocol.close_transport()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def uvicorn_options(limits: HttpLimits) -> dict[str, Any]:

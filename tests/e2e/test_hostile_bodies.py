@@ -121,3 +121,19 @@ def test_the_gateway_refuses_hostile_bodies_and_keeps_serving(cluster: Cluster) 
     assert_refused(status, answer, "over the gateway's limit")
     assert_still_serves(cluster.gateway_url)
     assert set(cluster.replica_states().values()) == {"up"}
+
+
+def test_a_body_over_the_replica_limit_gets_its_413_through_the_gateway(cluster: Cluster) -> None:
+    """The replica answers 413 before reading such a body and closes lingering, so a client (or the
+    gateway) still sending it reads the 413 rather than a reset, and the gateway passes it on
+    without counting it against the replica."""
+    prompt = "hello " * ((16 << 20) // 6)
+    body = json.dumps({"model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": 1}).encode()
+    assert REPLICA_LIMIT < len(body) < GATEWAY_LIMIT
+    for base_url in (cluster.replicas[0].url, cluster.gateway_url):
+        status, answer = InFlight(base_url, "/v1/completions", body).answer()
+        assert status == 413, (base_url, answer[:300])
+        assert_refused(status, answer, f"over the replica's limit via {base_url}")
+    details = httpx.get(f"{cluster.gateway_url}/health", timeout=30).json()["details"]
+    assert [(d["routing"], d["consecutive_failures"]) for d in details.values()] == [("ok", 0)]
+    assert_still_serves(cluster.gateway_url)
