@@ -196,6 +196,9 @@ def targets(figures: dict) -> dict[str, bool]:
     return {"no lost session": figures["sessions"]["lost"] == 0,
             "no wrong greedy answer": figures["probes"]["wrong"] == 0 and figures["probes"]["answered"] > 0,
             "no 5xx from bad input": figures["hostile"]["5xx"] == 0,
+            "every hostile request refused (4xx or a closed connection)": figures["hostile"]["unexpected"] == 0,
+            "no well-behaved request failed (but for full-disk refusals and the restart)":
+                figures["well_behaved"]["num_errors"] == 0,
             f"hostile-phase p99 <= {P99_RATIO_GOAL}x quiet": ratio is not None and ratio <= P99_RATIO_GOAL,
             "gauges back to baseline": all(g["back"] for g in figures["gauges"].values())}
 

@@ -193,13 +193,14 @@ class RedisServer:
 
 class SmallDisk:
     """A tmpfs of ``size_mb`` mounted on a fresh directory for the replicas' disk cache dirs;
-    ``fill`` writes a file until the filesystem is full, ``unfill`` removes it. Mounting needs
+    ``fill`` makes it full (shrunk to what it holds, the rest filled), ``unfill`` undoes that. Mounting needs
     root (or ``unshare -rm``): without it the drill stops with a clear error, it never falls back
     to a directory on a disk it cannot fill safely."""
 
     FILLER = "filler.bin"
 
     def __init__(self, size_mb: int) -> None:
+        self.size_mb = size_mb
         self.path = tempfile.mkdtemp(prefix="kvhive-soak-disk-")
         done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "kvhive-soak", self.path],
                               capture_output=True, text=True)
@@ -218,27 +219,39 @@ class SmallDisk:
         return stat.f_bavail * stat.f_frsize
 
     def fill(self) -> int:
-        """Allocate what is free, then write zeros until ENOSPC; the bytes taken."""
-        written, chunk = 0, b"\0" * (1 << 16)
+        """Make the tmpfs full at once: shrink it to what it holds now (a remount), then write zeros
+        into what rounding left until ENOSPC; the bytes that were free before."""
+        free = self.free_bytes()
+        for _ in range(20):                     # the replicas may write between the look and the remount
+            stat = os.statvfs(self.path)
+            used_kb = (stat.f_blocks - stat.f_bfree) * stat.f_frsize // 1024
+            if self.remount(f"{used_kb}k"):
+                break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError(f"could not shrink the tmpfs at {self.path} to what it holds")
         with open(os.path.join(self.path, self.FILLER), "wb", buffering=0) as f:
-            with contextlib.suppress(OSError):
-                os.posix_fallocate(f.fileno(), 0, self.free_bytes())
-                written = os.fstat(f.fileno()).st_size
-                f.seek(written)
             try:
                 while True:
-                    written += f.write(chunk)
+                    f.write(b"\0" * 4096)
             except OSError as exc:
                 if exc.errno != errno.ENOSPC:
                     raise
-        return written
+        return free
 
     def unfill(self) -> None:
+        """Remove the filler and give the tmpfs its size back."""
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(self.path, self.FILLER))
+        if not self.remount(f"{self.size_mb}m"):
+            raise RuntimeError(f"could not give the tmpfs at {self.path} its {self.size_mb} MB back")
+
+    def remount(self, size: str) -> bool:
+        return subprocess.run(["mount", "-o", f"remount,size={size}", self.path], capture_output=True).returncode == 0
 
     def close(self) -> None:
-        self.unfill()
+        with contextlib.suppress(RuntimeError):
+            self.unfill()
         done = subprocess.run(["umount", self.path], capture_output=True, text=True)
         if done.returncode != 0:
             subprocess.run(["umount", "-l", self.path], capture_output=True, text=True)

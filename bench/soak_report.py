@@ -10,6 +10,10 @@ def seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def number(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
 def outcome_cells(counts: dict[str, int]) -> str:
     return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or "-"
 
@@ -24,6 +28,10 @@ def targets_table(record: dict) -> list[str]:
         "no lost session": f"{s['lost']} lost of {s['created']} created with a 200 ({checks})",
         "no wrong greedy answer": f"{p['wrong']} wrong of {p['answered']} probes ({outcome_cells(p['by_mode'])})",
         "no 5xx from bad input": f"{h['5xx']} of {h['requests']} hostile requests",
+        "every hostile request refused (4xx or a closed connection)":
+            f"{h['outcomes'].get('refused', 0)} refused, {h['unexpected']} not (table below)",
+        "no well-behaved request failed (but for full-disk refusals and the restart)":
+            f"{record['well_behaved']['num_errors']} of {record['well_behaved']['requests']} failed",
         f"hostile-phase p99 <= {P99_RATIO_GOAL}x quiet":
             f"{'-' if ratio is None else f'{ratio:.2f}x'} (p99 {seconds(phases.get('hostile', {}).get('p99_s'))} s "
             f"hostile, {seconds(phases.get('quiet', {}).get('p99_s'))} s quiet)",
@@ -54,11 +62,11 @@ def lines(record: dict) -> list[str]:
            "| hostile request | outcomes (status) |", "| --- | --- |",
            *(f"| {kind} | {outcome_cells(o)} |" for kind, o in sorted(h["by_kind"].items())), "",
            "Gauges before the run and at the end (after the sessions left alive were deleted and the rest "
-           "expired), and RSS:", "", "| replica gauge | before | after | back |", "| --- | --- | --- | --- |",
-           *(f"| {key} | {g['before']} | {g['after']} | {'yes' if g['back'] else '**no**'} |"
+           "expired; the replicas restarted after the full disk, so these are the restarted processes'), and RSS:", "", "| replica gauge | before | after | back |", "| --- | --- | --- | --- |",
+           *(f"| {key} | {number(g['before'])} | {number(g['after'])} | {'yes' if g['back'] else '**no**'} |"
              for key, g in record["gauges"].items())]
     rss = "; ".join(f"{name} {r['before']:.0f} / {r['after']:.0f} / {r['max']:.0f} MB" for name, r in record["rss_mb"].items()
                     if None not in r.values())
     return [*out, "", f"RSS before / after / max: {rss or 'not recorded'}. Healthy after: "
-            f"{outcome_cells({k: int(v) for k, v in record['healthy_after'].items()})}; exit codes: "
-            f"{record['server_exit_codes']}.", ""]
+            f"{', '.join(f'{k}: ' + ('yes' if v else '**no**') for k, v in record['healthy_after'].items())}; exit codes "
+            f"(restart, end): {', '.join(f'{k}: {v}' for k, v in record['server_exit_codes'].items())}.", ""]

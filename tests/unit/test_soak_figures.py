@@ -73,3 +73,7 @@ def test_targets_are_met_only_by_a_clean_run() -> None:
     figures["gauges"]["disk kvhive_sessions_live"]["back"] = False
     assert [name for name, ok in f.targets(figures).items() if not ok] == ["no 5xx from bad input",
                                                                           "gauges back to baseline"]
+    held = f.summarize([*records, Record("slow_headers", "held_open", 60, 15, "hostile")], windows, ledger, [], 100)
+    held["gauges"] = {}
+    assert [name for name, ok in f.targets(held).items() if not ok] == [
+        "no wrong greedy answer", "every hostile request refused (4xx or a closed connection)"]
