@@ -398,11 +398,12 @@ SECTIONS = (
             "answers must equal the quiet server's. In hostile phases a quarter of the clients, on one API key, "
             "send bad bodies (unterminated strings of escaped quotes, deep nesting, huge numbers, invalid UTF-8, "
             "megabyte-long keys), oversize bodies, endless and slow headers on raw sockets and bursts of session "
-            "creates. One Redis stall (SIGSTOP, then FLUSHALL), one full disk (a file fills the tmpfs; session "
-            "writes may then be refused with 507/503) and a restart of both replicas happen on schedule. Every "
+            "creates. One Redis stall (SIGSTOP, then FLUSHALL), one full disk (the tmpfs is shrunk to what it "
+            "holds; session writes may then be refused with 507/503) and a restart of both replicas happen on schedule. Every "
             "session answered 200 and neither deleted nor expired is looked up after the restart and at the end.",
-            ("0 lost sessions, 0 wrong greedy answers, 0 5xx from bad input (a hostile request gets 400, 408, "
-             "413, 429, 431 or a closed connection)",
+            ("0 lost sessions, 0 wrong greedy answers, 0 5xx from bad input",
+             "every hostile request refused with 400, 408, 413, 429 or 431 or a closed connection; no "
+             "well-behaved request fails but for 507/503 on a full disk and the restart",
              "p99 latency of well-behaved requests in the hostile phases ≤ 1.5x the quiet phases'",
              "every gauge back to its value before the run once the sessions left alive are gone (used blocks, "
              "live sessions, stored responses, running and waiting requests)"),

@@ -270,4 +270,8 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted: the replicas and redis-server are stopped, the tmpfs unmounted", file=sys.stderr)
+        sys.exit(130)

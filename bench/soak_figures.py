@@ -89,18 +89,19 @@ def judge(record: Record, windows: Windows, end_s: float) -> str:
 
 def judge_hostile(record: Record, windows: Windows, end_s: float) -> str:
     """A hostile request: refused (4xx or a closed connection, as it should be), accepted (a 200
-    where one is right: a spam session under the limits), refused_not_durable, restart, 5xx
-    (bad input made the server fail) or unexpected (anything else: accepted bad input, a
-    connection held open, a timeout)."""
+    where one is right: a spam session under the limits), restart (anything but a 4xx while the
+    replicas restarted: their clean stop closes connections), refused_not_durable, 5xx (bad input
+    made the server fail) or unexpected (anything else: accepted bad input, a connection held
+    open, a timeout)."""
     status = record.status
-    if status in REFUSALS:
-        return "refused"
     if status.startswith("2") and record.kind == "spam_session":
         return "accepted"
+    if status[0] != "4" and windows.during("restart", record, end_s):    # closed or cut by the clean stop
+        return "restart"
+    if status in REFUSALS:
+        return "refused"
     if status in NOT_DURABLE and record.kind in PERSISTING and windows.during("disk_full", record, end_s):
         return "refused_not_durable"
-    if (status.startswith("exception:") or status == "503") and windows.during("restart", record, end_s):
-        return "restart"
     if status.startswith("5"):
         return "5xx"
     return "unexpected"

@@ -34,6 +34,9 @@ def test_hostile_requests_are_refused_by_a_4xx_or_a_closed_connection() -> None:
     assert f.judge_hostile(Record("huge_number", "200", 1, 10, hostile), windows, 100) == "unexpected"
     assert f.judge_hostile(Record("slow_headers", "held_open", 60, 10, hostile), windows, 100) == "unexpected"
     assert f.judge_hostile(Record("spam_session", "200", 1, 10, hostile), windows, 100) == "accepted"
+    restart = Windows(restart=[(70.0, 90.0)])
+    assert f.judge_hostile(Record("slow_headers", "closed", 30, 50, hostile), restart, 100) == "restart"
+    assert f.judge_hostile(Record("deep_nesting", "400", 1, 80, hostile), restart, 100) == "refused"
 
 
 def test_a_session_is_lost_only_when_it_must_still_exist() -> None:
@@ -77,3 +80,23 @@ def test_targets_are_met_only_by_a_clean_run() -> None:
     held["gauges"] = {}
     assert [name for name, ok in f.targets(held).items() if not ok] == [
         "no wrong greedy answer", "every hostile request refused (4xx or a closed connection)"]
+
+
+def test_a_drill_result_renders_with_every_target() -> None:
+    import soak_report
+
+    records = [Record("chat", "200", 1.0, 5), Record("chat", "200", 1.2, 15), Record("huge_number", "400", 0.1, 15,
+                                                                                     "hostile")]
+    record = f.summarize(records, Windows(), Ledger(), [{"mode": "cached", "ok": True}], 100)
+    record["sessions"]["checks"] = {"at_end": {"checked": 0, "statuses": {}}}
+    record["gauges"] = f.gauges({"disk": {"metrics": {"kvhive_sessions_live": 0.0}}},
+                                {"disk": {"metrics": {"kvhive_sessions_live": 1.0}}}, ["kvhive_sessions_live"])
+    record |= {"targets": f.targets(record), "config": {"clients": 4, "hostile_clients": 1, "minutes": 1, "disk_mb": 64,
+                                                        "schedule": f.SCHEDULE},
+               "events": [{"at_s": 30.0, "event": "redis SIGSTOP"}], "healthy_after": {"disk": True},
+               "server_exit_codes": {"disk": [0, 0]}, "rss_mb": {"disk": {"before": 1.0, "after": 2.0, "max": 3.0}}}
+    text = "\n".join(soak_report.lines(record))
+    for target in record["targets"]:                       # each target's row, with its figure
+        assert f"| {target} |" in text and f"| {target} | - |" not in text
+    assert "| gauges back to baseline | 0 of 1 | **no** |" in text
+    assert "| disk kvhive_sessions_live | 0 | 1 | **no** |" in text
