@@ -119,7 +119,8 @@ class Hostile:
 
     async def raw_head(self, replica: str, kind: str, piece: Callable[[int], bytes]) -> None:
         """Headers that never end: ``piece(i)`` sent again and again until the server answers or
-        closes, or ``limit_bytes`` x 4 went out (then the head is ended and the answer awaited)."""
+        closes, or ``limit_bytes`` x 4 went out (then the head is ended, and the answer, whatever it
+        is, is recorded as ``unlimited:<status>``)."""
         start, port = time.monotonic(), int(self.replicas[replica].rsplit(":", 1)[1])
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -137,10 +138,12 @@ class Hostile:
                 writer.write(chunk)
                 sent, i = sent + len(chunk), i + 1
                 await asyncio.wait_for(writer.drain(), HEAD_TIMEOUT_S)
-            if not reading.done():
+            if reading.done():
+                status = status_line(reading.result())
+            else:                               # every byte taken: the head ends, the answer shows no limit
                 writer.write(b"\r\nContent-Length: 0\r\n\r\n")
                 await asyncio.wait_for(writer.drain(), HEAD_TIMEOUT_S)
-            status = status_line(await asyncio.wait_for(reading, HEAD_TIMEOUT_S))
+                status = f"unlimited:{status_line(await asyncio.wait_for(reading, HEAD_TIMEOUT_S))}"
         except ConnectionError:                  # the server closed it, maybe after answering
             answered = reading.done() and not reading.cancelled() and reading.exception() is None
             status = status_line(reading.result()) if answered else "closed"
