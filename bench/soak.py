@@ -9,14 +9,15 @@ Needs root (or ``unshare -rm``) to mount a small tmpfs, and ``redis-server``. Tw
 one set of API keys (two well-behaved keys, one hostile key): ``redis`` keeps sessions and KV in a
 redis-server the script starts (and KV on the tmpfs), ``disk`` keeps both on the tmpfs.
 
-The run is cut into equal slots (``soak_figures.SCHEDULE``): quiet, hostile, quiet, redis_stall,
-quiet, hostile, disk_full, quiet, hostile, quiet. Well-behaved clients (``soak_clients``) run all
+The run is cut into equal slots (``soak_figures.SCHEDULE``): quiet, hostile, redis_stall, quiet,
+disk_full, quiet, hostile, quiet, hostile, quiet. Well-behaved clients (``soak_clients``) run all
 along: chats, sessions, ``conversation_id`` chats, dropped streams, ``/v1/responses`` chains and
 greedy probes checked against the answers of the quiet replica. Hostile clients
 (``soak_hostile``, a quarter of the clients, one key) run in the hostile slots: bad JSON bodies,
 oversize bodies, endless and slow headers on raw sockets, bursts of session creates. In the
 redis_stall slot Redis is stopped (SIGSTOP) for ``--redis-stop-s``, then flushed; in the disk_full
-slot a file fills the tmpfs until the slot ends, then both replicas restart (clean stop, start).
+slot the tmpfs is full (shrunk to what it holds) until the slot ends, then both replicas restart
+(clean stop, start) and every session that must exist is looked up.
 
 At the end every session answered 200 and neither deleted nor expired is looked up (a 404 then,
 or on a turn during the run, is a lost session), then deleted; the script waits up to

@@ -9,10 +9,10 @@ from soak_figures import Ledger, Record, Windows
 def test_phases_follow_the_schedule_in_equal_slots() -> None:
     assert f.phase_at(0, 100) == "quiet"
     assert f.phase_at(15, 100) == "hostile"
-    assert f.phase_at(35, 100) == "redis_stall"
-    assert f.phase_at(65, 100) == "disk_full"
+    assert f.phase_at(25, 100) == "redis_stall"
+    assert f.phase_at(45, 100) == "disk_full"
     assert f.phase_at(250, 100) == f.SCHEDULE[-1]
-    assert f.slot_start("disk_full", 100) == (60, 70)
+    assert f.slot_start("disk_full", 100) == (40, 50)
 
 
 def test_a_refusal_on_a_full_disk_is_not_an_error_but_a_5xx_elsewhere_is() -> None:
