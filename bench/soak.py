@@ -99,7 +99,7 @@ async def faults(run: Run, redis: RedisServer, disk: SmallDisk, replicas: dict[s
     free = await asyncio.to_thread(disk.fill)
     run.note(f"disk full ({free / 2**20:.0f} MB were free, {disk.free_bytes()} bytes now)")
     await asyncio.sleep(max(0.0, end - run.now_s()))
-    disk.unfill()
+    await asyncio.to_thread(disk.unfill)
     run.windows.disk_full[-1] = (run.windows.disk_full[-1][0], run.now_s())
     run.note("disk emptied; restarting the replicas")
     run.windows.restart.append((run.now_s(), None))

@@ -187,7 +187,8 @@ class Ledger:
         return False
 
     def alive(self, now_s: float) -> list[str]:
-        return [i for i in self.sessions if self.must_exist(i, now_s)]
+        """The sessions that must exist now (safe from another thread while clients add sessions)."""
+        return [i for i, _ in list(self.sessions.items()) if self.must_exist(i, now_s)]
 
     def losses(self) -> dict[str, str]:
         return {i: f"{s.replica}: {s.lost}" for i, s in self.sessions.items() if s.lost is not None}
