@@ -256,7 +256,7 @@ def print_report(result: dict[str, Any]) -> None:
     for kind, outcomes in sorted(h["by_kind"].items()):
         print(f"  {kind:<20} {outcomes}")
     print(f"sessions: {s['created']} created, {s['deleted']} deleted, {s['refused_not_durable']} refused (not durable),"
-          f" checks {s['checks']}, lost {s['lost']} {s['losses'] or ''}")
+          f" checks {s['checks']}, lost {s['lost']} {s['lost_by'] or ''}")
     print(f"probes: {p['answered']} answered {p['by_mode']}, wrong {p['wrong']}")
     for example in p["wrong_examples"][:3]:
         print(f"  {example}")

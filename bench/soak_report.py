@@ -25,7 +25,8 @@ def targets_table(record: dict) -> list[str]:
                        for when, c in s["checks"].items())
     back = [g["back"] for g in record["gauges"].values()]
     figures = {
-        "no lost session": f"{s['lost']} lost of {s['created']} created with a 200 ({checks})",
+        "no lost session": f"{s['lost']} lost of {s['created']} created with a 200 ({checks})"
+                           + (f"; lost: {outcome_cells(s['lost_by'])}" if s["lost"] else ""),
         "no wrong greedy answer": f"{p['wrong']} wrong of {p['answered']} probes ({outcome_cells(p['by_mode'])})",
         "no 5xx from bad input": f"{h['5xx']} of {h['requests']} hostile requests",
         "every hostile request refused (4xx or a closed connection)":
