@@ -28,6 +28,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import multiturn_vs_vllm as multiturn  # noqa: E402
 import sessions_vs_vllm as sessions_http  # noqa: E402
+import soak_report  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 NOTES = os.path.join(HERE, "notes")
@@ -252,7 +253,10 @@ SOAK_GAUGES = (("kvhive_kv_blocks{state=free}", "free blocks"), ("kvhive_kv_bloc
 
 
 def render_soak(name: str, record: dict) -> list[str]:
-    """Requests, answers by status, latency, memory, and the gauges before and after a soak run."""
+    """The drill's targets, latency per phase, hostile outcomes and gauges; a result without
+    targets (plain mixed traffic, no phases) as its answers, latency and gauges."""
+    if "targets" in record:
+        return soak_report.lines(record)
     cfg, s, rss = record["config"], record["summary"], record["rss_mb"]
     events = ", ".join(f"{e['event']} at {e['at_s']:.0f} s" for e in record.get("redis_events") or [])
     statuses = ", ".join(f"{status}: {count}" for status, count in sorted(s["by_status"].items()))
@@ -386,12 +390,23 @@ SECTIONS = (
             "prompts arriving among them, and the KV transfer's throughput against a loopback bound.",
             ("running decodes' p99 inter-token latency ≤ 0.5x colocated", "new prompts' TTFT ≤ 1.3x colocated"),
             ("pd_vs_colocated.json",), render_pd),
-    Section("soak", "Soak", "bench/soak.py",
-            "Mixed traffic from several clients for minutes (shared-prefix chats, sessions, `conversation_id` "
-            "chats, dropped streams, `/v1/responses` chains), with Redis as the KV tier and session store, "
-            "stopped (SIGSTOP) and then flushed midway.",
-            ("no request fails (no 5xx); the server is healthy afterwards",
-             "once the sessions left alive expire, no used block, live session or stored response is left"),
+    Section("soak", "Soak under hostile load", "bench/soak.py",
+            "Clients for tens of minutes against two replicas (one keeps sessions and KV in Redis, one on a small "
+            "tmpfs), in quiet and hostile phases. Well-behaved clients run all along: shared-prefix chats, "
+            "sessions, `conversation_id` chats, dropped streams, `/v1/responses` chains and greedy probes "
+            "(temperature 0; plain, streamed, uncached through a fresh `cache_salt`, and in a session) whose "
+            "answers must equal the quiet server's. In hostile phases a quarter of the clients, on one API key, "
+            "send bad bodies (unterminated strings of escaped quotes, deep nesting, huge numbers, invalid UTF-8, "
+            "megabyte-long keys), oversize bodies, endless and slow headers on raw sockets and bursts of session "
+            "creates. One Redis stall (SIGSTOP, then FLUSHALL), one full disk (the tmpfs is shrunk to what it "
+            "holds; session writes may then be refused with 507/503) and a restart of both replicas happen on schedule. Every "
+            "session answered 200 and neither deleted nor expired is looked up after the restart and at the end.",
+            ("0 lost sessions, 0 wrong greedy answers, 0 5xx from bad input",
+             "every hostile request refused with 400, 408, 413, 429 or 431 or a closed connection; no "
+             "well-behaved request fails but for 507/503 on a full disk and the restart",
+             "p99 latency of well-behaved requests in the hostile phases ≤ 1.5x the quiet phases'",
+             "every gauge back to its value before the run once the sessions left alive are gone (used blocks, "
+             "live sessions, stored responses, running and waiting requests)"),
             ("soak.json",), render_soak),
     Section("ray_routers", "Ray Serve request routers", "bench/ray_routers.py",
             "One Ray Serve application of 2 kvhive replicas on a two-node Ray cluster on this machine, routed "

@@ -1,25 +1,29 @@
 #!/usr/bin/env python3
-"""Soak test: N clients for T minutes of mixed traffic against a kvhive server this script starts.
+"""Hostile-load drill: clients for T minutes against two kvhive replicas this script starts, with
+quiet and hostile phases, a Redis stall, a full disk and a restart.
 
-    python bench/soak.py --clients 8 --minutes 2
-    python bench/soak.py --clients 8 --minutes 2 --redis-url redis://127.0.0.1:6391/0 \\
-        --out bench/results/soak_redis.json                  # + a Redis stall and flush
-    python bench/soak.py --server-args "--dtype bfloat16 --kv-cache-gb 0.5" --out /tmp/soak_bf16.json
-    python bench/soak.py --clients 32 --minutes 30 --redis-url redis://127.0.0.1:6391/0 --redis-stop-s 20 \\
-        --server-args "--kv-cache-gb 0.25 --max-model-len 2048 --default-session-ttl 120" --drain-s 300
+    python bench/soak.py --clients 6 --minutes 3 --redis-stop-s 8 --out /tmp/soak.json
+    python bench/soak.py --clients 32 --minutes 30 --drain-s 300
 
-Each client loops over scenarios picked at random: chats sharing a long system prompt (streamed or
-not), sessions (``POST /v1/context``, turns with ``x-session-id``, mostly deleted at the end),
-``conversation_id`` chats ended with ``end_conversation``, streams the client drops after a few
-chunks, and ``/v1/responses`` chains (``previous_response_id``). With ``--redis-url`` the script
-starts a ``redis-server`` on that URL's port, the server uses it as its KV tier and session store,
-and halfway through Redis is stopped (SIGSTOP) for ``--redis-stop-s`` seconds, then flushed.
+Needs root (or ``unshare -rm``) to mount a small tmpfs, and ``redis-server``. Two replicas share
+one set of API keys (two well-behaved keys, one hostile key): ``redis`` keeps sessions and KV in a
+redis-server the script starts (and KV on the tmpfs), ``disk`` keeps both on the tmpfs.
 
-Reports requests, answers by status (intended aborts apart), p50/p99 latency overall and per
-request kind, the server's RSS (sampled every 10 s), the device block gauges
-(``kvhive_kv_blocks{state}``) and live sessions before and after (``--drain-s``: after the
-sessions left alive expired); writes ``--out``
-(``bench/results/soak.json``). The server's log goes to ``bench/out/soak_server.log``.
+The run is cut into equal slots (``soak_figures.SCHEDULE``): quiet, hostile, redis_stall, quiet,
+disk_full, quiet, hostile, quiet, hostile, quiet. Well-behaved clients (``soak_clients``) run all
+along: chats, sessions, ``conversation_id`` chats, dropped streams, ``/v1/responses`` chains and
+greedy probes checked against the answers of the quiet replica. Hostile clients
+(``soak_hostile``, a quarter of the clients, one key) run in the hostile slots: bad JSON bodies,
+oversize bodies, endless and slow headers on raw sockets, bursts of session creates. In the
+redis_stall slot Redis is stopped (SIGSTOP) for ``--redis-stop-s``, then flushed; in the disk_full
+slot the tmpfs is full (shrunk to what it holds) until the slot ends, then both replicas restart
+(clean stop, start) and every session that must exist is looked up.
+
+At the end every session answered 200 and neither deleted nor expired is looked up (a 404 then,
+or on a turn during the run, is a lost session), then deleted; the script waits up to
+``--drain-s`` for what is left to expire and compares the gauges with their values at the start.
+Writes ``--out`` (``bench/results/soak.json``); server logs go to ``bench/out/soak_*.log``.
+Exit status 0 when every target is met.
 """
 
 from __future__ import annotations
@@ -29,460 +33,246 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import random
-import re
 import shlex
 import signal
-import socket
-import statistics
-import subprocess
 import sys
 import time
-import uuid
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 from run_info import command, machine
+from soak_clients import SCENARIOS, Client, Run, reference_answers
+from soak_figures import SCHEDULE, gauges, slot_start, summarize, targets
+from soak_hostile import Hostile
+from soak_infra import RedisServer, Replica, SmallDisk, baseline_keys, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-MODEL = "smollm2-135m"
-SHARED_SYSTEM = ("You are the help desk of a company that builds inference servers. Answer in one or two "
-                 "short sentences. " + " ".join(f"Rule {i}: keep answer {i} polite, factual and brief."
-                                                for i in range(30)))
-TOPICS = ("caching", "sessions", "the disk tier", "Redis", "metrics", "streaming", "tokenizers", "GPUs",
-          "batching", "prefix sharing", "timeouts", "API keys", "block sizes", "context length")
-# How often each scenario is picked (relative weights).
-SCENARIOS = {"shared_chat": 4, "session": 2, "conversation": 1, "aborted_stream": 1, "responses_chain": 2}
-METRIC_LINE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$")
+GOOD_KEYS = ("soak-key-a", "soak-key-b")
+HOSTILE_KEY = "soak-key-hostile"
 
 
-def question(rng: random.Random) -> str:
-    return f"In {rng.randint(2, 40)} words, what should I know about {rng.choice(TOPICS)}? (#{rng.randint(0, 10**6)})"
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, default=8, help="clients in all (at least 2)")
+    p.add_argument("--hostile-fraction", type=float, default=0.25, help="share of the clients that are hostile")
+    p.add_argument("--minutes", type=float, default=3.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--redis-stop-s", type=float, default=20.0, help="how long Redis stays stopped")
+    p.add_argument("--disk-mb", type=int, default=2048,
+                   help="size of the tmpfs the replicas' disk dirs are on (each replica's disk tier: 40%%)")
+    p.add_argument("--session-ttl-s", type=int, default=300, help="TTL of the well-behaved clients' sessions")
+    p.add_argument("--server-args", default="--kv-cache-gb 0.25 --max-model-len 2048 --default-session-ttl 120 "
+                   "--max-sessions-per-key 200", help="more 'kvhive serve' arguments, for both replicas")
+    p.add_argument("--body-bytes", type=int, default=900_000, help="size of the hostile bodies under the limit")
+    p.add_argument("--limit-bytes", type=int, default=1 << 20, help="the replicas' body limit (--max-request-bytes)")
+    p.add_argument("--slow-header-s", type=float, default=60.0, help="a slow header not cut off by then is held open")
+    p.add_argument("--spam-burst", type=int, default=50, help="session creates per spam burst")
+    p.add_argument("--spam-ttl-s", type=int, default=300, help="TTL of the spam sessions")
+    p.add_argument("--grace-s", type=float, default=180.0, help="time a client may finish its scenario")
+    p.add_argument("--idle-s", type=float, default=3.0, help="idle time before the end checks")
+    p.add_argument("--drain-s", type=float, default=150.0,
+                   help="wait up to this long for what is left (conversations, stored responses) to expire")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "soak.json"))
+    args = p.parse_args()
+    slot_s = args.minutes * 60 / len(SCHEDULE)
+    if args.clients < 2 or not 0 < args.hostile_fraction < 1:
+        p.error("--clients must be >= 2 and --hostile-fraction in (0, 1)")
+    if not 0 < args.redis_stop_s < slot_s * 0.8:
+        p.error(f"--redis-stop-s must be under 80% of a slot ({slot_s:.0f} s at --minutes {args.minutes:g})")
+    return args
 
 
-@dataclass
-class Record:
-    """One HTTP exchange: its kind, status ("aborted" for streams dropped on purpose,
-    "exception:<type>" when no answer came), latency and start time (s since the run began)."""
+async def faults(run: Run, redis: RedisServer, disk: SmallDisk, replicas: dict[str, Replica], stop_s: float) -> None:
+    """The Redis stall, then the full disk and the restart, each in its slot."""
+    start, end = slot_start("redis_stall", run.duration_s)
+    await asyncio.sleep(max(0.0, start + (end - start - stop_s) / 3 - run.now_s()))
+    run.windows.redis_stall.append((run.now_s(), None))
+    await asyncio.to_thread(redis.stall, stop_s, run.note)
+    run.windows.redis_stall[-1] = (run.windows.redis_stall[-1][0], run.now_s())
 
-    kind: str
-    status: str
-    latency_s: float
-    at_s: float
-
-
-@dataclass
-class Run:
-    """What the clients share: the server's URL, the clock and the records."""
-
-    base_url: str
-    deadline: float
-    started: float
-    records: list[Record] = field(default_factory=list)
-
-    def record(self, kind: str, status: int | str, start: float) -> None:
-        now = time.monotonic()
-        self.records.append(Record(kind, str(status), now - start, start - self.started))
-
-
-async def call(run: Run, client: httpx.AsyncClient, kind: str, method: str, path: str,
-               **kwargs: Any) -> httpx.Response | None:
-    """One request; its response (None when the request itself failed: recorded as an exception)."""
-    start = time.monotonic()
-    try:
-        response = await client.request(method, path, **kwargs)
-    except httpx.HTTPError as exc:
-        run.record(kind, f"exception:{type(exc).__name__}", start)
-        return None
-    run.record(kind, response.status_code, start)
-    return response
+    start, end = slot_start("disk_full", run.duration_s)
+    await asyncio.sleep(max(0.0, start - run.now_s()))
+    run.windows.disk_full.append((run.now_s(), None))
+    free = await asyncio.to_thread(disk.fill)
+    run.note(f"disk full ({free / 2**20:.0f} MB were free, {disk.free_bytes()} bytes now)")
+    await asyncio.sleep(max(0.0, end - run.now_s()))
+    await asyncio.to_thread(disk.unfill)
+    run.windows.disk_full[-1] = (run.windows.disk_full[-1][0], run.now_s())
+    run.note("disk emptied; restarting the replicas")
+    run.windows.restart.append((run.now_s(), None))
+    took = await asyncio.gather(*(asyncio.to_thread(r.restart) for r in replicas.values()))
+    run.windows.restart[-1] = (run.windows.restart[-1][0], run.now_s())
+    run.note("replicas restarted (" + ", ".join(f"{name} stopped in {stop:.0f} s, healthy {start:.0f} s later"
+                                             for name, (stop, start) in zip(replicas, took, strict=True)) + ")")
+    run.checks["after_restart"] = await asyncio.to_thread(check_sessions, run, replicas, "missing after the restart")
 
 
-async def stream_chat(run: Run, client: httpx.AsyncClient, kind: str, body: dict[str, Any],
-                      headers: dict[str, str] | None = None, abort_after: int | None = None) -> str | None:
-    """A streamed chat completion; its text, or None. ``abort_after``: drop the connection after
-    that many content chunks (recorded as "aborted")."""
-    start = time.monotonic()
-    text, chunks = [], 0
-    try:
-        async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True},
-                                 headers=headers) as response:
-            if response.status_code != 200:
-                await response.aread()
-                run.record(kind, response.status_code, start)
-                return None
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    run.record(kind, "stream_error", start)
-                    return None
-                for choice in event.get("choices", []):
-                    if choice["delta"].get("content"):
-                        text.append(choice["delta"]["content"])
-                        chunks += 1
-                if abort_after is not None and chunks >= abort_after:
-                    run.record(kind, "aborted", start)
-                    return None                    # leaving the block closes the connection
-    except httpx.HTTPError as exc:
-        run.record(kind, f"exception:{type(exc).__name__}", start)
-        return None
-    run.record(kind, 200, start)
-    return "".join(text)
-
-
-def chat_body(messages: list[dict[str, str]], rng: random.Random, **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": messages, "max_tokens": rng.randint(8, 24), "temperature": 0.7, **extra}
-
-
-async def shared_chat(run: Run, client: httpx.AsyncClient, rng: random.Random) -> None:
-    messages = [{"role": "system", "content": SHARED_SYSTEM}, {"role": "user", "content": question(rng)}]
-    if rng.random() < 0.5:
-        await stream_chat(run, client, "chat_stream", chat_body(messages, rng))
-    else:
-        await call(run, client, "chat", "POST", "/v1/chat/completions", json=chat_body(messages, rng))
-
-
-async def session(run: Run, client: httpx.AsyncClient, rng: random.Random) -> None:
-    messages = [{"role": "system", "content": f"{SHARED_SYSTEM} Manual {rng.randint(0, 10**6)}."},
-                {"role": "user", "content": question(rng)}]
-    response = await call(run, client, "context_create", "POST", "/v1/context", json=chat_body(messages, rng),
-                          headers={"x-session-ttl": "120"})
-    if response is None or response.status_code != 200:
-        return
-    session_id = response.headers["x-session-id"]
-    messages.append({"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]})
-    for _ in range(rng.randint(1, 3)):
-        messages.append({"role": "user", "content": question(rng)})
-        turn = await call(run, client, "session_turn", "POST", "/v1/chat/completions",
-                          json=chat_body(messages, rng), headers={"x-session-id": session_id})
-        if turn is None or turn.status_code != 200:
-            break
-        messages.append({"role": "assistant", "content": turn.json()["choices"][0]["message"]["content"]})
-    if rng.random() < 0.75:
-        await call(run, client, "context_delete", "DELETE", f"/v1/context/{session_id}")
-
-
-async def conversation(run: Run, client: httpx.AsyncClient, rng: random.Random) -> None:
-    conversation_id = f"soak-{uuid.uuid4().hex}"
-    messages = [{"role": "user", "content": question(rng)}]
-    turns = rng.randint(2, 3)
-    for i in range(turns):
-        body = chat_body(messages, rng, conversation_id=conversation_id, end_conversation=i == turns - 1)
-        response = await call(run, client, "conversation_turn", "POST", "/v1/chat/completions", json=body)
-        if response is None or response.status_code != 200:
-            return
-        messages += [{"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]},
-                     {"role": "user", "content": question(rng)}]
-
-
-async def aborted_stream(run: Run, client: httpx.AsyncClient, rng: random.Random) -> None:
-    messages = [{"role": "system", "content": SHARED_SYSTEM}, {"role": "user", "content": question(rng)}]
-    body = {"model": MODEL, "messages": messages, "max_tokens": 200, "ignore_eos": True}
-    await stream_chat(run, client, "aborted_stream", body, abort_after=rng.randint(1, 4))
-
-
-async def responses_chain(run: Run, client: httpx.AsyncClient, rng: random.Random) -> None:
-    previous, ids = None, []
-    for _ in range(rng.randint(2, 3)):
-        body = {"model": MODEL, "instructions": "Be brief.", "input": question(rng),
-                "max_output_tokens": rng.randint(8, 24), "previous_response_id": previous}
-        response = await call(run, client, "responses", "POST", "/v1/responses", json=body)
-        if response is None or response.status_code != 200:
-            break
-        previous = response.json()["id"]
-        ids.append(previous)
-    if ids and rng.random() < 0.5:
-        for response_id in ids:
-            await call(run, client, "responses_delete", "DELETE", f"/v1/responses/{response_id}")
-
-
-SCENARIO_FUNCTIONS = {"shared_chat": shared_chat, "session": session, "conversation": conversation,
-                      "aborted_stream": aborted_stream, "responses_chain": responses_chain}
-
-
-async def client_loop(run: Run, index: int, seed: int) -> None:
-    rng = random.Random(seed * 1000 + index)
-    names, weights = list(SCENARIOS), list(SCENARIOS.values())
-    async with httpx.AsyncClient(base_url=run.base_url, timeout=120) as client:
-        while time.monotonic() < run.deadline:
-            name = rng.choices(names, weights)[0]
-            start = time.monotonic()
-            try:
-                await SCENARIO_FUNCTIONS[name](run, client, rng)
-            except (KeyError, ValueError, TypeError) as exc:    # an answer of an unexpected shape
-                run.record(name, f"bad_answer:{type(exc).__name__}", start)
-
-
-# ---------------------------------------------------------------- the server and what it reports
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rss_mb(pid: int) -> float | None:
-    """Resident set size of a process in MB (/proc), None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
-def scrape(base_url: str) -> dict[str, float]:
-    """The samples soak reports, from /metrics: block states, sessions, stored responses, KV usage."""
-    wanted = {"kvhive_kv_blocks", "kvhive_sessions_live", "kvhive_responses_stored", "kvhive_kv_cache_usage_perc",
-              "kvhive_num_requests_running", "kvhive_num_requests_waiting", "kvhive_session_blocks",
-              "kvhive_kv_tier_errors_total", "kvhive_kv_tier_usage_bytes"}
-    out: dict[str, float] = {}
-    for line in httpx.get(f"{base_url}/metrics", timeout=30).text.splitlines():
-        match = METRIC_LINE.match(line)
-        if not match or match.group(1) not in wanted:
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
-        labels.pop("model_name", None)
-        suffix = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-        out[f"{match.group(1)}{{{suffix}}}" if suffix else match.group(1)] = float(match.group(3))
-    return out
-
-
-def snapshot(base_url: str, pid: int) -> dict[str, Any]:
-    return {"rss_mb": rss_mb(pid), "metrics": scrape(base_url)}
-
-
-LEFT_BEHIND = ("kvhive_sessions_live", "kvhive_responses_stored", "kvhive_kv_blocks{state=used}")
-
-
-def drain(base_url: str, timeout_s: float) -> float | None:
-    """Seconds until no session, stored response or used block is left (their TTLs ran out and
-    the sweep freed them); None when some still are after ``timeout_s`` (or nothing was waited for)."""
-    start = time.monotonic()
-    while timeout_s > 0:
-        samples = scrape(base_url)
-        if all(samples.get(name, 0.0) == 0.0 for name in LEFT_BEHIND):
-            return time.monotonic() - start
-        if time.monotonic() - start > timeout_s:
-            return None
-        time.sleep(5)
-    return None
-
-
-def wait_healthy(base_url: str, process: subprocess.Popen, timeout_s: float) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode} while starting")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return time.monotonic() - start
-        time.sleep(0.5)
-    raise RuntimeError(f"the server was not healthy after {timeout_s:.0f} s")
-
-
-class RedisServer:
-    """A redis-server on the URL's port, without persistence, for the run; ``fault`` stops it
-    (SIGSTOP) for a while, then flushes it."""
-
-    def __init__(self, url: str, log_path: str) -> None:
-        import redis
-
-        parts = urlsplit(url)
-        self.port = parts.port or 6379
-        self.log = open(log_path, "w")            # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(["redis-server", "--port", str(self.port), "--save", "",
-                                         "--appendonly", "no", "--bind", "127.0.0.1"],
-                                        stdout=self.log, stderr=subprocess.STDOUT)
-        self.client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
-        for _ in range(100):
-            with contextlib.suppress(redis.ConnectionError):
-                if self.client.ping():
-                    return
-            time.sleep(0.1)
-        raise RuntimeError(f"redis-server did not answer on port {self.port}")
-
-    def fault(self, stop_s: float, events: list[dict[str, Any]], started: float) -> None:
-        events.append({"at_s": time.monotonic() - started, "event": "SIGSTOP"})
-        self.process.send_signal(signal.SIGSTOP)
-        time.sleep(stop_s)
-        self.process.send_signal(signal.SIGCONT)
-        events.append({"at_s": time.monotonic() - started, "event": "SIGCONT"})
-        self.client.flushall()
-        events.append({"at_s": time.monotonic() - started, "event": "FLUSHALL"})
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGCONT)
-        self.process.terminate()
-        self.process.wait(timeout=10)
-        self.log.close()
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def summarize(records: list[Record]) -> dict[str, Any]:
-    """Counts by status, errors (neither 2xx nor an intended abort), latency percentiles per kind."""
-    by_status: dict[str, int] = {}
-    for r in records:
-        by_status[r.status] = by_status.get(r.status, 0) + 1
-    errors = {s: n for s, n in by_status.items() if not (s.startswith("2") or s == "aborted")}
-    kinds: dict[str, dict[str, Any]] = {}
-    for kind in sorted({r.kind for r in records}):
-        done = [r.latency_s for r in records if r.kind == kind and r.status.startswith("2")]
-        statuses: dict[str, int] = {}
-        for r in records:
-            if r.kind == kind:
-                statuses[r.status] = statuses.get(r.status, 0) + 1
-        kinds[kind] = {"requests": sum(statuses.values()), "statuses": statuses,
-                       "p50_s": percentile(done, 0.5), "p99_s": percentile(done, 0.99)}
-    ok = [r.latency_s for r in records if r.status.startswith("2")]
-    return {"requests": len(records), "by_status": dict(sorted(by_status.items())), "errors": errors,
-            "num_errors": sum(errors.values()), "p50_s": percentile(ok, 0.5), "p99_s": percentile(ok, 0.99),
-            "mean_s": statistics.fmean(ok) if ok else None, "kinds": kinds}
-
-
-async def soak(args: argparse.Namespace, base_url: str, pid: int, redis: RedisServer | None
-               ) -> tuple[Run, list[dict[str, Any]], list[dict[str, Any]]]:
-    """Run the clients (and the Redis fault); the run, the RSS/gauge timeline and the fault events."""
-    started = time.monotonic()
-    run = Run(base_url, deadline=started + args.minutes * 60, started=started)
+async def drill(args: argparse.Namespace, run: Run, replicas: dict[str, Replica], redis: RedisServer,
+                disk: SmallDisk) -> list[dict[str, Any]]:
+    """Run the clients and the faults; the RSS/gauge timeline."""
     timeline: list[dict[str, Any]] = []
-    events: list[dict[str, Any]] = []
 
     async def sample() -> None:
         while True:
-            point = await asyncio.to_thread(snapshot, base_url, pid)
-            timeline.append({"at_s": round(time.monotonic() - started, 1), **point})
+            points = await asyncio.gather(*(asyncio.to_thread(r.snapshot) for r in replicas.values()))
+            timeline.append({"at_s": round(run.now_s(), 1), **dict(zip(replicas, points, strict=True))})
             await asyncio.sleep(10)
 
-    async def fault() -> None:
-        await asyncio.sleep(args.minutes * 30)
-        assert redis is not None
-        await asyncio.to_thread(redis.fault, args.redis_stop_s, events, started)
-
-    background = [asyncio.create_task(sample())]
-    if redis is not None:
-        background.append(asyncio.create_task(fault()))
-    clients = [asyncio.create_task(client_loop(run, i, args.seed)) for i in range(args.clients)]
-    # Past the deadline, a client finishes its scenario; one still busy after the grace is cancelled.
-    done, pending = await asyncio.wait(clients, timeout=args.minutes * 60 + args.grace_s)
-    for task in pending:
-        task.cancel()
-    for task in done:
-        task.result()
-    for task in background:
-        if task.done():
+    names = list(replicas)
+    hostile_n = max(1, round(args.clients * args.hostile_fraction))
+    http = [httpx.AsyncClient(base_url=replicas[names[i % 2]].base_url, timeout=300,
+                              headers={"Authorization": f"Bearer {GOOD_KEYS[i // 2 % 2]}"})
+            for i in range(args.clients - hostile_n)]
+    good = [Client(run, names[i % 2], GOOD_KEYS[i // 2 % 2], h, random.Random(args.seed * 1000 + i))
+            for i, h in enumerate(http)]
+    bad = [Hostile(run, {n: r.base_url for n, r in replicas.items()}, HOSTILE_KEY, args.body_bytes, args.limit_bytes,
+                   args.slow_header_s, args.spam_burst, args.spam_ttl_s, random.Random(args.seed * 1000 + 500 + i))
+           for i in range(hostile_n)]
+    background = [asyncio.create_task(sample()), asyncio.create_task(faults(run, redis, disk, replicas,
+                                                                           args.redis_stop_s))]
+    clients = [asyncio.create_task(c.loop()) for c in [*good, *bad]]
+    try:
+        done, pending = await asyncio.wait(clients, timeout=run.duration_s + args.grace_s)
+        for task in pending:
+            task.cancel()
+        for task in done:
             task.result()
-        task.cancel()
-    return run, timeline, events
+        if not background[1].done():
+            run.note("waiting for the faults to finish")
+        await asyncio.wait_for(background[1], 600)   # a fault that failed fails the drill
+    finally:
+        for task in [*background, *clients]:
+            task.cancel()
+        for h in http:
+            await h.aclose()
+    return timeline
+
+
+def check_sessions(run: Run, replicas: dict[str, Replica], how: str, delete: bool = False) -> dict[str, Any]:
+    """Look up every session that must exist now (a 404 is a loss); ``delete``: then delete it."""
+    alive = run.ledger.alive(run.now_s())
+    statuses: dict[str, int] = {}
+    for session_id in alive:
+        s = run.ledger.sessions[session_id]
+        headers = {"Authorization": f"Bearer {s.key}"}
+        try:
+            status = str(httpx.get(f"{replicas[s.replica].base_url}/v1/context/{session_id}", headers=headers,
+                                   timeout=60).status_code)
+        except httpx.HTTPError as exc:
+            status = f"exception:{type(exc).__name__}"
+        statuses[status] = statuses.get(status, 0) + 1
+        if status == "404":
+            run.ledger.missing(session_id, run.now_s(), how)
+        if not delete:
+            continue
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.delete(f"{replicas[s.replica].base_url}/v1/context/{session_id}", headers=headers,
+                            timeout=60).status_code == 200:
+                run.ledger.deleted(session_id)
+    return {"checked": len(alive), "statuses": dict(sorted(statuses.items()))}
+
+
+def interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM stops the drill like Ctrl-C: everything it started is stopped, the tmpfs unmounted."""
+    raise KeyboardInterrupt
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--minutes", type=float, default=2.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--redis-url", default=None, help="start redis-server on this URL's port and fault it halfway")
-    parser.add_argument("--redis-stop-s", type=float, default=10.0, help="how long Redis stays stopped")
-    parser.add_argument("--server-args", default="--kv-cache-gb 0.25 --max-model-len 2048",
-                        help="more 'kvhive serve' arguments")
-    parser.add_argument("--grace-s", type=float, default=120.0, help="time a client may finish its scenario")
-    parser.add_argument("--idle-s", type=float, default=3.0, help="idle time before the 'after' snapshot")
-    parser.add_argument("--drain-s", type=float, default=0.0,
-                        help="then wait up to this long for the sessions left alive to expire (no live "
-                             "session, stored response or used block) before the 'after' snapshot")
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "soak.json"))
-    args = parser.parse_args()
-
+    args = parse_args()
+    signal.signal(signal.SIGTERM, interrupt)
     os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
-    redis = RedisServer(args.redis_url, os.path.join(HERE, "out", "soak_redis.log")) if args.redis_url else None
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "kvhive.cli", "serve", "--port", str(port), "--log-level", "warning",
-           *shlex.split(args.server_args)]
-    if args.redis_url:
-        cmd += ["--redis-url", args.redis_url]
-    print("+", shlex.join(cmd), flush=True)
-    log_path = os.path.join(HERE, "out", "soak_server.log")
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    try:
-        print(f"healthy after {wait_healthy(base_url, server, 600):.0f} s", flush=True)
-        before = snapshot(base_url, server.pid)
-        run, timeline, events = asyncio.run(soak(args, base_url, server.pid, redis))
+    log = lambda name: os.path.join(HERE, "out", f"soak_{name}.log")  # noqa: E731
+    with contextlib.ExitStack() as stack:
+        disk = SmallDisk(args.disk_mb)
+        stack.callback(disk.close)
+        redis = RedisServer(free_port(), log("redis"))
+        stack.callback(redis.stop)
+        keys = [a for k in (*GOOD_KEYS, HOSTILE_KEY) for a in ("--api-key", k)]
+        disk_gb = f"{args.disk_mb * 0.4 / 1024:.3f}"
+        common = [*shlex.split(args.server_args), *keys, "--max-request-bytes", str(args.limit_bytes),
+                  "--disk-cache-gb", disk_gb]
+        replicas = {"redis": Replica("redis", [*common, "--redis-url", redis.url, "--disk-cache-dir",
+                                               disk.subdir("redis")], log("server_redis"), REPO),
+                    "disk": Replica("disk", [*common, "--disk-cache-dir", disk.subdir("disk")], log("server_disk"),
+                                    REPO)}
+        for replica in replicas.values():
+            stack.callback(replica.stop)
+        with ThreadPoolExecutor(2) as pool:
+            print("healthy after", [f"{t:.0f} s" for t in pool.map(Replica.start, replicas.values())], flush=True)
+        before = {name: r.snapshot() for name, r in replicas.items()}
+        references = {name: asyncio.run(reference_answers(r.base_url, GOOD_KEYS[0])) for name, r in replicas.items()}
+        run = Run(time.monotonic(), args.minutes * 60, args.session_ttl_s, references)
+        timeline = asyncio.run(drill(args, run, replicas, redis, disk))
         time.sleep(args.idle_s)
-        drained_s = drain(base_url, args.drain_s)
-        after = snapshot(base_url, server.pid)
-        healthy = httpx.get(f"{base_url}/health", timeout=10).status_code == 200
-    finally:
-        server.terminate()
-        try:
-            exit_code = server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            exit_code = server.wait()
-        if redis is not None:
-            redis.stop()
-
-    summary = summarize(run.records)
-    rss = [p["rss_mb"] for p in timeline if p["rss_mb"] is not None]
+        run.checks["at_end"] = check_sessions(run, replicas, "missing at the end", delete=True)
+        drained = {name: r.drain(args.drain_s) for name, r in replicas.items()}
+        after = {name: r.snapshot() for name, r in replicas.items()}
+        healthy = {name: r.healthy() for name, r in replicas.items()}
+        for replica in replicas.values():
+            replica.stop()
+    figures = summarize(run.records, run.windows, run.ledger, run.probes, run.duration_s)
+    figures["sessions"]["checks"] = run.checks
+    figures["gauges"] = gauges(before, after, baseline_keys({k: 0 for s in (*before.values(), *after.values())
+                                                             for k in s["metrics"]}))
+    met = targets(figures)
+    exit_codes = {name: r.exit_codes for name, r in replicas.items()}
     result = {
         "machine": machine(), "command": command(__file__),
-        "config": {"clients": args.clients, "minutes": args.minutes, "seed": args.seed, "server": shlex.join(cmd),
-                   "redis_url": args.redis_url, "redis_stop_s": args.redis_stop_s if args.redis_url else None,
-                   "scenarios": SCENARIOS, "host": platform.node(), "cpus": os.cpu_count()},
-        "summary": summary,
-        "throughput_rps": len(run.records) / (args.minutes * 60),
-        "before": before, "after": after,
-        "rss_mb": {"before": before["rss_mb"], "after": after["rss_mb"], "max": max(rss, default=None)},
-        "healthy_after": healthy, "server_exit_code": exit_code,
-        "drained_after_s": drained_s,
-        "redis_events": events, "timeline": timeline,
+        "config": {"clients": args.clients, "hostile_clients": max(1, round(args.clients * args.hostile_fraction)),
+                   "minutes": args.minutes, "seed": args.seed, "schedule": SCHEDULE, "scenarios": SCENARIOS,
+                   "redis_stop_s": args.redis_stop_s, "disk_mb": args.disk_mb, "body_bytes": args.body_bytes,
+                   "servers": {name: shlex.join(r.cmd) for name, r in replicas.items()}, "cpus": os.cpu_count()},
+        **figures, "targets": met, "throughput_rps": len(run.records) / run.duration_s,
+        "events": run.events, "windows": vars(run.windows),
+        "before": before, "after": after, "drained_after_s": drained, "healthy_after": healthy,
+        "server_exit_codes": exit_codes,
+        "rss_mb": {name: {"before": before[name]["rss_mb"], "after": after[name]["rss_mb"],
+                          "max": max((p[name]["rss_mb"] or 0 for p in timeline), default=None)} for name in replicas},
+        "timeline": timeline,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print_report(result)
     print(f"wrote {args.out}")
-    return 0 if summary["num_errors"] == 0 and healthy and exit_code == 0 else 1
+    clean = all(healthy.values()) and all(c == 0 for codes in exit_codes.values() for c in codes)
+    return 0 if all(met.values()) and clean and figures["well_behaved"]["num_errors"] == 0 else 1
 
 
 def print_report(result: dict[str, Any]) -> None:
-    s = result["summary"]
-
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value * 1000:.0f} ms"
 
-    print(f"requests {s['requests']} ({result['throughput_rps']:.2f}/s), errors {s['num_errors']} {s['errors']}, "
-          f"by status {s['by_status']}")
-    print(f"latency of answered requests: p50 {ms(s['p50_s'])}, p99 {ms(s['p99_s'])}")
-    for kind, k in s["kinds"].items():
-        print(f"  {kind:<18} {k['requests']:>5}  p50 {ms(k['p50_s']):>8}  p99 {ms(k['p99_s']):>8}  {k['statuses']}")
-    rss = {k: "-" if v is None else f"{v:.0f} MB" for k, v in result["rss_mb"].items()}
-    print(f"server RSS: {rss['before']} before, {rss['after']} after, max sampled {rss['max']}")
-    for when in ("before", "after"):
-        m = result[when]["metrics"]
-        blocks = {state: int(m.get(f"kvhive_kv_blocks{{state={state}}}", -1)) for state in ("free", "cached", "used")}
-        print(f"{when}: blocks {blocks}, sessions live {int(m.get('kvhive_sessions_live', -1))}, "
-              f"responses stored {int(m.get('kvhive_responses_stored', -1))}")
-    if result["redis_events"]:
-        print(f"redis fault: {result['redis_events']}")
-    print(f"healthy after: {result['healthy_after']}, server exit code {result['server_exit_code']}")
+    w, h, s, p = result["well_behaved"], result["hostile"], result["sessions"], result["probes"]
+    print(f"well-behaved: {w['requests']} requests {w['judged']}, errors {w['errors']}")
+    for phase, f in result["latency"]["phases"].items():
+        print(f"  {phase:<12} {f['requests']:>5}  p50 {ms(f['p50_s']):>8}  p99 {ms(f['p99_s']):>8}")
+    ratio = result["latency"]["p99_ratio"]
+    print(f"  p99 hostile / quiet: {'-' if ratio is None else f'{ratio:.2f}x'}")
+    print(f"hostile: {h['requests']} requests {h['outcomes']}")
+    for kind, outcomes in sorted(h["by_kind"].items()):
+        print(f"  {kind:<20} {outcomes}")
+    print(f"sessions: {s['created']} created, {s['deleted']} deleted, {s['refused_not_durable']} refused (not durable),"
+          f" checks {s['checks']}, lost {s['lost']} {s['lost_by'] or ''}")
+    print(f"probes: {p['answered']} answered {p['by_mode']}, wrong {p['wrong']}")
+    for example in p["wrong_examples"][:3]:
+        print(f"  {example}")
+    for key, g in result["gauges"].items():
+        if not g["back"]:
+            print(f"  gauge not back: {key} {g['before']} -> {g['after']}")
+    print("events:", "; ".join(f"{e['at_s']:.0f} s {e['event']}" for e in result["events"]))
+    print(f"healthy after: {result['healthy_after']}, exit codes {result['server_exit_codes']}, "
+          f"drained after {result['drained_after_s']}")
+    for target, ok in result["targets"].items():
+        print(f"  {'met    ' if ok else 'NOT MET'}  {target}")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted: the replicas and redis-server are stopped, the tmpfs unmounted", file=sys.stderr)
+        sys.exit(130)
