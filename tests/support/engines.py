@@ -3,11 +3,12 @@ to the end in the test's own process."""
 
 from __future__ import annotations
 
+from support.tiny import tiny_config, tiny_model
+
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, StoreConfig
 from kvhive.engine.core import LLMEngine, RequestOutput
 from kvhive.model.loader import LoadedModel
 from kvhive.request import SamplingParams
-from support.tiny import tiny_config, tiny_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -10,7 +10,6 @@ import sys
 import time
 
 import httpx
-
 from support.servers import (
     REPO_ROOT,
     TEST_DEVICE,

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 import yaml
-
 from support.servers import REPO_ROOT, free_port, log_file, log_tail, subprocess_env
 
 OBJECT_STORE_BYTES = 80_000_000     # Ray's minimum is 75 MB
@@ -114,7 +113,6 @@ def wait_for_app(run: ServeRun, client: Any, replicas: int = 2) -> None:
     runs ``replicas`` kvhive replica processes; fail with ``run``'s output if it exits first or
     either takes too long."""
     import httpx
-
     from support.servers import wait_until
 
     def ready() -> bool:

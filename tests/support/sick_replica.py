@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import httpx
-
 from support.cluster import TinyReplica
 from support.servers import TINY_MAX_MODEL_LEN, serve_command
 

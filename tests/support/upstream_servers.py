@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
+from support.servers import free_port
 
 from kvhive.router.config import ReplicaSpec
 from kvhive.router.gateway import Gateway
@@ -17,7 +18,6 @@ from kvhive.router.replicas import Replica, ReplicaSet
 from kvhive.router.scorer import RoutingWeights
 from kvhive.router.sessions import SessionAffinity
 from kvhive.router.upstream import UpstreamClient
-from support.servers import free_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{"ok": "y"}'
