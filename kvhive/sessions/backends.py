@@ -20,13 +20,15 @@ of sessions, and replicas sharing a Redis never overwrite each other's sessions.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
 from collections.abc import Callable
 from typing import Protocol
+
+from kvhive.core import atomic_file
+from kvhive.core.atomic_file import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -61,33 +63,9 @@ def record_digest(owner: str | None, record_id: str) -> str:
     return hashlib.sha256(record_name(owner, record_id).encode()).hexdigest()[:40]
 
 
-TEMP_SUFFIX = ".tmp"
-
-
-def atomic_write(path: str, data: bytes) -> None:
-    """Replace ``path`` with ``data``; a kill at any point leaves the old or the new file. A failed
-    write (OSError: a full disk) removes its temp file and leaves the old file as it was."""
-    tmp = f"{path}{TEMP_SUFFIX}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def remove_temp_files(directory: str) -> int:
-    """Delete the temp files a kill left in ``directory`` (mid ``atomic_write``); how many."""
-    removed = 0
-    for name in os.listdir(directory):
-        if name.endswith(TEMP_SUFFIX):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(directory, name))
-                removed += 1
+    """Delete the temp files a kill left in ``directory`` (mid ``atomic_write``), logged; how many."""
+    removed = atomic_file.remove_temp_files(directory)
     if removed:
         logger.info("removed %d temp files left in %s", removed, directory)
     return removed

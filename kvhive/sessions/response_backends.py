@@ -25,7 +25,8 @@ import os
 import shutil
 from typing import Any, Protocol
 
-from kvhive.sessions.backends import RedisRecords, atomic_write, record_digest, remove_temp_files
+from kvhive.core.atomic_file import atomic_write
+from kvhive.sessions.backends import RedisRecords, record_digest, remove_temp_files
 
 logger = logging.getLogger(__name__)
 

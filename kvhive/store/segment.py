@@ -16,6 +16,7 @@ from typing import NamedTuple
 import msgpack
 import xxhash
 
+from kvhive.core.atomic_file import TEMP_SUFFIX, atomic_write
 from kvhive.store.codec import MAGIC, read_header
 
 SEGMENT_PREFIX = "seg-"
@@ -116,19 +117,7 @@ def write_snapshot(directory: str, segment_sizes: dict[int, int],
         "segments": [[seg, size] for seg, size in segment_sizes.items()],
         "records": [[key, loc.segment, loc.offset, loc.length] for key, loc in index.items()],
     })
-    path = os.path.join(directory, SNAPSHOT_NAME)
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(xxhash.xxh3_64_digest(body))
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write(os.path.join(directory, SNAPSHOT_NAME), xxhash.xxh3_64_digest(body) + body)
     fsync_directory(directory)
 
 
@@ -140,7 +129,7 @@ def take_snapshot(directory: str) -> Snapshot | None:
     """
     path = os.path.join(directory, SNAPSHOT_NAME)
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(path + ".tmp")
+        os.unlink(path + TEMP_SUFFIX)
     try:
         with open(path, "rb") as f:
             raw = f.read()
