@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvhive.core.structured_spec import StructuredSpec
+
 # Most top logprobs a request may ask for per token (OpenAI caps chat at 20).
 MAX_LOGPROBS = 20
 # A temperature or top_p below this samples greedily: dividing logits by a smaller temperature
@@ -35,6 +37,9 @@ class SamplingParams:
     # Report each prompt token's logprob (after the first) and this many top alternatives; the
     # request then computes its whole prompt (no prefix-cache hits) and cannot run in a session.
     prompt_logprobs: int | None = None
+    # Decode under this constraint's grammar (None: unconstrained); the engine compiles it once per
+    # distinct spec and ends the request when the grammar is complete.
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
