@@ -10,9 +10,9 @@ from support.servers import free_port
 
 from kvhive.cli import HelpFormatter, build_parser, listen_error, main
 
-SERVE_GROUPS = ["model and device", "KV cache and prefix caching", "KV tiers", "sessions", "KV events",
+SERVE_GROUPS = ["flags from a file", "model and device", "KV cache and prefix caching", "KV tiers", "sessions", "KV events",
                 "server and security", "HTTP limits", "registration", "performance", "logging"]
-GATEWAY_GROUPS = ["replicas", "block keys", "block index", "routing and scoring", "upstream time limits", "server",
+GATEWAY_GROUPS = ["replicas", "flags from a file", "block keys", "block index", "routing and scoring", "upstream time limits", "server",
                   "HTTP limits", "logging"]
 
 
