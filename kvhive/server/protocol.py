@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
@@ -119,6 +119,17 @@ class ChatCompletionRequest(SamplingRequest):
 # ---------------------------------------------------------------- responses
 
 
+class _OmitUnasked(BaseModel):
+    """A response model whose vLLM-only fields (``OMIT_WHEN_NONE``) are left out unless set: they
+    appear only when the request asked for them."""
+
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None or k not in self.OMIT_WHEN_NONE}
+
+
 class PromptTokensDetails(BaseModel):
     """Part of ``usage``: prompt tokens served from the prefix cache."""
 
@@ -157,9 +168,11 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
-class CompletionChoice(BaseModel):
-    """One choice of a completion (or a streamed completion chunk); the vLLM fields are set only when
+class CompletionChoice(_OmitUnasked):
+    """One choice of a completion (or a streamed completion chunk); the vLLM fields are there only when
     asked (``return_token_ids``, ``prompt_logprobs``)."""
+
+    OMIT_WHEN_NONE = frozenset({"token_ids", "prompt_token_ids", "prompt_logprobs"})
 
     index: int = 0
     text: str
@@ -210,8 +223,10 @@ class ChatLogprobs(BaseModel):
     refusal: None = None
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_OmitUnasked):
     """One choice of a chat completion."""
+
+    OMIT_WHEN_NONE = frozenset({"token_ids"})
 
     index: int = 0
     message: AssistantMessage
@@ -220,8 +235,10 @@ class ChatChoice(BaseModel):
     token_ids: list[int] | None = None                  # vLLM's, with return_token_ids: the generated ids
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_OmitUnasked):
     """A non-streamed chat completion."""
+
+    OMIT_WHEN_NONE = frozenset({"prompt_logprobs", "prompt_token_ids"})
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -246,8 +263,10 @@ class DeltaMessage(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_OmitUnasked):
     """One choice of a streamed chat chunk."""
+
+    OMIT_WHEN_NONE = frozenset({"token_ids"})
 
     index: int = 0
     delta: DeltaMessage
@@ -256,8 +275,10 @@ class ChatChunkChoice(BaseModel):
     token_ids: list[int] | None = None                  # vLLM's, with return_token_ids: this chunk's ids
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_OmitUnasked):
     """One ``data:`` event of a streamed chat completion."""
+
+    OMIT_WHEN_NONE = frozenset({"prompt_token_ids"})
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"

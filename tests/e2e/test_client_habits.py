@@ -145,10 +145,10 @@ def test_return_token_ids_on_completions_whole_and_streamed(tiny_client: httpx.C
     events = stream(tiny_client, "/v1/completions", prompt=prompt, max_tokens=5, return_token_ids=True, **GREEDY)
     chunks = [c for e in events[:-1] for c in e["choices"]]
     assert chunks[0]["prompt_token_ids"] == choice["prompt_token_ids"]
-    assert all(c["prompt_token_ids"] is None for c in chunks[1:])
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
     assert [t for c in chunks for t in c["token_ids"]] == choice["token_ids"]
     plain = complete(tiny_client, prompt=prompt, max_tokens=2, **GREEDY)
-    assert plain["choices"][0]["token_ids"] is None and plain["choices"][0]["prompt_token_ids"] is None
+    assert not {"token_ids", "prompt_token_ids", "prompt_logprobs"} & set(plain["choices"][0])
 
 
 def test_return_token_ids_on_chat_whole_and_streamed(tiny_client: httpx.Client, tokenizer: Tokenizer) -> None:
@@ -160,8 +160,8 @@ def test_return_token_ids_on_chat_whole_and_streamed(tiny_client: httpx.Client, 
     events = stream(tiny_client, "/v1/chat/completions", messages=messages, max_tokens=5, return_token_ids=True,
                     **GREEDY)
     assert events[0]["prompt_token_ids"] == whole["prompt_token_ids"]
-    assert all(e["prompt_token_ids"] is None for e in events[1:-1])
-    assert [t for e in events[:-1] for c in e["choices"] for t in c["token_ids"] or []] == choice["token_ids"]
+    assert all("prompt_token_ids" not in e for e in events[1:-1])
+    assert [t for e in events[:-1] for c in e["choices"] for t in c.get("token_ids", [])] == choice["token_ids"]
 
 
 def test_prompt_logprobs_on_completions_and_chat(tiny_client: httpx.Client, tokenizer: Tokenizer) -> None:
@@ -179,6 +179,7 @@ def test_prompt_logprobs_on_completions_and_chat(tiny_client: httpx.Client, toke
         ranks = sorted(e["rank"] for e in entry.values() if e["rank"] is not None)
         assert ranks[:2] == [1, 2]
     assert scored["choices"][0]["logprobs"] is None                  # the prompt's, not the completion's
+    assert "prompt_logprobs" not in echoed["choices"][0]
     messages = [{"role": "user", "content": "Hello"}]
     answer = chat(tiny_client, messages=messages, max_tokens=1, prompt_logprobs=0, **GREEDY)
     chat_values = answer["prompt_logprobs"]
