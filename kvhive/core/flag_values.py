@@ -99,6 +99,9 @@ def given_dests(parser: argparse.ArgumentParser, argv: list[str]) -> frozenset[s
     """The dests of the flags and positionals ``argv`` sets on ``parser`` (a bad value exits with
     ``parser``'s usage, as the whole parse would)."""
     unset = object()
-    namespace = argparse.Namespace(**{a.dest: unset for a in parser._actions})
+    # An append flag starts from None (it appends to a copy of what is there); the others from ``unset``.
+    appended = {a.dest for a in parser._actions if isinstance(a, argparse._AppendAction)}
+    namespace = argparse.Namespace(**{a.dest: None if a.dest in appended else unset for a in parser._actions})
     parsed, _ = parser.parse_known_args(argv, namespace)
-    return frozenset(dest for dest, value in vars(parsed).items() if value is not unset)
+    return frozenset(dest for dest, value in vars(parsed).items()
+                     if value is not unset and not (dest in appended and value is None))
