@@ -180,6 +180,10 @@ def test_prompt_logprobs_on_completions_and_chat(tiny_client: httpx.Client, toke
         assert ranks[:2] == [1, 2]
     assert scored["choices"][0]["logprobs"] is None                  # the prompt's, not the completion's
     assert "prompt_logprobs" not in echoed["choices"][0]
+    both = complete(tiny_client, prompt=prompt, max_tokens=1, echo=True, logprobs=1, prompt_logprobs=3, **GREEDY)
+    (choice,) = both["choices"]
+    assert all(len(top) <= 2 for top in choice["logprobs"]["top_logprobs"][1:])   # each field its own count
+    assert all(3 <= len(entry) <= 4 for entry in choice["prompt_logprobs"][1:])
     messages = [{"role": "user", "content": "Hello"}]
     answer = chat(tiny_client, messages=messages, max_tokens=1, prompt_logprobs=0, **GREEDY)
     chat_values = answer["prompt_logprobs"]

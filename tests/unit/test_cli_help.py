@@ -77,6 +77,18 @@ def test_serve_help_names_the_defaults_users_ask_about(capsys: pytest.CaptureFix
     assert "(default: 8080)" in _help(capsys, "gateway")
 
 
+def test_help_shows_the_model_argument_the_config_file_and_the_client_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    serve = _help(capsys, "serve")
+    assert serve.startswith("usage: kvhive serve [-h] [--config FILE]") and "[MODEL]" in serve
+    for shown in ("MODEL the model to serve, as --model takes it", "--config FILE a YAML file of 'serve' flags",
+                  "--enable-tokenizer-info-endpoint serve GET /tokenizer_info", "--allowed-origins LIST",
+                  "--allowed-methods LIST", "--allowed-headers LIST", "--allow-credentials"):
+        assert shown in serve, shown
+    gateway = _help(capsys, "gateway")
+    for shown in ("--config FILE a YAML file of 'gateway' flags", "--allowed-origins LIST", "--allow-credentials"):
+        assert shown in gateway, shown
+
+
 def test_listen_error_tells_a_taken_port_from_a_free_one(taken_port: int) -> None:
     assert listen_error("127.0.0.1", taken_port) == (f"port {taken_port} on 127.0.0.1 is in use "
                                                      "(pick another with --port)")
