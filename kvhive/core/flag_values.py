@@ -47,10 +47,11 @@ def flag_argv(action: argparse.Action, name: str, value: Any, noun: str = "field
         if any(isinstance(v, (dict, list, bool)) for v in values):
             raise FlagValueError(f"{noun} {name!r} takes a value or a list of values, got {value!r}")
         return [part for v in values for part in (flag, str(v))]
-    if isinstance(value, (dict, bool)):
-        raise FlagValueError(f"{noun} {name!r} takes one value, got {value!r}")
-    if isinstance(value, list):
-        # A list for a flag that takes one value: its JSON text (the CORS lists, --kv-events-config).
+    if isinstance(value, bool):
+        raise FlagValueError(f"{noun} {name!r} takes a value, not {value!r}")
+    if isinstance(value, (list, dict)):
+        # A list or mapping for a flag that takes one value: its JSON text, which the flag checks
+        # (the CORS lists, --kv-events-config, --kv-transfer-config).
         import json
 
         return [flag, json.dumps(value)]

@@ -43,6 +43,8 @@ def test_a_config_file_sets_flags_the_command_line_does_not(tmp_path: Path) -> N
     assert args.model == "from-file.gguf"
     args = parse_args(["serve", "--config", path, "--port", "9000", "--api-key", "k3", "cli.gguf"])
     assert (args.port, args.api_key, args.model, args.kv_cache_gb) == (9000, ["k3"], "cli.gguf", 0.5)
+    events = parse_args(["serve", "--config", _file(tmp_path, "kv-events-config: {enable_kv_cache_events: true}\n")])
+    assert events.kv_events_config == '{"enable_kv_cache_events": true}'
     gateway = parse_args(["gateway", "--config", _file(tmp_path, "replica: [http://a:1, http://b:2]\nport: 8081\n")])
     assert gateway.replica == ["http://a:1", "http://b:2"] and gateway.port == 8081
 
@@ -52,7 +54,8 @@ def test_a_config_file_sets_flags_the_command_line_does_not(tmp_path: Path) -> N
     ("config: other.yaml\n", "unknown key 'config'"),
     ("port: abc\n", "argument --port: 'abc' is not a port number"),
     ("share_prefix_cache: 1\n", "'share_prefix_cache' must be true or false"),
-    ("port: {a: 1}\n", "'port' takes one value"),
+    ("port: {a: 1}\n", "argument --port: '{\"a\": 1}' is not a port number"),
+    ("port: true\n", "'port' takes a value, not True"),
     ("- port\n", "must be a mapping of flag names"),
     ("port: [\n", "is not valid YAML"),
 ])
