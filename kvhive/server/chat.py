@@ -27,10 +27,10 @@ from kvhive.server.protocol import (
     PromptTokensDetails,
     Usage,
 )
+from kvhive.server.request_checks import check_prompt_logprobs
 from kvhive.server.serving import (
     GenerationService,
     TextDelta,
-    check_prompt_logprobs,
     combined_usage,
     merge_streams,
     new_request_id,

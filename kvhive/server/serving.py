@@ -26,11 +26,12 @@ from kvhive.core.tenancy import cache_salt, key_owner
 from kvhive.core.tokenizer import IncrementalDetokenizer
 from kvhive.engine.core import RequestFailed, RequestOutput
 from kvhive.engine.step import TokenLogprobs
-from kvhive.request import MAX_LOGPROBS, SamplingParams
+from kvhive.request import SamplingParams
 from kvhive.server.errors import APIError, bad_request, server_error
 from kvhive.server.logprobs import SentToken, TokensAwaitingText
 from kvhive.server.metrics import ServerMetrics
 from kvhive.server.protocol import PromptTokensDetails, SamplingRequest, Usage
+from kvhive.server.request_checks import check_stream_options
 from kvhive.server.sse import sse_response
 from kvhive.server.stop import StopStringMatcher
 from kvhive.sessions.registry import SessionError, check_session_id
@@ -83,32 +84,6 @@ class TextDelta:
     def usage(self) -> Usage:
         """OpenAI usage as of this delta."""
         return combined_usage([self])
-
-
-def check_stream_options(body: SamplingRequest) -> None:
-    """400 for ``stream_options`` on a request that does not stream (as OpenAI and vLLM answer),
-    and for ``continuous_usage_stats`` without ``include_usage`` (usage on every chunk is usage)."""
-    options = body.stream_options
-    if options is None:
-        return
-    if not body.stream:
-        raise bad_request("'stream_options' can only be given when 'stream' is true", param="stream_options")
-    if options.continuous_usage_stats and not options.include_usage:
-        raise bad_request("'stream_options.continuous_usage_stats' needs 'stream_options.include_usage': true",
-                          param="stream_options.continuous_usage_stats")
-
-
-def check_prompt_logprobs(body: SamplingRequest) -> None:
-    """400 for a ``prompt_logprobs`` (vLLM's field) out of bounds or on a streamed request (vLLM
-    answers it only whole)."""
-    asked = body.prompt_logprobs
-    if asked is None:
-        return
-    if not 0 <= asked <= MAX_LOGPROBS:
-        raise bad_request(f"'prompt_logprobs' must be between 0 and {MAX_LOGPROBS}, got {asked}",
-                          param="prompt_logprobs")
-    if body.stream:
-        raise bad_request("'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
 
 
 def session_headers(turn: SessionTurn) -> dict[str, str]:
