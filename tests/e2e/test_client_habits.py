@@ -90,6 +90,15 @@ def test_echo_and_logprobs_apply_to_each_prompt(tiny_client: httpx.Client, token
         tokens = choice["logprobs"]["tokens"]
         assert len(tokens) == len(tokenizer.encode(prompt, add_special_tokens=True)) + 2
         assert choice["logprobs"]["token_logprobs"][0] is None
+    # lm-evaluation-harness's loglikelihood requests: token-id prompts scored, nothing generated.
+    ids = [tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]
+    scored = complete(tiny_client, prompt=ids, max_tokens=0, echo=True, logprobs=1, **GREEDY)
+    assert sorted(c["index"] for c in scored["choices"]) == [0, 1]
+    for choice in scored["choices"]:
+        assert len(choice["logprobs"]["token_logprobs"]) == len(ids[choice["index"]])
+        assert choice["finish_reason"] == "length"
+    assert scored["usage"]["completion_tokens"] == 0
+    assert scored["usage"]["prompt_tokens"] == sum(map(len, ids))
 
 
 def test_a_list_of_prompts_is_bounded_and_never_in_a_session(tiny_client: httpx.Client) -> None:
