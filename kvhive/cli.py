@@ -16,6 +16,8 @@ import socket
 import sys
 
 from kvhive.config import CPU_ISAS, EngineConfig
+from kvhive.core.cors import cors_from_args
+from kvhive.core.flag_values import FlagValueError, given_dests, load_flag_file, mapping_argv
 from kvhive.core.http_limits import http_limits_from_args
 from kvhive.core.redis_check import redis_refusal
 from kvhive.core.registry import RegistrationConfig
@@ -110,6 +112,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config = build_engine_config(args)
         registration = build_registration(args)
+        cors_from_args(args)
     except ValueError as exc:
         print(f"kvhive serve: {exc}", file=sys.stderr)
         return 2
@@ -194,7 +197,8 @@ def run_engine(args: argparse.Namespace, config: EngineConfig,
         served = run_server(AsyncEngine(engine), host=args.host, port=args.port,
                             served_model_name=config.served_model_name, api_keys=tuple(api_keys),
                             log_level=args.log_level, max_request_bytes=args.max_request_bytes,
-                            metrics_compat=args.metrics_compat, http_limits=http_limits_from_args(args))
+                            metrics_compat=args.metrics_compat, http_limits=http_limits_from_args(args),
+                            cors=cors_from_args(args), tokenizer_info=args.enable_tokenizer_info_endpoint)
     finally:
         if heartbeat is not None:
             heartbeat.stop(deregister=True)
@@ -232,6 +236,9 @@ that to about 1.8 GB. The port is checked before the model loads: a taken port e
 SERVE_EPILOG = """\
 examples:
   kvhive serve --port 8000
+  kvhive serve HuggingFaceTB/SmolLM2-135M-Instruct     a model as vllm serve takes it (--model works too)
+  kvhive serve --config serve.yaml --port 8001         flags from YAML (port: 8000, kv_cache_gb: 0.5, ...);
+                                                       the command line wins
   kvhive serve --kv-cache-gb 0.5 --max-model-len 4096
   kvhive serve --cpu-offload-gb 4 --disk-cache-dir ~/.cache/kvhive/kv-tier --redis-url redis://127.0.0.1:6379/0
   kvhive serve --api-key "$KEY" --host 0.0.0.0"""
@@ -281,6 +288,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                                   description=GATEWAY_DESCRIPTION, epilog=GATEWAY_EPILOG,
                                   formatter_class=HelpFormatter),
     }
+    commands["serve"].add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL",
+        help="the model to serve, as --model takes it (the form 'vllm serve MODEL' uses); giving both "
+             "with different values is an error (default: --model)")
+    for name in ("serve", "gateway"):
+        commands[name].add_argument_group("flags from a file").add_argument(
+            "--config", default=None, metavar="FILE",
+            help=f"a YAML file of '{name}' flags: names without the dashes, with - or _ (port: 8001, "
+                 f"kv_cache_gb: 0.5, api_key: [k1, k2], allowed_origins: ['*']); flags on the command "
+                 f"line win over the file's (default: none)")
     add_serve_args(commands["serve"])
     commands["warmup"].add_argument("--cpu-isa", choices=CPU_ISAS, default="auto",
                                     help="ISA level to build for; auto: the best this CPU runs")
@@ -302,7 +319,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         before_command = any(arg in argv[:position] for arg in unknown)
         owner = parser if before_command else commands[args.command]
         owner.error(f"unrecognized arguments: {' '.join(unknown)}")
+    command = commands[args.command]
+    if getattr(args, "config", None) is not None:
+        args = with_flag_file(parser, command, argv, args)
+    if args.command == "serve":
+        resolve_model(command, args)
     return args
+
+
+def with_flag_file(parser: argparse.ArgumentParser, command: argparse.ArgumentParser, argv: list[str],
+                   args: argparse.Namespace) -> argparse.Namespace:
+    """``argv`` parsed again with the flags of the ``--config`` YAML file before the command line's
+    own (which win: a flag given on the command line is not taken from the file). An unreadable file,
+    an unknown key or a value the flag refuses exits 2 naming the file and the key."""
+    position = argv.index(args.command) + 1
+    given = given_dests(command, argv[position:])
+    if getattr(args, "model_tag", None) is not None:
+        given |= {"model"}                            # the positional model wins over the file's
+    try:
+        file_argv = mapping_argv(command, load_flag_file(args.config), skip=given)
+    except FlagValueError as exc:
+        command.error(f"--config {args.config}: {exc}")
+    _, fresh = build_parser()                         # the file's values alone, so errors name the file
+    checker = fresh[args.command]
+    checker.error = lambda message: command.error(f"--config {args.config}: {message}")  # type: ignore[method-assign]
+    checker.parse_known_args(file_argv)
+    return parser.parse_args([*argv[:position], *file_argv, *argv[position:]])
+
+
+def resolve_model(command: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``args.model`` from the positional MODEL or ``--model``; exits 2 when they name different models."""
+    tag = args.model_tag
+    if tag is not None and args.model is not None and tag != args.model:
+        command.error(f"the positional MODEL {tag!r} and --model {args.model!r} name different models; give one")
+    if tag is not None:
+        args.model = tag
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ from kvhive.config import (
     StoreConfig,
 )
 from kvhive.connector.disagg.config import parse_kv_transfer_config
+from kvhive.core.cors import add_cors_args
 from kvhive.core.http_limits import add_http_limit_args
 from kvhive.core.registry import RegistrationConfig, default_advertise_url
 from kvhive.kv.events_config import parse_kv_events_config
@@ -181,7 +182,8 @@ def _add_kv_event_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
-    """Add the options of the listening address, API keys, cache sharing and the body limit."""
+    """Add the options of the listening address, API keys, cache sharing, the body limit, the
+    optional endpoints and CORS."""
     g = p.add_argument_group("server and security")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
     g.add_argument("--port", type=port_number, default=8000, help="TCP port to listen on")
@@ -198,6 +200,10 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help="vllm: /metrics also exports each metric vLLM has under vLLM's name and labels "
                         "(vllm:num_requests_waiting, vllm:kv_cache_usage_perc, ...; docs/metrics.md), "
                         "for dashboards and endpoint pickers written for vLLM")
+    g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (vLLM's endpoint: the tokenizer's settings and chat "
+                        "template, for clients that render prompts themselves) (default: off)")
+    add_cors_args(g)
 
 
 def _add_registration_args(p: argparse.ArgumentParser) -> None:

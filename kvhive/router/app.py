@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvhive.core.cors import CorsConfig, install_cors
 from kvhive.core.json_body import BodyError, MalformedJSON, load_json, off_loop_for
 from kvhive.core.tenancy import key_owner
 from kvhive.core.tokenizer import Tokenizer
@@ -32,13 +33,15 @@ _ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
-                       index: KVBlockIndex | None = None) -> FastAPI:
-    """The gateway app; replicas are checked and event subscribers started when it starts."""
+                       index: KVBlockIndex | None = None, cors: CorsConfig | None = None) -> FastAPI:
+    """The gateway app; replicas are checked and event subscribers started when it starts.
+    ``cors``: the browser origins allowed (None: no CORS headers)."""
     parts = build_gateway(config, tokenizer, index)
     app = FastAPI(title="kvhive gateway", version="0.1.0", lifespan=parts.lifespan)
     app.state.gateway = parts.gateway
     app.state.index = parts.index
     GatewayRoutes(config, parts).install(app)
+    install_cors(app, cors)               # added last, so a preflight is answered before any route
     return app
 
 
@@ -60,6 +63,7 @@ class GatewayRoutes:
         app.add_api_route("/health", self.health, methods=["GET"], response_model=None)
         app.add_api_route("/metrics", self.prometheus_metrics, methods=["GET"])
         app.add_api_route("/v1/models", self.list_models, methods=["GET"], response_model=None)
+        app.add_api_route("/v1/models/{model_id:path}", self.retrieve_model, methods=["GET"], response_model=None)
         for path in ("/tokenize", "/detokenize"):
             app.add_api_route(path, self.tokenize, methods=["POST"], response_model=None)
         app.add_api_route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"], response_model=None)
@@ -97,6 +101,20 @@ class GatewayRoutes:
     async def list_models(self, request: Request) -> Response:
         """The models of every healthy replica, each id once."""
         return _merge_lists(await self.gateway.fan_out(request, "/v1/models"), key="id")
+
+    async def retrieve_model(self, request: Request, model_id: str) -> Response:
+        """The card of ``model_id`` from the healthy replicas' lists (ids may hold '/'); 404 in
+        OpenAI's shape when none serves it."""
+        models = await self.list_models(request)
+        if models.status_code != 200:
+            return models               # no replica, or the caller's key refused: as the replicas say
+        cards = json.loads(bytes(models.body)).get("data") or []
+        card = next((c for c in cards if isinstance(c, dict) and c.get("id") == model_id), None)
+        if card is None:
+            served = ", ".join(f"`{c.get('id')}`" for c in cards if isinstance(c, dict))
+            return openai_error(404, f"The model `{model_id}` does not exist. Served models: {served}.",
+                                param="model", code="model_not_found")
+        return JSONResponse(card)
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         """``POST /reset_prefix_cache`` (vLLM's query parameters passed on) on every healthy

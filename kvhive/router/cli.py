@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from kvhive.core.cors import add_cors_args, cors_from_args
 from kvhive.core.http_limits import add_http_limit_args, http_limits_from_args
 from kvhive.router.config import ROUTING_POLICIES, GatewayConfig, ReplicaSpec
 from kvhive.router.outlier import OutlierPolicy
@@ -178,7 +179,7 @@ def upstream_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
-    """Add the "server" group to ``p``: the address to listen on and the largest body read."""
+    """Add the "server" group to ``p``: the address to listen on, the largest body read and CORS."""
     from kvhive.serve_args import port_number
 
     g = p.add_argument_group("server")
@@ -187,6 +188,7 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-bytes", type=int, default=32 * 2**20, metavar="N",
                    help="largest request body in bytes the gateway reads (it holds each body in memory "
                         "to forward it); a larger one is refused with 413 (default: 32 MiB)")
+    add_cors_args(g)
 
 
 def parse_tier_weights(text: str) -> TierWeights:
@@ -297,6 +299,7 @@ def run_gateway(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = build_gateway_config(args)
+        cors = cors_from_args(args)
     except ValueError as exc:
         print(f"kvhive gateway: {exc}", file=sys.stderr)
         return 2
@@ -320,7 +323,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     if None in (args.model_fingerprint, args.block_size, args.hash_seed):
         config = with_replica_hashing(config, args)
     tokenizer = Tokenizer.from_model_path(config.model_path or default_model_path())
-    app = create_gateway_app(config, tokenizer)
+    app = create_gateway_app(config, tokenizer, cors=cors)
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5, **uvicorn_options(config.http))
     return 0

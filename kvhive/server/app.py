@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvhive.core.cors import CorsConfig, install_cors
 from kvhive.core.http_limits import HttpLimits
 from kvhive.core.http_protocol import uvicorn_options
 from kvhive.engine.client import EngineClient
@@ -58,12 +59,12 @@ ENGINE_FAILURE_EXIT_S = 5.0
 
 
 # Routes outside /v1 that need the API key too.
-KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/reset_prefix_cache"})
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/reset_prefix_cache", "/tokenizer_info"})
 
 
 class APIKeyMiddleware:
     """Answers 401 on ``/v1/*`` and KEYED_PATHS (``/tokenize``, ``/detokenize``,
-    ``/reset_prefix_cache``) unless ``Authorization: Bearer <key>`` names one of the keys.
+    ``/reset_prefix_cache``, ``/tokenizer_info``) unless ``Authorization: Bearer <key>`` names one of the keys.
 
     ``/health`` and ``/metrics`` stay open (probes and scrapers carry no key).
     """
@@ -95,10 +96,13 @@ class APIKeyMiddleware:
 
 def create_app(async_engine: AsyncEngine, *, served_model_name: str,
                api_keys: tuple[str, ...] = (), max_request_bytes: int | None = None,
-               metrics_compat: str = "none") -> FastAPI:
+               metrics_compat: str = "none", cors: CorsConfig | None = None,
+               tokenizer_info: bool = False) -> FastAPI:
     """The OpenAI-compatible app over a started ``AsyncEngine`` (the caller owns its lifecycle).
 
     ``metrics_compat``: "vllm" also exports each metric vLLM has under vLLM's name (docs/metrics.md).
+    ``cors``: the browser origins allowed (None: no CORS headers). ``tokenizer_info``: serve
+    ``GET /tokenizer_info``.
 
     ``max_request_bytes``: larger request bodies are refused with 413 before they are read
     (default: ``default_max_request_bytes`` of the model's context).
@@ -124,7 +128,10 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=tuple(api_keys))
+    install_cors(app, cors)
     install_info_routes(app, service, created)
+    if tokenizer_info:
+        install_tokenizer_info_route(app, service)
     install_generation_routes(app, service)
     install_context_routes(app, service)
     install_response_routes(app, responses)
@@ -154,7 +161,7 @@ def build_services(engine: EngineClient, served_model_name: str, api_keys: tuple
 
 
 def install_info_routes(app: FastAPI, service: GenerationService, created: int) -> None:
-    """Add /health, /version, /metrics and /v1/models (``created``: the model card's time)."""
+    """Add /health, /version, /metrics, /v1/models and /v1/models/{id} (``created``: the model card's time)."""
     engine = service.engine
 
     @app.get("/health", response_model=None)
@@ -175,13 +182,30 @@ def install_info_routes(app: FastAPI, service: GenerationService, created: int) 
         payload, content_type = service.metrics.render()
         return Response(content=payload, media_type=content_type)
 
+    card = ModelCard(id=service.served_model_name, created=created, max_model_len=service.max_model_len,
+                     kvhive_fingerprint=engine.fingerprint, kvhive_block_size=engine.block_size,
+                     kvhive_hash_seed=engine.config.cache.hash_seed)
+
     @app.get("/v1/models")
     async def list_models() -> ModelList:
         """The one served model, with its context length."""
-        card = ModelCard(id=service.served_model_name, created=created, max_model_len=service.max_model_len,
-                         kvhive_fingerprint=engine.fingerprint, kvhive_block_size=engine.block_size,
-                         kvhive_hash_seed=engine.config.cache.hash_seed)
         return ModelList(data=[card])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> ModelCard:
+        """The served model's card (ids may hold '/'); 404 in OpenAI's shape for any other id."""
+        service.check_model(model_id)
+        return card
+
+
+def install_tokenizer_info_route(app: FastAPI, service: GenerationService) -> None:
+    """Add ``GET /tokenizer_info`` (vLLM's endpoint, behind ``--enable-tokenizer-info-endpoint``)."""
+    from kvhive.server.tokenizer_info import tokenizer_info
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_settings() -> dict:
+        """The tokenizer's settings as tokenizer_config.json holds them, the chat template included."""
+        return tokenizer_info(service.tokenizer, service.max_model_len)
 
 
 def install_generation_routes(app: FastAPI, service: GenerationService) -> None:
@@ -203,7 +227,8 @@ def install_generation_routes(app: FastAPI, service: GenerationService) -> None:
 def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_name: str,
                api_keys: tuple[str, ...] = (), log_level: str = "info",
                max_request_bytes: int | None = None, metrics_compat: str = "none",
-               http_limits: HttpLimits | None = None) -> bool:
+               http_limits: HttpLimits | None = None, cors: CorsConfig | None = None,
+               tokenizer_info: bool = False) -> bool:
     """Serve HTTP on a thread and run the engine loop on this (main) thread until interrupted.
 
     Returns False when the HTTP server never started (e.g. the port is taken) or the engine loop
@@ -217,7 +242,8 @@ def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_nam
     status 1 on its own: closing must not keep a broken server alive).
     """
     app = create_app(async_engine, served_model_name=served_model_name, api_keys=api_keys,
-                     max_request_bytes=max_request_bytes, metrics_compat=metrics_compat)
+                     max_request_bytes=max_request_bytes, metrics_compat=metrics_compat, cors=cors,
+                     tokenizer_info=tokenizer_info)
     logger.info("request bodies over %d bytes are refused (413)", app.state.max_request_bytes)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             **uvicorn_options(http_limits or HttpLimits()))

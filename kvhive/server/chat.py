@@ -13,7 +13,7 @@ from jinja2 import TemplateError
 
 from kvhive.request import MAX_LOGPROBS
 from kvhive.server.errors import bad_request
-from kvhive.server.logprobs import SentToken, chat_logprobs
+from kvhive.server.logprobs import SentToken, chat_logprobs, vllm_prompt_logprobs
 from kvhive.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -24,8 +24,10 @@ from kvhive.server.protocol import (
     ChatLogprobs,
     ChatMessage,
     DeltaMessage,
+    PromptTokensDetails,
     Usage,
 )
+from kvhive.server.request_checks import check_prompt_logprobs
 from kvhive.server.serving import (
     GenerationService,
     TextDelta,
@@ -104,6 +106,7 @@ class ChatAnswer:
     service: GenerationService
     body: ChatCompletionRequest
     num_logprobs: int | None                     # None: no logprobs
+    prompt_token_ids: list[int] = field(default_factory=list)
     request_id: str = field(default_factory=lambda: new_request_id("chatcmpl"))
     created: int = field(default_factory=unix_time)
 
@@ -111,38 +114,60 @@ class ChatAnswer:
         """The tokens' logprobs, when the request asked for them."""
         return None if self.num_logprobs is None else chat_logprobs(tokens, self.service.tokenizer)
 
-    def response(self, results: list[TextDelta]) -> ChatCompletionResponse:
-        """The non-streamed answer: one assistant message per choice, and the usage."""
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=r.text), logprobs=self.logprobs_of(r.tokens),
-                              finish_reason=r.finish_reason) for i, r in enumerate(results)]
-        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.service.served_model_name,
-                                      choices=choices, usage=combined_usage(results))
+    def ids(self, token_ids: tuple[int, ...] | list[int]) -> list[int] | None:
+        """``token_ids`` when the request asked for ids (``return_token_ids``), else None."""
+        return list(token_ids) if self.body.return_token_ids else None
 
-    def chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+    def response(self, results: list[TextDelta]) -> ChatCompletionResponse:
+        """The non-streamed answer: one assistant message per choice, and the usage; vLLM's
+        ``prompt_logprobs`` and token ids when asked."""
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=r.text), logprobs=self.logprobs_of(r.tokens),
+                              finish_reason=r.finish_reason, token_ids=self.ids(r.token_ids))
+                   for i, r in enumerate(results)]
+        scored = results[0].prompt_logprobs
+        prompt_logprobs = (None if self.body.prompt_logprobs is None or scored is None
+                           else vllm_prompt_logprobs(scored, self.service.tokenizer, self.body.prompt_logprobs))
+        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.service.served_model_name,
+                                      choices=choices, usage=combined_usage(results), prompt_logprobs=prompt_logprobs,
+                                      prompt_token_ids=self.ids(self.prompt_token_ids))
+
+    def chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None,
+              prompt_token_ids: list[int] | None = None) -> str:
         """One SSE event of the stream (its ``usage`` field only when the request asked for usage)."""
         return sse_event(ChatCompletionChunk(id=self.request_id, created=self.created,
-                                             model=self.service.served_model_name, choices=choices, usage=usage),
+                                             model=self.service.served_model_name, choices=choices, usage=usage,
+                                             prompt_token_ids=prompt_token_ids),
                          exclude=None if self.body.include_usage else {"usage"})
 
     def delta(self, index: int, delta: DeltaMessage, finish_reason: str | None = None,
-              logprobs: ChatLogprobs | None = None) -> str:
-        """The SSE event of one choice's delta."""
-        return self.chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)])
+              logprobs: ChatLogprobs | None = None, progress: TextDelta | None = None,
+              token_ids: tuple[int, ...] = (), prompt_token_ids: list[int] | None = None) -> str:
+        """The SSE event of one choice's delta; with ``continuous_usage_stats`` it carries the
+        choice's usage as of ``progress`` (no output yet when None)."""
+        usage = None
+        if self.body.continuous_usage:
+            usage = progress.usage() if progress is not None else Usage(
+                prompt_tokens=len(self.prompt_token_ids), completion_tokens=0,
+                total_tokens=len(self.prompt_token_ids), prompt_tokens_details=PromptTokensDetails())
+        return self.chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
+                                           token_ids=self.ids(token_ids))], usage, prompt_token_ids)
 
     async def events(self, streams: list[AsyncIterator[TextDelta]]) -> AsyncIterator[str]:
-        """The SSE events: each choice's role, its deltas as they come and its finish reason, the
-        usage when asked, then [DONE]."""
+        """The SSE events: each choice's role (the first chunk carries the prompt's ids when asked),
+        its deltas as they come and its finish reason, the usage when asked, then [DONE]."""
         for index in range(self.body.n):
-            yield self.delta(index, DeltaMessage(role="assistant", content=""))
+            yield self.delta(index, DeltaMessage(role="assistant", content=""),
+                             prompt_token_ids=self.ids(self.prompt_token_ids) if index == 0 else None)
         finals: dict[int, TextDelta] = {}
         async with contextlib.aclosing(merge_streams(streams)) as merged:
             async for index, delta in merged:
-                # A token without text of its own (the end-of-turn token) still has logprobs to send.
-                if delta.text or delta.tokens:
-                    yield self.delta(index, DeltaMessage(content=delta.text), logprobs=self.logprobs_of(delta.tokens))
+                # A token without text of its own (the end-of-turn token) still has logprobs (and an id) to send.
+                if delta.text or delta.tokens or (self.body.return_token_ids and delta.token_ids):
+                    yield self.delta(index, DeltaMessage(content=delta.text), logprobs=self.logprobs_of(delta.tokens),
+                                     progress=delta, token_ids=delta.token_ids)
                 if delta.finish_reason is None:
                     continue
-                yield self.delta(index, DeltaMessage(), delta.finish_reason)
+                yield self.delta(index, DeltaMessage(), delta.finish_reason, progress=delta)
                 finals[index] = delta
         if self.body.include_usage:
             yield self.chunk([], usage=combined_usage([finals[i] for i in range(self.body.n)]))
@@ -156,18 +181,23 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
     ``conversation_id``, or a new one with ``new_session_ttl``; the answer carries ``x-session-id``)."""
     service.check_common(body)
     _check_unsupported(body)
+    check_prompt_logprobs(body)
+    if body.prompt_logprobs is not None and (raw_request.headers.get("x-session-id") or body.conversation_id
+                                             or new_session_ttl is not None):
+        raise bad_request("'prompt_logprobs' cannot run in a session: they need every prompt token computed, "
+                          "and a session reuses its tokens' KV", param="prompt_logprobs")
     kv_transfer = service.kv_transfer_params(body)
     num_logprobs = logprobs_wanted(body)
     token_ids = await chat_prompt_token_ids(service, body.messages)
     requested, param = max_tokens_field(body)
     max_tokens = service.resolve_max_tokens(requested, len(token_ids), param, "messages")
-    sampling = service.sampling_params(body, max_tokens, num_logprobs)
+    sampling = service.sampling_params(body, max_tokens, num_logprobs, body.prompt_logprobs)
     owner = service.owner_of(raw_request)
     turn = await service.open_session(raw_request, body.model, len(token_ids) + max_tokens,
                                       conversation_id=body.conversation_id, new_ttl=new_session_ttl,
                                       end_session=body.end_conversation, n=body.n)
     headers = session_headers(turn)
-    answer = ChatAnswer(service, body, num_logprobs)
+    answer = ChatAnswer(service, body, num_logprobs, token_ids)
     streams = service.choice_streams(answer.request_id, body.n, token_ids, sampling, body.stop_strings,
                                      service.cache_salt_for(owner, body.cache_salt), turn, kv_transfer)
     if not body.stream:

@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 from kvhive.core.tokenizer import IncrementalDetokenizer
 from kvhive.engine.step import TokenLogprobs
-from kvhive.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from kvhive.server.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TopLogprob,
+)
 
 if TYPE_CHECKING:
     from kvhive.core.tokenizer import Tokenizer
@@ -145,3 +152,18 @@ def _append_token(out: CompletionLogprobs, lp: TokenLogprobs, text_offset: int, 
     out.token_logprobs.append(lp.logprob)
     out.top_logprobs.append(top)
     out.text_offset.append(text_offset)
+
+
+def vllm_prompt_logprobs(values: Sequence[TokenLogprobs], tokenizer: Tokenizer, num_top: int) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: null for the first prompt token (nothing comes before it), then per
+    token (``values``: token i given the tokens before it) the prompt's own token and the ``num_top``
+    most likely, by token id, each with its logprob, rank and text. The prompt's own token comes
+    first; its rank is null when it is not among the top ranks the engine reports."""
+    out: PromptLogprobs = [None]
+    for lp in values:
+        ranks = {token_id: rank for rank, (token_id, _) in enumerate(lp.top, start=1)}
+        entries = [(lp.token_id, lp.logprob), *[(t, v) for t, v in lp.top[:num_top] if t != lp.token_id]]
+        out.append({str(token_id): PromptLogprob(logprob=value, rank=ranks.get(token_id),
+                                                 decoded_token=token_string(tokenizer.token_bytes(token_id)))
+                    for token_id, value in entries})
+    return out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
@@ -20,7 +20,8 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    """``stream_options``: only ``include_usage`` changes anything."""
+    """``stream_options``: ``include_usage`` ends the stream with a usage chunk;
+    ``continuous_usage_stats`` (vLLM's) also puts the choice's usage so far on every chunk."""
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -47,11 +48,18 @@ class SamplingRequest(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None                  # vLLM extension: the prompt tokens' logprobs
+    return_token_ids: bool = False                      # vLLM extension: prompt and generated token ids
 
     @property
     def include_usage(self) -> bool:
         """True when a streamed response ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """True when every streamed chunk carries its choice's usage so far."""
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     @property
     def stop_strings(self) -> list[str]:
@@ -111,6 +119,17 @@ class ChatCompletionRequest(SamplingRequest):
 # ---------------------------------------------------------------- responses
 
 
+class _OmitUnasked(BaseModel):
+    """A response model whose vLLM-only fields (``OMIT_WHEN_NONE``) are left out unless set: they
+    appear only when the request asked for them."""
+
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None or k not in self.OMIT_WHEN_NONE}
+
+
 class PromptTokensDetails(BaseModel):
     """Part of ``usage``: prompt tokens served from the prefix cache."""
 
@@ -136,13 +155,32 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]                   # where each token's text starts in the choice's text
 
 
-class CompletionChoice(BaseModel):
-    """One choice of a completion (or a streamed completion chunk)."""
+class PromptLogprob(BaseModel):
+    """vLLM's ``prompt_logprobs`` entry of one token at a prompt position: its logprob, its rank
+    there (1: most likely; null for the prompt's own token when it is outside the top ranks) and text."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# ``prompt_logprobs``: per prompt position, token id -> PromptLogprob; the first position is null.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionChoice(_OmitUnasked):
+    """One choice of a completion (or a streamed completion chunk); the vLLM fields are there only when
+    asked (``return_token_ids``, ``prompt_logprobs``)."""
+
+    OMIT_WHEN_NONE = frozenset({"token_ids", "prompt_token_ids", "prompt_logprobs"})
 
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None                  # generated (in a chunk: this chunk's)
+    prompt_token_ids: list[int] | None = None           # in a stream: the choice's first chunk only
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -185,17 +223,22 @@ class ChatLogprobs(BaseModel):
     refusal: None = None
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_OmitUnasked):
     """One choice of a chat completion."""
+
+    OMIT_WHEN_NONE = frozenset({"token_ids"})
 
     index: int = 0
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    token_ids: list[int] | None = None                  # vLLM's, with return_token_ids: the generated ids
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_OmitUnasked):
     """A non-streamed chat completion."""
+
+    OMIT_WHEN_NONE = frozenset({"prompt_logprobs", "prompt_token_ids"})
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -204,6 +247,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     kv_transfer_params: dict[str, Any] | None = None    # a prefill's answer: the decode request's params
+    prompt_logprobs: PromptLogprobs | None = None       # vLLM's, with prompt_logprobs
+    prompt_token_ids: list[int] | None = None           # vLLM's, with return_token_ids
 
 
 class DeltaMessage(BaseModel):
@@ -218,17 +263,22 @@ class DeltaMessage(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_OmitUnasked):
     """One choice of a streamed chat chunk."""
+
+    OMIT_WHEN_NONE = frozenset({"token_ids"})
 
     index: int = 0
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None                  # vLLM's, with return_token_ids: this chunk's ids
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_OmitUnasked):
     """One ``data:`` event of a streamed chat completion."""
+
+    OMIT_WHEN_NONE = frozenset({"prompt_token_ids"})
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -236,6 +286,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None           # vLLM's, with return_token_ids: the first chunk only
 
 
 class ModelCard(BaseModel):

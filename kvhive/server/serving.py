@@ -31,6 +31,7 @@ from kvhive.server.errors import APIError, bad_request, server_error
 from kvhive.server.logprobs import SentToken, TokensAwaitingText
 from kvhive.server.metrics import ServerMetrics
 from kvhive.server.protocol import PromptTokensDetails, SamplingRequest, Usage
+from kvhive.server.request_checks import check_stream_options
 from kvhive.server.sse import sse_response
 from kvhive.server.stop import StopStringMatcher
 from kvhive.sessions.registry import SessionError, check_session_id
@@ -77,6 +78,8 @@ class TextDelta:
     # On the first delta of a request that asked for prompt logprobs: the prompt tokens' after the
     # first (``RequestOutput.prompt_logprobs``).
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    # The ids the engine generated since the previous delta (``return_token_ids``).
+    token_ids: tuple[int, ...] = ()
 
     def usage(self) -> Usage:
         """OpenAI usage as of this delta."""
@@ -165,6 +168,7 @@ class DeltaAssembler:
         self._awaiting = TokensAwaitingText() if with_logprobs else None
         self._num_sent = 0                            # characters of text handed out so far
         self._prompt_logprobs: tuple[TokenLogprobs, ...] | None = None   # until a delta carries them
+        self._new_ids: list[int] = []                 # generated since the previous delta
         # Token counts as of the latest output: prompt, cached (never negative), output.
         self.num_prompt_tokens, self.num_cached_tokens, self.num_output_tokens = len(prompt_token_ids), 0, 0
 
@@ -176,6 +180,7 @@ class DeltaAssembler:
         self.num_output_tokens = out.num_output_tokens
         if out.prompt_logprobs is not None:
             self._prompt_logprobs = out.prompt_logprobs
+        self._new_ids.extend(out.new_token_ids)
         text = self._new_text(out)
         if self._matcher.stopped:
             # Logprobs of the tokens whose text, or part of it, went out before the stop string.
@@ -206,8 +211,9 @@ class DeltaAssembler:
     def _delta(self, text: str, reason: str | None, tokens: tuple[SentToken, ...]) -> TextDelta:
         """A delta with the current counts; the prompt logprobs go with the first one only."""
         delta = TextDelta(text, reason, self.num_prompt_tokens, self.num_cached_tokens, self.num_output_tokens,
-                          tokens, self._prompt_logprobs)
+                          tokens, self._prompt_logprobs, tuple(self._new_ids))
         self._prompt_logprobs = None
+        self._new_ids.clear()
         return delta
 
 
@@ -247,6 +253,7 @@ class GenerationService:
         if body.logit_bias:
             raise bad_request("'logit_bias' is not supported", param="logit_bias")
         self.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
+        check_stream_options(body)
 
     def kv_transfer_params(self, body: SamplingRequest):
         """The body's ``kv_transfer_params`` for this instance's ``--kv-role`` (a KVTransferParams,
@@ -445,20 +452,22 @@ class GenerationService:
             parts: list[list[str]] = [[] for _ in streams]
             tokens: list[list[SentToken]] = [[] for _ in streams]
             prompt: list[tuple[TokenLogprobs, ...] | None] = [None] * len(streams)
+            ids: list[list[int]] = [[] for _ in streams]
             last: list[TextDelta | None] = [None] * len(streams)
             async with contextlib.aclosing(merge_streams(streams)) as merged:
                 async for index, delta in merged:
                     parts[index].append(delta.text)
                     tokens[index].extend(delta.tokens)
+                    ids[index].extend(delta.token_ids)
                     if delta.prompt_logprobs is not None:
                         prompt[index] = delta.prompt_logprobs
                     last[index] = delta
             joined = []
-            for texts, sent, final, prompt_logprobs in zip(parts, tokens, last, prompt, strict=True):
+            for texts, sent, final, prompt_logprobs, generated in zip(parts, tokens, last, prompt, ids, strict=True):
                 assert final is not None
                 joined.append(TextDelta("".join(texts), final.finish_reason, final.num_prompt_tokens,
                                         final.num_cached_tokens, final.num_output_tokens, tuple(sent),
-                                        prompt_logprobs))
+                                        prompt_logprobs, tuple(generated)))
             return joined
 
         task = asyncio.create_task(join())

@@ -86,3 +86,25 @@ def test_sigint_stops_the_server_cleanly() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_flags_from_a_config_file_and_the_positional_model(taken_port: int, tmp_path) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"port: {taken_port}\nkv-cache-gb: 0.5\nshare_prefix_cache: true\n")
+    from_file = _kvhive("serve", "--config", str(config))
+    assert from_file.returncode == 2 and f"port {taken_port} on 127.0.0.1 is in use" in from_file.stderr
+    config.write_text(f"port: {free_port()}\n")
+    overridden = _kvhive("serve", "--config", str(config), "--port", str(taken_port))   # the command line wins
+    assert overridden.returncode == 2 and f"port {taken_port} on 127.0.0.1 is in use" in overridden.stderr
+    config.write_text("prot: 8000\n")
+    unknown = _kvhive("serve", "--config", str(config))
+    assert unknown.returncode == 2 and unknown.stderr.startswith("usage: kvhive serve ")
+    assert f"--config {config}: unknown key 'prot'" in unknown.stderr
+    config.write_text("kv_cache_gb: lots\n")
+    bad = _kvhive("serve", "--config", str(config))
+    assert bad.returncode == 2 and f"--config {config}: argument --kv-cache-gb: invalid float value: 'lots'" in bad.stderr
+    positional = _kvhive("serve", "/no/such/model.gguf", "--port", str(free_port()))
+    assert positional.returncode == 2 and "/no/such/model.gguf does not exist" in positional.stderr
+    both = _kvhive("serve", "/no/such/model.gguf", "--model", "/other/model.gguf")
+    assert both.returncode == 2
+    assert "MODEL '/no/such/model.gguf' and --model '/other/model.gguf' name different models" in both.stderr

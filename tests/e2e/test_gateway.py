@@ -35,6 +35,9 @@ def test_models_health_and_a_proxied_completion(cluster: Cluster) -> None:
     with cluster.client() as client:
         models = client.get("/v1/models").json()
         assert [m["id"] for m in models["data"]] == [SERVED_MODEL_NAME]
+        assert client.get(f"/v1/models/{SERVED_MODEL_NAME}").json() == models["data"][0]
+        unknown = client.get("/v1/models/org/unknown-model")
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
         response = complete(client, "Hello there", max_tokens=5)
         assert response.status_code == 200, response.text
         assert response.headers["x-kvhive-replica"] in {r.url for r in cluster.replicas}

@@ -16,7 +16,7 @@ from kvhive.core.tokenize_bodies import TokenizeCompletionRequest, prompt_token_
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.router.indexer import BlockKeyCache
 from kvhive.router.tokenize import Prompt, PromptPieces, PromptTokenizer, prompt_from_body
-from kvhive.server.completions import text_start
+from kvhive.server.completion_prompts import text_start
 
 SHORT = "Hello, world! How are you today?"
 LONG = " ".join(f"The quick brown fox {i} jumps over the lazy dog, again and again." for i in range(12))

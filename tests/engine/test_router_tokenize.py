@@ -11,7 +11,7 @@ import pytest
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.router.tokenize import PromptTokenizer, prompt_from_body
 from kvhive.server.chat import template_messages
-from kvhive.server.completions import prompt_token_ids
+from kvhive.server.completion_prompts import prompt_token_ids
 from kvhive.server.protocol import ChatCompletionRequest, CompletionRequest
 
 WORDS = ("the quick brown fox jumps over lazy dogs 1234 56 naïve café über straße ÄÖÜ 日本語 🙂 "
@@ -50,7 +50,7 @@ def random_bodies(rng: random.Random, n: int) -> list[dict]:
 
 
 def engine_ids(tokenizer: Tokenizer, body: dict) -> list[int]:
-    """What the server computes for the body (kvhive/server/completions.py and chat.py)."""
+    """What the server computes for the body (kvhive/server/completion_prompts.py and chat.py)."""
     class Service:
         pass
 

@@ -1,5 +1,6 @@
 """The test server process: ``python -m support.serve_faulty --model tiny|default --port N [--api-key K]
-[--max-model-len N] [--faulty] [--served-model-name NAME] [--http-* limits]`` (``support.servers.start_server`` runs it).
+[--max-model-len N] [--faulty] [--served-model-name NAME] [--http-* limits] [CORS flags]
+[--enable-tokenizer-info-endpoint]`` (``support.servers.start_server`` runs it).
 
 ``tiny`` is a random-weight Llama (``support/tiny.py``) behind the real tokenizer of the default GGUF;
 ``default`` is the real default model. ``--faulty`` makes prompts that start with
@@ -221,9 +222,12 @@ def main() -> None:
     parser.add_argument("--served-model-name", default=SERVED_MODEL_NAME)
     parser.add_argument("--fault-mode", choices=FAULT_MODES, default=None)
     parser.add_argument("--max-request-bytes", type=int, default=None)
+    parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true")
+    from kvhive.core.cors import add_cors_args, cors_from_args
     from kvhive.core.http_limits import add_http_limit_args, http_limits_from_args
 
     add_http_limit_args(parser)              # kvhive serve's --http-* flags
+    add_cors_args(parser)                    # and its CORS flags
     args = parser.parse_args()
     import torch
 
@@ -235,7 +239,8 @@ def main() -> None:
     served = run_server(build_engine(args), host="127.0.0.1", port=args.port,
                         served_model_name=args.served_model_name, api_keys=tuple(args.api_key),
                         log_level="warning", max_request_bytes=args.max_request_bytes,
-                        http_limits=http_limits_from_args(args))
+                        http_limits=http_limits_from_args(args), cors=cors_from_args(args),
+                        tokenizer_info=args.enable_tokenizer_info_endpoint)
     sys.exit(0 if served else 1)           # as ``kvhive serve``: 1 when the engine loop died
 
 

@@ -10,9 +10,9 @@ from support.servers import free_port
 
 from kvhive.cli import HelpFormatter, build_parser, listen_error, main
 
-SERVE_GROUPS = ["model and device", "KV cache and prefix caching", "KV tiers", "sessions", "KV events",
+SERVE_GROUPS = ["flags from a file", "model and device", "KV cache and prefix caching", "KV tiers", "sessions", "KV events",
                 "server and security", "HTTP limits", "registration", "performance", "logging"]
-GATEWAY_GROUPS = ["replicas", "block keys", "block index", "routing and scoring", "upstream time limits", "server",
+GATEWAY_GROUPS = ["replicas", "flags from a file", "block keys", "block index", "routing and scoring", "upstream time limits", "server",
                   "HTTP limits", "logging"]
 
 
@@ -75,6 +75,18 @@ def test_serve_help_names_the_defaults_users_ask_about(capsys: pytest.CaptureFix
                   "$KVHIVE_API_KEY", "about 3.4 GB"):
         assert shown in text, shown
     assert "(default: 8080)" in _help(capsys, "gateway")
+
+
+def test_help_shows_the_model_argument_the_config_file_and_the_client_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    serve = _help(capsys, "serve")
+    assert serve.startswith("usage: kvhive serve [-h] [--config FILE]") and "[MODEL]" in serve
+    for shown in ("MODEL the model to serve, as --model takes it", "--config FILE a YAML file of 'serve' flags",
+                  "--enable-tokenizer-info-endpoint serve GET /tokenizer_info", "--allowed-origins LIST",
+                  "--allowed-methods LIST", "--allowed-headers LIST", "--allow-credentials"):
+        assert shown in serve, shown
+    gateway = _help(capsys, "gateway")
+    for shown in ("--config FILE a YAML file of 'gateway' flags", "--allowed-origins LIST", "--allow-credentials"):
+        assert shown in gateway, shown
 
 
 def test_listen_error_tells_a_taken_port_from_a_free_one(taken_port: int) -> None:

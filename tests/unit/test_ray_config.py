@@ -19,6 +19,7 @@ def test_engine_fields_become_serve_flags_and_ray_fields_stay_ray_s() -> None:
     assert config.num_replicas == 2 and config.ray_actor_options == {"num_cpus": 1}
     assert config.router.router_kwargs()["scorer"] == "coverage"
     assert parse_app_config({"enable_prefix_caching": False}).engine.cache.enable_prefix_caching is False
+    assert parse_app_config({"enable_tokenizer_info_endpoint": True}).engine_args == ("--enable-tokenizer-info-endpoint",)
 
 
 def test_autoscaling_leaves_the_replica_count_to_ray() -> None:
@@ -34,6 +35,8 @@ def test_autoscaling_leaves_the_replica_count_to_ray() -> None:
     ({"port": 8000}, "field 'port'"),
     ({"kv_events": "tcp://*:5557"}, "field 'kv_events'"),
     ({"http_header_timeout": 5}, "field 'http_header_timeout' is not set in a Ray Serve application"),
+    ({"allowed_origins": ["*"]}, "field 'allowed_origins' is not set in a Ray Serve application"),
+    ({"config": "serve.yaml"}, "unknown field 'config'"),
     ({"share_prefix_cache": "yes"}, "field 'share_prefix_cache'"),
     ({"num_replicas": 0}, "field 'num_replicas'"),
     ({"max_ongoing_requests": -1}, "field 'max_ongoing_requests'"),

@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import Any
 
 from kvhive.config import EngineConfig
+from kvhive.core.flag_values import FlagValueError, flag_argv, option_actions
 from kvhive.core.http_limits import BOUNDS, http_dest
 from kvhive.router.scorer import SCORERS, RoutingWeights, TierWeights
 from kvhive.serve_args import add_serve_args, build_engine_config
@@ -32,6 +33,8 @@ RAY_DECIDES = MappingProxyType({
     "kv_events": "each replica publishes KV events on a port of its own node",
     "kv_events_replay": "each replica serves replay on a port of its own node",
     "kv_events_config": "each replica publishes KV events on a port of its own node",
+    **dict.fromkeys(("allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials"),
+                    "Ray Serve's HTTP proxy answers the browsers, not kvhive's server (set CORS in front of it)"),
     **dict.fromkeys(map(http_dest, BOUNDS),
                     "Ray Serve's HTTP proxy reads the requests, not kvhive's server (its limits are "
                     "serve's http_options, e.g. keep_alive_timeout_s)"),
@@ -116,7 +119,7 @@ def parse_app_config(raw: Mapping[str, Any]) -> RayAppConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"the application's args must be a mapping, got {type(raw).__name__}")
     parser = serve_parser()
-    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    actions = option_actions(parser)
     argv: list[str] = []
     for name, value in raw.items():
         if name in RAY_FIELDS:
@@ -126,7 +129,10 @@ def parse_app_config(raw: Mapping[str, Any]) -> RayAppConfig:
         if name not in actions:
             raise ConfigError(f"unknown field {name!r} (known: kvhive serve's flags with underscores, "
                               f"e.g. model, dtype, kv_cache_gb, redis_url, num_threads; and {', '.join(RAY_FIELDS)})")
-        argv.extend(_flag_args(actions[name], name, value))
+        try:
+            argv.extend(flag_argv(actions[name], name, value))
+        except FlagValueError as exc:
+            raise ConfigError(str(exc)) from None
     args = parser.parse_args(argv)
     try:
         engine = build_engine_config(args)
@@ -139,23 +145,6 @@ def parse_app_config(raw: Mapping[str, Any]) -> RayAppConfig:
         ray_actor_options=_mapping(raw, "ray_actor_options") or {},
         max_ongoing_requests=_positive_int(raw, "max_ongoing_requests", 16),
         ingress=_ingress(raw), router=_router(raw))
-
-
-def _flag_args(action: argparse.Action, name: str, value: Any) -> list[str]:
-    """The argv that sets field ``name`` to ``value`` through ``action``'s flag."""
-    flag = action.option_strings[0]
-    if value is None:
-        return []
-    if isinstance(action, argparse._StoreConstAction):      # store_true / store_false
-        if not isinstance(value, bool):
-            raise ConfigError(f"field {name!r} must be true or false, got {value!r}")
-        return [flag] if value == action.const else []
-    if isinstance(action, argparse._AppendAction):
-        values = value if isinstance(value, list) else [value]
-        return [part for v in values for part in (flag, str(v))]
-    if isinstance(value, (dict, list, bool)):
-        raise ConfigError(f"field {name!r} takes one value, got {value!r}")
-    return [flag, str(value)]
 
 
 def _mapping(raw: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
