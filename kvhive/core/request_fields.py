@@ -16,14 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 # What the 400 for an undeclared field says (OpenAI's and vLLM's wording), with its path.
 UNRECOGNIZED_FIELD = "Unrecognized request argument supplied: {}"
 
 # Longest value of a free-text no-op field (OpenAI's bound on ``safety_identifier`` is 64).
 MAX_NO_OP_TEXT_CHARS = 256
+# The type of a free-text no-op field.
+NoOpText = Annotated[str, Field(max_length=MAX_NO_OP_TEXT_CHARS)]
 
 # field -> (the endpoints that accept it as a no-op, why ignoring it is safe).
 NO_OP_FIELDS: Mapping[str, tuple[str, str]] = MappingProxyType({

@@ -17,10 +17,12 @@ from kvhive.request import MAX_LOGPROBS
 from kvhive.server.errors import bad_request
 from kvhive.server.logprobs import SentToken, completion_logprobs, prompt_completion_logprobs
 from kvhive.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
+from kvhive.server.sampling_fields import truncated_prompt
 from kvhive.server.serving import (
     OFF_LOOP_CHARS,
     GenerationService,
     TextDelta,
+    TextOptions,
     combined_usage,
     merge_streams,
     new_request_id,
@@ -43,6 +45,9 @@ def _check_unsupported(body: CompletionRequest) -> None:
         raise bad_request(f"'best_of' must be at least 'n' ({body.n}); leave it unset", param="best_of")
     if body.suffix:
         raise bad_request("'suffix' is not supported", param="suffix")
+    if body.truncate_prompt_tokens is not None and body.echo:
+        raise bad_request("'truncate_prompt_tokens' cannot be used with 'echo' (the echo is the prompt as sent)",
+                          param="truncate_prompt_tokens")
 
 
 def single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
@@ -207,7 +212,8 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
     service.check_common(body)
     _check_unsupported(body)
     kv_transfer = service.kv_transfer_params(body)
-    token_ids = await prompt_token_ids_off_loop(service, body.prompt, body.add_special_tokens)
+    token_ids = truncated_prompt(await prompt_token_ids_off_loop(service, body.prompt, body.add_special_tokens),
+                                 body.truncate_prompt_tokens, service.max_model_len)
     echo = echoed_prompt(service, single_prompt(body.prompt)) if body.echo else ""
     prompt_logprobs = prompt_logprobs_wanted(body)
     max_tokens = service.resolve_max_tokens(1 if scores_prompt_only(body) else body.max_tokens, len(token_ids),
@@ -222,7 +228,8 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
     start = 0 if prompt_logprobs is None else await echo_text_start(service, body, token_ids)
     answer = CompletionAnswer(service, body, token_ids, echo, text_start=start)
     streams = service.choice_streams(answer.request_id, body.n, token_ids, sampling, body.stop_strings,
-                                     service.cache_salt_for(owner, body.cache_salt), turn, kv_transfer)
+                                     service.cache_salt_for(owner, body.cache_salt), turn, kv_transfer,
+                                     TextOptions.of(body))
     if not body.stream:
         return await service.whole_answer(streams, raw_request, headers,
                                           service.with_kv_transfer(answer.response, kv_transfer))
