@@ -8,9 +8,9 @@ in ``check_unsupported`` unless it asks for the default, so nothing is silently 
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from kvhive.core.json_body import ListOf
 from kvhive.core.request_fields import NoOpText, StrictBody
@@ -45,6 +45,21 @@ class InputPart(StrictBody):
     filename: Any = None
 
 
+class OtherInputItem(BaseModel):
+    """An input item of another type (``function_call``, ``reasoning``, ...): read only so that
+    ``input_items`` refuses it by its ``type``, whatever fields its kind has."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: str
+
+
+def _item_kind(value: Any) -> str:
+    """The tag of an input item: a message (``type`` "message" or absent) or another kind."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "Message" if kind in (None, "message") else "Other"
+
+
 class InputItem(StrictBody):
     """One input item; only messages (``type`` "message" or absent) are supported. An earlier
     response's output message sent back as input carries its ``id`` and ``status``: accepted, and
@@ -58,11 +73,16 @@ class InputItem(StrictBody):
 
 
 
+# Tags that are no field names (``param_from_loc`` leaves them out of a ``param``).
+AnyInputItem = Annotated[Annotated[InputItem, Tag("Message")] | Annotated[OtherInputItem, Tag("Other")],
+                         Discriminator(_item_kind)]
+
+
 class ResponsesRequest(StrictBody):
     """``POST /v1/responses``."""
 
     model: str
-    input: str | ListOf[InputItem]
+    input: str | ListOf[AnyInputItem]
     instructions: str | None = None
     previous_response_id: str | None = None
     store: bool = True
@@ -157,7 +177,7 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
         raise bad_request("'input' must contain at least one item", param="input")
     items = []
     for i, item in enumerate(body.input):
-        if item.type not in (None, "message"):
+        if isinstance(item, OtherInputItem):
             raise bad_request(f"Input items of type '{item.type}' are not supported; only text messages",
                               param=f"input[{i}].type")
         if item.role not in INPUT_ROLES:
