@@ -1,8 +1,9 @@
-"""``kvhive serve --generation-config`` over real HTTP on a tiny random Llama in a Hugging Face
+"""``kvhive serve --generation-config`` over real HTTP on a tiny random Qwen3 in a Hugging Face
 directory whose ``generation_config.json`` recommends sampling values: with ``auto`` (the default)
 a request that leaves them out gets them (``max_new_tokens`` as its ``max_tokens``, the Responses
 object's temperature and top_p), its own values win, and the startup log names them; with ``vllm``
-none apply."""
+none apply. The same model's chat template reads ``chat_template_kwargs`` (Qwen3's
+``enable_thinking``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from support.families import hf_model, save_hf
 from support.tokenizer_families import FAMILIES, build_vocab, write_hf_dir
 
 MODEL = "tiny-gen"
-FAMILY = next(f for f in FAMILIES if f.name == "llama3")
+FAMILY = next(f for f in FAMILIES if f.name == "qwen3")
 GENERATION = {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 3}
 
 
@@ -28,8 +29,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Repl
     directory = str(tmp_path_factory.mktemp("gen-model"))
     vocab = build_vocab(FAMILY)
     ids = {t: i for i, t in enumerate(vocab.tokens)}
-    save_hf(hf_model("llama", vocab_size=len(vocab.tokens), max_position_embeddings=2048,
-                     bos_token_id=ids[FAMILY.bos], eos_token_id=ids[FAMILY.eos]), directory)
+    save_hf(hf_model("qwen3", vocab_size=len(vocab.tokens), max_position_embeddings=2048,
+                     eos_token_id=ids[FAMILY.eos]), directory)
     write_hf_dir(FAMILY, vocab, directory)
     with open(os.path.join(directory, "generation_config.json"), "w") as f:
         json.dump(GENERATION, f)
@@ -69,3 +70,13 @@ def test_vllm_applies_none(servers: dict[str, ReplicaProcess]) -> None:
     assert unset["usage"]["completion_tokens"] > 3          # to the end of the context
     response = post(plain, "/v1/responses", input="hi", store=False, max_output_tokens=1)
     assert (response["temperature"], response["top_p"]) == (1.0, 1.0)
+
+
+def test_chat_template_kwargs_reach_the_template(servers: dict[str, ReplicaProcess]) -> None:
+    auto = servers["auto"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    thinking = post(auto, "/v1/chat/completions", **chat)
+    plain = post(auto, "/v1/chat/completions", **chat, chat_template_kwargs={"enable_thinking": False})
+    # Qwen3's template writes an empty think block when thinking is off.
+    tokenized = post(auto, "/tokenize", messages=chat["messages"], chat_template_kwargs={"enable_thinking": False})
+    assert plain["usage"]["prompt_tokens"] == tokenized["count"] > thinking["usage"]["prompt_tokens"]
