@@ -48,8 +48,8 @@ class SamplingRequest(StrictBody):
     user: NoOpText | None = None                        # no-op (NO_OP_FIELDS)
     cache_salt: str | None = None                       # vLLM extension: per-tenant prefix cache
     kv_transfer_params: dict[str, Any] | None = None    # vLLM's field: disaggregated prefill/decode
-    presence_penalty: float = Field(default=0.0, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
-    frequency_penalty: float = Field(default=0.0, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
+    presence_penalty: float | None = Field(default=None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)   # None: 0
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
     logit_bias: dict[str, float] | None = None          # token id -> bias in [-100, 100]
     # vLLM's sampling extensions (docs/api_fields.md).
     repetition_penalty: float | None = Field(default=None, gt=0, le=MAX_REPETITION_PENALTY)

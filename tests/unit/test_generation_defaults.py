@@ -81,7 +81,10 @@ def test_unset_fields_take_the_defaults_and_set_ones_win() -> None:
                              repetition_penalty=1.0)
     chosen = sampling_params_for(body, 8, defaults, 100)
     assert (chosen.temperature, chosen.top_p, chosen.top_k, chosen.min_p, chosen.repetition_penalty) == (0, 1, 0, 0, 1)
-    neutral = sampling_params_for(CompletionRequest(model="m", prompt="x"), 8, NO_DEFAULTS, 100)
+    # OpenAI's clients may send null for the penalties: none.
+    neutral = sampling_params_for(CompletionRequest.model_validate(
+        {"model": "m", "prompt": "x", "presence_penalty": None, "frequency_penalty": None}), 8, NO_DEFAULTS, 100)
+    assert not neutral.uses_token_history
     assert (neutral.temperature, neutral.top_p, neutral.top_k, neutral.min_p, neutral.repetition_penalty) == (1, 1, 0, 0, 1)
 
 
