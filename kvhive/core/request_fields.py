@@ -14,7 +14,7 @@ refused by name.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from types import MappingProxyType
 from typing import Annotated
 
@@ -27,6 +27,9 @@ UNRECOGNIZED_FIELD = "Unrecognized request argument supplied: {}"
 MAX_NO_OP_TEXT_CHARS = 256
 # The type of a free-text no-op field.
 NoOpText = Annotated[str, Field(max_length=MAX_NO_OP_TEXT_CHARS)]
+
+# The fields of a text content part (the others belong to other kinds of part).
+TEXT_PART_FIELDS = frozenset({"type", "text"})
 
 # field -> (the endpoints that accept it as a no-op, why ignoring it is safe).
 NO_OP_FIELDS: Mapping[str, tuple[str, str]] = MappingProxyType({
@@ -56,3 +59,16 @@ class StrictBody(BaseModel):
     """The base of every request model: strict types, undeclared fields refused."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
+
+
+def stray_field(body: BaseModel, own: Collection[str]) -> str | None:
+    """The first field set (not null) on ``body`` outside ``own``: on a content part of one kind, a
+    field that belongs to another kind (an ``image_url`` on a text part), which would otherwise be
+    declared and ignored; None when there is none."""
+    return next((name for name in body.model_fields_set if name not in own and getattr(body, name) is not None),
+                None)
+
+
+def stray_field_message(name: str, kind: str) -> str:
+    """What the 400 for a ``stray_field`` says."""
+    return f"'{name}' does not belong in a content part of type '{kind}'"

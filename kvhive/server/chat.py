@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from jinja2 import TemplateError
 
 from kvhive.core.json_body import BodyError
+from kvhive.core.request_fields import TEXT_PART_FIELDS, stray_field, stray_field_message
 from kvhive.core.tokenize_bodies import check_template_kwargs
 from kvhive.request import MAX_LOGPROBS
 from kvhive.server.errors import bad_request, body_error
@@ -77,6 +78,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                 if part.type != "text" or part.text is None:
                     raise bad_request(f"Only text content parts are supported, got type '{part.type}'",
                                       param=f"messages[{i}].content[{j}].type")
+                stray = stray_field(part, TEXT_PART_FIELDS)
+                if stray is not None:
+                    raise bad_request(stray_field_message(stray, part.type), param=f"messages[{i}].content[{j}].{stray}")
                 texts.append(part.text)
             content = "\n".join(texts)
         entry = {"role": "system" if message.role == "developer" else message.role, "content": content}

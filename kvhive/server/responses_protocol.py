@@ -13,7 +13,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from kvhive.core.json_body import ListOf
-from kvhive.core.request_fields import NoOpText, StrictBody
+from kvhive.core.request_fields import (
+    TEXT_PART_FIELDS,
+    NoOpText,
+    StrictBody,
+    stray_field,
+    stray_field_message,
+)
 from kvhive.request import MAX_LOGPROBS
 from kvhive.server.errors import bad_request
 from kvhive.server.protocol import ChatMessage, ChatTokenLogprob, ContentPart, check_metadata
@@ -23,6 +29,8 @@ INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PART_TYPES = ("input_text", "output_text")
 # The one ``include`` value supported: the logprobs of the output text's tokens.
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
+# The fields of a text part: an earlier response's output_text sent back carries its annotations and logprobs.
+OUTPUT_TEXT_FIELDS = TEXT_PART_FIELDS | {"annotations", "logprobs"}
 
 # ---------------------------------------------------------------- request
 
@@ -193,6 +201,9 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
             if part.type not in TEXT_PART_TYPES or part.text is None:
                 raise bad_request(f"Content parts of type '{part.type}' are not supported; only "
                                   f"{' and '.join(TEXT_PART_TYPES)} with text", param=f"input[{i}].content[{j}].type")
+            stray = stray_field(part, OUTPUT_TEXT_FIELDS)
+            if stray is not None:
+                raise bad_request(stray_field_message(stray, part.type), param=f"input[{i}].content[{j}].{stray}")
             texts.append(part.text)
         items.append(message_item(item.role, texts))
     return items

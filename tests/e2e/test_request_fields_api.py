@@ -1,7 +1,7 @@
 """Nothing a client sends is silently ignored, over real HTTP on the tiny server: an unknown field,
 at the top or nested, is a 400 naming its path on chat, completions, responses, /v1/context,
 /tokenize and /detokenize; the documented no-op fields answer 200; each sampling extra out of its
-bounds is a 400 naming it; and the extras that change the text do what vLLM's do (logit_bias,
+bounds is a 400 naming it (a field of another kind of content part on a text part too); and the extras that change the text do what vLLM's do (logit_bias,
 min_tokens, include_stop_str_in_output, skip_special_tokens, truncate_prompt_tokens)."""
 
 from __future__ import annotations
@@ -51,6 +51,23 @@ UNKNOWN: list[tuple[str, dict[str, Any], str]] = [
 def test_unknown_fields_are_refused_by_name(tiny_client: httpx.Client, path: str, body: dict[str, Any],
                                             param: str) -> None:
     assert_error(tiny_client.post(path, json=body), 400, param=param, contains=(UNRECOGNIZED_FIELD.format(param),))
+
+
+STRAY: list[tuple[str, dict[str, Any], str]] = [
+    # A field of another kind of content part on a text part: declared, so refused by its path.
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x", "image_url": {"url": "http://x"}}]}]}, "messages[0].content[0].image_url"),
+    ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x", "file": {"file_id": "f"}}]}]}, "messages[0].content[0].file"),
+    ("/v1/responses", {**RESPONSES_BODY, "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "x", "image_url": "http://x"}]}]}, "input[0].content[0].image_url"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), STRAY, ids=[f"{p}:{f}" for p, _, f in STRAY])
+def test_another_part_kinds_field_on_a_text_part_is_refused(tiny_client: httpx.Client, path: str,
+                                                            body: dict[str, Any], param: str) -> None:
+    assert_error(tiny_client.post(path, json=body), 400, param=param, contains=("does not belong",))
 
 
 def test_no_op_fields_answer_200(tiny_client: httpx.Client) -> None:

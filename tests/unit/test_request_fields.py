@@ -15,6 +15,7 @@ from support.servers import REPO_ROOT
 from kvhive.core.json_body import BodyError, parse_chosen_body, validation_body_error
 from kvhive.core.request_fields import NO_OP_FIELDS, UNRECOGNIZED_FIELD
 from kvhive.core.tokenize_bodies import TokenizeChatRequest, TokenizeContentPart, TokenizeMessage
+from kvhive.router.tokenize_api import check_text_parts
 from kvhive.server.openapi import _MODELS
 from kvhive.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart
 from kvhive.server.responses_protocol import OtherInputItem, ResponsesRequest
@@ -70,6 +71,14 @@ def test_the_gateway_parses_tokenize_bodies_as_strictly() -> None:
     # The gateway's chat messages and parts take what the server's take: neither refuses the other's.
     assert set(TokenizeMessage.model_fields) == set(ChatMessage.model_fields)
     assert set(TokenizeContentPart.model_fields) == set(ContentPart.model_fields)
+
+
+def test_the_gateway_refuses_another_part_kinds_field_on_a_text_part() -> None:
+    body = TokenizeChatRequest.model_validate({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x"}, {"type": "text", "text": "y", "image_url": {"url": "u"}}]}]})
+    with pytest.raises(BodyError) as caught:
+        check_text_parts(body.messages)
+    assert caught.value.param == "messages[0].content[1].image_url"
 
 
 def test_no_op_fields_are_declared_where_listed_and_documented() -> None:
