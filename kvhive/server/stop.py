@@ -27,11 +27,12 @@ class StopStringMatcher:
         if not self._stops:
             return delta
         self._pending += delta
-        hits = [(i, -len(s)) for i, s in ((self._pending.find(s), s) for s in self._stops) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((self._pending.find(s), s) for s in self._stops) if i >= 0]
         if hits:
             self.stopped = True
-            start, minus_len = min(hits)         # the first match; at one place, the longest stop
-            end = start - minus_len if self._include_stop else start
+            # The first match; at one place, the shortest stop (the one a stream completes first).
+            start, length = min(hits)
+            end = start + length if self._include_stop else start
             out, self._pending = self._pending[:end], ""
             return out
         keep = self._partial_match_len()
