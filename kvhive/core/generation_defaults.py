@@ -76,7 +76,7 @@ def load_sampling_defaults(mode: str, model_path: str) -> SamplingDefaults:
         return SamplingDefaults()
     if mode == "auto":
         if not os.path.isdir(model_path):
-            return SamplingDefaults(source=f"none in {os.path.basename(model_path)}")
+            return SamplingDefaults(source=f"{os.path.basename(model_path)} is no directory: no {GENERATION_CONFIG_FILE}")
         path = os.path.join(model_path, GENERATION_CONFIG_FILE)
         if not os.path.isfile(path):
             return SamplingDefaults(source=f"no {GENERATION_CONFIG_FILE} in {model_path}")
