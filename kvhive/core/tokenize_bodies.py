@@ -7,8 +7,8 @@ text. ``add_special_tokens`` adds the BOS/EOS the model's tokenizer asks for (de
 prompt, false for messages, whose template writes its own); ``add_generation_prompt`` (default
 true) ends the text with the assistant's turn opening; ``continue_final_message`` leaves the last
 message open instead. vLLM fields kvhive cannot honour (a custom ``chat_template``, ``tools``,
-multimodal options) are refused by name, never ignored. Every problem is a ``BodyError`` naming
-its field; the caller answers it as a 400.
+multimodal options) are refused by name, never ignored, and so is any field not declared here
+(``StrictBody``). Every problem is a ``BodyError`` naming its field; the caller answers it as a 400.
 """
 
 from __future__ import annotations
