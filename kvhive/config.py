@@ -6,6 +6,7 @@ Environment variables are read only in ``cli.py``; everything below is plain dat
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 
 from kvhive.connector.disagg.config import KVTransferConfig
@@ -252,6 +253,8 @@ class EngineConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     sessions: SessionConfig = field(default_factory=SessionConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)   # --kv-role, --kv-transfer-*
+    # --generation-config: auto (the model's generation_config.json), vllm (none) or a directory.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -269,6 +272,10 @@ class EngineConfig:
         if self.quantized_matmul_rows is not None and not 0 <= self.quantized_matmul_rows <= MAX_QUANT_ROWS:
             raise ValueError(f"--quantized-matmul-rows must be auto or 0..{MAX_QUANT_ROWS}, "
                              f"got {self.quantized_matmul_rows}")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isfile(
+                os.path.join(self.generation_config, "generation_config.json")):
+            raise ValueError(f"--generation-config must be auto, vllm or a directory holding "
+                             f"generation_config.json, got {self.generation_config!r}")
         if self.store.enabled and not self.cache.enable_prefix_caching:
             raise ValueError("KV tiers (--cpu-offload-gb, --disk-cache-dir, --redis-url) need prefix caching")
         if self.kv_transfer.disaggregated and not self.cache.enable_prefix_caching:

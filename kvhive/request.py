@@ -18,6 +18,13 @@ SAMPLING_EPS = 1e-5
 # Seeds are 64-bit integers, signed or unsigned: [-2**63, 2**64), what torch.Generator.manual_seed
 # accepts (a negative seed s seeds as s + 2**64).
 MIN_SEED, SEED_END = -2**63, 2**64
+# Bounds of the penalties: OpenAI's for presence and frequency; repetition divides a positive logit
+# (multiplies a negative one) by at most this, far past where it stops changing which token wins.
+MAX_ABS_PENALTY = 2.0
+MAX_REPETITION_PENALTY = 10.0
+# logit_bias: at most this many tokens (OpenAI's bound), each biased within +-MAX_LOGIT_BIAS.
+MAX_LOGIT_BIAS_TOKENS = 300
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,13 @@ class SamplingParams:
     # Decode under this constraint's grammar (None: unconstrained); the engine compiles it once per
     # distinct spec and ends the request when the grammar is complete.
     structured: StructuredSpec | None = None
+    # vLLM's sampling extras (kvhive.engine.logits_processors applies them before sampling).
+    repetition_penalty: float = 1.0     # over prompt and output tokens; 1: none
+    presence_penalty: float = 0.0       # OpenAI's, over output tokens; 0: none
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0                  # drop tokens less likely than min_p x the top one; 0: none
+    min_tokens: int = 0                 # EOS and stop_token_ids cannot end the output before this
+    logit_bias: tuple[tuple[int, float], ...] = ()     # (token id, bias added to its logit)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -56,6 +70,37 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        self._check_extras()
+
+    def _check_extras(self) -> None:
+        """ValueError for a sampling extra outside its bounds (each message names its field)."""
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], "
+                             f"got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_ABS_PENALTY}, {MAX_ABS_PENALTY}], got {value}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias holds at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}")
+        for token_id, bias in self.logit_bias:
+            if token_id < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias of token {token_id} must be in [-{MAX_LOGIT_BIAS}, "
+                                 f"{MAX_LOGIT_BIAS}] for a token id >= 0, got {bias}")
+
+    @property
+    def uses_token_history(self) -> bool:
+        """True when a penalty needs the tokens the request has seen (its prompt and output)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def changes_logits(self) -> bool:
+        """True when something changes the logits before sampling (penalties, bias, min_p, min_tokens)."""
+        return self.uses_token_history or bool(self.logit_bias) or self.min_p > 0 or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:
@@ -111,6 +156,9 @@ class Request:
     num_prompt_logprob_rows: int = 0
     # Chained hashes of the full blocks of all_token_ids, extended as tokens arrive.
     block_hashes: list[bytes] = field(default_factory=list)
+    # With a penalty: how many leading tokens of all_token_ids the runner has been handed (a
+    # ScheduledSeq's ``history``); the runner keeps them until the request finishes.
+    num_history_tokens_sent: int = 0
 
     def __post_init__(self) -> None:
         # Prompt followed by generated tokens; appended to, never rebuilt.

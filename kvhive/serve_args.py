@@ -87,6 +87,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "a lower level runs the kernels a CPU without the higher ISA would run")
     g.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="context limit in tokens (default: the model's)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults for the fields a request leaves unset (temperature, top_p, "
+                        "top_k, min_p, repetition_penalty; max_new_tokens as max_tokens), as vLLM takes "
+                        "them: auto reads the model directory's generation_config.json (a GGUF has none), "
+                        "vllm uses none (OpenAI's neutral values), DIR reads DIR/generation_config.json "
+                        "(see docs/api_fields.md) (default: auto)")
 
 
 def _add_cache_args(p: argparse.ArgumentParser) -> None:
@@ -312,4 +318,5 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
                         cpu_isa=args.cpu_isa, adaptive_threads=args.num_threads is None,
                         cache=cache,
                         kv_events_config=None if events is None else events.for_server(args.host, args.port),
-                        scheduler=sched, store=store, sessions=sessions, kv_transfer=kv_transfer)
+                        scheduler=sched, store=store, sessions=sessions, kv_transfer=kv_transfer,
+                        generation_config=args.generation_config)

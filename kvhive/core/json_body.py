@@ -25,6 +25,7 @@ from typing import Annotated, Any, TypeVar
 from pydantic import BaseModel, Field, ValidationError
 
 from kvhive.core import json_shape
+from kvhive.core.request_fields import UNRECOGNIZED_FIELD
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 T = TypeVar("T")
@@ -210,10 +211,26 @@ def param_from_loc(loc: Sequence[str | int]) -> str | None:
     return param or None
 
 
+def unrecognized_param(loc: Sequence[str | int]) -> str:
+    """The path of an undeclared field at pydantic location ``loc`` (its last part is the key, shown
+    whatever its characters, a long one cut short): ("body", "messages", 0, "foo") -> messages[0].foo."""
+    parent, key = param_from_loc(loc[:-1]), loc[-1]
+    shown = f"[{key}]" if isinstance(key, int) else _shown_key(key)
+    if parent is None or shown.startswith("["):
+        return (parent or "") + shown
+    return f"{parent}.{shown}"
+
+
 def validation_body_error(errors: Sequence[Any]) -> BodyError:
-    """The BodyError for pydantic / FastAPI validation errors, naming the first offending field."""
+    """The BodyError for pydantic / FastAPI validation errors, naming the first offending field; an
+    undeclared field is named first (``UNRECOGNIZED_FIELD``), even where a union's other members
+    report a type error for its parent."""
     if not errors:
         return BodyError("Invalid request body")
+    extra = next((e for e in errors if e.get("type") == "extra_forbidden" and e.get("loc")), None)
+    if extra is not None:
+        param = unrecognized_param(extra["loc"])
+        return BodyError(UNRECOGNIZED_FIELD.format(param), param=param)
     first = errors[0]
     param = param_from_loc(first.get("loc", ()))
     if first.get("type") == "missing" and param is None:

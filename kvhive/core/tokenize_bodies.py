@@ -7,8 +7,8 @@ text. ``add_special_tokens`` adds the BOS/EOS the model's tokenizer asks for (de
 prompt, false for messages, whose template writes its own); ``add_generation_prompt`` (default
 true) ends the text with the assistant's turn opening; ``continue_final_message`` leaves the last
 message open instead. vLLM fields kvhive cannot honour (a custom ``chat_template``, ``tools``,
-multimodal options) are refused by name, never ignored. Every problem is a ``BodyError`` naming
-its field; the caller answers it as a 400.
+multimodal options) are refused by name, never ignored, and so is any field not declared here
+(``StrictBody``). Every problem is a ``BodyError`` naming its field; the caller answers it as a 400.
 """
 
 from __future__ import annotations
@@ -16,34 +16,34 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
 from kvhive.core.json_body import BodyError, ListOf
+from kvhive.core.request_fields import StrictBody
 from kvhive.core.tokenizer import Tokenizer
 
 # Most variables ``chat_template_kwargs`` may hand the chat template.
 MAX_TEMPLATE_KWARGS = 32
 # Template variables the request sets through its own fields, never through ``chat_template_kwargs``.
-_RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "continue_final_message"})
+_RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message"})
+# Longest name of a ``chat_template_kwargs`` variable.
+MAX_TEMPLATE_KWARG_CHARS = 64
 # vLLM fields of a chat tokenize body that kvhive refuses unless left unset (or empty).
 _REFUSED_CHAT_FIELDS = ("chat_template", "tools", "mm_processor_kwargs", "media_io_kwargs")
 
 
-class _Strict(BaseModel):
-    # As the other request bodies: "5" is no integer; fields of newer clients are ignored.
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class TokenizeContentPart(_Strict):
-    """One part of a message's content; only ``{"type": "text", "text": ...}`` is rendered."""
-
-    model_config = ConfigDict(strict=True, extra="allow")
+class TokenizeContentPart(StrictBody):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is rendered (the other
+    kinds' fields are declared so that the refusal names the part's type)."""
 
     type: str
     text: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
 
 
-class TokenizeMessage(_Strict):
+class TokenizeMessage(StrictBody):
     """One chat message, as ``/v1/chat/completions`` takes it."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -52,7 +52,7 @@ class TokenizeMessage(_Strict):
     tool_call_id: str | None = None
 
 
-class TokenizeCompletionRequest(_Strict):
+class TokenizeCompletionRequest(StrictBody):
     """``POST /tokenize`` with a completion prompt."""
 
     model: str | None = None                # None: the served model
@@ -61,7 +61,7 @@ class TokenizeCompletionRequest(_Strict):
     return_token_strs: bool | None = False
 
 
-class TokenizeChatRequest(_Strict):
+class TokenizeChatRequest(StrictBody):
     """``POST /tokenize`` with chat messages, rendered by the model's chat template."""
 
     model: str | None = None
@@ -77,7 +77,7 @@ class TokenizeChatRequest(_Strict):
     media_io_kwargs: dict[str, Any] | None = None          # refused: text only
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictBody):
     """``POST /detokenize``: token ids back to text."""
 
     model: str | None = None
@@ -123,7 +123,14 @@ def check_tokenize_request(body: TokenizeRequest) -> None:
                         "(set 'add_generation_prompt': false)", param="continue_final_message")
     if not body.messages:
         raise BodyError("'messages' must contain at least one message", param="messages")
-    kwargs = body.chat_template_kwargs or {}
+    check_template_kwargs(body.chat_template_kwargs)
+
+
+def check_template_kwargs(kwargs: Mapping[str, Any] | None) -> None:
+    """BodyError for ``chat_template_kwargs`` over MAX_TEMPLATE_KWARGS variables, a name over
+    MAX_TEMPLATE_KWARG_CHARS characters, or a variable the request sets through a field of its own
+    (``messages``, ``tools``, ``add_generation_prompt``, ``continue_final_message``)."""
+    kwargs = kwargs or {}
     if len(kwargs) > MAX_TEMPLATE_KWARGS:
         raise BodyError(f"'chat_template_kwargs' holds {len(kwargs)} variables; at most "
                         f"{MAX_TEMPLATE_KWARGS}", param="chat_template_kwargs")
@@ -131,6 +138,10 @@ def check_tokenize_request(body: TokenizeRequest) -> None:
     if reserved:
         raise BodyError(f"'chat_template_kwargs' may not set '{reserved[0]}' (a field of its own)",
                         param="chat_template_kwargs")
+    long = next((k for k in kwargs if len(k) > MAX_TEMPLATE_KWARG_CHARS), None)
+    if long is not None:
+        raise BodyError(f"'chat_template_kwargs' variable names are at most {MAX_TEMPLATE_KWARG_CHARS} "
+                        f"characters (got {long[:MAX_TEMPLATE_KWARG_CHARS]!r}...)", param="chat_template_kwargs")
 
 
 def chat_text(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]], body: TokenizeChatRequest) -> str:

@@ -17,6 +17,7 @@ import torch
 
 from kvhive.config import ModelConfig
 from kvhive.connector.base import ConnectorWorker
+from kvhive.engine.logits_processors import LogitsProcessors
 from kvhive.engine.sampling import sample_tokens, token_logprobs
 from kvhive.engine.step import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
 from kvhive.kv.window_group import WindowLayout
@@ -116,6 +117,8 @@ class ModelRunner:
                 connector.register_window_cache(self.window_cache, window.window_layers)
         # Seeded requests keep their generator until they appear in finished_request_ids.
         self._generators: dict[str, torch.Generator] = {}
+        # Penalties' token histories (kept until finished_request_ids), bias, min_p, min_tokens.
+        self.logits_processors = LogitsProcessors(self.device)
         # Attention straight from the pool on CPU (C++ kernels built for the ISA level ``isa``); None:
         # gather + torch (CUDA, no compiler, the portable level for prefill, or native_attention=False).
         native = native_attention and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
@@ -212,6 +215,7 @@ class ModelRunner:
     def sample_rows(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[int]:
         """One token per row of ``logits``, row i by seqs[i]'s sampling params and generator (the
         unit a step retries row by row when a batch raises)."""
+        logits = self.logits_processors.apply(logits, seqs)
         return sample_tokens(logits, [s.sampling for s in seqs], [self._generator(s) for s in seqs])
 
     @staticmethod
@@ -274,7 +278,8 @@ class ModelRunner:
         return self.decode_graphs.forward(inputs.input_ids, inputs.positions, attn.slot_rows, attn.decode)
 
     def release(self, request_ids: list[str]) -> None:
-        """Forget the per-request state (seeded generators) of finished requests."""
+        """Forget the per-request state (seeded generators, token histories) of finished requests."""
+        self.logits_processors.release(request_ids)
         for request_id in request_ids:
             self._generators.pop(request_id, None)
 

@@ -27,6 +27,18 @@ class PromptLogprobsSpan:
 
 
 @dataclass(frozen=True)
+class TokenHistory:
+    """Tokens of a request the runner has not been handed yet, for its penalties: positions
+    ``start``.. of prompt + output (the first ``num_prompt_tokens`` positions are the prompt). Each
+    token goes to the runner once; the runner keeps them until the request finishes, so a history
+    survives preemption, chunked prefill and prefix-cache hits (positions it never computed)."""
+
+    start: int
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
 class ScheduledSeq:
     """One request's share of a step: compute ``token_ids`` at positions start_pos.. and maybe sample.
 
@@ -47,6 +59,10 @@ class ScheduledSeq:
     prompt_logprobs: PromptLogprobsSpan | None = None
     # The window layers' blocks, entry i beside block_table[i] (0 where released); None: one pool.
     window_table: list[int] | None = None
+    # On a sampled chunk of a request with a penalty: its tokens the runner lacks (None otherwise).
+    history: TokenHistory | None = None
+    # Tokens this step must not sample (EOS and stop_token_ids while min_tokens is not reached).
+    suppress_token_ids: tuple[int, ...] = ()
 
     @property
     def num_new_tokens(self) -> int:

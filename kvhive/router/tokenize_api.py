@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 
 from kvhive.core.json_body import BodyError, off_loop_for, parse_chosen_body
+from kvhive.core.request_fields import TEXT_PART_FIELDS, stray_field, stray_field_message
 from kvhive.core.tokenize_bodies import (
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -119,6 +120,9 @@ def check_text_parts(messages: Sequence[TokenizeMessage]) -> None:
             if part.type != "text" or part.text is None:
                 raise BodyError(f"Only text content parts are supported, got type '{part.type}'",
                                 param=f"messages[{i}].content[{j}].type")
+            stray = stray_field(part, TEXT_PART_FIELDS)
+            if stray is not None:
+                raise BodyError(stray_field_message(stray, part.type), param=f"messages[{i}].content[{j}].{stray}")
 
 
 def model_card(cards: Sequence[dict[str, Any]], model: str | None) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvhive.core.cors import CorsConfig, install_cors
+from kvhive.core.generation_defaults import load_sampling_defaults
 from kvhive.core.http_limits import HttpLimits
 from kvhive.core.http_protocol import uvicorn_options
 from kvhive.engine.client import EngineClient
@@ -155,8 +156,12 @@ def build_services(engine: EngineClient, served_model_name: str, api_keys: tuple
                               backend=durable.session_backend(),
                               keeper=keeper_tier(engine.keeper_budget(), config.store),
                               device_pool_bytes=config.cache.num_blocks * engine.block_bytes)
+    defaults = load_sampling_defaults(config.generation_config, config.model_path)
+    logger.info("sampling defaults for unset request fields (--generation-config %s): %s",
+                config.generation_config, defaults.describe())
     service = GenerationService(engine, metrics, served_model_name, sessions=sessions,
-                                api_keys=api_keys, share_prefix_cache=config.sessions.share_prefix_cache)
+                                api_keys=api_keys, share_prefix_cache=config.sessions.share_prefix_cache,
+                                defaults=defaults)
     return service, ResponsesAPI(service, ResponseStore(durable.response_backend()))
 
 

@@ -6,13 +6,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 from jinja2 import TemplateError
 
+from kvhive.core.json_body import BodyError
+from kvhive.core.request_fields import TEXT_PART_FIELDS, stray_field, stray_field_message
+from kvhive.core.tokenize_bodies import check_template_kwargs
 from kvhive.request import MAX_LOGPROBS
-from kvhive.server.errors import bad_request
+from kvhive.server.errors import bad_request, body_error
 from kvhive.server.logprobs import SentToken, chat_logprobs, vllm_prompt_logprobs
 from kvhive.server.protocol import (
     AssistantMessage,
@@ -26,11 +30,14 @@ from kvhive.server.protocol import (
     DeltaMessage,
     PromptTokensDetails,
     Usage,
+    check_metadata,
 )
 from kvhive.server.request_checks import check_prompt_logprobs
+from kvhive.server.sampling_fields import truncated_prompt
 from kvhive.server.serving import (
     GenerationService,
     TextDelta,
+    TextOptions,
     combined_usage,
     merge_streams,
     new_request_id,
@@ -45,6 +52,8 @@ def _check_unsupported(body: ChatCompletionRequest) -> None:
         raise bad_request("'tools' are not supported", param="tools")
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise bad_request("Only response_format {\"type\": \"text\"} is supported", param="response_format")
+    if body.metadata is not None:
+        check_metadata(body.metadata)
 
 
 def logprobs_wanted(body: ChatCompletionRequest) -> int | None:
@@ -71,6 +80,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                 if part.type != "text" or part.text is None:
                     raise bad_request(f"Only text content parts are supported, got type '{part.type}'",
                                       param=f"messages[{i}].content[{j}].type")
+                stray = stray_field(part, TEXT_PART_FIELDS)
+                if stray is not None:
+                    raise bad_request(stray_field_message(stray, part.type), param=f"messages[{i}].content[{j}].{stray}")
                 texts.append(part.text)
             content = "\n".join(texts)
         entry = {"role": "system" if message.role == "developer" else message.role, "content": content}
@@ -81,12 +93,18 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
 
 
 async def chat_prompt_token_ids(service: GenerationService, messages: list[ChatMessage],
-                                param: str = "messages") -> list[int]:
-    """The messages through the model's chat template, as token ids (a long prompt rendered off the
-    event loop); 400 naming ``param`` when the template fails."""
+                                param: str = "messages", template_kwargs: dict[str, Any] | None = None
+                                ) -> list[int]:
+    """The messages through the model's chat template (``template_kwargs``: more variables for it,
+    checked by ``check_template_kwargs``), as token ids (a long prompt rendered off the event
+    loop); 400 naming ``param`` when the template fails."""
     rendered = template_messages(messages)
     try:
-        return await service.encode_chat(rendered)
+        check_template_kwargs(template_kwargs)
+    except BodyError as exc:
+        raise body_error(exc) from None
+    try:
+        return await service.encode_chat(rendered, template_kwargs)
     except (TemplateError, ValueError) as exc:
         raise bad_request(f"Could not apply the chat template: {exc}", param=param) from exc
 
@@ -188,7 +206,9 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
                           "and a session reuses its tokens' KV", param="prompt_logprobs")
     kv_transfer = service.kv_transfer_params(body)
     num_logprobs = logprobs_wanted(body)
-    token_ids = await chat_prompt_token_ids(service, body.messages)
+    token_ids = truncated_prompt(await chat_prompt_token_ids(service, body.messages,
+                                                             template_kwargs=body.chat_template_kwargs),
+                                 body.truncate_prompt_tokens, service.max_model_len)
     requested, param = max_tokens_field(body)
     max_tokens = service.resolve_max_tokens(requested, len(token_ids), param, "messages")
     sampling = service.sampling_params(body, max_tokens, num_logprobs, body.prompt_logprobs)
@@ -199,7 +219,8 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
     headers = session_headers(turn)
     answer = ChatAnswer(service, body, num_logprobs, token_ids)
     streams = service.choice_streams(answer.request_id, body.n, token_ids, sampling, body.stop_strings,
-                                     service.cache_salt_for(owner, body.cache_salt), turn, kv_transfer)
+                                     service.cache_salt_for(owner, body.cache_salt), turn, kv_transfer,
+                                     TextOptions.of(body))
     if not body.stream:
         return await service.whole_answer(streams, raw_request, headers,
                                           service.with_kv_transfer(answer.response, kv_transfer))

@@ -11,6 +11,7 @@ from fastapi import Request
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.server.errors import bad_request
 from kvhive.server.protocol import CompletionRequest
+from kvhive.server.sampling_fields import truncated_prompt
 from kvhive.server.serving import OFF_LOOP_CHARS, GenerationService
 
 # Prompts one request may carry (OpenAI's batch form), and choices in all (prompts x n): each choice
@@ -112,7 +113,8 @@ class PromptInput:
 async def prompt_input(service: GenerationService, body: CompletionRequest, prompt: str | list[int],
                        needs_text_start: bool) -> PromptInput:
     """One prompt tokenized (off the loop when long), with its echo and where its text starts."""
-    token_ids = await prompt_token_ids_off_loop(service, prompt, body.add_special_tokens)
+    token_ids = truncated_prompt(await prompt_token_ids_off_loop(service, prompt, body.add_special_tokens),
+                                 body.truncate_prompt_tokens, service.max_model_len)
     echo = echoed_prompt(service, prompt) if body.echo else ""
     start = await echo_text_start(service, body, prompt, token_ids) if needs_text_start else 0
     return PromptInput(token_ids, echo, start)

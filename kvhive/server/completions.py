@@ -32,6 +32,7 @@ from kvhive.server.request_checks import check_prompt_logprobs
 from kvhive.server.serving import (
     GenerationService,
     TextDelta,
+    TextOptions,
     combined_usage,
     merge_streams,
     new_request_id,
@@ -54,6 +55,9 @@ def _check_unsupported(body: CompletionRequest) -> None:
         raise bad_request(f"'best_of' must be at least 'n' ({body.n}); leave it unset", param="best_of")
     if body.suffix:
         raise bad_request("'suffix' is not supported", param="suffix")
+    if body.truncate_prompt_tokens is not None and body.echo:
+        raise bad_request("'truncate_prompt_tokens' cannot be used with 'echo' (the echo is the prompt as sent)",
+                          param="truncate_prompt_tokens")
 
 
 def echo_logprobs_wanted(body: CompletionRequest) -> int | None:
@@ -241,7 +245,7 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
         sampling = service.sampling_params(body, max_tokens, body.logprobs, prompt_logprobs)
         request_id = answer.request_id if len(prompts) == 1 else f"{answer.request_id}-p{p}"
         streams += service.choice_streams(request_id, body.n, prompt.token_ids, sampling, body.stop_strings,
-                                          salt, turn, kv_transfer)
+                                          salt, turn, kv_transfer, TextOptions.of(body))
     headers = session_headers(turn)
     if not body.stream:
         return await service.whole_answer(streams, raw_request, headers,

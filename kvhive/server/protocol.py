@@ -1,25 +1,28 @@
-"""Pydantic schemas of the OpenAI API subset kvhive serves (requests strict, responses plain)."""
+"""Pydantic schemas of the OpenAI API subset kvhive serves (requests strict, unknown fields refused;
+responses plain)."""
 
 from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 from kvhive.core.json_body import ListOf
-from kvhive.request import MIN_SEED, SEED_END
+from kvhive.core.request_fields import NoOpText, StrictBody
+from kvhive.request import MAX_ABS_PENALTY, MAX_REPETITION_PENALTY, MIN_SEED, SEED_END
+from kvhive.server.errors import bad_request
 from kvhive.sessions.registry import MAX_SESSION_ID_CHARS, SESSION_ID_PATTERN
 
+# OpenAI's bounds on ``metadata``.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+
 # ---------------------------------------------------------------- requests
-# Strict: "5" is not an integer and "true" is not a boolean, as in OpenAI's API. Unknown fields are
-# ignored so clients that send newer OpenAI fields keep working.
+# Strict (``StrictBody``): "5" is not an integer and "true" is not a boolean, as in OpenAI's API, and
+# a field not declared here is a 400 naming it. The few fields accepted as no-ops are
+# ``kvhive.core.request_fields.NO_OP_FIELDS`` (docs/api_fields.md says why each is safe).
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class StreamOptions(_Strict):
+class StreamOptions(StrictBody):
     """``stream_options``: ``include_usage`` ends the stream with a usage chunk;
     ``continuous_usage_stats`` (vLLM's) also puts the choice's usage so far on every chunk."""
 
@@ -27,11 +30,12 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
-class SamplingRequest(_Strict):
+class SamplingRequest(StrictBody):
     """Fields shared by completions and chat completions."""
 
     model: str
     max_tokens: int | None = None
+    # Unset: the model's generation_config.json default (--generation-config), else OpenAI's.
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)      # vLLM extension; 0 or -1: disabled
@@ -42,12 +46,20 @@ class SamplingRequest(_Strict):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: NoOpText | None = None                        # no-op (NO_OP_FIELDS)
     cache_salt: str | None = None                       # vLLM extension: per-tenant prefix cache
     kv_transfer_params: dict[str, Any] | None = None    # vLLM's field: disaggregated prefill/decode
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)   # None: 0
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
+    logit_bias: dict[str, float] | None = None          # token id -> bias in [-100, 100]
+    # vLLM's sampling extensions (docs/api_fields.md).
+    repetition_penalty: float | None = Field(default=None, gt=0, le=MAX_REPETITION_PENALTY)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    min_tokens: int = Field(default=0, ge=0)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     prompt_logprobs: int | None = None                  # vLLM extension: the prompt tokens' logprobs
     return_token_ids: bool = False                      # vLLM extension: prompt and generated token ids
 
@@ -81,19 +93,21 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None
 
 
-class ContentPart(_Strict):
-    """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported."""
-
-    model_config = ConfigDict(strict=True, extra="allow")
+class ContentPart(StrictBody):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported. The
+    other OpenAI part kinds' fields are declared so that the refusal names the part's type."""
 
     type: str
     text: str | None = None
+    image_url: Any = None                   # refused: type "image_url"
+    input_audio: Any = None                 # refused: type "input_audio"
+    file: Any = None                        # refused: type "file"
 
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictBody):
     """One chat message; ``content`` is a string or a list of text parts."""
 
     role: Role
@@ -114,6 +128,25 @@ class ChatCompletionRequest(SamplingRequest):
     conversation_id: str | None = Field(default=None, max_length=MAX_SESSION_ID_CHARS,
                                        pattern=SESSION_ID_PATTERN)   # a session
     end_conversation: bool = False                      # free the conversation after this turn
+    # More variables for the chat template (Qwen3's enable_thinking); bounded in check_template_kwargs.
+    chat_template_kwargs: dict[str, Any] | None = None
+    # No-ops (NO_OP_FIELDS): nothing here changes the output.
+    safety_identifier: NoOpText | None = None
+    prompt_cache_key: NoOpText | None = None
+    service_tier: NoOpText | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+
+
+def check_metadata(metadata: dict[str, str]) -> None:
+    """400 beyond OpenAI's bounds on ``metadata``: 16 pairs, keys up to 64 characters, values up to 512."""
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise bad_request(f"'metadata' holds at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}",
+                          param="metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
+            raise bad_request(f"'metadata' keys are at most {MAX_METADATA_KEY_CHARS} characters and values "
+                              f"at most {MAX_METADATA_VALUE_CHARS} (key {key[:80]!r})", param="metadata")
 
 
 # ---------------------------------------------------------------- responses

@@ -51,6 +51,7 @@ from kvhive.server.responses_protocol import (
     logprobs_wanted,
     new_item_id,
 )
+from kvhive.server.sampling_fields import pick
 from kvhive.server.serving import GenerationService, TextDelta, unix_time
 from kvhive.server.sse import ClosingStreamingResponse
 from kvhive.sessions.registry import Session, SessionBusy, SessionNotDurable, SessionNotFound
@@ -243,13 +244,13 @@ class Turn:
     response: ResponseObject = field(init=False)
 
     def __post_init__(self) -> None:
-        body = self.body
+        body, defaults = self.body, self.api.service.defaults
         self.response = ResponseObject(
             id=self.response_id, created_at=unix_time(), status="in_progress", instructions=body.instructions,
             max_output_tokens=body.max_output_tokens, model=body.model, output=[],
             previous_response_id=body.previous_response_id, store=body.store,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_logprobs=body.top_logprobs or 0,
+            temperature=pick(body.temperature, defaults.temperature, 1.0),
+            top_p=pick(body.top_p, defaults.top_p, 1.0), top_logprobs=body.top_logprobs or 0,
             user=body.user, metadata=body.metadata or {},
             parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls)
 

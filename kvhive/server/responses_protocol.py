@@ -1,69 +1,111 @@
 """Schemas of ``/v1/responses`` (text only): the request, its input items, the response object, events.
 
-Requests are strict like the other endpoints' (unknown fields ignored). Every field that would
-change the result and that kvhive does not implement answers 400 in ``check_unsupported`` unless it
-asks for the default, so nothing is silently ignored.
+Requests are strict like the other endpoints' (``StrictBody``: an unknown field is a 400 naming it).
+Every declared field that would change the result and that kvhive does not implement answers 400
+in ``check_unsupported`` unless it asks for the default, so nothing is silently ignored.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from kvhive.core.json_body import ListOf
+from kvhive.core.request_fields import (
+    TEXT_PART_FIELDS,
+    NoOpText,
+    StrictBody,
+    stray_field,
+    stray_field_message,
+)
 from kvhive.request import MAX_LOGPROBS
 from kvhive.server.errors import bad_request
-from kvhive.server.protocol import ChatMessage, ChatTokenLogprob, ContentPart
+from kvhive.server.protocol import ChatMessage, ChatTokenLogprob, ContentPart, check_metadata
 from kvhive.server.sse import sse_named_event
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PART_TYPES = ("input_text", "output_text")
 # The one ``include`` value supported: the logprobs of the output text's tokens.
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
-# OpenAI's bounds on ``metadata``.
-MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+# The fields of a text part: an earlier response's output_text sent back carries its annotations and logprobs.
+OUTPUT_TEXT_FIELDS = TEXT_PART_FIELDS | {"annotations", "logprobs"}
 
 # ---------------------------------------------------------------- request
 
 
-class InputPart(BaseModel):
-    """One content part of an input message; only text parts are supported."""
+class InputPart(StrictBody):
+    """One content part of an input message; only text parts are supported. The other part kinds'
+    fields are declared so that the refusal names the part's type; ``annotations`` and
+    ``logprobs`` come back on an earlier response's ``output_text`` sent as input and are dropped
+    (they describe that output, not what to generate)."""
+
+    type: str
+    text: str | None = None
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+    image_url: Any = None                   # refused: type "input_image"
+    file_id: Any = None                     # refused: types "input_image", "input_file"
+    detail: Any = None
+    file_data: Any = None
+    file_url: Any = None
+    filename: Any = None
+
+
+class OtherInputItem(BaseModel):
+    """An input item of another type (``function_call``, ``reasoning``, ...): read only so that
+    ``input_items`` refuses it by its ``type``, whatever fields its kind has."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
     type: str
-    text: str | None = None
 
 
-class InputItem(BaseModel):
-    """One input item; only messages (``type`` "message" or absent) are supported."""
+def _item_kind(value: Any) -> str:
+    """The tag of an input item: a message (``type`` "message" or absent) or another kind."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "Message" if kind in (None, "message") else "Other"
 
-    model_config = ConfigDict(strict=True, extra="allow")
+
+class InputItem(StrictBody):
+    """One input item; only messages (``type`` "message" or absent) are supported. An earlier
+    response's output message sent back as input carries its ``id`` and ``status``: accepted, and
+    rendered by its role and content like any message."""
 
     type: str | None = None
     role: str | None = None
     content: str | ListOf[InputPart] | None = None
+    id: str | None = None
+    status: str | None = None
 
 
-class ResponsesRequest(BaseModel):
+
+# Tags that are no field names (``param_from_loc`` leaves them out of a ``param``).
+AnyInputItem = Annotated[Annotated[InputItem, Tag("Message")] | Annotated[OtherInputItem, Tag("Other")],
+                         Discriminator(_item_kind)]
+
+
+class ResponsesRequest(StrictBody):
     """``POST /v1/responses``."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
-
     model: str
-    input: str | ListOf[InputItem]
+    input: str | ListOf[AnyInputItem]
     instructions: str | None = None
     previous_response_id: str | None = None
     store: bool = True
     max_output_tokens: int | None = None
+    # Unset: the model's generation_config.json default (--generation-config), else OpenAI's.
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     stream: bool = False
     metadata: dict[str, str] | None = None
-    user: str | None = None
     parallel_tool_calls: bool | None = None
+    # No-ops (kvhive.core.request_fields.NO_OP_FIELDS): nothing here changes the output.
+    user: NoOpText | None = None
+    safety_identifier: NoOpText | None = None
+    prompt_cache_key: NoOpText | None = None
+    service_tier: NoOpText | None = None
     # Not implemented: 400 unless absent or the default (check_unsupported).
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -121,17 +163,6 @@ def logprobs_wanted(body: ResponsesRequest) -> int | None:
     return body.top_logprobs or 0
 
 
-def check_metadata(metadata: dict[str, str]) -> None:
-    """400 beyond OpenAI's bounds: 16 pairs, keys up to 64 characters, values up to 512."""
-    if len(metadata) > MAX_METADATA_PAIRS:
-        raise bad_request(f"'metadata' holds at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}",
-                          param="metadata")
-    for key, value in metadata.items():
-        if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
-            raise bad_request(f"'metadata' keys are at most {MAX_METADATA_KEY_CHARS} characters and values "
-                              f"at most {MAX_METADATA_VALUE_CHARS} (key {key[:80]!r})", param="metadata")
-
-
 def new_item_id() -> str:
     """A fresh message item id."""
     return f"msg_{uuid.uuid4().hex}"
@@ -154,7 +185,7 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
         raise bad_request("'input' must contain at least one item", param="input")
     items = []
     for i, item in enumerate(body.input):
-        if item.type not in (None, "message"):
+        if isinstance(item, OtherInputItem):
             raise bad_request(f"Input items of type '{item.type}' are not supported; only text messages",
                               param=f"input[{i}].type")
         if item.role not in INPUT_ROLES:
@@ -170,6 +201,9 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
             if part.type not in TEXT_PART_TYPES or part.text is None:
                 raise bad_request(f"Content parts of type '{part.type}' are not supported; only "
                                   f"{' and '.join(TEXT_PART_TYPES)} with text", param=f"input[{i}].content[{j}].type")
+            stray = stray_field(part, OUTPUT_TEXT_FIELDS)
+            if stray is not None:
+                raise bad_request(stray_field_message(stray, part.type), param=f"input[{i}].content[{j}].{stray}")
             texts.append(part.text)
         items.append(message_item(item.role, texts))
     return items

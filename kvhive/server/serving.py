@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from kvhive.core.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from kvhive.core.tenancy import cache_salt, key_owner
 from kvhive.core.tokenizer import IncrementalDetokenizer
 from kvhive.engine.core import RequestFailed, RequestOutput
@@ -32,6 +34,7 @@ from kvhive.server.logprobs import SentToken, TokensAwaitingText
 from kvhive.server.metrics import ServerMetrics
 from kvhive.server.protocol import PromptTokensDetails, SamplingRequest, Usage
 from kvhive.server.request_checks import check_stream_options
+from kvhive.server.sampling_fields import sampling_params_for
 from kvhive.server.sse import sse_response
 from kvhive.server.stop import StopStringMatcher
 from kvhive.sessions.registry import SessionError, check_session_id
@@ -111,6 +114,20 @@ def combined_usage(finals: Sequence[TextDelta]) -> Usage:
 
 
 @dataclass(frozen=True)
+class TextOptions:
+    """How a request's tokens become its text (vLLM's fields): special tokens dropped or written out,
+    a matched stop string kept at the end of the text or cut."""
+
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @classmethod
+    def of(cls, body: SamplingRequest) -> TextOptions:
+        """The options a completion or chat request asks for."""
+        return cls(body.skip_special_tokens, body.include_stop_str_in_output)
+
+
+@dataclass(frozen=True)
 class _StreamEnded:
     """What ``merge_streams``' pump sends when its stream ends: nothing, or the error it raised."""
 
@@ -159,12 +176,15 @@ async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tu
 
 class DeltaAssembler:
     """Turns one request's engine outputs into ``TextDelta``s: incremental detokenization, stop
-    strings, the logprobs of the tokens whose text went out, the prompt logprobs on the first delta."""
+    strings (looked for once more than ``min_tokens`` tokens were generated, as vLLM does), the
+    logprobs of the tokens whose text went out, the prompt logprobs on the first delta."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop_strings: Sequence[str],
-                 with_logprobs: bool) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens=True)
-        self._matcher = StopStringMatcher(stop_strings)
+                 with_logprobs: bool, text: TextOptions = TextOptions(), min_tokens: int = 0) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids,
+                                                   skip_special_tokens=text.skip_special_tokens)
+        self._matcher = StopStringMatcher(stop_strings, include_stop=text.include_stop_str_in_output)
+        self._min_tokens = min_tokens
         self._awaiting = TokensAwaitingText() if with_logprobs else None
         self._num_sent = 0                            # characters of text handed out so far
         self._prompt_logprobs: tuple[TokenLogprobs, ...] | None = None   # until a delta carries them
@@ -200,7 +220,7 @@ class DeltaAssembler:
             text += self._detokenizer.flush()
         if self._awaiting is not None:
             self._awaiting.add(out.logprobs or (), text)
-        sent = self._matcher.feed(text)
+        sent = text if out.num_output_tokens <= self._min_tokens else self._matcher.feed(text)
         self._num_sent += len(sent)
         return sent
 
@@ -223,8 +243,10 @@ class GenerationService:
 
     def __init__(self, engine: EngineClient, metrics: ServerMetrics, served_model_name: str,
                  sessions: SessionService, api_keys: tuple[str, ...] = (),
-                 share_prefix_cache: bool = False) -> None:
+                 share_prefix_cache: bool = False, defaults: SamplingDefaults = NO_DEFAULTS) -> None:
+        """``defaults``: what a request that leaves a sampling field unset gets (``--generation-config``)."""
         self.engine = engine
+        self.defaults = defaults
         self.metrics = metrics
         self.served_model_name = served_model_name
         self.sessions = sessions
@@ -243,15 +265,10 @@ class GenerationService:
                                 f"`{self.served_model_name}`.", param="model", code="model_not_found")
 
     def check_common(self, body: SamplingRequest) -> None:
-        """400 for sampling fields kvhive does not implement, instead of silently ignoring them."""
+        """400 for a model not served, ``n`` out of bounds or a stop token outside the vocabulary."""
         self.check_model(body.model)
         if not 1 <= body.n <= MAX_CHOICES:
             raise bad_request(f"'n' must be between 1 and {MAX_CHOICES}, got {body.n}", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(body, name) != 0:
-                raise bad_request(f"'{name}' is not supported; leave it unset or 0", param=name)
-        if body.logit_bias:
-            raise bad_request("'logit_bias' is not supported", param="logit_bias")
         self.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
         check_stream_options(body)
 
@@ -291,7 +308,8 @@ class GenerationService:
 
     def resolve_max_tokens(self, requested: int | None, num_prompt_tokens: int, param: str,
                            prompt_param: str) -> int:
-        """The request's max_tokens: as asked (checked against the context), else all room left."""
+        """The request's max_tokens: as asked (checked against the context), else all room left (at
+        most the model's ``max_new_tokens`` default, ``--generation-config``)."""
         limit = self.max_model_len
         if requested is not None and requested < 1:
             raise bad_request(f"'{param}' must be at least 1, got {requested}", param=param)
@@ -301,7 +319,7 @@ class GenerationService:
                 f"{num_prompt_tokens} tokens, which leaves no room for the completion. Please shorten "
                 f"the prompt.", param=prompt_param, code="context_length_exceeded")
         if requested is None:
-            return limit - num_prompt_tokens
+            return min(limit - num_prompt_tokens, self.defaults.max_tokens or limit)
         if num_prompt_tokens + requested > limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -310,36 +328,25 @@ class GenerationService:
                 param=param, code="context_length_exceeded")
         return requested
 
-    @staticmethod
-    def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None = None,
+    def sampling_params(self, body: SamplingRequest, max_tokens: int, logprobs: int | None = None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
-        """Engine sampling parameters from the request (OpenAI defaults: temperature 1, top_p 1);
-        ``logprobs``: how many top alternatives to report per token (None: no logprobs);
-        ``prompt_logprobs``: the same for the prompt's tokens. The body's fields are within their
-        bounds (``SamplingRequest``); a temperature or top_p below ``SAMPLING_EPS`` samples greedily."""
-        try:
-            return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=max(0, body.top_k or 0),
-                seed=body.seed,
-                ignore_eos=body.ignore_eos,
-                stop_token_ids=tuple(body.stop_token_ids or ()),
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-            )
-        except ValueError as exc:
-            raise bad_request(str(exc)) from exc
+        """Engine sampling parameters from the request, unset fields from the model's defaults, then
+        OpenAI's (``kvhive.server.sampling_fields.sampling_params_for``); ``logprobs``: how many top
+        alternatives to report per token (None: no logprobs); ``prompt_logprobs``: the same for the
+        prompt's tokens."""
+        return sampling_params_for(body, max_tokens, self.defaults, self.vocab_size, logprobs, prompt_logprobs)
 
     # ------------------------------------------------------------ tokenization
 
-    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of chat messages through the chat template; long ones rendered and tokenized
-        off the event loop. Raises what the template raises (TemplateError, ValueError)."""
+    async def encode_chat(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None
+                          ) -> list[int]:
+        """Token ids of chat messages through the chat template (``template_kwargs``: more variables
+        for it); long ones rendered and tokenized off the event loop. Raises what the template
+        raises (TemplateError, ValueError)."""
+        kwargs = template_kwargs or {}
         if sum(len(m["content"]) for m in messages) < OFF_LOOP_CHARS:
-            return self.tokenizer.encode_chat(messages)
-        return await asyncio.to_thread(self.tokenizer.encode_chat, messages)
+            return self.tokenizer.encode_chat(messages, **kwargs)
+        return await asyncio.to_thread(functools.partial(self.tokenizer.encode_chat, messages, **kwargs))
 
     # ------------------------------------------------------------ owners and sessions
 
@@ -374,7 +381,8 @@ class GenerationService:
 
     async def stream(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                      stop_strings: Sequence[str], cache_salt: str | None,
-                     turn: SessionTurn = NO_TURN, kv_transfer=None) -> AsyncIterator[TextDelta]:
+                     turn: SessionTurn = NO_TURN, kv_transfer=None, text: TextOptions = TextOptions()
+                     ) -> AsyncIterator[TextDelta]:
         """Run one request; yield text deltas, the last with its finish reason.
 
         Leaving early (client gone, cancellation) or an engine error aborts the engine request; a
@@ -383,7 +391,8 @@ class GenerationService:
         once the engine says so, else (stopped early, failed) with what it held before.
         """
         tracker = self.metrics.track_request(sampling.max_tokens)
-        deltas = DeltaAssembler(self.tokenizer, prompt_token_ids, stop_strings, sampling.logprobs is not None)
+        deltas = DeltaAssembler(self.tokenizer, prompt_token_ids, stop_strings, sampling.logprobs is not None,
+                                text, sampling.min_tokens)
         outputs = self.engine.generate(request_id, prompt_token_ids, sampling, cache_salt=cache_salt,
                                        session_id=turn.engine_id, end_session=turn.end_session,
                                        kv_transfer=kv_transfer)
@@ -423,19 +432,21 @@ class GenerationService:
 
     def choice_streams(self, request_id: str, n: int, prompt_token_ids: list[int], sampling: SamplingParams,
                        stop_strings: Sequence[str], cache_salt: str | None,
-                       turn: SessionTurn = NO_TURN, kv_transfer=None) -> list[AsyncIterator[TextDelta]]:
+                       turn: SessionTurn = NO_TURN, kv_transfer=None, text: TextOptions = TextOptions()
+                       ) -> list[AsyncIterator[TextDelta]]:
         """One ``stream`` per choice. n == 1: the engine request is ``request_id`` itself. n > 1:
         engine requests ``{request_id}-{i}``, each with its own seed (``choice_seed``), never in a
         session; they run concurrently, and the scheduler computes the prompt's full blocks once
         (the other choices wait a step and hit them)."""
         if n == 1:
             return [self.stream(request_id, prompt_token_ids, sampling, stop_strings, cache_salt, turn,
-                                kv_transfer)]
+                                kv_transfer, text)]
         assert turn is NO_TURN, "open_session refuses n > 1 in a session"
         streams = []
         for i in range(n):
             seeded = replace(sampling, seed=choice_seed(sampling.seed, i))
-            streams.append(self.stream(f"{request_id}-{i}", prompt_token_ids, seeded, stop_strings, cache_salt))
+            streams.append(self.stream(f"{request_id}-{i}", prompt_token_ids, seeded, stop_strings, cache_salt,
+                                       text=text))
         return streams
 
     async def collect(self, deltas: AsyncIterator[TextDelta], raw_request: Request) -> TextDelta | None:

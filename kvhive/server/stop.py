@@ -12,8 +12,11 @@ class StopStringMatcher:
     start of a stop string is held in ``_pending`` until it either completes a match or cannot.
     """
 
-    def __init__(self, stop_strings: Sequence[str]) -> None:
+    def __init__(self, stop_strings: Sequence[str], include_stop: bool = False) -> None:
+        """``include_stop``: the text returned on a match ends with the stop string (vLLM's
+        ``include_stop_str_in_output``); else it ends before it."""
         self._stops = tuple(s for s in stop_strings if s)
+        self._include_stop = include_stop
         self._pending = ""
         self.stopped = False          # True once a stop string matched; nothing more is returned
 
@@ -24,10 +27,13 @@ class StopStringMatcher:
         if not self._stops:
             return delta
         self._pending += delta
-        hits = [i for i in (self._pending.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((self._pending.find(s), s) for s in self._stops) if i >= 0]
         if hits:
             self.stopped = True
-            out, self._pending = self._pending[:min(hits)], ""
+            # The first match; at one place, the shortest stop (the one a stream completes first).
+            start, length = min(hits)
+            end = start + length if self._include_stop else start
+            out, self._pending = self._pending[:end], ""
             return out
         keep = self._partial_match_len()
         cut = len(self._pending) - keep

@@ -25,13 +25,14 @@ from support.servers import (
 from support.tiny import tiny_config, tiny_model
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvhive.core.generation_defaults import NO_DEFAULTS
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.engine.async_engine import AsyncEngine
 from kvhive.engine.core import MAX_FAILED_STEPS_IN_ROW, LLMEngine, RequestFailed, RequestOutput
 from kvhive.model.loader import LoadedModel
 from kvhive.request import MIN_SEED, SAMPLING_EPS, SEED_END, FinishReason, SamplingParams
 from kvhive.server.protocol import CompletionRequest
-from kvhive.server.serving import GenerationService
+from kvhive.server.sampling_fields import sampling_params_for
 
 MODEL = SERVED_MODEL_NAME
 
@@ -93,7 +94,13 @@ FIELDS = st.fixed_dictionaries({}, optional={
     "top_k": st.one_of(st.integers(-1, 300), st.just(10**30)),
     "seed": st.one_of(st.integers(MIN_SEED, SEED_END - 1), st.integers(-2**70, 2**70),
                       st.sampled_from([MIN_SEED, SEED_END - 1, SEED_END, MIN_SEED - 1])),
-    "max_tokens": st.integers(1, 6), "logprobs": st.integers(0, 20)})
+    "max_tokens": st.integers(1, 6), "logprobs": st.integers(0, 20),
+    "repetition_penalty": st.floats(1e-3, 10, allow_subnormal=False),
+    "presence_penalty": st.floats(-2, 2, allow_subnormal=False),
+    "frequency_penalty": st.floats(-2, 2, allow_subnormal=False),
+    "min_p": st.floats(0, 1, allow_subnormal=False), "min_tokens": st.integers(0, 1),
+    "logit_bias": st.dictionaries(st.integers(0, 255).map(str), st.floats(-100, 100, allow_subnormal=False),
+                                  max_size=4)})
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -108,7 +115,8 @@ def test_any_accepted_sampling_fields_finish_in_the_engine(
         except ValidationError:
             assert not MIN_SEED <= fields.get("seed", 0) < SEED_END       # only the seed can be out of bounds
             continue
-        params = GenerationService.sampling_params(body, body.max_tokens or 4, body.logprobs)
+        params = sampling_params_for(body, body.max_tokens or 4, NO_DEFAULTS, engine.model_config.vocab_size,
+                                     body.logprobs)
         request_id = f"h{next(_ids)}"
         if poison:
             poisoner.poisoned.add(request_id)

@@ -19,3 +19,14 @@ def test_stop_string_matcher(stops: list[str], deltas: list[str], sent: list[str
     assert [matcher.feed(d) for d in deltas] == sent
     assert matcher.stopped is stopped
     assert matcher.flush() == ""
+
+
+@pytest.mark.parametrize(("stops", "deltas", "sent"), [
+    (["END"], ["abc E", "N", "D more"], ["abc ", "", "END"]),           # the stop string ends the text
+    (["xyz", "y"], ["xy"], ["xy"]),                                     # the first match, kept
+    (["ab", "abc"], ["zabc"], ["zab"]),                                 # two at one place: the one completed first
+])
+def test_include_stop_keeps_the_matched_stop_string(stops: list[str], deltas: list[str], sent: list[str]) -> None:
+    matcher = StopStringMatcher(stops, include_stop=True)
+    assert [matcher.feed(d) for d in deltas] == sent
+    assert matcher.stopped and matcher.flush() == ""

@@ -7,6 +7,7 @@ session spill, KV-connector transfers and prompt-logprobs spans, one module per 
 - ``session_spill``: releasing idle sessions' blocks under pressure (``SessionCopy``).
 - ``transfers``: the connector's scheduler-side state (lookups, loads, saves, held blocks).
 - ``prompt_logprobs``: which prompt rows each chunk reports.
+- ``sampling_inputs``: the token history of penalties and the tokens ``min_tokens`` suppresses.
 - ``core``: ``Scheduler``, which composes them and applies each step's results.
 """
 

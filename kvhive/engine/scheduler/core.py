@@ -19,6 +19,7 @@ from kvhive.engine.scheduler.batching import Admission, Batcher, StepBudget
 from kvhive.engine.scheduler.preemption import Preemption
 from kvhive.engine.scheduler.prompt_logprobs import prompt_logprobs_span, record_prompt_rows
 from kvhive.engine.scheduler.queues import RequestQueues
+from kvhive.engine.scheduler.sampling_inputs import suppressed_tokens, token_history
 from kvhive.engine.scheduler.session_spill import SessionCopy, SessionSpill
 from kvhive.engine.scheduler.transfers import KVTransfers
 from kvhive.engine.step import ScheduledSeq, StepPlan, StepResult
@@ -200,16 +201,19 @@ class Scheduler:
             request = self.queues.by_id[request_id]
             start = request.num_computed_tokens
             end = start + num_new
+            sample = end == request.num_tokens      # never re-samples tokens it already has
             seqs.append(ScheduledSeq(
                 request_id=request_id,
                 token_ids=request.all_token_ids[start:end],
                 start_pos=start,
                 block_table=self.kv.get_block_table(request),
                 window_table=self.kv.get_window_table(request),
-                sample=end == request.num_tokens,   # never re-samples tokens it already has
+                sample=sample,
                 sampling=request.sampling,
                 num_output_tokens=request.num_output_tokens,
                 prompt_logprobs=prompt_logprobs_span(request, start, end),
+                history=token_history(request) if sample else None,
+                suppress_token_ids=suppressed_tokens(request) if sample else (),
             ))
         finished, self._finished_ids = self._finished_ids, []
         meta = self.transfers.build_meta(tuple(planned), finished, planned)
