@@ -28,6 +28,7 @@ from kvhive.server.serving import (
     unix_time,
 )
 from kvhive.server.sse import SSE_DONE, sse_event
+from kvhive.server.structured import body_structured_spec
 
 
 def _check_unsupported(body: CompletionRequest) -> None:
@@ -212,7 +213,8 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
     prompt_logprobs = prompt_logprobs_wanted(body)
     max_tokens = service.resolve_max_tokens(1 if scores_prompt_only(body) else body.max_tokens, len(token_ids),
                                             "max_tokens", "prompt")
-    sampling = service.sampling_params(body, max_tokens, body.logprobs, prompt_logprobs)
+    structured = await body_structured_spec(service.engine, body)
+    sampling = service.sampling_params(body, max_tokens, body.logprobs, prompt_logprobs, structured)
     if prompt_logprobs is not None:
         check_outside_session(raw_request, new_session_ttl)
     owner = service.owner_of(raw_request)

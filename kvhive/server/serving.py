@@ -22,6 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from kvhive.core.structured_spec import StructuredSpec
 from kvhive.core.tenancy import cache_salt, key_owner
 from kvhive.core.tokenizer import IncrementalDetokenizer
 from kvhive.engine.core import RequestFailed, RequestOutput
@@ -305,10 +306,12 @@ class GenerationService:
 
     @staticmethod
     def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, structured: StructuredSpec | None = None
+                        ) -> SamplingParams:
         """Engine sampling parameters from the request (OpenAI defaults: temperature 1, top_p 1);
         ``logprobs``: how many top alternatives to report per token (None: no logprobs);
-        ``prompt_logprobs``: the same for the prompt's tokens. The body's fields are within their
+        ``prompt_logprobs``: the same for the prompt's tokens; ``structured``: the constraint the
+        output decodes under (``kvhive.server.structured``). The body's fields are within their
         bounds (``SamplingRequest``); a temperature or top_p below ``SAMPLING_EPS`` samples greedily."""
         try:
             return SamplingParams(
@@ -321,6 +324,7 @@ class GenerationService:
                 stop_token_ids=tuple(body.stop_token_ids or ()),
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                structured=structured,
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
