@@ -338,7 +338,7 @@ async def checked_spec(engine: EngineClient, requested: RequestedOutput | None) 
     try:
         await engine.check_structured(requested.spec)
     except StructuredOutputError as exc:
-        raise bad_request(f"'{requested.param}' cannot be used to constrain the output: {exc.message}",
+        raise bad_request(f"Invalid '{requested.param}': {exc.message}",
                           param=requested.param) from None
     return requested.spec
 
