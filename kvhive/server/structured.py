@@ -213,16 +213,25 @@ def text_format_output(text: Any, param: str = "text") -> RequestedOutput | None
 
 # ---------------------------------------------------------------- vLLM's fields
 
-# ``structured_outputs`` keys that each ask for one constraint, and the keys accepted as what kvhive
-# does anyway (their other values are refused: they would change the output).
+# ``structured_outputs`` keys that each ask for one constraint; its options, accepted absent, null or
+# at the value kvhive's backend has anyway (any other value would change the output: a 400); and
+# ``disable_fallback``, any boolean (there is one backend, which never falls back).
 _CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
-_OPTION_DEFAULTS: dict[str, Any] = {
-    "disable_fallback": None,              # any value: there is one backend and no fallback
-    "disable_any_whitespace": False,
-    "disable_additional_properties": False,
-    "whitespace_pattern": None,
-    "structural_tag": None,
+_OPTION_VALUES: dict[str, tuple[bool, ...]] = {
+    "disable_any_whitespace": (False,),
+    "disable_additional_properties": (False,),
+    "whitespace_pattern": (),
+    "structural_tag": (),
 }
+_OPTION_KEYS = ("disable_fallback", *_OPTION_VALUES)
+
+
+def _check_options(obj: Mapping[str, Any], param: str) -> None:
+    _flag(obj.get("disable_fallback"), f"{param}.disable_fallback")
+    for key, accepted in _OPTION_VALUES.items():
+        value = obj.get(key)
+        if value is not None and not any(value is a for a in accepted):
+            raise bad_request(f"'{param}.{key}' is not supported; leave it out", param=f"{param}.{key}")
 
 
 def _constraint(kind: str, value: Any, param: str, source: str) -> RequestedOutput:
@@ -251,12 +260,8 @@ def structured_outputs_output(value: Any, param: str = "structured_outputs") -> 
     if value is None:
         return None
     obj = _object(value, param)
-    _check_keys(obj, _CONSTRAINT_KEYS + tuple(_OPTION_DEFAULTS), param)
-    for key, default in _OPTION_DEFAULTS.items():
-        if default is None and key == "disable_fallback":
-            _flag(obj.get(key), f"{param}.{key}")
-        elif obj.get(key, default) not in (default, None):
-            raise bad_request(f"'{param}.{key}' is not supported; leave it out", param=f"{param}.{key}")
+    _check_keys(obj, _CONSTRAINT_KEYS + _OPTION_KEYS, param)
+    _check_options(obj, param)
     asked = [key for key in _CONSTRAINT_KEYS if obj.get(key) is not None]
     if not asked:
         raise bad_request(f"'{param}' must set one of {', '.join(_CONSTRAINT_KEYS)}", param=param)
