@@ -189,7 +189,7 @@ def test_completions_with_vllm_fields(served: Served) -> None:
                                                extra_body=extra)
         assert re.fullmatch(REGEX, completion.choices[0].text)
     completion = client.completions.create(model=served.model, prompt="Weather as JSON:", max_tokens=MAX_TOKENS,
-                                           temperature=0, response_format=JSON_SCHEMA_FORMAT)
+                                           temperature=0, extra_body={"response_format": JSON_SCHEMA_FORMAT})
     valid(completion.choices[0].text)
     chunks = list(client.completions.create(model=served.model, prompt="Weather as JSON:", max_tokens=MAX_TOKENS,
                                             temperature=0, stream=True, extra_body={"guided_json": SCHEMA}))
