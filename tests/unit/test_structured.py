@@ -147,3 +147,14 @@ def test_a_pathological_regex_is_bounded(compiler) -> None:
     bitmask = np.zeros((1, compiler.mask_words), dtype=np.int32)
     compiler.fill_masks([matcher], bitmask)
     assert bitmask.any() or matcher.error is not None
+
+
+def test_the_mask_fallback_is_forced_from_the_environment() -> None:
+    from kvhive.cli import grammar_mask_from_env
+    from kvhive.config import EngineConfig
+
+    config = EngineConfig(model_path="m")
+    assert grammar_mask_from_env(config, {}).grammar_mask_overlap is True
+    assert grammar_mask_from_env(config, {"KVHIVE_GRAMMAR_MASK_SYNC": "1"}).grammar_mask_overlap is False
+    with pytest.raises(ValueError, match="KVHIVE_GRAMMAR_MASK_SYNC"):
+        grammar_mask_from_env(config, {"KVHIVE_GRAMMAR_MASK_SYNC": "yes"})
