@@ -337,12 +337,14 @@ def render_grammar(name: str, record: dict) -> list[str]:
     s, slow, goal = record["summary"], record["slowdown"], record["targets"]
     lines = [f"{record['driver']}; {record['model']}; {record['tokens_per_request']} tokens per request, greedy; "
              f"median of {len(record['rounds'])} rounds.", "",
-             "| arm | completion tokens/s | unconstrained requests' tokens/s each | mask computed (ms) | "
-             "step thread waited for it (ms) |", "| --- | --- | --- | --- | --- |"]
+             "| arm | completion tokens/s | unconstrained requests' tokens/s each | masks computed (ms) | "
+             "step thread waited or computed (ms) | applied + matchers advanced (ms) | grammar share of wall time "
+             "on the step thread |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for arm, r in s.items():
         each = r.get("free_request_tokens_per_s")
         lines.append(f"| {arm} | {r['tokens_per_s']:.1f} | {'-' if each is None else f'{each:.1f}'} | "
-                     f"{r['mask_compute_ms']:.0f} | {r['mask_wait_ms'] + r['mask_inline_ms']:.0f} |")
+                     f"{r['mask_compute_ms']:.0f} | {r['mask_wait_ms'] + r['mask_inline_ms']:.0f} | "
+                     f"{r['mask_apply_ms']:.0f} | {r['grammar_critical_share']:.2%} |")
     lines += ["", f"Slower than without a grammar: c1 {slow['c1_json_vs_free']:.1%}, c8 {slow['c8_json_vs_free']:.1%} "
               f"({met(slow['c8_json_vs_free'] <= goal['c8_json_vs_free'])}), unconstrained neighbours at c8 "
               f"{slow['c8_neighbours_vs_free']:.1%} ({met(slow['c8_neighbours_vs_free'] <= goal['c8_neighbours_vs_free'])}); "

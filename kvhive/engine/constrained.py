@@ -50,6 +50,7 @@ class MaskTimes:
     compute_seconds: float = 0.0        # filling and unpacking masks, wherever it ran
     wait_seconds: float = 0.0           # the step thread blocked on the worker (overlap's leftover)
     inline_seconds: float = 0.0         # masks computed on the step thread (overlap off or failed)
+    apply_seconds: float = 0.0          # the step thread masking logits and advancing matchers
 
 
 class GrammarRows:
@@ -97,6 +98,7 @@ class GrammarRows:
         if job is None:
             return logits
         blocked = self._join(job)
+        started = time.perf_counter()
         keep = []
         for j, m in enumerate(job.matchers):
             if m.error is not None:
@@ -105,12 +107,13 @@ class GrammarRows:
                 failed[job.request_ids[j]] = "the output's grammar allows no token of this model's vocabulary here"
             else:
                 keep.append(j)
-        if not keep:
-            return logits
-        idx = torch.tensor([job.rows[j] for j in keep], device=logits.device)
-        block = torch.from_numpy(blocked[keep] if len(keep) < len(job.rows) else blocked).to(logits.device)
-        masked = logits.index_select(0, idx).masked_fill_(block, float("-inf"))
-        return logits.index_copy(0, idx, masked)
+        if keep:
+            idx = torch.tensor([job.rows[j] for j in keep], device=logits.device)
+            block = torch.from_numpy(blocked[keep] if len(keep) < len(job.rows) else blocked).to(logits.device)
+            masked = logits.index_select(0, idx).masked_fill_(block, float("-inf"))
+            logits = logits.index_copy(0, idx, masked)
+        self.times.apply_seconds += time.perf_counter() - started
+        return logits
 
     def advance(self, job: MaskJob | None, tokens: list[int | None], failed: dict[str, str]) -> set[str]:
         """Feed each constrained row's sampled token to its matcher; the ids whose output is now
@@ -119,6 +122,7 @@ class GrammarRows:
         done: set[str] = set()
         if job is None:
             return done
+        started = time.perf_counter()
         for i, rid, m in zip(job.rows, job.request_ids, job.matchers, strict=True):
             token = tokens[i]
             if token is None or rid in failed:
@@ -127,6 +131,7 @@ class GrammarRows:
                 failed[rid] = f"the output's grammar rejected token {token}: {m.error}"
             elif m.is_complete:
                 done.add(rid)
+        self.times.apply_seconds += time.perf_counter() - started
         return done
 
     def wait(self, job: MaskJob | None) -> None:

@@ -177,3 +177,20 @@ def test_a_failing_mask_worker_falls_back_to_inline_masks(engine, tokenizer, mon
     before = rows.times.inline_seconds
     assert tokens_of(run_engine(engine, requests)["js"]) == want
     assert rows.times.inline_seconds > before
+
+
+def test_constrained_turns_in_a_session(engine, tokenizer) -> None:
+    prompt, texts = list(PROMPT), []
+    for t in range(2):
+        engine.add_request(f"s{t}", prompt, greedy(SPECS["json_schema"]), session_id="sess", end_session=t == 1)
+        got = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                got += out.new_token_ids
+                if out.finished:
+                    assert out.finish_reason is FinishReason.STOP, out.error
+                    cached = out.num_cached_tokens
+        texts.append(tokenizer.decode(got))
+        prompt = prompt + got + [11, 12, 13]
+    assert all(valid("json_schema", text) for text in texts)
+    assert cached > 0                   # the second turn continued the session's blocks
