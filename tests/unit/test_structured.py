@@ -44,6 +44,9 @@ CASES = [
     (StructuredSpec("grammar", grammar='root ::= "x" [0-9]+'), "x42", "y42"),
     (StructuredSpec("tool_calls", schema=json.dumps(CALL), tool_format=HERMES), ONE_CALL + "\n" + ONE_CALL,
      '{"name": "get_weather"}'),
+    # Llama 3.x: a bare JSON object per call.
+    (StructuredSpec("tool_calls", schema=json.dumps(CALL), tool_format=ToolCallFormat(begin="", end="", max_calls=1)),
+     '{"name": "get_weather", "arguments": {"city": "Oslo"}}', '<tool_call>\n{"name": "get_weather"}'),
 ]
 
 
