@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,7 +38,6 @@ class MaskJob:
     request_ids: list[str]
     matchers: list[GrammarMatcher]
     future: Future | None = None
-    started: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
