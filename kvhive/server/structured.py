@@ -17,16 +17,13 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvhive.core.json_body import BodyError, load_json
 from kvhive.core.structured_spec import StructuredSpec
+from kvhive.engine.client import EngineClient, StructuredOutputError
 from kvhive.server.errors import bad_request
 from kvhive.server.protocol import StructuredOutputFields
-from kvhive.structured.errors import StructuredOutputError
-
-if TYPE_CHECKING:
-    from kvhive.engine.client import EngineClient
 
 # Bounds of what a request may ask, checked before anything is compiled.
 MAX_SCHEMA_CHARS = 256 * 1024          # a schema's canonical JSON text (OpenAI allows 120k of names alone)
