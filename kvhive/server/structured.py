@@ -159,23 +159,27 @@ def _json_schema(fmt: Mapping[str, Any], param: str, source: str) -> RequestedOu
     return RequestedOutput(StructuredSpec("json_schema", schema=schema, source=source), f"{param}.schema")
 
 
-def response_format_output(value: Any, param: str = "response_format") -> RequestedOutput | None:
-    """Chat's (and completions') ``response_format``: ``{"type": "text"}`` (None),
-    ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {name, schema, strict,
-    description}}``."""
-    if value is None:
-        return None
+_JSON_SCHEMA_KEYS = ("name", "schema", "strict", "description")
+
+
+def _format_output(value: Any, param: str, nested: bool) -> RequestedOutput | None:
+    """OpenAI's format object at ``param``: ``text`` (None), ``json_object`` or ``json_schema``,
+    whose fields sit in a ``json_schema`` object when ``nested`` (chat), beside ``type`` when not
+    (the Responses API)."""
     fmt = _object(value, param)
     kind = fmt.get("type")
     if kind == "text" or kind == "json_object":
         _check_keys(fmt, ("type",), param)
         return None if kind == "text" else RequestedOutput(StructuredSpec("json_object", source=param), param)
+    if kind == "json_schema" and not nested:
+        _check_keys(fmt, ("type", *_JSON_SCHEMA_KEYS), param)
+        return _json_schema(fmt, param, param)
     if kind == "json_schema":
         _check_keys(fmt, ("type", "json_schema"), param)
         if fmt.get("json_schema") is None:
             raise _missing(f"{param}.json_schema")
         inner = _object(fmt["json_schema"], f"{param}.json_schema")
-        _check_keys(inner, ("name", "schema", "strict", "description"), f"{param}.json_schema")
+        _check_keys(inner, _JSON_SCHEMA_KEYS, f"{param}.json_schema")
         return _json_schema(inner, f"{param}.json_schema", param)
     if kind is None:
         raise _missing(f"{param}.type")
@@ -183,29 +187,19 @@ def response_format_output(value: Any, param: str = "response_format") -> Reques
                       param=f"{param}.type")
 
 
+def response_format_output(value: Any, param: str = "response_format") -> RequestedOutput | None:
+    """Chat's (and completions') ``response_format``: ``{"type": "text"}`` (None),
+    ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {name, schema, strict,
+    description}}``."""
+    return None if value is None else _format_output(value, param, nested=True)
+
+
 def text_format_output(text: Any, param: str = "text") -> RequestedOutput | None:
     """The Responses API's ``text.format``: ``{"type": "text"}`` (None), ``{"type": "json_object"}``
     or ``{"type": "json_schema", name, schema, strict, description}`` (flat). ``text``'s other
     keys are the caller's to check."""
-    if text is None:
-        return None
-    fmt_value = _object(text, param).get("format")
-    fmt_param = f"{param}.format"
-    if fmt_value is None:
-        return None
-    fmt = _object(fmt_value, fmt_param)
-    kind = fmt.get("type")
-    if kind == "text" or kind == "json_object":
-        _check_keys(fmt, ("type",), fmt_param)
-        return None if kind == "text" else RequestedOutput(StructuredSpec("json_object", source=fmt_param),
-                                                           fmt_param)
-    if kind == "json_schema":
-        _check_keys(fmt, ("type", "name", "schema", "strict", "description"), fmt_param)
-        return _json_schema(fmt, fmt_param, fmt_param)
-    if kind is None:
-        raise _missing(f"{fmt_param}.type")
-    raise bad_request(f"'{fmt_param}.type' must be 'text', 'json_object' or 'json_schema', got "
-                      f"{str(kind)[:64]!r}", param=f"{fmt_param}.type")
+    fmt = None if text is None else _object(text, param).get("format")
+    return None if fmt is None else _format_output(fmt, f"{param}.format", nested=False)
 
 
 # ---------------------------------------------------------------- vLLM's fields
