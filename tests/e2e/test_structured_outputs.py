@@ -44,6 +44,9 @@ SCHEMA = Forecast.model_json_schema()
 JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": SCHEMA, "strict": True}}
 CHOICES = ["sunny", "cloudy", "rain"]
 REGEX = r"[0-9]{3}-[a-z]{2,4}"
+LARK = 'start: /[a-c]{1,3}/ "-" ("x" | "y")'
+GBNF = 'root ::= [a-c] [a-c]? "-" ("x" | "y")'
+GRAMMAR_TEXT = r"[a-c]{1,3}-[xy]"           # what both grammars accept
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,10 @@ def test_completions_with_vllm_fields(served: Served) -> None:
         completion = client.completions.create(model=served.model, prompt="Code:", max_tokens=20, temperature=0,
                                                extra_body=extra)
         assert re.fullmatch(REGEX, completion.choices[0].text)
+    for extra in ({"guided_grammar": LARK}, {"structured_outputs": {"grammar": GBNF}}):
+        completion = client.completions.create(model=served.model, prompt="Tag:", max_tokens=20, temperature=0,
+                                               extra_body=extra)
+        assert re.fullmatch(GRAMMAR_TEXT, completion.choices[0].text)
     completion = client.completions.create(model=served.model, prompt="Weather as JSON:", max_tokens=MAX_TOKENS,
                                            temperature=0, extra_body={"response_format": JSON_SCHEMA_FORMAT})
     valid(completion.choices[0].text)
