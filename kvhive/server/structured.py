@@ -155,6 +155,7 @@ def _json_schema(fmt: Mapping[str, Any], param: str, source: str) -> RequestedOu
         _text(fmt["description"], f"{param}.description", MAX_FORMAT_DESCRIPTION_CHARS)
     if fmt.get("schema") is None:
         raise _missing(f"{param}.schema")
+    _object(fmt["schema"], f"{param}.schema")           # OpenAI's formats take no schema text
     schema = canonical_schema(fmt["schema"], f"{param}.schema")
     return RequestedOutput(StructuredSpec("json_schema", schema=schema, source=source), f"{param}.schema")
 

@@ -170,6 +170,7 @@ def test_responses_text_format_forms() -> None:
      "response_format.json_schema.name"),
     ({"type": "json_schema", "json_schema": {"name": "n"}}, "response_format.json_schema.schema"),
     ({"type": "json_schema", "json_schema": {"name": "n", "schema": [1]}}, "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "n", "schema": "{}"}}, "response_format.json_schema.schema"),
     ({"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "strict": "yes"}},
      "response_format.json_schema.strict"),
     ({"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "description": 3}},
