@@ -22,7 +22,7 @@ from typing import Any
 from kvhive.core.json_body import BodyError, load_json
 from kvhive.core.structured_spec import StructuredSpec
 from kvhive.engine.client import EngineClient, StructuredOutputError
-from kvhive.server.errors import bad_request
+from kvhive.server.errors import APIError, bad_request
 from kvhive.server.protocol import StructuredOutputFields
 
 # Bounds of what a request may ask, checked before anything is compiled.
@@ -50,7 +50,7 @@ class RequestedOutput:
 # ---------------------------------------------------------------- texts and their bounds
 
 
-def _missing(param: str) -> Exception:
+def _missing(param: str) -> APIError:
     return bad_request(f"Missing required parameter: '{param}'", param=param)
 
 
@@ -304,11 +304,20 @@ def requested_output(body: Any) -> RequestedOutput | None:
 
 
 def forces_tool_call(tools: Any, tool_choice: Any) -> bool:
-    """Whether ``tool_choice`` makes the output a tool call: "required", or a named function (chat's
-    ``{"type": "function", "function": {"name"}}``, the Responses API's ``{"type": "function", "name"}``)."""
+    """Whether ``tool_choice`` makes the output a tool call: "required", a named function (chat's
+    ``{"type": "function", "function": {"name"}}``, the Responses API's ``{"type": "function",
+    "name"}``) or OpenAI's ``{"type": "allowed_tools", "mode": "required"}``; a dict or a model with
+    those attributes."""
     if not tools:
         return False
-    return tool_choice == "required" or (isinstance(tool_choice, dict) and tool_choice.get("type") == "function")
+    if tool_choice == "required":
+        return True
+
+    def field(name: str) -> Any:
+        return tool_choice.get(name) if isinstance(tool_choice, dict) else getattr(tool_choice, name, None)
+
+    kind = field("type")
+    return kind == "function" or (kind == "allowed_tools" and field("mode") == "required")
 
 
 def check_format_with_tools(requested: RequestedOutput | None, tools: Any, tool_choice: Any) -> None:

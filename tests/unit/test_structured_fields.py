@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -285,12 +286,21 @@ def test_text_bounds() -> None:
 # ---------------------------------------------------------------- tools, the compile check, sampling
 
 
+@dataclass(frozen=True)
+class NamedChoice:
+    """A ``tool_choice`` as a request model may hold it: an object with attributes."""
+
+    type: str = "function"
+    name: str = "get_weather"
+
+
 def test_format_with_a_forced_tool_call_refused() -> None:
     requested = requested_output(chat(response_format={"type": "json_object"}))
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}},
-                   {"type": "function", "name": "get_weather"}):
+                   {"type": "function", "name": "get_weather"}, NamedChoice(),
+                   {"type": "allowed_tools", "mode": "required", "tools": []}):
         assert refusal(check_format_with_tools, requested, TOOLS, choice).param == "response_format"
-    for choice in (None, "auto", "none"):
+    for choice in (None, "auto", "none", {"type": "allowed_tools", "mode": "auto", "tools": []}):
         check_format_with_tools(requested, TOOLS, choice)
     check_format_with_tools(requested, None, "required")       # no tools: not this check's to refuse
     check_format_with_tools(None, TOOLS, "required")
