@@ -45,13 +45,12 @@ from kvhive.server.serving import (
     unix_time,
 )
 from kvhive.server.sse import SSE_DONE, sse_event
+from kvhive.server.structured import body_structured_spec
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
     if body.tools:
         raise bad_request("'tools' are not supported", param="tools")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise bad_request("Only response_format {\"type\": \"text\"} is supported", param="response_format")
     if body.metadata is not None:
         check_metadata(body.metadata)
 
@@ -206,12 +205,13 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
                           "and a session reuses its tokens' KV", param="prompt_logprobs")
     kv_transfer = service.kv_transfer_params(body)
     num_logprobs = logprobs_wanted(body)
+    structured = await body_structured_spec(service.engine, body)
     token_ids = truncated_prompt(await chat_prompt_token_ids(service, body.messages,
                                                              template_kwargs=body.chat_template_kwargs),
                                  body.truncate_prompt_tokens, service.max_model_len)
     requested, param = max_tokens_field(body)
     max_tokens = service.resolve_max_tokens(requested, len(token_ids), param, "messages")
-    sampling = service.sampling_params(body, max_tokens, num_logprobs, body.prompt_logprobs)
+    sampling = service.sampling_params(body, max_tokens, num_logprobs, body.prompt_logprobs, structured)
     owner = service.owner_of(raw_request)
     turn = await service.open_session(raw_request, body.model, len(token_ids) + max_tokens,
                                       conversation_id=body.conversation_id, new_ttl=new_session_ttl,

@@ -40,6 +40,7 @@ from kvhive.server.serving import (
     unix_time,
 )
 from kvhive.server.sse import SSE_DONE, sse_event
+from kvhive.server.structured import body_structured_spec
 
 
 def _check_unsupported(body: CompletionRequest) -> None:
@@ -229,6 +230,7 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
     if kv_transfer is not None and len(texts) != 1:
         raise bad_request("kv_transfer_params needs one prompt", param="prompt")
     prompt_logprobs = engine_prompt_logprobs(body)
+    structured = await body_structured_spec(service.engine, body)
     if prompt_logprobs is not None:
         check_outside_session(raw_request, new_session_ttl,
                               "prompt_logprobs" if body.prompt_logprobs is not None else "logprobs")
@@ -242,7 +244,7 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
     salt = service.cache_salt_for(owner, body.cache_salt)
     streams = []
     for p, (prompt, max_tokens) in enumerate(zip(prompts, limits, strict=True)):
-        sampling = service.sampling_params(body, max_tokens, body.logprobs, prompt_logprobs)
+        sampling = service.sampling_params(body, max_tokens, body.logprobs, prompt_logprobs, structured)
         request_id = answer.request_id if len(prompts) == 1 else f"{answer.request_id}-p{p}"
         streams += service.choice_streams(request_id, body.n, prompt.token_ids, sampling, body.stop_strings,
                                           salt, turn, kv_transfer, TextOptions.of(body))

@@ -30,7 +30,21 @@ class StreamOptions(StrictBody):
     continuous_usage_stats: bool = False
 
 
-class SamplingRequest(StrictBody):
+class StructuredOutputFields(StrictBody):
+    """Fields that constrain the output (``kvhive.server.structured`` reads and bounds them):
+    OpenAI's ``response_format``, then vLLM's extensions."""
+
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: ListOf[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+
+class SamplingRequest(StructuredOutputFields):
     """Fields shared by completions and chat completions."""
 
     model: str
@@ -124,7 +138,6 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: ListOf[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
     conversation_id: str | None = Field(default=None, max_length=MAX_SESSION_ID_CHARS,
                                        pattern=SESSION_ID_PATTERN)   # a session
     end_conversation: bool = False                      # free the conversation after this turn

@@ -54,6 +54,7 @@ from kvhive.server.responses_protocol import (
 from kvhive.server.sampling_fields import pick
 from kvhive.server.serving import GenerationService, TextDelta, unix_time
 from kvhive.server.sse import ClosingStreamingResponse
+from kvhive.server.structured import text_format, text_structured_spec
 from kvhive.sessions.registry import Session, SessionBusy, SessionNotDurable, SessionNotFound
 from kvhive.sessions.responses import (
     ResponseStats,
@@ -176,9 +177,10 @@ class ResponsesAPI:
         history = await self.history(raw_request, body)
         token_ids = await self.prompt_token_ids(body, history, items)
         max_tokens = service.resolve_max_tokens(body.max_output_tokens, len(token_ids), "max_output_tokens", "input")
+        structured = await text_structured_spec(service.engine, body.text, body.tools, body.tool_choice)
         sampling = service.sampling_params(
             SamplingRequest(model=body.model, temperature=body.temperature, top_p=body.top_p), max_tokens,
-            num_logprobs)
+            num_logprobs, structured=structured)
         conversation_id, session_turn, session = await self.open_conversation(
             raw_request, body, len(token_ids) + max_tokens)
         response_id = new_response_id(conversation_id)
@@ -251,7 +253,7 @@ class Turn:
             previous_response_id=body.previous_response_id, store=body.store,
             temperature=pick(body.temperature, defaults.temperature, 1.0),
             top_p=pick(body.top_p, defaults.top_p, 1.0), top_logprobs=body.top_logprobs or 0,
-            user=body.user, metadata=body.metadata or {},
+            user=body.user, metadata=body.metadata or {}, text={"format": text_format(body.text)},
             parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls)
 
     def message(self, status: Literal["in_progress", "completed", "incomplete"], text: str | None,

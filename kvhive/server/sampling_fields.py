@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvhive.core.generation_defaults import SamplingDefaults
+from kvhive.core.structured_spec import StructuredSpec
 from kvhive.request import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, SamplingParams
 from kvhive.server.errors import bad_request
 from kvhive.server.protocol import SamplingRequest
@@ -47,7 +48,8 @@ def logit_bias_of(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple
 
 
 def sampling_params_for(body: SamplingRequest, max_tokens: int, defaults: SamplingDefaults, vocab_size: int,
-                        logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+                        logprobs: int | None = None, prompt_logprobs: int | None = None,
+                        structured: StructuredSpec | None = None) -> SamplingParams:
     """Engine sampling parameters of ``body``; ``logprobs``: top alternatives per token (None: no
     logprobs), ``prompt_logprobs`` the same for the prompt. The body's fields are within their
     schema's bounds; 400 naming the field for what only the engine's bounds catch (``min_tokens``
@@ -67,6 +69,7 @@ def sampling_params_for(body: SamplingRequest, max_tokens: int, defaults: Sampli
             stop_token_ids=tuple(body.stop_token_ids or ()),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            structured=structured,
             repetition_penalty=pick(body.repetition_penalty, defaults.repetition_penalty, 1.0),
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,

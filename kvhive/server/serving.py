@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from kvhive.core.generation_defaults import NO_DEFAULTS, SamplingDefaults
+from kvhive.core.structured_spec import StructuredSpec
 from kvhive.core.tenancy import cache_salt, key_owner
 from kvhive.core.tokenizer import IncrementalDetokenizer
 from kvhive.engine.core import RequestFailed, RequestOutput
@@ -329,12 +330,15 @@ class GenerationService:
         return requested
 
     def sampling_params(self, body: SamplingRequest, max_tokens: int, logprobs: int | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, structured: StructuredSpec | None = None
+                        ) -> SamplingParams:
         """Engine sampling parameters from the request, unset fields from the model's defaults, then
         OpenAI's (``kvhive.server.sampling_fields.sampling_params_for``); ``logprobs``: how many top
         alternatives to report per token (None: no logprobs); ``prompt_logprobs``: the same for the
-        prompt's tokens."""
-        return sampling_params_for(body, max_tokens, self.defaults, self.vocab_size, logprobs, prompt_logprobs)
+        prompt's tokens; ``structured``: the constraint the output decodes under
+        (``kvhive.server.structured``)."""
+        return sampling_params_for(body, max_tokens, self.defaults, self.vocab_size, logprobs, prompt_logprobs,
+                                   structured)
 
     # ------------------------------------------------------------ tokenization
 

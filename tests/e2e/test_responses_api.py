@@ -377,7 +377,8 @@ def test_an_engine_error_unstreamed_is_a_500_and_stores_nothing(tiny_client: htt
 BAD_BODIES = [
     ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"include": [LOGPROBS, "message.input_image.image_url"]}, "include"),
