@@ -17,8 +17,8 @@ import torch
 
 from kvhive.config import ModelConfig
 from kvhive.connector.base import ConnectorWorker
-from kvhive.engine.logits_processors import LogitsProcessors
 from kvhive.engine.constrained import GrammarRows
+from kvhive.engine.logits_processors import LogitsProcessors
 from kvhive.engine.sampling import sample_tokens, token_logprobs
 from kvhive.engine.step import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
 from kvhive.kv.window_group import WindowLayout
