@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 
+from kvhive.core.generation_defaults import NO_DEFAULTS
 from kvhive.core.structured_spec import StructuredSpec
 from kvhive.server.errors import APIError
 from kvhive.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvhive.server.responses_protocol import ResponsesRequest, check_unsupported
-from kvhive.server.serving import GenerationService
+from kvhive.server.sampling_fields import sampling_params_for
 from kvhive.server.structured import (
     MAX_CHOICE_CHARS,
     MAX_CHOICE_OPTIONS,
@@ -350,8 +351,11 @@ def test_chat_body_forcing_a_tool_call_with_a_format_refused() -> None:
     assert info.value.param == "response_format"
 
 
+VOCAB_SIZE = 1000
+
+
 def test_sampling_params_carry_the_spec() -> None:
     spec = StructuredSpec("choice", choices=("a", "b"), source="guided_choice")
-    sampling = GenerationService.sampling_params(chat(), 8, structured=spec)
+    sampling = sampling_params_for(chat(), 8, NO_DEFAULTS, VOCAB_SIZE, structured=spec)
     assert sampling.structured == spec
-    assert GenerationService.sampling_params(chat(), 8).structured is None
+    assert sampling_params_for(chat(), 8, NO_DEFAULTS, VOCAB_SIZE).structured is None
