@@ -194,7 +194,8 @@ def run_engine(args: argparse.Namespace, config: EngineConfig,
         served = run_server(AsyncEngine(engine), host=args.host, port=args.port,
                             served_model_name=config.served_model_name, api_keys=tuple(api_keys),
                             log_level=args.log_level, max_request_bytes=args.max_request_bytes,
-                            metrics_compat=args.metrics_compat, http_limits=http_limits_from_args(args))
+                            metrics_compat=args.metrics_compat, http_limits=http_limits_from_args(args),
+                            tool_call_parser=args.tool_call_parser)
     finally:
         if heartbeat is not None:
             heartbeat.stop(deregister=True)

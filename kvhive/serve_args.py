@@ -24,6 +24,7 @@ from kvhive.config import (
 from kvhive.connector.disagg.config import parse_kv_transfer_config
 from kvhive.core.http_limits import add_http_limit_args
 from kvhive.core.registry import RegistrationConfig, default_advertise_url
+from kvhive.core.tool_parsers import PARSER_NAMES
 from kvhive.kv.events_config import parse_kv_events_config
 
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
@@ -198,6 +199,11 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help="vllm: /metrics also exports each metric vLLM has under vLLM's name and labels "
                         "(vllm:num_requests_waiting, vllm:kv_cache_usage_perc, ...; docs/metrics.md), "
                         "for dashboards and endpoint pickers written for vLLM")
+    g.add_argument("--tool-call-parser", choices=("auto", *PARSER_NAMES), default="auto",
+                   help="how tool calls are read from the output: hermes (<tool_call>{...}</tool_call>, "
+                        "Qwen2.5/Qwen3), llama3_json ({\"name\": ..., \"parameters\": ...}, Llama 3.x), "
+                        "mistral ([TOOL_CALLS][...]); auto picks by the chat template (docs/tool_calling.md) "
+                        "(default: auto)")
 
 
 def _add_registration_args(p: argparse.ArgumentParser) -> None:

@@ -95,16 +95,18 @@ class APIKeyMiddleware:
 
 def create_app(async_engine: AsyncEngine, *, served_model_name: str,
                api_keys: tuple[str, ...] = (), max_request_bytes: int | None = None,
-               metrics_compat: str = "none") -> FastAPI:
+               metrics_compat: str = "none", tool_call_parser: str = "auto") -> FastAPI:
     """The OpenAI-compatible app over a started ``AsyncEngine`` (the caller owns its lifecycle).
 
     ``metrics_compat``: "vllm" also exports each metric vLLM has under vLLM's name (docs/metrics.md).
+
+    ``tool_call_parser``: how tool calls are read from outputs ("auto": by the chat template).
 
     ``max_request_bytes``: larger request bodies are refused with 413 before they are read
     (default: ``default_max_request_bytes`` of the model's context).
     """
     engine = EngineClient(async_engine)
-    service, responses = build_services(engine, served_model_name, api_keys, metrics_compat)
+    service, responses = build_services(engine, served_model_name, api_keys, metrics_compat, tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def sweepers(_app: FastAPI) -> AsyncIterator[None]:
@@ -134,7 +136,8 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
 
 
 def build_services(engine: EngineClient, served_model_name: str, api_keys: tuple[str, ...],
-                   metrics_compat: str = "none") -> tuple[GenerationService, ResponsesAPI]:
+                   metrics_compat: str = "none", tool_call_parser: str = "auto"
+                   ) -> tuple[GenerationService, ResponsesAPI]:
     """The app's generation service (with its metrics, whose runtime paths and cache config it
     shows, and its session service) and the Responses API, over the durable backends of the
     engine's config."""
@@ -149,7 +152,8 @@ def build_services(engine: EngineClient, served_model_name: str, api_keys: tuple
                               keeper=keeper_tier(engine.keeper_budget(), config.store),
                               device_pool_bytes=config.cache.num_blocks * engine.block_bytes)
     service = GenerationService(engine, metrics, served_model_name, sessions=sessions,
-                                api_keys=api_keys, share_prefix_cache=config.sessions.share_prefix_cache)
+                                api_keys=api_keys, share_prefix_cache=config.sessions.share_prefix_cache,
+                                tool_call_parser=tool_call_parser)
     return service, ResponsesAPI(service, ResponseStore(durable.response_backend()))
 
 
@@ -203,7 +207,7 @@ def install_generation_routes(app: FastAPI, service: GenerationService) -> None:
 def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_name: str,
                api_keys: tuple[str, ...] = (), log_level: str = "info",
                max_request_bytes: int | None = None, metrics_compat: str = "none",
-               http_limits: HttpLimits | None = None) -> bool:
+               http_limits: HttpLimits | None = None, tool_call_parser: str = "auto") -> bool:
     """Serve HTTP on a thread and run the engine loop on this (main) thread until interrupted.
 
     Returns False when the HTTP server never started (e.g. the port is taken) or the engine loop
@@ -217,7 +221,8 @@ def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_nam
     status 1 on its own: closing must not keep a broken server alive).
     """
     app = create_app(async_engine, served_model_name=served_model_name, api_keys=api_keys,
-                     max_request_bytes=max_request_bytes, metrics_compat=metrics_compat)
+                     max_request_bytes=max_request_bytes, metrics_compat=metrics_compat,
+                     tool_call_parser=tool_call_parser)
     logger.info("request bodies over %d bytes are refused (413)", app.state.max_request_bytes)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             **uvicorn_options(http_limits or HttpLimits()))

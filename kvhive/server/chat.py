@@ -6,11 +6,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 from jinja2 import TemplateError
 
+from kvhive.core.tool_parsers import ContentDelta
 from kvhive.request import MAX_LOGPROBS
 from kvhive.server.errors import bad_request
 from kvhive.server.logprobs import SentToken, chat_logprobs
@@ -23,7 +25,11 @@ from kvhive.server.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     ChatMessage,
+    DeltaFunction,
     DeltaMessage,
+    DeltaToolCall,
+    ToolCall,
+    ToolCallFunction,
     Usage,
 )
 from kvhive.server.serving import (
@@ -36,11 +42,19 @@ from kvhive.server.serving import (
     unix_time,
 )
 from kvhive.server.sse import SSE_DONE, sse_event
+from kvhive.server.tool_output import CallBegun, OutputEvent, ToolOutputReader, read_whole
+from kvhive.server.tools import (
+    NO_PLAN,
+    ToolPlan,
+    chat_functions,
+    check_history,
+    prompt_messages,
+    tool_choice,
+    tool_plan,
+)
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
-    if body.tools:
-        raise bad_request("'tools' are not supported", param="tools")
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise bad_request("Only response_format {\"type\": \"text\"} is supported", param="response_format")
 
@@ -55,11 +69,12 @@ def logprobs_wanted(body: ChatCompletionRequest) -> int | None:
     return (top or 0) if body.logprobs else None
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them: string content; ``developer`` is a system message."""
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: string content; ``developer`` is a system message;
+    an assistant message's ``tool_calls`` and a tool message's ``tool_call_id`` as sent."""
     if not messages:
         raise bad_request("'messages' must contain at least one message", param="messages")
-    rendered: list[dict[str, str]] = []
+    rendered: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         if message.content is None or isinstance(message.content, str):
             content = message.content or ""
@@ -74,19 +89,42 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
         entry = {"role": "system" if message.role == "developer" else message.role, "content": content}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         rendered.append(entry)
     return rendered
 
 
 async def chat_prompt_token_ids(service: GenerationService, messages: list[ChatMessage],
-                                param: str = "messages") -> list[int]:
-    """The messages through the model's chat template, as token ids (a long prompt rendered off the
-    event loop); 400 naming ``param`` when the template fails."""
+                                param: str = "messages", plan: ToolPlan = NO_PLAN) -> list[int]:
+    """The messages (and the plan's tools) through the model's chat template, as token ids (a long
+    prompt rendered off the event loop); 400 naming ``param`` when the template fails, or naming
+    the history's call or tool result that is wrong."""
     rendered = template_messages(messages)
+    check_history(rendered, [f"{param}[{i}]" for i in range(len(rendered))])
+    rendered, variables = prompt_messages(service.tokenizer.chat_template, rendered, plan)
     try:
-        return await service.encode_chat(rendered)
+        return await service.encode_chat(rendered, **variables)
     except (TemplateError, ValueError) as exc:
         raise bad_request(f"Could not apply the chat template: {exc}", param=param) from exc
+
+
+def stream_delta(events: list[OutputEvent]) -> DeltaMessage | None:
+    """One chunk's delta of what a choice's output read into: its content and its calls' pieces
+    (a call's first piece carries its id, type and name); None when there is nothing to send."""
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    calls = []
+    for event in events:
+        if isinstance(event, CallBegun):
+            calls.append(DeltaToolCall(index=event.index, id=event.call.id, type="function",
+                                       function=DeltaFunction(name=event.call.name, arguments="")))
+        elif not isinstance(event, ContentDelta):
+            calls.append(DeltaToolCall(index=event.index, function=DeltaFunction(arguments=event.text)))
+    if not content and not calls:
+        return None
+    return DeltaMessage(content=content or None, tool_calls=calls or None)
 
 
 def max_tokens_field(body: ChatCompletionRequest) -> tuple[int | None, str]:
@@ -104,6 +142,7 @@ class ChatAnswer:
     service: GenerationService
     body: ChatCompletionRequest
     num_logprobs: int | None                     # None: no logprobs
+    plan: ToolPlan = NO_PLAN
     request_id: str = field(default_factory=lambda: new_request_id("chatcmpl"))
     created: int = field(default_factory=unix_time)
 
@@ -113,8 +152,14 @@ class ChatAnswer:
 
     def response(self, results: list[TextDelta]) -> ChatCompletionResponse:
         """The non-streamed answer: one assistant message per choice, and the usage."""
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=r.text), logprobs=self.logprobs_of(r.tokens),
-                              finish_reason=r.finish_reason) for i, r in enumerate(results)]
+        choices = []
+        for i, result in enumerate(results):
+            read = read_whole(self.plan, result.text)
+            calls = [ToolCall(id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments_text))
+                     for c in read.calls]
+            choices.append(ChatChoice(index=i, message=AssistantMessage(content=read.content, tool_calls=calls),
+                                      logprobs=self.logprobs_of(result.tokens),
+                                      finish_reason=read.finish_reason(result.finish_reason or "stop")))
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.service.served_model_name,
                                       choices=choices, usage=combined_usage(results))
 
@@ -135,14 +180,21 @@ class ChatAnswer:
         for index in range(self.body.n):
             yield self.delta(index, DeltaMessage(role="assistant", content=""))
         finals: dict[int, TextDelta] = {}
+        readers = [ToolOutputReader(self.plan) for _ in range(self.body.n)]
         async with contextlib.aclosing(merge_streams(streams)) as merged:
             async for index, delta in merged:
+                reader = readers[index]
+                message = stream_delta(reader.feed(delta.text) if delta.text else [])
                 # A token without text of its own (the end-of-turn token) still has logprobs to send.
-                if delta.text or delta.tokens:
-                    yield self.delta(index, DeltaMessage(content=delta.text), logprobs=self.logprobs_of(delta.tokens))
+                if message is not None or delta.tokens:
+                    yield self.delta(index, message or DeltaMessage(content=""),
+                                     logprobs=self.logprobs_of(delta.tokens))
                 if delta.finish_reason is None:
                     continue
-                yield self.delta(index, DeltaMessage(), delta.finish_reason)
+                held = stream_delta(reader.finish())
+                if held is not None:
+                    yield self.delta(index, held)
+                yield self.delta(index, DeltaMessage(), reader.finish_reason(delta.finish_reason))
                 finals[index] = delta
         if self.body.include_usage:
             yield self.chunk([], usage=combined_usage([finals[i] for i in range(self.body.n)]))
@@ -158,16 +210,19 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
     _check_unsupported(body)
     kv_transfer = service.kv_transfer_params(body)
     num_logprobs = logprobs_wanted(body)
-    token_ids = await chat_prompt_token_ids(service, body.messages)
+    functions = chat_functions(body.tools)
+    plan = await tool_plan(service.engine, service.tokenizer.chat_template, service.tool_call_parser, functions,
+                           tool_choice(body.tool_choice, functions, flat=False), body.parallel_tool_calls)
+    token_ids = await chat_prompt_token_ids(service, body.messages, plan=plan)
     requested, param = max_tokens_field(body)
     max_tokens = service.resolve_max_tokens(requested, len(token_ids), param, "messages")
-    sampling = service.sampling_params(body, max_tokens, num_logprobs)
+    sampling = plan.with_spec(service.sampling_params(body, max_tokens, num_logprobs))
     owner = service.owner_of(raw_request)
     turn = await service.open_session(raw_request, body.model, len(token_ids) + max_tokens,
                                       conversation_id=body.conversation_id, new_ttl=new_session_ttl,
                                       end_session=body.end_conversation, n=body.n)
     headers = session_headers(turn)
-    answer = ChatAnswer(service, body, num_logprobs)
+    answer = ChatAnswer(service, body, num_logprobs, plan)
     streams = service.choice_streams(answer.request_id, body.n, token_ids, sampling, body.stop_strings,
                                      service.cache_salt_for(owner, body.cache_salt), turn, kv_transfer)
     if not body.stream:

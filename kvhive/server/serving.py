@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -217,13 +218,14 @@ class GenerationService:
 
     def __init__(self, engine: EngineClient, metrics: ServerMetrics, served_model_name: str,
                  sessions: SessionService, api_keys: tuple[str, ...] = (),
-                 share_prefix_cache: bool = False) -> None:
+                 share_prefix_cache: bool = False, tool_call_parser: str = "auto") -> None:
         self.engine = engine
         self.metrics = metrics
         self.served_model_name = served_model_name
         self.sessions = sessions
         self.has_api_keys = bool(api_keys)
         self.share_prefix_cache = share_prefix_cache
+        self.tool_call_parser = tool_call_parser     # --tool-call-parser: "auto" or a parser's name
         self.tokenizer: Tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.vocab_size
@@ -327,12 +329,14 @@ class GenerationService:
 
     # ------------------------------------------------------------ tokenization
 
-    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of chat messages through the chat template; long ones rendered and tokenized
-        off the event loop. Raises what the template raises (TemplateError, ValueError)."""
-        if sum(len(m["content"]) for m in messages) < OFF_LOOP_CHARS:
-            return self.tokenizer.encode_chat(messages)
-        return await asyncio.to_thread(self.tokenizer.encode_chat, messages)
+    async def encode_chat(self, messages: list[dict[str, Any]], **variables: Any) -> list[int]:
+        """Token ids of chat messages through the chat template (``variables``: its ``tools``);
+        long ones rendered and tokenized off the event loop. Raises what the template raises
+        (TemplateError, ValueError)."""
+        size = sum(len(m.get("content") or "") for m in messages) + len(str(variables.get("tools") or ""))
+        if size < OFF_LOOP_CHARS:
+            return self.tokenizer.encode_chat(messages, **variables)
+        return await asyncio.to_thread(functools.partial(self.tokenizer.encode_chat, messages, **variables))
 
     # ------------------------------------------------------------ owners and sessions
 
