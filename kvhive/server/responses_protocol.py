@@ -1,4 +1,5 @@
-"""Schemas of ``/v1/responses`` (text only): the request, its input items, the response object, events.
+"""Schemas of ``/v1/responses`` (text and function calls): the request, its input items, the response
+object, events.
 
 Requests are strict like the other endpoints' (unknown fields ignored). Every field that would
 change the result and that kvhive does not implement answers 400 in ``check_unsupported`` unless it
@@ -7,6 +8,7 @@ asks for the default, so nothing is silently ignored.
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any, Literal
 
@@ -15,7 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvhive.core.json_body import ListOf
 from kvhive.request import MAX_LOGPROBS
 from kvhive.server.errors import bad_request
-from kvhive.server.protocol import ChatMessage, ChatTokenLogprob, ContentPart
+from kvhive.server.protocol import (
+    ChatMessage,
+    ChatTokenLogprob,
+    ContentPart,
+    MessageToolCall,
+    ToolCallFunction,
+)
 from kvhive.server.sse import sse_named_event
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
@@ -38,13 +46,19 @@ class InputPart(BaseModel):
 
 
 class InputItem(BaseModel):
-    """One input item; only messages (``type`` "message" or absent) are supported."""
+    """One input item: a message (``type`` "message" or absent), a ``function_call`` the model made
+    earlier (``call_id``, ``name``, ``arguments``) or a ``function_call_output`` (``call_id``,
+    ``output``)."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
     type: str | None = None
     role: str | None = None
     content: str | ListOf[InputPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | ListOf[InputPart] | None = None
 
 
 class ResponsesRequest(BaseModel):
@@ -64,9 +78,9 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     parallel_tool_calls: bool | None = None
+    tools: ListOf[Any] | None = None                 # checked in kvhive.server.tools
+    tool_choice: str | dict[str, Any] | None = None
     # Not implemented: 400 unless absent or the default (check_unsupported).
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     include: list[Any] | None = None
@@ -79,10 +93,6 @@ class ResponsesRequest(BaseModel):
 
 def check_unsupported(body: ResponsesRequest) -> None:
     """400 for every feature that would change the result and that kvhive does not implement."""
-    if body.tools:
-        raise bad_request("'tools' are not supported", param="tools")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise bad_request("'tool_choice' needs tools, which are not supported", param="tool_choice")
     text = body.text or {}
     fmt = text.get("format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
@@ -146,17 +156,58 @@ def message_item(role: str, texts: list[str]) -> dict[str, Any]:
     return {"id": new_item_id(), "type": "message", "role": role, "status": "completed", "content": content}
 
 
+def function_call_item(call_id: str, name: str, arguments: str, item_id: str | None = None,
+                       status: str = "completed") -> dict[str, Any]:
+    """A function call item as it is stored, listed and answered."""
+    return {"id": item_id or f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": status,
+            "call_id": call_id, "name": name, "arguments": arguments}
+
+
+def function_output_item(call_id: str, output: str) -> dict[str, Any]:
+    """A function call output item as it is stored and listed."""
+    return {"id": f"fco_{uuid.uuid4().hex}", "type": "function_call_output", "status": "completed",
+            "call_id": call_id, "output": output}
+
+
+def _call_item(item: InputItem, i: int) -> dict[str, Any]:
+    """A ``function_call`` or ``function_call_output`` input item, its fields checked."""
+    fields = ("call_id", "name", "arguments") if item.type == "function_call" else ("call_id", "output")
+    for name in fields:
+        if getattr(item, name) is None:
+            raise bad_request(f"Missing required parameter 'input[{i}].{name}'", param=f"input[{i}].{name}")
+    assert item.call_id is not None
+    if item.type == "function_call":
+        assert item.name is not None and item.arguments is not None
+        return function_call_item(item.call_id, item.name, item.arguments)
+    output = item.output if isinstance(item.output, str) else "\n".join(_part_texts(item.output or [], i, "output"))
+    return function_output_item(item.call_id, output)
+
+
+def _part_texts(parts: list[InputPart], i: int, field: str) -> list[str]:
+    texts = []
+    for j, part in enumerate(parts):
+        if part.type not in TEXT_PART_TYPES or part.text is None:
+            raise bad_request(f"Content parts of type '{part.type}' are not supported; only "
+                              f"{' and '.join(TEXT_PART_TYPES)} with text", param=f"input[{i}].{field}[{j}].type")
+        texts.append(part.text)
+    return texts
+
+
 def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """The request's input as message items (a string is one user message); 400 for anything else."""
+    """The request's input as message and function call items (a string is one user message); 400
+    for anything else."""
     if isinstance(body.input, str):
         return [message_item("user", [body.input])]
     if not body.input:
         raise bad_request("'input' must contain at least one item", param="input")
     items = []
     for i, item in enumerate(body.input):
+        if item.type in ("function_call", "function_call_output"):
+            items.append(_call_item(item, i))
+            continue
         if item.type not in (None, "message"):
-            raise bad_request(f"Input items of type '{item.type}' are not supported; only text messages",
-                              param=f"input[{i}].type")
+            raise bad_request(f"Input items of type '{item.type}' are not supported; only text messages, "
+                              "function_call and function_call_output", param=f"input[{i}].type")
         if item.role not in INPUT_ROLES:
             raise bad_request(f"Invalid role {item.role!r}: expected one of {', '.join(INPUT_ROLES)}",
                               param=f"input[{i}].role")
@@ -165,20 +216,51 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
         if isinstance(item.content, str):
             items.append(message_item(item.role, [item.content]))
             continue
-        texts = []
-        for j, part in enumerate(item.content):
-            if part.type not in TEXT_PART_TYPES or part.text is None:
-                raise bad_request(f"Content parts of type '{part.type}' are not supported; only "
-                                  f"{' and '.join(TEXT_PART_TYPES)} with text", param=f"input[{i}].content[{j}].type")
-            texts.append(part.text)
-        items.append(message_item(item.role, texts))
+        items.append(message_item(item.role, _part_texts(item.content, i, "content")))
     return items
 
 
-def chat_message(item: dict[str, Any]) -> ChatMessage:
-    """A stored message item (input, or output of an earlier response) as a chat message."""
-    parts = [ContentPart(type="text", text=part["text"]) for part in item["content"]]
-    return ChatMessage(role=item["role"], content=parts)
+def chat_messages(items: list[dict[str, Any]]) -> list[ChatMessage]:
+    """Stored items (inputs, and outputs of earlier responses) as chat messages: function calls
+    join the assistant message before them (or one of their own); a call's output is a ``tool``
+    message."""
+    messages: list[ChatMessage] = []
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            call = MessageToolCall(id=item["call_id"], function=ToolCallFunction(name=item["name"],
+                                                                                 arguments=item["arguments"]))
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant":
+                last.tool_calls = [*(last.tool_calls or []), call]
+            else:
+                messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        elif kind == "function_call_output":
+            messages.append(ChatMessage(role="tool", tool_call_id=item["call_id"], content=item["output"]))
+        else:
+            parts = [ContentPart(type="text", text=part["text"]) for part in item["content"]]
+            messages.append(ChatMessage(role=item["role"], content=parts))
+    return messages
+
+
+def check_call_ids(history: list[dict[str, Any]], items: list[dict[str, Any]]) -> None:
+    """Each ``function_call_output`` of the input answers a call made earlier (in the stored
+    conversation or the input before it), and each call's arguments are a JSON object's text;
+    400 naming the input item."""
+    call_ids = {item["call_id"] for item in history if item.get("type") == "function_call"}
+    for i, item in enumerate(items):
+        if item["type"] == "function_call":
+            try:
+                arguments = json.loads(item["arguments"])
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise bad_request(f"'input[{i}].arguments' must be the JSON text of an object",
+                                  param=f"input[{i}].arguments")
+            call_ids.add(item["call_id"])
+        elif item["type"] == "function_call_output" and item["call_id"] not in call_ids:
+            raise bad_request(f"call_id {item['call_id']!r:.80} matches no earlier function_call",
+                              param=f"input[{i}].call_id")
 
 
 # ---------------------------------------------------------------- response object
@@ -203,6 +285,17 @@ class OutputMessage(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
     role: Literal["assistant"] = "assistant"
     content: list[OutputText]
+
+
+class FunctionCallItem(BaseModel):
+    """A call the model made (an output item)."""
+
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
 
 
 class InputTokensDetails(BaseModel):
@@ -254,7 +347,7 @@ class ResponseObject(BaseModel):
     max_output_tokens: int | None
     max_tool_calls: None = None
     model: str
-    output: list[OutputMessage]
+    output: list[OutputMessage | FunctionCallItem]
     parallel_tool_calls: bool = True
     previous_response_id: str | None
     reasoning: dict[str, None] = Field(default_factory=lambda: {"effort": None, "summary": None})
@@ -262,8 +355,8 @@ class ResponseObject(BaseModel):
     store: bool
     temperature: float
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
-    tool_choice: str = "auto"
-    tools: list[Any] = Field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
     top_logprobs: int
     top_p: float
     truncation: str = "disabled"
@@ -274,7 +367,8 @@ class ResponseObject(BaseModel):
 
 def output_text(response: dict[str, Any]) -> str:
     """The text of a (stored) response object's output message."""
-    return "".join(part["text"] for item in response["output"] for part in item["content"])
+    return "".join(part["text"] for item in response["output"] if item["type"] == "message"
+                   for part in item["content"])
 
 
 # ---------------------------------------------------------------- stream events

@@ -59,6 +59,7 @@ class ToolOutputReader:
         self._max_calls = plan.max_calls
         self.calls: list[OutputCall] = []
         self._content: list[str] = []
+        self.content_first = False               # whether content came before the first call
 
     def feed(self, text: str) -> list[OutputEvent]:
         """The events ``text`` (the next piece of the choice's output) completes."""
@@ -84,6 +85,7 @@ class ToolOutputReader:
         out: list[OutputEvent] = []
         for event in events:
             if isinstance(event, ContentDelta):
+                self.content_first = self.content_first or not self.calls
                 self._content.append(event.text)
                 out.append(event)
             elif self._max_calls is not None and event.index >= self._max_calls:
