@@ -321,6 +321,37 @@ def render_pd(name: str, record: dict) -> list[str]:
     return [*lines, ""]
 
 
+def render_grammar(name: str, record: dict) -> list[str]:
+    """The engine's tokens/s per arm, or the two libraries' compile and mask times."""
+    if name == "grammar_backends.json":
+        lines = ["| vocabulary | library | grammar | compile (ms) | first mask (ms) | mask mean / p50 / max (µs) |",
+                 "| --- | --- | --- | --- | --- | --- |"]
+        for vocab, libs in record["vocabularies"].items():
+            for lib, r in libs.items():
+                lines += [f"| {vocab} | {lib} | {g} | {f['compile_ms']:,.1f} | {f['first_mask_ms']:.2f} | "
+                          f"{f['mask_mean_us']:.0f} / {f['mask_p50_us']:.0f} / {f['mask_max_us']:,.0f} |"
+                          for g, f in r["grammars"].items()]
+        imports = "; ".join(f"{lib} imports in {r['import_s']:.2f} s{' (imports torch)' if r['imports_torch'] else ''}"
+                            for lib, r in record["install"].items())
+        return [*lines, "", imports + ".", ""]
+    s, slow, goal = record["summary"], record["slowdown"], record["targets"]
+    lines = [f"{record['driver']}; {record['model']}; {record['tokens_per_request']} tokens per request, greedy; "
+             f"median of {len(record['rounds'])} rounds.", "",
+             "| arm | completion tokens/s | unconstrained requests' tokens/s each | masks computed (ms) | "
+             "step thread waited or computed (ms) | applied + matchers advanced (ms) | grammar share of wall time "
+             "on the step thread |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for arm, r in s.items():
+        each = r.get("free_request_tokens_per_s")
+        lines.append(f"| {arm} | {r['tokens_per_s']:.1f} | {'-' if each is None else f'{each:.1f}'} | "
+                     f"{r['mask_compute_ms']:.0f} | {r['mask_wait_ms'] + r['mask_inline_ms']:.0f} | "
+                     f"{r['mask_apply_ms']:.0f} | {r['grammar_critical_share']:.2%} |")
+    lines += ["", f"Slower than without a grammar: c1 {slow['c1_json_vs_free']:.1%}, c8 {slow['c8_json_vs_free']:.1%} "
+              f"({met(slow['c8_json_vs_free'] <= goal['c8_json_vs_free'])}), unconstrained neighbours at c8 "
+              f"{slow['c8_neighbours_vs_free']:.1%} ({met(slow['c8_neighbours_vs_free'] <= goal['c8_neighbours_vs_free'])}); "
+              f"c8 with the masks after the forward pass {slow['c8_json_sync_vs_free']:.1%}.", ""]
+    return lines
+
+
 def goal_words(goals: str) -> tuple[str, ...]:
     """multiturn_vs_vllm's targets as sentences: 'warm TTFT turns 2-4 <= 0.7x vLLM'."""
     return tuple(f"{label.replace(' (ms)', '')} {op.replace('<=', '≤').replace('>=', '≥')} {goal}x vLLM's"
@@ -408,6 +439,14 @@ SECTIONS = (
              "every gauge back to its value before the run once the sessions left alive are gone (used blocks, "
              "live sessions, stored responses, running and waiting requests)"),
             ("soak.json",), render_soak),
+    Section("grammar", "Structured outputs", "bench/grammar_overhead.py, bench/grammar_backends.py",
+            "Completion tokens/s of the default model decoding under a JSON schema against without one, at "
+            "concurrency 1 and 8, and the tokens/s of unconstrained requests sharing their steps with "
+            "constrained ones; and the two grammar libraries kvhive chose between (docs/structured_outputs.md): "
+            "compile and per-token mask times for the default model's vocabulary and a Qwen-sized one.",
+            ("c8 completion tokens/s under a json_schema ≤ 10% slower than without",
+             "unconstrained neighbours of constrained requests ≤ 3% slower"),
+            ("grammar_overhead.json", "grammar_backends.json"), render_grammar),
     Section("ray_routers", "Ray Serve request routers", "bench/ray_routers.py",
             "One Ray Serve application of 2 kvhive replicas on a two-node Ray cluster on this machine, routed "
             "by kvhive's `KVAwareRequestRouter`, Ray's default `PowerOfTwoChoicesRequestRouter` and Ray's "

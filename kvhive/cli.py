@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Mapping
 
 from kvhive.config import CPU_ISAS, EngineConfig
 from kvhive.core.http_limits import http_limits_from_args
@@ -108,7 +109,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = build_engine_config(args)
+        config = grammar_mask_from_env(build_engine_config(args), os.environ)
         registration = build_registration(args)
     except ValueError as exc:
         print(f"kvhive serve: {exc}", file=sys.stderr)
@@ -127,6 +128,15 @@ def serve(args: argparse.Namespace) -> int:
         print(f"kvhive serve: {problem}", file=sys.stderr)
         return 2
     return run_engine(args, config, registration)
+
+
+def grammar_mask_from_env(config: EngineConfig, environ: Mapping[str, str]) -> EngineConfig:
+    """``config`` with the token masks of structured outputs computed after the forward pass (not
+    during it) when ``KVHIVE_GRAMMAR_MASK_SYNC=1`` is set; ValueError for another value."""
+    value = environ.get("KVHIVE_GRAMMAR_MASK_SYNC", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"KVHIVE_GRAMMAR_MASK_SYNC must be 0 or 1, got {value!r}")
+    return dataclasses.replace(config, grammar_mask_overlap=False) if value == "1" else config
 
 
 def redis_refusals(config: EngineConfig, registration: RegistrationConfig | None) -> str | None:
@@ -235,7 +245,11 @@ examples:
   kvhive serve --port 8000
   kvhive serve --kv-cache-gb 0.5 --max-model-len 4096
   kvhive serve --cpu-offload-gb 4 --disk-cache-dir ~/.cache/kvhive/kv-tier --redis-url redis://127.0.0.1:6379/0
-  kvhive serve --api-key "$KEY" --host 0.0.0.0"""
+  kvhive serve --api-key "$KEY" --host 0.0.0.0
+
+environment:
+  KVHIVE_GRAMMAR_MASK_SYNC=1  compute structured outputs' token masks after the forward pass
+                              instead of during it (same tokens; docs/structured_outputs.md)"""
 
 
 WARMUP_DESCRIPTION = """\

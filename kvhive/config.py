@@ -244,6 +244,8 @@ class EngineConfig:
     enforce_eager: bool = False            # CUDA: no decode graphs (kvhive.model.cuda_graphs)
     cpu_isa: str = "auto"                  # ISA level of the C++ kernels (kvhive.model.cpu.LEVELS)
     adaptive_threads: bool = False         # CPU: size the thread team to the cores others leave free
+    grammar_mask_overlap: bool = True      # structured outputs' token masks computed during the forward
+    grammar_cache_size: int = 256          # distinct structured-output specs kept compiled
     kv_events: str | None = None           # ZMQ PUB endpoint for KV events, e.g. tcp://*:5557
     kv_events_replay: str | None = None    # ZMQ ROUTER endpoint serving replay of recent batches
     kv_events_config: KVEventsConfig | None = None   # --kv-events-config; replaces the two above
@@ -264,6 +266,8 @@ class EngineConfig:
             raise ValueError("--kv-events-replay needs --kv-events")
         if self.kv_events_config is not None and self.kv_events:
             raise ValueError("give the KV-event endpoint once: in kv_events_config or as kv_events")
+        if self.grammar_cache_size < 1:
+            raise ValueError(f"the grammar cache needs at least 1 entry, got {self.grammar_cache_size}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"--num-threads must be positive, got {self.num_threads}")
         if self.quantized_matmul_rows is not None and not 0 <= self.quantized_matmul_rows <= MAX_QUANT_ROWS:

@@ -111,6 +111,11 @@ class Tokenizer:
         return self._id_of(self.special_tokens.get("bos_token"))
 
     @property
+    def special_token_ids(self) -> tuple[int, ...]:
+        """Ids of the vocabulary's special (control) tokens, ``<|im_end|>`` and the like, in order."""
+        return tuple(sorted(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special))
+
+    @property
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included."""
         return self._backend.get_vocab_size(with_added_tokens=True)

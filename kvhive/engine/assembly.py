@@ -100,8 +100,9 @@ def build_disagg(config: EngineConfig, loaded, connector_scheduler, connector_wo
                  connector_worker, store, lambda hashes: leading_held(count_cached, hashes))
 
 
-def build_runner(config: EngineConfig, loaded, num_blocks: int, worker_half, isa: str | None):
-    """The model runner over a KV pool of ``num_blocks`` blocks (and the connector's worker half)."""
+def build_runner(config: EngineConfig, loaded, num_blocks: int, worker_half, isa: str | None, grammars=None):
+    """The model runner over a KV pool of ``num_blocks`` blocks (and the connector's worker half;
+    ``grammars``: the GrammarCompiler structured requests decode under)."""
     from kvhive.engine.runner import ModelRunner
 
     started = time.perf_counter()
@@ -111,7 +112,8 @@ def build_runner(config: EngineConfig, loaded, num_blocks: int, worker_half, isa
                          connector=worker_half, cuda_graphs=not config.enforce_eager,
                          max_num_seqs=config.scheduler.max_num_seqs, isa=isa,
                          window=window_layout_for(loaded.config, config, config.kv_transfer.disaggregated),
-                         measure_attention=config.cpu_isa == "auto")   # a forced level runs its kernels
+                         measure_attention=config.cpu_isa == "auto",   # a forced level runs its kernels
+                         grammars=grammars, grammar_mask_overlap=config.grammar_mask_overlap)
     logger.info("KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB %s on %s) in %.1f s", num_blocks,
                 config.cache.block_size, num_blocks * config.cache.block_size, runner.pool_bytes() / 2**30,
                 config.dtype, config.device, time.perf_counter() - started)

@@ -8,6 +8,7 @@ thread rule, and says which way it does:
 - store tiers only (thread-safe by their own contract): ``hold_session``, the store half of
   ``release_session`` and ``session_blocks_by_tier``, ``pinned_blocks_by_tier``, ``keeper_budget``,
   ``copy_to_shared_tier`` (blocking: a worker thread's call);
+- a worker thread: ``check_structured`` (compiles a structured-output spec, thread-safe cache);
 - snapshots and facts fixed at construction: ``stats``, ``is_healthy``, ``runtime_info``, and
   the attributes (tokenizer, context length, block geometry, fingerprint, config).
 """
@@ -23,11 +24,16 @@ from kvhive.engine.core import RequestOutput
 from kvhive.engine.stats import EngineStats, TierBudget
 from kvhive.request import SamplingParams
 from kvhive.store.shared_copy import SharedCopy, copy_to_shared_tier
+from kvhive.structured import StructuredOutputError
 
 if TYPE_CHECKING:
     from kvhive.config import EngineConfig
+    from kvhive.core.structured_spec import StructuredSpec
     from kvhive.core.tokenizer import Tokenizer
     from kvhive.engine.async_engine import AsyncEngine
+
+
+__all__ = ["EngineClient", "StructuredOutputError"]
 
 
 class EngineClient:
@@ -54,6 +60,12 @@ class EngineClient:
         """Submit a request and stream its outputs (``AsyncEngine.generate``: leaving early aborts it)."""
         return self._async.generate(request_id, prompt_token_ids, sampling, cache_salt=cache_salt,
                                     session_id=session_id, end_session=end_session, kv_transfer=kv_transfer)
+
+    async def check_structured(self, spec: StructuredSpec) -> None:
+        """Compile ``spec`` for this model's vocabulary (cached per distinct spec, on a worker
+        thread: the event loop never waits on it); raises StructuredOutputError, whose ``message``
+        and ``param`` make the 400, when it cannot be served. Call it before ``generate``."""
+        await asyncio.to_thread(self._engine.grammars.compile, spec)
 
     def abort(self, request_id: str) -> None:
         """Stop a request (queued for the loop thread); unknown ids are ignored."""

@@ -21,6 +21,7 @@ from kvhive.engine.stats import ConnectorCounters, EngineStats, TierBudget
 from kvhive.engine.step import StepPlan, StepResult, TokenLogprobs
 from kvhive.kv.window_group import fit_kv_budget
 from kvhive.request import FinishReason, Request, SamplingParams
+from kvhive.structured import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,12 @@ class LLMEngine:
             self.disagg = assembly.build_disagg(config, loaded, self.connector_scheduler, self.connector_worker,
                                                 self.store, lambda hashes: self.scheduler.count_cached_blocks(hashes))
             self.scheduler_half, self.worker_half = self.disagg
-        self.runner = assembly.build_runner(config, loaded, self.num_blocks, self.worker_half, self.isa)
+        self.eos_token_ids = tuple(tokenizer.eos_token_ids) or loaded.config.eos_token_ids
+        # Structured outputs: each distinct spec compiled once for this vocabulary (kvhive.structured).
+        self.grammars = GrammarCompiler(tokenizer, loaded.config.vocab_size, self.eos_token_ids,
+                                        cache_size=config.grammar_cache_size)
+        self.runner = assembly.build_runner(config, loaded, self.num_blocks, self.worker_half, self.isa,
+                                            self.grammars)
         self.paths = {**loaded.model.paths(), **self.runner.paths()}
         logger.info("paths: %s", "; ".join(f"{op} {path}" for op, path in self.paths.items()))
         self.threads = assembly.thread_governor(config)
@@ -108,7 +114,6 @@ class LLMEngine:
         self._session_copy = assembly.session_copy(self.store, self.connector_scheduler, self.connector_worker)
         self.scheduler = assembly.build_scheduler(config, loaded, self.num_blocks, self.scheduler_half,
                                                   self._session_copy, self.runner.window)
-        self.eos_token_ids = tuple(tokenizer.eos_token_ids) or loaded.config.eos_token_ids
         self.publisher = None
         events = config.kv_events_settings()
         if events is not None and events.active:
@@ -175,6 +180,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Flush and close the KV-event publisher; finish KV saves and close the store tiers."""
+        self.runner.close()
         self.holdings.close()
         if self.publisher is not None:
             self.publisher.close()

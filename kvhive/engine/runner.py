@@ -17,6 +17,7 @@ import torch
 
 from kvhive.config import ModelConfig
 from kvhive.connector.base import ConnectorWorker
+from kvhive.engine.constrained import GrammarRows
 from kvhive.engine.sampling import sample_tokens, token_logprobs
 from kvhive.engine.step import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
 from kvhive.kv.window_group import WindowLayout
@@ -34,6 +35,7 @@ from kvhive.model.llama import LlamaModel, resolve_dtype
 from kvhive.model.prefill_kernel import CpuPrefillKernel
 from kvhive.model.window_kv import window_kv
 from kvhive.request import SEED_END
+from kvhive.structured import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -84,11 +86,14 @@ class ModelRunner:
                  dtype: str | torch.dtype = "float32", device: torch.device | str = "cpu",
                  native_attention: bool = True, connector: ConnectorWorker | None = None,
                  cuda_graphs: bool = True, max_num_seqs: int = 32, isa: str | None = None,
-                 window: WindowLayout | None = None, measure_attention: bool = False) -> None:
+                 window: WindowLayout | None = None, measure_attention: bool = False,
+                 grammars: GrammarCompiler | None = None, grammar_mask_overlap: bool = True) -> None:
         """``isa``: the CPU ISA level of the attention kernels (``kvhive.model.cpu``; None: the CPU's best).
         ``window``: the window layers get a pool of their own (``kvhive.kv.window_group``); None: one pool.
         ``measure_attention``: a bf16 pool's prefill attention runs in torch instead of the C++ kernel
-        where a synthetic layer says torch is faster here (else the kernel, whatever the timing)."""
+        where a synthetic layer says torch is faster here (else the kernel, whatever the timing).
+        ``grammars``: compiles structured requests' specs (None: such a request fails); their token
+        masks are computed while the forward runs unless ``grammar_mask_overlap`` is False."""
         self.model = model
         self.config = model_config
         self.num_blocks = num_blocks
@@ -116,6 +121,9 @@ class ModelRunner:
                 connector.register_window_cache(self.window_cache, window.window_layers)
         # Seeded requests keep their generator until they appear in finished_request_ids.
         self._generators: dict[str, torch.Generator] = {}
+        # Structured requests keep their grammar matcher as long (kvhive.engine.constrained).
+        self.grammar_rows = None if grammars is None else GrammarRows(grammars, model_config.vocab_size,
+                                                                      overlap=grammar_mask_overlap)
         # Attention straight from the pool on CPU (C++ kernels built for the ISA level ``isa``); None:
         # gather + torch (CUDA, no compiler, the portable level for prefill, or native_attention=False).
         native = native_attention and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
@@ -179,22 +187,36 @@ class ModelRunner:
         if plan.is_empty:
             return StepResult(sampled={})
         inputs = self.prepare_inputs(plan)
+        failed: dict[str, str] = {}
+        sampled_seqs = [s for s in inputs.seqs if s.sample]
+        # Constrained rows' token masks start now, on a worker thread, and run with the forward.
+        job = self._start_masks(sampled_seqs, failed)
+        try:
+            return self._run(plan, inputs, sampled_seqs, job, failed)
+        finally:
+            if self.grammar_rows is not None:
+                self.grammar_rows.wait(job)
+
+    def _run(self, plan: StepPlan, inputs: StepInputs, sampled_seqs: list[ScheduledSeq], job,
+             failed: dict[str, str]) -> StepResult:
+        """The forward pass, sampling and logprobs of a prepared step (``job``: its mask job)."""
         with torch.inference_mode():
             hidden = self._graphed_decode(plan, inputs)
             selected = False            # hidden holds the sampled rows alone
             if hidden is None:
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache)
                 selected = inputs.attn.out_rows is not None
-            failed: dict[str, str] = {}
             prompt = self._prompt_logprobs(hidden, inputs.seqs, failed) if inputs.has_prompt_logprobs else {}
-            sampled_seqs = [s for s in inputs.seqs if s.sample]
             if not sampled_seqs:
                 return StepResult(sampled={}, prompt_logprobs=prompt, failed=failed)
             if not selected:
                 hidden = hidden.index_select(0, torch.tensor(inputs.sample_rows, device=self.device))
             logits = self.model.compute_logits(hidden)
+            # Sampling reads the masked logits; logprobs report the raw ones.
+            masked = logits if job is None else self.grammar_rows.mask_logits(job, logits, failed)
             tokens = self._by_row(sampled_seqs, failed, "sampling", lambda rows: self.sample_rows(
-                _rows(logits, rows), [sampled_seqs[i] for i in rows]))
+                _rows(masked, rows), [sampled_seqs[i] for i in rows]))
+            completed = set() if job is None else self.grammar_rows.advance(job, tokens, failed)
             # Rows (of logits, and indices of sampled_seqs) whose seq got a token and asks for logprobs;
             # none in the common case: no log-softmax at all.
             asked = [i for i, s in enumerate(sampled_seqs)
@@ -207,7 +229,18 @@ class ModelRunner:
                    if t is not None and s.request_id not in failed}
         values = {sampled_seqs[i].request_id: lp for i, lp in zip(asked, logprobs, strict=True)
                   if lp is not None and sampled_seqs[i].request_id in sampled}
-        return StepResult(sampled=sampled, logprobs=values, prompt_logprobs=prompt, failed=failed)
+        return StepResult(sampled=sampled, logprobs=values, prompt_logprobs=prompt, failed=failed,
+                          completed=frozenset(completed & sampled.keys()))
+
+    def _start_masks(self, sampled_seqs: list[ScheduledSeq], failed: dict[str, str]):
+        """The mask job of the step's structured sample rows (None: none); a structured request
+        on a runner without a grammar compiler fails."""
+        if self.grammar_rows is not None:
+            return self.grammar_rows.start(sampled_seqs, failed)
+        for s in sampled_seqs:
+            if s.sampling.structured is not None:
+                failed[s.request_id] = "this engine has no grammar compiler for structured outputs"
+        return None
 
     def sample_rows(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[int]:
         """One token per row of ``logits``, row i by seqs[i]'s sampling params and generator (the
@@ -274,9 +307,16 @@ class ModelRunner:
         return self.decode_graphs.forward(inputs.input_ids, inputs.positions, attn.slot_rows, attn.decode)
 
     def release(self, request_ids: list[str]) -> None:
-        """Forget the per-request state (seeded generators) of finished requests."""
+        """Forget the per-request state (seeded generators, grammar matchers) of finished requests."""
         for request_id in request_ids:
             self._generators.pop(request_id, None)
+        if self.grammar_rows is not None:
+            self.grammar_rows.release(request_ids)
+
+    def close(self) -> None:
+        """Stop the grammar masks' worker thread."""
+        if self.grammar_rows is not None:
+            self.grammar_rows.close()
 
     def _generator(self, seq: ScheduledSeq) -> torch.Generator | None:
         """The request's own generator when it asked for a seed and sampling is random."""

@@ -105,9 +105,11 @@ class StepResult:
 
     A sequence whose own row could not be computed (its sampling or logprobs raised) is in
     ``failed`` with the error instead of ``sampled``; the request then ends with an error while
-    the others go on."""
+    the others go on. A structured request whose grammar this step's token completed is in
+    ``completed``: it ends with STOP."""
 
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    completed: frozenset[str] = frozenset()

@@ -14,9 +14,10 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 def make_engine(tokenizer, *, num_blocks=64, block_size=4, prefix=True, budget=64, max_seqs=4,
-                **extra) -> LLMEngine:
-    """An engine on the tiny random model (block geometry and budgets as given) with ``tokenizer``."""
-    cfg = tiny_config(max_position_embeddings=512)
+                vocab_size=256, **extra) -> LLMEngine:
+    """An engine on the tiny random model (block geometry and budgets as given) with ``tokenizer``;
+    ``vocab_size``: the model's logits width (the tokenizer's, for tests that sample its long tokens)."""
+    cfg = tiny_config(max_position_embeddings=512, vocab_size=vocab_size)
     loaded = LoadedModel(cfg, tiny_model(cfg), "tiny-engine-test")
     config = EngineConfig(
         model_path="tiny", cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,

@@ -47,6 +47,11 @@ CASES = {
     "ray-router": (
         ["kvhive.integrations.ray", "kvhive.integrations.ray.router", "kvhive.integrations.ray.ingress"],
         ABOVE_THE_ROUTER),
+    # The grammar backend (structured outputs) is torch-free and below the engine and the server.
+    "structured": (
+        ["kvhive.structured", "kvhive.structured.compiler", "kvhive.structured.grammars",
+         "kvhive.structured.vocab", "kvhive.structured.errors"],
+        ("torch", "kvhive.engine", "kvhive.model", "kvhive.server", "kvhive.sessions")),
     # The connector's scheduler half (lookups, transfer plans) leaves tensors to its worker half.
     "connector-scheduler-half": (
         ["kvhive.connector.offload", "kvhive.connector.base", "kvhive.engine.scheduler"],

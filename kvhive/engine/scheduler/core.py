@@ -186,7 +186,8 @@ class Scheduler:
             if token is None:
                 raise ValueError(f"step result has no token for sampled request {seq.request_id!r}")
             request.append_output_token(token)
-            reason = self._stop_reason(request, token)
+            # A complete constrained output stops even at max_tokens: it is whole.
+            reason = FinishReason.STOP if seq.request_id in result.completed else self._stop_reason(request, token)
         # Blocks filled by this step become shareable now, before the request ends.
         stored = self.kv.cache_full_blocks(request, request.num_computed_tokens)
         self.transfers.note_computed(request, stored, seq.start_pos)     # before the window slides

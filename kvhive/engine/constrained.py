@@ -1,0 +1,183 @@
+"""The runner's constrained rows: each structured request's grammar matcher, and the token masks
+of a step's constrained sample rows.
+
+A step's masks are computed off the critical path: ``start`` hands them to a worker thread before
+the forward pass (llguidance fills them without the GIL, so they run while the model does), and
+``mask_logits`` joins it before sampling. When the thread fails, or overlap is off (``EngineConfig.grammar_mask_overlap``
+False; ``kvhive serve`` turns it off when ``KVHIVE_GRAMMAR_MASK_SYNC=1``),
+the masks are computed right there instead, with the same result. Only the constrained rows' logits
+change; the raw logits stay for logprobs.
+
+A matcher is made from the spec's cached compiled grammar the first time its request samples, is
+advanced by every token sampled for it (so it survives preemption and recompute: the runner sees
+every token a request gets), and is dropped by ``release`` when the request ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvhive.engine.step import ScheduledSeq
+from kvhive.structured import GrammarCompiler, GrammarMatcher, StructuredOutputError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MaskJob:
+    """One step's constrained rows: ``rows`` index the step's sampled seqs, their requests and
+    matchers beside them."""
+
+    rows: list[int]
+    request_ids: list[str]
+    matchers: list[GrammarMatcher]
+    future: Future | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class MaskTimes:
+    """Where the mask time went: computing (on the worker or inline) and waiting for the worker."""
+
+    steps: int = 0
+    rows: int = 0
+    compute_seconds: float = 0.0        # filling and unpacking masks, wherever it ran
+    wait_seconds: float = 0.0           # the step thread blocked on the worker (overlap's leftover)
+    inline_seconds: float = 0.0         # masks computed on the step thread (overlap off or failed)
+    apply_seconds: float = 0.0          # the step thread masking logits and advancing matchers
+
+
+class GrammarRows:
+    """Matchers of the running structured requests and the masks of their sample rows."""
+
+    def __init__(self, compiler: GrammarCompiler, logits_width: int, overlap: bool = True) -> None:
+        self.compiler = compiler
+        self.logits_width = logits_width
+        self.overlap = overlap
+        self._matchers: dict[str, GrammarMatcher] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self.times = MaskTimes()
+
+    def start(self, seqs: list[ScheduledSeq], failed: dict[str, str]) -> MaskJob | None:
+        """The mask job of the structured seqs among the step's sampled ``seqs`` (None: none), started
+        on the worker thread when overlapping; a spec that does not compile fails its request."""
+        rows, ids, matchers = [], [], []
+        for i, s in enumerate(seqs):
+            if s.sampling.structured is None or s.request_id in failed:
+                continue
+            matcher = self._matchers.get(s.request_id)
+            if matcher is None:
+                try:
+                    matcher = self.compiler.compile(s.sampling.structured).matcher()
+                except StructuredOutputError as exc:
+                    failed[s.request_id] = str(exc)
+                    continue
+                self._matchers[s.request_id] = matcher
+            rows.append(i)
+            ids.append(s.request_id)
+            matchers.append(matcher)
+        if not rows:
+            return None
+        job = MaskJob(rows, ids, matchers)
+        if self.overlap:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvhive-grammar")
+            job.future = self._pool.submit(self._blocked, matchers)
+        return job
+
+    def mask_logits(self, job: MaskJob | None, logits: torch.Tensor, failed: dict[str, str]) -> torch.Tensor:
+        """``logits`` [sampled rows, vocab] with each constrained row's disallowed tokens at -inf (a
+        new tensor; ``logits`` unchanged). A row whose matcher is in error, or that allows no token
+        of the model's vocabulary, fails its request."""
+        if job is None:
+            return logits
+        blocked = self._join(job)
+        started = time.perf_counter()
+        keep = []
+        for j, m in enumerate(job.matchers):
+            if m.error is not None:
+                failed[job.request_ids[j]] = f"the output's grammar failed: {m.error}"
+            elif blocked[j].all():
+                failed[job.request_ids[j]] = "the output's grammar allows no token of this model's vocabulary here"
+            else:
+                keep.append(j)
+        if keep:
+            idx = torch.tensor([job.rows[j] for j in keep], device=logits.device)
+            block = torch.from_numpy(blocked[keep] if len(keep) < len(job.rows) else blocked).to(logits.device)
+            masked = logits.index_select(0, idx).masked_fill_(block, float("-inf"))
+            logits = logits.index_copy(0, idx, masked)
+        self.times.apply_seconds += time.perf_counter() - started
+        return logits
+
+    def advance(self, job: MaskJob | None, tokens: list[int | None], failed: dict[str, str]) -> set[str]:
+        """Feed each constrained row's sampled token to its matcher; the ids whose output is now
+        complete (``tokens``: one per sampled seq, None where none came). A token the grammar
+        rejects fails its request."""
+        done: set[str] = set()
+        if job is None:
+            return done
+        started = time.perf_counter()
+        for i, rid, m in zip(job.rows, job.request_ids, job.matchers, strict=True):
+            token = tokens[i]
+            if token is None or rid in failed:
+                continue
+            if not m.accept(token):
+                failed[rid] = f"the output's grammar rejected token {token}: {m.error}"
+            elif m.is_complete:
+                done.add(rid)
+        self.times.apply_seconds += time.perf_counter() - started
+        return done
+
+    def wait(self, job: MaskJob | None) -> None:
+        """Let a started job finish (a step that raised must not leave a worker using its matchers)."""
+        if job is not None and job.future is not None:
+            try:
+                job.future.result()
+            except Exception:  # noqa: BLE001 - the step already failed; nothing reads this job
+                pass
+
+    def release(self, request_ids: list[str]) -> None:
+        """Drop the matchers of requests that ended."""
+        for rid in request_ids:
+            self._matchers.pop(rid, None)
+
+    def close(self) -> None:
+        """Stop the worker thread."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # ------------------------------------------------------------ internals
+
+    def _join(self, job: MaskJob) -> np.ndarray:
+        """The job's blocked-token array [rows, logits width] (bool): the worker's, else computed here."""
+        self.times.steps += 1
+        self.times.rows += len(job.rows)
+        if job.future is not None:
+            waited = time.perf_counter()
+            try:
+                blocked = job.future.result()
+                self.times.wait_seconds += time.perf_counter() - waited
+                return blocked
+            except Exception:  # noqa: BLE001 - computed again on this thread below
+                logger.warning("grammar masks failed on the worker thread; computing them inline", exc_info=True)
+        started = time.perf_counter()
+        blocked = self._blocked(job.matchers)
+        self.times.inline_seconds += time.perf_counter() - started
+        return blocked
+
+    def _blocked(self, matchers: list[GrammarMatcher]) -> np.ndarray:
+        """True where a token is not allowed: [len(matchers), logits width]."""
+        started = time.perf_counter()
+        bitmask = np.zeros((len(matchers), self.compiler.mask_words), dtype=np.int32)
+        self.compiler.fill_masks(matchers, bitmask)
+        allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.logits_width, bitorder="little")
+        blocked = allowed == 0
+        self.times.compute_seconds += time.perf_counter() - started
+        return blocked
