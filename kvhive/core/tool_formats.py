@@ -63,7 +63,8 @@ def tool_calls_spec(functions: Sequence[ToolFunction], parser: ParserName, *, ma
                     source: str = "tool_choice") -> StructuredSpec:
     """The grammar spec of calls to ``functions`` in the family's format: one call at least,
     ``max_calls`` at most (None: any number), each naming one of the functions and passing
-    arguments matching its parameters."""
+    arguments matching its parameters. The schema text keeps its keys' order (``name`` before the
+    arguments, as the families write them; the grammar writes properties in schema order)."""
     key = arguments_key(parser)
     options = [{"type": "object", "properties": {"name": {"const": f.name}, key: f.parameters},
                 "required": ["name", key], "additionalProperties": False} for f in functions]
@@ -80,7 +81,8 @@ def tool_calls_spec(functions: Sequence[ToolFunction], parser: ParserName, *, ma
         schema = call
         fmt = ToolCallFormat(begin=HERMES_BEGIN + "\n", end="\n" + HERMES_END, separator="\n",
                              min_calls=1, max_calls=max_calls)
-    return StructuredSpec(kind="tool_calls", schema=canonical_json(schema), tool_format=fmt, source=source)
+    text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    return StructuredSpec(kind="tool_calls", schema=text, tool_format=fmt, source=source)
 
 
 def canonical_json(value: Any) -> str:

@@ -72,8 +72,10 @@ class ToolPlan:
 
     @property
     def max_calls(self) -> int | None:
-        """The most calls reported (None: any number)."""
-        return 1 if self.choice.mode == "function" or not self.parallel else None
+        """The most calls reported (None: any number): one for a named choice, without
+        ``parallel_tool_calls``, and for Llama 3 (its template renders one call per turn)."""
+        single = self.choice.mode == "function" or not self.parallel or self.parser == "llama3_json"
+        return 1 if single else None
 
     def with_spec(self, sampling: SamplingParams) -> SamplingParams:
         """``sampling`` decoding under the plan's grammar; 400 when the request already asks for
