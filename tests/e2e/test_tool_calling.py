@@ -5,13 +5,15 @@ Llama 3 checkpoints with their published templates.
 
 The tiny models write noise, so the tests ask for ``required`` or named tool choices over tools whose
 arguments are bounded (enums, short strings): the grammar, not the model, makes every call valid,
-and every call's arguments are checked against its tool's parameters.
+and every call's arguments are checked against its tool's parameters. One call per answer there
+(``parallel_tool_calls`` false): a random model may go on adding calls until ``max_tokens``.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -19,9 +21,11 @@ import jsonschema
 import pytest
 from openai import OpenAI
 from support.chat_models import tiny_chat_model
-from support.servers import DEFAULT_API_KEY, ServerProcess, start_server, stop_server
+from support.cluster import ReplicaProcess, running_replicas
+from support.servers import DEFAULT_API_KEY, start_server, stop_server
 
 DEFAULT_MODEL = "smollm2-135m"
+MAX_TOKENS = 400                         # a tiny model's vocabulary spends about 80 tokens on one call
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
     "units": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -49,32 +53,45 @@ def check_call(name: str, arguments: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- servers
 
 
+@dataclass(frozen=True)
+class Served:
+    """A running server: its URL, its model's name and family."""
+
+    url: str
+    model: str
+    family: str
+
+
+# The tiny models' parser: named on the command line for one, picked from the template for the other.
+TINY_PARSER_FLAG = {"qwen3": ("--tool-call-parser", "hermes"), "llama3": ()}
+
+
 @pytest.fixture(scope="module", params=["default", "qwen3", "llama3"])
-def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[tuple[ServerProcess, str, str]]:
-    """One server at a time: the default model, then tiny Qwen3 and Llama 3 (server, model name, family)."""
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """One server at a time: the default model, then ``kvhive serve`` on tiny Qwen3 and Llama 3."""
     if request.param == "default":
         server = start_server("default", api_keys=(DEFAULT_API_KEY,), max_model_len=2048)
-        name = DEFAULT_MODEL
-    else:
-        directory = tiny_chat_model(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))
-        name = f"tiny-{request.param}"
-        server = start_server(directory, api_keys=(DEFAULT_API_KEY,), max_model_len=2048,
-                              extra_args=("--served-model-name", name))
-    try:
-        yield server, name, request.param
-    finally:
-        stop_server(server)
+        try:
+            yield Served(server.base_url, DEFAULT_MODEL, "default")
+        finally:
+            stop_server(server)
+        return
+    directory = tiny_chat_model(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))
+    name = f"tiny-{request.param}"
+    replica = ReplicaProcess(extra_args=("--model", directory, "--served-model-name", name, "--max-model-len",
+                                         "2048", "--api-key", DEFAULT_API_KEY, *TINY_PARSER_FLAG[request.param]))
+    with running_replicas([replica]):
+        yield Served(replica.url, name, request.param)
 
 
 @pytest.fixture(scope="module")
-def client(served: tuple[ServerProcess, str, str]) -> OpenAI:
-    return OpenAI(base_url=f"{served[0].base_url}/v1", api_key=DEFAULT_API_KEY, max_retries=0, timeout=300)
+def client(served: Served) -> OpenAI:
+    return OpenAI(base_url=f"{served.url}/v1", api_key=DEFAULT_API_KEY, max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
-def model(served: tuple[ServerProcess, str, str]) -> str:
-    return served[1]
+def model(served: Served) -> str:
+    return served.model
 
 
 # ---------------------------------------------------------------- chat completions
@@ -82,7 +99,18 @@ def model(served: tuple[ServerProcess, str, str]) -> str:
 
 def test_required_calls_are_valid(client: OpenAI, model: str) -> None:
     r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
-                                       max_tokens=200, temperature=0.8, seed=1, n=2)
+                                       max_tokens=MAX_TOKENS, temperature=0.8, seed=1, n=2, parallel_tool_calls=False)
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        check_call(call.function.name, call.function.arguments)
+
+
+def test_parallel_calls_on_the_default_model(served: Served, client: OpenAI, model: str) -> None:
+    if served.family != "default":
+        pytest.skip("a random model may add calls until max_tokens")
+    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
+                                       max_tokens=MAX_TOKENS, temperature=0.8, seed=1, n=2)
     for choice in r.choices:
         assert choice.finish_reason == "tool_calls", choice
         assert choice.message.tool_calls
@@ -93,7 +121,7 @@ def test_required_calls_are_valid(client: OpenAI, model: str) -> None:
 
 def test_named_choice_makes_exactly_that_call(client: OpenAI, model: str) -> None:
     r = client.chat.completions.create(
-        model=model, messages=ASK, tools=TOOLS, max_tokens=200, temperature=1.0, seed=3,
+        model=model, messages=ASK, tools=TOOLS, max_tokens=MAX_TOKENS, temperature=1.0, seed=3,
         tool_choice={"type": "function", "function": {"name": "add_note"}})
     (choice,) = r.choices
     (call,) = choice.message.tool_calls
@@ -103,7 +131,7 @@ def test_named_choice_makes_exactly_that_call(client: OpenAI, model: str) -> Non
 
 
 def test_streamed_calls_assemble_into_the_whole_answer(client: OpenAI, model: str) -> None:
-    body = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=200,
+    body = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=MAX_TOKENS,
                 temperature=0, parallel_tool_calls=False)
     whole = client.chat.completions.create(**body).choices[0]
     calls: dict[int, dict[str, Any]] = {}
@@ -132,7 +160,7 @@ def test_agent_loop_feeds_results_back(client: OpenAI, model: str) -> None:
     prompt_tokens = []
     for turn in range(3):
         r = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="required",
-                                           max_tokens=200, temperature=0, parallel_tool_calls=False)
+                                           max_tokens=MAX_TOKENS, temperature=0, parallel_tool_calls=False)
         message = r.choices[0].message
         (call,) = message.tool_calls
         args = check_call(call.function.name, call.function.arguments)
@@ -160,7 +188,8 @@ def test_tool_choice_none_and_auto_answer(client: OpenAI, model: str) -> None:
 
 def test_responses_function_calls_and_outputs(client: OpenAI, model: str) -> None:
     first = client.responses.create(model=model, input="What is the weather in Tokyo?", tools=RESPONSES_TOOLS,
-                                    tool_choice="required", max_output_tokens=200, temperature=0)
+                                    tool_choice="required", max_output_tokens=MAX_TOKENS, temperature=0,
+                                    parallel_tool_calls=False)
     calls = [item for item in first.output if item.type == "function_call"]
     assert calls and first.status == "completed"
     for call in calls:
@@ -181,7 +210,7 @@ def test_responses_function_calls_and_outputs(client: OpenAI, model: str) -> Non
 
 
 def test_responses_stream_function_call_events(client: OpenAI, model: str) -> None:
-    body = dict(model=model, input="Note that it rains.", tools=RESPONSES_TOOLS, max_output_tokens=200,
+    body = dict(model=model, input="Note that it rains.", tools=RESPONSES_TOOLS, max_output_tokens=MAX_TOKENS,
                 temperature=0, tool_choice={"type": "function", "name": "add_note"})
     events = list(client.responses.create(**body, stream=True))
     kinds = [e.type for e in events]
@@ -199,17 +228,18 @@ def test_responses_stream_function_call_events(client: OpenAI, model: str) -> No
 # ---------------------------------------------------------------- LangChain
 
 
-def test_langchain_bind_tools(served: tuple[ServerProcess, str, str], model: str) -> None:
+def test_langchain_bind_tools(served: Served, model: str) -> None:
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model=model, base_url=f"{served[0].base_url}/v1", api_key=DEFAULT_API_KEY,
-                     temperature=0, max_tokens=200, max_retries=0)
+    llm = ChatOpenAI(model=model, base_url=f"{served.url}/v1", api_key=DEFAULT_API_KEY,
+                     temperature=0, max_tokens=MAX_TOKENS, max_retries=0)
     bound = llm.bind_tools([TOOLS[0]], tool_choice="get_weather")
     message = bound.invoke("What is the weather in Lima?")
     (call,) = message.tool_calls
     assert call["name"] == "get_weather" and call["id"].startswith("call_")
     jsonschema.validate(call["args"], WEATHER)
-    required = llm.bind_tools([TOOLS[0], TOOLS[1]], tool_choice="required").invoke("Note this down.")
+    required = llm.bind_tools([TOOLS[0], TOOLS[1]], tool_choice="required",
+                              parallel_tool_calls=False).invoke("Note this down.")
     assert required.tool_calls
     for each in required.tool_calls:
         jsonschema.validate(each["args"], PARAMETERS[each["name"]])
@@ -242,17 +272,17 @@ BAD_CHAT = [
 
 
 @pytest.mark.parametrize(("extra", "param"), BAD_CHAT)
-def test_bad_tool_input_is_a_400_naming_the_field(served: tuple[ServerProcess, str, str], model: str,
+def test_bad_tool_input_is_a_400_naming_the_field(served: Served, model: str,
                                                   extra: dict[str, Any], param: str) -> None:
-    if served[2] != "default":
+    if served.family != "default":
         pytest.skip("checked once, on the default model")
     body = {"model": model, "messages": ASK, "max_tokens": 4, **extra}
-    r = httpx.post(f"{served[0].base_url}/v1/chat/completions", json=body, timeout=120,
+    r = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=120,
                    headers={"Authorization": f"Bearer {DEFAULT_API_KEY}"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
     # The server goes on serving.
-    ok = httpx.post(f"{served[0].base_url}/v1/chat/completions", timeout=120,
+    ok = httpx.post(f"{served.url}/v1/chat/completions", timeout=120,
                     headers={"Authorization": f"Bearer {DEFAULT_API_KEY}"},
                     json={"model": model, "messages": ASK, "max_tokens": 2})
     assert ok.status_code == 200
@@ -267,12 +297,12 @@ BAD_RESPONSES = [
 
 
 @pytest.mark.parametrize(("extra", "param"), BAD_RESPONSES)
-def test_bad_responses_tool_input_is_a_400(served: tuple[ServerProcess, str, str], model: str,
+def test_bad_responses_tool_input_is_a_400(served: Served, model: str,
                                            extra: dict[str, Any], param: str) -> None:
-    if served[2] != "default":
+    if served.family != "default":
         pytest.skip("checked once, on the default model")
     body = {"model": model, "input": "hi", "max_output_tokens": 4, **extra}
-    r = httpx.post(f"{served[0].base_url}/v1/responses", json=body, timeout=120,
+    r = httpx.post(f"{served.url}/v1/responses", json=body, timeout=120,
                    headers={"Authorization": f"Bearer {DEFAULT_API_KEY}"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
