@@ -146,8 +146,8 @@ def _function(function: Mapping[str, Any], definition: dict[str, Any], param: st
     if strict is not None and not isinstance(strict, bool):
         raise bad_request(f"'{param}.strict' must be a boolean", param=f"{param}.strict")
     parameters = function.get("parameters")
-    if parameters is None:
-        parameters = {"type": "object", "properties": {}}
+    if parameters is None or parameters == {}:
+        parameters = {"type": "object", "properties": {}}       # no arguments
     _check_parameters(parameters, f"{param}.parameters")
     return ToolFunction(name, parameters, definition)
 
