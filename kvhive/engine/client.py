@@ -64,8 +64,17 @@ class EngineClient:
     async def check_structured(self, spec: StructuredSpec) -> None:
         """Compile ``spec`` for this model's vocabulary (cached per distinct spec, on a worker
         thread: the event loop never waits on it); raises StructuredOutputError, whose ``message``
-        and ``param`` make the 400, when it cannot be served. Call it before ``generate``."""
-        await asyncio.to_thread(self._engine.grammars.compile, spec)
+        and ``param`` make the 400, when it cannot be served or its compile passes the time limit
+        (``GrammarCompiler.time_limit_s``). Call it before ``generate``."""
+        grammars = self._engine.grammars
+        if grammars.cached(spec) is not None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.to_thread(grammars.compile, spec), grammars.time_limit_s)
+        except asyncio.TimeoutError:
+            # The compile runs on and caches its refusal; this request is answered now.
+            raise StructuredOutputError(f"compiling the {spec.kind} constraint takes more than "
+                                        f"{grammars.time_limit_s:g} s", spec.source) from None
 
     def abort(self, request_id: str) -> None:
         """Stop a request (queued for the loop thread); unknown ids are ignored."""

@@ -214,8 +214,12 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
             # Sampling reads the masked logits; logprobs report the raw ones.
             masked = logits if job is None else self.grammar_rows.mask_logits(job, logits, failed)
-            tokens = self._by_row(sampled_seqs, failed, "sampling", lambda rows: self.sample_rows(
-                _rows(masked, rows), [sampled_seqs[i] for i in rows]))
+            if job is None:
+                tokens = self._by_row(sampled_seqs, failed, "sampling", lambda rows: self.sample_rows(
+                    _rows(logits, rows), [sampled_seqs[i] for i in rows]))
+            else:
+                tokens = self._by_row(sampled_seqs, failed, "sampling", lambda rows: self.sample_rows(
+                    _rows(masked, rows), [sampled_seqs[i] for i in rows], raw=_rows(logits, rows)))
             completed = set() if job is None else self.grammar_rows.advance(job, tokens, failed)
             # Rows (of logits, and indices of sampled_seqs) whose seq got a token and asks for logprobs;
             # none in the common case: no log-softmax at all.
@@ -242,10 +246,11 @@ class ModelRunner:
                 failed[s.request_id] = "this engine has no grammar compiler for structured outputs"
         return None
 
-    def sample_rows(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[int]:
+    def sample_rows(self, logits: torch.Tensor, seqs: list[ScheduledSeq], raw: torch.Tensor | None = None) -> list[int]:
         """One token per row of ``logits``, row i by seqs[i]'s sampling params and generator (the
-        unit a step retries row by row when a batch raises)."""
-        return sample_tokens(logits, [s.sampling for s in seqs], [self._generator(s) for s in seqs])
+        unit a step retries row by row when a batch raises); ``raw``: the unmasked logits, checked
+        for NaN and inf in their place."""
+        return sample_tokens(logits, [s.sampling for s in seqs], [self._generator(s) for s in seqs], checked=raw)
 
     @staticmethod
     def _by_row(seqs: list[ScheduledSeq], failed: dict[str, str], what: str,

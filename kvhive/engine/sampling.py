@@ -12,7 +12,7 @@ from kvhive.request import SamplingParams
 
 
 def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
-                  generators: Sequence[torch.Generator | None]) -> list[int]:
+                  generators: Sequence[torch.Generator | None], checked: torch.Tensor | None = None) -> list[int]:
     """Pick one token per row of float32 ``logits`` [n, vocab]; row i follows params[i].
 
     Greedy rows (``SamplingParams.greedy``) take the argmax. The others are sampled from the
@@ -21,9 +21,11 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
 
     Raises ValueError, before any generator draws, when a row's logits hold NaN or +inf or are all
     -inf, or a random row's distribution is not finite: the caller can then sample the rows one at
-    a time and fail only the bad ones, the good rows' generators untouched.
+    a time and fail only the bad ones, the good rows' generators untouched. ``checked``: the model's
+    raw logits these were masked from (a grammar's -inf would send the check down its slow path):
+    they are checked instead.
     """
-    check_logits(logits)
+    check_logits(logits if checked is None else checked)
     tokens = logits.argmax(dim=-1).tolist()
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:

@@ -1,11 +1,15 @@
 """``GrammarCompiler``: a ``StructuredSpec`` compiled once into a ``CompiledGrammar`` (a bounded
 LRU keyed by the spec, failures included), and the ``GrammarMatcher`` each request decodes under.
 
-What bounds a compile: the spec's text (``grammars.MAX_SPEC_CHARS``) and llguidance's own limits
+What bounds a compile: the spec's text (``grammars.MAX_SPEC_CHARS``), llguidance's own limits
 (``LIMITS``: lexer fuel for the regexes, grammar size, Earley items per step), which turn a huge,
-deeply nested or pathological schema or regex into an error instead of unbounded work; a ``$ref``
-cycle or any grammar that admits no output fails at the first token mask, which compiling computes.
-A mask step that runs out of fuel later puts that request's matcher in an error state.
+deeply nested or pathological schema or regex into an error instead of unbounded work, and a wall
+time (``COMPILE_TIME_LIMIT_S``): a compile that takes longer is a failure (cached like any other),
+and ``EngineClient.check_structured`` stops waiting for it then. The limits do not bound every
+shape (the lexer of a schema with thousands of ``pattern`` properties takes seconds to build), the
+wall time does. A ``$ref`` cycle or any grammar that admits no output fails at the first token mask,
+which compiling computes. A mask step that runs out of fuel later puts that request's matcher in
+an error state.
 
 Threads: ``compile`` runs on any thread (the server calls it off its event loop) and llguidance
 drops the GIL while it works; the cache's lock is never held while compiling. A matcher belongs to
@@ -15,6 +19,7 @@ one request and is used by one thread at a time.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +39,8 @@ DEFAULT_CACHE_SIZE = 256
 LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
               step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
               verbose_errors=False)
+# A compile that takes longer than this (seconds) is refused; an ordinary schema takes milliseconds.
+COMPILE_TIME_LIMIT_S = 2.0
 # Threads llguidance fills a batch's masks with (beside the model's threads, which it overlaps).
 MASK_THREADS = 1
 
@@ -86,14 +93,16 @@ class GrammarCompiler:
     """Compiles specs for one model's vocabulary, each distinct spec once (LRU of ``cache_size``)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
-                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
-        """``vocab_size``: the model's logits width (masks cover it and the tokenizer's vocabulary)."""
+                 cache_size: int = DEFAULT_CACHE_SIZE, time_limit_s: float = COMPILE_TIME_LIMIT_S) -> None:
+        """``vocab_size``: the model's logits width (masks cover it and the tokenizer's vocabulary);
+        ``time_limit_s``: the longest a compile may take before its spec is refused."""
         if cache_size < 1:
             raise ValueError(f"the grammar cache needs at least 1 entry, got {cache_size}")
         self.tokenizer = tokenizer
         self.vocab_size = max(vocab_size, tokenizer.vocab_size)
         self.eos_token_ids = tuple(eos_token_ids)
         self.cache_size = cache_size
+        self.time_limit_s = time_limit_s
         self._lock = threading.Lock()
         self._cache: OrderedDict[StructuredSpec, CompiledGrammar | StructuredOutputError] = OrderedDict()
         self._lltok = None              # built on first use: 0.1 s for a 49k vocabulary, ~1 s for 150k
@@ -106,14 +115,22 @@ class GrammarCompiler:
         """int32 words in one token bitmask."""
         return (self.vocab_size + 31) // 32
 
-    def compile(self, spec: StructuredSpec) -> CompiledGrammar:
-        """The compiled grammar of ``spec``, from the cache when it was compiled before; raises
-        StructuredOutputError (also cached) when it cannot be served."""
+    def cached(self, spec: StructuredSpec) -> CompiledGrammar | None:
+        """The compiled grammar of ``spec`` if the cache holds it (None if not; microseconds, any
+        thread); raises the cached StructuredOutputError of a spec that failed."""
         with self._lock:
             found = self._cache.get(spec)
             if found is not None:
                 self._cache.move_to_end(spec)
                 self.hits += 1
+        if isinstance(found, StructuredOutputError):
+            raise found
+        return found
+
+    def compile(self, spec: StructuredSpec) -> CompiledGrammar:
+        """The compiled grammar of ``spec``, from the cache when it was compiled before; raises
+        StructuredOutputError (also cached) when it cannot be served."""
+        found = self.cached(spec)
         if found is None:
             found = self._compile(spec)
             with self._lock:
@@ -141,6 +158,7 @@ class GrammarCompiler:
             return StructuredOutputError("structured outputs need the llguidance package "
                                          "(pip install 'kvhive[server]')", spec.source)
         lltok = self._ll_tokenizer()
+        started = time.perf_counter()
         try:
             grammar = grammar_text(spec, self._special)
         except StructuredOutputError as exc:
@@ -156,6 +174,10 @@ class GrammarCompiler:
         if error is not None:
             return StructuredOutputError(f"the {spec.kind} constraint cannot be used: {_explain(error)}",
                                          spec.source)
+        elapsed = time.perf_counter() - started
+        if elapsed > self.time_limit_s:
+            return StructuredOutputError(f"compiling the {spec.kind} constraint took {elapsed:.1f} s; the limit "
+                                         f"is {self.time_limit_s:g} s", spec.source)
         return CompiledGrammar(spec, grammar, template)
 
     def _ll_tokenizer(self):

@@ -58,3 +58,26 @@ def test_a_session_is_held_in_the_store_tiers_and_released(tokenizer: Tokenizer)
         assert asyncio.run(client.session_blocks_by_tier([])) == {"device": 0}
     finally:
         async_engine.shutdown()
+
+
+def test_check_structured_compiles_off_the_loop_and_refuses_bad_specs(tokenizer: Tokenizer) -> None:
+    from kvhive.core.structured_spec import StructuredSpec
+    from kvhive.engine.client import StructuredOutputError
+
+    engine = make_engine(tokenizer)
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    client = EngineClient(async_engine)
+    try:
+        good = StructuredSpec("choice", choices=("yes", "no"))
+        asyncio.run(client.check_structured(good))
+        assert engine.grammars.misses == 1
+        with pytest.raises(StructuredOutputError) as info:
+            asyncio.run(client.check_structured(StructuredSpec("regex", pattern="(", source="guided_regex")))
+        assert info.value.param == "guided_regex"
+        engine.grammars.time_limit_s = 0.0          # every new compile is now over the limit
+        with pytest.raises(StructuredOutputError, match=r"compiling the json_schema constraint t"):
+            asyncio.run(client.check_structured(StructuredSpec("json_schema", schema='{"type": "integer"}')))
+        asyncio.run(client.check_structured(good))  # compiled before: from the cache
+    finally:
+        async_engine.shutdown()

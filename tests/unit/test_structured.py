@@ -44,6 +44,9 @@ CASES = [
     (StructuredSpec("grammar", grammar='root ::= "x" [0-9]+'), "x42", "y42"),
     (StructuredSpec("tool_calls", schema=json.dumps(CALL), tool_format=HERMES), ONE_CALL + "\n" + ONE_CALL,
      '{"name": "get_weather"}'),
+    # Llama 3.x: a bare JSON object per call.
+    (StructuredSpec("tool_calls", schema=json.dumps(CALL), tool_format=ToolCallFormat(begin="", end="", max_calls=1)),
+     '{"name": "get_weather", "arguments": {"city": "Oslo"}}', '<tool_call>\n{"name": "get_weather"}'),
 ]
 
 
@@ -158,3 +161,9 @@ def test_the_mask_fallback_is_forced_from_the_environment() -> None:
     assert grammar_mask_from_env(config, {"KVHIVE_GRAMMAR_MASK_SYNC": "1"}).grammar_mask_overlap is False
     with pytest.raises(ValueError, match="KVHIVE_GRAMMAR_MASK_SYNC"):
         grammar_mask_from_env(config, {"KVHIVE_GRAMMAR_MASK_SYNC": "yes"})
+
+
+def test_a_compile_over_the_time_limit_is_refused(tokenizer) -> None:
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, time_limit_s=0.0)
+    with pytest.raises(StructuredOutputError, match="limit"):
+        compiler.compile(StructuredSpec("regex", pattern="[0-9]+"))
