@@ -11,7 +11,8 @@ Formats (``docs/tool_calling.md``):
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number, text before them.
 - ``llama3_json`` (Llama 3.x): the output is ``{"name": ..., "parameters": {...}}`` (after an optional
   ``<|python_tag|>``), calls separated by ``;``; an output that starts otherwise is content.
-- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` after any text.
+- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` after any text, or such an
+  array opening the output (a special-token marker does not show in the decoded text).
 
 A call's ``arguments`` are the JSON text the model wrote for them (an arguments value written as a
 JSON string is unquoted); ``{}`` when it wrote none. A call is reported once its name is read; a
@@ -370,13 +371,49 @@ class HermesParser(_MarkerParser):
 
 
 class MistralParser(_MarkerParser):
-    """``[TOOL_CALLS][{...}, {...}]`` (or one bare object after the marker)."""
+    """``[TOOL_CALLS][{...}, {...}]`` (or one bare object after the marker). An output that starts
+    with an array of objects is read as calls too: where ``[TOOL_CALLS]`` is a special token, the
+    text the tokenizer decodes has no marker."""
 
     begin = MISTRAL_BEGIN
 
     def __init__(self) -> None:
         super().__init__()
         self._in_array = False
+        self._start: str | None = ""     # the output's first characters until they decide; then None
+
+    def _scan(self, text: str) -> None:
+        if self._start is not None:
+            text = self._scan_start(text)
+        if text:
+            super()._scan(text)
+
+    def _scan_start(self, text: str) -> str:
+        """The output's start: ``[`` then ``{`` opens the calls' array; anything else is content.
+        Returns the text left to scan."""
+        assert self._start is not None
+        for index, char in enumerate(text):
+            self._start += char
+            body = self._start.lstrip(_WHITESPACE)
+            rest = body[1:].lstrip(_WHITESPACE) if body.startswith("[") else body
+            if not rest:
+                continue
+            held, self._start = self._start, None
+            if body.startswith("[") and rest == "{":
+                self._state, self._in_array, self._framing = "before_call", True, held[:-1]
+                return text[index:]
+            return held[:-1] + text[index:]       # content (which may still hold the marker)
+        return ""
+
+    def _flush(self) -> None:
+        if self._start:
+            self._content(self._start)
+        super()._flush()
+
+    def _end_call(self) -> None:
+        if self._call is not None and self._call.name is None:
+            self._in_array = False       # not calls: the rest of the array is content too
+        super()._end_call()
 
     def _framing_char(self, char: str) -> None:
         self._framing += char

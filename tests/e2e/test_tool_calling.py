@@ -155,6 +155,25 @@ def test_streamed_calls_assemble_into_the_whole_answer(client: OpenAI, model: st
     check_call(calls[0]["name"], calls[0]["arguments"])
 
 
+def test_streamed_choices_each_get_their_calls(client: OpenAI, model: str) -> None:
+    calls: dict[tuple[int, int], dict[str, str]] = {}
+    finish: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
+                                                max_tokens=MAX_TOKENS, temperature=1.0, seed=5, n=2,
+                                                parallel_tool_calls=False, stream=True):
+        for choice in chunk.choices:
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+            for piece in choice.delta.tool_calls or ():
+                call = calls.setdefault((choice.index, piece.index), {"name": "", "arguments": ""})
+                call["name"] += piece.function.name or ""
+                call["arguments"] += piece.function.arguments or ""
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    assert sorted(calls) == [(0, 0), (1, 0)]
+    for call in calls.values():
+        check_call(call["name"], call["arguments"])
+
+
 def test_agent_loop_feeds_results_back(client: OpenAI, model: str) -> None:
     messages = list(ASK)
     prompt_tokens = []

@@ -39,6 +39,10 @@ CASES = [
     ("mistral", 'Sure.[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {"b": "]"}}]',
      "Sure.", [ParsedCall("f", '{"a": 1}'), ParsedCall("g", '{"b": "]"}')]),
     ("mistral", "[TOOLS] is not [TOOL_CALL", "[TOOLS] is not [TOOL_CALL", []),
+    ("mistral", ' [{"name": "f", "arguments": {"a": [1]}}]', "", [ParsedCall("f", '{"a": [1]}')]),
+    ("mistral", "[1, 2] is a list; [{x}]", "[1, 2] is a list; [{x}]", []),
+    ("mistral", "[", "[", []),
+    ("mistral", '[{"a": 1}] ok', '[{"a": 1}] ok', []),
 ]
 
 
