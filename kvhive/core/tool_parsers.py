@@ -265,14 +265,8 @@ class ToolCallParser(ABC):
         """The events still held at the end of the output (an unfinished call's markup goes to the
         content when its name was never read; held whitespace goes only when no call was made)."""
         self._flush()
-        call = self._call
-        if call is not None:
-            if call.name is None:
-                self._content(self._call_prefix + "".join(call.chars))
-            else:
-                self._send_final_arguments()
-                self.num_calls += 1
-            self._call = None
+        if self._call is not None:
+            self._end_call()
         if self._held and self.num_calls == 0:
             self._events.append(ContentDelta(self._held))
         self._held = ""

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvhive.core.tool_parsers import ContentDelta
+from kvhive.core.tool_parsers import ArgumentsDelta, ContentDelta
 from kvhive.server.logprobs import SentToken
 from kvhive.server.responses_protocol import FunctionCallItem, OutputMessage, OutputText, new_item_id
-from kvhive.server.tool_output import CallArguments, CallBegun, OutputCall, OutputEvent, ToolOutputReader
+from kvhive.server.tool_output import CallBegun, OutputCall, OutputEvent, ToolOutputReader
 from kvhive.server.tools import ToolPlan
 
 Status = Literal["in_progress", "completed", "incomplete"]
@@ -75,7 +75,7 @@ class OutputItems:
                 self.order.append(item.index)
                 events.append(("response.output_item.added", {
                     "output_index": len(self.order) - 1, "item": self._call_item(item.call, "in_progress", "")}))
-            elif isinstance(item, CallArguments):
+            elif isinstance(item, ArgumentsDelta):
                 call = self.reader.calls[item.index]
                 events.append(("response.function_call_arguments.delta", {
                     "item_id": self._item_id(call), "output_index": self.order.index(item.index),

@@ -39,15 +39,8 @@ class CallBegun:
     call: OutputCall
 
 
-@dataclass(frozen=True)
-class CallArguments:
-    """More of call ``index``'s arguments."""
-
-    index: int
-    text: str
-
-
-OutputEvent = ContentDelta | CallBegun | CallArguments
+# Content, a call begun, or more of a call's arguments (the parser's event, its index the same).
+OutputEvent = ContentDelta | CallBegun | ArgumentsDelta
 
 
 class ToolOutputReader:
@@ -96,7 +89,7 @@ class ToolOutputReader:
                 out.append(CallBegun(event.index, call))
             elif isinstance(event, ArgumentsDelta):
                 self.calls[event.index].arguments.append(event.text)
-                out.append(CallArguments(event.index, event.text))
+                out.append(event)
         return out
 
 

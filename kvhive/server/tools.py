@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -98,39 +98,40 @@ NO_PLAN = ToolPlan((), NO_TOOLS, True, "hermes", None)
 def chat_functions(tools: Sequence[Any] | None) -> tuple[ToolFunction, ...]:
     """Chat completions' ``tools`` ([{type: "function", function: {name, description, parameters,
     strict}}]) checked; 400 naming the field that is wrong."""
-    if tools is None:
-        return ()
-    _check_count(tools, "tools")
-    functions = []
-    for i, tool in enumerate(tools):
-        param = f"tools[{i}]"
-        _check_object(tool, param, CHAT_TOOL_KEYS)
-        _check_type(tool.get("type"), f"{param}.type")
-        function = tool.get("function")
-        _check_object(function, f"{param}.function", CHAT_FUNCTION_KEYS)
-        definition = {"type": "function", "function": dict(function)}
-        functions.append(_function(function, definition, f"{param}.function"))
-    _check_unique(functions)
-    return tuple(functions)
+    return _functions(tools, _chat_function)
+
+
+def _chat_function(tool: Any, param: str) -> ToolFunction:
+    _check_object(tool, param, CHAT_TOOL_KEYS)
+    _check_type(tool.get("type"), f"{param}.type")
+    function = tool.get("function")
+    _check_object(function, f"{param}.function", CHAT_FUNCTION_KEYS)
+    return _function(function, {"type": "function", "function": dict(function)}, f"{param}.function")
 
 
 def responses_functions(tools: Sequence[Any] | None) -> tuple[ToolFunction, ...]:
     """The Responses API's ``tools`` ([{type: "function", name, description, parameters, strict}])
     checked; other tool types (web search, file search, ...) are refused by name."""
+    return _functions(tools, _responses_function)
+
+
+def _responses_function(tool: Any, param: str) -> ToolFunction:
+    if isinstance(tool, Mapping) and tool.get("type") != "function":
+        raise bad_request(f"Tools of type {tool.get('type')!r:.40} are not supported; only 'function' tools",
+                          param=f"{param}.type")
+    _check_object(tool, param, RESPONSES_TOOL_KEYS)
+    body = {k: v for k, v in tool.items() if k != "type"}
+    return _function(tool, {"type": "function", "function": body}, param)
+
+
+def _functions(tools: Sequence[Any] | None, one: Callable[[Any, str], ToolFunction]) -> tuple[ToolFunction, ...]:
+    """Each tool checked by ``one`` (given its field name), their count and their names' uniqueness."""
     if tools is None:
         return ()
     _check_count(tools, "tools")
-    functions = []
-    for i, tool in enumerate(tools):
-        param = f"tools[{i}]"
-        if isinstance(tool, Mapping) and tool.get("type") != "function":
-            raise bad_request(f"Tools of type {tool.get('type')!r} are not supported; only 'function' tools",
-                              param=f"{param}.type")
-        _check_object(tool, param, RESPONSES_TOOL_KEYS)
-        body = {k: v for k, v in tool.items() if k != "type"}
-        functions.append(_function(tool, {"type": "function", "function": body}, param))
+    functions = tuple(one(tool, f"tools[{i}]") for i, tool in enumerate(tools))
     _check_unique(functions)
-    return tuple(functions)
+    return functions
 
 
 def _function(function: Mapping[str, Any], definition: dict[str, Any], param: str) -> ToolFunction:
