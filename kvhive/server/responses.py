@@ -35,6 +35,7 @@ from kvhive.server.errors import APIError, bad_request
 from kvhive.server.logprobs import SentToken, chat_logprobs
 from kvhive.server.protocol import ChatMessage, ChatTokenLogprob, SamplingRequest
 from kvhive.server.request_body import parse_body
+from kvhive.server.responses_items import chat_messages, check_call_ids, input_items
 from kvhive.server.responses_output import OutputItems
 from kvhive.server.responses_protocol import (
     EventWriter,
@@ -44,10 +45,7 @@ from kvhive.server.responses_protocol import (
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
-    chat_messages,
-    check_call_ids,
     check_unsupported,
-    input_items,
     logprobs_wanted,
 )
 from kvhive.server.serving import GenerationService, TextDelta, unix_time

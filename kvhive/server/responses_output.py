@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 from kvhive.core.tool_parsers import ArgumentsDelta, ContentDelta
 from kvhive.server.logprobs import SentToken
-from kvhive.server.responses_protocol import FunctionCallItem, OutputMessage, OutputText, new_item_id
+from kvhive.server.responses_items import new_item_id
+from kvhive.server.responses_protocol import FunctionCallItem, OutputMessage, OutputText
 from kvhive.server.tool_output import CallBegun, OutputCall, OutputEvent, ToolOutputReader
 from kvhive.server.tools import ToolPlan
 
