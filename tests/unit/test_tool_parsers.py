@@ -117,3 +117,29 @@ def test_each_argument_character_is_sent_once() -> None:
     parsed = collect(sent)
     assert len(parsed.calls[0].arguments) == 20000 + 9
     assert sum(len(getattr(e, "text", "")) for e in sent) == len(parsed.calls[0].arguments)
+
+
+NAMES = st.from_regex(r"[a-zA-Z0-9_-]{1,12}", fullmatch=True)
+ARGUMENTS = st.dictionaries(st.text(max_size=8), st.one_of(st.integers(), st.text(max_size=10), st.booleans(),
+                                                            st.lists(st.integers(), max_size=3)), max_size=4)
+
+
+@settings(max_examples=80, deadline=None)
+@given(parser=st.sampled_from(["hermes", "llama3_json", "mistral"]),
+       calls=st.lists(st.tuples(NAMES, ARGUMENTS), min_size=1, max_size=3),
+       prose=st.text(alphabet="abc .,!?\n", max_size=30).map(str.strip),
+       cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=30))
+def test_written_calls_are_read_back(parser: str, calls: list[tuple[str, dict]], prose: str, cuts: list[int]) -> None:
+    # Calls as each family writes them (after some text where the format allows it), in any chunking.
+    from kvhive.core.tool_formats import call_text
+
+    if parser == "llama3_json":
+        text, prose = "; ".join(call_text(n, a, "llama3_json") for n, a in calls), ""
+    elif parser == "mistral":
+        body = ", ".join(json.dumps({"name": n, "arguments": a}, ensure_ascii=False) for n, a in calls)
+        text = f"{prose}[TOOL_CALLS][{body}]"
+    else:
+        text = prose + "\n" + "\n".join(call_text(n, a) for n, a in calls)
+    parsed, _ = _chunked(parser, text, cuts)
+    assert parsed.content == prose
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == calls
