@@ -17,6 +17,7 @@ from kvhive.server.responses_protocol import (
     InputPart,
     ResponsesRequest,
 )
+from kvhive.server.tools import MAX_CALL_ID_CHARS
 
 
 def new_item_id() -> str:
@@ -53,6 +54,8 @@ def _call_item(item: InputItem, i: int) -> dict[str, Any]:
         if getattr(item, name) is None:
             raise bad_request(f"Missing required parameter 'input[{i}].{name}'", param=f"input[{i}].{name}")
     assert item.call_id is not None
+    if not 0 < len(item.call_id) <= MAX_CALL_ID_CHARS:
+        raise bad_request(f"'input[{i}].call_id' must be 1 to {MAX_CALL_ID_CHARS} characters", param=f"input[{i}].call_id")
     if item.type == "function_call":
         assert item.name is not None and item.arguments is not None
         return function_call_item(item.call_id, item.name, item.arguments)
