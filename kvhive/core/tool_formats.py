@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvhive.core.chat_template import ChatTemplate
 from kvhive.core.structured_spec import StructuredSpec, ToolCallFormat
 from kvhive.core.tool_parsers import HERMES_BEGIN, HERMES_END, MISTRAL_BEGIN, PYTHON_TAG, ParserName
 
@@ -105,6 +106,21 @@ def fallback_system_text(functions: Sequence[ToolFunction]) -> str:
     tool support: one JSON definition a line between ``<tools>`` tags, then how to call."""
     lines = "".join("\n" + json.dumps(f.definition, ensure_ascii=False) for f in functions)
     return FALLBACK_TOOLS_HEADER + lines + FALLBACK_TOOLS_FOOTER
+
+
+def tool_prompt(template: ChatTemplate | None, messages: list[dict[str, Any]], functions: Sequence[ToolFunction]
+                ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages and the template variables that render them with ``functions``: through the
+    template's ``tools`` argument when it reads one, else in kvhive's own format. Messages without
+    calls or tool results, and no functions, are rendered as they are."""
+    has_history = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+    if not functions and not has_history:
+        return messages, {}
+    if template is not None and template.reads("tools"):
+        tools = [dict(f.definition) for f in functions] or None
+        return messages_for_template(messages), {"tools": tools}
+    renders = template.renders_role if template is not None else (lambda _role: False)
+    return messages_without_tool_support(messages, functions, renders), {}
 
 
 def messages_for_template(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -15,10 +15,9 @@ from kvhive.core.structured_spec import StructuredSpec
 from kvhive.core.tool_formats import (
     ToolFunction,
     canonical_json,
-    messages_for_template,
-    messages_without_tool_support,
     parser_for_template,
     tool_calls_spec,
+    tool_prompt,
 )
 from kvhive.core.tool_parsers import PARSER_NAMES, ParserName
 from kvhive.request import SamplingParams
@@ -291,13 +290,6 @@ async def _check_compiles(engine: EngineClient, spec: StructuredSpec, functions:
 
 def prompt_messages(template: ChatTemplate | None, messages: list[dict[str, Any]], plan: ToolPlan
                     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The messages and the template variables that render them with the plan's tools: through
-    the template's ``tools`` argument when it reads one, else in kvhive's own format."""
-    has_history = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
-    if not plan.functions and not has_history:
-        return messages, {}
-    if template is not None and template.reads("tools"):
-        tools = [dict(f.definition) for f in plan.functions] or None
-        return messages_for_template(messages), {"tools": tools}
-    renders = template.renders_role if template is not None else (lambda _role: False)
-    return messages_without_tool_support(messages, plan.functions, renders), {}
+    """The messages and the template variables that render them with the plan's tools
+    (``kvhive.core.tool_formats.tool_prompt``)."""
+    return tool_prompt(template, messages, plan.functions)
