@@ -83,9 +83,10 @@ def run_arm(loaded, tok, model_path: str, reqs: list[tuple[list[int], bool]], co
     finally:
         engine.close()
     total = sum(len(s) for s in stamps.values())
+    load = os.getloadavg()[0]
     rates = {c: [(len(s) - 1) / (s[-1] - s[0]) for rid, s in stamps.items() if kinds[rid] == c and len(s) > 1]
              for c in (False, True)}
-    return {"tokens": total, "wall_s": wall, "tokens_per_s": total / wall,
+    return {"tokens": total, "wall_s": wall, "tokens_per_s": total / wall, "load_average_1min": load,
             "free_request_tokens_per_s": statistics.fmean(rates[False]) if rates[False] else None,
             "constrained_request_tokens_per_s": statistics.fmean(rates[True]) if rates[True] else None,
             "mask_rows": times.rows, "mask_compute_ms": times.compute_seconds * 1e3,
