@@ -208,7 +208,8 @@ def run_engine(args: argparse.Namespace, config: EngineConfig,
                             served_model_name=config.served_model_name, api_keys=tuple(api_keys),
                             log_level=args.log_level, max_request_bytes=args.max_request_bytes,
                             metrics_compat=args.metrics_compat, http_limits=http_limits_from_args(args),
-                            cors=cors_from_args(args), tokenizer_info=args.enable_tokenizer_info_endpoint)
+                            cors=cors_from_args(args), tokenizer_info=args.enable_tokenizer_info_endpoint,
+                            tool_call_parser=args.tool_call_parser)
     finally:
         if heartbeat is not None:
             heartbeat.stop(deregister=True)

@@ -25,6 +25,7 @@ from kvhive.connector.disagg.config import parse_kv_transfer_config
 from kvhive.core.cors import add_cors_args
 from kvhive.core.http_limits import add_http_limit_args
 from kvhive.core.registry import RegistrationConfig, default_advertise_url
+from kvhive.core.tool_parsers import PARSER_NAMES
 from kvhive.kv.events_config import parse_kv_events_config
 
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
@@ -210,6 +211,11 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help="serve GET /tokenizer_info (vLLM's endpoint: the tokenizer's settings and chat "
                         "template, for clients that render prompts themselves) (default: off)")
     add_cors_args(g)
+    g.add_argument("--tool-call-parser", choices=("auto", *PARSER_NAMES), default="auto",
+                   help="how tool calls are read from the output: hermes (<tool_call>{...}</tool_call>, "
+                        "Qwen2.5/Qwen3), llama3_json ({\"name\": ..., \"parameters\": ...}, Llama 3.x), "
+                        "mistral ([TOOL_CALLS][...]); auto picks by the chat template (docs/tool_calling.md) "
+                        "(default: auto)")
 
 
 def _add_registration_args(p: argparse.ArgumentParser) -> None:

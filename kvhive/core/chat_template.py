@@ -14,6 +14,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -92,6 +93,24 @@ class ChatTemplate:
         self.source = source
         self.special_tokens = dict(special_tokens or {})
         self._template = env.from_string(source)
+        self._variables = jinja2.meta.find_undeclared_variables(env.parse(source))
+
+    def reads(self, variable: str) -> bool:
+        """Whether the template reads ``variable`` (``tools``: it renders tool definitions and calls)."""
+        return variable in self._variables
+
+    def renders_role(self, role: str) -> bool:
+        """Whether a message of ``role`` shows in the prompt (its content is written, the template
+        does not raise): a system message first, any other after a user and an assistant message."""
+        probe = "\x00kvhive-role-probe\x00"
+        message = {"role": role, "content": probe}
+        chat = ([message, {"role": "user", "content": "hi"}] if role == "system" else
+                [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}, message])
+        try:
+            text = self.render(chat, add_generation_prompt=False)
+        except ChatTemplateError:
+            return False
+        return probe in text
 
     def uses_token(self, token: str) -> bool:
         """Whether the template's source writes `token` (e.g. its end-of-turn marker)."""

@@ -98,18 +98,20 @@ class APIKeyMiddleware:
 def create_app(async_engine: AsyncEngine, *, served_model_name: str,
                api_keys: tuple[str, ...] = (), max_request_bytes: int | None = None,
                metrics_compat: str = "none", cors: CorsConfig | None = None,
-               tokenizer_info: bool = False) -> FastAPI:
+               tokenizer_info: bool = False, tool_call_parser: str = "auto") -> FastAPI:
     """The OpenAI-compatible app over a started ``AsyncEngine`` (the caller owns its lifecycle).
 
     ``metrics_compat``: "vllm" also exports each metric vLLM has under vLLM's name (docs/metrics.md).
     ``cors``: the browser origins allowed (None: no CORS headers). ``tokenizer_info``: serve
     ``GET /tokenizer_info``.
 
+    ``tool_call_parser``: how tool calls are read from outputs ("auto": by the chat template).
+
     ``max_request_bytes``: larger request bodies are refused with 413 before they are read
     (default: ``default_max_request_bytes`` of the model's context).
     """
     engine = EngineClient(async_engine)
-    service, responses = build_services(engine, served_model_name, api_keys, metrics_compat)
+    service, responses = build_services(engine, served_model_name, api_keys, metrics_compat, tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def sweepers(_app: FastAPI) -> AsyncIterator[None]:
@@ -142,7 +144,8 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
 
 
 def build_services(engine: EngineClient, served_model_name: str, api_keys: tuple[str, ...],
-                   metrics_compat: str = "none") -> tuple[GenerationService, ResponsesAPI]:
+                   metrics_compat: str = "none", tool_call_parser: str = "auto"
+                   ) -> tuple[GenerationService, ResponsesAPI]:
     """The app's generation service (with its metrics, whose runtime paths and cache config it
     shows, and its session service) and the Responses API, over the durable backends of the
     engine's config."""
@@ -161,7 +164,7 @@ def build_services(engine: EngineClient, served_model_name: str, api_keys: tuple
                 config.generation_config, defaults.describe())
     service = GenerationService(engine, metrics, served_model_name, sessions=sessions,
                                 api_keys=api_keys, share_prefix_cache=config.sessions.share_prefix_cache,
-                                defaults=defaults)
+                                defaults=defaults, tool_call_parser=tool_call_parser)
     return service, ResponsesAPI(service, ResponseStore(durable.response_backend()))
 
 
@@ -233,7 +236,7 @@ def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_nam
                api_keys: tuple[str, ...] = (), log_level: str = "info",
                max_request_bytes: int | None = None, metrics_compat: str = "none",
                http_limits: HttpLimits | None = None, cors: CorsConfig | None = None,
-               tokenizer_info: bool = False) -> bool:
+               tokenizer_info: bool = False, tool_call_parser: str = "auto") -> bool:
     """Serve HTTP on a thread and run the engine loop on this (main) thread until interrupted.
 
     Returns False when the HTTP server never started (e.g. the port is taken) or the engine loop
@@ -248,7 +251,7 @@ def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_nam
     """
     app = create_app(async_engine, served_model_name=served_model_name, api_keys=api_keys,
                      max_request_bytes=max_request_bytes, metrics_compat=metrics_compat, cors=cors,
-                     tokenizer_info=tokenizer_info)
+                     tokenizer_info=tokenizer_info, tool_call_parser=tool_call_parser)
     logger.info("request bodies over %d bytes are refused (413)", app.state.max_request_bytes)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             **uvicorn_options(http_limits or HttpLimits()))

@@ -15,6 +15,7 @@ from jinja2 import TemplateError
 from kvhive.core.json_body import BodyError
 from kvhive.core.request_fields import TEXT_PART_FIELDS, stray_field, stray_field_message
 from kvhive.core.tokenize_bodies import check_template_kwargs
+from kvhive.core.tool_parsers import ContentDelta
 from kvhive.request import MAX_LOGPROBS
 from kvhive.server.errors import bad_request, body_error
 from kvhive.server.logprobs import SentToken, chat_logprobs, vllm_prompt_logprobs
@@ -27,8 +28,12 @@ from kvhive.server.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     ChatMessage,
+    DeltaFunction,
     DeltaMessage,
+    DeltaToolCall,
     PromptTokensDetails,
+    ToolCall,
+    ToolCallFunction,
     Usage,
     check_metadata,
 )
@@ -46,11 +51,19 @@ from kvhive.server.serving import (
 )
 from kvhive.server.sse import SSE_DONE, sse_event
 from kvhive.server.structured import body_structured_spec
+from kvhive.server.tool_output import CallBegun, OutputEvent, ToolOutputReader, read_whole
+from kvhive.server.tools import (
+    NO_PLAN,
+    ToolPlan,
+    chat_functions,
+    check_history,
+    prompt_messages,
+    tool_choice,
+    tool_plan,
+)
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
-    if body.tools:
-        raise bad_request("'tools' are not supported", param="tools")
     if body.metadata is not None:
         check_metadata(body.metadata)
 
@@ -65,11 +78,12 @@ def logprobs_wanted(body: ChatCompletionRequest) -> int | None:
     return (top or 0) if body.logprobs else None
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them: string content; ``developer`` is a system message."""
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: string content; ``developer`` is a system message;
+    an assistant message's ``tool_calls`` and a tool message's ``tool_call_id`` as sent."""
     if not messages:
         raise bad_request("'messages' must contain at least one message", param="messages")
-    rendered: list[dict[str, str]] = []
+    rendered: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         if message.content is None or isinstance(message.content, str):
             content = message.content or ""
@@ -87,25 +101,48 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
         entry = {"role": "system" if message.role == "developer" else message.role, "content": content}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         rendered.append(entry)
     return rendered
 
 
 async def chat_prompt_token_ids(service: GenerationService, messages: list[ChatMessage],
-                                param: str = "messages", template_kwargs: dict[str, Any] | None = None
-                                ) -> list[int]:
-    """The messages through the model's chat template (``template_kwargs``: more variables for it,
-    checked by ``check_template_kwargs``), as token ids (a long prompt rendered off the event
-    loop); 400 naming ``param`` when the template fails."""
+                                param: str = "messages", template_kwargs: dict[str, Any] | None = None,
+                                plan: ToolPlan = NO_PLAN) -> list[int]:
+    """The messages (and the plan's tools) through the model's chat template (``template_kwargs``:
+    more variables for it, checked by ``check_template_kwargs``), as token ids (a long prompt
+    rendered off the event loop); 400 naming ``param`` when the template fails, or naming the
+    history's call or tool result that is wrong."""
     rendered = template_messages(messages)
+    check_history(rendered, [f"{param}[{i}]" for i in range(len(rendered))])
+    rendered, variables = prompt_messages(service.tokenizer.chat_template, rendered, plan)
     try:
         check_template_kwargs(template_kwargs)
     except BodyError as exc:
         raise body_error(exc) from None
     try:
-        return await service.encode_chat(rendered, template_kwargs)
+        return await service.encode_chat(rendered, template_kwargs, **variables)
     except (TemplateError, ValueError) as exc:
         raise bad_request(f"Could not apply the chat template: {exc}", param=param) from exc
+
+
+def stream_delta(events: list[OutputEvent]) -> DeltaMessage | None:
+    """One chunk's delta of what a choice's output read into: its content and its calls' pieces
+    (a call's first piece carries its id, type and name); None when there is nothing to send."""
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    calls = []
+    for event in events:
+        if isinstance(event, CallBegun):
+            calls.append(DeltaToolCall(index=event.index, id=event.call.id, type="function",
+                                       function=DeltaFunction(name=event.call.name, arguments="")))
+        elif not isinstance(event, ContentDelta):
+            calls.append(DeltaToolCall(index=event.index, function=DeltaFunction(arguments=event.text)))
+    if not content and not calls:
+        return None
+    return DeltaMessage(content=content or None, tool_calls=calls or None)
 
 
 def max_tokens_field(body: ChatCompletionRequest) -> tuple[int | None, str]:
@@ -124,6 +161,7 @@ class ChatAnswer:
     body: ChatCompletionRequest
     num_logprobs: int | None                     # None: no logprobs
     prompt_token_ids: list[int] = field(default_factory=list)
+    plan: ToolPlan = NO_PLAN
     request_id: str = field(default_factory=lambda: new_request_id("chatcmpl"))
     created: int = field(default_factory=unix_time)
 
@@ -136,11 +174,17 @@ class ChatAnswer:
         return list(token_ids) if self.body.return_token_ids else None
 
     def response(self, results: list[TextDelta]) -> ChatCompletionResponse:
-        """The non-streamed answer: one assistant message per choice, and the usage; vLLM's
-        ``prompt_logprobs`` and token ids when asked."""
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=r.text), logprobs=self.logprobs_of(r.tokens),
-                              finish_reason=r.finish_reason, token_ids=self.ids(r.token_ids))
-                   for i, r in enumerate(results)]
+        """The non-streamed answer: one assistant message per choice (its text read for tool calls
+        by the plan), and the usage; vLLM's ``prompt_logprobs`` and token ids when asked."""
+        choices = []
+        for i, result in enumerate(results):
+            read = read_whole(self.plan, result.text)
+            calls = [ToolCall(id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments_text))
+                     for c in read.calls]
+            choices.append(ChatChoice(index=i, message=AssistantMessage(content=read.content, tool_calls=calls),
+                                      logprobs=self.logprobs_of(result.tokens),
+                                      finish_reason=read.finish_reason(result.finish_reason or "stop"),
+                                      token_ids=self.ids(result.token_ids)))
         scored = results[0].prompt_logprobs
         prompt_logprobs = (None if self.body.prompt_logprobs is None or scored is None
                            else vllm_prompt_logprobs(scored, self.service.tokenizer, self.body.prompt_logprobs))
@@ -176,15 +220,21 @@ class ChatAnswer:
             yield self.delta(index, DeltaMessage(role="assistant", content=""),
                              prompt_token_ids=self.ids(self.prompt_token_ids) if index == 0 else None)
         finals: dict[int, TextDelta] = {}
+        readers = [ToolOutputReader(self.plan) for _ in range(self.body.n)]
         async with contextlib.aclosing(merge_streams(streams)) as merged:
             async for index, delta in merged:
+                reader = readers[index]
+                message = stream_delta(reader.feed(delta.text) if delta.text else [])
                 # A token without text of its own (the end-of-turn token) still has logprobs (and an id) to send.
-                if delta.text or delta.tokens or (self.body.return_token_ids and delta.token_ids):
-                    yield self.delta(index, DeltaMessage(content=delta.text), logprobs=self.logprobs_of(delta.tokens),
+                if message is not None or delta.tokens or (self.body.return_token_ids and delta.token_ids):
+                    yield self.delta(index, message or DeltaMessage(content=""), logprobs=self.logprobs_of(delta.tokens),
                                      progress=delta, token_ids=delta.token_ids)
                 if delta.finish_reason is None:
                     continue
-                yield self.delta(index, DeltaMessage(), delta.finish_reason, progress=delta)
+                held = stream_delta(reader.finish())
+                if held is not None:
+                    yield self.delta(index, held, progress=delta)
+                yield self.delta(index, DeltaMessage(), reader.finish_reason(delta.finish_reason), progress=delta)
                 finals[index] = delta
         if self.body.include_usage:
             yield self.chunk([], usage=combined_usage([finals[i] for i in range(self.body.n)]))
@@ -206,18 +256,22 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
     kv_transfer = service.kv_transfer_params(body)
     num_logprobs = logprobs_wanted(body)
     structured = await body_structured_spec(service.engine, body)
+    functions = chat_functions(body.tools)
+    plan = await tool_plan(service.engine, service.tokenizer.chat_template, service.tool_call_parser, functions,
+                           tool_choice(body.tool_choice, functions, flat=False), body.parallel_tool_calls)
     token_ids = truncated_prompt(await chat_prompt_token_ids(service, body.messages,
-                                                             template_kwargs=body.chat_template_kwargs),
+                                                             template_kwargs=body.chat_template_kwargs, plan=plan),
                                  body.truncate_prompt_tokens, service.max_model_len)
     requested, param = max_tokens_field(body)
     max_tokens = service.resolve_max_tokens(requested, len(token_ids), param, "messages")
-    sampling = service.sampling_params(body, max_tokens, num_logprobs, body.prompt_logprobs, structured)
+    sampling = plan.with_spec(service.sampling_params(body, max_tokens, num_logprobs, body.prompt_logprobs,
+                                                      structured))
     owner = service.owner_of(raw_request)
     turn = await service.open_session(raw_request, body.model, len(token_ids) + max_tokens,
                                       conversation_id=body.conversation_id, new_ttl=new_session_ttl,
                                       end_session=body.end_conversation, n=body.n)
     headers = session_headers(turn)
-    answer = ChatAnswer(service, body, num_logprobs, token_ids)
+    answer = ChatAnswer(service, body, num_logprobs, token_ids, plan)
     streams = service.choice_streams(answer.request_id, body.n, token_ids, sampling, body.stop_strings,
                                      service.cache_salt_for(owner, body.cache_salt), turn, kv_transfer,
                                      TextOptions.of(body))

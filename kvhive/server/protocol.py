@@ -121,13 +121,31 @@ class ContentPart(StrictBody):
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
+class ToolCallFunction(StrictBody):
+    """The function a call in the history called, and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class MessageToolCall(StrictBody):
+    """One call an assistant message in the history made (``tool_calls``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(StrictBody):
-    """One chat message; ``content`` is a string or a list of text parts."""
+    """One chat message; ``content`` is a string or a list of text parts. An assistant message may
+    carry ``tool_calls`` (its content then may be null); a ``tool`` message answers the call
+    ``tool_call_id``."""
 
     role: Role
     content: str | ListOf[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: ListOf[MessageToolCall] | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -137,7 +155,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: ListOf[dict[str, Any]] | None = None
+    tools: ListOf[dict[str, Any]] | None = None          # checked in kvhive.server.tools
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     conversation_id: str | None = Field(default=None, max_length=MAX_SESSION_ID_CHARS,
                                        pattern=SESSION_ID_PATTERN)   # a session
     end_conversation: bool = False                      # free the conversation after this turn
@@ -241,11 +261,21 @@ class CompletionResponse(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None    # a prefill's answer: the decode request's params
 
 
+class ToolCall(BaseModel):
+    """A call the model made: a fresh id, the function and its arguments as JSON text."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class AssistantMessage(BaseModel):
-    """The generated message of a chat completion."""
+    """The generated message of a chat completion: its text (null when it only made calls) and its
+    calls."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class TopLogprob(BaseModel):
@@ -297,11 +327,37 @@ class ChatCompletionResponse(_OmitUnasked):
     prompt_token_ids: list[int] | None = None           # vLLM's, with return_token_ids
 
 
+class DeltaFunction(BaseModel):
+    """A streamed call's function: its name in the call's first chunk, then pieces of its arguments."""
+
+    name: str | None = None
+    arguments: str
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call: ``index`` (its place among the choice's calls), with ``id`` and ``type`` in
+    its first chunk."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class DeltaMessage(BaseModel):
     """What a streamed chat chunk adds to the message."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""``/v1/responses`` (OpenAI's Responses API, text only): create, continue, fetch, list input, delete.
+"""``/v1/responses`` (OpenAI's Responses API: text and function calls): create, continue, fetch, list input, delete.
 
 The prompt of a request is the model's chat template (as ``/v1/chat/completions`` renders it) over
 this request's ``instructions`` as a system message (never carried over), the stored conversation
@@ -35,26 +35,24 @@ from kvhive.server.errors import APIError, bad_request
 from kvhive.server.logprobs import SentToken, chat_logprobs
 from kvhive.server.protocol import ChatMessage, ChatTokenLogprob, SamplingRequest
 from kvhive.server.request_body import parse_body
+from kvhive.server.responses_items import chat_messages, check_call_ids, input_items
+from kvhive.server.responses_output import OutputItems
 from kvhive.server.responses_protocol import (
     EventWriter,
     IncompleteDetails,
     InputTokensDetails,
-    OutputMessage,
-    OutputText,
     ResponseError,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
-    chat_message,
     check_unsupported,
-    input_items,
     logprobs_wanted,
-    new_item_id,
 )
 from kvhive.server.sampling_fields import pick
 from kvhive.server.serving import GenerationService, TextDelta, unix_time
 from kvhive.server.sse import ClosingStreamingResponse
 from kvhive.server.structured import text_format, text_structured_spec
+from kvhive.server.tools import NO_PLAN, ToolPlan, responses_functions, tool_choice, tool_plan
 from kvhive.sessions.registry import Session, SessionBusy, SessionNotDurable, SessionNotFound
 from kvhive.sessions.responses import (
     ResponseStats,
@@ -102,15 +100,15 @@ class ResponsesAPI:
         return self.store.history(previous)
 
     async def prompt_token_ids(self, body: ResponsesRequest, history: list[StoredResponse],
-                               items: list[dict[str, Any]]) -> list[int]:
-        """The chat template over instructions, the stored conversation and the new input (a long
-        conversation rendered and tokenized off the event loop)."""
+                               items: list[dict[str, Any]], plan: ToolPlan = NO_PLAN) -> list[int]:
+        """The chat template over instructions, the stored conversation and the new input, with the
+        plan's tools (a long conversation rendered and tokenized off the event loop); 400 naming an
+        input ``function_call_output`` that answers no earlier call."""
+        earlier = [item for stored in history for item in (*stored.input_items, *stored.response["output"])]
+        check_call_ids(earlier, items)
         messages = [] if body.instructions is None else [ChatMessage(role="system", content=body.instructions)]
-        for stored in history:
-            messages += [chat_message(item) for item in stored.input_items]
-            messages += [chat_message(item) for item in stored.response["output"]]
-        messages += [chat_message(item) for item in items]
-        return await chat_prompt_token_ids(self.service, messages, param="input")
+        messages += chat_messages([*earlier, *items])
+        return await chat_prompt_token_ids(self.service, messages, param="input", plan=plan)
 
     # ------------------------------------------------------------ sessions
 
@@ -175,18 +173,22 @@ class ResponsesAPI:
         items = input_items(body)
         owner = service.owner_of(raw_request)
         history = await self.history(raw_request, body)
-        token_ids = await self.prompt_token_ids(body, history, items)
+        functions = responses_functions(body.tools)
+        plan = await tool_plan(service.engine, service.tokenizer.chat_template, service.tool_call_parser, functions,
+                               tool_choice(body.tool_choice, functions, flat=True),
+                               body.parallel_tool_calls is not False, flat=True)
+        token_ids = await self.prompt_token_ids(body, history, items, plan)
         max_tokens = service.resolve_max_tokens(body.max_output_tokens, len(token_ids), "max_output_tokens", "input")
         structured = await text_structured_spec(service.engine, body.text, body.tools, body.tool_choice)
-        sampling = service.sampling_params(
+        sampling = plan.with_spec(service.sampling_params(
             SamplingRequest(model=body.model, temperature=body.temperature, top_p=body.top_p), max_tokens,
-            num_logprobs, structured=structured)
+            num_logprobs, structured=structured))
         conversation_id, session_turn, session = await self.open_conversation(
             raw_request, body, len(token_ids) + max_tokens)
         response_id = new_response_id(conversation_id)
         deltas = service.stream(response_id, token_ids, sampling, (), service.cache_salt_for(owner, None),
                                 session_turn)
-        turn = Turn(self, body, owner, response_id, conversation_id, items, session, num_logprobs is not None)
+        turn = Turn(self, body, owner, response_id, conversation_id, items, session, num_logprobs is not None, plan)
         headers = {RESPONSE_ID_HEADER: response_id} if body.store else {}
         if body.stream:
             return self.stream_answer(turn, deltas, headers, session_turn)
@@ -241,9 +243,10 @@ class Turn:
     items: list[dict[str, Any]]                  # this request's input items
     session: Session | None
     with_logprobs: bool                          # ``include`` asks for the output tokens' logprobs
+    plan: ToolPlan = NO_PLAN
     stored: bool = False
-    message_id: str = field(default_factory=new_item_id)
     response: ResponseObject = field(init=False)
+    outputs: OutputItems = field(init=False)
 
     def __post_init__(self) -> None:
         body, defaults = self.body, self.api.service.defaults
@@ -254,13 +257,10 @@ class Turn:
             temperature=pick(body.temperature, defaults.temperature, 1.0),
             top_p=pick(body.top_p, defaults.top_p, 1.0), top_logprobs=body.top_logprobs or 0,
             user=body.user, metadata=body.metadata or {}, text={"format": text_format(body.text)},
-            parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls)
-
-    def message(self, status: Literal["in_progress", "completed", "incomplete"], text: str | None,
-                tokens: tuple[SentToken, ...] = ()) -> OutputMessage:
-        """The output message, with its text part (and its tokens' logprobs) once there is one."""
-        content = [] if text is None else [OutputText(text=text, logprobs=self.logprobs(tokens))]
-        return OutputMessage(id=self.message_id, status=status, content=content)
+            parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls,
+            tools=[dict(f.definition["function"], type="function") for f in self.plan.functions],
+            tool_choice=body.tool_choice if body.tool_choice is not None else "auto")
+        self.outputs = OutputItems(self.plan, self.logprobs)
 
     def logprobs(self, tokens: tuple[SentToken, ...]) -> list[ChatTokenLogprob]:
         """The tokens' logprobs as ``output_text`` parts and text deltas carry them (as chat's)."""
@@ -268,13 +268,17 @@ class Turn:
             return []
         return chat_logprobs(tokens, self.api.service.tokenizer).content
 
-    def finish(self, result: TextDelta) -> dict[str, Any]:
-        """The final response object for the whole output ``result``; stored when asked."""
+    def finish(self, result: TextDelta, streamed: bool = False) -> dict[str, Any]:
+        """The final response object for the whole output ``result`` (read into output items here
+        unless they were ``streamed``); stored when asked."""
         incomplete = result.finish_reason == "length"
         status = "incomplete" if incomplete else "completed"
         self.response.status = status
         self.response.incomplete_details = IncompleteDetails() if incomplete else None
-        self.response.output = [self.message(status, result.text, result.tokens)]
+        if not streamed:
+            self.outputs.tokens = list(result.tokens)
+            self.outputs.read_whole(result.text)
+        self.response.output = self.outputs.output(status)
         self.response.usage = ResponseUsage(
             input_tokens=result.num_prompt_tokens, output_tokens=result.num_output_tokens,
             input_tokens_details=InputTokensDetails(cached_tokens=result.num_cached_tokens),
@@ -314,24 +318,20 @@ class Turn:
         """The stream events of the turn, ending with response.completed (or response.incomplete);
         an engine error ends them with response.failed (the response is not stored)."""
         event = EventWriter()
-        ids = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        outputs = self.outputs
         yield event("response.created", response=self.response)
         yield event("response.in_progress", response=self.response)
-        yield event("response.output_item.added", output_index=0, item=self.message("in_progress", None))
-        yield event("response.content_part.added", **ids, part=OutputText(text=""))
+        for kind, fields in outputs.start():
+            yield event(kind, **fields)
         parts: list[str] = []
-        tokens: list[SentToken] = []
         last: TextDelta | None = None
         try:
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
                     last = delta
                     parts.append(delta.text)
-                    tokens.extend(delta.tokens)
-                    # A token without text of its own (the end-of-turn token) still has logprobs to send.
-                    if delta.text or (self.with_logprobs and delta.tokens):
-                        yield event("response.output_text.delta", **ids, delta=delta.text,
-                                    logprobs=self.logprobs(delta.tokens))
+                    for kind, fields in outputs.add(delta.text, delta.tokens, self.with_logprobs):
+                        yield event(kind, **fields)
         except SessionNotDurable as exc:          # the session turn's record could not be written
             yield event("response.failed", response=self.not_stored(exc))
             return
@@ -340,17 +340,16 @@ class Turn:
             yield event("response.failed", response=self.fail(exc))
             return
         assert last is not None
-        text = "".join(parts)
+        for kind, fields in outputs.finish():
+            yield event(kind, **fields)
         try:
-            answer = self.finish(TextDelta(text, last.finish_reason, last.num_prompt_tokens,
-                                           last.num_cached_tokens, last.num_output_tokens, tuple(tokens)))
+            answer = self.finish(TextDelta("".join(parts), last.finish_reason, last.num_prompt_tokens,
+                                           last.num_cached_tokens, last.num_output_tokens), streamed=True)
         except SessionNotDurable as exc:
             yield event("response.failed", response=self.not_stored(exc))
             return
-        item = answer["output"][0]
-        yield event("response.output_text.done", **ids, text=text, logprobs=item["content"][0]["logprobs"])
-        yield event("response.content_part.done", **ids, part=item["content"][0])
-        yield event("response.output_item.done", output_index=0, item=item)
+        for kind, fields in outputs.done_events(answer["output"]):
+            yield event(kind, **fields)
         yield event(f"response.{answer['status']}", response=answer)
 
 

@@ -1,4 +1,5 @@
-"""Schemas of ``/v1/responses`` (text only): the request, its input items, the response object, events.
+"""Schemas of ``/v1/responses`` (text and function calls): the request, its input items, the response
+object, events.
 
 Requests are strict like the other endpoints' (``StrictBody``: an unknown field is a 400 naming it).
 Every declared field that would change the result and that kvhive does not implement answers 400
@@ -7,7 +8,6 @@ in ``check_unsupported`` unless it asks for the default, so nothing is silently 
 
 from __future__ import annotations
 
-import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
@@ -17,12 +17,10 @@ from kvhive.core.request_fields import (
     TEXT_PART_FIELDS,
     NoOpText,
     StrictBody,
-    stray_field,
-    stray_field_message,
 )
 from kvhive.request import MAX_LOGPROBS
 from kvhive.server.errors import bad_request
-from kvhive.server.protocol import ChatMessage, ChatTokenLogprob, ContentPart, check_metadata
+from kvhive.server.protocol import ChatTokenLogprob, check_metadata
 from kvhive.server.sse import sse_named_event
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
@@ -54,24 +52,30 @@ class InputPart(StrictBody):
 
 
 class OtherInputItem(BaseModel):
-    """An input item of another type (``function_call``, ``reasoning``, ...): read only so that
-    ``input_items`` refuses it by its ``type``, whatever fields its kind has."""
+    """An input item of another type (``reasoning``, ...): read only so that ``input_items`` refuses
+    it by its ``type``, whatever fields its kind has."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
     type: str
 
 
+CALL_ITEM_TYPES = ("function_call", "function_call_output")
+
+
 def _item_kind(value: Any) -> str:
-    """The tag of an input item: a message (``type`` "message" or absent) or another kind."""
+    """The tag of an input item: a message (``type`` "message" or absent), a function call or its
+    output, or another kind."""
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return "Message" if kind in (None, "message") else "Other"
+    if kind in (None, "message"):
+        return "Message"
+    return "Call" if kind in CALL_ITEM_TYPES else "Other"
 
 
 class InputItem(StrictBody):
-    """One input item; only messages (``type`` "message" or absent) are supported. An earlier
-    response's output message sent back as input carries its ``id`` and ``status``: accepted, and
-    rendered by its role and content like any message."""
+    """One input message (``type`` "message" or absent). An earlier response's output message sent
+    back as input carries its ``id`` and ``status``: accepted, and rendered by its role and content
+    like any message."""
 
     type: str | None = None
     role: str | None = None
@@ -80,10 +84,23 @@ class InputItem(StrictBody):
     status: str | None = None
 
 
+class CallInputItem(StrictBody):
+    """A ``function_call`` the model made earlier (``call_id``, ``name``, ``arguments``) or a
+    ``function_call_output`` (``call_id``, ``output``); ``id`` and ``status`` as an earlier
+    response's output item carries them (accepted, not rendered)."""
+
+    type: Literal["function_call", "function_call_output"]
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | ListOf[InputPart] | None = None
+    id: str | None = None
+    status: str | None = None
+
 
 # Tags that are no field names (``param_from_loc`` leaves them out of a ``param``).
-AnyInputItem = Annotated[Annotated[InputItem, Tag("Message")] | Annotated[OtherInputItem, Tag("Other")],
-                         Discriminator(_item_kind)]
+AnyInputItem = Annotated[Annotated[InputItem, Tag("Message")] | Annotated[CallInputItem, Tag("Call")]
+                         | Annotated[OtherInputItem, Tag("Other")], Discriminator(_item_kind)]
 
 
 class ResponsesRequest(StrictBody):
@@ -106,9 +123,9 @@ class ResponsesRequest(StrictBody):
     safety_identifier: NoOpText | None = None
     prompt_cache_key: NoOpText | None = None
     service_tier: NoOpText | None = None
+    tools: ListOf[Any] | None = None                 # checked in kvhive.server.tools
+    tool_choice: str | dict[str, Any] | None = None
     # Not implemented: 400 unless absent or the default (check_unsupported).
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     include: list[Any] | None = None
@@ -121,10 +138,6 @@ class ResponsesRequest(StrictBody):
 
 def check_unsupported(body: ResponsesRequest) -> None:
     """400 for every feature that would change the result and that kvhive does not implement."""
-    if body.tools:
-        raise bad_request("'tools' are not supported", param="tools")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise bad_request("'tool_choice' needs tools, which are not supported", param="tool_choice")
     text = body.text or {}          # its ``format``: kvhive.server.structured.text_format_output
     if text.get("verbosity") not in (None, "medium"):
         raise bad_request("'text.verbosity' is not supported", param="text.verbosity")
@@ -160,58 +173,6 @@ def logprobs_wanted(body: ResponsesRequest) -> int | None:
     return body.top_logprobs or 0
 
 
-def new_item_id() -> str:
-    """A fresh message item id."""
-    return f"msg_{uuid.uuid4().hex}"
-
-
-def message_item(role: str, texts: list[str]) -> dict[str, Any]:
-    """A message item as it is stored and listed (assistant parts are output_text)."""
-    if role == "assistant":
-        content = [{"type": "output_text", "text": t, "annotations": []} for t in texts]
-    else:
-        content = [{"type": "input_text", "text": t} for t in texts]
-    return {"id": new_item_id(), "type": "message", "role": role, "status": "completed", "content": content}
-
-
-def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """The request's input as message items (a string is one user message); 400 for anything else."""
-    if isinstance(body.input, str):
-        return [message_item("user", [body.input])]
-    if not body.input:
-        raise bad_request("'input' must contain at least one item", param="input")
-    items = []
-    for i, item in enumerate(body.input):
-        if isinstance(item, OtherInputItem):
-            raise bad_request(f"Input items of type '{item.type}' are not supported; only text messages",
-                              param=f"input[{i}].type")
-        if item.role not in INPUT_ROLES:
-            raise bad_request(f"Invalid role {item.role!r}: expected one of {', '.join(INPUT_ROLES)}",
-                              param=f"input[{i}].role")
-        if item.content is None:
-            raise bad_request(f"Missing required parameter 'input[{i}].content'", param=f"input[{i}].content")
-        if isinstance(item.content, str):
-            items.append(message_item(item.role, [item.content]))
-            continue
-        texts = []
-        for j, part in enumerate(item.content):
-            if part.type not in TEXT_PART_TYPES or part.text is None:
-                raise bad_request(f"Content parts of type '{part.type}' are not supported; only "
-                                  f"{' and '.join(TEXT_PART_TYPES)} with text", param=f"input[{i}].content[{j}].type")
-            stray = stray_field(part, OUTPUT_TEXT_FIELDS)
-            if stray is not None:
-                raise bad_request(stray_field_message(stray, part.type), param=f"input[{i}].content[{j}].{stray}")
-            texts.append(part.text)
-        items.append(message_item(item.role, texts))
-    return items
-
-
-def chat_message(item: dict[str, Any]) -> ChatMessage:
-    """A stored message item (input, or output of an earlier response) as a chat message."""
-    parts = [ContentPart(type="text", text=part["text"]) for part in item["content"]]
-    return ChatMessage(role=item["role"], content=parts)
-
-
 # ---------------------------------------------------------------- response object
 
 
@@ -234,6 +195,17 @@ class OutputMessage(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
     role: Literal["assistant"] = "assistant"
     content: list[OutputText]
+
+
+class FunctionCallItem(BaseModel):
+    """A call the model made (an output item)."""
+
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
 
 
 class InputTokensDetails(BaseModel):
@@ -285,7 +257,7 @@ class ResponseObject(BaseModel):
     max_output_tokens: int | None
     max_tool_calls: None = None
     model: str
-    output: list[OutputMessage]
+    output: list[OutputMessage | FunctionCallItem]
     parallel_tool_calls: bool = True
     previous_response_id: str | None
     reasoning: dict[str, None] = Field(default_factory=lambda: {"effort": None, "summary": None})
@@ -293,8 +265,8 @@ class ResponseObject(BaseModel):
     store: bool
     temperature: float
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
-    tool_choice: str = "auto"
-    tools: list[Any] = Field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
     top_logprobs: int
     top_p: float
     truncation: str = "disabled"
@@ -305,7 +277,8 @@ class ResponseObject(BaseModel):
 
 def output_text(response: dict[str, Any]) -> str:
     """The text of a (stored) response object's output message."""
-    return "".join(part["text"] for item in response["output"] for part in item["content"])
+    return "".join(part["text"] for item in response["output"] if item["type"] == "message"
+                   for part in item["content"])
 
 
 # ---------------------------------------------------------------- stream events

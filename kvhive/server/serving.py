@@ -244,7 +244,8 @@ class GenerationService:
 
     def __init__(self, engine: EngineClient, metrics: ServerMetrics, served_model_name: str,
                  sessions: SessionService, api_keys: tuple[str, ...] = (),
-                 share_prefix_cache: bool = False, defaults: SamplingDefaults = NO_DEFAULTS) -> None:
+                 share_prefix_cache: bool = False, defaults: SamplingDefaults = NO_DEFAULTS,
+                 tool_call_parser: str = "auto") -> None:
         """``defaults``: what a request that leaves a sampling field unset gets (``--generation-config``)."""
         self.engine = engine
         self.defaults = defaults
@@ -253,6 +254,7 @@ class GenerationService:
         self.sessions = sessions
         self.has_api_keys = bool(api_keys)
         self.share_prefix_cache = share_prefix_cache
+        self.tool_call_parser = tool_call_parser     # --tool-call-parser: "auto" or a parser's name
         self.tokenizer: Tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.vocab_size
@@ -342,13 +344,14 @@ class GenerationService:
 
     # ------------------------------------------------------------ tokenization
 
-    async def encode_chat(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None
-                          ) -> list[int]:
-        """Token ids of chat messages through the chat template (``template_kwargs``: more variables
-        for it); long ones rendered and tokenized off the event loop. Raises what the template
-        raises (TemplateError, ValueError)."""
-        kwargs = template_kwargs or {}
-        if sum(len(m["content"]) for m in messages) < OFF_LOOP_CHARS:
+    async def encode_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
+                          **variables: Any) -> list[int]:
+        """Token ids of chat messages through the chat template (``variables``: its ``tools``;
+        ``template_kwargs``: the request's ``chat_template_kwargs``); long ones rendered and
+        tokenized off the event loop. Raises what the template raises (TemplateError, ValueError)."""
+        kwargs = {**(template_kwargs or {}), **variables}
+        size = sum(len(m.get("content") or "") for m in messages) + len(str(variables.get("tools") or ""))
+        if size < OFF_LOOP_CHARS:
             return self.tokenizer.encode_chat(messages, **kwargs)
         return await asyncio.to_thread(functools.partial(self.tokenizer.encode_chat, messages, **kwargs))
 

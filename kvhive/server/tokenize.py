@@ -34,6 +34,7 @@ from kvhive.server.errors import bad_request, body_error
 from kvhive.server.protocol import ChatMessage
 from kvhive.server.request_body import parse_body, parse_body_as
 from kvhive.server.serving import OFF_LOOP_CHARS, GenerationService
+from kvhive.server.tools import NO_PLAN, check_history, prompt_messages
 
 T = TypeVar("T")
 
@@ -75,8 +76,11 @@ async def tokenize(service: GenerationService, raw_request: Request) -> Tokenize
 
 
 async def _chat_ids(service: GenerationService, body: ChatTokenizeRequest) -> list[int]:
-    """The ids of the body's messages through the chat template; 400 when the template fails."""
+    """The ids of the body's messages through the chat template, a history of tool calls and
+    results rendered as chat completions render it; 400 when the template fails."""
     messages = template_messages(body.messages)
+    check_history(messages, [f"messages[{i}]" for i in range(len(messages))])
+    messages, _ = prompt_messages(service.tokenizer.chat_template, messages, NO_PLAN)   # no tools: no variables
     size = sum(len(m["content"]) for m in messages)
     try:
         return await _off_loop_if(size, chat_token_ids, service.tokenizer, messages, body)

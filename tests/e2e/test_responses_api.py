@@ -375,7 +375,8 @@ def test_an_engine_error_unstreamed_is_a_500_and_stores_nothing(tiny_client: htt
 
 
 BAD_BODIES = [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"tools": [{"type": "web_search_preview"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]}, "tools[0].parameters"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema"),
@@ -389,7 +390,8 @@ BAD_BODIES = [
     ({"include": [LOGPROBS], "top_logprobs": -1}, "top_logprobs"),
     ({"conversation": "conv_123"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].type"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].call_id"),
+    ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
      "input[0].content[0].type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),

@@ -66,7 +66,7 @@ class KVHiveReplica:
         self.app = create_app(self.async_engine, served_model_name=self.config.served_model_name,
                               api_keys=tuple(args.api_key or ()), max_request_bytes=args.max_request_bytes,
                               metrics_compat=args.metrics_compat,
-                              tokenizer_info=args.enable_tokenizer_info_endpoint)
+                              tokenizer_info=args.enable_tokenizer_info_endpoint, tool_call_parser=args.tool_call_parser)
         self._lifespan = contextlib.AsyncExitStack()
         await self._lifespan.enter_async_context(self.app.router.lifespan_context(self.app))
         serve_logger.info("kvhive replica %s ready: %s", self.replica_id, self.facts)
