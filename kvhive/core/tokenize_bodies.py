@@ -43,6 +43,21 @@ class TokenizeContentPart(StrictBody):
     file: Any = None
 
 
+class ToolCallFunction(StrictBody):
+    """The function a call in the history called, and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class MessageToolCall(StrictBody):
+    """One call an assistant message in the history made (``tool_calls``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class TokenizeMessage(StrictBody):
     """One chat message, as ``/v1/chat/completions`` takes it."""
 
@@ -50,6 +65,7 @@ class TokenizeMessage(StrictBody):
     content: str | ListOf[TokenizeContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: ListOf[MessageToolCall] | None = None
 
 
 class TokenizeCompletionRequest(StrictBody):

@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_seri
 
 from kvhive.core.json_body import ListOf
 from kvhive.core.request_fields import NoOpText, StrictBody
+from kvhive.core.tokenize_bodies import MessageToolCall, ToolCallFunction
 from kvhive.request import MAX_ABS_PENALTY, MAX_REPETITION_PENALTY, MIN_SEED, SEED_END
 from kvhive.server.errors import bad_request
 from kvhive.sessions.registry import MAX_SESSION_ID_CHARS, SESSION_ID_PATTERN
@@ -119,21 +120,6 @@ class ContentPart(StrictBody):
 
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
-
-
-class ToolCallFunction(StrictBody):
-    """The function a call in the history called, and its arguments as JSON text."""
-
-    name: str
-    arguments: str
-
-
-class MessageToolCall(StrictBody):
-    """One call an assistant message in the history made (``tool_calls``)."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
 
 
 class ChatMessage(StrictBody):
