@@ -3,6 +3,8 @@
 
     python bench/grammar_backends.py            # prints a table, writes bench/results/grammar_backends.json
 
+xgrammar is no dependency of kvhive: install it (``pip install xgrammar==0.2.8``) to compare.
+
 For the default model's vocabulary (SmolLM2, 49,152 tokens, read through kvhive's own Tokenizer)
 and a Qwen-sized one (151,936 tokens: SmolLM2's plus byte strings joined from pairs of its tokens,
 so the token trie has a real shape), and for three JSON schemas (a small object, a nested object
@@ -18,6 +20,7 @@ with arrays and enums, an anyOf over 20 tool calls) and one regex, it times:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -179,7 +182,7 @@ def install_weight() -> dict:
     import subprocess
 
     out = {}
-    for lib in ("llguidance", "xgrammar"):
+    for lib in (n for n in ("llguidance", "xgrammar") if importlib.util.find_spec(n) is not None):
         code = f"import time,sys; s=time.perf_counter(); import {lib}; print(time.perf_counter()-s, 'torch' in sys.modules, 'triton' in sys.modules)"
         secs, torch_in, triton_in = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                                    check=True).stdout.split()
@@ -191,10 +194,13 @@ def main() -> None:
     tok = Tokenizer.from_model_path(default_model_path())
     record = {"machine": run_info.machine(), "command": run_info.command(__file__), "install": install_weight(),
               "vocabularies": {}}
+    has_xgrammar = importlib.util.find_spec("xgrammar") is not None
+    if not has_xgrammar:
+        print("xgrammar is not installed (it is no dependency of kvhive): pip install xgrammar==0.2.8 to compare")
     for vocab, (tokens, special) in vocabularies(tok).items():
-        record["vocabularies"][vocab] = {
-            "llguidance": bench_llguidance(tok, tokens, special),
-            "xgrammar": bench_xgrammar(tok, tokens, special)}
+        record["vocabularies"][vocab] = {"llguidance": bench_llguidance(tok, tokens, special)}
+        if has_xgrammar:
+            record["vocabularies"][vocab]["xgrammar"] = bench_xgrammar(tok, tokens, special)
     for vocab, libs in record["vocabularies"].items():
         print(vocab)
         for lib, r in libs.items():

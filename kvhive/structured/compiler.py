@@ -103,7 +103,8 @@ class GrammarCompiler:
         self.eos_token_ids = tuple(eos_token_ids)
         self.cache_size = cache_size
         self.time_limit_s = time_limit_s
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()          # the cache and the counters
+        self._setup_lock = threading.Lock()    # the vocabulary and the executor, built once
         self._cache: OrderedDict[StructuredSpec, CompiledGrammar | StructuredOutputError] = OrderedDict()
         self._lltok = None              # built on first use: 0.1 s for a 49k vocabulary, ~1 s for 150k
         self._special: dict[str, int] = {}
@@ -124,7 +125,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
                 self.hits += 1
         if isinstance(found, StructuredOutputError):
-            raise found
+            raise StructuredOutputError(found.message, found.param)     # a fresh one: no traceback piles up
         return found
 
     def compile(self, spec: StructuredSpec) -> CompiledGrammar:
@@ -140,7 +141,7 @@ class GrammarCompiler:
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
         if isinstance(found, StructuredOutputError):
-            raise found
+            raise StructuredOutputError(found.message, found.param)
         return found
 
     def fill_masks(self, matchers: Sequence[GrammarMatcher], bitmask: np.ndarray) -> None:
@@ -181,14 +182,14 @@ class GrammarCompiler:
         return CompiledGrammar(spec, grammar, template)
 
     def _ll_tokenizer(self):
-        with self._lock:
+        with self._setup_lock:
             if self._lltok is None:
                 self._lltok = ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
                 self._special = special_token_texts(self.tokenizer)
             return self._lltok
 
     def _mask_executor(self):
-        with self._lock:
+        with self._setup_lock:
             if self._executor is None:
                 import llguidance
 
