@@ -6,8 +6,10 @@ ids are the ones generation uses: ``tokenizer.encode`` of the prompt, or of the 
 text. ``add_special_tokens`` adds the BOS/EOS the model's tokenizer asks for (default: true for a
 prompt, false for messages, whose template writes its own); ``add_generation_prompt`` (default
 true) ends the text with the assistant's turn opening; ``continue_final_message`` leaves the last
-message open instead. vLLM fields kvhive cannot honour (a custom ``chat_template``, ``tools``,
-multimodal options) are refused by name, never ignored, and so is any field not declared here
+message open instead. ``tools`` are rendered as chat completions render them (the template's ``tools``
+variable, or kvhive's own format for a template without tool support), so the ids are the ones a
+chat completion with those tools computes. vLLM fields kvhive cannot honour (a custom
+``chat_template``, multimodal options) are refused by name, never ignored, and so is any field not declared here
 (``StrictBody``). Every problem is a ``BodyError`` naming its field; the caller answers it as a 400.
 """
 
@@ -21,6 +23,7 @@ from pydantic import BaseModel
 from kvhive.core.json_body import BodyError, ListOf
 from kvhive.core.request_fields import StrictBody
 from kvhive.core.tokenizer import Tokenizer
+from kvhive.core.tool_definitions import chat_functions, chat_template_input
 
 # Most variables ``chat_template_kwargs`` may hand the chat template.
 MAX_TEMPLATE_KWARGS = 32
@@ -29,7 +32,7 @@ _RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_p
 # Longest name of a ``chat_template_kwargs`` variable.
 MAX_TEMPLATE_KWARG_CHARS = 64
 # vLLM fields of a chat tokenize body that kvhive refuses unless left unset (or empty).
-_REFUSED_CHAT_FIELDS = ("chat_template", "tools", "mm_processor_kwargs", "media_io_kwargs")
+_REFUSED_CHAT_FIELDS = ("chat_template", "mm_processor_kwargs", "media_io_kwargs")
 
 
 class TokenizeContentPart(StrictBody):
@@ -88,7 +91,7 @@ class TokenizeChatRequest(StrictBody):
     return_token_strs: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None     # more variables for the template
     chat_template: str | None = None                       # refused: the model's own template only
-    tools: ListOf[dict[str, Any]] | None = None            # refused
+    tools: ListOf[dict[str, Any]] | None = None            # as chat completions' ``tools``
     mm_processor_kwargs: dict[str, Any] | None = None      # refused: text only
     media_io_kwargs: dict[str, Any] | None = None          # refused: text only
 
@@ -160,12 +163,21 @@ def check_template_kwargs(kwargs: Mapping[str, Any] | None) -> None:
                         f"characters (got {long[:MAX_TEMPLATE_KWARG_CHARS]!r}...)", param="chat_template_kwargs")
 
 
-def chat_text(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]], body: TokenizeChatRequest) -> str:
-    """The chat template's text for ``messages`` (as the template takes them); with
+def chat_input(tokenizer: Tokenizer, messages: list[dict[str, Any]], body: TokenizeChatRequest
+               ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages (as the template takes them) and template variables that render the body's
+    chat with its ``tools``, as a chat completion's are rendered
+    (``kvhive.core.tool_definitions.chat_template_input``); BodyError naming a wrong tool or call."""
+    return chat_template_input(tokenizer.chat_template, messages, chat_functions(body.tools))
+
+
+def chat_text(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], body: TokenizeChatRequest,
+              variables: Mapping[str, Any] | None = None) -> str:
+    """The chat template's text for ``messages`` (``chat_input``'s, with its ``variables``); with
     ``continue_final_message`` it ends where the last message's content does. Raises what the
     template raises (ValueError, jinja2's TemplateError)."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                         **(body.chat_template_kwargs or {}))
+                                         **(body.chat_template_kwargs or {}), **(variables or {}))
     if not body.continue_final_message:
         return text
     final = messages[-1]["content"]
@@ -177,11 +189,12 @@ def chat_text(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]], body:
                     "template's text", param="continue_final_message")
 
 
-def chat_token_ids(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]], body: TokenizeChatRequest
-                   ) -> list[int]:
+def chat_token_ids(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], body: TokenizeChatRequest,
+                   variables: Mapping[str, Any] | None = None) -> list[int]:
     """The ids of ``chat_text`` (BOS/EOS added only with ``add_special_tokens``: the template writes
-    its own); with the defaults these are ``tokenizer.encode_chat(messages)``."""
-    return tokenizer.encode(chat_text(tokenizer, messages, body), add_special_tokens=body.add_special_tokens)
+    its own); with the defaults these are ``tokenizer.encode_chat(messages, **variables)``."""
+    return tokenizer.encode(chat_text(tokenizer, messages, body, variables),
+                            add_special_tokens=body.add_special_tokens)
 
 
 def prompt_token_ids(tokenizer: Tokenizer, body: TokenizeCompletionRequest) -> list[int]:

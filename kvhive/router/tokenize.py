@@ -19,6 +19,11 @@ A completion's text gets the special tokens the model's tokenizer adds (its BOS)
 encodes it, unless the body's ``add_special_tokens`` is false; they are a piece of their own before
 the chunks, and their key leads the chunks' keys, so a text with them never finds chunks or block
 keys cached for it without them.
+
+Chat messages are rendered as the replica renders them (``chat_text``): the body's ``tools`` and
+a history of tool calls and results through ``kvhive.core.tool_definitions.chat_template_input``
+(the replica's own function), with its ``chat_template_kwargs``. A body whose tools or history the
+replica would refuse raises here, and the gateway routes it by load (the replica answers the 400).
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ from typing import Any, NamedTuple
 import xxhash
 
 from kvhive.core.tenancy import cache_salt
+from kvhive.core.tokenize_bodies import check_template_kwargs
 from kvhive.core.tokenizer import Tokenizer
+from kvhive.core.tool_definitions import chat_functions, chat_template_input
 
 _CUT_CANDIDATE = re.compile(r"(?<=\w) (?=\w)")
 _PROBES = ("The quick brown fox jumps over the lazy dog again and again",
@@ -44,10 +51,13 @@ _PROBES = ("The quick brown fox jumps over the lazy dog again and again",
 
 @dataclass(frozen=True)
 class Prompt:
-    """What a request asks the model to read: a text, chat messages, or token ids (exactly one)."""
+    """What a request asks the model to read: a text, chat messages (with the tools they offer and
+    the chat template's variables), or token ids (exactly one)."""
 
     text: str | None = None
-    messages: tuple[dict[str, str], ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
+    tools: tuple[Any, ...] | None = None                # chat completions' ``tools``, as sent
+    template_kwargs: Mapping[str, Any] | None = None    # the body's ``chat_template_kwargs``
     token_ids: tuple[int, ...] | None = None
     cache_salt: str | None = None
     # A text gets the BOS/EOS the model's tokenizer asks for, as a completion prompt does by default
@@ -89,7 +99,11 @@ def prompt_from_body(body: Mapping[str, Any], key_owner: str | None = None) -> P
     salt = cache_salt(key_owner, body_salt, share_prefix_cache=False)
     if "messages" in body:
         messages = chat_messages(body["messages"])
-        return None if messages is None else Prompt(messages=messages, cache_salt=salt)
+        tools, kwargs = body.get("tools"), body.get("chat_template_kwargs")
+        if messages is None or not isinstance(tools, list | None) or not isinstance(kwargs, dict | None):
+            return None
+        return Prompt(messages=messages, tools=None if tools is None else tuple(tools), template_kwargs=kwargs,
+                      cache_salt=salt)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
@@ -103,8 +117,10 @@ def prompt_from_body(body: Mapping[str, Any], key_owner: str | None = None) -> P
     return None
 
 
-def chat_messages(raw: Any) -> tuple[dict[str, str], ...] | None:
-    """Messages as the server hands them to the chat template (string content, developer -> system)."""
+def chat_messages(raw: Any) -> tuple[dict[str, Any], ...] | None:
+    """Messages as the server hands them to the chat template (string content, developer -> system,
+    an assistant's ``tool_calls`` and a tool result's ``tool_call_id`` as the server reads them);
+    None when it cannot tell."""
     if not isinstance(raw, list) or not raw:
         return None
     out = []
@@ -123,8 +139,45 @@ def chat_messages(raw: Any) -> tuple[dict[str, str], ...] | None:
         entry = {"role": "system" if role == "developer" else role, "content": content or ""}
         if message.get("name") is not None:
             entry["name"] = message["name"]
+        calls = message.get("tool_calls")
+        if calls:
+            entry["tool_calls"] = _tool_calls(calls)
+            if entry["tool_calls"] is None:
+                return None
+        if message.get("tool_call_id") is not None:
+            if not isinstance(message["tool_call_id"], str):
+                return None
+            entry["tool_call_id"] = message["tool_call_id"]
         out.append(entry)
     return tuple(out)
+
+
+def _tool_calls(raw: Any) -> list[dict[str, Any]] | None:
+    """An assistant message's calls as the server hands them to the template ({id, type,
+    function: {name, arguments}}); None when they are not calls."""
+    if not isinstance(raw, list):
+        return None
+    out = []
+    for call in raw:
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if (not isinstance(function, Mapping) or not isinstance(call.get("id"), str)
+                or not isinstance(function.get("name"), str) or not isinstance(function.get("arguments"), str)):
+            return None
+        out.append({"id": call["id"], "type": call.get("type", "function"),
+                    "function": {"name": function["name"], "arguments": function["arguments"]}})
+    return out
+
+
+def chat_text(tokenizer: Tokenizer, prompt: Prompt) -> str:
+    """The chat template's text of ``prompt``'s messages, as the replica renders them: with its
+    tools and tool history (``chat_template_input``) and its ``chat_template_kwargs``. Raises
+    BodyError where the replica answers 400 (tools, history, template variables), and what the
+    template raises."""
+    assert prompt.messages is not None
+    messages, variables = chat_template_input(tokenizer.chat_template, [dict(m) for m in prompt.messages],
+                                              chat_functions(prompt.tools))
+    check_template_kwargs(prompt.template_kwargs)
+    return tokenizer.apply_chat_template(messages, **(prompt.template_kwargs or {}), **variables)
 
 
 class PromptTokenizer:
@@ -159,8 +212,7 @@ class PromptTokenizer:
         if prompt.token_ids is not None:
             return PromptPieces([None], [prompt.token_ids])
         if prompt.messages is not None:
-            return self.encode_pieces(self.tokenizer.apply_chat_template(list(prompt.messages)),
-                                      max_new_chars, prompt.cache_salt)
+            return self.encode_pieces(chat_text(self.tokenizer, prompt), max_new_chars, prompt.cache_salt)
         return self.encode_pieces(prompt.text or "", max_new_chars, prompt.cache_salt, prompt.add_special_tokens)
 
     async def run(self, fn: Any, *args: Any) -> Any:

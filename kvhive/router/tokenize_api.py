@@ -23,6 +23,7 @@ from kvhive.core.tokenize_bodies import (
     TokenizeChatRequest,
     TokenizeMessage,
     TokenizeRequest,
+    chat_input,
     chat_token_ids,
     check_detokenize_request,
     check_tokenize_request,
@@ -82,11 +83,13 @@ class TokenizeAPI:
                                         self.tokenizer, ids, card["max_model_len"], body)
         return JSONResponse(answer.model_dump(mode="json"))
 
-    async def chat_ids(self, body: TokenizeChatRequest, messages: Sequence[dict[str, str]]) -> list[int]:
-        """The ids of the body's ``messages`` (``template_input``) through the chat template."""
-        size = sum(len(m["content"]) for m in messages)
+    async def chat_ids(self, body: TokenizeChatRequest, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """The ids of the body's ``messages`` (``template_input``) and ``tools`` through the chat
+        template, rendered as the replicas render them (``chat_input``)."""
+        rendered, variables = chat_input(self.tokenizer, list(messages), body)
+        size = sum(len(m["content"]) for m in rendered) + len(str(variables.get("tools") or ""))
         try:
-            return await self.off_loop_if(size, chat_token_ids, self.tokenizer, list(messages), body)
+            return await self.off_loop_if(size, chat_token_ids, self.tokenizer, rendered, body, variables)
         except BodyError:
             raise
         except (TemplateError, ValueError) as exc:
@@ -105,7 +108,7 @@ class TokenizeAPI:
         return await self.run(fn, *args) if size >= OFF_LOOP_SIZE else fn(*args)
 
 
-def template_input(body: TokenizeChatRequest) -> tuple[dict[str, str], ...]:
+def template_input(body: TokenizeChatRequest) -> tuple[dict[str, Any], ...]:
     """The body's messages as the chat template takes them; BodyError for a part that is not text."""
     check_text_parts(body.messages)
     messages = chat_messages([m.model_dump() for m in body.messages])

@@ -15,6 +15,7 @@ from jinja2 import TemplateError
 from kvhive.core.json_body import BodyError
 from kvhive.core.request_fields import TEXT_PART_FIELDS, stray_field, stray_field_message
 from kvhive.core.tokenize_bodies import check_template_kwargs
+from kvhive.core.tool_definitions import chat_template_input
 from kvhive.core.tool_parsers import ContentDelta
 from kvhive.request import MAX_LOGPROBS
 from kvhive.server.errors import bad_request, body_error
@@ -56,8 +57,6 @@ from kvhive.server.tools import (
     NO_PLAN,
     ToolPlan,
     chat_functions,
-    check_history,
-    prompt_messages,
     tool_choice,
     tool_plan,
 )
@@ -117,9 +116,8 @@ async def chat_prompt_token_ids(service: GenerationService, messages: list[ChatM
     rendered off the event loop); 400 naming ``param`` when the template fails, or naming the
     history's call or tool result that is wrong."""
     rendered = template_messages(messages)
-    check_history(rendered, [f"{param}[{i}]" for i in range(len(rendered))])
-    rendered, variables = prompt_messages(service.tokenizer.chat_template, rendered, plan)
     try:
+        rendered, variables = chat_template_input(service.tokenizer.chat_template, rendered, plan.functions, param)
         check_template_kwargs(template_kwargs)
     except BodyError as exc:
         raise body_error(exc) from None

@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 
 from kvhive.core.request_fields import stray_field, stray_field_message
+from kvhive.core.tool_definitions import MAX_CALL_ID_CHARS
 from kvhive.server.errors import bad_request
 from kvhive.server.protocol import ChatMessage, ContentPart, MessageToolCall, ToolCallFunction
 from kvhive.server.responses_protocol import (
@@ -19,7 +20,6 @@ from kvhive.server.responses_protocol import (
     InputPart,
     ResponsesRequest,
 )
-from kvhive.server.tools import MAX_CALL_ID_CHARS
 
 
 def new_item_id() -> str:

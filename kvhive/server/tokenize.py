@@ -1,7 +1,7 @@
 """``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes, ``kvhive.core.tokenize_bodies``).
 
 The ids are the engine's: a prompt goes through ``service.tokenizer.encode`` and chat messages
-through the same ``template_messages`` and chat template as ``/v1/chat/completions``. Long texts
+(and ``tools``) through the same ``template_messages`` and chat template as ``/v1/chat/completions``. Long texts
 and long id lists are worked off the event loop, as generation's are.
 """
 
@@ -21,6 +21,7 @@ from kvhive.core.tokenize_bodies import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    chat_input,
     chat_token_ids,
     check_detokenize_request,
     check_tokenize_request,
@@ -34,7 +35,6 @@ from kvhive.server.errors import bad_request, body_error
 from kvhive.server.protocol import ChatMessage
 from kvhive.server.request_body import parse_body, parse_body_as
 from kvhive.server.serving import OFF_LOOP_CHARS, GenerationService
-from kvhive.server.tools import NO_PLAN, check_history, prompt_messages
 
 T = TypeVar("T")
 
@@ -76,14 +76,13 @@ async def tokenize(service: GenerationService, raw_request: Request) -> Tokenize
 
 
 async def _chat_ids(service: GenerationService, body: ChatTokenizeRequest) -> list[int]:
-    """The ids of the body's messages through the chat template, a history of tool calls and
-    results rendered as chat completions render it; 400 when the template fails."""
-    messages = template_messages(body.messages)
-    check_history(messages, [f"messages[{i}]" for i in range(len(messages))])
-    messages, _ = prompt_messages(service.tokenizer.chat_template, messages, NO_PLAN)   # no tools: no variables
-    size = sum(len(m["content"]) for m in messages)
+    """The ids of the body's messages through the chat template, its tools and a history of tool
+    calls and results rendered as chat completions render them (``chat_input``); 400 when the
+    template fails."""
+    messages, variables = chat_input(service.tokenizer, template_messages(body.messages), body)
+    size = sum(len(m["content"]) for m in messages) + len(str(variables.get("tools") or ""))
     try:
-        return await _off_loop_if(size, chat_token_ids, service.tokenizer, messages, body)
+        return await _off_loop_if(size, chat_token_ids, service.tokenizer, messages, body, variables)
     except BodyError:
         raise
     except (TemplateError, ValueError) as exc:
