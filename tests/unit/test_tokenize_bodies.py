@@ -17,6 +17,7 @@ from kvhive.core.tokenize_bodies import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    chat_input,
     chat_text,
     chat_token_ids,
     check_detokenize_request,
@@ -80,9 +81,21 @@ def test_continue_final_message_cuts_after_the_last_content(tokenizer: Tokenizer
     assert missing.value.param == "continue_final_message"
 
 
+def test_tools_are_rendered_as_chat_completions_render_them(tokenizer: Tokenizer) -> None:
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+    messages = [{"role": "user", "content": "hello world"}]
+    rendered, variables = chat_input(tokenizer, messages, chat(tools=[tool]))
+    # This template reads no ``tools``: kvhive's own format, the definitions in a system message.
+    assert variables == {} and rendered[0]["role"] == "system" and '"get_time"' in rendered[0]["content"]
+    assert rendered[1:] == messages
+    assert chat_input(tokenizer, messages, chat()) == (messages, {})
+    with pytest.raises(BodyError) as refused:
+        chat_input(tokenizer, messages, chat(tools=[{"type": "function"}]))
+    assert refused.value.param == "tools[0].function"
+
+
 @pytest.mark.parametrize(("fields", "param"), [
     ({"chat_template": "{{ 1 }}"}, "chat_template"),
-    ({"tools": [{"type": "function"}]}, "tools"),
     ({"mm_processor_kwargs": {"a": 1}}, "mm_processor_kwargs"),
     ({"continue_final_message": True}, "continue_final_message"),
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
