@@ -107,6 +107,39 @@ def test_a_repeated_long_prompt_goes_to_the_replica_that_served_it(cluster: Clus
     assert cluster.metric("kvhive_gateway_routing_decisions_total", {"reason": "kv"}) > 0
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_a_tool_conversation_s_next_turn_goes_to_the_replica_holding_its_kv(cluster: Cluster) -> None:
+    # The gateway renders the tools and the call history as the replica does (this model's template
+    # reads no tools: kvhive's own format, the definitions in a system message before the user's
+    # text), so the second turn's blocks match the first turn's from the first block on.
+    asked = [{"role": "user", "content": f"{long_prompt(300)}\nWeather in Paris?"}]
+    body = {"model": SERVED_MODEL_NAME, "tools": [WEATHER_TOOL], "max_tokens": 1, "temperature": 0}
+    before = cluster.metric("kvhive_gateway_index_keys")
+    with cluster.client() as client:
+        first = client.post("/v1/chat/completions", json={**body, "messages": asked})
+        assert first.status_code == 200, first.text
+        holder = first.headers["x-kvhive-replica"]
+        wait_until(lambda: cluster.metric("kvhive_gateway_index_keys") >= before + 10, 10,
+                   "the first turn's KV events to reach the gateway's index")
+        called = [*asked, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
+        second = client.post("/v1/chat/completions", json={**body, "messages": called, "tool_choice": "none",
+                                                           "chat_template_kwargs": {"unused_variable": 1}})
+        assert second.status_code == 200, second.text
+        assert (second.headers["x-kvhive-replica"], second.headers["x-kvhive-route-reason"]) == (holder, "kv")
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 10 * 16
+        # Tools the replica refuses: the gateway routes the body by load and the replica answers.
+        refused = client.post("/v1/chat/completions", json={**body, "messages": called,
+                                                            "tools": [WEATHER_TOOL, WEATHER_TOOL]})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools[1]"
+        assert refused.headers["x-kvhive-route-reason"] == "load"
+
+
 def test_sessions_stick_to_their_replica(cluster: Cluster) -> None:
     with cluster.client() as client:
         created = client.post("/v1/context", json={"model": SERVED_MODEL_NAME, "prompt": "Remember me"})
