@@ -20,6 +20,11 @@ AUTH = {"authorization": f"Bearer {KEY}"}
 MAX_MODEL_LEN = 1024                    # ReplicaProcess's --max-model-len
 PROMPT = "The capital of France is Paris. naïve café, 12345 and emoji 🚀 too"
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOL_CHAT = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "grey"}]
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +80,16 @@ def test_chat_ids_are_the_ones_a_chat_completion_reads(urls: dict[str, str], tok
     assert opening["prompt"] == "<|im_start|>assistant\n"
 
 
+def test_tools_are_rendered_as_a_chat_completion_renders_them(urls: dict[str, str]) -> None:
+    for messages in (CHAT, TOOL_CHAT):
+        answer = tokenize(urls["server"], messages=messages, tools=TOOLS)
+        chat = post(urls["server"], "/v1/chat/completions", {"model": MODEL, "messages": messages, "tools": TOOLS,
+                                                             "max_tokens": 1})
+        assert chat.json()["usage"]["prompt_tokens"] == answer["count"]
+        assert answer["count"] > tokenize(urls["server"], messages=messages)["count"]    # the definitions
+        assert tokenize(urls["gateway"], messages=messages, tools=TOOLS) == answer
+
+
 def test_continue_final_message_leaves_the_last_message_open(urls: dict[str, str]) -> None:
     messages = [*CHAT, {"role": "assistant", "content": "Deep blue"}]
     answer = tokenize(urls["server"], messages=messages, add_generation_prompt=False, continue_final_message=True)
@@ -114,6 +129,7 @@ GOOD_BODIES = [
                                 {"role": "user", "content": "hi", "name": "ann"}],
                    "add_generation_prompt": False, "return_token_strs": True}),
     ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"unused_variable": 1}}),
+    ("/tokenize", {"messages": TOOL_CHAT, "tools": TOOLS, "return_token_strs": True}),
     ("/detokenize", {"model": MODEL, "tokens": [1, 19556, 905, 2]}),
     ("/detokenize", {"tokens": []}),
 ]
@@ -138,7 +154,7 @@ BAD_BODIES = [
     ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0].type"),
     ("/tokenize", {"messages": CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
-    ("/tokenize", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ("/tokenize", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
     ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ("/tokenize", [PROMPT], None),
     ("/detokenize", {"tokens": [1, -3]}, "tokens[1]"),
