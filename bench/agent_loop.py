@@ -169,7 +169,8 @@ def serve(cmd: list[str], port: int, log: str, env: dict | None, passes: list[tu
                       f"wall {s['wall_s']:.0f} s", flush=True)
             return out
         finally:
-            os.killpg(proc.pid, 15)
+            if proc.poll() is None:
+                os.killpg(proc.pid, 15)
             proc.wait(timeout=120)
 
 
@@ -196,11 +197,18 @@ def paired(rounds: list[dict], arm: str, key: str = "ttft_turns2plus_s") -> list
     return [r[arm][key] / r["vllm"][key] for r in rounds if arm in r and "vllm" in r]
 
 
+def same_text(rounds: list[dict], arm: str) -> float | None:
+    """Fraction of (round, agent, turn) whose greedy reply on ``arm`` equals vLLM's."""
+    pairs = [(a["text"], b["text"]) for r in rounds if arm in r and "vllm" in r
+             for a, b in zip(r[arm]["rows"], r["vllm"]["rows"], strict=True)]
+    return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
+
+
 def table(runs: dict[str, dict]) -> list[str]:
     """Markdown: per dtype and arm, the medians over rounds, and the paired ratio against vLLM."""
     lines = ["| dtype | arm | TTFT turn 1 (ms) | TTFT turns 2-12 (ms) | p90 turns 2-12 (ms) | cached turns 2-12 | "
-             "ratio to vLLM per round | median ratio | target ≤ 0.6x |",
-             "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
+             "same greedy text as vLLM | ratio to vLLM per round | median ratio | target ≤ 0.6x |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
     for dtype, run in runs.items():
         rounds = [{arm: summarize(trace) for arm, trace in r.items()} for r in run["rounds"]]
         for arm in ARMS:
@@ -211,9 +219,10 @@ def table(runs: dict[str, dict]) -> list[str]:
                    ("ttft_turn1_s", "ttft_turns2plus_s", "ttft_turns2plus_p90_s", "cached_fraction_turns2plus")}
             ratios = paired(rounds, arm) if arm != "vllm" else []
             verdict = "-" if not ratios else ("met" if statistics.median(ratios) <= TARGET else "not met")
+            same = same_text(run["rounds"], arm) if arm != "vllm" else None
             lines.append(f"| {dtype} | {arm} | {med['ttft_turn1_s'] * 1000:,.0f} | "
                          f"{med['ttft_turns2plus_s'] * 1000:,.0f} | {med['ttft_turns2plus_p90_s'] * 1000:,.0f} | "
-                         f"{med['cached_fraction_turns2plus']:.3f} | "
+                         f"{med['cached_fraction_turns2plus']:.3f} | {'-' if same is None else f'{same:.2f}'} | "
                          f"{', '.join(f'{x:.2f}x' for x in ratios) or '-'} | "
                          f"{f'{statistics.median(ratios):.2f}x' if ratios else '-'} | {verdict} |")
     return lines
@@ -267,6 +276,7 @@ def main() -> int:
     result.update(machine=machine(), date=time.strftime("%Y-%m-%d"))
     result["runs"][args.dtype] = {"command": command(__file__), "config": config, "rounds": rounds,
                                   **({"notes": args.notes} if args.notes else {})}
+    result["command"] = " && ".join(run["command"] for run in result["runs"].values())
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
