@@ -248,6 +248,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--first-round", type=int, default=1,
+                    help="number of the first round (who goes first alternates by round number)")
     ap.add_argument("--arms", default=",".join(ARMS), help="which of kvhive,kvhive_conv,vllm to run")
     ap.add_argument("--agents", type=int, default=8)
     ap.add_argument("--turns", type=int, default=12)
@@ -261,12 +263,15 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "agent_loop.json"))
     ap.add_argument("--log-dir", default=os.path.join(HERE, "out"), help="the servers' logs")
     ap.add_argument("--notes", default="", help="a note stored with this dtype's runs")
+    ap.add_argument("--append", action="store_true",
+                    help="add these rounds to the dtype's rounds already in --out (same trace settings)")
     args = ap.parse_args()
     args.arms = [a for a in args.arms.split(",") if a]
     if unknown := set(args.arms) - set(ARMS):
         ap.error(f"unknown arms: {sorted(unknown)}")
     os.makedirs(args.log_dir, exist_ok=True)
-    rounds = [run_round(i, args) for i in range(args.rounds)]
+    first = args.first_round - 1
+    rounds = [run_round(first + i, args) for i in range(args.rounds)]
     config = {k: getattr(args, k) for k in ("agents", "turns", "max_tokens", "tools_field", "kvhive_args",
                                             "vllm_args", "arms")}
     result = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "runs": {}}
@@ -274,7 +279,13 @@ def main() -> int:
         with open(args.out) as f:
             result = json.load(f)
     result.update(machine=machine(), date=time.strftime("%Y-%m-%d"))
-    result["runs"][args.dtype] = {"command": command(__file__), "config": config, "rounds": rounds,
+    old = result["runs"].get(args.dtype)
+    if args.append and old is not None:
+        if old["config"] != config:
+            raise SystemExit(f"{args.out} holds {args.dtype} rounds of another trace: {old['config']}")
+        rounds = old["rounds"] + rounds
+    run_command = f"{old['command']} && {command(__file__)}" if args.append and old is not None else command(__file__)
+    result["runs"][args.dtype] = {"command": run_command, "config": config, "rounds": rounds,
                                   **({"notes": args.notes} if args.notes else {})}
     result["command"] = " && ".join(run["command"] for run in result["runs"].values())
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
