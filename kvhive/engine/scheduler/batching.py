@@ -1,6 +1,7 @@
 """Continuous batching with chunked prefill: the token budget, running requests, admission.
 
-Each step, under ``max_num_batched_tokens`` tokens and ``max_num_seqs`` running requests:
+Each step, under ``max_num_batched_tokens`` tokens (with ``--step-budget compute``, a token at
+position p counts 1 + p / C: ``StepBudget``) and ``max_num_seqs`` running requests:
 
 1. every running request in decode gets its one token;
 2. running requests still in prefill get their next chunk;
