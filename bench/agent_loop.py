@@ -125,24 +125,34 @@ def run_trace(port: int, args: argparse.Namespace, conversation: bool) -> dict:
 
 
 def summarize(trace: dict) -> dict:
-    """Median TTFT of turn 1 and of turns 2+, cached fractions, per-turn medians."""
+    """Median TTFT of turn 1 and of turns 2+, cached fractions, per-turn medians. A reply that
+    streamed no output (an immediate stop, or a tool parser holding back an unfinished call) has
+    no TTFT: it is counted in ``no_output`` and left out of the TTFT figures."""
     rows = trace["rows"]
-    later = [r for r in rows if r["turn"] >= 2]
+    timed = [r for r in rows if r["ttft_s"] is not None]
+    later = [r["ttft_s"] for r in timed if r["turn"] >= 2]
 
     def cached(rs: list[dict]) -> float | None:
         prompt = sum(r["prompt_tokens"] or 0 for r in rs)
         return sum(r["cached_tokens"] or 0 for r in rs) / prompt if prompt else None
 
+    def median(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
     turns = sorted({r["turn"] for r in rows})
-    return {"ttft_turn1_s": statistics.median(r["ttft_s"] for r in rows if r["turn"] == 1),
-            "ttft_turns2plus_s": statistics.median(r["ttft_s"] for r in later) if later else None,
-            "ttft_turns2plus_p90_s": sorted(r["ttft_s"] for r in later)[int(0.9 * len(later))] if later else None,
-            "cached_fraction_turns2plus": cached(later), "cached_fraction_all": cached(rows),
-            "prompt_tokens_by_turn": [statistics.median(r["prompt_tokens"] for r in rows if r["turn"] == t)
-                                      for t in turns],
-            "ttft_by_turn_s": [statistics.median(r["ttft_s"] for r in rows if r["turn"] == t) for t in turns],
+    return {"ttft_turn1_s": median([r["ttft_s"] for r in timed if r["turn"] == 1]),
+            "ttft_turns2plus_s": median(later),
+            "ttft_turns2plus_p90_s": sorted(later)[int(0.9 * len(later))] if later else None,
+            "cached_fraction_turns2plus": cached([r for r in rows if r["turn"] >= 2]),
+            "cached_fraction_all": cached(rows), "no_output": len(rows) - len(timed),
+            "prompt_tokens_by_turn": [median([r["prompt_tokens"] for r in rows if r["turn"] == t]) for t in turns],
+            "ttft_by_turn_s": [median([r["ttft_s"] for r in timed if r["turn"] == t]) for t in turns],
             "cached_by_turn": [cached([r for r in rows if r["turn"] == t]) for t in turns],
             "wall_s": trace["wall_s"], "load_average_1m": trace["load_average_1m"]}
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:,.0f}"
 
 
 def warm_up(port: int) -> None:
@@ -164,8 +174,8 @@ def serve(cmd: list[str], port: int, log: str, env: dict | None, passes: list[tu
             for name, conversation in passes:
                 out[name] = run_trace(port, args, conversation)
                 s = summarize(out[name])
-                print(f"{name}: turn 1 {s['ttft_turn1_s'] * 1000:.0f} ms, turns 2+ "
-                      f"{s['ttft_turns2plus_s'] * 1000:.0f} ms, cached {s['cached_fraction_turns2plus']:.3f}, "
+                print(f"{name}: turn 1 {ms(s['ttft_turn1_s'])} ms, turns 2+ {ms(s['ttft_turns2plus_s'])} ms, "
+                      f"cached {s['cached_fraction_turns2plus'] or 0:.3f}, no output {s['no_output']}, "
                       f"wall {s['wall_s']:.0f} s", flush=True)
             return out
         finally:
@@ -239,7 +249,7 @@ def turn_table(runs: dict[str, dict]) -> list[str]:
                   "| turn | prompt tokens | " + " | ".join(arms) + " |", "| ---: | ---: |" + " ---: |" * len(arms)]
         for t in range(turns):
             lines.append(f"| {t + 1} | {first[arms[0]]['prompt_tokens_by_turn'][t]:,.0f} | "
-                         + " | ".join(f"{first[a]['ttft_by_turn_s'][t] * 1000:,.0f}" for a in arms) + " |")
+                         + " | ".join(ms(first[a]["ttft_by_turn_s"][t]) for a in arms) + " |")
         lines.append("")
     return lines
 
