@@ -109,6 +109,15 @@ class ModelConfig:
         """K and V values one token occupies across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
+    @property
+    def attention_balance_context(self) -> int:
+        """The context length at which a token's attention (scores and values over that many keys)
+        takes as many multiply-adds as its projections (q, k, v, o and the MLP); 3,072 for
+        SmolLM2-135M. Past it, attention is most of a long-context prefill token's work."""
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        projections = self.hidden_size * (2 * q_width + 2 * kv_width + 3 * self.intermediate_size)
+        return max(1, projections // (2 * q_width))
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -141,6 +150,9 @@ class CacheConfig:
         return num_blocks
 
 
+STEP_BUDGETS = ("compute", "tokens")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits."""
@@ -148,8 +160,16 @@ class SchedulerConfig:
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
+    # How a token counts against max_num_batched_tokens: "tokens", one each; "compute", 1 + p / C
+    # at position p (C: attention_context, set from the model by EngineConfig.resolved).
+    step_budget: str = "tokens"
+    attention_context: int | None = None
 
     def __post_init__(self) -> None:
+        if self.step_budget not in STEP_BUDGETS:
+            raise ValueError(f"--step-budget must be one of {', '.join(STEP_BUDGETS)}, got {self.step_budget!r}")
+        if self.attention_context is not None and self.attention_context <= 0:
+            raise ValueError(f"attention_context must be positive, got {self.attention_context}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -163,6 +183,14 @@ class SchedulerConfig:
         if self.max_model_len <= max_position_embeddings:
             return self
         return replace(self, max_model_len=max_position_embeddings)
+
+    def for_model(self, model: ModelConfig) -> SchedulerConfig:
+        """This config capped at the model's context and, with ``step_budget`` "compute", with the
+        model's ``attention_context``."""
+        capped = self.capped(model.max_position_embeddings)
+        if self.step_budget != "compute" or self.attention_context is not None:
+            return capped
+        return replace(capped, attention_context=model.attention_balance_context)
 
 
 @dataclass(frozen=True)
@@ -318,4 +346,4 @@ class EngineConfig:
             raise ValueError("KV tiers need prefix caching")
         num_blocks = self.cache.resolve_num_blocks(self.kv_bytes_per_block(model))
         return replace(self, cache=replace(self.cache, num_blocks=num_blocks),
-                       scheduler=self.scheduler.capped(model.max_position_embeddings))
+                       scheduler=self.scheduler.for_model(model))

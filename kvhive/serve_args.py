@@ -15,6 +15,7 @@ from kvhive.config import (
     MAX_QUANT_ROWS,
     METRICS_COMPAT,
     PINNED_AUTO,
+    STEP_BUDGETS,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
@@ -260,6 +261,12 @@ def _add_performance_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=8, metavar="N", help="most requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
                    help="token budget of one step; longer prompts are prefilled in chunks")
+    g.add_argument("--step-budget", choices=STEP_BUDGETS, default="compute",
+                   help="how a token counts against --max-num-batched-tokens: compute, 1 + p / C at position "
+                        "p, C being the context at which a token's attention costs as much as its "
+                        "projections (3,072 for the default model), so a step of long-context prefill "
+                        "chunks takes about as long as one of short prompts and requests arriving together "
+                        "are not all held for one long step; tokens, one each (as vLLM counts)")
     g.add_argument("--num-threads", type=int, default=None, metavar="N",
                    help="threads of torch and the C++ kernels (default: all cores, fewer while other "
                         "processes keep cores busy, re-checked every 0.5 s)")
@@ -304,7 +311,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     if name is None:
         name = "smollm2-135m" if args.model is None else os.path.basename(model_path.rstrip("/"))
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens,
+                            max_num_batched_tokens=args.max_num_batched_tokens, step_budget=args.step_budget,
                             max_model_len=args.max_model_len or 1 << 30)
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                         kv_cache_gb=args.kv_cache_gb,

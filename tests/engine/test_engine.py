@@ -40,6 +40,15 @@ KERNELS = [*dict.fromkeys([cpu.detect().best] + [lvl for lvl in ("avx2", "portab
            "torch"]
 
 
+def test_a_compute_step_budget_chunks_long_contexts_finer_and_gives_the_same_tokens(tokenizer):
+    prompts = prompts_with_shared_prefix(n=4, prefix_len=300)
+    by_tokens = run(make_engine(tokenizer, num_blocks=400, budget=48), prompts, stagger=True)
+    engine = make_engine(tokenizer, num_blocks=400, budget=48, step_budget="compute")
+    # the tiny model's attention costs its projections at 288 keys: a token at 300 counts ~2
+    assert engine.config.scheduler.attention_context == 288
+    assert run(engine, prompts, stagger=True) == by_tokens
+
+
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_chat_turns_copy_the_last_prompt_block_and_match_an_uncached_run(tokenizer, kernels):
     # Each turn's prompt is the last prompt, a canned reply (not the model's own) and a new user

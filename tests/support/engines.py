@@ -14,7 +14,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 def make_engine(tokenizer, *, num_blocks=64, block_size=4, prefix=True, budget=64, max_seqs=4,
-                vocab_size=256, **extra) -> LLMEngine:
+                vocab_size=256, step_budget="tokens", **extra) -> LLMEngine:
     """An engine on the tiny random model (block geometry and budgets as given) with ``tokenizer``;
     ``vocab_size``: the model's logits width (the tokenizer's, for tests that sample its long tokens)."""
     cfg = tiny_config(max_position_embeddings=512, vocab_size=vocab_size)
@@ -23,7 +23,7 @@ def make_engine(tokenizer, *, num_blocks=64, block_size=4, prefix=True, budget=6
         model_path="tiny", cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                              enable_prefix_caching=prefix),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                                  max_model_len=512), **extra)
+                                  max_model_len=512, step_budget=step_budget), **extra)
     return LLMEngine(config, loaded=loaded, tokenizer=tokenizer)
 
 

@@ -50,3 +50,18 @@ def test_block_bytes_match_the_runner_s_pool(dtype):
 
     config = EngineConfig(model_path="m", dtype=dtype)
     assert config.kv_bytes_per_block(MODEL) == ModelRunner.kv_bytes_per_block(MODEL, 16, dtype)
+
+
+def test_a_compute_step_budget_gets_the_model_s_attention_context():
+    compute = EngineConfig(model_path="m", scheduler=SchedulerConfig(step_budget="compute"))
+    assert compute.resolved(MODEL).scheduler.attention_context == MODEL.attention_balance_context
+    assert EngineConfig(model_path="m").resolved(MODEL).scheduler.attention_context is None
+    with pytest.raises(ValueError, match="step-budget"):
+        SchedulerConfig(step_budget="flops")
+
+
+def test_the_attention_balance_context_is_where_attention_costs_what_the_projections_cost():
+    smollm2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                          num_kv_heads=3, head_dim=64)
+    # per token and layer: q, k, v, o and the MLP 3,538,944 multiply-adds; attention 2 x 9 x 64 per key
+    assert smollm2.attention_balance_context == 3072

@@ -37,7 +37,8 @@ class AsyncLoads:
 class Units:
     """The batching units wired as the Scheduler wires them, over a fresh KV manager."""
 
-    def __init__(self, num_blocks=16, max_num_seqs=4, budget=64, session_copy=None, connector=None):
+    def __init__(self, num_blocks=16, max_num_seqs=4, budget=64, session_copy=None, connector=None,
+                 attention_context=None):
         self.kv = make_kv(num_blocks)
         self.queues = RequestQueues()
         self.too_long = []
@@ -49,6 +50,7 @@ class Units:
         self.admission = Admission(config, self.queues, self.kv, self.spill, self.transfers,
                                    self.too_long.append)
         self.budget = budget
+        self.attention_context = attention_context
 
     def running(self, request, num_computed):
         """Put a request in ``running`` with ``num_computed`` tokens computed."""
@@ -60,7 +62,7 @@ class Units:
     def admit(self, *requests) -> StepBudget:
         for r in requests:
             self.queues.add(r)
-        budget = StepBudget(self.budget)
+        budget = StepBudget(self.budget, self.attention_context)
         self.admission.admit(budget)
         return budget
 
@@ -178,3 +180,52 @@ def test_an_async_tier_load_parks_the_request_without_budget_and_a_pending_looku
     units = Units(connector=AsyncLoads(None))
     assert units.admit(make_request("looking", range(12))).planned == {}
     assert len(units.queues.waiting) == 1
+
+
+def test_without_an_attention_context_every_token_counts_one():
+    budget = StepBudget(10)
+    assert budget.cost(5000, 4) == 4 and budget.fit(5000, 30) == 10
+
+
+def test_with_an_attention_context_a_token_at_position_p_counts_one_plus_p_over_it():
+    budget = StepBudget(41, attention_context=100)
+    assert budget.cost(0, 10) == 10 + 1                           # positions 0..9: 45 / 100, rounded up
+    assert budget.cost(300, 10) == 10 + 31                        # positions 300..309: 3,045 / 100
+    assert budget.fit(300, 100) == 10 and budget.fit(0, 100) == 35        # 35 + 595 / 100 = 41
+    for start in (0, 7, 300):                                     # fit: the longest chunk that fits
+        n = budget.fit(start, 100)
+        assert budget.cost(start, n) <= 41 < budget.cost(start, n + 1)
+
+
+def test_a_step_plans_at_least_one_token_however_long_the_context():
+    budget = StepBudget(2, attention_context=1)
+    assert budget.fit(1000, 50) == 1
+    budget.take("a", 1, 1000)
+    assert budget.tokens < 0 and budget.fit(1000, 50) == 0
+
+
+def test_a_preempted_request_gives_back_the_work_it_was_charged():
+    budget = StepBudget(100, attention_context=10)
+    budget.take("a", 5, 40)
+    budget.give_back("a")
+    assert budget.tokens == 100 and budget.planned == {}
+
+
+def test_long_context_chunks_take_more_of_the_budget_so_fewer_run_in_one_step():
+    plain, weighted = Units(num_blocks=40), Units(num_blocks=40)
+    for units in (plain, weighted):
+        for rid in ("a", "b"):
+            units.running(make_request(rid, range(ord(rid) * 100, ord(rid) * 100 + 40)), 32)
+    budget = StepBudget(20)
+    plain.batcher.schedule_running(budget)
+    assert budget.planned == {"a": 8, "b": 8}
+    budget = StepBudget(20, attention_context=16)                 # 8 tokens from 32: 8 + 18 > 20
+    weighted.batcher.schedule_running(budget)
+    assert budget.planned == {"a": 6}
+
+
+def test_admission_gives_a_long_context_turn_a_chunk_the_weighted_budget_covers():
+    units = Units(budget=20, attention_context=16)
+    park(units.kv, "s", range(32))
+    turn, other = make_request("turn", [*range(32), *range(500, 508)], session_id="s"), make_request("o", range(4))
+    assert units.admit(turn, other).planned == {"turn": 6, "o": 1}    # 19 of 20, then 1 at position 0

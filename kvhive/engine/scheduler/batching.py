@@ -1,6 +1,7 @@
 """Continuous batching with chunked prefill: the token budget, running requests, admission.
 
-Each step, under ``max_num_batched_tokens`` tokens and ``max_num_seqs`` running requests:
+Each step, under ``max_num_batched_tokens`` tokens (with ``--step-budget compute``, a token at
+position p counts 1 + p / C: ``StepBudget``) and ``max_num_seqs`` running requests:
 
 1. every running request in decode gets its one token;
 2. running requests still in prefill get their next chunk;
@@ -27,20 +28,51 @@ from kvhive.request import Request, RequestStatus
 
 
 class StepBudget:
-    """The tokens a step may still schedule, and the tokens planned per request (in plan order)."""
+    """The work a step may still schedule, and the tokens planned per request (in plan order).
 
-    def __init__(self, num_tokens: int) -> None:
-        self.tokens = num_tokens
+    Work is counted in tokens. With ``attention_context`` C, a token at position p counts
+    1 + p / C: its attention over the p keys before it costs p / C times its projections, C being
+    the context at which the two are equal (``ModelConfig.attention_balance_context``). A step of
+    long-context prefill chunks then takes about as long as one of short ones instead of several
+    times longer, so requests that arrive together do not all wait for one long step.
+    """
+
+    def __init__(self, num_tokens: int, attention_context: int | None = None) -> None:
+        self.tokens = num_tokens                   # work left, in token-equivalents; may end below 0
+        self.attention_context = attention_context
         self.planned: dict[str, int] = {}
+        self._charged: dict[str, int] = {}
 
-    def take(self, request_id: str, num_tokens: int) -> None:
-        """Plan ``num_tokens`` tokens of a request this step."""
+    def cost(self, start_pos: int, num_tokens: int) -> int:
+        """The work of ``num_tokens`` tokens at positions ``start_pos``, ``start_pos + 1``, ..."""
+        context = self.attention_context
+        if not context or num_tokens <= 0:
+            return max(num_tokens, 0)
+        # sum of 1 + p / C over the chunk's positions, rounded up
+        return num_tokens + -(-num_tokens * (2 * start_pos + num_tokens - 1) // (2 * context))
+
+    def fit(self, start_pos: int, wanted: int) -> int:
+        """How many of ``wanted`` tokens from ``start_pos`` on the work left covers; at least one
+        while nothing is planned, so a step always makes progress."""
+        if self.cost(start_pos, wanted) <= self.tokens:
+            return wanted
+        lo, hi = 0, wanted                          # cost(lo) fits, cost(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.cost(start_pos, mid) <= self.tokens else (lo, mid)
+        return lo if lo or self.planned else min(wanted, 1)
+
+    def take(self, request_id: str, num_tokens: int, start_pos: int = 0) -> None:
+        """Plan ``num_tokens`` tokens of a request from position ``start_pos`` this step."""
+        charged = self.cost(start_pos, num_tokens)
         self.planned[request_id] = num_tokens
-        self.tokens -= num_tokens
+        self._charged[request_id] = charged
+        self.tokens -= charged
 
     def give_back(self, request_id: str) -> None:
-        """Unplan a request (preempted): its tokens return to the budget; no change if unplanned."""
-        self.tokens += self.planned.pop(request_id, 0)
+        """Unplan a request (preempted): its work returns to the budget; no change if unplanned."""
+        self.planned.pop(request_id, None)
+        self.tokens += self._charged.pop(request_id, 0)
 
 
 class Batcher:
@@ -64,9 +96,11 @@ class Batcher:
                 if request.status is not RequestStatus.RUNNING or request.request_id in budget.planned:
                     continue
                 remaining = request.num_tokens - request.num_computed_tokens
-                if (remaining == 1) != decode_pass or budget.tokens == 0:
+                if (remaining == 1) != decode_pass or budget.tokens <= 0:
                     continue
-                preempted |= self._schedule_chunk(request, min(remaining, budget.tokens), budget)
+                num_new = budget.fit(request.num_computed_tokens, remaining)
+                if num_new:
+                    preempted |= self._schedule_chunk(request, num_new, budget)
         return preempted
 
     def _schedule_chunk(self, request: Request, num_new: int, budget: StepBudget) -> bool:
@@ -87,7 +121,7 @@ class Batcher:
             preempted = True
             if victim is request:
                 return True
-        budget.take(request.request_id, num_new)
+        budget.take(request.request_id, num_new, request.num_computed_tokens)
         return preempted
 
 
@@ -133,7 +167,9 @@ class Admission:
 
     def _resume_session(self, request: Request, held: int, budget: StepBudget) -> bool:
         """Give the request its session's ``held`` computed tokens (no hashing, no prefix lookup)."""
-        num_new = min(request.num_tokens - held, budget.tokens)
+        num_new = budget.fit(held, request.num_tokens - held)
+        if not num_new:
+            return False
         while not self.kv.resume_session(request, num_new):
             if not self._spill_for(request):
                 return False
@@ -143,7 +179,9 @@ class Admission:
     def _admit_without_hits(self, request: Request, budget: StepBudget) -> bool:
         """Admit a request whose prompt logprobs need every prompt row computed: no device or tier
         hits (its blocks are still published to the prefix cache as they fill)."""
-        num_new = min(request.num_tokens, budget.tokens)
+        num_new = budget.fit(0, request.num_tokens)
+        if not num_new:
+            return False
         while not self.kv.allocate_slots(request, num_new):
             if not self._spill_for(request):
                 return False
@@ -168,7 +206,11 @@ class Admission:
         while True:
             computed = hit.num_computed_tokens + num_external + num_partial
             # An async load computes nothing until its blocks arrive; it takes no token budget.
-            num_new = 0 if is_async else min(request.num_tokens - computed, budget.tokens)
+            num_new = 0 if is_async else budget.fit(computed, request.num_tokens - computed)
+            if not is_async and not num_new:
+                if source is not None:
+                    self.kv.unpin(source)
+                return False
             if self.kv.allocate_slots(request, num_external + num_partial + num_new, hit.blocks, num_external):
                 break
             if source is None:
@@ -187,7 +229,7 @@ class Admission:
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = computed
         request.status = RequestStatus.RUNNING
-        budget.take(request.request_id, num_new)
+        budget.take(request.request_id, num_new, computed)
         return True
 
     def _spill_for(self, request: Request) -> bool:
@@ -202,7 +244,7 @@ class Admission:
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_cached
         request.status = RequestStatus.RUNNING
-        budget.take(request.request_id, num_new)
+        budget.take(request.request_id, num_new, num_cached)
 
     def _prefix_in_flight(self, request: Request, num_hit_blocks: int) -> bool:
         """True when a running prefill is computing the block this request needs next.

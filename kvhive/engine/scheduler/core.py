@@ -134,7 +134,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Pick this step's tokens: decodes, then running prefill chunks, then FCFS admissions."""
         self.kv.release_copy_sources()          # the last plan's copies have run, applied or not
-        budget = StepBudget(self.config.max_num_batched_tokens)
+        budget = StepBudget(self.config.max_num_batched_tokens, self.config.attention_context)
         if not self.batcher.schedule_running(budget):
             self.admission.admit(budget)
         return self._build_plan(budget.planned)
