@@ -264,6 +264,7 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
     max_tokens = service.resolve_max_tokens(requested, len(token_ids), param, "messages")
     sampling = plan.with_spec(service.sampling_params(body, max_tokens, num_logprobs, body.prompt_logprobs,
                                                       structured))
+    service.check_transfer_unconstrained(sampling.structured, kv_transfer)
     owner = service.owner_of(raw_request)
     turn = await service.open_session(raw_request, body.model, len(token_ids) + max_tokens,
                                       conversation_id=body.conversation_id, new_ttl=new_session_ttl,

@@ -231,6 +231,7 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
         raise bad_request("kv_transfer_params needs one prompt", param="prompt")
     prompt_logprobs = engine_prompt_logprobs(body)
     structured = await body_structured_spec(service.engine, body)
+    service.check_transfer_unconstrained(structured, kv_transfer)
     if prompt_logprobs is not None:
         check_outside_session(raw_request, new_session_ttl,
                               "prompt_logprobs" if body.prompt_logprobs is not None else "logprobs")

@@ -290,6 +290,14 @@ class GenerationService:
         return params
 
     @staticmethod
+    def check_transfer_unconstrained(structured: StructuredSpec | None, kv_transfer) -> None:
+        """400 for a constrained output split between a prefill and a decode instance: the decode
+        instance's grammar would start after the token the prefill sampled."""
+        if structured is not None and kv_transfer is not None:
+            raise bad_request(f"'{structured.source}' (a constrained output) cannot be combined with "
+                              f"kv_transfer_params: send the request to one instance", param="kv_transfer_params")
+
+    @staticmethod
     def with_kv_transfer(answer: Callable[[list[TextDelta]], BaseModel], params
                          ) -> Callable[[list[TextDelta]], BaseModel]:
         """``answer``, whose response to a prefill request carries the decode request's params."""

@@ -121,6 +121,18 @@ def test_transfer_params_for_the_other_role_answer_400(pair):
     assert r.json()["error"]["param"] == "kv_transfer_params.do_remote_prefill"
 
 
+def test_a_constrained_output_is_not_split_between_instances(pair):
+    prefill, _, endpoint = pair
+    for path, body in (("/v1/completions", {"prompt": "hi", "guided_choice": ["yes", "no"]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                 "response_format": {"type": "json_object"}})):
+        r = httpx.post(prefill.url + path, timeout=30, json={
+            "model": MODEL, "max_tokens": 1, **body,
+            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": "c", "decode_endpoint": endpoint}})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "kv_transfer_params"
+
+
 @pytest.mark.parametrize("flags, named", [
     (("--kv-transfer-config", '{"kv_rol": "decode"}'), "kv_rol"),
     (("--kv-transfer-config", '{"timeout_s": 0}'), "timeout_s"),
