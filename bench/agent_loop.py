@@ -238,6 +238,22 @@ def table(runs: dict[str, dict]) -> list[str]:
     return lines
 
 
+def round_table(runs: dict[str, dict]) -> list[str]:
+    """Markdown: every pass of every round, with the host's load while it ran."""
+    lines = ["| dtype | round | arm | TTFT turns 2-12 (ms) | ratio to vLLM | wall (s) | load average, start to end |",
+             "| --- | ---: | --- | ---: | ---: | ---: | --- |"]
+    for dtype, run in runs.items():
+        for i, r in enumerate(run["rounds"], 1):
+            s = {arm: summarize(trace) for arm, trace in r.items()}
+            for arm in (a for a in ARMS if a in s):
+                ratio = (f"{s[arm]['ttft_turns2plus_s'] / s['vllm']['ttft_turns2plus_s']:.2f}x"
+                         if arm != "vllm" and "vllm" in s else "-")
+                load = s[arm]["load_average_1m"]
+                lines.append(f"| {dtype} | {i} | {arm} | {ms(s[arm]['ttft_turns2plus_s'])} | {ratio} | "
+                             f"{s[arm]['wall_s']:.0f} | {load[0]:.1f} to {load[1]:.1f} |")
+    return lines
+
+
 def turn_table(runs: dict[str, dict]) -> list[str]:
     """Markdown: median TTFT per turn (ms) of each arm, first round, per dtype."""
     lines = []
@@ -301,7 +317,7 @@ def main() -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print("\n".join(table(result["runs"]) + [""] + turn_table(result["runs"])))
+    print("\n".join(table(result["runs"]) + [""] + round_table(result["runs"]) + [""] + turn_table(result["runs"])))
     return 0
 
 

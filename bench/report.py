@@ -92,7 +92,8 @@ def render_multiturn(name: str, record: dict) -> list[str]:
 def render_agent_loop(name: str, record: dict) -> list[str]:
     """Per dtype: the targets on paired rounds, then TTFT per turn of the first round."""
     notes = [f"Note ({dtype}): {run['notes']}" for dtype, run in record["runs"].items() if run.get("notes")]
-    return [*agent_loop.table(record["runs"]), "", *agent_loop.turn_table(record["runs"]),
+    return [*agent_loop.table(record["runs"]), "", "Each pass, with the host's load while it ran:", "",
+            *agent_loop.round_table(record["runs"]), "", *agent_loop.turn_table(record["runs"]),
             *(line for note in notes for line in (note, ""))]
 
 
@@ -389,7 +390,7 @@ SECTIONS = (
             "Time to first token per turn and the cached fraction of an agent loop: 8 agents at once share a "
             "~3,200-token system prompt with 20 tool definitions (JSON schemas); each runs 12 turns, each turn "
             "adding a canned tool call (~65 tokens) and its result (~285 tokens) to the history and asking for "
-            "the next step (48 tokens, greedy, streamed). The history is sent as plain chat (definitions in the "
+            "the next step (32 tokens, greedy, streamed). The history is sent as plain chat (definitions in the "
             "system message, calls as Hermes `<tool_call>` text, results as `tool` messages), byte-identical "
             "for both servers. kvhive with prefix caching and with `conversation_id` (a session per agent) "
             "against vLLM for CPU with prefix caching, in float32 and bfloat16, in paired rounds.",
