@@ -279,7 +279,7 @@ def main() -> int:
     ap.add_argument("--arms", default=",".join(ARMS), help="which of kvhive,kvhive_conv,vllm to run")
     ap.add_argument("--agents", type=int, default=8)
     ap.add_argument("--turns", type=int, default=12)
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--tools-field", action="store_true",
                     help="send tools / tool_calls / tool_call_id instead of the plain-chat form")
     ap.add_argument("--kvhive-args", default="--kv-cache-gb 4",
