@@ -32,7 +32,6 @@ Results merge into ``bench/results/agent_loop.json`` by dtype; ``python bench/re
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import random
@@ -46,6 +45,7 @@ import time
 import agent_trace
 from multiturn_vs_vllm import VLLM_SH, wait_up
 from run_info import command, machine
+from sessions_vs_vllm import chat_stream
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = "smollm2-135m"
@@ -54,32 +54,15 @@ TARGET = 0.6
 
 
 def stream_chat(port: int, body: dict) -> dict:
-    """POST one streamed chat completion; TTFT is send to the first chunk carrying generated output."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
+    """POST one streamed chat completion (``sessions_vs_vllm.chat_stream``): TTFT, latency, token counts."""
     start = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(),
-                 headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"port {port}: HTTP {resp.status}: {resp.read()[:500]!r}")
-    ttft, text, usage = None, [], {}
-    for line in resp:
-        line = line.strip()
-        if not line.startswith(b"data:") or line == b"data: [DONE]":
-            continue
-        event = json.loads(line[5:])
-        usage = event.get("usage") or usage
-        for choice in event.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if delta.get("content") or delta.get("tool_calls"):
-                ttft = ttft if ttft is not None else time.perf_counter() - start
-                text.append(delta.get("content") or json.dumps(delta["tool_calls"]))
+    reply = chat_stream(port, "/v1/chat/completions", body, {})
     latency = time.perf_counter() - start
-    conn.close()
+    usage = reply.usage
     details = usage.get("prompt_tokens_details") or {}
-    return {"ttft_s": ttft, "latency_s": latency, "prompt_tokens": usage.get("prompt_tokens"),
+    return {"ttft_s": reply.ttft_s, "latency_s": latency, "prompt_tokens": usage.get("prompt_tokens"),
             "cached_tokens": details.get("cached_tokens"), "completion_tokens": usage.get("completion_tokens"),
-            "text": "".join(text)}
+            "text": reply.text}
 
 
 def request_body(agent: int, turn: int, salt: str, args: argparse.Namespace, conversation: bool) -> dict:

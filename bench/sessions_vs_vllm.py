@@ -107,7 +107,8 @@ class Reply:
 
 
 def chat_stream(port: int, path: str, body: dict, headers: dict[str, str]) -> Reply:
-    """POST a streamed chat completion; TTFT is send to the first non-empty content delta."""
+    """POST a streamed chat completion; TTFT is send to the first delta carrying generated output
+    (content, or a tool call's piece, which joins the text as its JSON)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
     start = time.perf_counter()
     conn.request("POST", path, body=json.dumps(body).encode(),
@@ -123,11 +124,11 @@ def chat_stream(port: int, path: str, body: dict, headers: dict[str, str]) -> Re
         event = json.loads(line[5:])
         usage = event.get("usage") or usage
         for choice in event.get("choices") or []:
-            content = (choice.get("delta") or {}).get("content")
-            if content:
+            delta = choice.get("delta") or {}
+            if delta.get("content") or delta.get("tool_calls"):
                 if ttft is None:
                     ttft = time.perf_counter() - start
-                text.append(content)
+                text.append(delta.get("content") or json.dumps(delta["tool_calls"]))
     session_id = resp.getheader("x-session-id")
     conn.close()
     return Reply(ttft, "".join(text), usage, session_id)

@@ -15,6 +15,7 @@ every token a request gets), and is dropped by ``release`` when the request ends
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -133,10 +134,8 @@ class GrammarRows:
     def wait(self, job: MaskJob | None) -> None:
         """Let a started job finish (a step that raised must not leave a worker using its matchers)."""
         if job is not None and job.future is not None:
-            try:
+            with contextlib.suppress(Exception):     # the step already failed; nothing reads this job
                 job.future.result()
-            except Exception:  # noqa: BLE001 - the step already failed; nothing reads this job
-                pass
 
     def release(self, request_ids: list[str]) -> None:
         """Drop the matchers of requests that ended."""
