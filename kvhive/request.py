@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvhive.core.retention import RetentionSpec
 from kvhive.core.structured_spec import StructuredSpec
 
 # Most top logprobs a request may ask for per token (OpenAI caps chat at 20).
@@ -140,6 +141,10 @@ class Request:
     # when it ends, keeps alive; ``end_session`` frees them instead.
     session_id: str | None = None
     end_session: bool = False
+    # How firmly its blocks stay cached once freed (kvhive.core.retention); None: the default priority.
+    retention: RetentionSpec | None = None
+    # Admission order under ``--scheduling-policy priority`` (vLLM's: lower runs first); 0 otherwise.
+    priority: int = 0
     # Disaggregated serving: this request's part in a KV transfer (a KVTransferParams), or None.
     kv_transfer: Any = None
     arrival_time: float = field(default_factory=time.monotonic)

@@ -8,8 +8,9 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import Any, NamedTuple, TypeVar
 
+from kvhive.core.retention import RetentionSpec
 from kvhive.engine.core import LLMEngine, RequestFailed, RequestOutput
 from kvhive.engine.stats import EngineStats
 from kvhive.request import FinishReason, SamplingParams
@@ -21,6 +22,20 @@ T = TypeVar("T")
 # How often the idle engine loop re-reads the engine's stats (the snapshot /metrics exports).
 IDLE_STATS_REFRESH_S = 0.5
 
+
+
+class QueuedRequest(NamedTuple):
+    """A request ``generate`` queued for the loop thread, added to the engine before its next step."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    cache_salt: str | None
+    session_id: str | None
+    end_session: bool
+    kv_transfer: Any
+    retention: RetentionSpec | None
+    priority: int
 
 class AsyncEngine:
     """Runs ``LLMEngine.step`` on one loop thread; each request reads its own asyncio queue.
@@ -41,7 +56,7 @@ class AsyncEngine:
         self.engine = engine
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
-        self._pending_adds: list[tuple] = []
+        self._pending_adds: list[QueuedRequest] = []
         self._pending_aborts: list[str] = []
         self._pending_session_ends: list[str] = []
         self._pending_calls: list[tuple[Callable[[LLMEngine], object], Future]] = []
@@ -88,7 +103,8 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                        cache_salt: str | None = None, session_id: str | None = None,
-                       end_session: bool = False, kv_transfer=None) -> AsyncIterator[RequestOutput]:
+                       end_session: bool = False, kv_transfer=None, retention: RetentionSpec | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; leaving early aborts it. Raises
         RequestFailed when computing it failed, RuntimeError when the engine loop has stopped."""
         if self.error is not None:
@@ -101,8 +117,8 @@ class AsyncEngine:
             if request_id in self._queues:
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._queues[request_id] = (asyncio.get_running_loop(), queue)
-            self._pending_adds.append((request_id, list(prompt_token_ids), sampling, cache_salt,
-                                       session_id, end_session, kv_transfer))
+            self._pending_adds.append(QueuedRequest(request_id, list(prompt_token_ids), sampling, cache_salt,
+                                                    session_id, end_session, kv_transfer, retention, priority))
             self._wakeup.notify()
         finished = False
         try:
@@ -152,11 +168,13 @@ class AsyncEngine:
             aborts, self._pending_aborts = self._pending_aborts, []
             ends, self._pending_session_ends = self._pending_session_ends, []
             calls, self._pending_calls = self._pending_calls, []
-        for request_id, ids, sampling, salt, session_id, end_session, kv_transfer in adds:
+        for add in adds:
+            request_id = add.request_id
             try:
-                self.engine.add_request(request_id, ids, sampling, cache_salt=salt,
-                                        session_id=session_id, end_session=end_session,
-                                        kv_transfer=kv_transfer)
+                self.engine.add_request(request_id, add.prompt_token_ids, add.sampling, cache_salt=add.cache_salt,
+                                        session_id=add.session_id, end_session=add.end_session,
+                                        kv_transfer=add.kv_transfer, retention=add.retention,
+                                        priority=add.priority)
             except Exception as exc:  # noqa: BLE001 - fails this request only
                 self._deliver(request_id, exc)
         for request_id in aborts:

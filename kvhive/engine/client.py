@@ -19,6 +19,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
+from kvhive.core.retention import RetentionSpec
 from kvhive.engine.cache_reset import CacheReset
 from kvhive.engine.core import RequestOutput
 from kvhive.engine.stats import EngineStats, TierBudget
@@ -56,10 +57,12 @@ class EngineClient:
 
     def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  cache_salt: str | None = None, session_id: str | None = None,
-                 end_session: bool = False, kv_transfer=None) -> AsyncIterator[RequestOutput]:
+                 end_session: bool = False, kv_transfer=None, retention: RetentionSpec | None = None,
+                 priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Submit a request and stream its outputs (``AsyncEngine.generate``: leaving early aborts it)."""
         return self._async.generate(request_id, prompt_token_ids, sampling, cache_salt=cache_salt,
-                                    session_id=session_id, end_session=end_session, kv_transfer=kv_transfer)
+                                    session_id=session_id, end_session=end_session, kv_transfer=kv_transfer,
+                                    retention=retention, priority=priority)
 
     async def check_structured(self, spec: StructuredSpec) -> None:
         """Compile ``spec`` for this model's vocabulary (cached per distinct spec, on a worker

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from kvhive.config import EngineConfig
+from kvhive.core.retention import RetentionSpec
 from kvhive.engine import assembly
 from kvhive.engine.cache_reset import CacheReset, reset_caches
 from kvhive.engine.holdings import TierHoldings
@@ -199,12 +200,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     cache_salt: str | None = None, session_id: str | None = None,
-                    end_session: bool = False, kv_transfer=None) -> None:
+                    end_session: bool = False, kv_transfer=None, retention: RetentionSpec | None = None,
+                    priority: int = 0) -> None:
         """Queue a request; the caller has checked its length against max_model_len.
 
         With ``session_id`` the request continues that session's held blocks and, when it ends,
         leaves its own blocks to the session (``end_session``: frees them instead).
         ``kv_transfer`` (a KVTransferParams): its part in a disaggregated prefill/decode transfer.
+        ``retention``: how firmly its blocks stay cached once freed; ``priority``: its admission
+        order under ``--scheduling-policy priority``.
         """
         if not prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
@@ -216,7 +220,8 @@ class LLMEngine:
                              "are not computed again")
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                           sampling=sampling, eos_token_ids=self.eos_token_ids, cache_salt=cache_salt,
-                          session_id=session_id, end_session=end_session, kv_transfer=kv_transfer)
+                          session_id=session_id, end_session=end_session, kv_transfer=kv_transfer,
+                          retention=retention, priority=priority)
         self.scheduler.add_request(request)
         self._unscheduled[request_id] = request
         if sampling.prompt_logprobs is not None:
