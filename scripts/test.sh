@@ -15,4 +15,4 @@ if [ ${#NEED[@]} -gt 0 ]; then
 fi
 bash scripts/install.sh test
 PY=${PYTHON:-python3}
-exec "$PY" -m pytest -q -p no:cacheprovider "$@"
+exec "$PY" -m pytest -q -p no:cacheprovider --durations=30 "$@"
