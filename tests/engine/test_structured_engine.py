@@ -194,3 +194,18 @@ def test_constrained_turns_in_a_session(engine, tokenizer) -> None:
         prompt = prompt + got + [11, 12, 13]
     assert all(valid("json_schema", text) for text in texts)
     assert cached > 0                   # the second turn continued the session's blocks
+
+
+def test_min_tokens_does_not_hold_a_completed_grammar_open(engine, tokenizer) -> None:
+    """A grammar that completes before ``min_tokens`` ends the request there: the constraint wins
+    over the EOS suppression (no token past a complete output could match it), and the output is
+    the same complete, valid choice as without ``min_tokens``."""
+    spec = SPECS["choice"]
+    plain = SamplingParams(max_tokens=24, temperature=0.0, structured=spec)
+    held = SamplingParams(max_tokens=24, temperature=0.0, structured=spec, min_tokens=20)
+    outs = run_engine(engine, {"plain": (PROMPT, plain), "held": (PROMPT, held)})
+    texts = {rid: tokenizer.decode(tokens_of(o)) for rid, o in outs.items()}
+    assert valid("choice", texts["held"]), texts
+    assert texts["held"] == texts["plain"]
+    assert outs["held"][-1].finish_reason is FinishReason.STOP
+    assert outs["held"][-1].num_output_tokens < 20
