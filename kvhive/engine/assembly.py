@@ -144,7 +144,7 @@ def open_publisher(events: KVEventsConfig, config: EngineConfig, scheduler: Sche
 
     publisher = open_events(events, config.served_model_name)
     publisher.publish_cleared()
-    scheduler.kv.enable_events()
+    scheduler.kv.enable_events(priority_events=events.priority_events)
     if store is not None:
         store.send_events_to(TierEventForwarder(publisher, config.cache.block_size),
                              connector_scheduler.key_space.prefix)

@@ -102,8 +102,9 @@ class Scheduler:
         return request
 
     def end_session(self, session_id: str) -> None:
-        """Free a session's held blocks; its unfinished requests free theirs when they end."""
-        self.kv.release_session(session_id)
+        """Free a session's held blocks (and unpin its spilled ones); its unfinished requests free
+        theirs when they end."""
+        self.kv.end_session(session_id)
         for request in self.queues.by_id.values():
             if request.session_id == session_id:
                 request.end_session = True
