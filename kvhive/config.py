@@ -203,6 +203,8 @@ class StoreConfig:
     redis_url: str | None = None           # None: no Redis tier
     redis_ttl_s: float | None = None       # expiry of Redis objects; None: Redis's own eviction only
     redis_timeout_s: float = 0.5           # a slower Redis call is a miss and backs the tier off
+    # Blocks whose retention priority is below this are not written to the tiers (0: every block).
+    offload_min_priority: int = 0
 
     def __post_init__(self) -> None:
         if self.cpu_offload_gb < 0:
@@ -217,6 +219,8 @@ class StoreConfig:
             raise ValueError(f"--redis-ttl must be positive, got {self.redis_ttl_s}")
         if self.redis_timeout_s <= 0:
             raise ValueError(f"redis timeout must be positive, got {self.redis_timeout_s}")
+        if isinstance(self.offload_min_priority, bool) or not 0 <= self.offload_min_priority <= 100:
+            raise ValueError(f"--offload-min-priority must be in [0, 100], got {self.offload_min_priority}")
 
     @property
     def enabled(self) -> bool:

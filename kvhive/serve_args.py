@@ -130,6 +130,9 @@ def _add_tier_args(p: argparse.ArgumentParser) -> None:
                         "(default: no Redis tier)")
     g.add_argument("--redis-ttl", type=float, default=None, metavar="S",
                    help="seconds a KV block lives in Redis (default: until Redis evicts it)")
+    g.add_argument("--offload-min-priority", type=int, default=0, metavar="N",
+                   help="blocks whose retention priority (0-100, default priority 35) is below N are not "
+                        "written to the tiers (default 0: every block)")
 
 
 def pinned_gib(value: str) -> float | str | None:
@@ -318,7 +321,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=args.enable_prefix_caching, hash_seed=args.hash_seed)
     store = StoreConfig(cpu_offload_gb=args.cpu_offload_gb, disk_cache_dir=args.disk_cache_dir,
                         disk_cache_gb=args.disk_cache_gb, redis_url=args.redis_url,
-                        redis_ttl_s=args.redis_ttl)
+                        redis_ttl_s=args.redis_ttl, offload_min_priority=args.offload_min_priority)
     sessions = SessionConfig(default_ttl_s=args.default_session_ttl, max_ttl_s=args.max_session_ttl,
                              max_sessions_per_key=args.max_sessions_per_key,
                              max_pinned_gb=args.max_pinned_gb, share_prefix_cache=args.share_prefix_cache)

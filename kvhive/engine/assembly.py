@@ -82,7 +82,8 @@ def build_connector(config: EngineConfig, loaded, store, block_bytes: int) -> tu
     logger.info("KV tiers: %s opened in %.1f s", ", ".join(t.name for t in store.tiers),
                 time.perf_counter() - started)
     key_space = KeySpace(loaded.fingerprint, KV_LAYOUT_VERSION, config.dtype, config.cache.block_size)
-    return store, OffloadScheduler(store, key_space, block_bytes), OffloadWorker(store)
+    return (store, OffloadScheduler(store, key_space, block_bytes, min_priority=config.store.offload_min_priority),
+            OffloadWorker(store))
 
 
 def build_disagg(config: EngineConfig, loaded, connector_scheduler, connector_worker, store,

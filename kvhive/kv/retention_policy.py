@@ -32,8 +32,16 @@ def block_retentions(spec: RetentionSpec | None, num_blocks: int, block_size: in
     sequence of ``num_tokens`` tokens whose first ``num_prompt_tokens`` are its prompt."""
     if spec is None:
         return [DEFAULT_RETENTION] * num_blocks
-    return [spec.block_retention(i * block_size, max(i * block_size + 1, min((i + 1) * block_size, num_tokens)),
-                                 num_prompt_tokens) for i in range(num_blocks)]
+    return [block_retention_at(spec, i, block_size, num_tokens, num_prompt_tokens) for i in range(num_blocks)]
+
+
+def block_retention_at(spec: RetentionSpec | None, index: int, block_size: int, num_tokens: int,
+                       num_prompt_tokens: int) -> BlockRetention:
+    """The retention of block ``index`` of such a sequence (the tokens it holds, at most a block)."""
+    if spec is None:
+        return DEFAULT_RETENTION
+    start = index * block_size
+    return spec.block_retention(start, max(start + 1, min(start + block_size, num_tokens)), num_prompt_tokens)
 
 
 def at_least_pinned(retentions: Sequence[BlockRetention]) -> list[BlockRetention]:
