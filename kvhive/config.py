@@ -151,6 +151,8 @@ class CacheConfig:
 
 
 STEP_BUDGETS = ("compute", "tokens")
+# vLLM's --scheduling-policy: arrival order, or (request priority, arrival), lower first.
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -164,10 +166,19 @@ class SchedulerConfig:
     # at position p (C: attention_context, set from the model by EngineConfig.resolved).
     step_budget: str = "tokens"
     attention_context: int | None = None
+    scheduling_policy: str = "fcfs"
+
+    @property
+    def by_priority(self) -> bool:
+        """Whether requests are admitted by their ``priority`` (lower first), then arrival."""
+        return self.scheduling_policy == "priority"
 
     def __post_init__(self) -> None:
         if self.step_budget not in STEP_BUDGETS:
             raise ValueError(f"--step-budget must be one of {', '.join(STEP_BUDGETS)}, got {self.step_budget!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.attention_context is not None and self.attention_context <= 0:
             raise ValueError(f"attention_context must be positive, got {self.attention_context}")
         if self.max_num_seqs <= 0:

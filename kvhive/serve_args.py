@@ -15,6 +15,7 @@ from kvhive.config import (
     MAX_QUANT_ROWS,
     METRICS_COMPAT,
     PINNED_AUTO,
+    SCHEDULING_POLICIES,
     STEP_BUDGETS,
     CacheConfig,
     EngineConfig,
@@ -270,6 +271,10 @@ def _add_performance_args(p: argparse.ArgumentParser) -> None:
                         "projections (3,072 for the default model), so a step of long-context prefill "
                         "chunks takes about as long as one of short prompts and requests arriving together "
                         "are not all held for one long step; tokens, one each (as vLLM counts)")
+    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                   help="admission order of waiting requests: fcfs, by arrival (a request's 'priority' "
+                        "other than 0 is refused); priority, by the request's 'priority' (lower first), "
+                        "then arrival, and preemption takes the latest of the lowest priority first (vLLM's)")
     g.add_argument("--num-threads", type=int, default=None, metavar="N",
                    help="threads of torch and the C++ kernels (default: all cores, fewer while other "
                         "processes keep cores busy, re-checked every 0.5 s)")
@@ -313,7 +318,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
         model_path, name = resolve_hub_model(model_path), name or model_path
     if name is None:
         name = "smollm2-135m" if args.model is None else os.path.basename(model_path.rstrip("/"))
-    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
+    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy,
                             max_num_batched_tokens=args.max_num_batched_tokens, step_budget=args.step_budget,
                             max_model_len=args.max_model_len or 1 << 30)
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,

@@ -55,7 +55,7 @@ class Scheduler:
         self.config = sched_config
         self.kv = KVCacheManager(cache_config.block_size, num_blocks, cache_config.enable_prefix_caching,
                                  root_hash, window)
-        self.queues = RequestQueues()
+        self.queues = RequestQueues(by_priority=sched_config.by_priority)
         self.transfers = KVTransfers(connector, self.kv)
         self.transfers.track(self.queues.by_id)
         self.spill = SessionSpill(self.kv, session_copy, self.transfers.pending_hashes)
