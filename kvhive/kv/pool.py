@@ -117,10 +117,10 @@ class BlockPool:
         # first. Invariant: b in children[p].values() <=> b is cached and b.parent_hash == p.
         self.children: dict[bytes, dict[int, KVBlock]] = {}
         self.clock = clock
-        # (expiry, seq, block) for every block with an expiry; stale entries (the block's expiry
-        # changed since) are skipped when they come up and compacted away when they pile up.
+        # (expiry, block id, block) for every block with an expiry; stale entries (the block's
+        # expiry changed since) are skipped when they come up and compacted away when they pile up.
+        # Retentions ending at the same time fall back in block id order.
         self._expiries: list[tuple[float, int, KVBlock]] = []
-        self._expiry_seq = itertools.count()
         # Priority changes of cached blocks since the last drain, for KV events; None: nobody listens.
         self.priority_changes: list[PriorityChange] | None = None
 
@@ -201,9 +201,9 @@ class BlockPool:
             self.priority_changes.append(PriorityChange(block.block_hash, block.priority, priority))
         block.priority, block.expiry, block.retained = priority, expiry, True
         if expiry is not None:
-            heapq.heappush(self._expiries, (expiry, next(self._expiry_seq), block))
+            heapq.heappush(self._expiries, (expiry, block.block_id, block))
             if len(self._expiries) > 2 * self.num_blocks + 64:
-                self._expiries = [(b.expiry, next(self._expiry_seq), b) for b in self.blocks if b.expiry is not None]
+                self._expiries = [(b.expiry, b.block_id, b) for b in self.blocks if b.expiry is not None]
                 heapq.heapify(self._expiries)
 
     def expire(self) -> int:
