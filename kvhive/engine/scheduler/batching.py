@@ -126,7 +126,7 @@ class Batcher:
 
 
 class Admission:
-    """Admits waiting requests in FCFS order: session resume, prefix hits, tier loads."""
+    """Admits waiting requests in the queue's order (FCFS or by priority): session resume, prefix hits, tier loads."""
 
     def __init__(self, config: SchedulerConfig, queues: RequestQueues, kv: KVCacheManager,
                  spill: SessionSpill, transfers: KVTransfers,
