@@ -5,8 +5,9 @@
   of the generated tokens, handed to the engine; a range outside the prompt is a 400 naming it.
 - ``prompt_cache_retention`` (chat completions, responses; OpenAI's ``"in_memory"`` or ``"24h"``):
   pins the whole prompt (``kvhive.sessions.prefix_pins``) for ``PROMPT_CACHE_RETENTION_TTL_S``,
-  within the API key's session budgets; a retention longer than ``--max-session-ttl`` is a 400
-  naming the field and pins nothing (``in_memory`` is shortened to the cap instead).
+  within the API key's session budgets: in_memory on the device only, 24h in the store tiers too,
+  surviving a restart; a retention longer than ``--max-session-ttl`` is a 400 naming the field
+  and pins nothing (``in_memory`` is shortened to the cap instead).
 - ``prompt_cache_key`` (chat completions, responses; OpenAI's): the gateway's routing key, bounded
   by ``MAX_PROMPT_CACHE_KEY_CHARS`` (``kvhive.core.request_fields``); the replica reads nothing from it.
 
@@ -74,13 +75,14 @@ def client_retention(value: dict[str, Any] | None, num_prompt_tokens: int) -> Re
 
 
 def retention_breakpoints(value: str | None, num_prompt_tokens: int, max_ttl_s: int) -> list[Breakpoint]:
-    """The pin ``prompt_cache_retention`` asks for: the whole prompt for the value's TTL (in_memory
-    at most ``max_ttl_s``); none when absent. A longer TTL than the cap is refused by the pins."""
+    """The pin ``prompt_cache_retention`` asks for: the whole prompt for the value's TTL; none when
+    absent. in_memory is a device priority only (``Breakpoint.in_memory``), at most ``max_ttl_s``
+    long; 24h also pins in the store tiers and persists, and the pins refuse it over the cap."""
     if value is None:
         return []
     ttl = PROMPT_CACHE_RETENTION_TTL_S[value]
     if value == "in_memory":
-        ttl = min(ttl, max_ttl_s)
+        return [Breakpoint(num_prompt_tokens, min(ttl, max_ttl_s), in_memory=True)]
     return [Breakpoint(num_prompt_tokens, ttl)]
 
 
