@@ -240,3 +240,12 @@ def test_an_in_memory_pin_is_a_device_priority_only(tmp_path) -> None:
     assert sorted(len(h) for _, h in holder.held) == [2]
     reloaded = service(Holder(), backend=FileBackend(str(tmp_path)), keeper=keeper)
     assert [(p.num_tokens, p.in_memory) for p in reloaded.list("k")] == [(2 * BLOCK_SIZE, False)]
+
+
+def test_prompt_cache_retention_maps_onto_one_pin_of_the_whole_prompt() -> None:
+    from kvhive.server.prompt_cache import retention_breakpoints
+
+    assert retention_breakpoints(None, 100, 3600) == []
+    assert retention_breakpoints("in_memory", 100, 3600) == [Breakpoint(100, 300, in_memory=True)]
+    assert retention_breakpoints("in_memory", 100, 60) == [Breakpoint(100, 60, in_memory=True)]
+    assert retention_breakpoints("24h", 100, 3600) == [Breakpoint(100, 86400)]      # the pins refuse it
