@@ -274,12 +274,14 @@ class SessionRegistry:
                 logger.exception("could not delete the record of session %s", session.session_id)
 
     def pop_expired(self) -> list[Session]:
-        """Remove and return every expired, idle session (the caller frees their blocks).
+        """Remove and return every expired, idle session or pin (the caller frees their blocks).
 
         A local backend's records go too; a shared backend's expire in Redis on their own (and a
         record another replica extended since must stay)."""
         now = self.clock()
-        expired = [s for s in self._sessions.values() if not s.busy and s.expires <= now]
+        # A pin is busy only until the request that creates it has computed its prompt; one whose
+        # request never ended expires all the same (a session's turn always ends).
+        expired = [s for s in self._sessions.values() if (not s.busy or s.is_pin) and s.expires <= now]
         for session in expired:
             self._remove(session)
             if self.backend is not None and not self.backend.shared:

@@ -249,3 +249,13 @@ def test_prompt_cache_retention_maps_onto_one_pin_of_the_whole_prompt() -> None:
     assert retention_breakpoints("in_memory", 100, 3600) == [Breakpoint(100, 300, in_memory=True)]
     assert retention_breakpoints("in_memory", 100, 60) == [Breakpoint(100, 60, in_memory=True)]
     assert retention_breakpoints("24h", 100, 3600) == [Breakpoint(100, 86400)]      # the pins refuse it
+
+
+def test_a_pin_whose_request_never_ended_expires_all_the_same() -> None:
+    clock, holder = Clock(), Holder()
+    sessions = service(holder, clock=clock)
+    open_pins(sessions, "k", [Breakpoint(BLOCK_SIZE, 60)])
+    [pin] = sessions.list("k")
+    assert pin.busy and sessions.sweep() == 0
+    clock.now += 61
+    assert sessions.sweep() == 1 and sessions.list("k") == [] and holder.released == [pin.engine_id]
