@@ -16,6 +16,8 @@ from kvhive.core.json_body import ListOf
 from kvhive.core.request_fields import (
     TEXT_PART_FIELDS,
     NoOpText,
+    PromptCacheKey,
+    PromptCacheRetention,
     StrictBody,
 )
 from kvhive.request import MAX_LOGPROBS
@@ -118,10 +120,13 @@ class ResponsesRequest(StrictBody):
     stream: bool = False
     metadata: dict[str, str] | None = None
     parallel_tool_calls: bool | None = None
+    # Prompt-cache fields (kvhive.server.prompt_cache): OpenAI's routing key and pin, TensorRT-LLM's retention.
+    prompt_cache_key: PromptCacheKey | None = None
+    prompt_cache_retention: PromptCacheRetention | None = None
+    kv_cache_retention_config: dict[str, Any] | None = None
     # No-ops (kvhive.core.request_fields.NO_OP_FIELDS): nothing here changes the output.
     user: NoOpText | None = None
     safety_identifier: NoOpText | None = None
-    prompt_cache_key: NoOpText | None = None
     service_tier: NoOpText | None = None
     tools: ListOf[Any] | None = None                 # checked in kvhive.server.tools
     tool_choice: str | dict[str, Any] | None = None
