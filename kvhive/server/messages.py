@@ -102,9 +102,9 @@ async def messages_prompt(service: GenerationService, body: MessagesInput) -> Me
     except BodyError as exc:
         raise body_error(exc) from None
     size = sum(len(m.get("content") or "") for m in chat.messages) + len(str(chat.tools or ""))
-    work = (lambda: _tokenized(service, parts, chat))
     try:
-        ids, counts = work() if size < OFF_LOOP_CHARS else await asyncio.to_thread(work)
+        ids, counts = (_tokenized(service, parts, chat) if size < OFF_LOOP_CHARS
+                       else await asyncio.to_thread(_tokenized, service, parts, chat))
     except BodyError as exc:
         raise body_error(exc) from None
     except (TemplateError, ValueError) as exc:
