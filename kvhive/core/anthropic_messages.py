@@ -436,7 +436,7 @@ def breakpoint_chars(body: Mapping[str, Any], chat: MessagesChat, render: Callab
     """The body's rendered text (``render`` of ``chat``) and each breakpoint's character offset in it:
     the common prefix of the text and its probe's text, at least the offset before it."""
     text = render(chat)
-    offsets: list[int] = []
+    offsets: list[int] = []           # each at least the one before: breakpoints nest in Anthropic's order
     for breakpoint in chat.breakpoints:
         probe = render(messages_chat(probe_body(body, breakpoint.where)))
         offset = common_prefix_len(text, probe)

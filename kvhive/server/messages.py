@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -74,7 +74,7 @@ def install_messages_routes(app: FastAPI, service: GenerationService) -> None:
         check_anthropic_headers(raw_request.headers)
         body = await parse_body(raw_request, CountTokensRequest)
         check_input(service, body)
-        prompt = await messages_prompt(service, body)
+        prompt = await messages_prompt(service, body, place_breakpoints=False)
         return CountTokensResponse(input_tokens=len(prompt.token_ids))
 
 
@@ -93,14 +93,18 @@ def body_parts(body: MessagesInput) -> dict[str, Any]:
             "cache_control": body.cache_control}
 
 
-async def messages_prompt(service: GenerationService, body: MessagesInput) -> MessagesPrompt:
-    """The body rendered and tokenized, its breakpoints placed (off the event loop when long); 400
-    naming the field for a body the conversion or the template refuses."""
+async def messages_prompt(service: GenerationService, body: MessagesInput, place_breakpoints: bool = True
+                          ) -> MessagesPrompt:
+    """The body rendered and tokenized, its breakpoints placed unless ``place_breakpoints`` is false
+    (then it has none); off the event loop when long. 400 naming the field for a body the
+    conversion or the template refuses."""
     parts = body_parts(body)
     try:
         chat = messages_chat(parts)
     except BodyError as exc:
         raise body_error(exc) from None
+    if not place_breakpoints:
+        chat = replace(chat, breakpoints=())
     size = sum(len(m.get("content") or "") for m in chat.messages) + len(str(chat.tools or ""))
     try:
         ids, counts = (_tokenized(service, parts, chat) if size < OFF_LOOP_CHARS
