@@ -26,7 +26,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvhive.core.json_body import BodyError
-from kvhive.core.tool_definitions import MAX_CALL_ID_CHARS, MAX_TOOLS, chat_functions, chat_template_input
+from kvhive.core.tool_definitions import (
+    MAX_CALL_ID_CHARS,
+    MAX_TOOLS,
+    chat_functions,
+    chat_template_input,
+    check_object,
+)
 
 if TYPE_CHECKING:
     from kvhive.core.tokenizer import Tokenizer
@@ -121,7 +127,7 @@ def _tools(raw: Any, breakpoints: list[CacheBreakpoint]) -> tuple[dict[str, Any]
         if isinstance(tool, Mapping) and tool.get("type") not in (None, "custom"):
             raise BodyError(f"Tools of type {tool.get('type')!r:.60} (server tools) are not served; only "
                             f"client tools (type 'custom' or none)", param=f"{param}.type")
-        _check_keys(tool, param, TOOL_KEYS)
+        check_object(tool, param, TOOL_KEYS)
         _add_breakpoint(tool, ("tools", i), param, breakpoints)
         if "input_schema" not in tool:
             raise BodyError(f"'{param}.input_schema' is required", param=f"{param}.input_schema")
@@ -168,7 +174,7 @@ def _text_block(block: Any, param: str) -> str:
     if not isinstance(block, Mapping) or block.get("type") != "text":
         kind = block.get("type") if isinstance(block, Mapping) else type(block).__name__
         raise BodyError(f"'{param}' must be a text block, got type {kind!r:.60}", param=f"{param}.type")
-    _check_keys(block, param, TEXT_KEYS)
+    check_object(block, param, TEXT_KEYS)
     if block.get("citations"):
         raise BodyError(f"'{param}.citations' are not served", param=f"{param}.citations")
     text = block.get("text")
@@ -194,7 +200,7 @@ def _messages(raw: Any, breakpoints: list[CacheBreakpoint]) -> list[dict[str, An
     call_ids: set[str] = set()
     for k, message in enumerate(raw):
         param = f"messages[{k}]"
-        _check_keys(message, param, MESSAGE_KEYS)
+        check_object(message, param, MESSAGE_KEYS)
         role, content = message.get("role"), message.get("content")
         if "content" not in message:
             raise BodyError(f"'{param}.content' is required", param=f"{param}.content")
@@ -243,7 +249,7 @@ def _user_message(content: Any, param: str, k: int, call_ids: set[str],
 
 
 def _tool_result(block: Mapping[str, Any], param: str, call_ids: set[str]) -> dict[str, Any]:
-    _check_keys(block, param, TOOL_RESULT_KEYS)
+    check_object(block, param, TOOL_RESULT_KEYS)
     call_id = block.get("tool_use_id")
     if call_id not in call_ids:
         raise BodyError(f"tool_use_id {call_id!r:.80} matches no earlier tool_use block",
@@ -300,7 +306,7 @@ def _assistant_message(content: Any, param: str, k: int, call_ids: set[str],
 
 
 def _tool_use(block: Mapping[str, Any], param: str, call_ids: set[str]) -> dict[str, Any]:
-    _check_keys(block, param, TOOL_USE_KEYS)
+    check_object(block, param, TOOL_USE_KEYS)
     call_id, name, arguments = block.get("id"), block.get("name"), block.get("input")
     if not isinstance(call_id, str) or not 0 < len(call_id) <= MAX_CALL_ID_CHARS:
         raise BodyError(f"'{param}.id' must be 1 to {MAX_CALL_ID_CHARS} characters", param=f"{param}.id")
@@ -332,7 +338,7 @@ def _tool_choice(raw: Any, tools: tuple[dict[str, Any], ...] | None) -> tuple[st
     kind = raw.get("type") if isinstance(raw, Mapping) else None
     if kind not in TOOL_CHOICE_KEYS:
         raise BodyError("'tool_choice.type' must be 'auto', 'any', 'tool' or 'none'", param="tool_choice.type")
-    _check_keys(raw, "tool_choice", TOOL_CHOICE_KEYS[kind])
+    check_object(raw, "tool_choice", TOOL_CHOICE_KEYS[kind])
     single = raw.get("disable_parallel_tool_use")
     if single is not None and not isinstance(single, bool):
         raise BodyError("'tool_choice.disable_parallel_tool_use' must be a boolean",
@@ -347,20 +353,12 @@ def _tool_choice(raw: Any, tools: tuple[dict[str, Any], ...] | None) -> tuple[st
     return {"auto": "auto", "any": "required", "none": "none"}[kind], not single
 
 
-def _check_keys(value: Any, param: str, keys: frozenset[str]) -> None:
-    if not isinstance(value, Mapping):
-        raise BodyError(f"'{param}' must be an object", param=param)
-    unknown = sorted(set(value) - keys)
-    if unknown:
-        raise BodyError(f"Unknown field '{unknown[0]:.80}' in '{param}'", param=f"{param}.{unknown[0]:.80}")
-
-
 # ---------------------------------------------------------------- breakpoints
 
 
 def _cache_ttl(raw: Any, param: str) -> int:
     """A ``cache_control`` object's TTL in seconds; BodyError for another type, TTL or field."""
-    _check_keys(raw, param, CACHE_CONTROL_KEYS)
+    check_object(raw, param, CACHE_CONTROL_KEYS)
     if raw.get("type") != "ephemeral":
         raise BodyError(f"'{param}.type' must be 'ephemeral', got {raw.get('type')!r:.40}", param=f"{param}.type")
     ttl = raw.get("ttl", DEFAULT_TTL)
