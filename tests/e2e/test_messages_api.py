@@ -2,7 +2,7 @@
 keys, a disk dir): text, system, multi-turn, streaming events, stop sequences, tools through a
 tool_use / tool_result round trip, count_tokens, Anthropic's error shapes and headers, and
 ``cache_control`` pins (the repeat reads the breakpointed prefix from cache, another key never
-does, a restart with the disk dir keeps the pin).
+does, after its TTL the prefix is created again, a restart with the disk dir keeps the pin).
 
 The tiny model writes noise: tool calls are asked for with ``any`` or a named tool over enum
 arguments, so the grammar makes each call valid whatever the model says.
@@ -11,6 +11,7 @@ arguments, so the grammar makes each call valid whatever the model says.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -272,6 +273,21 @@ def test_a_ttl_over_the_servers_cap_pins_nothing(served: Served) -> None:
     body = {"model": SERVED_MODEL_NAME, "max_tokens": 2, "messages": ASK, "system": cached_system("1h")}
     assert "max-session-ttl" in anthropic_error(post(served, body, key=KEY_B), 400, "invalid_request_error")
     assert pins(served, KEY_B) == before
+
+
+def test_after_its_ttl_the_prefix_is_created_again(served: Served) -> None:
+    system = [{"type": "text", "text": LONG_SYSTEM + " Expiry edition.", "cache_control": {"type": "ephemeral"}}]
+    before = {p["id"] for p in pins(served, KEY_A)}
+    first = create(served, system=system, max_tokens=2)
+    (pin_id,) = {p["id"] for p in pins(served, KEY_A)} - before
+    # The pin's TTL shortened to a second through the session API; then it expires.
+    patched = httpx.patch(f"{served.server.base_url}/v1/context/{pin_id}", json={"ttl": 1},
+                          headers={"x-api-key": KEY_A})
+    assert patched.status_code == 200, patched.text
+    time.sleep(1.5)
+    again = create(served, system=system, max_tokens=2)
+    assert (again.usage.cache_read_input_tokens, again.usage.cache_creation_input_tokens) == (
+        0, first.usage.cache_creation_input_tokens)
 
 
 def test_a_restart_with_the_disk_dir_keeps_the_pin(served: Served) -> None:
