@@ -217,6 +217,20 @@ def _messages(raw: Any, breakpoints: list[CacheBreakpoint]) -> list[dict[str, An
         else:
             raise BodyError(f"'{param}.role' must be 'user', 'assistant' or 'system', got {role!r:.40}",
                             param=f"{param}.role")
+    return _combined_turns(out)
+
+
+def _combined_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive user (or assistant) turns as one, their texts joined by a newline, as Anthropic
+    combines them; a turn with calls or a tool result stays its own."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        previous = out[-1] if out else None
+        if (previous is not None and previous["role"] == message["role"] in ("user", "assistant")
+                and set(previous) == set(message) == {"role", "content"}):
+            out[-1] = {**previous, "content": f"{previous['content']}\n{message['content']}"}
+        else:
+            out.append(message)
     return out
 
 

@@ -233,3 +233,11 @@ def test_every_template_places_each_breakpoint_after_its_block(family_tokenizer:
     longer["messages"] += [{"role": "assistant", "content": "Glad to help."}, {"role": "user", "content": "Bye"}]
     longer_ids = family_tokenizer.encode(render_chat(family_tokenizer, messages_chat(longer)))
     assert longer_ids[:counts[-1]] == ids[:counts[-1]]
+
+
+def test_consecutive_turns_of_one_role_are_combined() -> None:
+    chat = messages_chat(body(messages=[{"role": "user", "content": "a"}, {"role": "user", "content": [
+        {"type": "text", "text": "b"}]}, {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}]))
+    assert [(m["role"], m["content"]) for m in chat.messages] == [("user", "a\nb"), ("assistant", "c"), ("user", "d")]
+    # A tool result and the text after it stay apart.
+    assert [m["role"] for m in messages_chat(ROUND_TRIP).messages] == ["system", "user", "assistant", "tool", "user"]
