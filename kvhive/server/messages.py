@@ -118,6 +118,7 @@ async def messages_prompt(service: GenerationService, body: MessagesInput, place
 
 
 def _tokenized(service: GenerationService, parts: Mapping[str, Any], chat: MessagesChat) -> tuple[list[int], list[int]]:
+    """The prompt's token ids and each breakpoint's token count (blocking: the render and the encodes)."""
     tokenizer = service.tokenizer
     text, offsets = breakpoint_chars(parts, chat, lambda c: render_chat(tokenizer, c))
     ids = tokenizer.encode(text)
