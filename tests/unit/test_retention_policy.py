@@ -19,7 +19,6 @@ from kvhive.kv.events import BlockUpdated, EventBatch, decode_batch, encode_batc
 from kvhive.kv.retention_policy import block_retentions
 
 
-
 def test_block_retentions_follow_the_ranges_and_the_decode_priority():
     spec = RetentionSpec((RetentionRange(0, 4, 90, 60.0), RetentionRange(6, None, 20)), decode_priority=50)
     got = block_retentions(spec, 4, BLOCK_SIZE, 14, 10)
