@@ -66,8 +66,9 @@ def test_prompt_cache_retention_pins_the_prompt_for_its_key(server: ServerProces
 def test_responses_take_prompt_cache_retention(server: ServerProcess) -> None:
     answer = client(server, KEY_B).responses.create(model=SERVED_MODEL_NAME, input="Pin me: " + "dolor " * 30,
                                                    max_output_tokens=2, store=False,
-                                                   prompt_cache_retention="in_memory")
+                                                   prompt_cache_retention="in_memory", prompt_cache_key="agent-7")
     assert [p["tokens"] for p in pins(server, KEY_B)] == [answer.usage.input_tokens]
+    assert (answer.prompt_cache_retention, answer.prompt_cache_key) == ("in_memory", "agent-7")
 
 
 def test_bad_prompt_cache_fields_are_refused_and_pin_nothing(server: ServerProcess) -> None:
