@@ -10,7 +10,7 @@ backend (a restart with a disk dir or Redis keeps them), keep their full blocks 
 Rules, in one place:
 
 - A pin is owned by the API key (the owner digest sessions use) and named by a digest of the model,
-  the cache salt and the prefix's tokens (``pin_id``): the same prefix from the same key is one pin,
+  the cache salt and the prefix's tokens (``pin_ids``): the same prefix from the same key is one pin,
   and another key never finds it (its cache salt keeps the KV apart as well).
 - On the device a pin is only a retention priority: ``PinTurn.retention`` ranges ``[0, num_tokens)``
   at ``PINNED_PRIORITY`` for the TTL, which the device pool honours (pins are priorities). A pin
@@ -18,7 +18,8 @@ Rules, in one place:
   and no store tier keeps its blocks, so it takes no room in the keeper tier and ends with the
   process; it still counts in the key's session count and KV.
 - Each request that carries a breakpoint refreshes its pin: it expires ``ttl_s`` after this request
-  (a later expiry it had stays). A pin is created when its request's prompt has been computed.
+  (a later expiry it had stays). A new pin's record is made when its request opens (busy, counted
+  in the budgets) and holds the prefix's blocks once the engine has computed the prompt.
 - Counters, with Anthropic's meanings (``PinTurn.cache_usage``): ``cache_read_input_tokens`` are the
   prompt tokens up to the furthest breakpoint whose pin was live before this request, and served
   from cache (at most the engine's ``cached_tokens``); ``cache_creation_input_tokens`` the rest up
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -44,8 +44,6 @@ from kvhive.sessions.session import PIN_KIND, Session
 
 if TYPE_CHECKING:
     from kvhive.sessions.service import SessionService
-
-logger = logging.getLogger(__name__)
 
 # Anthropic's bound on the breakpoints of one request.
 MAX_BREAKPOINTS = 4
