@@ -265,7 +265,8 @@ class Turn:
             user=body.user, metadata=body.metadata or {}, text={"format": text_format(body.text)},
             parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls,
             tools=[dict(f.definition["function"], type="function") for f in self.plan.functions],
-            tool_choice=body.tool_choice if body.tool_choice is not None else "auto")
+            tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
+            prompt_cache_key=body.prompt_cache_key, prompt_cache_retention=body.prompt_cache_retention)
         self.outputs = OutputItems(self.plan, self.logprobs)
 
     def logprobs(self, tokens: tuple[SentToken, ...]) -> list[ChatTokenLogprob]:

@@ -278,6 +278,8 @@ class ResponseObject(BaseModel):
     usage: ResponseUsage | None = None
     user: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
+    prompt_cache_key: str | None = None           # echoed as sent
+    prompt_cache_retention: str | None = None
 
 
 def output_text(response: dict[str, Any]) -> str:

@@ -10,12 +10,16 @@ backend (a restart with a disk dir or Redis keeps them), keep their full blocks 
 Rules, in one place:
 
 - A pin is owned by the API key (the owner digest sessions use) and named by a digest of the model,
-  the cache salt and the prefix's tokens (``pin_id``): the same prefix from the same key is one pin,
+  the cache salt and the prefix's tokens (``pin_ids``): the same prefix from the same key is one pin,
   and another key never finds it (its cache salt keeps the KV apart as well).
 - On the device a pin is only a retention priority: ``PinTurn.retention`` ranges ``[0, num_tokens)``
-  at ``PINNED_PRIORITY`` for the TTL, which the device pool honours (pins are priorities).
+  at ``PINNED_PRIORITY`` for the TTL, which the device pool honours (pins are priorities). A pin
+  ``in_memory`` (OpenAI's ``in_memory`` retention) is nothing more: its record is never written
+  and no store tier keeps its blocks, so it takes no room in the keeper tier and ends with the
+  process; it still counts in the key's session count and KV.
 - Each request that carries a breakpoint refreshes its pin: it expires ``ttl_s`` after this request
-  (a later expiry it had stays). A pin is created when its request's prompt has been computed.
+  (a later expiry it had stays). A new pin's record is made when its request opens (busy, counted
+  in the budgets) and holds the prefix's blocks once the engine has computed the prompt.
 - Counters, with Anthropic's meanings (``PinTurn.cache_usage``): ``cache_read_input_tokens`` are the
   prompt tokens up to the furthest breakpoint whose pin was live before this request, and served
   from cache (at most the engine's ``cached_tokens``); ``cache_creation_input_tokens`` the rest up
@@ -30,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -42,8 +45,6 @@ from kvhive.sessions.session import PIN_KIND, Session
 if TYPE_CHECKING:
     from kvhive.sessions.service import SessionService
 
-logger = logging.getLogger(__name__)
-
 # Anthropic's bound on the breakpoints of one request.
 MAX_BREAKPOINTS = 4
 # What starts a pin's id: '@' is outside the session-id alphabet, so no request can name a pin as
@@ -53,10 +54,12 @@ PIN_ID_PREFIX = "pin@"
 
 @dataclass(frozen=True)
 class Breakpoint:
-    """Pin prompt tokens ``[0, num_tokens)`` for ``ttl_s`` seconds after their last use."""
+    """Pin prompt tokens ``[0, num_tokens)`` for ``ttl_s`` seconds after their last use;
+    ``in_memory``: only as a device priority (no store-tier pin, no persisted record)."""
 
     num_tokens: int
     ttl_s: int
+    in_memory: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,32 +72,33 @@ class CacheUsage:
 
 
 def pin_ids(model: str, cache_salt: str | None, prompt_token_ids: Sequence[int],
-            lengths: Sequence[int]) -> list[str]:
-    """The id of the pin of each prefix ``prompt_token_ids[:n]`` for ``n`` in ``lengths``
-    (ascending), in one pass over the prompt."""
+            breakpoints: Sequence[Breakpoint]) -> list[str]:
+    """The id of each breakpoint's pin, a digest of the model, the salt, the prefix
+    ``prompt_token_ids[:num_tokens]`` and whether it is held in memory only; breakpoints in
+    ascending order, one pass over the prompt."""
     digest = hashlib.blake2b(digest_size=16)
     for part in (model, cache_salt or ""):
         raw = part.encode()
         digest.update(len(raw).to_bytes(4, "little") + raw)
     ids, start = [], 0
-    for n in lengths:
-        digest.update(b"".join(t.to_bytes(4, "little", signed=True) for t in prompt_token_ids[start:n]))
-        start = n
+    for bp in breakpoints:
+        digest.update(b"".join(t.to_bytes(4, "little", signed=True) for t in prompt_token_ids[start:bp.num_tokens]))
+        start = max(start, bp.num_tokens)
         snapshot = digest.copy()
-        snapshot.update(n.to_bytes(8, "little"))
+        snapshot.update(bp.num_tokens.to_bytes(8, "little") + bytes([bp.in_memory]))
         ids.append(PIN_ID_PREFIX + snapshot.hexdigest())
     return ids
 
 
 def checked_breakpoints(breakpoints: Sequence[Breakpoint], num_prompt_tokens: int, max_ttl_s: int,
                         param: str) -> tuple[Breakpoint, ...]:
-    """The breakpoints by position, two at one position merged (the longer TTL); SessionInvalid
+    """The breakpoints by position, two alike at one position merged (the longer TTL); SessionInvalid
     (naming ``param``) for more than MAX_BREAKPOINTS, a position outside ``[1, num_prompt_tokens]``,
     or a TTL outside ``(0, max_ttl_s]`` (--max-session-ttl)."""
     if len(breakpoints) > MAX_BREAKPOINTS:
         raise SessionInvalid(f"A request may carry at most {MAX_BREAKPOINTS} cache breakpoints, got "
                              f"{len(breakpoints)}", "too_many_breakpoints", param)
-    merged: dict[int, int] = {}
+    merged: dict[tuple[int, bool], int] = {}
     for bp in breakpoints:
         if not 1 <= bp.num_tokens <= num_prompt_tokens:
             raise SessionInvalid(f"A cache breakpoint at token {bp.num_tokens} lies outside the prompt's "
@@ -105,8 +109,9 @@ def checked_breakpoints(breakpoints: Sequence[Breakpoint], num_prompt_tokens: in
         if bp.ttl_s > max_ttl_s:
             raise SessionInvalid(f"A cache retention of {bp.ttl_s}s is longer than this server allows: "
                                  f"at most {max_ttl_s}s (--max-session-ttl)", "cache_ttl_too_long", param)
-        merged[bp.num_tokens] = max(bp.ttl_s, merged.get(bp.num_tokens, 0))
-    return tuple(Breakpoint(n, merged[n]) for n in sorted(merged))
+        key = (bp.num_tokens, bp.in_memory)
+        merged[key] = max(bp.ttl_s, merged.get(key, 0))
+    return tuple(Breakpoint(n, merged[n, memory], memory) for n, memory in sorted(merged))
 
 
 def split_usage(num_prompt_tokens: int, last_breakpoint: int, read_limit: int, cached_tokens: int) -> CacheUsage:
@@ -187,7 +192,7 @@ class PrefixPins:
         points = checked_breakpoints(breakpoints, num_prompt, self.service.config.max_ttl_s, param)
         if not points:
             return PinTurn(None, num_prompt)
-        ids = pin_ids(model, cache_salt, prompt_token_ids, [bp.num_tokens for bp in points])
+        ids = pin_ids(model, cache_salt, prompt_token_ids, points)
         held = [await self._find(pin_id, owner) for pin_id in ids]
         # Awaits end here: the checks below and the changes after them see one state.
         live = [bp.num_tokens for bp, pin in zip(points, held, strict=True) if pin is not None and not pin.busy]
@@ -200,7 +205,7 @@ class PrefixPins:
             for bp, pin_id, pin in zip(points, ids, held, strict=True):
                 if pin is None:
                     pin = self.registry.create(owner, model, bp.ttl_s, session_id=pin_id, kind=PIN_KIND,
-                                               num_tokens=bp.num_tokens)
+                                               num_tokens=bp.num_tokens, in_memory=bp.in_memory)
                     created.append(True)
                 else:
                     pin.expires = max(pin.expires, now + bp.ttl_s)   # held through the request (not written)
@@ -225,15 +230,17 @@ class PrefixPins:
                     held: list[Session | None]) -> None:
         """SessionLimit when the new pins would take the key over its session count or KV, or the
         server's pins over the keeper tier (nested pins share blocks: only the tokens past the
-        furthest pin held below the furthest new one are new there)."""
+        furthest pin held there below the furthest new one are new there; pins held in memory
+        only take no room there)."""
         if not missing:
             return
         self.registry.check_session_count(owner, len(missing))
-        furthest_new = missing[-1].num_tokens
+        stored = [bp.num_tokens for bp in missing if not bp.in_memory]
+        furthest_new = max(stored, default=0)
         below = max((bp.num_tokens for bp, pin in zip(points, held, strict=True)
-                     if pin is not None and bp.num_tokens < furthest_new), default=0)
+                     if pin is not None and not bp.in_memory and bp.num_tokens < furthest_new), default=0)
         self.registry.check_pinned(owner, sum(bp.num_tokens for bp in missing),
-                                   keeper_tokens=furthest_new - below)
+                                   keeper_tokens=max(0, furthest_new - below))
 
     def end_turn(self, turn: PinTurn, block_hashes: Sequence[bytes] | None) -> None:
         """``PinTurn.end``'s changes: write or refresh each pin with its prefix's full blocks, or drop
@@ -249,5 +256,5 @@ class PrefixPins:
             # A record that cannot be written is logged by the records; the pin holds here all the same.
             with contextlib.suppress(SessionNotDurable):
                 self.registry.refresh_pin(pin, bp.num_tokens, hashes, bp.ttl_s)
-            if changed and self.registry.holds(pin):      # not one deleted or swept meanwhile
+            if changed and not pin.in_memory and self.registry.holds(pin):   # not deleted or swept meanwhile
                 self.service.pin(pin)

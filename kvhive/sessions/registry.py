@@ -138,8 +138,10 @@ class SessionRegistry:
         return self._live(session, session_id)
 
     def _rereads(self, session: Session | None) -> bool:
-        """Whether a lookup reads the backend again: shared, and the session not busy here."""
-        return self.backend is not None and self.backend.shared and (session is None or not session.busy)
+        """Whether a lookup reads the backend again: shared, and the session not busy here (nor
+        held in memory only: the backend never has its record)."""
+        return (self.backend is not None and self.backend.shared
+                and (session is None or not (session.busy or session.in_memory)))
 
     def _live(self, session: Session | None, session_id: str) -> Session:
         if session is None or (not session.busy and session.expires <= self.clock()):
@@ -183,14 +185,15 @@ class SessionRegistry:
     # ------------------------------------------------------------------ changes
 
     def create(self, owner: str | None, model: str, ttl_s: int, session_id: str | None = None,
-               kind: str = SESSION_KIND, num_tokens: int = 0) -> Session:
+               kind: str = SESSION_KIND, num_tokens: int = 0, in_memory: bool = False) -> Session:
         """A new busy session (its first turn is about to run) of ``kind``, counting ``num_tokens``
-        until its turn ends; SessionLimit over the per-key count limit."""
+        until its turn ends (``in_memory``: a record never written, whose blocks no store tier
+        keeps); SessionLimit over the per-key count limit."""
         if self.config.max_sessions_per_key is not None:
             self.limits.check_session_count(len(self.list(owner)))
         now = self.clock()
         session = Session(session_id or f"sess-{uuid.uuid4().hex}", owner, model, ttl_s, now, now + ttl_s,
-                          num_tokens, busy=True, turn=1, kind=kind)
+                          num_tokens, busy=True, turn=1, kind=kind, in_memory=in_memory)
         self.records.save(session)            # SessionNotDurable: refused before it exists
         self._add(session)
         return session
@@ -271,12 +274,14 @@ class SessionRegistry:
                 logger.exception("could not delete the record of session %s", session.session_id)
 
     def pop_expired(self) -> list[Session]:
-        """Remove and return every expired, idle session (the caller frees their blocks).
+        """Remove and return every expired, idle session or pin (the caller frees their blocks).
 
         A local backend's records go too; a shared backend's expire in Redis on their own (and a
         record another replica extended since must stay)."""
         now = self.clock()
-        expired = [s for s in self._sessions.values() if not s.busy and s.expires <= now]
+        # A pin is busy only until the request that creates it has computed its prompt; one whose
+        # request never ended expires all the same (a session's turn always ends).
+        expired = [s for s in self._sessions.values() if (not s.busy or s.is_pin) and s.expires <= now]
         for session in expired:
             self._remove(session)
             if self.backend is not None and not self.backend.shared:
@@ -291,22 +296,27 @@ class SessionRegistry:
 
     def _add(self, session: Session) -> None:
         self._sessions[(session.owner, session.session_id)] = session
-        self.limits.count_blocks(session.block_hashes, 1)
+        self._count_blocks(session, session.block_hashes, 1)
 
     def _remove(self, session: Session) -> bool:
         if self._sessions.get((session.owner, session.session_id)) is not session:
             return False
         del self._sessions[(session.owner, session.session_id)]
-        self.limits.count_blocks(session.block_hashes, -1)
+        self._count_blocks(session, session.block_hashes, -1)
         return True
+
+    def _count_blocks(self, session: Session, block_hashes: list[str], delta: int) -> None:
+        """Count a held session's blocks in the keeper tier's rule, unless it keeps them in memory only."""
+        if not session.in_memory:
+            self.limits.count_blocks(block_hashes, delta)
 
     def _set_blocks(self, session: Session, block_hashes: list[str]) -> None:
         held = self._sessions.get((session.owner, session.session_id)) is session
         if held:
-            self.limits.count_blocks(session.block_hashes, -1)
+            self._count_blocks(session, session.block_hashes, -1)
         session.block_hashes = block_hashes
         if held:
-            self.limits.count_blocks(block_hashes, 1)
+            self._count_blocks(session, block_hashes, 1)
 
     # ------------------------------------------------------------------ persistence
 

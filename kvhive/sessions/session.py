@@ -38,6 +38,8 @@ class Session:
     busy: bool = False             # a turn is running (not persisted)
     turn: int = 0                  # turns begun since load (not persisted): tells one turn's end from a later one's
     kind: str = SESSION_KIND       # SESSION_KIND, or PIN_KIND for a prompt-cache pin
+    # Held in this process only: its record is never written and no store tier keeps its blocks.
+    in_memory: bool = False
 
     @property
     def is_pin(self) -> bool:

@@ -66,8 +66,9 @@ def test_prompt_cache_retention_pins_the_prompt_for_its_key(server: ServerProces
 def test_responses_take_prompt_cache_retention(server: ServerProcess) -> None:
     answer = client(server, KEY_B).responses.create(model=SERVED_MODEL_NAME, input="Pin me: " + "dolor " * 30,
                                                    max_output_tokens=2, store=False,
-                                                   prompt_cache_retention="in_memory")
+                                                   prompt_cache_retention="in_memory", prompt_cache_key="agent-7")
     assert [p["tokens"] for p in pins(server, KEY_B)] == [answer.usage.input_tokens]
+    assert (answer.prompt_cache_retention, answer.prompt_cache_key) == ("in_memory", "agent-7")
 
 
 def test_bad_prompt_cache_fields_are_refused_and_pin_nothing(server: ServerProcess) -> None:
@@ -119,3 +120,15 @@ def test_kv_cache_retention_config_is_taken_on_every_endpoint_and_checked(server
         refused(lambda body=body: a.completions.create(model=SERVED_MODEL_NAME, prompt="Retain " * 12,
                                                       max_tokens=2, extra_body=body), param)
         refused(lambda body=body: chat(server, extra_body=body), param)
+
+
+def test_a_streamed_chat_and_several_choices_pin_once(server: ServerProcess) -> None:
+    messages = [{"role": "user", "content": "Stream and pin: " + "sit amet " * 20}]
+    stream = client(server, KEY_B).chat.completions.create(
+        model=SERVED_MODEL_NAME, messages=messages, max_tokens=2, stream=True, prompt_cache_retention="in_memory")
+    assert [chunk.id for chunk in stream]
+    choices = client(server, KEY_B).chat.completions.create(
+        model=SERVED_MODEL_NAME, messages=messages, max_tokens=2, n=2, prompt_cache_retention="in_memory")
+    assert len(choices.choices) == 2
+    streamed = [p for p in pins(server, KEY_B) if p["tokens"] == choices.usage.prompt_tokens]
+    assert len(streamed) == 1 and not streamed[0]["busy"] and streamed[0]["num_blocks"] > 0

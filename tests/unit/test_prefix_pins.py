@@ -15,6 +15,7 @@ from kvhive.config import SessionConfig
 from kvhive.core.retention import PINNED_PRIORITY, RetentionRange, RetentionSpec
 from kvhive.sessions.backends import FileBackend
 from kvhive.sessions.errors import SessionInvalid, SessionLimit, SessionNotFound
+from kvhive.sessions.limits import KeeperTier
 from kvhive.sessions.prefix_pins import Breakpoint, CacheUsage, PinTurn, pin_ids, split_usage
 from kvhive.sessions.service import SessionService
 
@@ -90,9 +91,9 @@ def test_another_key_never_reads_a_pin_and_the_cache_salt_names_another_pin() ->
     request(sessions, "alice", points, cached_tokens=0)
     assert request(sessions, "bob", points, cached_tokens=3 * BLOCK_SIZE).cache_read_input_tokens == 0
     assert len(sessions.list("alice")) == len(sessions.list("bob")) == 1
-    salted = pin_ids("m", "s", PROMPT, [3 * BLOCK_SIZE])
-    assert salted != pin_ids("m", None, PROMPT, [3 * BLOCK_SIZE])
-    assert pin_ids("m", None, PROMPT, [3 * BLOCK_SIZE]) == [sessions.list("alice")[0].session_id]
+    salted = pin_ids("m", "s", PROMPT, points)
+    assert salted != pin_ids("m", None, PROMPT, points)
+    assert pin_ids("m", None, PROMPT, points) == [sessions.list("alice")[0].session_id]
 
 
 def test_a_read_refreshes_the_ttl_and_an_expired_pin_is_created_again() -> None:
@@ -218,3 +219,43 @@ def test_the_counters_sum_to_the_prompt() -> None:
         usage = split_usage(120, last_breakpoint=100, read_limit=60, cached_tokens=cached)
         assert sum(usage.__dict__.values()) == 120
         assert usage.cache_read_input_tokens == min(60, cached)
+
+
+def test_an_in_memory_pin_is_a_device_priority_only(tmp_path) -> None:
+    holder = Holder()
+    keeper = KeeperTier("disk", 3 * BLOCK_BYTES, "--disk-cache-gb")      # room for 2 pinned blocks
+    sessions = service(holder, backend=FileBackend(str(tmp_path)), keeper=keeper)
+    memory = [Breakpoint(5 * BLOCK_SIZE, 300, in_memory=True)]
+    turn = open_pins(sessions, "k", memory)                       # 5 blocks: no room asked of the keeper
+    assert turn.retention == RetentionSpec((RetentionRange(0, 5 * BLOCK_SIZE, PINNED_PRIORITY, 300.0),))
+    turn.end(block_hashes(PROMPT), 0)
+    assert request(sessions, "k", memory, 5 * BLOCK_SIZE).cache_read_input_tokens == 5 * BLOCK_SIZE
+    [pin] = sessions.list("k")
+    assert pin.in_memory and len(pin.block_hashes) == 5 and holder.held == []
+    assert sessions.registry.pinned_block_bytes() == 0
+    # The same prefix pinned durably is another pin, which the keeper's room bounds.
+    with pytest.raises(SessionLimit):
+        open_pins(sessions, "k", [Breakpoint(5 * BLOCK_SIZE, 300)])
+    request(sessions, "k", [Breakpoint(2 * BLOCK_SIZE, 300)], cached_tokens=2 * BLOCK_SIZE)
+    assert sorted(len(h) for _, h in holder.held) == [2]
+    reloaded = service(Holder(), backend=FileBackend(str(tmp_path)), keeper=keeper)
+    assert [(p.num_tokens, p.in_memory) for p in reloaded.list("k")] == [(2 * BLOCK_SIZE, False)]
+
+
+def test_prompt_cache_retention_maps_onto_one_pin_of_the_whole_prompt() -> None:
+    from kvhive.server.prompt_cache import retention_breakpoints
+
+    assert retention_breakpoints(None, 100, 3600) == []
+    assert retention_breakpoints("in_memory", 100, 3600) == [Breakpoint(100, 300, in_memory=True)]
+    assert retention_breakpoints("in_memory", 100, 60) == [Breakpoint(100, 60, in_memory=True)]
+    assert retention_breakpoints("24h", 100, 3600) == [Breakpoint(100, 86400)]      # the pins refuse it
+
+
+def test_a_pin_whose_request_never_ended_expires_all_the_same() -> None:
+    clock, holder = Clock(), Holder()
+    sessions = service(holder, clock=clock)
+    open_pins(sessions, "k", [Breakpoint(BLOCK_SIZE, 60)])
+    [pin] = sessions.list("k")
+    assert pin.busy and sessions.sweep() == 0
+    clock.now += 61
+    assert sessions.sweep() == 1 and sessions.list("k") == [] and holder.released == [pin.engine_id]
