@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvhive.core.anthropic_errors import anthropic_error_body
 from kvhive.core.tool_parsers import ContentDelta
 from kvhive.server.errors import APIError, session_error
-from kvhive.server.messages_errors import anthropic_error_body
 from kvhive.server.messages_protocol import MessagesResponse, MessagesUsage, TextBlock, ToolUseBlock
 from kvhive.server.prompt_cache import PromptCache
 from kvhive.server.serving import TextDelta

@@ -14,9 +14,10 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 from starlette.datastructures import Headers
 
+from kvhive.core.anthropic_errors import anthropic_error_type
 from kvhive.core.tool_parsers import ArgumentsDelta, ContentDelta
 from kvhive.server.errors import APIError, install_error_handlers
-from kvhive.server.messages_errors import AnthropicErrors, anthropic_error_type, check_anthropic_headers
+from kvhive.server.messages_errors import AnthropicErrors, check_anthropic_headers
 from kvhive.server.messages_protocol import MessagesRequest
 from kvhive.server.messages_stream import BlockEvents, MessageAnswer, cut_stop_sequence, stop_reason
 from kvhive.server.prompt_cache import NO_PROMPT_CACHE
