@@ -15,6 +15,7 @@ from kvhive.core.anthropic_messages import (
     breakpoint_chars,
     breakpoint_tokens,
     messages_chat,
+    probe_body,
     render_chat,
 )
 from kvhive.core.json_body import BodyError
@@ -241,3 +242,18 @@ def test_consecutive_turns_of_one_role_are_combined() -> None:
     assert [(m["role"], m["content"]) for m in chat.messages] == [("user", "a\nb"), ("assistant", "c"), ("user", "d")]
     # A tool result and the text after it stay apart.
     assert [m["role"] for m in messages_chat(ROUND_TRIP).messages] == ["system", "user", "assistant", "tool", "user"]
+
+
+def test_probes_change_only_what_follows_the_block() -> None:
+    # A user tool named like the sentinel tool does not clash with it.
+    tools = [{**TOOL, "name": "kvhive_cache_breakpoint_0", "cache_control": ephemeral()}]
+    b = body(tools=tools, tool_choice={"type": "any"})
+    probe = probe_body(b, ("tools", 0))
+    assert [t["name"] for t in probe["tools"]] == ["kvhive_cache_breakpoint_0", "kvhive_cache_breakpoint_1"]
+    assert "tool_choice" not in probe and messages_chat(probe).tools
+    # A message cut after an assistant block is followed by a user turn (the body stays servable).
+    cut = probe_body(ROUND_TRIP, ("messages", 1, 0))
+    assert cut["messages"][1]["content"] == [{"type": "text", "text": "Checking."}]
+    assert cut["messages"][-1]["role"] == "user" and len(cut["messages"]) == 3
+    messages_chat(cut)
+    assert "cache_control" not in probe_body(ROUND_TRIP | {"cache_control": ephemeral()}, ("system", 1))
