@@ -8,7 +8,7 @@ import copy
 from typing import Any
 
 import pytest
-from support.tokenizer_families import FAMILIES, build_vocab, write_hf_dir
+from support.tokenizer_families import family_tokenizer
 
 from kvhive.core.anthropic_messages import (
     MAX_BREAKPOINTS,
@@ -19,8 +19,6 @@ from kvhive.core.anthropic_messages import (
     render_chat,
 )
 from kvhive.core.json_body import BodyError
-from kvhive.core.model_files import default_model_path
-from kvhive.core.tokenizer import Tokenizer
 from kvhive.router.tokenize import Prompt, chat_text
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -209,30 +207,27 @@ def test_a_breakpoint_before_the_last_turn_excludes_it(tokenizer: Any) -> None:
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama3", "default"])
-def family_tokenizer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def template_tokenizer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Templates that render tools themselves (qwen3, llama3) and one that does not (kvhive's format)."""
-    if request.param == "default":
-        return Tokenizer.from_model_path(default_model_path())
-    family = next(f for f in FAMILIES if f.name == request.param)
-    return Tokenizer.from_hf_dir(write_hf_dir(family, build_vocab(family), tmp_path_factory.mktemp(family.name)))
+    return family_tokenizer(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def test_every_template_places_each_breakpoint_after_its_block(family_tokenizer: Any) -> None:
+def test_every_template_places_each_breakpoint_after_its_block(template_tokenizer: Any) -> None:
     b = copy.deepcopy(ROUND_TRIP)
     b["messages"][2]["content"][1].pop("cache_control")
     b["messages"][0] = {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?",
                                                      "cache_control": ephemeral()}]}
-    text, offsets, ids, counts = placed(family_tokenizer, b)
+    text, offsets, ids, counts = placed(template_tokenizer, b)
     assert offsets == sorted(offsets) and counts == sorted(counts) and 0 < counts[0] and counts[-1] < len(ids)
     assert '"get_weather"' in text[:offsets[0]] and "Be kind." in text[:offsets[1]]
     assert "Weather in Paris?" in text[:offsets[2]] and "Checking." not in text[:offsets[2]]
     # The gateway renders the same text (its chat path), so it finds the same breakpoints.
     chat = messages_chat(b)
-    assert text == chat_text(family_tokenizer, Prompt(messages=chat.messages, tools=chat.tools))
+    assert text == chat_text(template_tokenizer, Prompt(messages=chat.messages, tools=chat.tools))
     # The next turn's prompt starts with the breakpointed ids.
     longer = copy.deepcopy(b)
     longer["messages"] += [{"role": "assistant", "content": "Glad to help."}, {"role": "user", "content": "Bye"}]
-    longer_ids = family_tokenizer.encode(render_chat(family_tokenizer, messages_chat(longer)))
+    longer_ids = template_tokenizer.encode(render_chat(template_tokenizer, messages_chat(longer)))
     assert longer_ids[:counts[-1]] == ids[:counts[-1]]
 
 
