@@ -8,12 +8,15 @@ import copy
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from support.tokenizer_families import family_tokenizer
 
 from kvhive.core.anthropic_messages import (
     MAX_BREAKPOINTS,
     breakpoint_chars,
     breakpoint_tokens,
+    common_prefix_len,
     messages_chat,
     probe_body,
     render_chat,
@@ -252,3 +255,10 @@ def test_probes_change_only_what_follows_the_block() -> None:
     assert cut["messages"][-1]["role"] == "user" and len(cut["messages"]) == 3
     messages_chat(cut)
     assert "cache_control" not in probe_body(ROUND_TRIP | {"cache_control": ephemeral()}, ("system", 1))
+
+
+@given(st.text(alphabet="ab", max_size=40), st.text(alphabet="ab", max_size=40))
+def test_common_prefix_len(a: str, b: str) -> None:
+    n = common_prefix_len(a, b)
+    assert a[:n] == b[:n] and (n == min(len(a), len(b)) or a[n] != b[n])
+    assert common_prefix_len(list(a), list(b)) == n
