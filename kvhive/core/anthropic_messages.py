@@ -465,12 +465,19 @@ def breakpoint_tokens(encode: Callable[[str], Sequence[int]], text: str, prompt_
 
 
 def common_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
-    """How many leading items (characters, ids) ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    """How many leading items (characters, ids) ``a`` and ``b`` share: halving the differing span,
+    compared a slice at a time (linear in the length, the comparisons in C)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    # Invariant: the first lo items agree; somewhere in [lo, hi) they differ.
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 # ---------------------------------------------------------------- rendering

@@ -38,7 +38,7 @@ from kvhive.server.messages_protocol import (
     MessagesResponse,
 )
 from kvhive.server.messages_stream import MessageAnswer
-from kvhive.server.prompt_cache import PromptCache, client_retention
+from kvhive.server.prompt_cache import client_retention, open_pins
 from kvhive.server.request_body import parse_body
 from kvhive.server.sampling_fields import pick
 from kvhive.server.serving import OFF_LOOP_CHARS, GenerationService, TextOptions
@@ -162,13 +162,9 @@ async def answer_message(service: GenerationService, body: MessagesRequest, raw_
     sampling = messages_sampling(service, body, max_tokens, plan)
     retention = client_retention(body.kv_cache_retention_config, len(ids))
     stops = tuple(s for s in body.stop_sequences or () if s)
-    owner = service.owner_of(raw_request)
-    salt = service.cache_salt_for(owner, None)
-    pins = None
-    if prompt.breakpoints:
-        pins = await service.sessions.prefix_pins.open(owner, body.model, ids, prompt.breakpoints, cache_salt=salt,
-                                                       param=BREAKPOINT_PARAM)
-    cache = PromptCache(retention, pins)
+    salt = service.cache_salt_for(service.owner_of(raw_request), None)
+    cache = await open_pins(service, raw_request, body.model, ids, prompt.breakpoints, salt, retention,
+                            param=BREAKPOINT_PARAM)
     answer = MessageAnswer(service.served_model_name, plan, len(ids), stops, cache)
     stream = service.stream(answer.message_id, ids, sampling, stops, salt,
                             text=TextOptions(include_stop_str_in_output=True), cache=cache)

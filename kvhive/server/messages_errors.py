@@ -4,8 +4,8 @@ Every error the app answers on those paths, wherever it is raised (the API key, 
 its JSON, a field, the model, a session limit, a crash), leaves in Anthropic's shape
 ``{"type": "error", "error": {"type": ..., "message": ...}}`` with its status:
 ``AnthropicErrors`` rewrites the OpenAI-shaped body the rest of the app writes, so there is one
-error path and one status table. ``check_anthropic_headers`` checks ``anthropic-version`` and
-``anthropic-beta``.
+error path and one status table (``kvhive.core.anthropic_errors``, the gateway's too).
+``check_anthropic_headers`` checks ``anthropic-version`` and ``anthropic-beta``.
 """
 
 from __future__ import annotations
@@ -18,24 +18,12 @@ from collections.abc import Mapping
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvhive.core.anthropic_errors import as_anthropic_error
 from kvhive.server.errors import APIError, bad_request
 
 logger = logging.getLogger(__name__)
 
 MESSAGES_PATH = "/v1/messages"
-
-# Anthropic's error type of each status; another 4xx is an invalid_request_error, another 5xx an api_error.
-ERROR_TYPES: Mapping[int, str] = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",
-    529: "overloaded_error",
-}
 
 # The API versions whose Messages API kvhive serves (the header may also be left out).
 ANTHROPIC_VERSIONS = ("2023-06-01", "2026-10-21")
@@ -50,18 +38,6 @@ NO_OP_BETAS: Mapping[str, str] = {
     "claude-code-20250219": "it names the client; no field it enables is served differently",
 }
 MAX_BETAS = 32
-
-
-def anthropic_error_type(status: int) -> str:
-    """Anthropic's error type for an HTTP status."""
-    if status in ERROR_TYPES:
-        return ERROR_TYPES[status]
-    return "api_error" if status >= 500 else "invalid_request_error"
-
-
-def anthropic_error_body(status: int, message: str) -> dict[str, object]:
-    """The JSON body of an error in Anthropic's shape."""
-    return {"type": "error", "error": {"type": anthropic_error_type(status), "message": message}}
 
 
 def check_anthropic_headers(headers: Headers) -> None:
@@ -82,16 +58,24 @@ def check_anthropic_headers(headers: Headers) -> None:
 
 
 def _anthropic_body(status: int, raw: bytes) -> bytes:
-    """An OpenAI-shaped error body rewritten in Anthropic's shape (its message kept)."""
+    """An OpenAI-shaped error body rewritten in Anthropic's shape: its message, followed by the
+    field it names when the message does not name it already."""
+    body = as_anthropic_error(status, raw)
+    param = _openai_param(raw)
+    message = body["error"]["message"]
+    if param and param not in message:
+        body["error"]["message"] = f"{message} ({param})"
+    return json.dumps(body).encode()
+
+
+def _openai_param(raw: bytes) -> str | None:
+    """The ``error.param`` of an OpenAI-shaped error body; None when it has none."""
     try:
         error = json.loads(raw).get("error")
-        message = error["message"] if isinstance(error, dict) else str(error)
-        param = error.get("param") if isinstance(error, dict) else None
-    except (ValueError, AttributeError, KeyError, TypeError):
-        message, param = raw.decode("utf-8", "replace")[:1000], None
-    if param and f"'{param}'" not in message and param not in message:
-        message = f"{message} ({param})"
-    return json.dumps(anthropic_error_body(status, message)).encode()
+    except (ValueError, AttributeError):
+        return None
+    param = error.get("param") if isinstance(error, dict) else None
+    return param if isinstance(param, str) else None
 
 
 class AnthropicErrors:

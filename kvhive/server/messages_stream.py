@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvhive.core.anthropic_errors import anthropic_error_body
 from kvhive.core.tool_parsers import ContentDelta
 from kvhive.server.errors import APIError, session_error
-from kvhive.server.messages_errors import anthropic_error_body
 from kvhive.server.messages_protocol import MessagesResponse, MessagesUsage, TextBlock, ToolUseBlock
 from kvhive.server.prompt_cache import PromptCache
 from kvhive.server.serving import TextDelta
@@ -80,17 +80,15 @@ class MessageAnswer:
     message_id: str = field(default_factory=new_message_id)
 
     def usage(self, final: TextDelta | None) -> MessagesUsage:
-        """The counters: the pins' split of the prompt when the request carried breakpoints, else
-        what the engine read from its prefix cache and the rest as input."""
+        """The counters: the pins' split of the prompt (``PinTurn.cache_usage``) when the request
+        carried breakpoints; without any, the whole prompt is input, as Anthropic counts it."""
         output = 0 if final is None else final.num_output_tokens
         pinned = None if self.cache.pins is None else self.cache.pins.usage
-        if pinned is not None:
-            return MessagesUsage(input_tokens=pinned.input_tokens, output_tokens=output,
-                                 cache_creation_input_tokens=pinned.cache_creation_input_tokens,
-                                 cache_read_input_tokens=pinned.cache_read_input_tokens)
-        read = 0 if final is None else min(final.num_cached_tokens, self.num_prompt_tokens)
-        return MessagesUsage(input_tokens=self.num_prompt_tokens - read, output_tokens=output,
-                             cache_read_input_tokens=read)
+        if pinned is None:
+            return MessagesUsage(input_tokens=self.num_prompt_tokens, output_tokens=output)
+        return MessagesUsage(input_tokens=pinned.input_tokens, output_tokens=output,
+                             cache_creation_input_tokens=pinned.cache_creation_input_tokens,
+                             cache_read_input_tokens=pinned.cache_read_input_tokens)
 
     def response(self, result: TextDelta) -> MessagesResponse:
         """The whole answer: text and tool_use blocks in the order they came; a call whose

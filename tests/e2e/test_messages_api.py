@@ -235,6 +235,18 @@ def test_every_failure_has_anthropics_shape(served: Served) -> None:
         create(served, key="wrong")
 
 
+def test_no_op_fields_and_the_retention_config_are_taken(served: Served) -> None:
+    retention = {"token_range_retention_configs": [{"token_start": 0, "token_end": 8, "priority": 90}],
+                 "decode_retention_priority": 10}
+    answer = create(served, metadata={"user_id": "user-7"}, service_tier="standard_only", max_tokens=2,
+                    extra_body={**GREEDY, "kv_cache_retention_config": retention,
+                                "thinking": {"type": "disabled"}})
+    assert answer.usage.output_tokens == 2
+    out_of_prompt = {"token_range_retention_configs": [{"token_start": 0, "token_end": 100_000, "priority": 90}]}
+    body = {"model": SERVED_MODEL_NAME, "max_tokens": 2, "messages": ASK, "kv_cache_retention_config": out_of_prompt}
+    assert "outside the prompt" in anthropic_error(post(served, body), 400, "invalid_request_error")
+
+
 def test_api_key_headers_and_anthropic_headers(served: Served) -> None:
     bearer = anthropic.Anthropic(base_url=served.server.base_url, auth_token=KEY_B, max_retries=0, timeout=120)
     assert bearer.messages.count_tokens(model=SERVED_MODEL_NAME, messages=ASK).input_tokens > 0
@@ -266,6 +278,11 @@ def test_the_repeat_reads_the_breakpointed_prefix_and_another_key_never_does(ser
     assert again.usage.input_tokens > 0
     other = create(served, KEY_B, system=cached_system(), max_tokens=2)
     assert (other.usage.cache_read_input_tokens, other.usage.cache_creation_input_tokens) == (0, created)
+    # A stream's message_delta carries the same counters.
+    with client(served).messages.stream(model=SERVED_MODEL_NAME, max_tokens=2, messages=ASK, system=cached_system(),
+                                        extra_body=GREEDY) as stream:
+        streamed = stream.get_final_message().usage
+    assert (streamed.cache_read_input_tokens, streamed.cache_creation_input_tokens) == (created, 0)
 
 
 def test_a_ttl_over_the_servers_cap_pins_nothing(served: Served) -> None:

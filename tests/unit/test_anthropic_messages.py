@@ -8,18 +8,20 @@ import copy
 from typing import Any
 
 import pytest
-from support.tokenizer_families import FAMILIES, build_vocab, write_hf_dir
+from hypothesis import given
+from hypothesis import strategies as st
+from support.tokenizer_families import family_tokenizer
 
 from kvhive.core.anthropic_messages import (
     MAX_BREAKPOINTS,
     breakpoint_chars,
     breakpoint_tokens,
+    common_prefix_len,
     messages_chat,
+    probe_body,
     render_chat,
 )
 from kvhive.core.json_body import BodyError
-from kvhive.core.model_files import default_model_path
-from kvhive.core.tokenizer import Tokenizer
 from kvhive.router.tokenize import Prompt, chat_text
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -208,30 +210,27 @@ def test_a_breakpoint_before_the_last_turn_excludes_it(tokenizer: Any) -> None:
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama3", "default"])
-def family_tokenizer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def template_tokenizer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Templates that render tools themselves (qwen3, llama3) and one that does not (kvhive's format)."""
-    if request.param == "default":
-        return Tokenizer.from_model_path(default_model_path())
-    family = next(f for f in FAMILIES if f.name == request.param)
-    return Tokenizer.from_hf_dir(write_hf_dir(family, build_vocab(family), tmp_path_factory.mktemp(family.name)))
+    return family_tokenizer(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def test_every_template_places_each_breakpoint_after_its_block(family_tokenizer: Any) -> None:
+def test_every_template_places_each_breakpoint_after_its_block(template_tokenizer: Any) -> None:
     b = copy.deepcopy(ROUND_TRIP)
     b["messages"][2]["content"][1].pop("cache_control")
     b["messages"][0] = {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?",
                                                      "cache_control": ephemeral()}]}
-    text, offsets, ids, counts = placed(family_tokenizer, b)
+    text, offsets, ids, counts = placed(template_tokenizer, b)
     assert offsets == sorted(offsets) and counts == sorted(counts) and 0 < counts[0] and counts[-1] < len(ids)
     assert '"get_weather"' in text[:offsets[0]] and "Be kind." in text[:offsets[1]]
     assert "Weather in Paris?" in text[:offsets[2]] and "Checking." not in text[:offsets[2]]
     # The gateway renders the same text (its chat path), so it finds the same breakpoints.
     chat = messages_chat(b)
-    assert text == chat_text(family_tokenizer, Prompt(messages=chat.messages, tools=chat.tools))
+    assert text == chat_text(template_tokenizer, Prompt(messages=chat.messages, tools=chat.tools))
     # The next turn's prompt starts with the breakpointed ids.
     longer = copy.deepcopy(b)
     longer["messages"] += [{"role": "assistant", "content": "Glad to help."}, {"role": "user", "content": "Bye"}]
-    longer_ids = family_tokenizer.encode(render_chat(family_tokenizer, messages_chat(longer)))
+    longer_ids = template_tokenizer.encode(render_chat(template_tokenizer, messages_chat(longer)))
     assert longer_ids[:counts[-1]] == ids[:counts[-1]]
 
 
@@ -241,3 +240,25 @@ def test_consecutive_turns_of_one_role_are_combined() -> None:
     assert [(m["role"], m["content"]) for m in chat.messages] == [("user", "a\nb"), ("assistant", "c"), ("user", "d")]
     # A tool result and the text after it stay apart.
     assert [m["role"] for m in messages_chat(ROUND_TRIP).messages] == ["system", "user", "assistant", "tool", "user"]
+
+
+def test_probes_change_only_what_follows_the_block() -> None:
+    # A user tool named like the sentinel tool does not clash with it.
+    tools = [{**TOOL, "name": "kvhive_cache_breakpoint_0", "cache_control": ephemeral()}]
+    b = body(tools=tools, tool_choice={"type": "any"})
+    probe = probe_body(b, ("tools", 0))
+    assert [t["name"] for t in probe["tools"]] == ["kvhive_cache_breakpoint_0", "kvhive_cache_breakpoint_1"]
+    assert "tool_choice" not in probe and messages_chat(probe).tools
+    # A message cut after an assistant block is followed by a user turn (the body stays servable).
+    cut = probe_body(ROUND_TRIP, ("messages", 1, 0))
+    assert cut["messages"][1]["content"] == [{"type": "text", "text": "Checking."}]
+    assert cut["messages"][-1]["role"] == "user" and len(cut["messages"]) == 3
+    messages_chat(cut)
+    assert "cache_control" not in probe_body(ROUND_TRIP | {"cache_control": ephemeral()}, ("system", 1))
+
+
+@given(st.text(alphabet="ab", max_size=40), st.text(alphabet="ab", max_size=40))
+def test_common_prefix_len(a: str, b: str) -> None:
+    n = common_prefix_len(a, b)
+    assert a[:n] == b[:n] and (n == min(len(a), len(b)) or a[n] != b[n])
+    assert common_prefix_len(list(a), list(b)) == n

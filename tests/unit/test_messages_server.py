@@ -14,9 +14,10 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 from starlette.datastructures import Headers
 
+from kvhive.core.anthropic_errors import anthropic_error_type
 from kvhive.core.tool_parsers import ArgumentsDelta, ContentDelta
 from kvhive.server.errors import APIError, install_error_handlers
-from kvhive.server.messages_errors import AnthropicErrors, anthropic_error_type, check_anthropic_headers
+from kvhive.server.messages_errors import AnthropicErrors, check_anthropic_headers
 from kvhive.server.messages_protocol import MessagesRequest
 from kvhive.server.messages_stream import BlockEvents, MessageAnswer, cut_stop_sequence, stop_reason
 from kvhive.server.prompt_cache import NO_PROMPT_CACHE
@@ -153,5 +154,6 @@ def test_the_whole_answer_and_its_usage_without_breakpoints() -> None:
     response = answer.response(result)
     assert [b.text for b in response.content] == ["It is sunny"]
     assert (response.stop_reason, response.stop_sequence) == ("stop_sequence", "STOP")
-    assert response.usage.model_dump() == {"input_tokens": 4, "output_tokens": 5, "cache_creation_input_tokens": 0,
-                                           "cache_read_input_tokens": 16}
+    # Without breakpoints the whole prompt is input, whatever the prefix cache served.
+    assert response.usage.model_dump() == {"input_tokens": 20, "output_tokens": 5, "cache_creation_input_tokens": 0,
+                                           "cache_read_input_tokens": 0}
