@@ -137,6 +137,11 @@ class SessionLimits:
         self._check_key_limit(owner, owned, num_tokens, exclude)
         self._check_keeper(num_tokens, exclude)
 
+    def check_key_limit(self, owner: str | None, owned: Iterable[Session], num_tokens: int) -> None:
+        """SessionLimit when one more session holding ``num_tokens`` would take the key's sessions
+        over --max-pinned-gb (a fork: its blocks are pinned already, the keeper tier gains none)."""
+        self._check_key_limit(owner, owned, num_tokens, None)
+
     def _check_key_limit(self, owner: str | None, owned: Iterable[Session], num_tokens: int,
                          exclude: Session | None) -> None:
         limit = self.key_limit
