@@ -163,3 +163,26 @@ def test_max_active_conversations_ends_the_least_recently_used_idle_one():
         turn.end()
     # "b" comes back as a new conversation (its blocks were left to the prefix cache).
     assert asyncio.run(sessions.open_turn("k", "m", 10, conversation_id="b")).created
+
+
+def test_the_conversation_flags_show_in_help_and_reach_the_config(capsys):
+    import argparse
+
+    from kvhive.cli import main
+    from kvhive.serve_args import add_serve_args, build_engine_config
+
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(SystemExit):
+        patch.setenv("COLUMNS", "1000")
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--enable-conversation-caching, --no-enable-conversation-caching" in text
+    assert "--max-active-conversations N" in text
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    default = build_engine_config(parser.parse_args([])).sessions
+    assert (default.enable_conversation_caching, default.max_active_conversations) == (True, None)
+    chosen = build_engine_config(parser.parse_args(["--no-enable-conversation-caching",
+                                                    "--max-active-conversations", "3"])).sessions
+    assert (chosen.enable_conversation_caching, chosen.max_active_conversations) == (False, 3)
+    with pytest.raises(ValueError, match="--max-active-conversations must be at least 1"):
+        build_engine_config(parser.parse_args(["--max-active-conversations", "0"]))
