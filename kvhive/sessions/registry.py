@@ -172,6 +172,10 @@ class SessionRegistry:
         """Bytes of the distinct full blocks all sessions pin (less those only ``exclude`` pins)."""
         return self.limits.pinned_block_bytes(exclude)
 
+    def owned(self, owner: str | None) -> list[Session]:
+        """The owner's sessions held here, expired ones included (what its limits count)."""
+        return list(self._owned(owner))
+
     def _owned(self, owner: str | None) -> Iterator[Session]:
         """The owner's sessions held here, expired ones included."""
         return (s for (o, _), s in self._sessions.items() if o == owner)

@@ -10,6 +10,10 @@ The HTTP layer validates a request and streams it; this service decides its sess
    (``kvhive.engine.scheduler.session_spill``), and the record here stays whatever it does;
 4. ``end`` (DELETE, a conversation left empty) and ``sweep`` (expiry) release a session's blocks.
 
+Beside the turns: ``fork`` makes a session holding what another held after one of its turns, and
+``pin_chain`` keeps a stored response's chain pinned after its conversation moved on to another
+branch (``kvhive.sessions.chain_pins``).
+
 The engine side is a ``SessionHolder`` (``kvhive.engine.client.EngineClient`` in the server).
 Everything here runs on the server's event loop, like the registry.
 """
@@ -18,12 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from kvhive.config import SessionConfig
 from kvhive.sessions.backends import SessionBackend
+from kvhive.sessions.chain_pins import ChainPins
 from kvhive.sessions.registry import (
     KeeperTier,
     Session,
@@ -134,6 +139,7 @@ class SessionService:
         self.registry = SessionRegistry(config, block_bytes, block_size, backend=backend, keeper=keeper,
                                         on_load=self.pin, clock=clock, device_pool_bytes=device_pool_bytes)
         self.config = config
+        self.chains = ChainPins(self.registry.limits, holder.hold_session)
 
     # ------------------------------------------------------------ turns
 
@@ -236,6 +242,17 @@ class SessionService:
         self.pin(child)
         shared = await self.holder.fork_session(parent.engine_id, child.engine_id, child.num_tokens)
         return child, shared
+
+    # ------------------------------------------------------------ stored responses' chains
+
+    def pin_chain(self, owner: str | None, response_id: str, block_hashes: list[str]) -> bool:
+        """Pin a stored response's chain beside its conversation's session (``ChainPins.pin``);
+        False when a limit leaves it unpinned."""
+        return self.chains.pin(owner, response_id, block_hashes, self.registry.owned(owner))
+
+    def unpin_chains(self, owner: str | None, response_ids: Iterable[str]) -> int:
+        """Drop the chains pinned for these stored responses (deleted, or their conversation expired)."""
+        return self.chains.unpin(owner, response_ids)
 
     # ------------------------------------------------------------ holdings
 

@@ -8,6 +8,7 @@ One server, SIGKILLed and restarted once on the same disk dir (with conversation
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import httpx
@@ -125,6 +126,44 @@ def test_turn_number_and_max_active_conversations(server, forked):
             assert r.status_code == 200, r.text
         live = {s["id"] for s in c.get("/v1/context").json()["data"]}
         assert {"conv-b", "conv-c"} <= live and "conv-a" not in live and parent in live
+
+
+def respond(c: httpx.Client, text: str, previous: str | None = None) -> dict:
+    r = c.post("/v1/responses", json={"model": SERVED_MODEL_NAME, "input": text, "max_output_tokens": 4,
+                                       "temperature": 0, "previous_response_id": previous})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def disk_pinned(server, at_least: float) -> float:
+    """The blocks live pins hold in the disk tier, once at least ``at_least`` (saves are async)."""
+    deadline = time.monotonic() + 10
+    while (value := server.metric("kvhive_session_blocks", {"tier": "disk"})) < at_least:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return value
+
+
+def test_every_responses_branch_keeps_its_own_pinned_chain(server):
+    words = " ".join(f"w{i}" for i in range(60))
+    with client(server) as c:
+        parent = respond(c, f"Start here: {words}")
+        pinned = disk_pinned(server, 1)
+        a = respond(c, f"Branch one: {words[::-1]}", parent["id"])
+        a_pinned = disk_pinned(server, pinned + 1)
+        b = respond(c, f"Branch two: {words.upper()}", parent["id"])
+        # The session moved on to branch two; branch one's own blocks stay pinned beside it.
+        both = disk_pinned(server, a_pinned + 1)
+        assert both > a_pinned > pinned
+        a2, b2 = respond(c, "And then?", a["id"]), respond(c, "And then?", b["id"])
+        for previous, turn in ((a, a2), (b, b2)):
+            assert turn["usage"]["input_tokens_details"]["cached_tokens"] >= \
+                (previous["usage"]["input_tokens"] - 1) // 16 * 16
+        # Deleting a response drops its chain's pin (the blocks no other chain or session pins).
+        before = disk_pinned(server, 0)
+        assert c.delete(f"/v1/responses/{a2['id']}").status_code == 200
+        assert server.metric("kvhive_session_blocks", {"tier": "disk"}) < before
 
 
 def test_a_fork_survives_a_restart_and_conversation_caching_can_be_off(server, forked, disk):

@@ -186,3 +186,24 @@ def test_the_conversation_flags_show_in_help_and_reach_the_config(capsys):
     assert (chosen.enable_conversation_caching, chosen.max_active_conversations) == (False, 3)
     with pytest.raises(ValueError, match="--max-active-conversations must be at least 1"):
         build_engine_config(parser.parse_args(["--max-active-conversations", "0"]))
+
+
+def test_stored_responses_chains_are_pinned_within_the_keeper_tier_and_the_key_limit():
+    from kvhive.sessions.chain_pins import chain_pin_id
+    from kvhive.sessions.limits import KeeperTier
+
+    holder = Holder()
+    keeper = KeeperTier("disk", int(10 * BLOCK_BYTES / 0.9) + 1, "--disk-cache-gb 1")   # room for 10 blocks
+    sessions = service(holder, SessionConfig(max_ttl_s=3600, max_pinned_gb=6 * BLOCK_BYTES / 2**30), keeper=keeper)
+    parent = three_turns(sessions)                       # the session pins 3 blocks
+    assert sessions.pin_chain("k", "resp_a", hashes("a", 3) + hashes("b", 2))      # 2 blocks beyond it
+    assert holder.held[-1] == (chain_pin_id("k", "resp_a"), blocks("a", 3) + blocks("b", 2))
+    assert sessions.registry.pinned_block_bytes() == 5 * BLOCK_BYTES
+    # The key may pin 6 blocks' worth: its session's 53 tokens plus 2 extra blocks fit, 3 more do not.
+    assert not sessions.pin_chain("k", "resp_c", hashes("a", 3) + hashes("c", 3))
+    assert sessions.pin_chain("other", "resp_o", hashes("d", 5))                   # another key
+    assert not sessions.pin_chain("other", "resp_p", hashes("e", 1) + hashes("d", 5))   # the tier is full
+    assert sessions.registry.pinned_block_bytes() == 10 * BLOCK_BYTES
+    assert sessions.unpin_chains("k", ["resp_a", "resp_never"]) == 1
+    assert holder.held[-1] == (chain_pin_id("k", "resp_a"), [])
+    assert sessions.registry.pinned_block_bytes() == 8 * BLOCK_BYTES and parent.num_turns == 3
