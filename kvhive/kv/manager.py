@@ -430,7 +430,9 @@ class KVCacheManager:
         if held is None or self.window is not None or parent_id == child_id:
             return 0
         num_full = min(num_tokens, held.num_computed_tokens) // self.block_size
-        num_full = min(num_full, len(held.block_hashes), len(held.blocks))
+        num_full = min(num_full, len(held.blocks))
+        if self.enable_prefix_caching:            # without it, blocks are not hashed (tokens match them)
+            num_full = min(num_full, len(held.block_hashes))
         self.release_session(child_id)
         if num_full == 0:
             return 0
