@@ -88,6 +88,8 @@ class SessionStats:
     expired_total: int = 0         # sessions dropped at their expiry
     deleted_total: int = 0         # sessions ended by DELETE or end_conversation
     record_write_errors_total: int = 0   # session records a local backend could not write (SessionNotDurable)
+    forks_total: int = 0           # sessions made by a fork
+    evicted_total: int = 0         # idle conversations ended for a new one (--max-active-conversations)
 
 
 class SessionRegistry:
@@ -106,6 +108,7 @@ class SessionRegistry:
         self.clock = clock
         self._sessions: dict[tuple[str | None, str], Session] = {}
         self._turns = self._hit_tokens = self._expired = self._deleted = 0
+        self._forks = self._evicted = 0
         if backend is not None:
             add_listener = getattr(backend, "add_listener", None)
             if add_listener is not None:
@@ -162,7 +165,7 @@ class SessionRegistry:
         live = self.live_sessions()
         return SessionStats(len(live), sum(s.num_tokens for s in live), sum(len(s.block_hashes) for s in live),
                             self._turns, self._hit_tokens, self._expired, self._deleted,
-                            self.records.write_failures.total)
+                            self.records.write_failures.total, self._forks, self._evicted)
 
     def pinned_bytes(self, owner: str | None) -> int:
         """KV bytes the owner's sessions hold."""
@@ -212,6 +215,7 @@ class SessionRegistry:
                         num_turns=num_turns, turn_ends=parent.turn_ends[:max(0, num_turns - first + 1)])
         self.records.save(child)              # SessionNotDurable: refused before it exists
         self._add(child)
+        self._forks += 1
         return child
 
     def idle_conversation_to_evict(self) -> Session | None:
@@ -287,7 +291,8 @@ class SessionRegistry:
     def evict(self, session: Session) -> None:
         """Forget an idle conversation to make room for a new one (``idle_conversation_to_evict``);
         the caller releases its blocks, which the prefix cache keeps while there is room."""
-        self._remove(session)
+        if self._remove(session):
+            self._evicted += 1
         if self.backend is not None:
             try:
                 self.backend.delete(session.owner, session.session_id)

@@ -57,7 +57,7 @@ class Session:
                       float(d["expires"]), int(d["num_tokens"]), list(d["block_hashes"]))
         if "num_turns" in d:
             session.num_turns = int(d["num_turns"])
-            session.turn_ends = [int(n) for n in d["turn_ends"]][-MAX_TURN_ENDS:]
+            session.turn_ends = [int(n) for n in d.get("turn_ends", [])][-MAX_TURN_ENDS:]
         elif session.num_tokens:
             session.num_turns, session.turn_ends = 1, [session.num_tokens]
         session.conversation = bool(d.get("conversation", False))

@@ -92,6 +92,7 @@ def test_turns_on_a_fork_and_its_parent_answer_as_uncached_runs_and_leave_the_ot
         assert c.get(f"/v1/context/{child['id']}").json()["turns"] == 2
         latest = c.post(f"/v1/context/{parent}/fork", headers={"x-session-ttl": "600"}).json()
         assert (latest["turns"], latest["ttl"]) == (3, 600)
+    assert server.metric("kvhive_session_forks_total") == 2
 
 
 def test_bad_forks_are_refused_and_create_nothing(server, forked):
@@ -126,6 +127,7 @@ def test_turn_number_and_max_active_conversations(server, forked):
             assert r.status_code == 200, r.text
         live = {s["id"] for s in c.get("/v1/context").json()["data"]}
         assert {"conv-b", "conv-c"} <= live and "conv-a" not in live and parent in live
+    assert server.metric("kvhive_session_conversation_evictions_total") == 1
 
 
 def respond(c: httpx.Client, text: str, previous: str | None = None) -> dict:
