@@ -94,17 +94,23 @@ def install_create_route(app: FastAPI, service: GenerationService) -> None:
         return await create_completion(service, body, raw_request, new_session_ttl=ttl)
 
 
-def patched_ttl(raw: bytes, header: str | None) -> tuple[Any, str]:
-    """The TTL a ``PATCH /v1/context/{id}`` asks for and the field it came in: the body's ``ttl``,
-    else the ``x-session-ttl`` header; 400 for a body that is not a JSON object."""
+def body_object(raw: bytes, example: str) -> dict[str, Any]:
+    """An optional JSON object body (empty: ``{}``); 400 for anything else, showing ``example``."""
     if not raw.strip():
-        return header, "x-session-ttl"
+        return {}
     try:
         data = load_json(raw)
     except BodyError as exc:
         raise body_error(exc) from None
     if not isinstance(data, dict):
-        raise bad_request("Request body must be a JSON object like {\"ttl\": 600}")
+        raise bad_request(f"Request body must be a JSON object like {example}")
+    return data
+
+
+def patched_ttl(raw: bytes, header: str | None) -> tuple[Any, str]:
+    """The TTL a ``PATCH /v1/context/{id}`` asks for and the field it came in: the body's ``ttl``,
+    else the ``x-session-ttl`` header; 400 for a body that is not a JSON object."""
+    data = body_object(raw, '{"ttl": 600}')
     if "ttl" in data:
         return data["ttl"], "ttl"
     return header, "x-session-ttl"
@@ -119,14 +125,7 @@ def fork_fields(raw: bytes, header: str | None) -> tuple[Any, str, int | None]:
     """What a ``POST /v1/context/{id}/fork`` asks for: the TTL and the field it came in (None: the
     parent's), and the turn (None: the latest); 400 for a body that is not a JSON object of
     FORK_FIELDS, or a turn that is not a whole number in [1, MAX_TURN_NUMBER]."""
-    data: Any = {}
-    if raw.strip():
-        try:
-            data = load_json(raw)
-        except BodyError as exc:
-            raise body_error(exc) from None
-    if not isinstance(data, dict):
-        raise bad_request('Request body must be a JSON object like {"ttl": 600, "turn": 2}')
+    data = body_object(raw, '{"ttl": 600, "turn": 2}')
     stray = next((key for key in data if key not in FORK_FIELDS), None)
     if stray is not None:
         raise bad_request(f"Unrecognized request argument supplied: {stray[:80]}", param=stray[:80])
