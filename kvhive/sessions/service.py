@@ -173,9 +173,12 @@ class SessionService:
                 raise
             check_turn_number(None, turn_number)
             registry.check_pinned(owner, num_tokens)
-            self._make_room_for_a_conversation()
-            return self._turn(registry.create(owner, model, self.config.default_ttl_s, session_id=conversation_id,
-                                              conversation=True), end_session, created=True)
+            evicted = registry.idle_conversation_to_evict()   # SessionLimit if all are busy
+            session = registry.create(owner, model, self.config.default_ttl_s, session_id=conversation_id,
+                                      conversation=True)
+            if evicted is not None:
+                self._evict(evicted)
+            return self._turn(session, end_session, created=True)
         if session.busy and wait_if_busy and await self._wait_until_idle(session):
             session = await registry.aget(name, owner)        # as it is after that turn
         if not session.busy:
@@ -183,13 +186,11 @@ class SessionService:
         registry.begin_turn(session, model, num_tokens)
         return self._turn(session, end_session)
 
-    def _make_room_for_a_conversation(self) -> None:
-        """End the least recently used idle conversation when a new one would pass
-        --max-active-conversations (its blocks stay in the prefix cache); SessionLimit if all are busy."""
-        evicted = self.registry.idle_conversation_to_evict()
-        if evicted is not None:
-            self.registry.evict(evicted)
-            self.holder.release_session(evicted.engine_id)
+    def _evict(self, session: Session) -> None:
+        """End an idle conversation that a new one passed --max-active-conversations with (once the
+        new one exists): its record and pins go, its blocks stay in the prefix cache."""
+        self.registry.evict(session)
+        self.holder.release_session(session.engine_id)
 
     def _turn(self, session: Session, end_session: bool, created: bool = False) -> SessionTurn:
         return SessionTurn(self, session, session.turn, end_session, created)

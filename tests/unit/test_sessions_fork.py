@@ -207,3 +207,15 @@ def test_stored_responses_chains_are_pinned_within_the_keeper_tier_and_the_key_l
     assert sessions.unpin_chains("k", ["resp_a", "resp_never"]) == 1
     assert holder.held[-1] == (chain_pin_id("k", "resp_a"), [])
     assert sessions.registry.pinned_block_bytes() == 8 * BLOCK_BYTES and parent.num_turns == 3
+
+
+def test_a_new_conversation_refused_by_another_limit_evicts_nothing():
+    holder = Holder()
+    sessions = service(holder, SessionConfig(max_ttl_s=3600, max_pinned_gb=None, max_active_conversations=1,
+                                             max_sessions_per_key=1))
+    asyncio.run(sessions.open_turn("k", "m", 10, conversation_id="a")).end(20, blocks("a", 1))
+    with pytest.raises(SessionLimit, match="max-sessions-per-key"):
+        asyncio.run(sessions.open_turn("k", "m", 10, conversation_id="b"))
+    assert [s.session_id for s in sessions.registry.live_sessions()] == ["a"] and holder.released == []
+    asyncio.run(sessions.open_turn("other", "m", 10, conversation_id="b")).end(20, blocks("b", 1))
+    assert [s.session_id for s in sessions.registry.live_sessions()] == ["b"] and holder.released == ["k/a"]
