@@ -219,3 +219,15 @@ def test_a_new_conversation_refused_by_another_limit_evicts_nothing():
     assert [s.session_id for s in sessions.registry.live_sessions()] == ["a"] and holder.released == []
     asyncio.run(sessions.open_turn("other", "m", 10, conversation_id="b")).end(20, blocks("b", 1))
     assert [s.session_id for s in sessions.registry.live_sessions()] == ["b"] and holder.released == ["k/a"]
+
+
+def test_a_fork_of_a_busy_session_holds_its_last_finished_turn():
+    holder = Holder()
+    sessions = service(holder)
+    parent = three_turns(sessions)
+    running = asyncio.run(sessions.open_turn("k", "m", 4 * BLOCK_SIZE, session_id=parent.session_id))
+    child, _ = asyncio.run(sessions.fork("k", parent.session_id))
+    assert parent.busy and not child.busy
+    assert (child.num_turns, child.num_tokens) == (3, 3 * BLOCK_SIZE + 5)
+    running.end(4 * BLOCK_SIZE, blocks("a", 4))
+    assert (child.num_turns, parent.num_turns) == (3, 4)
