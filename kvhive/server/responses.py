@@ -78,6 +78,13 @@ class ResponsesAPI:
         self.sessions = service.sessions
         self.store = store
         self.created: Counter[str] = Counter()       # responses created, by final status
+        self.pin_loaded_chains()
+
+    def pin_loaded_chains(self) -> int:
+        """Pin the chains of the stored responses loaded at start (a local backend's; a shared one
+        loads on use and its branches are pinned by the replica that ran them); how many."""
+        return sum(self.sessions.pin_chain(stored.owner, stored.response_id, stored.chain)
+                   for stored in self.store.live_responses() if stored.chain)
 
     def stats(self) -> ResponseStats:
         """The store's counts and the responses created by status."""
@@ -290,19 +297,21 @@ class Turn:
         if self.body.store:
             session = self.session
             expires = session.expires if session is not None else unix_time()
-            self.api.store.add(StoredResponse(self.owner, answer, self.items), expires)
+            stored = StoredResponse(self.owner, answer, self.items, self.chain())
+            self.api.store.add(stored, expires)
             self.stored = True
-            self.pin_chain()
+            self.api.sessions.pin_chain(self.owner, self.response_id, stored.chain)
         self.api.created[status] += 1
         return answer
 
-    def pin_chain(self) -> None:
-        """Pin this stored response's chain beside the session (which later turns move on): when
-        its session turn recorded what the session holds after it."""
+    def chain(self) -> list[str]:
+        """This response's chain (its prompt's and output's full blocks), when its session turn
+        recorded what the session holds after it; else none. Stored with it and pinned beside the
+        session, which later turns move on."""
         session = self.session
         if session is None or self.turns_before is None or session.num_turns <= self.turns_before:
-            return
-        self.api.sessions.pin_chain(self.owner, self.response_id, list(session.block_hashes))
+            return []
+        return list(session.block_hashes)
 
     def fail(self, exc: Exception) -> ResponseObject:
         """The response object of a turn the engine failed, or whose storing failed (never stored)."""

@@ -9,7 +9,8 @@ Budgets: the pinned blocks count in the keeper tier's server-wide rule (``Sessio
 counts, as a session's do), and the blocks a key's chains pin beyond what its sessions hold count
 in its ``--max-pinned-gb``. A chain that would go over either is not pinned (``pin`` says so):
 its blocks stay in the prefix cache and the tiers while there is room, as any request's do.
-A pin lives until its response is deleted or its conversation expires (``unpin``).
+A pin lives until its response is deleted or its conversation expires (``unpin``); the chain is
+kept in the stored response's record (``StoredResponse.chain``), so a restart pins it again.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ conversation and never change the other, bad forks create nothing, the fork surv
 with a disk dir; ``turn_number`` is checked, ``--max-active-conversations`` ends the least recently
 used idle conversation, and ``--no-enable-conversation-caching`` refuses ``conversation_id``.
 
+Every stored ``/v1/responses`` branch keeps its own chain pinned, also after the restart.
+
 One server, SIGKILLed and restarted once on the same disk dir (with conversation caching off)."""
 
 from __future__ import annotations
@@ -172,6 +174,7 @@ def test_a_fork_survives_a_restart_and_conversation_caching_can_be_off(server, f
     parent, child, turn1, _ = forked
     with client(server) as c:
         before = c.get(f"/v1/context/{child['id']}").json()
+    pinned = disk_pinned(server, 0)             # sessions' and stored responses' chains' pins
     kill_server(server)
     again = start_server("tiny", api_keys=(KEY, OTHER), max_model_len=512,
                          extra_args=("--disk-cache-dir", disk, "--max-session-ttl", "3600",
@@ -182,6 +185,7 @@ def test_a_fork_survives_a_restart_and_conversation_caching_can_be_off(server, f
             assert {k: after[k] for k in ("tokens", "turns", "ttl", "expires_at")} == \
                 {k: before[k] for k in ("tokens", "turns", "ttl", "expires_at")}
             assert after["blocks"]["disk"] == before["num_blocks"] > 0
+            assert disk_pinned(again, pinned) == pinned           # every branch's chain pinned again
             r = c.post(f"/v1/context/{child['id']}/fork", json={"turn": 1})
             assert r.status_code == 200 and r.json()["tokens"] == len(turn1)
             chat = {**BODY, "messages": [{"role": "user", "content": "hello"}], "conversation_id": "conv-x"}

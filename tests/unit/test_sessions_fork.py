@@ -231,3 +231,12 @@ def test_a_fork_of_a_busy_session_holds_its_last_finished_turn():
     assert (child.num_turns, child.num_tokens) == (3, 3 * BLOCK_SIZE + 5)
     running.end(4 * BLOCK_SIZE, blocks("a", 4))
     assert (child.num_turns, parent.num_turns) == (3, 4)
+
+
+def test_a_stored_responses_chain_is_kept_in_its_record_and_old_records_have_none():
+    from kvhive.sessions.responses import StoredResponse
+
+    stored = StoredResponse("o", {"id": "resp_x", "model": "m"}, [], hashes("a", 2))
+    assert StoredResponse.from_json(stored.to_json()).chain == hashes("a", 2)
+    bare = StoredResponse("o", {"id": "resp_y", "model": "m"}, [])
+    assert "chain" not in bare.to_json() and StoredResponse.from_json(bare.to_json()).chain == []
