@@ -242,7 +242,7 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
     owner = service.owner_of(raw_request)
     retentions = [PromptCache(client_retention(body.kv_cache_retention_config, len(p.token_ids))) for p in prompts]
     turn = await service.open_session(raw_request, body.model, len(prompts[0].token_ids) + limits[0],
-                                      new_ttl=new_session_ttl, n=body.n)
+                                      new_ttl=new_session_ttl, n=body.n, turn_number=body.turn_number)
     answer = CompletionAnswer(service, body, prompts)
     salt = service.cache_salt_for(owner, body.cache_salt)
     streams = []

@@ -184,6 +184,9 @@ class SessionStatsCollector(Collector):
             ("kvhive_session_expiries", "Sessions dropped at their expiry (their blocks released).",
              s.expired_total),
             ("kvhive_session_deletes", "Sessions ended by DELETE or end_conversation.", s.deleted_total),
+            ("kvhive_session_forks", "Sessions made by POST /v1/context/{id}/fork.", s.forks_total),
+            ("kvhive_session_conversation_evictions", "Idle conversations ended to make room for a new one "
+             "(--max-active-conversations).", s.evicted_total),
             ("kvhive_session_record_write_errors", "Session records the disk could not take (each request "
              "answered 507).", s.record_write_errors_total),
             ("kvhive_session_spills", "Idle session holdings released from the device pool under pressure.",

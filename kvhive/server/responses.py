@@ -79,6 +79,13 @@ class ResponsesAPI:
         self.sessions = service.sessions
         self.store = store
         self.created: Counter[str] = Counter()       # responses created, by final status
+        self.pin_loaded_chains()
+
+    def pin_loaded_chains(self) -> int:
+        """Pin the chains of the stored responses loaded at start (a local backend's; a shared one
+        loads on use and its branches are pinned by the replica that ran them); how many."""
+        return sum(self.sessions.pin_chain(stored.owner, stored.response_id, stored.chain)
+                   for stored in self.store.live_responses() if stored.chain)
 
     def stats(self) -> ResponseStats:
         """The store's counts and the responses created by status."""
@@ -196,7 +203,8 @@ class ResponsesAPI:
         response_id = new_response_id(conversation_id)
         deltas = service.stream(response_id, token_ids, sampling, (), salt, session_turn, cache=cache,
                                 priority=body.priority)
-        turn = Turn(self, body, owner, response_id, conversation_id, items, session, num_logprobs is not None, plan)
+        turn = Turn(self, body, owner, response_id, conversation_id, items, session, num_logprobs is not None, plan,
+                    turns_before=None if session_turn.session is None else session_turn.session.num_turns)
         headers = {RESPONSE_ID_HEADER: response_id} if body.store else {}
         if body.stream:
             return self.stream_answer(turn, deltas, headers, session_turn, cache)
@@ -252,6 +260,8 @@ class Turn:
     session: Session | None
     with_logprobs: bool                          # ``include`` asks for the output tokens' logprobs
     plan: ToolPlan = NO_PLAN
+    # The session's finished turns when this one began (None: it runs beside the session, or none).
+    turns_before: int | None = None
     stored: bool = False
     response: ResponseObject = field(init=False)
     outputs: OutputItems = field(init=False)
@@ -296,10 +306,21 @@ class Turn:
         if self.body.store:
             session = self.session
             expires = session.expires if session is not None else unix_time()
-            self.api.store.add(StoredResponse(self.owner, answer, self.items), expires)
+            stored = StoredResponse(self.owner, answer, self.items, self.chain())
+            self.api.store.add(stored, expires)
             self.stored = True
+            self.api.sessions.pin_chain(self.owner, self.response_id, stored.chain)
         self.api.created[status] += 1
         return answer
+
+    def chain(self) -> list[str]:
+        """This response's chain (its prompt's and output's full blocks), when its session turn
+        recorded what the session holds after it; else none. Stored with it and pinned beside the
+        session, which later turns move on."""
+        session = self.session
+        if session is None or self.turns_before is None or session.num_turns <= self.turns_before:
+            return []
+        return list(session.block_hashes)
 
     def fail(self, exc: Exception) -> ResponseObject:
         """The response object of a turn the engine failed, or whose storing failed (never stored)."""
@@ -369,7 +390,8 @@ async def sweep_expired_responses(api: ResponsesAPI) -> None:
     last_check = time.monotonic()
     while True:
         await asyncio.sleep(SWEEP_INTERVAL_S)
-        api.store.pop_expired()
+        for conversation in api.store.pop_expired():
+            api.sessions.unpin_chains(conversation.owner, conversation.responses)
         api.store.republish_if_wanted()
         if time.monotonic() - last_check >= DATA_CHECK_INTERVAL_S:
             last_check = time.monotonic()
@@ -424,6 +446,7 @@ def install_response_routes(app: FastAPI, api: ResponsesAPI) -> None:
     async def delete_response(response_id: str, raw_request: Request) -> dict[str, Any]:
         """Forget a stored response; its conversation's KV is freed when no response of it is left."""
         stored = await api.lookup(raw_request, response_id)
+        api.sessions.unpin_chains(stored.owner, [response_id])
         if api.store.delete(stored):
             conversation_id = conversation_of(response_id)
             assert conversation_id is not None

@@ -54,6 +54,7 @@ from kvhive.sessions.errors import (
     SessionLimit,
     SessionNotDurable,
     SessionNotFound,
+    SessionStale,
     not_found,
 )
 from kvhive.sessions.limits import KEEPER_MARGIN, KeeperTier, SessionLimits, format_bytes
@@ -71,7 +72,7 @@ from kvhive.store.redis_guard import check_backend_data
 # The session vocabulary stays importable from here, where the server and the service take it.
 __all__ = ["KEEPER_MARGIN", "MAX_SESSION_ID_CHARS", "SESSION_ID_PATTERN", "KeeperTier", "Session", "SessionBusy",
            "SessionError", "SessionInvalid", "SessionLimit", "SessionNotDurable", "SessionNotFound",
-           "SessionRegistry", "SessionStats", "check_session_id", "format_bytes", "not_found", "parse_ttl"]
+           "SessionRegistry", "SessionStale", "SessionStats", "check_session_id", "format_bytes", "not_found", "parse_ttl"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class SessionStats:
     expired_total: int = 0         # sessions dropped at their expiry
     deleted_total: int = 0         # sessions ended by DELETE or end_conversation
     record_write_errors_total: int = 0   # session records a local backend could not write (SessionNotDurable)
+    forks_total: int = 0           # sessions made by a fork
+    evicted_total: int = 0         # idle conversations ended for a new one (--max-active-conversations)
 
 
 class SessionRegistry:
@@ -106,6 +109,7 @@ class SessionRegistry:
         self.clock = clock
         self._sessions: dict[tuple[str | None, str], Session] = {}
         self._turns = self._hit_tokens = self._expired = self._deleted = 0
+        self._forks = self._evicted = 0
         if backend is not None:
             add_listener = getattr(backend, "add_listener", None)
             if add_listener is not None:
@@ -168,7 +172,7 @@ class SessionRegistry:
         live = self.live_sessions()
         return SessionStats(len(live), sum(s.num_tokens for s in live), sum(len(s.block_hashes) for s in live),
                             self._turns, self._hit_tokens, self._expired, self._deleted,
-                            self.records.write_failures.total)
+                            self.records.write_failures.total, self._forks, self._evicted)
 
     def pinned_bytes(self, owner: str | None) -> int:
         """KV bytes the owner's sessions hold."""
@@ -178,6 +182,10 @@ class SessionRegistry:
         """Bytes of the distinct full blocks all sessions pin (less those only ``exclude`` pins)."""
         return self.limits.pinned_block_bytes(exclude)
 
+    def owned(self, owner: str | None) -> list[Session]:
+        """The owner's sessions held here, expired ones included (what its limits count)."""
+        return list(self._owned(owner))
+
     def _owned(self, owner: str | None) -> Iterator[Session]:
         """The owner's sessions held here, expired ones included."""
         return (s for (o, _), s in self._sessions.items() if o == owner)
@@ -185,18 +193,56 @@ class SessionRegistry:
     # ------------------------------------------------------------------ changes
 
     def create(self, owner: str | None, model: str, ttl_s: int, session_id: str | None = None,
-               kind: str = SESSION_KIND, num_tokens: int = 0, in_memory: bool = False) -> Session:
+               kind: str = SESSION_KIND, num_tokens: int = 0, in_memory: bool = False,
+               conversation: bool = False) -> Session:
         """A new busy session (its first turn is about to run) of ``kind``, counting ``num_tokens``
         until its turn ends (``in_memory``: a record never written, whose blocks no store tier
-        keeps); SessionLimit over the per-key count limit."""
+        keeps); SessionLimit over the per-key count limit. ``conversation``: made by a
+        ``conversation_id`` (``--max-active-conversations`` counts it)."""
         if self.config.max_sessions_per_key is not None:
             self.limits.check_session_count(len(self.list(owner)))
         now = self.clock()
         session = Session(session_id or f"sess-{uuid.uuid4().hex}", owner, model, ttl_s, now, now + ttl_s,
-                          num_tokens, busy=True, turn=1, kind=kind, in_memory=in_memory)
+                          num_tokens, busy=True, turn=1, kind=kind, in_memory=in_memory, conversation=conversation)
         self.records.save(session)            # SessionNotDurable: refused before it exists
         self._add(session)
         return session
+
+    def fork(self, parent: Session, ttl_s: int, turn: int | None = None) -> Session:
+        """A new idle session of the parent's owner and model holding what the parent held after
+        ``turn`` (None: its latest turn), with its own id and TTL. Refused before anything changes:
+        SessionInvalid for a turn it cannot name, SessionLimit over the per-key limits (its blocks
+        are the parent's, so the keeper tier pins no more), SessionNotDurable."""
+        num_tokens = parent.tokens_after(turn)
+        num_turns = parent.num_turns if turn is None else turn
+        if self.config.max_sessions_per_key is not None:
+            self.limits.check_session_count(len(self.list(parent.owner)))
+        self.limits.check_key_limit(parent.owner, self._owned(parent.owner), num_tokens)
+        first = parent.num_turns - len(parent.turn_ends) + 1
+        now = self.clock()
+        child = Session(f"sess-{uuid.uuid4().hex}", parent.owner, parent.model, ttl_s, now, now + ttl_s,
+                        num_tokens, parent.block_hashes[:num_tokens // self.limits.block_size],
+                        num_turns=num_turns, turn_ends=parent.turn_ends[:max(0, num_turns - first + 1)])
+        self.records.save(child)              # SessionNotDurable: refused before it exists
+        self._add(child)
+        self._forks += 1
+        return child
+
+    def idle_conversation_to_evict(self) -> Session | None:
+        """With ``--max-active-conversations`` N and N live conversations: the least recently used
+        idle one, for the caller to end (None: room for one more); SessionLimit when all are busy."""
+        limit = self.config.max_active_conversations
+        if limit is None:
+            return None
+        live = [s for s in self.live_sessions() if s.conversation]
+        if len(live) < limit:
+            return None
+        idle = [s for s in live if not s.busy]
+        if not idle:
+            raise SessionLimit(f"This server already runs {limit} conversations, all busy with a turn "
+                               f"(--max-active-conversations); retry when one has finished",
+                               "too_many_conversations")
+        return min(idle, key=lambda s: s.expires - s.ttl_s)      # the least recently used
 
     def begin_turn(self, session: Session, model: str, new_tokens: int) -> None:
         """Mark the session busy for one turn: SessionInvalid for another model, SessionBusy if busy,
@@ -232,8 +278,9 @@ class SessionRegistry:
         self._turns += 1
         self._hit_tokens += cached_tokens
         if num_tokens is not None:
-            session.num_tokens = num_tokens
-            self._set_blocks(session, block_hashes or [])
+            before = session.block_hashes
+            session.record_turn(num_tokens, block_hashes or [])
+            self._recount(session, before)
         session.expires = self.clock() + session.ttl_s
         if (session.owner, session.session_id) in self._sessions:
             self.records.save(session)
@@ -271,6 +318,17 @@ class SessionRegistry:
             try:
                 self.backend.delete(session.owner, session.session_id)
             except Exception:  # noqa: BLE001 - the session is gone here; a shared record expires on its own
+                logger.exception("could not delete the record of session %s", session.session_id)
+
+    def evict(self, session: Session) -> None:
+        """Forget an idle conversation to make room for a new one (``idle_conversation_to_evict``);
+        the caller releases its blocks, which the prefix cache keeps while there is room."""
+        if self._remove(session):
+            self._evicted += 1
+        if self.backend is not None:
+            try:
+                self.backend.delete(session.owner, session.session_id)
+            except Exception:  # noqa: BLE001 - forgotten here; a shared record expires on its own
                 logger.exception("could not delete the record of session %s", session.session_id)
 
     def pop_expired(self) -> list[Session]:
@@ -311,12 +369,14 @@ class SessionRegistry:
             self.limits.count_blocks(block_hashes, delta)
 
     def _set_blocks(self, session: Session, block_hashes: list[str]) -> None:
-        held = self._sessions.get((session.owner, session.session_id)) is session
-        if held:
-            self._count_blocks(session, session.block_hashes, -1)
-        session.block_hashes = block_hashes
-        if held:
-            self._count_blocks(session, block_hashes, 1)
+        before, session.block_hashes = session.block_hashes, block_hashes
+        self._recount(session, before)
+
+    def _recount(self, session: Session, before: list[str]) -> None:
+        """The session's blocks changed from ``before``: count them again if it is held here."""
+        if self._sessions.get((session.owner, session.session_id)) is session:
+            self._count_blocks(session, before, -1)
+            self._count_blocks(session, session.block_hashes, 1)
 
     # ------------------------------------------------------------------ persistence
 
@@ -340,6 +400,7 @@ class SessionRegistry:
             self._pin(current)
             return current
         held.ttl_s, held.expires, held.num_tokens = current.ttl_s, current.expires, current.num_tokens
+        held.num_turns, held.turn_ends = current.num_turns, current.turn_ends
         if held.block_hashes != current.block_hashes:      # another replica ran turns since
             self._set_blocks(held, current.block_hashes)
             self._pin(held)

@@ -103,6 +103,9 @@ class StoredResponse:
     owner: str | None
     response: dict[str, Any]           # the response object, as served
     input_items: list[dict[str, Any]]  # this request's input items (messages), as listed
+    # Hex hashes of the full blocks of its prompt and output, when its session turn recorded them
+    # (``kvhive.sessions.chain_pins`` pins them); empty: none known.
+    chain: list[str] = field(default_factory=list)
 
     @property
     def response_id(self) -> str:
@@ -121,12 +124,16 @@ class StoredResponse:
 
     def to_json(self) -> dict[str, Any]:
         """The persisted record."""
-        return {"owner": self.owner, "response": self.response, "input_items": self.input_items}
+        record = {"owner": self.owner, "response": self.response, "input_items": self.input_items}
+        if self.chain:
+            record["chain"] = self.chain
+        return record
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> StoredResponse:
         """Inverse of ``to_json``."""
-        return cls(record["owner"], dict(record["response"]), list(record["input_items"]))
+        return cls(record["owner"], dict(record["response"]), list(record["input_items"]),
+                   [str(h) for h in record.get("chain", [])])
 
 
 @dataclass
@@ -262,6 +269,12 @@ class ResponseStore:
                 except OSError:
                     logger.exception("could not delete the records of %s", conversation.conversation_id)
         return expired
+
+    def live_responses(self) -> list[StoredResponse]:
+        """The stored responses of the live conversations held here, oldest conversation first."""
+        now = self.clock()
+        return [r for c in sorted(self._conversations.values(), key=lambda c: c.expires) if c.expires > now
+                for r in c.responses.values()]
 
     def num_responses(self) -> int:
         """Stored responses this replica holds (live or not yet swept)."""
