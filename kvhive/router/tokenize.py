@@ -43,6 +43,7 @@ from kvhive.core.tenancy import cache_salt
 from kvhive.core.tokenize_bodies import check_template_kwargs
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.core.tool_definitions import chat_functions, chat_template_input
+from kvhive.router.dialects import is_anthropic
 
 _CUT_CANDIDATE = re.compile(r"(?<=\w) (?=\w)")
 _PROBES = ("The quick brown fox jumps over the lazy dog again and again",
@@ -115,6 +116,14 @@ def prompt_from_body(body: Mapping[str, Any], key_owner: str | None = None) -> P
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return Prompt(token_ids=tuple(prompt), cache_salt=salt)
     return None
+
+
+def prompt_for_path(path: str, body: Mapping[str, Any], key_owner: str | None = None) -> Prompt | None:
+    """The prompt of a body sent to ``path``: Anthropic's Messages body on /v1/messages (and
+    count_tokens), else ``prompt_from_body``."""
+    if is_anthropic(path):
+        return None
+    return prompt_from_body(body, key_owner)
 
 
 def chat_messages(raw: Any) -> tuple[dict[str, Any], ...] | None:
