@@ -1,0 +1,203 @@
+"""Anthropic Messages bodies as chat parts (``kvhive.core.anthropic_messages``): the conversion of
+system, messages, tools and tool_choice, the cache breakpoints found and refused, and where each
+breakpoint falls in the rendered prompt (always a true prefix of its token ids)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from kvhive.core.anthropic_messages import (
+    MAX_BREAKPOINTS,
+    breakpoint_chars,
+    breakpoint_tokens,
+    messages_chat,
+    render_chat,
+)
+from kvhive.core.json_body import BodyError
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOL = {"name": "get_weather", "description": "Weather in a city.", "input_schema": WEATHER}
+
+
+def body(**fields: Any) -> dict[str, Any]:
+    """A minimal valid body with ``fields`` replacing its parts."""
+    return {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], **fields}
+
+
+def ephemeral(ttl: str | None = None) -> dict[str, Any]:
+    return {"type": "ephemeral"} if ttl is None else {"type": "ephemeral", "ttl": ttl}
+
+
+ROUND_TRIP = body(
+    tools=[{**TOOL, "cache_control": ephemeral("1h")}],
+    system=[{"type": "text", "text": "You are terse."}, {"type": "text", "text": "Be kind.",
+                                                        "cache_control": ephemeral()}],
+    messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Checking."},
+                                          {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+                                     {"type": "text", "text": "Thanks!", "cache_control": ephemeral()}]},
+    ])
+
+
+def refused(b: dict[str, Any]) -> BodyError:
+    with pytest.raises(BodyError) as info:
+        messages_chat(b)
+    return info.value
+
+
+# ---------------------------------------------------------------- conversion
+
+
+def test_system_blocks_join_and_a_string_system_stays() -> None:
+    chat = messages_chat(body(system=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]))
+    assert chat.messages[0] == {"role": "system", "content": "a\nb"}
+    assert messages_chat(body(system="s")).messages[0] == {"role": "system", "content": "s"}
+    assert messages_chat(body()).messages == ({"role": "user", "content": "Hi"},)
+
+
+def test_tool_use_and_tool_result_become_calls_and_tool_messages() -> None:
+    chat = messages_chat(ROUND_TRIP)
+    roles = [m["role"] for m in chat.messages]
+    assert roles == ["system", "user", "assistant", "tool", "user"]
+    assistant = chat.messages[2]
+    assert assistant["content"] == "Checking."
+    (call,) = assistant["tool_calls"]
+    assert call == {"id": "toolu_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    assert chat.messages[3] == {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"}
+    assert chat.tools == ({"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
+                                                            "parameters": WEATHER}},)
+
+
+def test_error_results_say_so() -> None:
+    b = copy.deepcopy(ROUND_TRIP)
+    b["messages"][2]["content"][0].update(is_error=True, content=[{"type": "text", "text": "no network"}])
+    assert messages_chat(b).messages[3]["content"] == "Error: no network"
+
+
+@pytest.mark.parametrize(("choice", "expected", "parallel"), [
+    ({"type": "auto"}, "auto", True),
+    ({"type": "any"}, "required", True),
+    ({"type": "any", "disable_parallel_tool_use": True}, "required", False),
+    ({"type": "none"}, "none", True),
+    ({"type": "tool", "name": "get_weather"}, {"type": "function", "function": {"name": "get_weather"}}, True),
+])
+def test_tool_choice_maps_to_chat(choice: dict[str, Any], expected: Any, parallel: bool) -> None:
+    chat = messages_chat(body(tools=[TOOL], tool_choice=choice))
+    assert (chat.tool_choice, chat.parallel_tool_calls) == (expected, parallel)
+
+
+@pytest.mark.parametrize(("change", "param"), [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "x", "name": "n"}]}, "messages[0].name"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "bold": True}]}]},
+     "messages[0].content[0].bold"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "prefill"}]},
+     "messages[1].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope"}]}]},
+     "messages[0].content[0].tool_use_id"),
+    ({"tools": [{**TOOL, "name": "bad name"}]}, "tools[0].name"),
+    ({"tools": [{**TOOL, "input_schema": {"type": "string"}}]}, "tools[0].input_schema"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{**TOOL, "input_examples": []}]}, "tools[0].input_examples"),
+    ({"tools": [TOOL], "tool_choice": {"type": "tool", "name": "other"}}, "tool_choice.name"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
+    ({"system": [{"type": "text", "text": "s", "citations": [{"x": 1}]}]}, "system[0].citations"),
+])
+def test_bad_bodies_name_the_field(change: dict[str, Any], param: str) -> None:
+    assert refused(body(**change)).param == param
+
+
+# ---------------------------------------------------------------- breakpoints
+
+
+def test_breakpoints_in_anthropic_order_with_ttls() -> None:
+    chat = messages_chat(ROUND_TRIP)
+    assert [(b.where, b.ttl_s) for b in chat.breakpoints] == [
+        (("tools", 0), 3600), (("system", 1), 300), (("messages", 2, 1), 300)]
+
+
+def test_top_level_cache_control_marks_the_last_block() -> None:
+    chat = messages_chat(body(cache_control=ephemeral()))
+    assert [b.where for b in chat.breakpoints] == [("messages", 0, None)]
+    assert [b.where for b in messages_chat(ROUND_TRIP | {"cache_control": ephemeral()}).breakpoints][-1] == (
+        "messages", 2, 1)
+
+
+def test_a_text_inside_a_tool_result_breaks_after_the_result() -> None:
+    b = copy.deepcopy(ROUND_TRIP)
+    b["messages"][2]["content"][0]["content"] = [{"type": "text", "text": "sunny", "cache_control": ephemeral()}]
+    assert ("messages", 2, 0) in [bp.where for bp in messages_chat(b).breakpoints]
+
+
+@pytest.mark.parametrize(("control", "param"), [
+    ({"type": "persistent"}, "system[0].cache_control.type"),
+    ({"type": "ephemeral", "ttl": "10m"}, "system[0].cache_control.ttl"),
+    ({"type": "ephemeral", "scope": "global"}, "system[0].cache_control.scope"),
+    ("ephemeral", "system[0].cache_control"),
+])
+def test_bad_cache_control_is_refused(control: Any, param: str) -> None:
+    assert refused(body(system=[{"type": "text", "text": "s", "cache_control": control}])).param == param
+
+
+def test_more_than_four_breakpoints_are_refused() -> None:
+    blocks = [{"type": "text", "text": f"t{i}", "cache_control": ephemeral()} for i in range(MAX_BREAKPOINTS + 1)]
+    error = refused(body(system=blocks))
+    assert "maximum of 4" in error.message and error.param == "system[4].cache_control"
+    assert len(messages_chat(body(system=blocks[:MAX_BREAKPOINTS])).breakpoints) == MAX_BREAKPOINTS
+
+
+def test_an_empty_text_block_cannot_carry_a_breakpoint() -> None:
+    assert refused(body(system=[{"type": "text", "text": "", "cache_control": ephemeral()}])).param == (
+        "system[0].cache_control")
+
+
+def test_a_longer_ttl_after_a_shorter_one_is_refused() -> None:
+    blocks = [{"type": "text", "text": "a", "cache_control": ephemeral("5m")},
+              {"type": "text", "text": "b", "cache_control": ephemeral("1h")}]
+    assert refused(body(system=blocks)).param == "system[1].cache_control"
+
+
+def placed(tokenizer: Any, b: dict[str, Any]) -> tuple[str, list[int], list[int], list[int]]:
+    chat = messages_chat(b)
+    text, offsets = breakpoint_chars(b, chat, lambda c: render_chat(tokenizer, c))
+    ids = tokenizer.encode(text)
+    return text, offsets, ids, breakpoint_tokens(tokenizer.encode, text, ids, offsets)
+
+
+def test_breakpoints_end_at_their_block_and_are_true_prefixes(tokenizer: Any) -> None:
+    text, offsets, ids, counts = placed(tokenizer, ROUND_TRIP)
+    assert offsets == sorted(offsets) and counts == sorted(counts)
+    # The tools render after the system text here: both breakpoints cover the system and the tool.
+    assert text[:offsets[0]].rstrip().endswith('"description": "Weather in a city.", "parameters": '
+                                                '{"type": "object", "properties": {"city": {"type": "string"}}, '
+                                                '"required": ["city"]}}}')
+    assert "Be kind." in text[:offsets[1]] and "Weather in Paris" not in text[:offsets[1]]
+    assert text[:offsets[2]].endswith("Thanks!<|im_end|>\n<|im_start|>assistant\n")
+    assert counts[2] == len(ids)
+    for count, offset in zip(counts, offsets, strict=True):
+        assert 0 < count <= len(ids)
+        assert text[:offset].startswith(tokenizer.decode(ids[:count], skip_special_tokens=False))
+
+
+def test_a_breakpoint_before_the_last_turn_excludes_it(tokenizer: Any) -> None:
+    b = copy.deepcopy(ROUND_TRIP)
+    b["messages"][2]["content"][1].pop("cache_control")
+    b["messages"][0] = {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?",
+                                                     "cache_control": ephemeral()}]}
+    text, offsets, ids, counts = placed(tokenizer, b)
+    assert "Weather in Paris?<|im_end|>" in text[:offsets[-1]] and "Checking." not in text[:offsets[-1]]
+    assert counts[-1] < len(ids)
+    # The next turn's prompt starts with the same ids up to the breakpoint.
+    longer = copy.deepcopy(b)
+    longer["messages"] += [{"role": "assistant", "content": "You're welcome."}, {"role": "user", "content": "Bye"}]
+    longer_ids = tokenizer.encode(render_chat(tokenizer, messages_chat(longer)))
+    assert longer_ids[:counts[-1]] == ids[:counts[-1]]
