@@ -126,3 +126,11 @@ def test_the_envelope_shows_ray_s_own_routers_its_prompt_messages_or_input() -> 
     assert envelope({"model": "m", "input": "And then?", "previous_response_id": "resp_1"}).prompt == "And then?"
     assert envelope(method="GET", path="/v1/models").prompt == "GET /v1/models"
     assert envelope({"model": "m", "prompt": 7}).prompt == "POST /v1/completions"
+
+
+def test_a_messages_body_is_routed_by_the_chat_it_renders_to() -> None:
+    body = {"model": "m", "max_tokens": 4, "system": "Be brief.", "messages": [{"role": "user", "content": "Hi"}]}
+    prompt = envelope(body, path="/v1/messages").routing_prompt(body, salt_with_key=False)
+    assert prompt is not None and [m["role"] for m in prompt.messages] == ["system", "user"]
+    # The same body on chat completions is not a chat body (a system field, no system message).
+    assert envelope(body, path="/v1/chat/completions").routing_prompt(body, False).messages[0]["role"] == "user"

@@ -12,6 +12,8 @@ from typing import Any
 import httpx
 from support.upstream_servers import OK, answers, gateway_for, served
 
+from kvhive.core.anthropic_messages import messages_chat, render_chat
+from kvhive.core.blocks import hash_blocks, root_hash
 from kvhive.core.prompt_cache_key import MAX_PROMPT_CACHE_KEY_CHARS
 from kvhive.core.tenancy import key_owner
 from kvhive.router.app import create_gateway_app
@@ -207,3 +209,23 @@ def test_an_unknown_parent_is_asked_of_each_replica_until_one_knows_it(tokenizer
             assert gateway.sessions.get(key_owner(""), "child-2") == urls[1]
 
     served(answers(missing), answers(forked))(go)
+
+
+def test_a_messages_body_goes_to_the_replica_holding_its_rendered_prefix(tokenizer: Any) -> None:
+    system = [{"type": "text", "text": "You review pull requests for a storage engine. " * 20,
+               "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    first = {**MESSAGES, "system": system, "messages": [{"role": "user", "content": "Review patch one."}]}
+    later = {**first, "messages": [{"role": "user", "content": "Now review patch two, please."}]}
+
+    async def go(urls: list[str]) -> None:
+        client, gateway = await gateway_client(urls, tokenizer)
+        ids = tokenizer.encode(render_chat(tokenizer, messages_chat(first)))
+        gateway.indexer.index.add(hash_blocks(ids, 16, root_hash(0, "")), urls[1], "GPU")
+        async with client:
+            for path in ("/v1/messages", "/v1/messages/count_tokens"):
+                answer = await client.post(path, json=later, headers={"x-api-key": "key-a"})
+                assert (answer.headers[REPLICA_HEADER], answer.headers[REASON_HEADER]) == (urls[1], "kv")
+            refused = {**later, "system": [{"type": "image"}]}        # the replica answers its 400
+            assert (await client.post("/v1/messages", json=refused)).headers[REASON_HEADER] == "load"
+
+    served(answers(OK, close=False), answers(OK, close=False))(go)
