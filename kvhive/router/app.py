@@ -15,7 +15,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvhive.core.cors import CorsConfig, install_cors
 from kvhive.core.json_body import BodyError, MalformedJSON, load_json, off_loop_for
-from kvhive.core.prompt_cache_key import prompt_cache_key_problem
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.router.config import GatewayConfig
 from kvhive.router.dialects import ANTHROPIC_PATHS, API_KEY_HEADER, caller_owner
@@ -23,7 +22,7 @@ from kvhive.router.index import KVBlockIndex
 from kvhive.router.pd import route_disaggregated, wants_prefill
 from kvhive.router.proxy import as_openai_error, gateway_error, openai_error
 from kvhive.router.replicas import Replica
-from kvhive.router.sessions import SESSION_HEADER
+from kvhive.router.sessions import SESSION_HEADER, cache_key_problem
 from kvhive.router.tokenize import Prompt, prompt_for_path
 from kvhive.router.tokenize_api import TokenizeAPI
 from kvhive.router.wiring import GatewayParts, build_gateway
@@ -158,7 +157,7 @@ class GatewayRoutes:
         except BodyError as exc:
             return gateway_error(path, 400, exc.message, param=exc.param)
         cache_key = data.get("prompt_cache_key") if data is not None else None
-        problem = prompt_cache_key_problem(cache_key)
+        problem = cache_key_problem(cache_key)
         if problem is not None:
             return gateway_error(path, 400, problem, param="prompt_cache_key")
         session_id = _session_named(request, data)

@@ -14,7 +14,7 @@ from support.upstream_servers import OK, answers, gateway_for, served
 
 from kvhive.core.anthropic_messages import messages_chat, render_chat
 from kvhive.core.blocks import hash_blocks, root_hash
-from kvhive.core.prompt_cache_key import MAX_PROMPT_CACHE_KEY_CHARS
+from kvhive.core.request_fields import MAX_PROMPT_CACHE_KEY_CHARS
 from kvhive.core.tenancy import key_owner
 from kvhive.router.app import create_gateway_app
 from kvhive.router.config import GatewayConfig, ReplicaSpec

@@ -29,12 +29,17 @@ from typing import Any
 from starlette.types import Receive, Scope, Send
 
 from kvhive.core.json_body import off_loop_for
-from kvhive.core.prompt_cache_key import prompt_cache_key_problem
 from kvhive.integrations.ray.asgi_bridge import ResponseHead
 from kvhive.integrations.ray.envelope import REPLICA_HEADER, HTTPEnvelope
 from kvhive.router.dialects import is_anthropic
 from kvhive.router.proxy import cut_stream_events, gateway_error
-from kvhive.router.sessions import RESPONSE_ID_HEADER, SESSION_HEADER, SessionAffinity, SharedAffinity
+from kvhive.router.sessions import (
+    RESPONSE_ID_HEADER,
+    SESSION_HEADER,
+    SessionAffinity,
+    SharedAffinity,
+    cache_key_problem,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +87,7 @@ class KVHiveIngress:
         envelope = _envelope(scope, body)
         data = await off_loop_for(envelope.body, envelope.json_body)
         cache_key = data.get("prompt_cache_key") if data is not None else None
-        problem = prompt_cache_key_problem(cache_key)
+        problem = cache_key_problem(cache_key)
         if problem is not None:
             await gateway_error(scope["path"], 400, problem, param="prompt_cache_key")(scope, receive, send)
             return
