@@ -101,20 +101,20 @@ class Gateway:
             if holder in names:
                 return self._ordered([holder, *[n for n in names if n != holder]]), "session"
             return self._ordered(names), self.policy
-        kv = KVScores()
-        if self.policy == "kv" and prompt is not None and not any(r.name == holder for r in healthy):
+        kv, key_holder = KVScores(), None
+        held = any(r.name == holder for r in healthy)
+        if self.policy == "kv" and prompt is not None and not held:
             try:
                 kv = await self.indexer.score(prompt)
                 self.metrics.tokenize_seconds.observe(kv.tokenize_s)
             except Exception as exc:  # noqa: BLE001 - a body the replica will reject: route by load
                 logger.debug("no KV score for this request: %s", exc)
-        key_holder = await self.cache_keys.aget(owner, cache_key) if cache_key and self.policy == "kv" else None
+        if self.policy == "kv" and cache_key and not held:
+            key_holder = await self.cache_keys.aget(owner, cache_key)
         loads = {r.name: r.routing_load() for r in healthy}
         pick = pick_replica([r.name for r in healthy], kv.scores, kv.num_blocks, loads, self.weights,
                             self._turn, key_holder)
-        ranking, reason = pick.ranking, "kv" if pick.kv_blocks > 0 else "load"
-        if reason == "load" and pick.replica == key_holder and self.weights.cache_key > 0:
-            reason = "cache_key"
+        ranking, reason = pick.ranking, pick.reason
         if holder in ranking:
             ranking, reason = [holder, *[n for n in ranking if n != holder]], "session"
         if reason == "kv":

@@ -156,12 +156,20 @@ def weight_problem(name: str, value: float) -> str | None:
 
 @dataclass(frozen=True)
 class Pick:
-    """The chosen replica, every candidate's final score, and the chosen one's KV score in blocks."""
+    """The chosen replica, every candidate's final score, the chosen one's KV score in blocks, and
+    whether it is the replica that answered the request's prompt_cache_key last (with a bonus)."""
 
     replica: str
     ranking: list[str]
     scores: dict[str, float] = field(default_factory=dict)
     kv_blocks: float = 0.0
+    key_holder: bool = False
+
+    @property
+    def reason(self) -> str:
+        """Why the chosen replica is first: "kv" (it holds some of the prompt), "cache_key" (it
+        answered the request's prompt_cache_key last), else "load"."""
+        return "kv" if self.kv_blocks > 0 else "cache_key" if self.key_holder else "load"
 
 
 def pick_replica(candidates: Sequence[str], kv_scores: Mapping[str, float], num_blocks: int,
@@ -187,4 +195,5 @@ def pick_replica(candidates: Sequence[str], kv_scores: Mapping[str, float], num_
     start = turn % len(candidates)
     rotated = list(candidates[start:]) + list(candidates[:start])
     ranking = sorted(rotated, key=lambda r: -scores[r])   # stable: ties keep the rotated order
-    return Pick(ranking[0], ranking, scores, kv_scores.get(ranking[0], 0.0))
+    return Pick(ranking[0], ranking, scores, kv_scores.get(ranking[0], 0.0),
+                ranking[0] == key_holder and weights.cache_key > 0)

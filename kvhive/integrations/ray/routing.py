@@ -122,10 +122,7 @@ class ReplicaRouting:
             return Ranking([holder, *[r for r in replicas if r != holder]], "session")
         kv = await self.score(prompt) if prompt is not None else KVScores()
         pick = pick_replica(list(replicas), kv.scores, kv.num_blocks, loads, self.weights, self._turn, key_holder)
-        reason = "kv" if pick.kv_blocks > 0 else "load"
-        if reason == "load" and pick.replica == key_holder and self.weights.cache_key > 0:
-            reason = "cache_key"
-        return Ranking(pick.ranking, reason, pick.kv_blocks)
+        return Ranking(pick.ranking, pick.reason, pick.kv_blocks)
 
     async def score(self, prompt: Prompt) -> KVScores:
         """KV scores of ``prompt`` (tokenized off the event loop when long); empty before any
