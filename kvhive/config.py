@@ -239,6 +239,9 @@ class SessionConfig:
     # device pool), see ``kvhive.sessions.limits.KEY_PINNED_SHARE``; None: no limit.
     max_pinned_gb: float | str | None = PINNED_AUTO
     share_prefix_cache: bool = False       # False: each API key has its own prefix cache (salt)
+    enable_conversation_caching: bool = True    # False: a request naming conversation_id is refused
+    # Live conversation_id sessions this replica holds; one more ends the least recently used idle one.
+    max_active_conversations: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_ttl_s <= 0:
@@ -248,6 +251,8 @@ class SessionConfig:
                              f"got {self.default_ttl_s}")
         if self.max_sessions_per_key is not None and self.max_sessions_per_key < 1:
             raise ValueError(f"--max-sessions-per-key must be at least 1, got {self.max_sessions_per_key}")
+        if self.max_active_conversations is not None and self.max_active_conversations < 1:
+            raise ValueError(f"--max-active-conversations must be at least 1, got {self.max_active_conversations}")
         pinned = self.max_pinned_gb
         if isinstance(pinned, str) and pinned != PINNED_AUTO:
             raise ValueError(f"--max-pinned-gb must be a number of GiB, '{PINNED_AUTO}' or none, got {pinned!r}")

@@ -160,6 +160,14 @@ def _add_session_args(p: argparse.ArgumentParser) -> None:
                         "sessions may pin in the disk, else CPU, tier (90%% of its budget), or of the "
                         "device KV pool without one, per API key (without --api-key: no limit); none: "
                         "no limit (default: auto)")
+    g.add_argument("--enable-conversation-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep a chat conversation_id's KV as a session between its turns; with "
+                        "--no-enable-conversation-caching a request naming conversation_id is refused "
+                        "(400) (default: on)")
+    g.add_argument("--max-active-conversations", type=int, default=None, metavar="N",
+                   help="live conversation_id sessions this server holds; a new one past N ends the "
+                        "least recently used idle one (its KV left to the prefix cache), 429 only when "
+                        "all N are busy (default: no limit)")
 
 
 def _add_kv_event_args(p: argparse.ArgumentParser) -> None:
@@ -321,7 +329,9 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
                         redis_ttl_s=args.redis_ttl)
     sessions = SessionConfig(default_ttl_s=args.default_session_ttl, max_ttl_s=args.max_session_ttl,
                              max_sessions_per_key=args.max_sessions_per_key,
-                             max_pinned_gb=args.max_pinned_gb, share_prefix_cache=args.share_prefix_cache)
+                             max_pinned_gb=args.max_pinned_gb, share_prefix_cache=args.share_prefix_cache,
+                             enable_conversation_caching=args.enable_conversation_caching,
+                             max_active_conversations=args.max_active_conversations)
     events = parse_kv_events_config(args.kv_events_config, args.kv_events, args.kv_events_replay)
     kv_transfer = parse_kv_transfer_config(args.kv_transfer_config, args.kv_role, args.kv_transfer_port)
     return EngineConfig(model_path=model_path, served_model_name=name, dtype=args.dtype,

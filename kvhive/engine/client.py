@@ -3,8 +3,9 @@
 The server never holds the ``LLMEngine`` itself. Each method here keeps to ``AsyncEngine``'s
 thread rule, and says which way it does:
 
-- queued for the loop thread: ``generate`` (submit), ``abort``, ``reset_prefix_cache``, the
-  device half of ``release_session`` and of ``session_blocks_by_tier`` (``AsyncEngine.call``);
+- queued for the loop thread: ``generate`` (submit), ``abort``, ``reset_prefix_cache``,
+  ``fork_session``, the device half of ``release_session`` and of ``session_blocks_by_tier``
+  (``AsyncEngine.call``);
 - store tiers only (thread-safe by their own contract): ``hold_session``, the store half of
   ``release_session`` and ``session_blocks_by_tier``, ``pinned_blocks_by_tier``, ``keeper_budget``,
   ``copy_to_shared_tier`` (blocking: a worker thread's call);
@@ -113,6 +114,11 @@ class EngineClient:
         """Free an ended session's device blocks (on the loop thread) and drop its store pins."""
         self._async.end_session(session_id)
         self._engine.unpin_session(session_id)
+
+    async def fork_session(self, parent_id: str, child_id: str, num_tokens: int) -> int:
+        """Give the child session its own holding of the parent's device blocks of its first
+        ``num_tokens`` tokens (full blocks, shared copy-on-write), on the loop thread; the tokens shared."""
+        return await self._async.call(lambda engine: engine.fork_session(parent_id, child_id, num_tokens))
 
     async def session_blocks_by_tier(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
         """How many of these blocks each level holds: "device", then each store tier by name. The

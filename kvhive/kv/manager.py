@@ -15,7 +15,8 @@ block included) and its block hashes into a ``SessionBlocks`` holding instead of
 their ref counts keep them out of the free queue. The session's next request takes them back with
 ``resume_session`` when its prompt starts with the tokens they hold: no hashing, no lookup, only
 the new tokens to compute. A request id holds blocks in ``_blocks`` or a session id holds them in
-``_sessions``, never both.
+``_sessions``, never both. ``fork_session`` gives a second session its own holding of another's
+full blocks (each holding references them; nobody writes into a full block).
 
 Window layers (Gemma): with a ``WindowLayout`` the manager also keeps a ``WindowGroup``, the
 window layers' own pool and a second table per request beside ``_blocks``; each call below makes
@@ -414,6 +415,35 @@ class KVCacheManager:
         ok = self.allocate_slots(request, num_new_tokens)
         assert ok, "resume_session checked the free blocks"
         return True
+
+    def fork_session(self, parent_id: str, child_id: str, num_tokens: int) -> int:
+        """Give ``child_id`` its own holding of the parent's full blocks within its first
+        ``num_tokens`` tokens (replacing an older one); the tokens shared (0: the parent holds no
+        full block of them, or window layers are in use).
+
+        Copy-on-write by construction: a shared block is full and computed, and neither side ever
+        writes into a full block; each side's next request writes from its own end on, into blocks
+        of its own (the partial last block is never shared). Each holding takes a reference on
+        every shared block, so either side's release leaves the other's.
+        """
+        held = self._sessions.get(parent_id)
+        if held is None or self.window is not None or parent_id == child_id:
+            return 0
+        num_full = min(num_tokens, held.num_computed_tokens) // self.block_size
+        num_full = min(num_full, len(held.block_hashes), len(held.blocks))
+        self.release_session(child_id)
+        if num_full == 0:
+            return 0
+        blocks = held.blocks[:num_full]
+        self.pool.touch(blocks)
+        self._park_counter += 1
+        num_shared = num_full * self.block_size
+        self._sessions[child_id] = SessionBlocks(
+            token_ids=held.token_ids[:num_shared], num_computed_tokens=num_shared, blocks=blocks,
+            block_hashes=held.block_hashes[:num_full], num_cached_blocks=min(held.num_cached_blocks, num_full),
+            last_used=self._park_counter)
+        self._session_block_refs.update(block.block_id for block in blocks)
+        return num_shared
 
     def release_session(self, session_id: str) -> bool:
         """Free the blocks a session holds, tail first (full ones stay cached); False if none."""

@@ -251,6 +251,10 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
                                              or new_session_ttl is not None):
         raise bad_request("'prompt_logprobs' cannot run in a session: they need every prompt token computed, "
                           "and a session reuses its tokens' KV", param="prompt_logprobs")
+    if body.conversation_id is not None and not service.sessions.config.enable_conversation_caching:
+        raise bad_request("'conversation_id' is off on this server (--no-enable-conversation-caching): "
+                          "send the whole conversation without it (the prefix cache still serves its "
+                          "prefix), or use x-session-id", param="conversation_id")
     kv_transfer = service.kv_transfer_params(body)
     num_logprobs = logprobs_wanted(body)
     structured = await body_structured_spec(service.engine, body)
@@ -268,7 +272,8 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
     owner = service.owner_of(raw_request)
     turn = await service.open_session(raw_request, body.model, len(token_ids) + max_tokens,
                                       conversation_id=body.conversation_id, new_ttl=new_session_ttl,
-                                      end_session=body.end_conversation, n=body.n)
+                                      end_session=body.end_conversation, n=body.n,
+                                      turn_number=body.turn_number)
     headers = session_headers(turn)
     answer = ChatAnswer(service, body, num_logprobs, token_ids, plan)
     streams = service.choice_streams(answer.request_id, body.n, token_ids, sampling, body.stop_strings,

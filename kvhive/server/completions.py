@@ -240,7 +240,7 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
     limits = [service.resolve_max_tokens(asked, len(p.token_ids), "max_tokens", "prompt") for p in prompts]
     owner = service.owner_of(raw_request)
     turn = await service.open_session(raw_request, body.model, len(prompts[0].token_ids) + limits[0],
-                                      new_ttl=new_session_ttl, n=body.n)
+                                      new_ttl=new_session_ttl, n=body.n, turn_number=body.turn_number)
     answer = CompletionAnswer(service, body, prompts)
     salt = service.cache_salt_for(owner, body.cache_salt)
     streams = []

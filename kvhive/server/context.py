@@ -5,6 +5,10 @@
 - ``GET /v1/context``: the caller's live sessions. ``GET /v1/context/{id}``: one session, with
   its blocks per tier. ``PATCH /v1/context/{id}``: a new TTL (``{"ttl": N}`` or the header).
   ``DELETE /v1/context/{id}``: forget it and free its blocks.
+- ``POST /v1/context/{id}/fork`` (body ``{"ttl": N, "turn": T}``, both optional; the TTL also as
+  ``x-session-ttl``, default the parent's): a new session holding what ``id`` held after turn
+  ``T`` (default: its latest), sharing its blocks; answered with the new session (its ``id``,
+  also in ``x-session-id``) and ``forked_from``.
 
 Another API key's session answers 404, exactly like an unknown, expired or deleted one. What a
 session holds and when it ends is ``kvhive.sessions.service``'s; these routes validate and answer.
@@ -18,6 +22,7 @@ from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from kvhive.core.json_body import BodyError, load_json, off_loop_for
 from kvhive.server.chat import create_chat_completion
@@ -39,7 +44,8 @@ def session_info(session: Session, blocks: dict[str, int] | None = None) -> dict
     info: dict[str, Any] = {"id": session.session_id, "object": "context", "model": session.model,
                             "created": int(session.created), "expires_at": int(session.expires),
                             "ttl": session.ttl_s, "tokens": session.num_tokens,
-                            "num_blocks": len(session.block_hashes), "busy": session.busy}
+                            "num_blocks": len(session.block_hashes), "turns": session.num_turns,
+                            "busy": session.busy}
     if blocks is not None:
         info["blocks"] = blocks
     return info
@@ -104,6 +110,36 @@ def patched_ttl(raw: bytes, header: str | None) -> tuple[Any, str]:
     return header, "x-session-ttl"
 
 
+# The fields a fork body may hold, and the largest turn number it may name.
+FORK_FIELDS = ("ttl", "turn")
+MAX_TURN_NUMBER = 2**31 - 1
+
+
+def fork_fields(raw: bytes, header: str | None) -> tuple[Any, str, int | None]:
+    """What a ``POST /v1/context/{id}/fork`` asks for: the TTL and the field it came in (None: the
+    parent's), and the turn (None: the latest); 400 for a body that is not a JSON object of
+    FORK_FIELDS, or a turn that is not a whole number in [1, MAX_TURN_NUMBER]."""
+    data: Any = {}
+    if raw.strip():
+        try:
+            data = load_json(raw)
+        except BodyError as exc:
+            raise body_error(exc) from None
+    if not isinstance(data, dict):
+        raise bad_request('Request body must be a JSON object like {"ttl": 600, "turn": 2}')
+    stray = next((key for key in data if key not in FORK_FIELDS), None)
+    if stray is not None:
+        raise bad_request(f"Unrecognized request argument supplied: {stray[:80]}", param=stray[:80])
+    turn = data.get("turn")
+    if turn is not None and (isinstance(turn, bool) or not isinstance(turn, int)
+                             or not 1 <= turn <= MAX_TURN_NUMBER):
+        raise bad_request(f"'turn' must be a whole number from 1 (the session's first turn), got {turn!r}",
+                          param="turn")
+    if data.get("ttl") is not None:
+        return data["ttl"], "ttl", turn
+    return header, "x-session-ttl", turn
+
+
 def install_session_routes(app: FastAPI, service: GenerationService) -> None:
     """Add the routes over existing sessions: list, inspect, re-TTL and delete."""
     sessions = service.sessions
@@ -131,6 +167,16 @@ def install_session_routes(app: FastAPI, service: GenerationService) -> None:
         value, param = await off_loop_for(raw, patched_ttl, raw, raw_request.headers.get("x-session-ttl"))
         sessions.set_ttl(session, sessions.parse_ttl(value, param))
         return session_info(session)
+
+    @app.post("/v1/context/{session_id}/fork", response_model=None)
+    async def fork_context(session_id: str, raw_request: Request) -> JSONResponse:
+        """A new session sharing the session's blocks up to a turn (``SessionService.fork``)."""
+        raw = await raw_request.body()
+        value, param, turn = await off_loop_for(raw, fork_fields, raw, raw_request.headers.get("x-session-ttl"))
+        ttl = None if value is None else sessions.parse_ttl(value, param)
+        child, _ = await sessions.fork(service.owner_of(raw_request), session_id, ttl, turn)
+        return JSONResponse({**session_info(child), "forked_from": session_id},
+                            headers={"x-session-id": child.session_id})
 
     @app.delete("/v1/context/{session_id}")
     async def delete_context(session_id: str, raw_request: Request) -> dict[str, Any]:

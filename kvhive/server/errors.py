@@ -20,6 +20,7 @@ from kvhive.sessions.registry import (
     SessionLimit,
     SessionNotDurable,
     SessionNotFound,
+    SessionStale,
 )
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ SESSION_ERROR_STATUS: dict[type[SessionError], int] = {
     SessionInvalid: 400,
     SessionNotFound: 404,
     SessionBusy: 409,
+    SessionStale: 409,
     SessionLimit: 429,
     SessionNotDurable: 507,        # Insufficient Storage: its record could not be written to disk
 }

@@ -24,6 +24,10 @@ _MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest
 # PATCH /v1/context/{session_id}: the TTL may also come in x-session-ttl, so the body is optional.
 _TTL_BODY = {"type": "object", "properties": {"ttl": {"type": "integer", "minimum": 1,
                                                       "description": "seconds from now"}}}
+# POST /v1/context/{session_id}/fork: both fields optional (the TTL may come in x-session-ttl).
+_FORK_BODY = {"type": "object", "additionalProperties": False, "properties": {
+    "ttl": {"type": "integer", "minimum": 1, "description": "the new session's TTL in seconds (default: the parent's)"},
+    "turn": {"type": "integer", "minimum": 1, "description": "fork at the state after this turn (default: the latest)"}}}
 _SESSION_ID = {"name": "x-session-id", "in": "header", "required": False, "schema": {"type": "string"},
                "description": "run the request in this session (from POST /v1/context)"}
 # ``kvhive.server.errors.APIError.body``: every error status answers this shape.
@@ -47,6 +51,7 @@ def _bodies(model_name: str) -> dict[tuple[str, str], tuple[dict[str, Any], dict
         ("/v1/responses", "post"): (ref[ResponsesRequest], {"model": model_name, "input": "Say hi",
                                                            "max_output_tokens": 8}, True),
         ("/v1/context/{session_id}", "patch"): (_TTL_BODY, {"ttl": 600}, False),
+        ("/v1/context/{session_id}/fork", "post"): (_FORK_BODY, {"ttl": 600, "turn": 1}, False),
         ("/tokenize", "post"): ({"anyOf": [ref[TokenizeCompletionRequest], ref[ChatTokenizeRequest]]},
                                 {"model": model_name, "prompt": "Once upon a time"}, True),
         ("/detokenize", "post"): (ref[DetokenizeRequest], {"model": model_name, "tokens": [19556, 905]}, True),
@@ -59,6 +64,7 @@ _HEADERS = {
     ("/v1/chat/completions", "post"): [_SESSION_ID],
     ("/v1/context", "post"): [_SESSION_TTL],
     ("/v1/context/{session_id}", "patch"): [_SESSION_TTL],
+    ("/v1/context/{session_id}/fork", "post"): [_SESSION_TTL],
 }
 
 

@@ -77,6 +77,8 @@ class SamplingRequest(StructuredOutputFields):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     prompt_logprobs: int | None = None                  # vLLM extension: the prompt tokens' logprobs
     return_token_ids: bool = False                      # vLLM extension: prompt and generated token ids
+    # In a session: the turn this request is (1 = its first); 409 unless it is the session's next.
+    turn_number: int | None = Field(default=None, ge=1, le=2**31 - 1)
 
     @property
     def include_usage(self) -> bool:

@@ -188,7 +188,8 @@ class ResponsesAPI:
         response_id = new_response_id(conversation_id)
         deltas = service.stream(response_id, token_ids, sampling, (), service.cache_salt_for(owner, None),
                                 session_turn)
-        turn = Turn(self, body, owner, response_id, conversation_id, items, session, num_logprobs is not None, plan)
+        turn = Turn(self, body, owner, response_id, conversation_id, items, session, num_logprobs is not None, plan,
+                    turns_before=None if session_turn.session is None else session_turn.session.num_turns)
         headers = {RESPONSE_ID_HEADER: response_id} if body.store else {}
         if body.stream:
             return self.stream_answer(turn, deltas, headers, session_turn)
@@ -244,6 +245,8 @@ class Turn:
     session: Session | None
     with_logprobs: bool                          # ``include`` asks for the output tokens' logprobs
     plan: ToolPlan = NO_PLAN
+    # The session's finished turns when this one began (None: it runs beside the session, or none).
+    turns_before: int | None = None
     stored: bool = False
     response: ResponseObject = field(init=False)
     outputs: OutputItems = field(init=False)
@@ -289,8 +292,17 @@ class Turn:
             expires = session.expires if session is not None else unix_time()
             self.api.store.add(StoredResponse(self.owner, answer, self.items), expires)
             self.stored = True
+            self.pin_chain()
         self.api.created[status] += 1
         return answer
+
+    def pin_chain(self) -> None:
+        """Pin this stored response's chain beside the session (which later turns move on): when
+        its session turn recorded what the session holds after it."""
+        session = self.session
+        if session is None or self.turns_before is None or session.num_turns <= self.turns_before:
+            return
+        self.api.sessions.pin_chain(self.owner, self.response_id, list(session.block_hashes))
 
     def fail(self, exc: Exception) -> ResponseObject:
         """The response object of a turn the engine failed, or whose storing failed (never stored)."""
@@ -360,7 +372,8 @@ async def sweep_expired_responses(api: ResponsesAPI) -> None:
     last_check = time.monotonic()
     while True:
         await asyncio.sleep(SWEEP_INTERVAL_S)
-        api.store.pop_expired()
+        for conversation in api.store.pop_expired():
+            api.sessions.unpin_chains(conversation.owner, conversation.responses)
         api.store.republish_if_wanted()
         if time.monotonic() - last_check >= DATA_CHECK_INTERVAL_S:
             last_check = time.monotonic()
@@ -415,6 +428,7 @@ def install_response_routes(app: FastAPI, api: ResponsesAPI) -> None:
     async def delete_response(response_id: str, raw_request: Request) -> dict[str, Any]:
         """Forget a stored response; its conversation's KV is freed when no response of it is left."""
         stored = await api.lookup(raw_request, response_id)
+        api.sessions.unpin_chains(stored.owner, [response_id])
         if api.store.delete(stored):
             conversation_id = conversation_of(response_id)
             assert conversation_id is not None

@@ -377,20 +377,26 @@ class GenerationService:
 
     async def open_session(self, raw_request: Request, model: str, num_tokens: int, *,
                            conversation_id: str | None = None, new_ttl: int | None = None,
-                           end_session: bool = False, n: int = 1, wait_if_busy: bool = True) -> SessionTurn:
+                           end_session: bool = False, n: int = 1, wait_if_busy: bool = True,
+                           turn_number: int | None = None) -> SessionTurn:
         """The session turn this request runs in (``SessionService.open_turn``): a new session
         (``new_ttl``), the one named by ``x-session-id`` or ``conversation_id``, or ``NO_TURN``.
         ``num_tokens`` is prompt + max output. A request of ``n`` > 1 choices cannot run in a
-        session (400, before any session is touched)."""
+        session (400, before any session is touched); nor can a ``turn_number`` outside one.
+        ``turn_number``: 409 unless it is the session's next turn (``check_turn_number``)."""
         header = raw_request.headers.get("x-session-id")
         if header:
             check_session_id(header, "x-session-id")
+        if turn_number is not None and not (header or conversation_id or new_ttl is not None):
+            raise bad_request("'turn_number' counts the turns of a session: send it with x-session-id, "
+                              "conversation_id or POST /v1/context", param="turn_number")
         if n > 1 and (header or conversation_id or new_ttl is not None):
             raise bad_request(f"'n' must be 1 in a session (x-session-id, conversation_id or POST "
                               f"/v1/context): a session holds one continuation, got n={n}", param="n")
         return await self.sessions.open_turn(self.owner_of(raw_request), model, num_tokens, session_id=header or None,
                                              conversation_id=conversation_id, new_ttl=new_ttl,
-                                             end_session=end_session, wait_if_busy=wait_if_busy)
+                                             end_session=end_session, wait_if_busy=wait_if_busy,
+                                             turn_number=turn_number)
 
     # ------------------------------------------------------------ generation
 

@@ -32,6 +32,10 @@ class SessionBusy(SessionError):
     """The session is running another turn; nothing changed."""
 
 
+class SessionStale(SessionError):
+    """The request's ``turn_number`` is not the session's next turn (a stale or out-of-order turn); nothing changed."""
+
+
 class SessionLimit(SessionError):
     """A limit (sessions per key, KV per key, the keeper tier, responses per conversation) refuses it."""
 

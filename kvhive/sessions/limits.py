@@ -98,7 +98,8 @@ class SessionLimits:
         self.bytes_per_token = block_bytes / block_size
         self.keeper = keeper
         self.key_limit = key_pinned_limit(config, keeper, device_pool_bytes)
-        # Invariant: _block_refs[h] == number of sessions the registry holds whose block_hashes hold h (> 0).
+        # Invariant: _block_refs[h] == number of sessions the registry holds whose block_hashes hold h,
+        # plus the stored responses' chains pinned (``kvhive.sessions.chain_pins``) holding h (> 0).
         self._block_refs: Counter[str] = Counter()
 
     def count_blocks(self, block_hashes: list[str], delta: int) -> None:
@@ -136,6 +137,30 @@ class SessionLimits:
         or all sessions over the keeper tier."""
         self._check_key_limit(owner, owned, num_tokens, exclude)
         self._check_keeper(num_tokens, exclude)
+
+    def pinned_hashes(self) -> set[str]:
+        """The distinct blocks counted in (sessions' and stored responses' chains)."""
+        return set(self._block_refs)
+
+    def check_keeper_blocks(self, num_new_blocks: int) -> None:
+        """SessionLimit when ``num_new_blocks`` more distinct pinned blocks would not fit the keeper tier."""
+        self._check_keeper(num_new_blocks * self.block_size, None)
+
+    def check_key_extra(self, owner: str | None, owned: Iterable[Session], extra_bytes: int) -> None:
+        """SessionLimit when the key's sessions (``owned``) plus ``extra_bytes`` pinned beside them
+        would take the key over --max-pinned-gb."""
+        limit = self.key_limit
+        if limit is None or (owner is None and limit.keyed_only):
+            return
+        held = self.pinned_bytes(owned)
+        if held + extra_bytes > limit.num_bytes:
+            raise SessionLimit(f"This API key would pin {format_bytes(held + extra_bytes)} of KV, over its "
+                               f"limit of {format_bytes(limit.num_bytes)} ({limit.source})", "session_kv_limit")
+
+    def check_key_limit(self, owner: str | None, owned: Iterable[Session], num_tokens: int) -> None:
+        """SessionLimit when one more session holding ``num_tokens`` would take the key's sessions
+        over --max-pinned-gb (a fork: its blocks are pinned already, the keeper tier gains none)."""
+        self._check_key_limit(owner, owned, num_tokens, None)
 
     def _check_key_limit(self, owner: str | None, owned: Iterable[Session], num_tokens: int,
                          exclude: Session | None) -> None:

@@ -54,6 +54,7 @@ from kvhive.sessions.errors import (
     SessionLimit,
     SessionNotDurable,
     SessionNotFound,
+    SessionStale,
     not_found,
 )
 from kvhive.sessions.limits import KEEPER_MARGIN, KeeperTier, SessionLimits, format_bytes
@@ -70,7 +71,7 @@ from kvhive.store.redis_guard import check_backend_data
 # The session vocabulary stays importable from here, where the server and the service take it.
 __all__ = ["KEEPER_MARGIN", "MAX_SESSION_ID_CHARS", "SESSION_ID_PATTERN", "KeeperTier", "Session", "SessionBusy",
            "SessionError", "SessionInvalid", "SessionLimit", "SessionNotDurable", "SessionNotFound",
-           "SessionRegistry", "SessionStats", "check_session_id", "format_bytes", "not_found", "parse_ttl"]
+           "SessionRegistry", "SessionStale", "SessionStats", "check_session_id", "format_bytes", "not_found", "parse_ttl"]
 
 logger = logging.getLogger(__name__)
 
@@ -171,22 +172,63 @@ class SessionRegistry:
         """Bytes of the distinct full blocks all sessions pin (less those only ``exclude`` pins)."""
         return self.limits.pinned_block_bytes(exclude)
 
+    def owned(self, owner: str | None) -> list[Session]:
+        """The owner's sessions held here, expired ones included (what its limits count)."""
+        return list(self._owned(owner))
+
     def _owned(self, owner: str | None) -> Iterator[Session]:
         """The owner's sessions held here, expired ones included."""
         return (s for (o, _), s in self._sessions.items() if o == owner)
 
     # ------------------------------------------------------------------ changes
 
-    def create(self, owner: str | None, model: str, ttl_s: int, session_id: str | None = None) -> Session:
-        """A new busy session (its first turn is about to run); SessionLimit over the per-key count limit."""
+    def create(self, owner: str | None, model: str, ttl_s: int, session_id: str | None = None,
+               conversation: bool = False) -> Session:
+        """A new busy session (its first turn is about to run); SessionLimit over the per-key count limit.
+        ``conversation``: made by a ``conversation_id`` (``--max-active-conversations`` counts it)."""
         if self.config.max_sessions_per_key is not None:
             self.limits.check_session_count(len(self.list(owner)))
         now = self.clock()
         session = Session(session_id or f"sess-{uuid.uuid4().hex}", owner, model, ttl_s, now, now + ttl_s,
-                          busy=True, turn=1)
+                          busy=True, turn=1, conversation=conversation)
         self.records.save(session)            # SessionNotDurable: refused before it exists
         self._add(session)
         return session
+
+    def fork(self, parent: Session, ttl_s: int, turn: int | None = None) -> Session:
+        """A new idle session of the parent's owner and model holding what the parent held after
+        ``turn`` (None: its latest turn), with its own id and TTL. Refused before anything changes:
+        SessionInvalid for a turn it cannot name, SessionLimit over the per-key limits (its blocks
+        are the parent's, so the keeper tier pins no more), SessionNotDurable."""
+        num_tokens = parent.tokens_after(turn)
+        num_turns = parent.num_turns if turn is None else turn
+        if self.config.max_sessions_per_key is not None:
+            self.limits.check_session_count(len(self.list(parent.owner)))
+        self.limits.check_key_limit(parent.owner, self._owned(parent.owner), num_tokens)
+        first = parent.num_turns - len(parent.turn_ends) + 1
+        now = self.clock()
+        child = Session(f"sess-{uuid.uuid4().hex}", parent.owner, parent.model, ttl_s, now, now + ttl_s,
+                        num_tokens, parent.block_hashes[:num_tokens // self.limits.block_size],
+                        num_turns=num_turns, turn_ends=parent.turn_ends[:max(0, num_turns - first + 1)])
+        self.records.save(child)              # SessionNotDurable: refused before it exists
+        self._add(child)
+        return child
+
+    def idle_conversation_to_evict(self) -> Session | None:
+        """With ``--max-active-conversations`` N and N live conversations: the least recently used
+        idle one, for the caller to end (None: room for one more); SessionLimit when all are busy."""
+        limit = self.config.max_active_conversations
+        if limit is None:
+            return None
+        live = [s for s in self.live_sessions() if s.conversation]
+        if len(live) < limit:
+            return None
+        idle = [s for s in live if not s.busy]
+        if not idle:
+            raise SessionLimit(f"This server already runs {limit} conversations, all busy with a turn "
+                               f"(--max-active-conversations); retry when one has finished",
+                               "too_many_conversations")
+        return min(idle, key=lambda s: s.expires - s.ttl_s)      # the least recently used
 
     def begin_turn(self, session: Session, model: str, new_tokens: int) -> None:
         """Mark the session busy for one turn: SessionInvalid for another model, SessionBusy if busy,
@@ -213,8 +255,9 @@ class SessionRegistry:
         self._turns += 1
         self._hit_tokens += cached_tokens
         if num_tokens is not None:
-            session.num_tokens = num_tokens
-            self._set_blocks(session, block_hashes or [])
+            before = session.block_hashes
+            session.record_turn(num_tokens, block_hashes or [])
+            self._recount(session, before)
         session.expires = self.clock() + session.ttl_s
         if (session.owner, session.session_id) in self._sessions:
             self.records.save(session)
@@ -239,6 +282,16 @@ class SessionRegistry:
             try:
                 self.backend.delete(session.owner, session.session_id)
             except Exception:  # noqa: BLE001 - the session is gone here; a shared record expires on its own
+                logger.exception("could not delete the record of session %s", session.session_id)
+
+    def evict(self, session: Session) -> None:
+        """Forget an idle conversation to make room for a new one (``idle_conversation_to_evict``);
+        the caller releases its blocks, which the prefix cache keeps while there is room."""
+        self._remove(session)
+        if self.backend is not None:
+            try:
+                self.backend.delete(session.owner, session.session_id)
+            except Exception:  # noqa: BLE001 - forgotten here; a shared record expires on its own
                 logger.exception("could not delete the record of session %s", session.session_id)
 
     def pop_expired(self) -> list[Session]:
@@ -272,12 +325,14 @@ class SessionRegistry:
         return True
 
     def _set_blocks(self, session: Session, block_hashes: list[str]) -> None:
-        held = self._sessions.get((session.owner, session.session_id)) is session
-        if held:
-            self.limits.count_blocks(session.block_hashes, -1)
-        session.block_hashes = block_hashes
-        if held:
-            self.limits.count_blocks(block_hashes, 1)
+        before, session.block_hashes = session.block_hashes, block_hashes
+        self._recount(session, before)
+
+    def _recount(self, session: Session, before: list[str]) -> None:
+        """The session's blocks changed from ``before``: count them again if it is held here."""
+        if self._sessions.get((session.owner, session.session_id)) is session:
+            self.limits.count_blocks(before, -1)
+            self.limits.count_blocks(session.block_hashes, 1)
 
     # ------------------------------------------------------------------ persistence
 
@@ -301,6 +356,7 @@ class SessionRegistry:
             self._pin(current)
             return current
         held.ttl_s, held.expires, held.num_tokens = current.ttl_s, current.expires, current.num_tokens
+        held.num_turns, held.turn_ends = current.num_turns, current.turn_ends
         if held.block_hashes != current.block_hashes:      # another replica ran turns since
             self._set_blocks(held, current.block_hashes)
             self._pin(held)

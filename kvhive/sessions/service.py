@@ -10,6 +10,10 @@ The HTTP layer validates a request and streams it; this service decides its sess
    (``kvhive.engine.scheduler.session_spill``), and the record here stays whatever it does;
 4. ``end`` (DELETE, a conversation left empty) and ``sweep`` (expiry) release a session's blocks.
 
+Beside the turns: ``fork`` makes a session holding what another held after one of its turns, and
+``pin_chain`` keeps a stored response's chain pinned after its conversation moved on to another
+branch (``kvhive.sessions.chain_pins``).
+
 The engine side is a ``SessionHolder`` (``kvhive.engine.client.EngineClient`` in the server).
 Everything here runs on the server's event loop, like the registry.
 """
@@ -18,18 +22,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from kvhive.config import SessionConfig
 from kvhive.sessions.backends import SessionBackend
+from kvhive.sessions.chain_pins import ChainPins
 from kvhive.sessions.registry import (
     KeeperTier,
     Session,
     SessionNotDurable,
     SessionNotFound,
     SessionRegistry,
+    SessionStale,
     SessionStats,
     parse_ttl,
 )
@@ -56,6 +62,10 @@ class SessionHolder(Protocol):
 
     def release_session(self, session_id: str) -> None:
         """Free the session's device blocks and drop its store pins."""
+
+    async def fork_session(self, parent_id: str, child_id: str, num_tokens: int) -> int:
+        """Give the child its own holding of the parent's device blocks (the full ones of its first
+        ``num_tokens`` tokens), shared copy-on-write; the tokens shared (0: the parent holds none)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,23 @@ class SessionTurn:
 NO_TURN = SessionTurn(None, None)
 
 
+def check_turn_number(session: Session | None, turn_number: int | None) -> None:
+    """SessionStale unless ``turn_number`` (when sent) is the next turn of ``session`` (None: a new
+    session, whose first turn is 1): a client that resends an old turn, or skips one, is told so."""
+    if turn_number is None:
+        return
+    expected = 1 if session is None else session.num_turns + 1
+    if turn_number == expected:
+        return
+    where = "a new session" if session is None else f"session '{session.session_id}'"
+    done = 0 if session is None else session.num_turns
+    stale = turn_number < expected
+    advice = "resend it from the session's current state" if stale else "a turn is missing"
+    raise SessionStale(f"'turn_number' is {turn_number}, but {where} has finished {done} turns, so this "
+                       f"request would be turn {expected}: {advice}",
+                       "stale_turn_number" if stale else "turn_number_ahead", "turn_number")
+
+
 def keeper_tier(budget: TierBudget | None, store: StoreConfig) -> KeeperTier | None:
     """The pinned-budget rule's tier: the engine's keeper tier and budget, with the flag that sets
     it for messages; None without a budgeted tier (then only the per-key limits apply)."""
@@ -112,12 +139,14 @@ class SessionService:
         self.registry = SessionRegistry(config, block_bytes, block_size, backend=backend, keeper=keeper,
                                         on_load=self.pin, clock=clock, device_pool_bytes=device_pool_bytes)
         self.config = config
+        self.chains = ChainPins(self.registry.limits, holder.hold_session)
 
     # ------------------------------------------------------------ turns
 
     async def open_turn(self, owner: str | None, model: str, num_tokens: int, *, session_id: str | None = None,
                         conversation_id: str | None = None, new_ttl: int | None = None,
-                        end_session: bool = False, wait_if_busy: bool = True) -> SessionTurn:
+                        end_session: bool = False, wait_if_busy: bool = True,
+                        turn_number: int | None = None) -> SessionTurn:
         """The turn this request runs in, its session marked busy: a new session (``new_ttl``), the
         one named by ``session_id`` (must exist) or ``conversation_id`` (an unknown one starts a
         session with the default TTL), or ``NO_TURN``. ``num_tokens`` (prompt + max output) is
@@ -126,10 +155,13 @@ class SessionService:
         A session busy with another turn is waited for up to ``busy_wait_s`` before SessionBusy: a
         client that aborts a stream and sends its next turn at once may reach the server before
         the server has processed its disconnect (which ends the aborted turn); ``wait_if_busy``
-        False raises it at once (for a caller that runs the request beside the session instead)."""
+        False raises it at once (for a caller that runs the request beside the session instead).
+        ``turn_number``: the turn the client means this request to be; SessionStale unless it is the
+        session's next one (``check_turn_number``)."""
         registry = self.registry
         name = session_id or conversation_id
         if new_ttl is not None:
+            check_turn_number(None, turn_number)
             registry.check_pinned(owner, num_tokens)
             return self._turn(registry.create(owner, model, new_ttl), end_session, created=True)
         if not name:
@@ -139,13 +171,25 @@ class SessionService:
         except SessionNotFound:
             if session_id or conversation_id is None:
                 raise
+            check_turn_number(None, turn_number)
             registry.check_pinned(owner, num_tokens)
-            return self._turn(registry.create(owner, model, self.config.default_ttl_s, session_id=conversation_id),
-                              end_session, created=True)
+            self._make_room_for_a_conversation()
+            return self._turn(registry.create(owner, model, self.config.default_ttl_s, session_id=conversation_id,
+                                              conversation=True), end_session, created=True)
         if session.busy and wait_if_busy and await self._wait_until_idle(session):
             session = await registry.aget(name, owner)        # as it is after that turn
+        if not session.busy:
+            check_turn_number(session, turn_number)
         registry.begin_turn(session, model, num_tokens)
         return self._turn(session, end_session)
+
+    def _make_room_for_a_conversation(self) -> None:
+        """End the least recently used idle conversation when a new one would pass
+        --max-active-conversations (its blocks stay in the prefix cache); SessionLimit if all are busy."""
+        evicted = self.registry.idle_conversation_to_evict()
+        if evicted is not None:
+            self.registry.evict(evicted)
+            self.holder.release_session(evicted.engine_id)
 
     def _turn(self, session: Session, end_session: bool, created: bool = False) -> SessionTurn:
         return SessionTurn(self, session, session.turn, end_session, created)
@@ -184,6 +228,31 @@ class SessionService:
             return
         if block_hashes is not None:
             self.pin(session)
+
+    # ------------------------------------------------------------ forks
+
+    async def fork(self, owner: str | None, parent_id: str, ttl_s: int | None = None,
+                   turn: int | None = None) -> tuple[Session, int]:
+        """A new session holding what the caller's session ``parent_id`` held after ``turn`` (None:
+        its latest), with TTL ``ttl_s`` (None: the parent's); its blocks are the parent's, pinned
+        in the store tiers for it and shared on the device copy-on-write. The child and the tokens
+        it shares on the device. Refusals (``SessionRegistry.fork``, SessionNotFound) change nothing."""
+        parent = await self.registry.aget(parent_id, owner)
+        child = self.registry.fork(parent, parent.ttl_s if ttl_s is None else ttl_s, turn)
+        self.pin(child)
+        shared = await self.holder.fork_session(parent.engine_id, child.engine_id, child.num_tokens)
+        return child, shared
+
+    # ------------------------------------------------------------ stored responses' chains
+
+    def pin_chain(self, owner: str | None, response_id: str, block_hashes: list[str]) -> bool:
+        """Pin a stored response's chain beside its conversation's session (``ChainPins.pin``);
+        False when a limit leaves it unpinned."""
+        return self.chains.pin(owner, response_id, block_hashes, self.registry.owned(owner))
+
+    def unpin_chains(self, owner: str | None, response_ids: Iterable[str]) -> int:
+        """Drop the chains pinned for these stored responses (deleted, or their conversation expired)."""
+        return self.chains.unpin(owner, response_ids)
 
     # ------------------------------------------------------------ holdings
 

@@ -15,6 +15,8 @@ from kvhive.sessions.errors import SessionInvalid
 # these ASCII characters, safe in a header, a Redis key and a file name.
 SESSION_ID_PATTERN = r"^[A-Za-z0-9_.:-]+$"
 MAX_SESSION_ID_CHARS = 128
+# Turn boundaries a record keeps (the latest ones): a fork names one (``Session.tokens_after``).
+MAX_TURN_ENDS = 256
 
 
 @dataclass
@@ -31,6 +33,9 @@ class Session:
     block_hashes: list[str] = field(default_factory=list)    # hex, full blocks of those tokens
     busy: bool = False             # a turn is running (not persisted)
     turn: int = 0                  # turns begun since load (not persisted): tells one turn's end from a later one's
+    num_turns: int = 0             # turns finished that recorded what the session holds (persisted)
+    turn_ends: list[int] = field(default_factory=list)   # num_tokens after each of the latest MAX_TURN_ENDS of them
+    conversation: bool = False     # made by a conversation_id (``--max-active-conversations`` counts these)
 
     @property
     def engine_id(self) -> str:
@@ -41,13 +46,50 @@ class Session:
         """The persisted fields."""
         return {"id": self.session_id, "owner": self.owner, "model": self.model, "ttl": self.ttl_s,
                 "created": self.created, "expires": self.expires, "num_tokens": self.num_tokens,
-                "block_hashes": self.block_hashes}
+                "block_hashes": self.block_hashes, "num_turns": self.num_turns, "turn_ends": self.turn_ends,
+                "conversation": self.conversation}
 
     @classmethod
     def from_json(cls, d: dict) -> Session:
-        """Inverse of ``to_json``."""
-        return cls(d["id"], d["owner"], d["model"], int(d["ttl"]), float(d["created"]),
-                   float(d["expires"]), int(d["num_tokens"]), list(d["block_hashes"]))
+        """Inverse of ``to_json``. A record written before turns were counted reads as one turn
+        holding its tokens (none when it holds none)."""
+        session = cls(d["id"], d["owner"], d["model"], int(d["ttl"]), float(d["created"]),
+                      float(d["expires"]), int(d["num_tokens"]), list(d["block_hashes"]))
+        if "num_turns" in d:
+            session.num_turns = int(d["num_turns"])
+            session.turn_ends = [int(n) for n in d["turn_ends"]][-MAX_TURN_ENDS:]
+        elif session.num_tokens:
+            session.num_turns, session.turn_ends = 1, [session.num_tokens]
+        session.conversation = bool(d.get("conversation", False))
+        return session
+
+    def record_turn(self, num_tokens: int, block_hashes: list[str]) -> None:
+        """A finished turn left the session holding ``num_tokens`` tokens (full blocks
+        ``block_hashes``). A turn whose blocks do not continue the ones held before rewrote the
+        history: the earlier boundaries are dropped (a fork can no longer name them)."""
+        kept = len(self.block_hashes)
+        if block_hashes[:kept] != self.block_hashes[:len(block_hashes)] or num_tokens < self.num_tokens:
+            self.turn_ends = []
+        self.num_turns += 1
+        self.turn_ends = [*self.turn_ends, num_tokens][-MAX_TURN_ENDS:]
+        self.num_tokens = num_tokens
+        self.block_hashes = block_hashes
+
+    def tokens_after(self, turn: int | None) -> int:
+        """Tokens the session held after ``turn`` (1-based; None: now); SessionInvalid for a turn it
+        has not finished or whose boundary is no longer recorded."""
+        if turn is None or turn == self.num_turns:
+            return self.num_tokens
+        first = self.num_turns - len(self.turn_ends) + 1
+        if not 1 <= turn <= self.num_turns:
+            raise SessionInvalid(f"'turn' must be between 1 and {max(self.num_turns, 1)}: session "
+                                 f"'{self.session_id}' has finished {self.num_turns} turns, got {turn}",
+                                 "invalid_turn", "turn")
+        if turn < first:
+            raise SessionInvalid(f"Session '{self.session_id}' no longer records where turn {turn} ended "
+                                 f"(it keeps the latest {MAX_TURN_ENDS} turns, from turn {first}, and none "
+                                 f"before a turn that rewrote the history)", "turn_not_recorded", "turn")
+        return self.turn_ends[turn - first]
 
 
 def check_session_id(session_id: str, param: str) -> None:

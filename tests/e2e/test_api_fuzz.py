@@ -34,6 +34,7 @@ OPERATIONS = [
     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
     ("POST", "/v1/context"), ("GET", "/v1/context"), ("GET", "/v1/context/{session_id}"),
     ("PATCH", "/v1/context/{session_id}"), ("DELETE", "/v1/context/{session_id}"),
+    ("POST", "/v1/context/{session_id}/fork"),
     ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
     ("GET", "/v1/responses/{response_id}/input_items"), ("DELETE", "/v1/responses/{response_id}"),
     ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/reset_prefix_cache"),
@@ -93,7 +94,7 @@ def test_the_schema_declares_every_route_and_body(openapi: dict[str, Any]) -> No
 # Fields kvhive answers 400 to unless left out (or at their default): a tamed case drops them.
 REFUSED_FIELDS = ("logit_bias", "truncate_prompt_tokens", "min_tokens", "tools", "tool_choice", "response_format",
                   "best_of", "suffix", "text", "reasoning", "include", "background", "truncation", "conversation",
-                  "prompt_logprobs", "top_logprobs", "logprobs", "echo", "stream_options")
+                  "prompt_logprobs", "top_logprobs", "logprobs", "echo", "stream_options", "turn_number")
 LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 

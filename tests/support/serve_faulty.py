@@ -50,7 +50,9 @@ def build_engine(args: argparse.Namespace):  # -> AsyncEngine (kvhive imports st
                         redis_url=args.redis_url)
     sessions = SessionConfig(default_ttl_s=args.default_session_ttl, max_ttl_s=args.max_session_ttl,
                              max_sessions_per_key=args.max_sessions_per_key, max_pinned_gb=args.max_pinned_gb,
-                             share_prefix_cache=args.share_prefix_cache)
+                             share_prefix_cache=args.share_prefix_cache,
+                             enable_conversation_caching=args.enable_conversation_caching,
+                             max_active_conversations=args.max_active_conversations)
     prefix = not args.no_prefix_caching
     if args.model == "default":
         config = EngineConfig(model_path=default_model_path(), served_model_name=SERVED_MODEL_NAME,
@@ -219,6 +221,8 @@ def main() -> None:
     parser.add_argument("--max-sessions-per-key", type=int, default=None)
     parser.add_argument("--max-pinned-gb", type=pinned_gib, default=PINNED_AUTO)
     parser.add_argument("--share-prefix-cache", action="store_true")
+    parser.add_argument("--enable-conversation-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--max-active-conversations", type=int, default=None)
     parser.add_argument("--served-model-name", default=SERVED_MODEL_NAME)
     parser.add_argument("--fault-mode", choices=FAULT_MODES, default=None)
     parser.add_argument("--max-request-bytes", type=int, default=None)

@@ -1,4 +1,4 @@
-"""A SessionRegistry without a model: fake block hashes, recorders of the pins it (and a
+"""A SessionRegistry without a model: fake block hashes, recorders of the pins and forks it (and a
 SessionService) asks for, and sessions one turn old."""
 
 from __future__ import annotations
@@ -31,12 +31,17 @@ class Holder:
     def __init__(self) -> None:
         self.held: list[tuple[str, list[bytes]]] = []
         self.released: list[str] = []
+        self.forked: list[tuple[str, str, int]] = []
 
     def hold_session(self, session_id: str, block_hashes) -> None:
         self.held.append((session_id, list(block_hashes)))
 
     def release_session(self, session_id: str) -> None:
         self.released.append(session_id)
+
+    async def fork_session(self, parent_id: str, child_id: str, num_tokens: int) -> int:
+        self.forked.append((parent_id, child_id, num_tokens))
+        return num_tokens // BLOCK_SIZE * BLOCK_SIZE
 
 
 def registry(backend=None, keeper=None, pins=None, config=CONFIG) -> SessionRegistry:
