@@ -15,9 +15,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvhive.core.cors import CorsConfig, install_cors
 from kvhive.core.json_body import BodyError, MalformedJSON, load_json, off_loop_for
+from kvhive.core.tenancy import key_owner
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.router.config import GatewayConfig
-from kvhive.router.dialects import ANTHROPIC_PATHS, API_KEY_HEADER, caller_owner
+from kvhive.router.dialects import ANTHROPIC_PATHS, API_KEY_HEADER
 from kvhive.router.index import KVBlockIndex
 from kvhive.router.pd import route_disaggregated, wants_prefill
 from kvhive.router.proxy import as_openai_error, gateway_error, openai_error
@@ -244,7 +245,7 @@ def _session_named(request: Request, data: dict[str, Any] | None) -> str | None:
 
 def request_owner(request: Request) -> str:
     """The owner digest of the caller's key (``Authorization: Bearer``, else ``x-api-key``)."""
-    return caller_owner(request.headers.get("authorization"), request.headers.get(API_KEY_HEADER))
+    return key_owner(request.headers.get("authorization"), request.headers.get(API_KEY_HEADER))
 
 
 def gateway_crash(scope: Scope, exc: Exception) -> Response:

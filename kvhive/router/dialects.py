@@ -16,8 +16,6 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from kvhive.core.tenancy import key_owner
-
 ANTHROPIC_PATHS = frozenset(("/v1/messages", "/v1/messages/count_tokens"))
 # Anthropic's error type for each status it documents; other 4xx are invalid requests, 5xx api errors.
 _ANTHROPIC_TYPES: Mapping[int, str] = MappingProxyType({
@@ -60,16 +58,3 @@ def as_anthropic_error(status: int, raw: bytes) -> dict[str, Any]:
     message = found if isinstance(found, str) else json.dumps(found)
     return anthropic_error_body(status, message or f"replica answered HTTP {status}")
 
-
-def caller_key_header(authorization: str | None, api_key: str | None) -> str:
-    """The ``Authorization`` value that names the caller's key: the header itself when it is sent,
-    else ``Bearer <x-api-key>`` (Anthropic's clients), else empty."""
-    if authorization:
-        return authorization
-    return f"Bearer {api_key}" if api_key else ""
-
-
-def caller_owner(authorization: str | None, api_key: str | None) -> str:
-    """The owner digest (``key_owner``) of the caller's key, from ``Authorization: Bearer KEY`` or,
-    without it, ``x-api-key: KEY``: the same key owns the same sessions either way."""
-    return key_owner(caller_key_header(authorization, api_key))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvhive.core.json_body import BodyError, load_json
-from kvhive.router.dialects import API_KEY_HEADER, caller_owner
+from kvhive.core.tenancy import key_owner
 from kvhive.router.sessions import SESSION_HEADER
 from kvhive.router.tokenize import Prompt, prompt_for_path
 
@@ -39,9 +39,8 @@ class HTTPEnvelope:
 
     @property
     def owner(self) -> str:
-        """The digest of the caller's API key (Authorization, else x-api-key) that replicas key
-        sessions by."""
-        return caller_owner(self.header("authorization"), self.header(API_KEY_HEADER))
+        """The digest of the caller's API key that replicas key sessions by."""
+        return key_owner(self.header("authorization"), self.header("x-api-key"))
 
     def json_body(self) -> dict[str, Any] | None:
         """The body as a JSON object, or None when it is none (the replica answers it)."""
