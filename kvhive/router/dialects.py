@@ -1,5 +1,5 @@
-"""The API dialect of a routed path: Anthropic's on ``/v1/messages`` (and ``count_tokens``),
-OpenAI's everywhere else. It decides the shape of the errors the gateway answers itself and how a
+"""The API dialect of a routed path: Anthropic's on ``/v1/messages`` and below it
+(``count_tokens``), OpenAI's everywhere else. It decides the shape of the errors the gateway answers itself and how a
 replica's error body is re-shaped, and which header carries the caller's API key.
 
 Anthropic's error shape is ``{"type": "error", "error": {"type": ..., "message": ...}}`` with its
@@ -16,7 +16,9 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-ANTHROPIC_PATHS = frozenset(("/v1/messages", "/v1/messages/count_tokens"))
+MESSAGES_PATH = "/v1/messages"
+# The Messages routes the gateway routes like chat (by the prompt's KV score).
+ANTHROPIC_PATHS = frozenset((MESSAGES_PATH, "/v1/messages/count_tokens"))
 # Anthropic's error type for each status it documents; other 4xx are invalid requests, 5xx api errors.
 _ANTHROPIC_TYPES: Mapping[int, str] = MappingProxyType({
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -27,8 +29,8 @@ API_KEY_HEADER = "x-api-key"
 
 
 def is_anthropic(path: str) -> bool:
-    """Whether ``path`` speaks Anthropic's Messages API."""
-    return path.rstrip("/") in ANTHROPIC_PATHS
+    """Whether ``path`` speaks Anthropic's Messages API: /v1/messages and every path below it."""
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
 
 
 def anthropic_error_type(status: int) -> str:

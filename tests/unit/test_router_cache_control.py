@@ -18,7 +18,7 @@ from kvhive.core.request_fields import MAX_PROMPT_CACHE_KEY_CHARS
 from kvhive.core.tenancy import key_owner
 from kvhive.router.app import create_gateway_app
 from kvhive.router.config import GatewayConfig, ReplicaSpec
-from kvhive.router.dialects import as_anthropic_error
+from kvhive.router.dialects import as_anthropic_error, is_anthropic
 from kvhive.router.gateway import REASON_HEADER, REPLICA_HEADER
 from kvhive.router.proxy import cut_stream_events
 from kvhive.router.scorer import LoadStats, RoutingWeights
@@ -229,3 +229,9 @@ def test_a_messages_body_goes_to_the_replica_holding_its_rendered_prefix(tokeniz
             assert (await client.post("/v1/messages", json=refused)).headers[REASON_HEADER] == "load"
 
     served(answers(OK, close=False), answers(OK, close=False))(go)
+
+
+def test_the_dialect_is_anthropics_on_messages_paths_only() -> None:
+    assert is_anthropic("/v1/messages") and is_anthropic("/v1/messages/count_tokens")
+    assert is_anthropic("/v1/messages/batches")              # unserved there, but answered in its shape
+    assert not is_anthropic("/v1/messagesx") and not is_anthropic("/v1/chat/completions")
