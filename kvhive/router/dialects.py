@@ -1,6 +1,7 @@
 """The API dialect of a routed path: Anthropic's on ``/v1/messages`` and below it
-(``count_tokens``), OpenAI's everywhere else. It decides the shape of the errors the gateway answers itself and how a
-replica's error body is re-shaped, and which header carries the caller's API key.
+(``count_tokens``), OpenAI's everywhere else. It decides the shape of the errors the gateway
+answers itself and how a replica's error body is re-shaped; ``x-api-key`` carries the key of
+Anthropic's clients.
 
 Anthropic's error shape is ``{"type": "error", "error": {"type": ..., "message": ...}}`` with its
 own type per status (``invalid_request_error`` 400, ``authentication_error`` 401,
