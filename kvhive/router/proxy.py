@@ -14,7 +14,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from kvhive.router.dialects import anthropic_error_body, as_anthropic_error, is_anthropic
+from kvhive.core.anthropic_errors import anthropic_error_body, as_anthropic_error
+from kvhive.router.dialects import is_anthropic
 from kvhive.router.upstream import (
     UpstreamClient,
     UpstreamError,

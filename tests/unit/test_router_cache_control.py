@@ -12,13 +12,14 @@ from typing import Any
 import httpx
 from support.upstream_servers import OK, answers, gateway_for, served
 
+from kvhive.core.anthropic_errors import as_anthropic_error
 from kvhive.core.anthropic_messages import messages_chat, render_chat
 from kvhive.core.blocks import hash_blocks, root_hash
 from kvhive.core.request_fields import MAX_PROMPT_CACHE_KEY_CHARS
 from kvhive.core.tenancy import key_owner
 from kvhive.router.app import create_gateway_app
 from kvhive.router.config import GatewayConfig, ReplicaSpec
-from kvhive.router.dialects import as_anthropic_error, is_anthropic
+from kvhive.router.dialects import is_anthropic
 from kvhive.router.gateway import REASON_HEADER, REPLICA_HEADER
 from kvhive.router.proxy import cut_stream_events
 from kvhive.router.scorer import LoadStats, RoutingWeights
