@@ -18,18 +18,19 @@ from kvhive.core.json_body import BodyError, MalformedJSON, load_json, off_loop_
 from kvhive.core.tenancy import key_owner
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.router.config import GatewayConfig
+from kvhive.router.dialects import ANTHROPIC_PATHS, API_KEY_HEADER
 from kvhive.router.index import KVBlockIndex
 from kvhive.router.pd import route_disaggregated, wants_prefill
-from kvhive.router.proxy import as_openai_error, openai_error
+from kvhive.router.proxy import as_openai_error, gateway_error, openai_error
 from kvhive.router.replicas import Replica
-from kvhive.router.sessions import SESSION_HEADER
-from kvhive.router.tokenize import Prompt, prompt_from_body
+from kvhive.router.sessions import SESSION_HEADER, cache_key_problem
+from kvhive.router.tokenize import Prompt, prompt_for_path
 from kvhive.router.tokenize_api import TokenizeAPI
 from kvhive.router.wiring import GatewayParts, build_gateway
 
 logger = logging.getLogger(__name__)
 
-_ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+_ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", *sorted(ANTHROPIC_PATHS))
 
 
 def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
@@ -73,6 +74,8 @@ class GatewayRoutes:
         app.add_middleware(RoutedFastPath, paths=frozenset(_ROUTED_PATHS), handler=self.routed_asgi)
         app.add_api_route("/v1/context", self.contexts, methods=["GET", "POST"], response_model=None)
         app.add_api_route("/v1/context/{session_id}", self.context, methods=["GET", "PATCH", "DELETE"],
+                          response_model=None)
+        app.add_api_route("/v1/context/{session_id}/fork", self.fork_context, methods=["POST"],
                           response_model=None)
         app.add_api_route("/v1/responses/{response_id}", self.stored_response, methods=["GET", "DELETE"],
                           response_model=None)
@@ -142,25 +145,32 @@ class GatewayRoutes:
         return await self.tokenizing.answer(request, body)
 
     async def routed(self, request: Request) -> Response:
-        """A request for the best replica: its session's holder, else by KV score and load."""
-        limit = self.config.max_request_bytes
+        """A request for the best replica: its session's holder, else by KV score, its
+        prompt_cache_key's replica and load. Errors of the gateway's own are in the path's dialect."""
+        limit, path = self.config.max_request_bytes, request.scope["path"]
         body = await read_body(request, limit)
         if body is None:
-            return too_large(limit)
-        owner = key_owner(request.headers.get("authorization", ""))
+            return too_large(limit, path)
+        owner = request_owner(request)
         try:
             data, prompt = await off_loop_for(body, _routing_view, body,
-                                              owner if self.config.salt_with_api_key else None)
+                                              owner if self.config.salt_with_api_key else None, path)
         except BodyError as exc:
-            return openai_error(400, exc.message, param=exc.param)
+            return gateway_error(path, 400, exc.message, param=exc.param)
+        cache_key = data.get("prompt_cache_key") if data is not None else None
+        problem = cache_key_problem(cache_key)
+        if problem is not None:
+            return gateway_error(path, 400, problem, param="prompt_cache_key")
         session_id = _session_named(request, data)
-        if self.config.disaggregated and wants_prefill(request.url.path, data, session_id):
+        if self.config.disaggregated and wants_prefill(path, data, session_id):
             return await route_disaggregated(self.gateway, request, data, prompt, owner,
                                              self.config.request_timeout_s)
-        candidates, reason = await self.gateway.choose(prompt, session_id, owner)
+        key = cache_key if isinstance(cache_key, str) and cache_key else None
+        candidates, reason = await self.gateway.choose(prompt, session_id, owner, cache_key=key)
         if not candidates:
-            return openai_error(503, "No healthy replica", code="no_replica")
-        return await self.gateway.forward(request, body, candidates, reason, owner, session_id=session_id)
+            return gateway_error(path, 503, "No healthy replica", code="no_replica")
+        return await self.gateway.forward(request, body, candidates, reason, owner, session_id=session_id,
+                                          cache_key=key)
 
     async def routed_asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``routed`` as an ASGI app, for the fast path: an error of the gateway's own is answered
@@ -180,7 +190,7 @@ class GatewayRoutes:
     async def to_holder(self, request: Request, session_id: str) -> Response:
         """Sent to the replica holding the caller's session or stored response (asking each in turn
         when the gateway does not know it for the caller's key); a DELETE that succeeds forgets it."""
-        owner = key_owner(request.headers.get("authorization", ""))
+        owner = request_owner(request)
         holder = await self.gateway.sessions.aget(owner, session_id)
         healthy = self.replica_set.healthy()
         routable = self.gateway.routable(healthy)
@@ -201,6 +211,11 @@ class GatewayRoutes:
 
     async def context(self, request: Request, session_id: str) -> Response:
         """One session: on the replica that holds it."""
+        return await self.to_holder(request, session_id)
+
+    async def fork_context(self, request: Request, session_id: str) -> Response:
+        """A fork of a session: on the replica holding the parent, where its blocks are; the child
+        the answer names in x-session-id is remembered there, so its turns follow it."""
         return await self.to_holder(request, session_id)
 
     async def stored_response(self, request: Request, response_id: str) -> Response:
@@ -228,10 +243,16 @@ def _session_named(request: Request, data: dict[str, Any] | None) -> str | None:
     return request.headers.get(SESSION_HEADER) or next((n for n in named if isinstance(n, str)), None)
 
 
+def request_owner(request: Request) -> str:
+    """The owner digest of the caller's key (``Authorization: Bearer``, else ``x-api-key``)."""
+    return key_owner(request.headers.get("authorization"), request.headers.get(API_KEY_HEADER))
+
+
 def gateway_crash(scope: Scope, exc: Exception) -> Response:
-    """An error of the gateway's own as OpenAI's 500 (logged), never a plain-text page."""
+    """An error of the gateway's own as a 500 in the path's dialect (logged), never a plain-text page."""
     logger.error("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
-    return openai_error(500, f"Gateway error: {type(exc).__name__}: {exc}", code="internal_server_error")
+    return gateway_error(scope.get("path", ""), 500, f"Gateway error: {type(exc).__name__}: {exc}",
+                         code="internal_server_error")
 
 
 class RoutedFastPath:
@@ -269,12 +290,12 @@ async def read_body(request: Request, limit: int) -> bytes | None:
     return b"".join(pieces)
 
 
-def too_large(limit: int) -> Response:
-    """The 413 for a body over the gateway's limit; it closes the connection (the rest of the body
-    is never read)."""
-    return openai_error(413, f"The request body exceeds the gateway's limit of {limit} bytes "
-                             f"(--max-request-bytes)", code="request_too_large",
-                        headers={"connection": "close"})
+def too_large(limit: int, path: str = "/v1/completions") -> Response:
+    """The 413 for a body over the gateway's limit (in ``path``'s dialect); it closes the
+    connection (the rest of the body is never read)."""
+    return gateway_error(path, 413, f"The request body exceeds the gateway's limit of {limit} bytes "
+                                    f"(--max-request-bytes)", code="request_too_large",
+                         headers={"connection": "close"})
 
 
 class RoutingView(NamedTuple):
@@ -284,11 +305,11 @@ class RoutingView(NamedTuple):
     prompt: Prompt | None
 
 
-def _routing_view(body: bytes, salt_owner: str | None) -> RoutingView:
-    """The body as a JSON object (``_json_object``) and the prompt it asks for (salted by
-    ``salt_owner``); linear in the body's size, and run off the event loop for a large body."""
+def _routing_view(body: bytes, salt_owner: str | None, path: str) -> RoutingView:
+    """The body as a JSON object (``_json_object``) and the prompt it asks for at ``path`` (salted
+    by ``salt_owner``); linear in the body's size, and run off the event loop for a large body."""
     data = _json_object(body)
-    return RoutingView(data, prompt_from_body(data, salt_owner) if data is not None else None)
+    return RoutingView(data, prompt_for_path(path, data, salt_owner) if data is not None else None)
 
 
 def _json_object(body: bytes) -> dict[str, Any] | None:

@@ -145,6 +145,9 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-cached-share", type=float, default=0.1, metavar="S",
                    help="a replica holding less than this share of the prompt counts as holding none "
                         "(so a common chat template does not draw every new prompt to one replica)")
+    g.add_argument("--cache-key-weight", type=float, default=0.4, metavar="W",
+                   help="bonus of the replica that served a request's prompt_cache_key last (per API "
+                        "key): same key, same replica while its load allows (0: the key routes nothing)")
 
 
 def _add_upstream_args(p: argparse.ArgumentParser) -> None:
@@ -207,7 +210,8 @@ def parse_tier_weights(text: str) -> TierWeights:
 
 # The flag that sets each RoutingWeights field (its errors name the flag).
 WEIGHT_FLAGS = {"cache": "--cache-weight", "load": "--load-weight", "kv_usage": "--kv-usage-weight",
-                "waiting_factor": "--waiting-factor", "min_share": "--min-cached-share"}
+                "waiting_factor": "--waiting-factor", "min_share": "--min-cached-share",
+                "cache_key": "--cache-key-weight"}
 
 
 def routing_weights(args: argparse.Namespace) -> RoutingWeights:

@@ -21,8 +21,8 @@ from kvhive.router.proxy import (
     answer_problem,
     failed_answer,
     failure_status,
+    gateway_error,
     open_upstream,
-    openai_error,
     whole_answer,
 )
 from kvhive.router.replicas import Replica, ReplicaSet
@@ -54,10 +54,13 @@ class Gateway:
     def __init__(self, replicas: ReplicaSet, indexer: KVCacheIndexer, sessions: SessionAffinity | SharedAffinity,
                  weights: RoutingWeights, metrics: GatewayMetrics, client: httpx.AsyncClient,
                  policy: str = "kv", seed: int = 0, upstream: UpstreamClient | None = None,
-                 serve_role: str | None = None, outliers: OutlierPolicy | None = None) -> None:
+                 serve_role: str | None = None, outliers: OutlierPolicy | None = None,
+                 cache_keys: SessionAffinity | SharedAffinity | None = None) -> None:
         """``serve_role``: answers come from replicas of this role only (``decode`` with --pd);
-        ``outliers``: when replicas whose requests fail are ejected."""
+        ``outliers``: when replicas whose requests fail are ejected; ``cache_keys``: the replica
+        that last answered each (owner, prompt_cache_key)."""
         self.replicas = replicas
+        self.cache_keys = cache_keys if cache_keys is not None else SessionAffinity()
         self.outliers = outliers if outliers is not None else OutlierPolicy()
         self.serve_role = serve_role
         self.policy = policy
@@ -72,15 +75,15 @@ class Gateway:
         self._turn = 0          # rotates the order in which equal scores are broken
 
     async def choose(self, prompt: Prompt | None, session_id: str | None,
-                     owner: str, role: str | None = None) -> tuple[list[Replica], str]:
+                     owner: str, role: str | None = None, cache_key: str | None = None) -> tuple[list[Replica], str]:
         """Healthy replicas in order of preference, and why the first is first.
 
         The replica holding ``owner``'s session ``session_id`` comes first while it is healthy (an
         id only another owner used counts as unknown); otherwise replicas are ranked by
-        ``pick_replica`` (KV score of the prompt, then load) under the "kv" policy, by load alone
-        under "least_load", in turn under "round_robin", and at random under "random". Only
-        replicas of ``role`` (default: ``serve_role``; None: any) that are not ejected
-        (``routable``) are candidates.
+        ``pick_replica`` (KV score of the prompt, the replica that last answered ``owner``'s
+        ``cache_key``, then load) under the "kv" policy, by load alone under "least_load", in turn
+        under "round_robin", and at random under "random". Only replicas of ``role`` (default:
+        ``serve_role``; None: any) that are not ejected (``routable``) are candidates.
         """
         role = role or self.serve_role
         healthy = self.routable([r for r in self.replicas.healthy() if role is None or r.spec.role == role])
@@ -98,17 +101,20 @@ class Gateway:
             if holder in names:
                 return self._ordered([holder, *[n for n in names if n != holder]]), "session"
             return self._ordered(names), self.policy
-        kv = KVScores()
-        if self.policy == "kv" and prompt is not None and not any(r.name == holder for r in healthy):
+        kv, key_holder = KVScores(), None
+        held = any(r.name == holder for r in healthy)
+        if self.policy == "kv" and prompt is not None and not held:
             try:
                 kv = await self.indexer.score(prompt)
                 self.metrics.tokenize_seconds.observe(kv.tokenize_s)
             except Exception as exc:  # noqa: BLE001 - a body the replica will reject: route by load
                 logger.debug("no KV score for this request: %s", exc)
+        if self.policy == "kv" and cache_key and not held:
+            key_holder = await self.cache_keys.aget(owner, cache_key)
         loads = {r.name: r.routing_load() for r in healthy}
         pick = pick_replica([r.name for r in healthy], kv.scores, kv.num_blocks, loads, self.weights,
-                            self._turn)
-        ranking, reason = pick.ranking, "kv" if pick.kv_blocks > 0 else "load"
+                            self._turn, key_holder)
+        ranking, reason = pick.ranking, pick.reason
         if holder in ranking:
             ranking, reason = [holder, *[n for n in ranking if n != holder]], "session"
         if reason == "kv":
@@ -130,7 +136,7 @@ class Gateway:
 
     async def forward(self, request: Request, body: bytes, candidates: Sequence[Replica], reason: str,
                       owner: str, path: str | None = None, find_session: str | None = None,
-                      session_id: str | None = None) -> Response:
+                      session_id: str | None = None, cache_key: str | None = None) -> Response:
         """Send the request to the first candidate and relay its answer.
 
         An answer of known length (and any error answer) is read whole before the client gets a
@@ -145,7 +151,8 @@ class Gateway:
         also moves on to the next candidate: the first replica that knows the session answers. A
         replica that answers a request naming ``session_id`` (a session, or the response a request
         continues) is remembered as the holder of ``owner``'s id, and as the holder of a response it
-        names in ``x-kvhive-response-id``."""
+        names in ``x-kvhive-response-id``; one that answers a request with ``cache_key`` (its
+        prompt_cache_key), as the replica of ``owner``'s key."""
         last_404: Response | None = None
         retried = False
         target = path or request.scope["path"]
@@ -167,7 +174,7 @@ class Gateway:
                     self.metrics.retries.labels(exc.kind).inc()
                     logger.info("retrying on another replica: %s failed (%s)", replica.name, exc)
                     continue
-                return last_404 if last_404 is not None else self._failure_answer(replica, exc)
+                return last_404 if last_404 is not None else self._failure_answer(replica, exc, target)
             if failure_status(upstream.status_code):
                 self._done(replica, "5xx")
                 if not retried and attempt + 1 < len(candidates):
@@ -176,20 +183,22 @@ class Gateway:
                     logger.info("retrying on another replica: %s answered %d", replica.name,
                                 upstream.status_code)
                     continue
-                return whole_answer(upstream, whole or b"", headers)
+                return whole_answer(upstream, whole or b"", headers, target)
             if find_session is not None and upstream.status_code == 404 and attempt + 1 < len(candidates):
                 self._done(replica, None)
-                last_404 = whole_answer(upstream, whole or b"", headers)
+                last_404 = whole_answer(upstream, whole or b"", headers, target)
                 continue
             await self._remember_holder(upstream, replica, owner, find_session or session_id)
+            if cache_key and upstream.status_code < 400:
+                await self.cache_keys.aremember(owner, cache_key, replica.name)
             if whole is not None:
                 self._done(replica, None)
-                return whole_answer(upstream, whole, headers)
+                return whole_answer(upstream, whole, headers, target)
             return RelayResponse(upstream, headers, lambda failure, r=replica: self._done(r, failure),
                                  replica.name)
         if last_404 is not None:
             return last_404
-        return openai_error(503, "No replica could be reached", code="no_replica")
+        return gateway_error(target, 503, "No replica could be reached", code="no_replica")
 
     @staticmethod
     async def _read_whole(upstream: UpstreamResponse, path: str) -> bytes | None:
@@ -228,11 +237,12 @@ class Gateway:
             await self.replicas.mark_down(replica, f"connection failed: {failure}")
 
     @staticmethod
-    def _failure_answer(replica: Replica, failure: UpstreamError) -> Response:
-        """503 when the replica could not be connected to; else its failure's 502 or 504."""
+    def _failure_answer(replica: Replica, failure: UpstreamError, path: str) -> Response:
+        """503 when the replica could not be connected to; else its failure's 502 or 504 (in the
+        dialect of ``path``)."""
         if isinstance(failure, UpstreamConnectError):
-            return openai_error(503, "No replica could be reached", code="no_replica")
-        return failed_answer(replica.name, failure, {REPLICA_HEADER: replica.name})
+            return gateway_error(path, 503, "No replica could be reached", code="no_replica")
+        return failed_answer(replica.name, failure, {REPLICA_HEADER: replica.name}, path)
 
     def record(self, replica: Replica, failure: str | None) -> None:
         """Feed one request's outcome on ``replica`` (None: success; else the kind of failure) to
@@ -272,7 +282,7 @@ class Gateway:
                       timeout_s: float = 10.0) -> list[tuple[Replica, int, Any]]:
         """``method`` ``path`` (no body, the request's query) on every healthy replica: (replica,
         status, parsed JSON or None) for each answer."""
-        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "accept")}
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "x-api-key", "accept")}
 
         async def get(replica: Replica) -> tuple[Replica, int, Any] | None:
             try:

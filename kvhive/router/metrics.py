@@ -38,7 +38,7 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.decisions = Counter("kvhive_gateway_routing_decisions",
-                                 "Requests routed, by replica and reason (session, kv, load, retry).",
+                                 "Requests routed, by replica and reason (session, kv, cache_key, load, retry).",
                                  ["replica", "reason"], registry=self.registry)
         self.routed_cached_blocks = Counter("kvhive_gateway_routed_cached_blocks",
                                             "Tier-weighted blocks the index said the chosen replica held.",

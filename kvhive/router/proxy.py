@@ -1,4 +1,5 @@
-"""Forwarding a request to a replica and its answer back: streamed chunk by chunk, errors OpenAI-shaped."""
+"""Forwarding a request to a replica and its answer back: streamed chunk by chunk, errors in the
+path's dialect (OpenAI's, or Anthropic's on /v1/messages: ``kvhive.router.dialects``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from kvhive.core.anthropic_errors import anthropic_error_body, as_anthropic_error
+from kvhive.router.dialects import is_anthropic
 from kvhive.router.upstream import (
     UpstreamClient,
     UpstreamError,
@@ -28,7 +31,7 @@ _HOP_BY_HOP_RAW = frozenset(name.encode() for name in _HOP_BY_HOP)
 # A forwarded request's own: the upstream client frames the body it sends.
 _NOT_FORWARDED = _HOP_BY_HOP_RAW | {b"content-length"}
 # The generation routes: their 2xx answers are JSON or server-sent events.
-GENERATION_PATHS = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/responses"))
+GENERATION_PATHS = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"))
 
 
 def openai_error(status: int, message: str, code: str | None = None,
@@ -37,6 +40,21 @@ def openai_error(status: int, message: str, code: str | None = None,
     error_type = "server_error" if status >= 500 else "invalid_request_error"
     body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
     return JSONResponse(status_code=status, content=body, headers=dict(headers or {}))
+
+
+def gateway_error(path: str, status: int, message: str, code: str | None = None,
+                  headers: Mapping[str, str] | None = None, param: str | None = None) -> JSONResponse:
+    """An error answered by the gateway itself to a request for ``path``: Anthropic's shape on
+    /v1/messages, else OpenAI's (``openai_error``)."""
+    if is_anthropic(path):
+        return JSONResponse(status_code=status, content=anthropic_error_body(status, message),
+                            headers=dict(headers or {}))
+    return openai_error(status, message, code, headers, param)
+
+
+def as_error_body(path: str, status: int, raw: bytes) -> dict[str, Any]:
+    """A replica's error body for ``path`` in the path's dialect."""
+    return as_anthropic_error(status, raw) if is_anthropic(path) else as_openai_error(status, raw)
 
 
 def as_openai_error(status: int, raw: bytes) -> dict[str, Any]:
@@ -92,11 +110,12 @@ def answer_problem(path: str, upstream: UpstreamResponse, body: bytes | None) ->
     return None
 
 
-def whole_answer(upstream: UpstreamResponse, body: bytes, headers: Mapping[str, str]) -> Response:
-    """A replica's answer read whole as the gateway's: an error re-shaped as OpenAI's."""
+def whole_answer(upstream: UpstreamResponse, body: bytes, headers: Mapping[str, str],
+                 path: str = "/v1/completions") -> Response:
+    """A replica's answer read whole as the gateway's: an error re-shaped in ``path``'s dialect."""
     if upstream.status_code >= 400:
         return JSONResponse(status_code=upstream.status_code,
-                            content=as_openai_error(upstream.status_code, body), headers=dict(headers))
+                            content=as_error_body(path, upstream.status_code, body), headers=dict(headers))
     response = Response(content=body, status_code=upstream.status_code)
     # The answer's own Content-Length stays: ``body`` is the whole of it.
     response.raw_headers = [(k, v) for k, v in upstream.headers if k.lower() not in _HOP_BY_HOP_RAW]
@@ -104,24 +123,27 @@ def whole_answer(upstream: UpstreamResponse, body: bytes, headers: Mapping[str, 
     return response
 
 
-def failed_answer(source: str, failure: UpstreamError, headers: Mapping[str, str]) -> Response:
-    """The gateway's answer when ``source``'s answer failed before any byte reached the client:
-    504 when it came too late, else 502."""
+def failed_answer(source: str, failure: UpstreamError, headers: Mapping[str, str],
+                  path: str = "/v1/completions") -> Response:
+    """The gateway's answer to a request for ``path`` when ``source``'s answer failed before any
+    byte reached the client: 504 when it came too late, else 502."""
     if isinstance(failure, UpstreamTimeout):
-        return openai_error(504, f"replica {source} timed out: {failure}", code="gateway_timeout",
-                            headers=headers)
-    return openai_error(502, f"replica {source} failed: {type(failure).__name__}: {failure}",
-                        code="bad_gateway", headers=headers)
+        return gateway_error(path, 504, f"replica {source} timed out: {failure}", code="gateway_timeout",
+                             headers=headers)
+    return gateway_error(path, 502, f"replica {source} failed: {type(failure).__name__}: {failure}",
+                         code="bad_gateway", headers=headers)
 
 
 def cut_stream_events(path: str, message: str, last_chunk: bytes) -> bytes:
-    """What ends an SSE stream the replica cut: OpenAI's error event for ``path``.
+    """What ends an SSE stream the replica cut: the API's error event for ``path``.
 
     Completions and chat: ``data: {"error": {...}}`` then ``data: [DONE]``, as a replica ends a
     stream its engine failed. /v1/responses: an ``error`` event (type, code, message, param,
-    sequence_number one past the last one in ``last_chunk``). A partial event in ``last_chunk`` is
-    closed first, so the error event parses on its own."""
+    sequence_number one past the last one in ``last_chunk``). /v1/messages: Anthropic's ``error``
+    event. A partial event in ``last_chunk`` is closed first, so the error event parses on its own."""
     lead = b"" if not last_chunk or last_chunk.endswith(b"\n\n") else b"\n\n"
+    if is_anthropic(path):
+        return lead + b"event: error\ndata: " + json.dumps(anthropic_error_body(502, message)).encode() + b"\n\n"
     if path.rstrip("/") == "/v1/responses":
         numbers = _SEQUENCE_NUMBER.findall(last_chunk)
         data = {"type": "error", "code": "bad_gateway", "message": message, "param": None,
@@ -195,7 +217,7 @@ class RelayResponse(Response):
             failure = exc.kind
             finished = True
             if not started:
-                await failed_answer(self._source, exc, self._headers)(scope, receive, send)
+                await failed_answer(self._source, exc, self._headers, scope["path"])(scope, receive, send)
                 return
             if not sse:
                 raise                   # not SSE: the client sees a broken answer

@@ -120,12 +120,15 @@ class RoutingWeights:
         final(r) = cache    * share(r)                            (share of the prompt cached, 0..1)
                  - load     * queue(r) / (1 + max_r' queue(r'))   (relative queue length, 0..1)
                  - kv_usage * usage(r)                            (KV pool in use, 0..1)
+                 + cache_key * [r served the request's prompt_cache_key last]
         share(r) = kv(r) / num_blocks, or 0 below min_share
         queue(r) = running(r) + waiting_factor * waiting(r)
 
     The highest final score wins; equal scores are broken round-robin. ``min_share`` keeps a small
     common prefix (a chat template's system prompt, a few blocks of a long prompt) from drawing
     every new prompt to the replica that holds it: below it, load and pool usage decide.
+    ``cache_key`` keeps a ``prompt_cache_key`` on its replica while load allows: with the defaults,
+    until that replica's queue is 4 or more while the others are idle.
     """
 
     cache: float = 1.0
@@ -133,9 +136,10 @@ class RoutingWeights:
     kv_usage: float = 0.1
     waiting_factor: float = 2.0
     min_share: float = 0.1
+    cache_key: float = 0.4
 
     def __post_init__(self) -> None:
-        for name in ("cache", "load", "kv_usage", "waiting_factor", "min_share"):
+        for name in ("cache", "load", "kv_usage", "waiting_factor", "min_share", "cache_key"):
             problem = weight_problem(name, getattr(self, name))
             if problem is not None:
                 raise ValueError(f"routing weight {name} {problem}")
@@ -152,17 +156,28 @@ def weight_problem(name: str, value: float) -> str | None:
 
 @dataclass(frozen=True)
 class Pick:
-    """The chosen replica, every candidate's final score, and the chosen one's KV score in blocks."""
+    """The chosen replica, every candidate's final score, the chosen one's KV score in blocks, and
+    whether it is the replica that answered the request's prompt_cache_key last (with a bonus)."""
 
     replica: str
     ranking: list[str]
     scores: dict[str, float] = field(default_factory=dict)
     kv_blocks: float = 0.0
+    key_holder: bool = False
+
+    @property
+    def reason(self) -> str:
+        """Why the chosen replica is first: "kv" (it holds some of the prompt), "cache_key" (it
+        answered the request's prompt_cache_key last), else "load"."""
+        return "kv" if self.kv_blocks > 0 else "cache_key" if self.key_holder else "load"
 
 
 def pick_replica(candidates: Sequence[str], kv_scores: Mapping[str, float], num_blocks: int,
-                 loads: Mapping[str, LoadStats], weights: RoutingWeights, turn: int = 0) -> Pick:
-    """Rank ``candidates`` by ``RoutingWeights``' formula; ``turn`` rotates the order ties resolve in."""
+                 loads: Mapping[str, LoadStats], weights: RoutingWeights, turn: int = 0,
+                 key_holder: str | None = None) -> Pick:
+    """Rank ``candidates`` by ``RoutingWeights``' formula; ``turn`` rotates the order ties resolve in;
+    ``key_holder``: the replica that served the request's prompt_cache_key last (None: no key, or
+    none known)."""
     if not candidates:
         raise ValueError("pick_replica needs at least one candidate")
     idle = LoadStats()
@@ -174,9 +189,11 @@ def pick_replica(candidates: Sequence[str], kv_scores: Mapping[str, float], num_
         cached = kv_scores.get(r, 0.0) / num_blocks if num_blocks else 0.0
         cached = cached if cached >= weights.min_share else 0.0
         score = (weights.cache * cached - weights.load * queues[r] / (1.0 + max_queue)
-                 - weights.kv_usage * loads.get(r, idle).kv_usage)
+                 - weights.kv_usage * loads.get(r, idle).kv_usage
+                 + (weights.cache_key if r == key_holder else 0.0))
         scores[r] = round(score, 9)   # equal up to float noise counts as a tie
     start = turn % len(candidates)
     rotated = list(candidates[start:]) + list(candidates[:start])
     ranking = sorted(rotated, key=lambda r: -scores[r])   # stable: ties keep the rotated order
-    return Pick(ranking[0], ranking, scores, kv_scores.get(ranking[0], 0.0))
+    return Pick(ranking[0], ranking, scores, kv_scores.get(ranking[0], 0.0),
+                ranking[0] == key_holder and weights.cache_key > 0)

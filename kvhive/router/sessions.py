@@ -6,6 +6,10 @@ Replicas keep sessions and stored responses per owner (a digest of the caller's 
 learned the same way, by (owner, id), so a request is routed, and labelled, by what its own key
 holds only: an id another key holds routes exactly as an id nobody holds. ``SessionAffinity`` is
 one gateway's map; ``SharedAffinity`` shares it with every gateway on the same Redis.
+
+A request's ``prompt_cache_key`` is kept the same way, in a map of its own: (owner, key) -> the
+replica that last answered it, so one tenant's keys never steer another's requests. A key longer
+than the replica accepts (``cache_key_problem``) is refused before anything is routed.
 """
 
 from __future__ import annotations
@@ -16,11 +20,22 @@ import hashlib
 import threading
 from collections import OrderedDict
 
+from kvhive.core.request_fields import MAX_PROMPT_CACHE_KEY_CHARS
 from kvhive.router.redis_link import RedisLink, SharedStateUnavailable
 
 SESSION_HEADER = "x-session-id"
 # A replica names a response it stored in this header (kvhive.server.responses).
 RESPONSE_ID_HEADER = "x-kvhive-response-id"
+
+
+def cache_key_problem(value: object) -> str | None:
+    """What the 400 for a ``prompt_cache_key`` of ``value`` says, or None when it routes or is
+    absent: a string of more than MAX_PROMPT_CACHE_KEY_CHARS characters is refused (a value of
+    another type is the replica's to refuse; its request model names the type)."""
+    if isinstance(value, str) and len(value) > MAX_PROMPT_CACHE_KEY_CHARS:
+        return (f"'prompt_cache_key' is too long: {len(value)} characters, at most "
+                f"{MAX_PROMPT_CACHE_KEY_CHARS}")
+    return None
 
 
 class SessionAffinity:

@@ -20,6 +20,9 @@ encodes it, unless the body's ``add_special_tokens`` is false; they are a piece 
 the chunks, and their key leads the chunks' keys, so a text with them never finds chunks or block
 keys cached for it without them.
 
+An Anthropic Messages body (/v1/messages) is turned into chat parts by the replica's own
+``kvhive.core.anthropic_messages.messages_chat`` and rendered as chat is.
+
 Chat messages are rendered as the replica renders them (``chat_text``): the body's ``tools`` and
 a history of tool calls and results through ``kvhive.core.tool_definitions.chat_template_input``
 (the replica's own function), with its ``chat_template_kwargs``. A body whose tools or history the
@@ -39,10 +42,13 @@ from typing import Any, NamedTuple
 
 import xxhash
 
+from kvhive.core.anthropic_messages import messages_chat
+from kvhive.core.json_body import BodyError
 from kvhive.core.tenancy import cache_salt
 from kvhive.core.tokenize_bodies import check_template_kwargs
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.core.tool_definitions import chat_functions, chat_template_input
+from kvhive.router.dialects import is_anthropic
 
 _CUT_CANDIDATE = re.compile(r"(?<=\w) (?=\w)")
 _PROBES = ("The quick brown fox jumps over the lazy dog again and again",
@@ -115,6 +121,27 @@ def prompt_from_body(body: Mapping[str, Any], key_owner: str | None = None) -> P
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return Prompt(token_ids=tuple(prompt), cache_salt=salt)
     return None
+
+
+def prompt_for_path(path: str, body: Mapping[str, Any], key_owner: str | None = None) -> Prompt | None:
+    """The prompt of a body sent to ``path``: Anthropic's Messages body on /v1/messages (and
+    count_tokens, ``messages_prompt``), else ``prompt_from_body``."""
+    if is_anthropic(path):
+        return messages_prompt(body, key_owner)
+    return prompt_from_body(body, key_owner)
+
+
+def messages_prompt(body: Mapping[str, Any], key_owner: str | None = None) -> Prompt | None:
+    """The chat an Anthropic Messages body renders to, as the replica renders it
+    (``kvhive.core.anthropic_messages.messages_chat``: system, messages, tool use and results, the
+    tools), salted as a chat prompt; None for a body the replica refuses (it answers the 400). The
+    prefix up to each cache breakpoint is a prefix of this prompt, so the replica holding the
+    breakpointed prefix scores highest."""
+    try:
+        chat = messages_chat(body)
+    except BodyError:
+        return None
+    return Prompt(messages=chat.messages, tools=chat.tools, cache_salt=cache_salt(key_owner, None, False))
 
 
 def chat_messages(raw: Any) -> tuple[dict[str, Any], ...] | None:

@@ -38,10 +38,12 @@ def build_index(config: GatewayConfig, link: RedisLink | None) -> KVBlockIndex:
     return GuardedIndex(link) if link is not None else InMemoryIndex(config.index_max_keys)
 
 
-def build_affinity(config: GatewayConfig, link: RedisLink | None) -> SessionAffinity | SharedAffinity:
-    """Session affinity shared through ``link``'s Redis when there is one, else this gateway's own."""
+def build_affinity(config: GatewayConfig, link: RedisLink | None,
+                   prefix: str = "kvhive:affinity:") -> SessionAffinity | SharedAffinity:
+    """Session affinity shared through ``link``'s Redis when there is one (keys under ``prefix``),
+    else this gateway's own. Prompt cache keys are kept the same way under ``kvhive:cachekey:``."""
     local = SessionAffinity(config.max_sessions)
-    return SharedAffinity(link, config.affinity_ttl_s, local) if link is not None else local
+    return SharedAffinity(link, config.affinity_ttl_s, local, prefix) if link is not None else local
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,8 @@ def build_gateway(config: GatewayConfig, tokenizer: Tokenizer,
                               request_timeout_s=config.request_limit_s)
     gateway = Gateway(replica_set, indexer, build_affinity(config, link), config.weights,
                       metrics, client, config.policy, upstream=upstream,
-                      serve_role="decode" if config.disaggregated else None, outliers=config.outliers)
+                      serve_role="decode" if config.disaggregated else None, outliers=config.outliers,
+                      cache_keys=build_affinity(config, link, "kvhive:cachekey:"))
     metrics.watch(lambda: _state_samples(gateway, raw_index, prompts))
     if link is not None:
         metrics.watch(lambda: _shared_state_samples(link, raw_index))
@@ -183,6 +186,8 @@ def _state_samples(gateway: Gateway, index: KVBlockIndex, prompts: PromptTokeniz
                      float(len(index)))
     yield Sample("kvhive_gateway_sessions", "Sessions whose replica the gateway knows.", "gauge", {},
                  float(len(gateway.sessions)))
+    yield Sample("kvhive_gateway_cache_keys", "prompt_cache_keys whose replica the gateway knows.", "gauge",
+                 {}, float(len(gateway.cache_keys)))
     yield Sample("kvhive_gateway_prefix_store_hits", "Prompt chunks found in the prefix store.", "counter",
                  {}, float(prompts.chunk_hits))
     yield Sample("kvhive_gateway_prefix_store_misses", "Prompt chunks tokenized.", "counter", {},

@@ -121,3 +121,19 @@ def test_redis_lookup_is_one_round_trip(redis_url: str, monkeypatch: pytest.Monk
     assert found[8] == {"http://a:1": "GPU"}
     assert sent == ["EVALSHA"]
     assert index.lookup(keys(999)) == [] and index.lookup([]) == []
+
+
+def test_cache_keys_are_shared_by_gateways_apart_from_sessions(redis_url: str) -> None:
+    from kvhive.router.config import GatewayConfig, ReplicaSpec
+    from kvhive.router.redis_link import RedisLink
+    from kvhive.router.wiring import build_affinity
+
+    config = GatewayConfig((ReplicaSpec("http://a:1"),), redis_url=redis_url)
+    links = [RedisLink(redis_url), RedisLink(redis_url)]
+    first, second = (build_affinity(config, link, "kvhive:cachekey:") for link in links)
+    sessions = build_affinity(config, links[0])
+    first.remember("owner-a", "agent-7", "http://a:1")
+    assert second.get("owner-a", "agent-7") == "http://a:1"      # learned through another gateway
+    assert second.get("owner-b", "agent-7") is None and sessions.get("owner-a", "agent-7") is None
+    for link in links:
+        link.close()

@@ -42,10 +42,11 @@ class StandInReplica:
 
 
 def envelope(body: dict[str, Any] | None = None, headers: tuple[tuple[str, str], ...] = (),
-             holder: str | None = None, method: str = "POST", path: str = "/v1/completions") -> HTTPEnvelope:
+             holder: str | None = None, method: str = "POST", path: str = "/v1/completions",
+             key_holder: str | None = None) -> HTTPEnvelope:
     """A request as the ingress forwards it."""
     raw = json.dumps(body).encode() if body is not None else b""
-    return HTTPEnvelope(method, path, b"", headers, raw, holder)
+    return HTTPEnvelope(method, path, b"", headers, raw, holder, key_holder)
 
 
 def pending(env: HTTPEnvelope) -> PendingRequest:

@@ -39,7 +39,10 @@ def test_replica_flags_and_gateway_config() -> None:
     assert run_gateway(parser.parse_args([])) == 2          # no replica: a clear error, no traceback
     assert build_gateway_config(parser.parse_args(["--replica", "http://a:1", "--min-cached-share", "0.2"])) \
         .weights.min_share == 0.2
-    for flag, value in (("--min-cached-share", "1.5"), ("--load-weight", "-1"), ("--waiting-factor", "-2")):
+    assert build_gateway_config(parser.parse_args(["--replica", "http://a:1", "--cache-key-weight", "0"])) \
+        .weights.cache_key == 0.0
+    for flag, value in (("--min-cached-share", "1.5"), ("--load-weight", "-1"), ("--waiting-factor", "-2"),
+                        ("--cache-key-weight", "-0.1")):
         with pytest.raises(ValueError, match=f"^{flag} must be"):
             build_gateway_config(parser.parse_args(["--replica", "http://a:1", flag, value]))
 

@@ -110,3 +110,58 @@ def test_a_body_over_the_limit_is_refused_before_forwarding() -> None:
     answer = asyncio.run(run())
     assert answer.status_code == 413 and answer.json()["error"]["code"] == "request_too_large"
     assert handle.sent == []
+
+
+def test_a_cache_keys_replica_is_learned_per_api_key_and_goes_with_its_next_request() -> None:
+    handle = StandInHandle([[head(x_kvhive_replica="r2"), b"{}"], [head(x_kvhive_replica="r2"), b"{}"],
+                            [head(x_kvhive_replica="r1"), b"{}"], [head(x_kvhive_replica="r1"), b"{}"]])
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt_cache_key": "agent-7"}
+    call(handle, {"method": "POST", "url": "/v1/chat/completions", "json": body, "headers": {"authorization": "Bearer a"}},
+         {"method": "POST", "url": "/v1/responses", "json": {"model": "m", "input": "x", "prompt_cache_key": "agent-7"},
+          "headers": {"x-api-key": "a"}},
+         {"method": "POST", "url": "/v1/chat/completions", "json": body, "headers": {"authorization": "Bearer b"}},
+         {"method": "POST", "url": "/v1/chat/completions", "json": {**body, "prompt_cache_key": None}})
+    assert [e.key_holder for e in handle.sent] == [None, "r2", None, None]
+
+
+def test_a_cache_key_over_the_bound_is_refused_before_forwarding() -> None:
+    handle = StandInHandle([])
+    (chat,) = call(handle, {"method": "POST", "url": "/v1/chat/completions",
+                            "json": {"model": "m", "prompt_cache_key": "k" * 10_240}})
+    error = chat.json()["error"]
+    assert chat.status_code == 400 and error["param"] == "prompt_cache_key" and "1024" in error["message"]
+    assert handle.sent == []
+
+
+def test_a_fork_goes_with_its_parents_holder_and_the_child_is_learned() -> None:
+    handle = StandInHandle([[head(x_session_id="parent", x_kvhive_replica="r2"), b"{}"],
+                            [head(x_session_id="child", x_kvhive_replica="r2"), b"{}"],
+                            [head(x_kvhive_replica="r2"), b"{}"]])
+    call(handle, {"method": "POST", "url": "/v1/context", "json": {"prompt": "a"}},
+         {"method": "POST", "url": "/v1/context/parent/fork", "json": {}},
+         {"method": "POST", "url": "/v1/completions", "json": {"prompt": "b"}, "headers": {"x-session-id": "child"}})
+    assert [e.holder for e in handle.sent] == [None, "r2", "r2"]
+
+
+def test_the_ingress_answers_messages_errors_in_anthropics_shape() -> None:
+    async def cut() -> AsyncIterator[Any]:
+        yield head(content_type="text/event-stream")
+        yield b"event: message_start\ndata: {}\n\n"
+        raise ActorDiedError()
+
+    handle = StandInHandle([ActorDiedError(), ActorDiedError()])
+    (gone,) = call(handle, {"method": "POST", "url": "/v1/messages", "json": {"model": "m"}})
+    assert gone.status_code == 503 and gone.json() == {
+        "type": "error", "error": {"type": "overloaded_error", "message": "No replica answered"}}
+    handle.remote = lambda envelope: cut()   # type: ignore[method-assign]
+
+    async def too_large() -> httpx.Response:
+        transport = httpx.ASGITransport(app=ASGIEntry(KVHiveIngress(handle, max_request_bytes=10)))
+        async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:
+            return await client.post("/v1/messages", content=b"x" * 11)
+
+    refused = asyncio.run(too_large())
+    assert refused.status_code == 413 and refused.json()["error"]["type"] == "request_too_large"
+    (streamed,) = call(handle, {"method": "POST", "url": "/v1/messages", "json": {"stream": True}})
+    assert streamed.text.startswith("event: message_start\ndata: {}\n\nevent: error\ndata: ")
+    assert '"type": "api_error"' in streamed.text

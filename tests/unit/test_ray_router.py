@@ -89,11 +89,32 @@ def test_requests_without_a_prompt_go_to_the_least_loaded_replica() -> None:
     asyncio.run(run())
 
 
+def test_a_cache_keys_replica_comes_first_while_its_load_allows_and_a_prefix_outweighs_it() -> None:
+    async def run() -> None:
+        replicas = [StandInReplica("a"), StandInReplica("b"), StandInReplica("c")]
+        router = make_router(replicas)
+        keyed = envelope(completion("Q"), key_holder="b")
+        assert [(await ranked(router, replicas, keyed))[0] for _ in range(3)] == ["b"] * 3
+        assert router.reasons == {"cache_key": 3}
+        store_prompt(router, "c", DOCUMENT)         # the index knows who holds the prompt's prefix
+        assert (await ranked(router, replicas, envelope(completion("Q"), key_holder="b")))[0] == "c"
+        router.routing.close()
+        busy = [StandInReplica("a"), StandInReplica("b", running=6)]     # too busy: the key goes elsewhere
+        router = make_router(busy)
+        assert await ranked(router, busy, keyed) == ["a", "b"] and router.reasons == {"load": 1}
+        router.routing.close()
+
+    asyncio.run(run())
+
+
 def test_the_envelope_names_the_session_a_request_continues() -> None:
     assert envelope(headers=(("x-session-id", "s1"),)).session_named(None) == "s1"
     assert envelope().session_named({"conversation_id": "c1"}) == "c1"
     assert envelope().session_named({"previous_response_id": "resp_1"}) == "resp_1"
     assert envelope(method="GET", path="/v1/context/s9").session_named(None) == "s9"
+    assert envelope(path="/v1/context/s9/fork").session_named({}) == "s9"
+    assert envelope(path="/v1/context/s9/other").session_named({}) is None
+    assert envelope(headers=(("x-api-key", "k"),)).owner == envelope(headers=(("authorization", "Bearer k"),)).owner
     assert envelope(method="GET", path="/v1/responses/resp_2/input_items").session_named(None) == "resp_2"
     assert envelope().session_named({"prompt": "hi"}) is None
 
@@ -105,3 +126,11 @@ def test_the_envelope_shows_ray_s_own_routers_its_prompt_messages_or_input() -> 
     assert envelope({"model": "m", "input": "And then?", "previous_response_id": "resp_1"}).prompt == "And then?"
     assert envelope(method="GET", path="/v1/models").prompt == "GET /v1/models"
     assert envelope({"model": "m", "prompt": 7}).prompt == "POST /v1/completions"
+
+
+def test_a_messages_body_is_routed_by_the_chat_it_renders_to() -> None:
+    body = {"model": "m", "max_tokens": 4, "system": "Be brief.", "messages": [{"role": "user", "content": "Hi"}]}
+    prompt = envelope(body, path="/v1/messages").routing_prompt(body, salt_with_key=False)
+    assert prompt is not None and [m["role"] for m in prompt.messages] == ["system", "user"]
+    # The same body on chat completions is not a chat body (a system field, no system message).
+    assert envelope(body, path="/v1/chat/completions").routing_prompt(body, False).messages[0]["role"] == "user"

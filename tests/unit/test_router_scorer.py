@@ -98,3 +98,18 @@ def test_ties_are_broken_round_robin() -> None:
     assert picks == ["a", "b", "c", "a", "b", "c"]
     with pytest.raises(ValueError):
         pick_replica([], {}, 0, {}, RoutingWeights())
+
+
+def test_a_cache_keys_replica_gets_its_bonus_until_its_queue_outweighs_it() -> None:
+    weights = RoutingWeights()
+    names = ["a", "b", "c"]
+
+    def pick(queue_b: float, kv: dict[str, float] | None = None, w: RoutingWeights = weights) -> tuple[str, str]:
+        chosen = pick_replica(names, kv or {}, 10, {"b": LoadStats(running=queue_b)}, w, key_holder="b")
+        return chosen.replica, chosen.reason
+
+    assert pick(0) == ("b", "cache_key") and pick(3) == ("b", "cache_key")
+    assert pick(5)[0] != "b"                                     # 0.4 < 0.5 * 5 / 6: the key overflows
+    assert pick(0, {"c": 5.0}) == ("c", "kv")                    # half the prompt cached beats the key
+    assert pick(0, w=RoutingWeights(cache_key=0.0))[1] == "load"
+    assert pick_replica(names, {}, 10, {}, weights, key_holder="gone").reason == "load"

@@ -1,5 +1,6 @@
 """One HTTP request as the ingress hands it to a replica through a ``DeploymentHandle`` (plain,
-picklable data), and what the request router reads from it: its prompt and the session it names."""
+picklable data), and what the request router reads from it: its prompt, the session it names and
+the replica its prompt_cache_key was last answered by."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from typing import Any
 from kvhive.core.json_body import BodyError, load_json
 from kvhive.core.tenancy import key_owner
 from kvhive.router.sessions import SESSION_HEADER
-from kvhive.router.tokenize import Prompt, prompt_from_body
+from kvhive.router.tokenize import Prompt, prompt_for_path
 
-# Paths whose last segment names a session or a stored response: sent to its holder.
-_HELD_PATH = re.compile(r"^/v1/(?:context|responses)/([^/]+)(?:/input_items)?$")
+# Paths that name a session (its fork too) or a stored response: sent to its holder.
+_HELD_PATH = re.compile(r"^/v1/(?:context/([^/]+)(?:/fork)?|responses/([^/]+)(?:/input_items)?)$")
 # The header a replica names itself in, so the ingress learns which replica holds what.
 REPLICA_HEADER = "x-kvhive-replica"
 
@@ -21,7 +22,8 @@ REPLICA_HEADER = "x-kvhive-replica"
 @dataclass(frozen=True)
 class HTTPEnvelope:
     """An HTTP request for a replica: method, path, raw query, headers (lower-case names), body;
-    ``holder``: the replica (its unique id) the ingress knows holds the session the request names."""
+    ``holder``: the replica (its unique id) the ingress knows holds the session the request names;
+    ``key_holder``: the replica that last answered the caller's prompt_cache_key."""
 
     method: str
     path: str
@@ -29,6 +31,7 @@ class HTTPEnvelope:
     headers: tuple[tuple[str, str], ...]
     body: bytes
     holder: str | None = None
+    key_holder: str | None = None
 
     def header(self, name: str) -> str | None:
         """The first value of header ``name`` (lower-case), or None."""
@@ -51,7 +54,8 @@ class HTTPEnvelope:
 
     def session_named(self, data: dict[str, Any] | None) -> str | None:
         """The session or stored response the request names: x-session-id, a chat
-        ``conversation_id``, ``previous_response_id``, or the id in a /v1/context or /v1/responses path."""
+        ``conversation_id``, ``previous_response_id``, or the id in a /v1/context (a fork's parent
+        too) or /v1/responses path."""
         named = self.header(SESSION_HEADER)
         if named:
             return named
@@ -59,7 +63,7 @@ class HTTPEnvelope:
             if data is not None and isinstance(data.get(key), str):
                 return data[key]
         held = _HELD_PATH.match(self.path)
-        return held.group(1) if held else None
+        return (held.group(1) or held.group(2)) if held else None
 
     @property
     def prompt(self) -> str | list[Any]:
@@ -74,4 +78,4 @@ class HTTPEnvelope:
         """The prompt the replica will read (salted by the caller's key when replicas salt so)."""
         if data is None:
             return None
-        return prompt_from_body(data, self.owner if salt_with_key else None)
+        return prompt_for_path(self.path, data, self.owner if salt_with_key else None)

@@ -4,7 +4,7 @@
 Ray calls ``choose_replicas`` in the caller's process (the ingress) with the live replicas and the
 pending request, whose first argument is an ``HTTPEnvelope``. The ranking is ``ReplicaRouting``'s:
 the session's holder, then KV score (kvhive's index fed by each replica's KV events, endpoints from
-its metadata) against load (Ray's queue-length cache and each replica's routing stats). Each
+its metadata) and the replica of the request's prompt_cache_key against load (Ray's queue-length cache and each replica's routing stats). Each
 replica is a rank of its own, so Ray tries them in that order and skips a full one. A dead replica
 leaves the index at once (``on_replica_actor_died``).
 """
@@ -65,12 +65,13 @@ class KVAwareRequestRouter(RequestRouter):
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         envelope = _envelope(pending_request)
-        prompt, holder = None, None
+        prompt, holder, key_holder = None, None, None
         if envelope is not None:
             prompt = await off_loop_for(envelope.body, lambda: envelope.routing_prompt(envelope.json_body(),
                                                                                         self.salt_with_api_key))
-            holder = envelope.holder
-        ranking = await self.routing.rank(list(by_id), prompt, holder, self.loads(candidate_replicas))
+            holder, key_holder = envelope.holder, envelope.key_holder
+        ranking = await self.routing.rank(list(by_id), prompt, holder, self.loads(candidate_replicas),
+                                          key_holder)
         self.reasons[ranking.reason] = self.reasons.get(ranking.reason, 0) + 1
         logger.debug("routed %s: %s", ranking.reason, ranking.replicas)
         return [[by_id[name]] for name in ranking.replicas]

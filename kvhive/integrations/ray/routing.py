@@ -4,8 +4,9 @@ ingesters, indexer and ``pick_replica``, keyed by Ray's replica ids.
 Each replica states in its metadata (``ReplicaFacts``) its model file, block geometry, fingerprint
 and KV-event endpoints. The first replica seen fixes the block keys (every replica of a deployment
 runs one config); each replica's events feed the shared index through its own ``ReplicaIngest``.
-A request is ranked by its session's holder first, then by KV score and load; with no prompt, or
-before any replica has stated its facts, by load alone.
+A request is ranked by its session's holder first, then by KV score, its prompt_cache_key's
+replica and load; with no prompt, or before any replica has stated its facts, by the key's replica
+and load.
 """
 
 from __future__ import annotations
@@ -110,17 +111,18 @@ class ReplicaRouting:
             self._indexer.tokenizer.close()
 
     async def rank(self, replicas: Sequence[str], prompt: Prompt | None, holder: str | None,
-                   loads: Mapping[str, LoadStats]) -> Ranking:
+                   loads: Mapping[str, LoadStats], key_holder: str | None = None) -> Ranking:
         """``replicas`` in order of preference: ``holder`` first while it is one of them, else by
-        ``pick_replica`` over the prompt's KV scores and ``loads``."""
+        ``pick_replica`` over the prompt's KV scores, ``key_holder`` (the replica that last answered
+        the request's prompt_cache_key) and ``loads``."""
         if not replicas:
             raise ValueError("rank needs at least one replica")
         self._turn += 1
         if holder in replicas:
             return Ranking([holder, *[r for r in replicas if r != holder]], "session")
         kv = await self.score(prompt) if prompt is not None else KVScores()
-        pick = pick_replica(list(replicas), kv.scores, kv.num_blocks, loads, self.weights, self._turn)
-        return Ranking(pick.ranking, "kv" if pick.kv_blocks > 0 else "load", pick.kv_blocks)
+        pick = pick_replica(list(replicas), kv.scores, kv.num_blocks, loads, self.weights, self._turn, key_holder)
+        return Ranking(pick.ranking, pick.reason, pick.kv_blocks)
 
     async def score(self, prompt: Prompt) -> KVScores:
         """KV scores of ``prompt`` (tokenized off the event loop when long); empty before any
