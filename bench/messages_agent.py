@@ -265,6 +265,21 @@ def round_table(record: dict) -> list[str]:
     return lines
 
 
+def summary_lines(record: dict) -> list[str]:
+    """Markdown: per server, the read fraction of turns 2+ (summed tokens) and the median of the
+    rounds' paired TTFT ratios to vLLM."""
+    lines = []
+    for arm in (a for a in ARMS if any(a in r for r in record["rounds"])):
+        rows = [row for r in record["rounds"] for p in r.get(arm, []) for row in p["rows"] if row["turn"] >= 2]
+        read = sum(row["cache_read_input_tokens"] or 0 for row in rows) / max(1, sum(prompt_tokens(row) for row in rows))
+        ratios = [later_ttft(r[arm]) / later_ttft(r["vllm"]) for r in record["rounds"]
+                  if arm != "vllm" and arm in r and "vllm" in r and later_ttft(r[arm]) and later_ttft(r["vllm"])]
+        lines.append(f"- {arm}: turns 2+ read {read:.3f} of their prompt tokens from the cache"
+                     + (f"; TTFT turns 2+ **{statistics.median(ratios):.2f}x** vLLM's (median of the rounds' paired "
+                        f"ratios: {', '.join(f'{x:.2f}x' for x in ratios)})" if ratios else "") + ".")
+    return [*lines, ""]
+
+
 def config_line(record: dict) -> str:
     c = record["config"]
     return (f"{c['agents']} agent(s) at once, {c['turns']} turns, {c['repeats']} salted passes per server per round, "
@@ -308,7 +323,7 @@ def main() -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print("\n".join([config_line(result), "", *table(result), "", *round_table(result)]))
+    print("\n".join([config_line(result), "", *table(result), "", *round_table(result), "", *summary_lines(result)]))
     return 0
 
 
