@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Retention priorities under memory pressure: hit rate and TTFT of high-priority shared prefixes.
 
-One ``kvhive serve`` with a device pool smaller than the working set (``--num-blocks``, no CPU or
+A ``kvhive serve`` with a device pool smaller than the working set (``--num-blocks``, no CPU or
 disk tier) gets a stream of requests, one at a time: many one-off prompts (each its own text, never
 asked again) and, between them, questions on a few shared documents (the prefixes). Two arms on the
-same build, each on a server started for it:
+same build, each on a server of its own, started together for each round:
 
 - ``priority``: every request on a shared document sends ``kv_cache_retention_config``
   ``{"token_range_retention_configs": [{"token_start": 0, "token_end": <document tokens>,
@@ -17,7 +17,9 @@ so a document is exactly ``--prefix-tokens`` tokens, a whole number of blocks, a
 ``cached_tokens`` (``usage.prompt_tokens_details``, streamed with ``stream_options.include_usage``)
 reads as a fraction of it: the hit rate is the sum of the cached tokens (up to the document's length)
 over the sum of the documents' tokens, on every question but each document's first. TTFT is the
-time from sending a request to its first streamed token. Rounds alternate which arm goes first.
+time from sending a request to its first streamed token. Each request goes to both servers in
+turn, the one that goes first alternating, so that the host's load falls on both arms alike; the
+"busy" column sums an arm's request latencies.
 
 The defaults: 4 documents of 1,024 tokens (256 blocks of 16) and 4 one-offs of 512 tokens between
 questions (8 questions per document, in shuffled rounds), in a pool of 384 blocks (6,144 tokens).
@@ -26,8 +28,8 @@ the pool, so least-recently-used eviction has dropped the document by the time i
 while the documents at priority 90 (256 blocks) leave room for the request being served.
 
     flock /tmp/kvhive-bench.lock python bench/retention_priority.py --rounds 2
-    python bench/retention_priority.py --rounds 1 --prefixes 2 --uses 3 --num-blocks 160 \\
-        --out /tmp/retention_priority.json      # a quick check (about a minute)
+    python bench/retention_priority.py --rounds 1 --prefixes 2 --uses 3 --oneoffs 2 --prefix-tokens 256 \\
+        --oneoff-tokens 256 --num-blocks 64 --out /tmp/retention_priority.json    # a quick check (a minute)
 
 The result goes to ``bench/results/retention_priority.json``; ``python bench/report.py`` renders it.
 """
@@ -165,16 +167,22 @@ def request_body(item: dict, arm: str, args: argparse.Namespace) -> dict:
     return body
 
 
-def run_arm(port: int, workload: dict, arm: str, args: argparse.Namespace) -> dict:
-    """The schedule against one server, one request at a time; a row per request."""
-    rows = []
+def run_arms(ports: dict[str, int], workload: dict, index: int, args: argparse.Namespace) -> dict[str, dict]:
+    """The schedule against the arms' servers side by side, one request at a time: each request goes
+    to every arm in turn (which goes first alternates), so that the host's load falls on both alike."""
+    arms = list(ports)
+    rows: dict[str, list[dict]] = {arm: [] for arm in arms}
+    busy = dict.fromkeys(arms, 0.0)
     load_start = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    for item in workload["schedule"]:
-        r = completion_stream(port, request_body(item, arm, args))
-        rows.append({"kind": item["kind"], "index": item["index"], **({"use": item["use"]} if "use" in item else {}),
-                     **{k: r[k] for k in ("ttft_s", "latency_s", "prompt_tokens", "cached_tokens")}})
-    return {"wall_s": time.perf_counter() - t0, "load_average_1m": [load_start, os.getloadavg()[0]], "rows": rows}
+    for i, item in enumerate(workload["schedule"]):
+        for arm in arms if (i + index) % 2 == 0 else arms[::-1]:
+            r = completion_stream(ports[arm], request_body(item, arm, args))
+            busy[arm] += r["latency_s"]
+            rows[arm].append({"kind": item["kind"], "index": item["index"],
+                              **({"use": item["use"]} if "use" in item else {}),
+                              **{k: r[k] for k in ("ttft_s", "latency_s", "prompt_tokens", "cached_tokens")}})
+    load = [load_start, os.getloadavg()[0]]
+    return {arm: {"wall_s": busy[arm], "load_average_1m": load, "rows": rows[arm]} for arm in arms}
 
 
 def summarize(run: dict, prefix_tokens: int) -> dict:
@@ -193,29 +201,37 @@ def summarize(run: dict, prefix_tokens: int) -> dict:
             "wall_s": run["wall_s"], "load_average_1m": run["load_average_1m"]}
 
 
-def serve_arm(arm: str, index: int, args: argparse.Namespace, workload: dict | None) -> tuple[dict, dict]:
-    """Start a server, build the workload on the first one (its tokenizer), run the arm, stop it."""
-    cmd = [sys.executable, "-m", "kvhive.cli", "serve", "--port", str(args.port), "--log-level", "warning",
-           "--dtype", args.dtype, "--num-blocks", str(args.num_blocks), "--block-size", str(args.block_size),
-           "--cpu-offload-gb", "0", *shlex.split(args.kvhive_args)]
-    print("+", shlex.join(cmd), flush=True)
-    log = os.path.join(args.log_dir, f"retention_priority_{arm}_r{index + 1}.log")
-    with open(log, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            print(f"up after {wait_up(args.port, proc):.0f}s", flush=True)
-            workload = workload or build_workload(args.port, args)
-            warm = {"kind": "oneoff", "prompt": tokens(args.port, "Warm up. " * 40)}
-            completion_stream(args.port, request_body(warm, "lru", args))
-            run = run_arm(args.port, workload, arm, args)
+def serve_round(index: int, args: argparse.Namespace, workload: dict | None) -> tuple[dict, dict]:
+    """Start a server per arm, build the workload on the first (its tokenizer), run the schedule on
+    all of them, stop them."""
+    procs: list[subprocess.Popen] = []
+    ports = {arm: args.port + k for k, arm in enumerate(args.arms)}
+    try:
+        for arm, port in ports.items():
+            cmd = [sys.executable, "-m", "kvhive.cli", "serve", "--port", str(port), "--log-level", "warning",
+                   "--dtype", args.dtype, "--num-blocks", str(args.num_blocks), "--block-size", str(args.block_size),
+                   "--cpu-offload-gb", "0", *shlex.split(args.kvhive_args)]
+            print("+", shlex.join(cmd), flush=True)
+            with open(os.path.join(args.log_dir, f"retention_priority_{arm}_r{index + 1}.log"), "w") as logf:
+                procs.append(subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True))
+        for proc, port in zip(procs, ports.values(), strict=True):
+            print(f"up after {wait_up(port, proc):.0f}s", flush=True)
+        workload = workload or build_workload(next(iter(ports.values())), args)
+        for port in ports.values():
+            warm = {"kind": "oneoff", "prompt": tokens(port, "Warm up. " * 40)}
+            completion_stream(port, request_body(warm, "lru", args))
+        runs = run_arms(ports, workload, index, args)
+        for arm, run in runs.items():
             s = summarize(run, args.prefix_tokens)
             print(f"{arm}: hit rate {s['hit_rate']:.3f} ({s['full_hits']}/{s['repeats']} full), repeat TTFT p50 "
                   f"{s['ttft_p50_s'] * 1000:,.0f} ms, one-offs {s['oneoff_ttft_p50_s'] * 1000:,.0f} ms, "
-                  f"wall {s['wall_s']:.0f} s", flush=True)
-            return run, workload
-        finally:
+                  f"busy {s['wall_s']:.0f} s", flush=True)
+        return runs, workload
+    finally:
+        for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, 15)
+        for proc in procs:
             proc.wait(timeout=120)
 
 
@@ -223,7 +239,7 @@ def table(record: dict) -> list[str]:
     """Markdown: per round and arm, the repeat questions' hit rate and TTFT; then the targets."""
     prefix = record["setup"]["prefix_tokens"]
     lines = ["| round | arm | hit rate (repeat questions) | full hits | TTFT p50 (ms) | TTFT p90 (ms) | "
-             "first question TTFT p50 (ms) | one-offs TTFT p50 (ms) | wall (s) | load average |",
+             "first question TTFT p50 (ms) | one-offs TTFT p50 (ms) | busy (s) | load average |",
              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for i, rnd in enumerate(record["rounds"], 1):
         for arm in (a for a in ARMS if a in rnd):
@@ -292,9 +308,7 @@ def main() -> int:
     os.makedirs(args.log_dir, exist_ok=True)
     workload, rounds = None, []
     for i in range(args.rounds):
-        rnd = {}
-        for arm in args.arms if i % 2 == 0 else args.arms[::-1]:
-            rnd[arm], workload = serve_arm(arm, i, args, workload)
+        rnd, workload = serve_round(i, args, workload)
         rounds.append(rnd)
     setup = {k: getattr(args, k) for k in ("prefixes", "prefix_tokens", "uses", "oneoffs", "oneoff_tokens",
                                            "max_tokens", "priority", "duration_ms", "num_blocks", "block_size",
