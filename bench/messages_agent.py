@@ -43,13 +43,12 @@ import os
 import random
 import shlex
 import statistics
-import subprocess
 import sys
-import threading
 import time
 
 import agent_trace
-from multiturn_vs_vllm import VLLM_SH, wait_up
+from agent_loop import run_agents
+from multiturn_vs_vllm import VLLM_SH, served
 from run_info import command, machine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -131,30 +130,8 @@ def messages_stream(port: int, body: dict, api_key: str) -> dict:
 def run_trace(port: int, args: argparse.Namespace) -> dict:
     """One pass of the trace against one server, agents in parallel threads; rows per request."""
     salt = f"{random.randrange(10**7, 10**8)}"
-    rows: list[dict] = []
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-
-    def agent(a: int) -> None:
-        try:
-            for t in range(1, args.turns + 1):
-                row = messages_stream(port, request_body(a, t, salt, args), args.api_key)
-                with lock:
-                    rows.append({"agent": a, "turn": t, **row})
-        except BaseException as e:  # reported after the join
-            errors.append(e)
-
-    load_start = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=agent, args=(a,)) for a in range(args.agents)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if errors:
-        raise errors[0]
-    return {"salt": salt, "wall_s": time.perf_counter() - t0, "load_average_1m": [load_start, os.getloadavg()[0]],
-            "rows": sorted(rows, key=lambda r: (r["agent"], r["turn"]))}
+    return {"salt": salt, **run_agents(args.agents, args.turns, lambda a, t: messages_stream(
+        port, request_body(a, t, salt, args), args.api_key))}
 
 
 def prompt_tokens(row: dict) -> int:
@@ -195,24 +172,15 @@ def warm_up(port: int, args: argparse.Namespace) -> None:
 
 def serve(cmd: list[str], env: dict | None, log: str, args: argparse.Namespace) -> list[dict]:
     """Start a server, run ``--repeats`` passes of the trace on it, stop it."""
-    print("+", shlex.join(cmd), flush=True)
-    with open(log, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            print(f"up after {wait_up(args.port, proc):.0f}s", flush=True)
-            warm_up(args.port, args)
-            passes = []
-            for _ in range(args.repeats):
-                passes.append(run_trace(args.port, args))
-                turns = per_turn(passes[-1:])
-                fractions = " ".join(f"{t['read_fraction']:.2f}" for t in turns)
-                print(f"  pass {len(passes)}: turns 2+ TTFT {ms(later_ttft(passes[-1:]))} ms; read fraction per "
-                      f"turn {fractions}; wall {passes[-1]['wall_s']:.0f} s", flush=True)
-            return passes
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 15)
-            proc.wait(timeout=120)
+    with served(cmd, args.port, log, env):
+        warm_up(args.port, args)
+        passes = []
+        for _ in range(args.repeats):
+            passes.append(run_trace(args.port, args))
+            fractions = " ".join(f"{t['read_fraction']:.2f}" for t in per_turn(passes[-1:]))
+            print(f"  pass {len(passes)}: turns 2+ TTFT {ms(later_ttft(passes[-1:]))} ms; read fraction per "
+                  f"turn {fractions}; wall {passes[-1]['wall_s']:.0f} s", flush=True)
+        return passes
 
 
 def run_round(index: int, args: argparse.Namespace) -> dict[str, list[dict]]:

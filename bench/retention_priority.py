@@ -37,6 +37,7 @@ The result goes to ``bench/results/retention_priority.json``; ``python bench/rep
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import http.client
 import json
@@ -44,13 +45,12 @@ import os
 import random
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 
-from multiturn_vs_vllm import wait_up
+from multiturn_vs_vllm import served
 from run_info import command, machine
-from sessions_vs_vllm import load_multiturn
+from sessions_vs_vllm import chat_stream, load_multiturn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = "smollm2-135m"
@@ -77,28 +77,11 @@ def tokens(port: int, text: str) -> list[int]:
 
 def completion_stream(port: int, body: dict) -> dict:
     """POST one streamed completion: TTFT (to the first chunk with text), prompt and cached tokens."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
     start = time.perf_counter()
-    conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
-                 headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"/v1/completions: HTTP {resp.status}: {resp.read()[:500]!r}")
-    ttft, text, usage = None, [], {}
-    for line in resp:
-        line = line.strip()
-        if not line.startswith(b"data:") or line == b"data: [DONE]":
-            continue
-        event = json.loads(line[5:])
-        usage = event.get("usage") or usage
-        for choice in event.get("choices") or []:
-            if choice.get("text"):
-                ttft = ttft if ttft is not None else time.perf_counter() - start
-                text.append(choice["text"])
-    conn.close()
-    details = usage.get("prompt_tokens_details") or {}
-    return {"ttft_s": ttft, "latency_s": time.perf_counter() - start, "prompt_tokens": usage.get("prompt_tokens"),
-            "cached_tokens": details.get("cached_tokens") or 0, "text": "".join(text)}
+    reply = chat_stream(port, "/v1/completions", body, {})
+    details = reply.usage.get("prompt_tokens_details") or {}
+    return {"ttft_s": reply.ttft_s, "latency_s": time.perf_counter() - start,
+            "prompt_tokens": reply.usage.get("prompt_tokens"), "cached_tokens": details.get("cached_tokens") or 0}
 
 
 def sentences(rng: random.Random, count: int) -> str:
@@ -204,35 +187,24 @@ def summarize(run: dict, prefix_tokens: int) -> dict:
 def serve_round(index: int, args: argparse.Namespace, workload: dict | None) -> tuple[dict, dict]:
     """Start a server per arm, build the workload on the first (its tokenizer), run the schedule on
     all of them, stop them."""
-    procs: list[subprocess.Popen] = []
     ports = {arm: args.port + k for k, arm in enumerate(args.arms)}
-    try:
+    with contextlib.ExitStack() as stack:
         for arm, port in ports.items():
             cmd = [sys.executable, "-m", "kvhive.cli", "serve", "--port", str(port), "--log-level", "warning",
                    "--dtype", args.dtype, "--num-blocks", str(args.num_blocks), "--block-size", str(args.block_size),
                    "--cpu-offload-gb", "0", *shlex.split(args.kvhive_args)]
-            print("+", shlex.join(cmd), flush=True)
-            with open(os.path.join(args.log_dir, f"retention_priority_{arm}_r{index + 1}.log"), "w") as logf:
-                procs.append(subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True))
-        for proc, port in zip(procs, ports.values(), strict=True):
-            print(f"up after {wait_up(port, proc):.0f}s", flush=True)
+            stack.enter_context(served(cmd, port, os.path.join(args.log_dir, f"retention_priority_{arm}_r{index + 1}.log")))
         workload = workload or build_workload(next(iter(ports.values())), args)
         for port in ports.values():
             warm = {"kind": "oneoff", "prompt": tokens(port, "Warm up. " * 40)}
             completion_stream(port, request_body(warm, "lru", args))
         runs = run_arms(ports, workload, index, args)
-        for arm, run in runs.items():
-            s = summarize(run, args.prefix_tokens)
-            print(f"{arm}: hit rate {s['hit_rate']:.3f} ({s['full_hits']}/{s['repeats']} full), repeat TTFT p50 "
-                  f"{s['ttft_p50_s'] * 1000:,.0f} ms, one-offs {s['oneoff_ttft_p50_s'] * 1000:,.0f} ms, "
-                  f"busy {s['wall_s']:.0f} s", flush=True)
-        return runs, workload
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 15)
-        for proc in procs:
-            proc.wait(timeout=120)
+    for arm, run in runs.items():
+        s = summarize(run, args.prefix_tokens)
+        print(f"{arm}: hit rate {s['hit_rate']:.3f} ({s['full_hits']}/{s['repeats']} full), repeat TTFT p50 "
+              f"{s['ttft_p50_s'] * 1000:,.0f} ms, one-offs {s['oneoff_ttft_p50_s'] * 1000:,.0f} ms, "
+              f"busy {s['wall_s']:.0f} s", flush=True)
+    return runs, workload
 
 
 def table(record: dict) -> list[str]:
