@@ -23,7 +23,7 @@ turn, the one that goes first alternating, so that the host's load falls on both
 
 The defaults: 4 documents of 1,024 tokens (256 blocks of 16) and 4 one-offs of 512 tokens between
 questions (8 questions per document, in shuffled rounds), in a pool of 384 blocks (6,144 tokens).
-Between two questions on one document the other requests touch ~700 blocks on average, almost twice
+Between two questions on one document the other requests fill ~700 blocks (median), almost twice
 the pool, so least-recently-used eviction has dropped the document by the time it is asked again,
 while the documents at priority 90 (256 blocks) leave room for the request being served.
 
