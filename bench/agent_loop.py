@@ -41,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import agent_trace
 from multiturn_vs_vllm import VLLM_SH, wait_up
@@ -81,14 +82,21 @@ def request_body(agent: int, turn: int, salt: str, args: argparse.Namespace, con
 def run_trace(port: int, args: argparse.Namespace, conversation: bool) -> dict:
     """The whole trace against one server, agents in parallel threads; rows per request."""
     salt = f"{random.randrange(10**7, 10**8)}"
+    return {"salt": salt, **run_agents(args.agents, args.turns, lambda a, t: stream_chat(
+        port, request_body(a, t, salt, args, conversation)))}
+
+
+def run_agents(agents: int, turns: int, send: Callable[[int, int], dict]) -> dict:
+    """Turns 1..``turns`` of each agent in order (``send(agent, turn)`` gives a turn's row), the agents
+    in parallel threads: the wall time, the host's load before and after, the rows by agent and turn."""
     rows: list[dict] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
 
     def agent(a: int) -> None:
         try:
-            for t in range(1, args.turns + 1):
-                row = stream_chat(port, request_body(a, t, salt, args, conversation))
+            for t in range(1, turns + 1):
+                row = send(a, t)
                 with lock:
                     rows.append({"agent": a, "turn": t, **row})
         except BaseException as e:  # reported after the join
@@ -96,14 +104,14 @@ def run_trace(port: int, args: argparse.Namespace, conversation: bool) -> dict:
 
     load_start = os.getloadavg()[0]
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=agent, args=(a,)) for a in range(args.agents)]
+    threads = [threading.Thread(target=agent, args=(a,)) for a in range(agents)]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
     if errors:
         raise errors[0]
-    return {"salt": salt, "wall_s": time.perf_counter() - t0, "load_average_1m": [load_start, os.getloadavg()[0]],
+    return {"wall_s": time.perf_counter() - t0, "load_average_1m": [load_start, os.getloadavg()[0]],
             "rows": sorted(rows, key=lambda r: (r["agent"], r["turn"]))}
 
 

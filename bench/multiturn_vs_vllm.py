@@ -21,6 +21,7 @@ vLLM is installed by ``../shared/peers/vllm.sh install`` (after ``make_model.sh`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 
 from run_info import command, machine
 
@@ -64,6 +66,21 @@ def run_workload(port: int, name: str, out_dir: str, extra: list[str],
                "--label", f"{name} {mode} c{conc}", "--out", out, *extra]
         print("+", shlex.join(cmd), flush=True)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+@contextlib.contextmanager
+def served(cmd: list[str], port: int, log: str, env: dict | None = None) -> Iterator[subprocess.Popen]:
+    """A server started (output to ``log``) and answering on ``port``; stopped on leaving."""
+    print("+", shlex.join(cmd), flush=True)
+    with open(log, "w") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            print(f"up after {wait_up(port, proc):.0f}s", flush=True)
+            yield proc
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 15)
+            proc.wait(timeout=120)
 
 
 def serve_and_run(cmd: list[str], port: int, name: str, out_dir: str, log: str,

@@ -27,7 +27,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import agent_loop  # noqa: E402
+import messages_agent  # noqa: E402
 import multiturn_vs_vllm as multiturn  # noqa: E402
+import retention_priority  # noqa: E402
 import sessions_vs_vllm as sessions_http  # noqa: E402
 import soak_report  # noqa: E402
 
@@ -95,6 +97,20 @@ def render_agent_loop(name: str, record: dict) -> list[str]:
     return [*agent_loop.table(record["runs"]), "", "Each pass, with the host's load while it ran:", "",
             *agent_loop.round_table(record["runs"]), "", *agent_loop.turn_table(record["runs"]),
             *(line for note in notes for line in (note, ""))]
+
+
+def render_retention(name: str, record: dict) -> list[str]:
+    """The workload and the pool, then each round's arms and the targets."""
+    return [*retention_priority.setup_lines(record), *retention_priority.table(record),
+            *([f"Note: {record['notes']}", ""] if record.get("notes") else [])]
+
+
+def render_messages_agent(name: str, record: dict) -> list[str]:
+    """The trace's settings, the counters and TTFT per turn, then each round's TTFT ratio."""
+    return [messages_agent.config_line(record), "", "Medians per turn over every pass of every round:", "",
+            *messages_agent.table(record), "", *messages_agent.round_table(record), "",
+            *messages_agent.summary_lines(record),
+            *([f"Note: {record['notes']}", ""] if record.get("notes") else [])]
 
 
 def render_roofline(name: str, record: dict) -> list[str]:
@@ -397,6 +413,22 @@ SECTIONS = (
             ("turns 2-12 TTFT ≤ 0.6x vLLM's, in float32 and in bfloat16 (median of the rounds' paired ratios of "
              "the median over all agents' turns 2-12)",),
             ("agent_loop.json",), render_agent_loop),
+    Section("retention", "Retention priorities under memory pressure", "bench/retention_priority.py",
+            "Hit rate and TTFT of questions on a few shared documents sent with a retention priority "
+            "(`kv_cache_retention_config`, priority 90 over the documents' tokens) among many one-off prompts, "
+            "one request at a time, in a device pool smaller than the working set and no CPU or disk tier, "
+            "against the same requests without the field (plain least-recently-used eviction), each arm on a "
+            "fresh server of the same build.",
+            ("repeat questions' hit rate ≥ 0.95 with priorities, where plain LRU gives < 0.5",),
+            ("retention_priority.json",), render_retention),
+    Section("messages_agent", "Anthropic Messages: a coding agent's cache", "bench/messages_agent.py",
+            "The agent loop's trace (`bench/agent_trace.py`) through `POST /v1/messages`: 20 tools and a "
+            "system prompt, then a growing history of `tool_use` / `tool_result` rounds, with two "
+            "`cache_control` breakpoints (on the system block, and on the newest `tool_result`); per turn "
+            "`cache_read_input_tokens`, `cache_creation_input_tokens` and `input_tokens` (Anthropic's meanings: "
+            "the prompt is their sum) and the streamed TTFT, kvhive against vLLM for CPU's `/v1/messages` "
+            "on the same trace and model, in paired rounds.", (),
+            ("messages_agent.json",), render_messages_agent),
     Section("roofline", "The physical floor", "bench/roofline.py",
             "This machine's read bandwidth and GEMM peak, and from them the least time a decode step (bytes / "
             "bandwidth) and a warm turn (FLOPs / GEMM peak) can take, against the measured step.",

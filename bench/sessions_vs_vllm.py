@@ -107,8 +107,9 @@ class Reply:
 
 
 def chat_stream(port: int, path: str, body: dict, headers: dict[str, str]) -> Reply:
-    """POST a streamed chat completion; TTFT is send to the first delta carrying generated output
-    (content, or a tool call's piece, which joins the text as its JSON)."""
+    """POST a streamed chat completion (or completion); TTFT is send to the first chunk carrying
+    generated output (content, a completion's text, or a tool call's piece, which joins the text as
+    its JSON)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
     start = time.perf_counter()
     conn.request("POST", path, body=json.dumps(body).encode(),
@@ -124,7 +125,7 @@ def chat_stream(port: int, path: str, body: dict, headers: dict[str, str]) -> Re
         event = json.loads(line[5:])
         usage = event.get("usage") or usage
         for choice in event.get("choices") or []:
-            delta = choice.get("delta") or {}
+            delta = choice.get("delta") or {"content": choice.get("text")}
             if delta.get("content") or delta.get("tool_calls"):
                 if ttft is None:
                     ttft = time.perf_counter() - start
