@@ -5,7 +5,6 @@ response starts; ASGI 2.4: ``send`` raising ``OSError``)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 from collections.abc import Iterator
@@ -13,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from starlette.requests import ClientDisconnect
-from support.serve_faulty import build_engine
+from support.serve_faulty import arg_parser, build_engine
 from support.servers import SERVED_MODEL_NAME
 
 from kvhive.server.app import create_app
@@ -26,10 +25,8 @@ PROMPT = [(i * 7) % 200 + 3 for i in range(40)]
 @pytest.fixture(scope="module")
 def app() -> Iterator:
     # The engine the test server script builds (tiny model, no tiers), here in this process.
-    flags = argparse.Namespace(model="tiny", max_model_len=512, num_blocks=128, no_prefix_caching=False,
-                               cpu_offload_gb=0.0, disk_cache_dir=None, redis_url=None,
-                               default_session_ttl=600, max_session_ttl=3600, max_sessions_per_key=None,
-                               max_pinned_gb=None, share_prefix_cache=False, faulty=False)
+    flags = arg_parser().parse_args(["--model", "tiny", "--port", "0", "--max-model-len", "512",
+                                     "--num-blocks", "128", "--max-pinned-gb", "none"])
     engine = build_engine(flags)
     engine.start()
     yield create_app(engine, served_model_name=SERVED_MODEL_NAME, api_keys=(KEY,))

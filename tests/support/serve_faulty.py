@@ -199,8 +199,8 @@ def with_fault_modes(mode: str) -> None:
     server_app.create_app = create_sick_app
 
 
-def main() -> None:
-    """Parse the flags, build the engine and serve it until SIGTERM."""
+def arg_parser() -> argparse.ArgumentParser:
+    """This script's flags (tests that build its engine in process parse theirs with it)."""
     from kvhive.config import PINNED_AUTO
     from kvhive.serve_args import pinned_gib
 
@@ -228,13 +228,21 @@ def main() -> None:
     parser.add_argument("--fault-mode", choices=FAULT_MODES, default=None)
     parser.add_argument("--max-request-bytes", type=int, default=None)
     parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true")
-    from kvhive.core.cors import add_cors_args, cors_from_args
-    from kvhive.core.http_limits import add_http_limit_args, http_limits_from_args
+    from kvhive.core.cors import add_cors_args
+    from kvhive.core.http_limits import add_http_limit_args
 
     add_http_limit_args(parser)              # kvhive serve's --http-* flags
     add_cors_args(parser)                    # and its CORS flags
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    """Parse the flags, build the engine and serve it until SIGTERM."""
+    args = arg_parser().parse_args()
     import torch
+
+    from kvhive.core.cors import cors_from_args
+    from kvhive.core.http_limits import http_limits_from_args
 
     torch.set_num_threads(2)
     from kvhive.server.app import run_server
