@@ -150,3 +150,11 @@ def test_the_gateway_ingest_skips_block_updated():
         BlockStored([digest], None, list(range(BLOCK_SIZE)), BLOCK_SIZE), BlockUpdated([digest], 80, 35)])))
     ingest.apply(batch)
     assert index.lookup([digest]) == [{"r1": "GPU"}]
+
+
+@pytest.mark.parametrize("value", [-1, 101, True])
+def test_the_offload_min_priority_is_bounded(value):
+    from kvhive.config import StoreConfig
+
+    with pytest.raises(ValueError, match="--offload-min-priority"):
+        StoreConfig(offload_min_priority=value)
