@@ -79,6 +79,7 @@ def test_blocks_below_the_offload_min_priority_stay_out_of_the_cpu_tier(tokenize
     engine.connector_worker.wait_for_save()
     stats = engine.connector_scheduler.stats()
     assert stats.saved_blocks == 4 and stats.unsaved_low_priority == 4
+    assert engine.stats().connector.unsaved_low_priority == 4          # /metrics reads this
     engine.close()
 
 
