@@ -342,7 +342,8 @@ class LLMEngine:
             tiers = self.connector_scheduler.tier_stats()
             c, w = self.connector_scheduler.stats(), self.connector_worker
             connector = ConnectorCounters(c.sync_loads, c.async_loads, w.failed_load_blocks, c.saved_blocks,
-                                          w.dropped_save_blocks, w.async_load_seconds, w.async_load_count)
+                                          w.dropped_save_blocks, w.async_load_seconds, w.async_load_count,
+                                          c.unsaved_low_priority)
         return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting,
                            kv_usage=s.kv_usage,
                            prefix_cache_queries_tokens=s.prefix_cache_queries_tokens,

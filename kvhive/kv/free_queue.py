@@ -114,10 +114,6 @@ class PriorityFreeQueue:
         for priority in list(self.levels_order):
             yield from self.levels[priority]
 
-    def num_evictable(self) -> int:
-        """Queued blocks that hold something reusable (O(P))."""
-        return sum(len(q) for q in self.levels.values())
-
     def popleft(self) -> KVBlock:
         """Remove and return the next block to hand out: an empty one, else the lowest priority's LRU."""
         if len(self.empty):

@@ -216,13 +216,7 @@ class BlockPool:
             expiry, _, block = heapq.heappop(self._expiries)
             if block.expiry != expiry:
                 continue                      # stale: the block's retention changed since
-            queued = block.ref_cnt == 0 and block.block_id != NULL_BLOCK_ID
-            if queued:
-                self.free_queue.remove(block)
-            self._set_retention(block, DEFAULT_PRIORITY, None)
-            block.retained = False
-            if queued:
-                self.free_queue.push(block, first=True)
+            self._replace_retention(block, DEFAULT_PRIORITY, None)
             n += 1
         return n
 
@@ -238,16 +232,22 @@ class BlockPool:
                       else now + retention.duration_s)
             if (block.priority, block.expiry) == (retention.priority, expiry):
                 continue
-            queued = block.ref_cnt == 0
-            if queued:
-                self.free_queue.remove(block)
-            self._set_retention(block, retention.priority, expiry)
-            if retention == DEFAULT_RETENTION:
-                block.retained = False
-            if queued:
-                self.free_queue.push(block, first=retention == DEFAULT_RETENTION)
+            self._replace_retention(block, retention.priority, expiry)
             n += 1
         return n
+
+    def _replace_retention(self, block: KVBlock, priority: int, expiry: float | None) -> None:
+        """Set a cached block's retention outright, moving it if nobody holds it: back to the
+        default (no retention left) to the head of the default level, else to its level's tail."""
+        queued = block.ref_cnt == 0
+        if queued:
+            self.free_queue.remove(block)
+        self._set_retention(block, priority, expiry)
+        default = (priority, expiry) == (DEFAULT_PRIORITY, None)
+        if default:
+            block.retained = False
+        if queued:
+            self.free_queue.push(block, first=default)
 
     def cache_block(self, block: KVBlock, block_hash: bytes, parent_hash: bytes | None = None,
                     token_ids: Sequence[int] | None = None) -> bool:

@@ -22,7 +22,12 @@ from kvhive.core.request_fields import (
 )
 from kvhive.request import MAX_LOGPROBS
 from kvhive.server.errors import bad_request
-from kvhive.server.protocol import MAX_PRIORITY, MIN_PRIORITY, ChatTokenLogprob, check_metadata
+from kvhive.server.protocol import (
+    MAX_SCHEDULING_PRIORITY,
+    MIN_SCHEDULING_PRIORITY,
+    ChatTokenLogprob,
+    check_metadata,
+)
 from kvhive.server.sse import sse_named_event
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
@@ -120,7 +125,8 @@ class ResponsesRequest(StrictBody):
     stream: bool = False
     metadata: dict[str, str] | None = None
     parallel_tool_calls: bool | None = None
-    priority: int = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)   # vLLM's: --scheduling-policy priority
+    # vLLM's admission order under --scheduling-policy priority (lower first); else only 0.
+    priority: int = Field(default=0, ge=MIN_SCHEDULING_PRIORITY, le=MAX_SCHEDULING_PRIORITY)
     # Prompt-cache fields (kvhive.server.prompt_cache): OpenAI's routing key and pin, TensorRT-LLM's retention.
     prompt_cache_key: PromptCacheKey | None = None
     prompt_cache_retention: PromptCacheRetention | None = None

@@ -231,12 +231,16 @@ class PriorityPoolMachine(RuleBasedStateMachine):
         now = self.clock.now
         due = sorted((e, b) for b, (_, e, _) in self.ret.items() if e is not None and e <= now)
         for _, bid in due:
-            queued = self.ref[bid] == 0
-            if queued:
-                self._unqueue(bid)
-            self.ret[bid] = (DEFAULT_PRIORITY, None, False)
-            if queued:
-                self._push(bid, first=True)
+            self._fall_back(bid)
+
+    def _fall_back(self, bid: int) -> None:
+        """No retention any more: a queued block moves to the head of the default level."""
+        queued = self.ref[bid] == 0
+        if queued:
+            self._unqueue(bid)
+        self.ret[bid] = (DEFAULT_PRIORITY, None, False)
+        if queued:
+            self._push(bid, first=True)
 
     def _retain(self, bid: int, retention: BlockRetention) -> None:
         if bid not in self.hashed:
@@ -322,12 +326,7 @@ class PriorityPoolMachine(RuleBasedStateMachine):
         changed = self.pool.set_retention([blk])
         assert changed == ((self.ret[bid][0], self.ret[bid][1]) != (DEFAULT_PRIORITY, None))
         if changed:
-            queued = self.ref[bid] == 0
-            if queued:
-                self._unqueue(bid)
-            self.ret[bid] = (DEFAULT_PRIORITY, None, False)
-            if queued:
-                self._push(bid, first=True)
+            self._fall_back(bid)
 
     @invariant()
     def consistent(self) -> None:

@@ -3,6 +3,7 @@ pinned until they end, BlockUpdated events, and ``--offload-min-priority`` on th
 
 from __future__ import annotations
 
+import pytest
 from support.scheduler_parts import BLOCK_SIZE, compute, make_kv, make_request, park
 
 from kvhive.connector.base import CachedBlock, SchedulerOutput
@@ -15,7 +16,7 @@ from kvhive.core.retention import (
 )
 from kvhive.engine.scheduler.session_spill import SessionSpill
 from kvhive.engine.scheduler.transfers import KVTransfers
-from kvhive.kv.events import BlockUpdated, EventBatch, decode_batch, encode_batch
+from kvhive.kv.events import BlockStored, BlockUpdated, EventBatch, decode_batch, encode_batch
 from kvhive.kv.retention_policy import block_retentions
 
 
@@ -122,3 +123,38 @@ def test_saves_carry_the_priority_the_request_gives_each_block():
     compute(kv, r)
     transfers.note_computed(r, [0, 1, 2], 0)
     assert [b.priority for b in transfers.newly_cached] == [90, DEFAULT_PRIORITY, DEFAULT_PRIORITY]
+
+
+def test_block_updated_is_opt_in_because_vllm_decoders_refuse_unknown_events():
+    from support.kv_event_decoders import vllm_decode
+
+    msgspec = pytest.importorskip("msgspec")
+    stored = BlockStored([b"\x01" * 16], None, list(range(BLOCK_SIZE)), BLOCK_SIZE)
+    for as_map in (True, False):
+        payload = encode_batch(EventBatch(1.0, [stored]), as_map=as_map)
+        assert len(vllm_decode(payload, array_like=not as_map).events) == 1
+        payload = encode_batch(EventBatch(1.0, [stored, BlockUpdated([b"\x01" * 16], 80, 35)]), as_map=as_map)
+        with pytest.raises(msgspec.ValidationError):
+            vllm_decode(payload, array_like=not as_map)
+
+
+def test_the_gateway_ingest_skips_block_updated():
+    from kvhive.core.blocks import root_hash
+    from kvhive.router.index import InMemoryIndex
+    from kvhive.router.ingest import BlockKeyMapper, ReplicaIngest
+
+    index = InMemoryIndex()
+    ingest = ReplicaIngest("r1", index, BlockKeyMapper(False, BLOCK_SIZE, root_hash(0)), "tcp://127.0.0.1:9", None)
+    digest = b"\x07" * 16
+    batch = decode_batch(encode_batch(EventBatch(1.0, [
+        BlockStored([digest], None, list(range(BLOCK_SIZE)), BLOCK_SIZE), BlockUpdated([digest], 80, 35)])))
+    ingest.apply(batch)
+    assert index.lookup([digest]) == [{"r1": "GPU"}]
+
+
+@pytest.mark.parametrize("value", [-1, 101, True])
+def test_the_offload_min_priority_is_bounded(value):
+    from kvhive.config import StoreConfig
+
+    with pytest.raises(ValueError, match="--offload-min-priority"):
+        StoreConfig(offload_min_priority=value)

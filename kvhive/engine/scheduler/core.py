@@ -68,7 +68,7 @@ class Scheduler:
 
     @property
     def waiting(self) -> deque[Request]:
-        """The FCFS waiting queue (read-only for callers)."""
+        """The waiting queue, in admission order (read-only for callers)."""
         return self.queues.waiting
 
     @property
