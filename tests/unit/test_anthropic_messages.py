@@ -1,6 +1,6 @@
 """Anthropic Messages bodies as chat parts (``kvhive.core.anthropic_messages``): the conversion of
-system, messages, tools and tool_choice, the cache breakpoints found and refused, and where each
-breakpoint falls in the rendered prompt (always a true prefix of its token ids)."""
+system, messages, tools and tool_choice; and their cache breakpoints (``kvhive.core.anthropic_breakpoints``):
+found and refused, and where each falls in the rendered prompt (always a true prefix of its token ids)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from support.tokenizer_families import family_tokenizer
 
-from kvhive.core.anthropic_messages import (
+from kvhive.core.anthropic_breakpoints import (
     MAX_BREAKPOINTS,
     breakpoint_chars,
     breakpoint_tokens,
     common_prefix_len,
-    messages_chat,
     probe_body,
-    render_chat,
 )
+from kvhive.core.anthropic_messages import messages_chat, render_body, render_chat
 from kvhive.core.json_body import BodyError
 from kvhive.router.tokenize import Prompt, chat_text
 
@@ -174,7 +173,7 @@ def test_a_longer_ttl_after_a_shorter_one_is_refused() -> None:
 
 def placed(tokenizer: Any, b: dict[str, Any]) -> tuple[str, list[int], list[int], list[int]]:
     chat = messages_chat(b)
-    text, offsets = breakpoint_chars(b, chat, lambda c: render_chat(tokenizer, c))
+    text, offsets = breakpoint_chars(b, chat.breakpoints, lambda body: render_body(tokenizer, body))
     ids = tokenizer.encode(text)
     return text, offsets, ids, breakpoint_tokens(tokenizer.encode, text, ids, offsets)
 
