@@ -33,7 +33,7 @@ BODY = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": 
 
 @pytest.mark.parametrize(("field", "value"), [
     ("max_tokens", 0), ("temperature", 1.5), ("temperature", -0.1), ("top_p", 0), ("top_k", -1),
-    ("stop_sequences", ["s"] * 17), ("metadata", {"user_id": "u" * 257}), ("metadata", {"name": "x"}),
+    ("stop_sequences", ["s"] * 17), ("stop_sequences", ["s" * 257]), ("metadata", {"user_id": "u" * 257}), ("metadata", {"name": "x"}),
     ("stream", "yes"), ("service_tier", "priority"), ("container", "c"), ("model", "m" * 300),
 ])
 def test_fields_out_of_bounds_are_refused(field: str, value: Any) -> None:
