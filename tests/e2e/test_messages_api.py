@@ -253,6 +253,10 @@ def test_api_key_headers_and_anthropic_headers(served: Served) -> None:
     body = {"model": SERVED_MODEL_NAME, "max_tokens": 2, "messages": ASK}
     assert post(served, body, {"anthropic-version": "2023-06-01",
                                "anthropic-beta": "prompt-caching-2024-07-31,token-counting-2024-11-01"}).status_code == 200
+    # The SDK's beta resource (?beta=true, anthropic-beta) with a no-op beta.
+    beta = client(served).beta.messages.create(model=SERVED_MODEL_NAME, max_tokens=2, messages=ASK,
+                                               betas=["prompt-caching-2024-07-31"], extra_body=GREEDY)
+    assert beta.usage.output_tokens == 2
     assert "anthropic-version" in anthropic_error(post(served, body, {"anthropic-version": "June 2023"}), 400,
                                                   "invalid_request_error")
     assert "mcp-client-2025-04-04" in anthropic_error(post(served, body, {"anthropic-beta": "mcp-client-2025-04-04"}),
