@@ -9,22 +9,25 @@ a named function). The text is then rendered through ``chat_template_input`` as 
 are (``render_chat``). A problem raises BodyError naming the body's field.
 
 Cache breakpoints (``cache_control`` on a tool, a system block, a message content block or the
-whole request, at most MAX_BREAKPOINTS) are placed on the rendered text: each breakpoint's
-character offset is the common prefix of the full text and a probe rendered from the body cut just
-after the breakpointed element (a tool or a system block followed by a sentinel, a message cut
-after the block), so the offset always ends a true prefix of the prompt, whatever the template
-writes around the element. Breakpoints follow Anthropic's order (tools, system, messages) and each
-covers at least the one before it. ``breakpoint_tokens`` turns the offsets into prompt token counts:
-the common prefix of the ids of the text up to the offset and of the whole text.
+whole request, at most MAX_BREAKPOINTS, TTL "5m" or "1h") are checked and listed in Anthropic's
+order (tools, system, messages) as ``CacheBreakpoint``s; ``kvhive.core.anthropic_breakpoints``
+places them on the rendered prompt.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvhive.core.anthropic_breakpoints import (
+    CacheBreakpoint,
+    add_breakpoint,
+    add_nested_breakpoint,
+    check_breakpoints,
+    top_level_breakpoint,
+)
 from kvhive.core.json_body import BodyError
 from kvhive.core.tool_definitions import (
     MAX_CALL_ID_CHARS,
@@ -37,23 +40,15 @@ from kvhive.core.tool_definitions import (
 if TYPE_CHECKING:
     from kvhive.core.tokenizer import Tokenizer
 
-# Anthropic's bounds: at most 4 breakpoints, TTLs of 5 minutes (the default) or an hour.
-MAX_BREAKPOINTS = 4
-CACHE_TTL_S: Mapping[str, int] = {"5m": 300, "1h": 3600}
-DEFAULT_TTL = "5m"
 # At most this many messages (Anthropic's limit) and content blocks in one message.
 MAX_MESSAGES = 100_000
 MAX_BLOCKS = 10_000
-# The probe text that follows a breakpointed tool or system block; never part of a real prompt.
-SENTINEL = "\x00kvhive-cache-breakpoint\x00"
-SENTINEL_TOOL = "kvhive_cache_breakpoint"
 
 TEXT_KEYS = frozenset({"type", "text", "cache_control", "citations"})
 TOOL_USE_KEYS = frozenset({"type", "id", "name", "input", "cache_control"})
 TOOL_RESULT_KEYS = frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"})
 TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "cache_control", "strict"})
 MESSAGE_KEYS = frozenset({"role", "content"})
-CACHE_CONTROL_KEYS = frozenset({"type", "ttl"})
 TOOL_CHOICE_KEYS: Mapping[str, frozenset[str]] = {
     "auto": frozenset({"type", "disable_parallel_tool_use"}),
     "any": frozenset({"type", "disable_parallel_tool_use"}),
@@ -71,16 +66,6 @@ UNSERVED_BLOCKS: Mapping[str, str] = {
     "web_search_tool_result": "server tools are not served",
     "container_upload": "containers are not served",
 }
-
-
-@dataclass(frozen=True)
-class CacheBreakpoint:
-    """A ``cache_control`` breakpoint: the element it ends (``where``: ("tools", i), ("system", j) or
-    ("messages", k, j), j None for a message's string content), its TTL and the field naming it."""
-
-    where: tuple[Any, ...]
-    ttl_s: int
-    param: str
 
 
 @dataclass(frozen=True)
@@ -106,8 +91,8 @@ def messages_chat(body: Mapping[str, Any]) -> MessagesChat:
     tools = _tools(body.get("tools"), breakpoints)
     messages = _system(body.get("system"), breakpoints)
     messages += _messages(body.get("messages"), breakpoints)
-    _top_level_breakpoint(body, breakpoints)
-    _check_breakpoints(breakpoints)
+    top_level_breakpoint(body, breakpoints)
+    check_breakpoints(breakpoints)
     choice, parallel = _tool_choice(body.get("tool_choice"), tools)
     chat = MessagesChat(tuple(messages), tools, choice, parallel, tuple(breakpoints))
     _check_functions(chat.tools)
@@ -128,7 +113,7 @@ def _tools(raw: Any, breakpoints: list[CacheBreakpoint]) -> tuple[dict[str, Any]
             raise BodyError(f"Tools of type {tool.get('type')!r:.60} (server tools) are not served; only "
                             f"client tools (type 'custom' or none)", param=f"{param}.type")
         check_object(tool, param, TOOL_KEYS)
-        _add_breakpoint(tool, ("tools", i), param, breakpoints)
+        add_breakpoint(tool, ("tools", i), param, breakpoints)
         if "input_schema" not in tool:
             raise BodyError(f"'{param}.input_schema' is required", param=f"{param}.input_schema")
         function: dict[str, Any] = {"name": tool.get("name")}
@@ -166,7 +151,7 @@ def _text_content(raw: Any, param: str, where: tuple[Any, ...], breakpoints: lis
     texts = []
     for j, block in enumerate(blocks):
         texts.append(_text_block(block, f"{param}[{j}]"))
-        _add_breakpoint(block, (*where, j), f"{param}[{j}]", breakpoints)
+        add_breakpoint(block, (*where, j), f"{param}[{j}]", breakpoints)
     return "\n".join(texts)
 
 
@@ -250,13 +235,13 @@ def _user_message(content: Any, param: str, k: int, call_ids: set[str],
                 out.append({"role": "user", "content": "\n".join(texts)})
                 texts = []
             out.append(_tool_result(block, block_param, call_ids))
-            _add_nested_breakpoint(block, ("messages", k, j), f"{block_param}.content", breakpoints)
+            add_nested_breakpoint(block, ("messages", k, j), f"{block_param}.content", breakpoints)
         elif kind == "text":
             texts.append(_text_block(block, block_param))
         else:
             raise BodyError(f"Content blocks of type {kind!r:.60} are not served in a user message",
                             param=f"{block_param}.type")
-        _add_breakpoint(block, ("messages", k, j), block_param, breakpoints)
+        add_breakpoint(block, ("messages", k, j), block_param, breakpoints)
     if texts or not out:
         out.append({"role": "user", "content": "\n".join(texts)})
     return out
@@ -286,15 +271,6 @@ def _tool_result_text(raw: Any, param: str) -> str:
     return "\n".join(_text_block(block, f"{param}[{m}]") for m, block in enumerate(_blocks(raw, param)))
 
 
-def _add_nested_breakpoint(block: Mapping[str, Any], where: tuple[Any, ...], param: str,
-                           breakpoints: list[CacheBreakpoint]) -> None:
-    """A breakpoint on a text block inside a tool result's content: the tool result's own (the
-    prompt is cut after the whole result)."""
-    content = block.get("content")
-    for m, nested in enumerate(content if isinstance(content, list) else ()):
-        _add_breakpoint(nested, where, f"{param}[{m}]", breakpoints)
-
-
 def _assistant_message(content: Any, param: str, k: int, call_ids: set[str],
                        breakpoints: list[CacheBreakpoint]) -> dict[str, Any]:
     """An assistant message: its text blocks as the content, its ``tool_use`` blocks as calls."""
@@ -312,7 +288,7 @@ def _assistant_message(content: Any, param: str, k: int, call_ids: set[str],
         else:
             raise BodyError(f"Content blocks of type {kind!r:.60} are not served in an assistant message",
                             param=f"{block_param}.type")
-        _add_breakpoint(block, ("messages", k, j), block_param, breakpoints)
+        add_breakpoint(block, ("messages", k, j), block_param, breakpoints)
     message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
     if calls:
         message["tool_calls"] = calls
@@ -367,119 +343,6 @@ def _tool_choice(raw: Any, tools: tuple[dict[str, Any], ...] | None) -> tuple[st
     return {"auto": "auto", "any": "required", "none": "none"}[kind], not single
 
 
-# ---------------------------------------------------------------- breakpoints
-
-
-def _cache_ttl(raw: Any, param: str) -> int:
-    """A ``cache_control`` object's TTL in seconds; BodyError for another type, TTL or field."""
-    check_object(raw, param, CACHE_CONTROL_KEYS)
-    if raw.get("type") != "ephemeral":
-        raise BodyError(f"'{param}.type' must be 'ephemeral', got {raw.get('type')!r:.40}", param=f"{param}.type")
-    ttl = raw.get("ttl", DEFAULT_TTL)
-    if ttl is None:
-        ttl = DEFAULT_TTL
-    if ttl not in CACHE_TTL_S:
-        raise BodyError(f"'{param}.ttl' must be '5m' or '1h', got {ttl!r:.40}", param=f"{param}.ttl")
-    return CACHE_TTL_S[ttl]
-
-
-def _add_breakpoint(element: Mapping[str, Any], where: tuple[Any, ...], param: str,
-                    breakpoints: list[CacheBreakpoint]) -> None:
-    raw = element.get("cache_control")
-    if raw is None:
-        return
-    ttl_s = _cache_ttl(raw, f"{param}.cache_control")
-    if element.get("type") == "text" and element.get("text") == "":
-        raise BodyError("An empty text block cannot carry cache_control", param=f"{param}.cache_control")
-    breakpoints.append(CacheBreakpoint(where, ttl_s, f"{param}.cache_control"))
-
-
-def _top_level_breakpoint(body: Mapping[str, Any], breakpoints: list[CacheBreakpoint]) -> None:
-    """The body's own ``cache_control``: a breakpoint on the last block of the last message."""
-    raw = body.get("cache_control")
-    if raw is None:
-        return
-    ttl_s = _cache_ttl(raw, "cache_control")
-    k = len(body["messages"]) - 1
-    content = body["messages"][k]["content"]
-    where = ("messages", k, None) if isinstance(content, str) else ("messages", k, len(content) - 1)
-    if any(b.where == where for b in breakpoints):
-        return                  # already a breakpoint: the block carries one
-    breakpoints.append(CacheBreakpoint(where, ttl_s, "cache_control"))
-
-
-def _check_breakpoints(breakpoints: Sequence[CacheBreakpoint]) -> None:
-    """At most MAX_BREAKPOINTS; a longer TTL never after a shorter one (Anthropic's rule)."""
-    if len(breakpoints) > MAX_BREAKPOINTS:
-        raise BodyError(f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. "
-                        f"Found {len(breakpoints)}.", param=breakpoints[MAX_BREAKPOINTS].param)
-    for before, after in zip(breakpoints, breakpoints[1:], strict=False):
-        if after.ttl_s > before.ttl_s:
-            raise BodyError("A cache_control with a longer ttl must come before those with a shorter one "
-                            "(tools, then system, then messages)", param=after.param)
-
-
-def probe_body(body: Mapping[str, Any], where: tuple[Any, ...]) -> dict[str, Any]:
-    """``body`` changed just after the element ``where``: a sentinel tool or system block after it,
-    or the messages cut after the block (no top-level ``cache_control``)."""
-    probe = {k: v for k, v in body.items() if k != "cache_control"}
-    kind, index = where[0], where[1]
-    if kind == "tools":
-        tools = list(body["tools"][:index + 1])
-        names = {t.get("name") for t in tools}
-        name = next(f"{SENTINEL_TOOL}_{n}" for n in range(len(names) + 1) if f"{SENTINEL_TOOL}_{n}" not in names)
-        probe["tools"] = [*tools, {"name": name, "description": SENTINEL, "input_schema": {"type": "object"}}]
-        probe.pop("tool_choice", None)
-    elif kind == "system":
-        probe["system"] = [*body["system"][:index + 1], {"type": "text", "text": SENTINEL}]
-    else:
-        messages = list(body["messages"][:index + 1])
-        block = where[2]
-        if block is not None:
-            messages[index] = {**messages[index], "content": messages[index]["content"][:block + 1]}
-        if messages[-1].get("role") == "assistant":
-            messages.append({"role": "user", "content": SENTINEL})
-        probe["messages"] = messages
-    return probe
-
-
-def breakpoint_chars(body: Mapping[str, Any], chat: MessagesChat, render: Callable[[MessagesChat], str]
-                     ) -> tuple[str, list[int]]:
-    """The body's rendered text (``render`` of ``chat``) and each breakpoint's character offset in it:
-    the common prefix of the text and its probe's text, at least the offset before it."""
-    text = render(chat)
-    offsets: list[int] = []           # each at least the one before: breakpoints nest in Anthropic's order
-    for breakpoint in chat.breakpoints:
-        probe = render(messages_chat(probe_body(body, breakpoint.where)))
-        offset = common_prefix_len(text, probe)
-        offsets.append(max(offset, offsets[-1]) if offsets else offset)
-    return text, offsets
-
-
-def breakpoint_tokens(encode: Callable[[str], Sequence[int]], text: str, prompt_ids: Sequence[int],
-                      offsets: Sequence[int]) -> list[int]:
-    """How many prompt tokens (``prompt_ids``, the ids of ``text``) each character offset covers: the
-    common prefix of ``encode(text[:offset])`` and the prompt's ids."""
-    return [common_prefix_len(encode(text[:offset]), prompt_ids) if offset < len(text) else len(prompt_ids)
-            for offset in offsets]
-
-
-def common_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
-    """How many leading items (characters, ids) ``a`` and ``b`` share: halving the differing span,
-    compared a slice at a time (linear in the length, the comparisons in C)."""
-    lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    # Invariant: the first lo items agree; somewhere in [lo, hi) they differ.
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
 # ---------------------------------------------------------------- rendering
 
 
@@ -489,3 +352,8 @@ def render_chat(tokenizer: Tokenizer, chat: MessagesChat) -> str:
     messages, variables = chat_template_input(tokenizer.chat_template, [dict(m) for m in chat.messages],
                                               chat_functions(chat.tools))
     return tokenizer.apply_chat_template(messages, **variables)
+
+
+def render_body(tokenizer: Tokenizer, body: Mapping[str, Any]) -> str:
+    """``render_chat`` of a whole body (``messages_chat`` first): what breakpoint probes render."""
+    return render_chat(tokenizer, messages_chat(body))

@@ -11,6 +11,7 @@ machinery (``ToolPlan``). Errors leave in Anthropic's shape (``messages_errors.A
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -19,13 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 
-from kvhive.core.anthropic_messages import (
-    MessagesChat,
-    breakpoint_chars,
-    breakpoint_tokens,
-    messages_chat,
-    render_chat,
-)
+from kvhive.core.anthropic_breakpoints import breakpoint_chars, breakpoint_tokens
+from kvhive.core.anthropic_messages import MessagesChat, messages_chat, render_body
 from kvhive.core.json_body import BodyError
 from kvhive.request import SamplingParams
 from kvhive.server.errors import APIError, bad_request, body_error
@@ -120,7 +116,7 @@ async def messages_prompt(service: GenerationService, body: MessagesInput, place
 def _tokenized(service: GenerationService, parts: Mapping[str, Any], chat: MessagesChat) -> tuple[list[int], list[int]]:
     """The prompt's token ids and each breakpoint's token count (blocking: the render and the encodes)."""
     tokenizer = service.tokenizer
-    text, offsets = breakpoint_chars(parts, chat, lambda c: render_chat(tokenizer, c))
+    text, offsets = breakpoint_chars(parts, chat.breakpoints, functools.partial(render_body, tokenizer))
     ids = tokenizer.encode(text)
     return ids, breakpoint_tokens(tokenizer.encode, text, ids, offsets)
 

@@ -9,7 +9,7 @@ Responses are plain models in Anthropic's field names.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -24,6 +24,7 @@ MAX_USER_ID_CHARS = 256
 MAX_MODEL_CHARS = 256
 MAX_OUTPUT_TOKENS = 1 << 20
 MAX_TOP_K = 1 << 20
+StopSequence = Annotated[str, Field(max_length=MAX_STOP_SEQUENCE_CHARS)]
 
 
 class MessagesMetadata(StrictBody):
@@ -57,7 +58,7 @@ class MessagesRequest(MessagesInput):
     """``POST /v1/messages``."""
 
     max_tokens: int = Field(ge=1, le=MAX_OUTPUT_TOKENS)
-    stop_sequences: ListOf[str] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
+    stop_sequences: ListOf[StopSequence] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
     stream: bool = False
     # Unset: the model's generation_config.json default (--generation-config), else Anthropic's 1.0.
     temperature: float | None = Field(default=None, ge=0, le=1)

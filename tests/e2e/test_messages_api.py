@@ -253,6 +253,10 @@ def test_api_key_headers_and_anthropic_headers(served: Served) -> None:
     body = {"model": SERVED_MODEL_NAME, "max_tokens": 2, "messages": ASK}
     assert post(served, body, {"anthropic-version": "2023-06-01",
                                "anthropic-beta": "prompt-caching-2024-07-31,token-counting-2024-11-01"}).status_code == 200
+    # The SDK's beta resource (?beta=true, anthropic-beta) with a no-op beta.
+    beta = client(served).beta.messages.create(model=SERVED_MODEL_NAME, max_tokens=2, messages=ASK,
+                                               betas=["prompt-caching-2024-07-31"], extra_body=GREEDY)
+    assert beta.usage.output_tokens == 2
     assert "anthropic-version" in anthropic_error(post(served, body, {"anthropic-version": "June 2023"}), 400,
                                                   "invalid_request_error")
     assert "mcp-client-2025-04-04" in anthropic_error(post(served, body, {"anthropic-beta": "mcp-client-2025-04-04"}),
@@ -285,6 +289,24 @@ def test_the_repeat_reads_the_breakpointed_prefix_and_another_key_never_does(ser
     assert (streamed.cache_read_input_tokens, streamed.cache_creation_input_tokens) == (created, 0)
 
 
+def test_a_conversation_reads_what_its_previous_turn_pinned(served: Served) -> None:
+    def turn(text: str) -> dict[str, Any]:
+        return {"role": "user", "content": [{"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}]}
+
+    history = [turn("Remember the list: " + "alpha beta gamma delta " * 8)]
+    first = create(served, KEY_B, messages=history, max_tokens=4)
+    assert first.usage.cache_read_input_tokens == 0 and first.usage.cache_creation_input_tokens > 0
+    # The next turn carries its breakpoint on its own last block only, as coding agents do.
+    history[0]["content"][0].pop("cache_control")
+    history += [{"role": "assistant", "content": text_of(first)}, turn("And the second item?")]
+    second = create(served, KEY_B, messages=history, max_tokens=4)
+    usage = second.usage
+    assert 0 < usage.cache_read_input_tokens <= first.usage.cache_creation_input_tokens
+    assert usage.cache_creation_input_tokens > 0
+    total = client(served, KEY_B).messages.count_tokens(model=SERVED_MODEL_NAME, messages=history).input_tokens
+    assert usage.cache_read_input_tokens + usage.cache_creation_input_tokens + usage.input_tokens == total
+
+
 def test_a_ttl_over_the_servers_cap_pins_nothing(served: Served) -> None:
     before = pins(served, KEY_B)
     body = {"model": SERVED_MODEL_NAME, "max_tokens": 2, "messages": ASK, "system": cached_system("1h")}
@@ -293,7 +315,7 @@ def test_a_ttl_over_the_servers_cap_pins_nothing(served: Served) -> None:
 
 
 def test_after_its_ttl_the_prefix_is_created_again(served: Served) -> None:
-    system = [{"type": "text", "text": LONG_SYSTEM + " Expiry edition.", "cache_control": {"type": "ephemeral"}}]
+    system = [{"type": "text", "text": "Expiry edition. " + LONG_SYSTEM, "cache_control": {"type": "ephemeral"}}]
     before = {p["id"] for p in pins(served, KEY_A)}
     first = create(served, system=system, max_tokens=2)
     (pin_id,) = {p["id"] for p in pins(served, KEY_A)} - before
@@ -308,7 +330,7 @@ def test_after_its_ttl_the_prefix_is_created_again(served: Served) -> None:
 
 
 def test_a_restart_with_the_disk_dir_keeps_the_pin(served: Served) -> None:
-    system = [{"type": "text", "text": LONG_SYSTEM + " Restart edition.", "cache_control": {"type": "ephemeral"}}]
+    system = [{"type": "text", "text": "Restart edition. " + LONG_SYSTEM, "cache_control": {"type": "ephemeral"}}]
     first = create(served, system=system, max_tokens=2)
     assert first.usage.cache_creation_input_tokens > 0
     stop_server(served.server)

@@ -1,6 +1,6 @@
 """Anthropic Messages bodies as chat parts (``kvhive.core.anthropic_messages``): the conversion of
-system, messages, tools and tool_choice, the cache breakpoints found and refused, and where each
-breakpoint falls in the rendered prompt (always a true prefix of its token ids)."""
+system, messages, tools and tool_choice; and their cache breakpoints (``kvhive.core.anthropic_breakpoints``):
+found and refused, and where each falls in the rendered prompt (always a true prefix of its token ids)."""
 
 from __future__ import annotations
 
@@ -8,19 +8,18 @@ import copy
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.tokenizer_families import family_tokenizer
 
-from kvhive.core.anthropic_messages import (
+from kvhive.core.anthropic_breakpoints import (
     MAX_BREAKPOINTS,
     breakpoint_chars,
     breakpoint_tokens,
     common_prefix_len,
-    messages_chat,
     probe_body,
-    render_chat,
 )
+from kvhive.core.anthropic_messages import messages_chat, render_body, render_chat
 from kvhive.core.json_body import BodyError
 from kvhive.router.tokenize import Prompt, chat_text
 
@@ -174,7 +173,7 @@ def test_a_longer_ttl_after_a_shorter_one_is_refused() -> None:
 
 def placed(tokenizer: Any, b: dict[str, Any]) -> tuple[str, list[int], list[int], list[int]]:
     chat = messages_chat(b)
-    text, offsets = breakpoint_chars(b, chat, lambda c: render_chat(tokenizer, c))
+    text, offsets = breakpoint_chars(b, chat.breakpoints, lambda body: render_body(tokenizer, body))
     ids = tokenizer.encode(text)
     return text, offsets, ids, breakpoint_tokens(tokenizer.encode, text, ids, offsets)
 
@@ -262,3 +261,46 @@ def test_common_prefix_len(a: str, b: str) -> None:
     n = common_prefix_len(a, b)
     assert a[:n] == b[:n] and (n == min(len(a), len(b)) or a[n] != b[n])
     assert common_prefix_len(list(a), list(b)) == n
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.sampled_from(
+    ["text", "tool_use", "tool_result", "user", "assistant", "system", "ephemeral", "5m", "1h", "any", "tool", "a"]),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(
+        ["type", "text", "role", "content", "id", "name", "input", "tool_use_id", "cache_control", "ttl",
+         "input_schema", "is_error", "disable_parallel_tool_use", "x"]), inner, max_size=5), max_leaves=25)
+
+
+CACHE_CONTROL = st.none() | st.fixed_dictionaries({"type": st.sampled_from(["ephemeral", "x"])},
+                                                   optional={"ttl": st.sampled_from(["5m", "1h", "2h"])})
+TEXT_BLOCK = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=4)},
+                                   optional={"cache_control": CACHE_CONTROL})
+BLOCK = st.fixed_dictionaries({"type": st.sampled_from(["text", "tool_use", "tool_result", "image"])}, optional={
+    "text": st.text(max_size=4), "id": st.sampled_from(["t1", "t2"]), "name": st.sampled_from(["f", "g"]),
+    "input": st.dictionaries(st.text(max_size=2), st.integers(), max_size=2), "tool_use_id": st.sampled_from(["t1", "t2"]),
+    "content": st.text(max_size=3) | st.lists(TEXT_BLOCK, max_size=2), "cache_control": CACHE_CONTROL})
+MESSAGES_BODY = st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries({
+    "role": st.sampled_from(["user", "assistant", "system"]),
+    "content": st.text(max_size=4) | st.lists(BLOCK, max_size=3)}), min_size=1, max_size=4)}, optional={
+    "system": st.text(max_size=4) | st.lists(TEXT_BLOCK, max_size=3),
+    "tools": st.lists(st.fixed_dictionaries({"name": st.sampled_from(["f", "g", "bad name"]),
+                                             "input_schema": st.just({"type": "object"})},
+                                            optional={"cache_control": CACHE_CONTROL}), max_size=2),
+    "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none"])},
+                                         optional={"name": st.sampled_from(["f", "g"])}),
+    "cache_control": CACHE_CONTROL})
+ANY_BODY = st.fixed_dictionaries({}, optional={"messages": JSON, "system": JSON, "tools": JSON, "tool_choice": JSON,
+                                               "cache_control": JSON})
+
+
+@settings(max_examples=300)
+@given(raw=st.one_of(MESSAGES_BODY, ANY_BODY))
+def test_any_body_converts_or_is_refused_by_name(tokenizer: Any, raw: dict[str, Any]) -> None:
+    try:
+        chat = messages_chat(raw)
+    except BodyError as exc:
+        assert exc.message
+        return
+    assert chat.messages and len(chat.breakpoints) <= MAX_BREAKPOINTS
+    # Every body that converts renders, and its breakpoints fall in order inside its prompt.
+    text, offsets, ids, counts = placed(tokenizer, raw)
+    assert counts == sorted(counts) and all(0 < n <= len(ids) for n in counts)

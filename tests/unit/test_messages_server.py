@@ -4,7 +4,9 @@ the usage counters."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -33,7 +35,7 @@ BODY = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": 
 
 @pytest.mark.parametrize(("field", "value"), [
     ("max_tokens", 0), ("temperature", 1.5), ("temperature", -0.1), ("top_p", 0), ("top_k", -1),
-    ("stop_sequences", ["s"] * 17), ("metadata", {"user_id": "u" * 257}), ("metadata", {"name": "x"}),
+    ("stop_sequences", ["s"] * 17), ("stop_sequences", ["s" * 257]), ("metadata", {"user_id": "u" * 257}), ("metadata", {"name": "x"}),
     ("stream", "yes"), ("service_tier", "priority"), ("container", "c"), ("model", "m" * 300),
 ])
 def test_fields_out_of_bounds_are_refused(field: str, value: Any) -> None:
@@ -157,3 +159,19 @@ def test_the_whole_answer_and_its_usage_without_breakpoints() -> None:
     # Without breakpoints the whole prompt is input, whatever the prefix cache served.
     assert response.usage.model_dump() == {"input_tokens": 20, "output_tokens": 5, "cache_creation_input_tokens": 0,
                                            "cache_read_input_tokens": 0}
+
+
+def test_a_stream_that_fails_ends_with_an_error_event() -> None:
+    async def failing() -> AsyncIterator[TextDelta]:
+        yield TextDelta("Hel", None, num_prompt_tokens=3, num_cached_tokens=0, num_output_tokens=1)
+        raise RuntimeError("engine died")
+
+    async def collect() -> list[str]:
+        answer = MessageAnswer("m", NO_PLAN, 3, (), NO_PROMPT_CACHE)
+        return [event async for event in answer.events(failing())]
+
+    events = asyncio.run(collect())
+    names = [e.split("\n", 1)[0].removeprefix("event: ") for e in events]
+    assert names == ["message_start", "ping", "content_block_start", "content_block_delta", "error"]
+    error = json.loads(events[-1].split("data: ", 1)[1])
+    assert error["error"]["type"] == "api_error" and "engine died" in error["error"]["message"]
