@@ -77,3 +77,19 @@ def test_scheduling_priority_is_accepted_within_bounds(client: httpx.Client) -> 
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
     r = client.post("/v1/completions", json=body(prompt, priority="1"))
     assert r.status_code == 400
+
+
+def test_kv_cache_retention_config_keeps_a_prefix_through_churn(client: httpx.Client) -> None:
+    """A prefix sent with ``kv_cache_retention_config`` at priority 90 answers from cache after the
+    one-off prompts that evict a default-priority prefix cached after it."""
+    kept, plain = tokens(40, 4 * BLOCK), tokens(41, 4 * BLOCK)
+    retention = {"token_range_retention_configs": [{"token_start": 0, "token_end": 4 * BLOCK, "priority": 90}]}
+    assert cached_tokens(client, kept + tokens(42, 8), kv_cache_retention_config=retention) == 0
+    assert cached_tokens(client, plain + tokens(43, 8)) == 0
+    for seed in range(50, 54):
+        cached_tokens(client, tokens(seed, 10 * BLOCK))
+    assert cached_tokens(client, kept + tokens(44, BLOCK)) == 4 * BLOCK
+    assert cached_tokens(client, plain + tokens(45, BLOCK)) == 0
+    r = client.post("/v1/completions", json=body(kept, kv_cache_retention_config={
+        "token_range_retention_configs": [{"token_start": 0, "token_end": 8, "priority": 101}]}))
+    assert r.status_code == 400 and "priority" in r.json()["error"]["param"]
