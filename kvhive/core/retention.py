@@ -164,6 +164,27 @@ def check_ranges_within(spec: RetentionSpec, num_prompt_tokens: int,
                                  f"{param}.token_range_retention_configs")
 
 
+def cap_durations(spec: RetentionSpec, max_duration_s: float, param: str = "kv_cache_retention_config"
+                  ) -> RetentionSpec:
+    """The spec within the server's longest retention (``--max-session-ttl``): RetentionError for a
+    duration longer than ``max_duration_s``; a priority above the default given without a duration
+    lasts ``max_duration_s`` (one caller cannot raise blocks above everyone's for good)."""
+    def capped(priority: int, duration_s: float | None, field: str) -> float | None:
+        if duration_s is not None and duration_s > max_duration_s:
+            raise RetentionError(f"'{field}' is {duration_s * 1000:.0f} ms; this server keeps a retention at most "
+                                 f"{max_duration_s * 1000:.0f} ms (--max-session-ttl)", field)
+        if duration_s is None and priority > DEFAULT_PRIORITY:
+            return max_duration_s
+        return duration_s
+
+    ranges_param = f"{param}.token_range_retention_configs"
+    ranges = tuple(RetentionRange(r.start, r.end, r.priority, capped(r.priority, r.duration_s,
+                                                                       f"{ranges_param}[{i}].duration_ms"))
+                   for i, r in enumerate(spec.ranges))
+    decode = capped(spec.decode_priority, spec.decode_duration_s, f"{param}.decode_duration_ms")
+    return RetentionSpec(ranges, spec.decode_priority, decode)
+
+
 def _parse_range(item: object, param: str) -> RetentionRange:
     if not isinstance(item, Mapping):
         raise RetentionError(f"'{param}' must be an object", param)

@@ -240,7 +240,9 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
     asked = 1 if scores_prompt_only(body) else body.max_tokens
     limits = [service.resolve_max_tokens(asked, len(p.token_ids), "max_tokens", "prompt") for p in prompts]
     owner = service.owner_of(raw_request)
-    retentions = [PromptCache(client_retention(body.kv_cache_retention_config, len(p.token_ids))) for p in prompts]
+    max_ttl_s = service.sessions.config.max_ttl_s
+    retentions = [PromptCache(client_retention(body.kv_cache_retention_config, len(p.token_ids), max_ttl_s))
+                  for p in prompts]
     turn = await service.open_session(raw_request, body.model, len(prompts[0].token_ids) + limits[0],
                                       new_ttl=new_session_ttl, n=body.n, turn_number=body.turn_number)
     answer = CompletionAnswer(service, body, prompts)

@@ -156,7 +156,7 @@ async def answer_message(service: GenerationService, body: MessagesRequest, raw_
     ids = prompt.token_ids
     max_tokens = service.resolve_max_tokens(body.max_tokens, len(ids), "max_tokens", "messages")
     sampling = messages_sampling(service, body, max_tokens, plan)
-    retention = client_retention(body.kv_cache_retention_config, len(ids))
+    retention = client_retention(body.kv_cache_retention_config, len(ids), service.sessions.config.max_ttl_s)
     stops = tuple(s for s in body.stop_sequences or () if s)
     salt = service.cache_salt_for(service.owner_of(raw_request), None)
     cache = await open_pins(service, raw_request, body.model, ids, prompt.breakpoints, salt, retention,

@@ -23,7 +23,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvhive.core.retention import RetentionError, RetentionSpec, check_ranges_within, parse_retention
+from kvhive.core.retention import (
+    RetentionError,
+    RetentionSpec,
+    cap_durations,
+    check_ranges_within,
+    parse_retention,
+)
 from kvhive.server.errors import bad_request
 from kvhive.sessions.prefix_pins import Breakpoint, CacheUsage, PinTurn
 
@@ -63,14 +69,16 @@ class PromptCache:
 NO_PROMPT_CACHE = PromptCache()
 
 
-def client_retention(value: dict[str, Any] | None, num_prompt_tokens: int) -> RetentionSpec | None:
-    """The request's ``kv_cache_retention_config`` as a spec (None when absent); 400 naming the
-    field for a bad value or a range outside the prompt."""
+def client_retention(value: dict[str, Any] | None, num_prompt_tokens: int, max_ttl_s: int) -> RetentionSpec | None:
+    """The request's ``kv_cache_retention_config`` as a spec (None when absent), its durations within
+    ``max_ttl_s`` (``cap_durations``); 400 naming the field for a bad value, a range outside the
+    prompt or a duration over the cap."""
     if value is None:
         return None
     try:
         spec = parse_retention(value, RETENTION_CONFIG_PARAM)
         check_ranges_within(spec, num_prompt_tokens, RETENTION_CONFIG_PARAM)
+        spec = cap_durations(spec, max_ttl_s, RETENTION_CONFIG_PARAM)
     except RetentionError as exc:
         raise bad_request(str(exc), param=exc.param) from None
     return spec
@@ -94,7 +102,7 @@ async def open_prompt_cache(service: GenerationService, raw_request: Request, mo
                             prompt_cache_retention: str | None = None) -> PromptCache:
     """The request's ``PromptCache`` from OpenAI's and TensorRT-LLM's fields: its retention checked
     (400) and its pins opened (``open_pins``)."""
-    retention = client_retention(retention_config, len(token_ids))
+    retention = client_retention(retention_config, len(token_ids), service.sessions.config.max_ttl_s)
     breakpoints = retention_breakpoints(prompt_cache_retention, len(token_ids), service.sessions.config.max_ttl_s)
     return await open_pins(service, raw_request, model, token_ids, breakpoints, cache_salt, retention,
                            PROMPT_CACHE_RETENTION_PARAM)
