@@ -25,8 +25,10 @@ logger = logging.getLogger(__name__)
 
 MESSAGES_PATH = "/v1/messages"
 
-# The API versions whose Messages API kvhive serves (the header may also be left out).
-ANTHROPIC_VERSIONS = ("2023-06-01", "2026-10-21")
+# The first API version with the Messages API. Any dated version from it on is served (the header
+# may also be left out): request bodies are strict, so a field a newer version adds is refused by
+# name rather than ignored, and a client upgraded to a newer SDK keeps working.
+FIRST_ANTHROPIC_VERSION = "2023-06-01"
 _VERSION_SHAPE = re.compile(r"\d{4}-\d{2}-\d{2}")
 # ``anthropic-beta`` names that change nothing kvhive serves, with why; any other name is a 400.
 NO_OP_BETAS: Mapping[str, str] = {
@@ -41,13 +43,13 @@ MAX_BETAS = 32
 
 
 def check_anthropic_headers(headers: Headers) -> None:
-    """400 for an ``anthropic-version`` not in ANTHROPIC_VERSIONS (absent is fine) or an
-    ``anthropic-beta`` name not in NO_OP_BETAS, naming the header and the value."""
+    """400 for an ``anthropic-version`` that is not a date (YYYY-MM-DD) from FIRST_ANTHROPIC_VERSION
+    on (absent is fine) or an ``anthropic-beta`` name not in NO_OP_BETAS, naming the header and the value."""
     version = headers.get("anthropic-version")
-    if version is not None and version.strip() not in ANTHROPIC_VERSIONS:
+    if version is not None and not _served_version(version.strip()):
         shape = "an unknown version" if _VERSION_SHAPE.fullmatch(version.strip()) else "malformed"
-        raise bad_request(f"anthropic-version {version[:40]!r} is {shape}; this server accepts "
-                          f"{', '.join(ANTHROPIC_VERSIONS)}", param="anthropic-version")
+        raise bad_request(f"anthropic-version {version[:40]!r} is {shape}; this server accepts a date "
+                          f"YYYY-MM-DD from {FIRST_ANTHROPIC_VERSION} on", param="anthropic-version")
     betas = [b.strip() for value in headers.getlist("anthropic-beta") for b in value.split(",") if b.strip()]
     if len(betas) > MAX_BETAS:
         raise bad_request(f"anthropic-beta names at most {MAX_BETAS} betas, got {len(betas)}", param="anthropic-beta")
@@ -55,6 +57,14 @@ def check_anthropic_headers(headers: Headers) -> None:
         if beta not in NO_OP_BETAS:
             raise bad_request(f"anthropic-beta {beta[:80]!r} is not served; accepted (they change nothing "
                               f"here): {', '.join(NO_OP_BETAS)}", param="anthropic-beta")
+
+
+def _served_version(version: str) -> bool:
+    """Whether ``version`` is a date YYYY-MM-DD (month 01-12, day 01-31) from FIRST_ANTHROPIC_VERSION on."""
+    if _VERSION_SHAPE.fullmatch(version) is None:
+        return False
+    month, day = int(version[5:7]), int(version[8:10])
+    return 1 <= month <= 12 and 1 <= day <= 31 and version >= FIRST_ANTHROPIC_VERSION
 
 
 def _anthropic_body(status: int, raw: bytes) -> bytes:

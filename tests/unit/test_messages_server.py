@@ -55,6 +55,7 @@ def test_max_tokens_is_required_and_ints_are_floats() -> None:
 
 @pytest.mark.parametrize("headers", [
     {}, {"anthropic-version": "2023-06-01"}, {"anthropic-version": "2026-10-21"},
+    {"anthropic-version": "2031-02-28"},
     {"anthropic-beta": "prompt-caching-2024-07-31, extended-cache-ttl-2025-04-11"},
 ])
 def test_accepted_headers(headers: dict[str, str]) -> None:
@@ -63,7 +64,8 @@ def test_accepted_headers(headers: dict[str, str]) -> None:
 
 @pytest.mark.parametrize(("headers", "named"), [
     ({"anthropic-version": "latest"}, "malformed"),
-    ({"anthropic-version": "2024-01-01"}, "unknown version"),
+    ({"anthropic-version": "2023-01-01"}, "unknown version"),
+    ({"anthropic-version": "2027-13-01"}, "unknown version"),
     ({"anthropic-beta": "prompt-caching-2024-07-31,computer-use-2025-01-24"}, "computer-use-2025-01-24"),
     ({"anthropic-beta": ",".join(f"b{i}" for i in range(40))}, "at most"),
 ])
