@@ -68,6 +68,8 @@ class GatewayRoutes:
         for path in ("/tokenize", "/detokenize"):
             app.add_api_route(path, self.tokenize, methods=["POST"], response_model=None)
         app.add_api_route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"], response_model=None)
+        # vLLM's /tokenizer_info: every replica serves one model, so any replica's answer is the gateway's.
+        app.add_api_route("/tokenizer_info", self.routed, methods=["GET"], response_model=None)
         for path in _ROUTED_PATHS:
             app.router.add_route(path, self.routed, methods=["POST"], include_in_schema=False)
         # The hot path: these POSTs skip the router and the middleware below this one.

@@ -236,3 +236,25 @@ def test_the_dialect_is_anthropics_on_messages_paths_only() -> None:
     assert is_anthropic("/v1/messages") and is_anthropic("/v1/messages/count_tokens")
     assert is_anthropic("/v1/messages/batches")              # unserved there, but answered in its shape
     assert not is_anthropic("/v1/messagesx") and not is_anthropic("/v1/chat/completions")
+
+
+def test_tokenizer_info_is_answered_by_a_replica(tokenizer: Any) -> None:
+    """``GET /tokenizer_info`` (vLLM's, opt-in on the replicas) passes through the gateway, with the
+    replica's own answer: a 200 where the replicas serve it, their 404 where they do not."""
+    info = json_answer(200, {"tokenizer_class": "GPT2TokenizerFast", "model_max_length": 8192})
+
+    async def go(urls: list[str]) -> None:
+        client, _ = await gateway_client(urls, tokenizer)
+        async with client:
+            r = await client.get("/tokenizer_info")
+            assert r.status_code == 200 and r.json()["tokenizer_class"] == "GPT2TokenizerFast"
+
+    served(answers(info))(go)
+    missing = json_answer(404, {"error": {"message": "Not Found", "type": "not_found_error", "code": 404}})
+
+    async def go_missing(urls: list[str]) -> None:
+        client, _ = await gateway_client(urls, tokenizer)
+        async with client:
+            assert (await client.get("/tokenizer_info")).status_code == 404
+
+    served(answers(missing))(go_missing)
