@@ -11,8 +11,9 @@ A breakpoint's character offset is the common prefix of the body's rendered text
 rendered from the body changed just after the breakpointed element (``probe_body``: a sentinel
 tool or system block after it, or the messages cut after the block), so the offset always ends a
 true prefix of the prompt, whatever the template writes around the element. Breakpoints follow
-Anthropic's order (tools, system, messages) and each covers at least the one before it: where a
-template writes the tools after the system text, a breakpoint on the system covers the tools too.
+Anthropic's order (tools, system, messages) and each covers at least the one before it; a
+breakpoint on the system covers the tools too (Anthropic caches them together), also where a
+template writes the tools after the system text.
 ``breakpoint_tokens`` turns the offsets into prompt token counts: the common prefix of the ids of
 the text up to the offset and of the whole prompt's ids.
 """
@@ -142,8 +143,15 @@ def breakpoint_chars(body: Mapping[str, Any], breakpoints: Sequence[CacheBreakpo
     at least the offset before it."""
     text = render(body)
     offsets: list[int] = []           # each at least the one before: breakpoints nest in Anthropic's order
+    tools_end: int | None = None
     for breakpoint in breakpoints:
         offset = common_prefix_len(text, render(probe_body(body, breakpoint.where)))
+        if breakpoint.where[0] == "system" and body.get("tools"):
+            # Anthropic caches tools and system together: where a template writes the tools after
+            # the system text, a breakpoint on the system covers them too.
+            if tools_end is None:
+                tools_end = common_prefix_len(text, render(probe_body(body, ("tools", len(body["tools"]) - 1))))
+            offset = max(offset, tools_end)
         offsets.append(max(offset, offsets[-1]) if offsets else offset)
     return text, offsets
 

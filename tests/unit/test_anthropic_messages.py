@@ -233,6 +233,18 @@ def test_every_template_places_each_breakpoint_after_its_block(template_tokenize
     assert longer_ids[:counts[-1]] == ids[:counts[-1]]
 
 
+def test_a_breakpoint_on_the_system_alone_covers_the_tools(template_tokenizer: Any) -> None:
+    """Anthropic caches tools and system together: a system breakpoint with no tools breakpoint
+    still covers the tool definitions, wherever the template writes them."""
+    b = copy.deepcopy(ROUND_TRIP)
+    b["tools"] = [TOOL]
+    b["messages"][2]["content"][1].pop("cache_control")
+    text, offsets, ids, counts = placed(template_tokenizer, b)
+    assert len(offsets) == 1
+    assert '"get_weather"' in text[:offsets[0]] and "Be kind." in text[:offsets[0]]
+    assert "Checking." not in text[:offsets[0]] and counts[0] < len(ids)
+
+
 def test_consecutive_turns_of_one_role_are_combined() -> None:
     chat = messages_chat(body(messages=[{"role": "user", "content": "a"}, {"role": "user", "content": [
         {"type": "text", "text": "b"}]}, {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}]))
