@@ -82,10 +82,15 @@ class ServeRun:
         return log_tail(self.log_path, 20_000)
 
 
+# How long an interrupted ``serve run`` may take to delete its application before it is killed.
+SERVE_RUN_EXIT_S = 20
+
+
 @contextlib.contextmanager
 def serve_run(cluster: RayCluster, config_path: str) -> Iterator[ServeRun]:
     """``serve run config_path`` against ``cluster`` (from the repository root); interrupted on exit,
-    which deletes the application."""
+    which deletes the application (killed when that takes longer than SERVE_RUN_EXIT_S: the
+    cluster is stopped with ``ray stop --force`` after its module anyway)."""
     log = log_file("serve-run")
     process = subprocess.Popen(["serve", "run", config_path, "--address", cluster.address], cwd=REPO_ROOT,
                                env=cluster.env, stdout=log, stderr=subprocess.STDOUT)
@@ -95,7 +100,7 @@ def serve_run(cluster: RayCluster, config_path: str) -> Iterator[ServeRun]:
         if process.poll() is None:
             process.send_signal(signal.SIGINT)
             try:
-                process.wait(timeout=60)
+                process.wait(timeout=SERVE_RUN_EXIT_S)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
