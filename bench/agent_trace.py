@@ -10,7 +10,8 @@ Two wire forms of the same history:
 
 - plain chat (the default): the definitions as text in the system message, each call as the
   assistant message's content in Hermes form (``<tool_call>{...}</tool_call>``), each result as a
-  ``tool``-role message with string content;
+  user message in Hermes form (``<tool_response>...</tool_response>``: a ``tool`` message must
+  answer a call of an assistant's ``tool_calls``, which this form has none of);
 - the ``tools`` field: the definitions in ``tools``, each call as the assistant message's
   ``tool_calls``, each result as a ``tool`` message with its ``tool_call_id``.
 """
@@ -235,5 +236,5 @@ def messages(agent: int, turn: int, salt: str, tools_field: bool = False) -> lis
             out.append({"role": "tool", "tool_call_id": call_id(agent, t), "content": tool_result(agent, t)})
         else:
             out.append({"role": "assistant", "content": tool_call_text(agent, t)})
-            out.append({"role": "tool", "content": tool_result(agent, t)})
+            out.append({"role": "user", "content": f"<tool_response>\n{tool_result(agent, t)}\n</tool_response>"})
     return out
