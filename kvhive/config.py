@@ -151,6 +151,8 @@ class CacheConfig:
 
 
 STEP_BUDGETS = ("compute", "tokens")
+# vLLM's --scheduling-policy: arrival order, or (request priority, arrival), lower first.
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -164,10 +166,19 @@ class SchedulerConfig:
     # at position p (C: attention_context, set from the model by EngineConfig.resolved).
     step_budget: str = "tokens"
     attention_context: int | None = None
+    scheduling_policy: str = "fcfs"
+
+    @property
+    def by_priority(self) -> bool:
+        """Whether requests are admitted by their ``priority`` (lower first), then arrival."""
+        return self.scheduling_policy == "priority"
 
     def __post_init__(self) -> None:
         if self.step_budget not in STEP_BUDGETS:
             raise ValueError(f"--step-budget must be one of {', '.join(STEP_BUDGETS)}, got {self.step_budget!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.attention_context is not None and self.attention_context <= 0:
             raise ValueError(f"attention_context must be positive, got {self.attention_context}")
         if self.max_num_seqs <= 0:
@@ -203,6 +214,8 @@ class StoreConfig:
     redis_url: str | None = None           # None: no Redis tier
     redis_ttl_s: float | None = None       # expiry of Redis objects; None: Redis's own eviction only
     redis_timeout_s: float = 0.5           # a slower Redis call is a miss and backs the tier off
+    # Blocks whose retention priority is below this are not written to the tiers (0: every block).
+    offload_min_priority: int = 0
 
     def __post_init__(self) -> None:
         if self.cpu_offload_gb < 0:
@@ -217,6 +230,8 @@ class StoreConfig:
             raise ValueError(f"--redis-ttl must be positive, got {self.redis_ttl_s}")
         if self.redis_timeout_s <= 0:
             raise ValueError(f"redis timeout must be positive, got {self.redis_timeout_s}")
+        if isinstance(self.offload_min_priority, bool) or not 0 <= self.offload_min_priority <= 100:
+            raise ValueError(f"--offload-min-priority must be in [0, 100], got {self.offload_min_priority}")
 
     @property
     def enabled(self) -> bool:

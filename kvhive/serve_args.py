@@ -15,6 +15,7 @@ from kvhive.config import (
     MAX_QUANT_ROWS,
     METRICS_COMPAT,
     PINNED_AUTO,
+    SCHEDULING_POLICIES,
     STEP_BUDGETS,
     CacheConfig,
     EngineConfig,
@@ -130,6 +131,9 @@ def _add_tier_args(p: argparse.ArgumentParser) -> None:
                         "(default: no Redis tier)")
     g.add_argument("--redis-ttl", type=float, default=None, metavar="S",
                    help="seconds a KV block lives in Redis (default: until Redis evicts it)")
+    g.add_argument("--offload-min-priority", type=int, default=0, metavar="N",
+                   help="blocks whose retention priority (0-100, default priority 35) is below N are not "
+                        "written to the tiers (default 0: every block)")
 
 
 def pinned_gib(value: str) -> float | str | None:
@@ -267,6 +271,10 @@ def _add_performance_args(p: argparse.ArgumentParser) -> None:
                         "projections (3,072 for the default model), so a step of long-context prefill "
                         "chunks takes about as long as one of short prompts and requests arriving together "
                         "are not all held for one long step; tokens, one each (as vLLM counts)")
+    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                   help="admission order of waiting requests: fcfs, by arrival (a request's 'priority' "
+                        "other than 0 is refused); priority, by the request's 'priority' (lower first), "
+                        "then arrival, and preemption takes the latest of the lowest priority first (vLLM's)")
     g.add_argument("--num-threads", type=int, default=None, metavar="N",
                    help="threads of torch and the C++ kernels (default: all cores, fewer while other "
                         "processes keep cores busy, re-checked every 0.5 s)")
@@ -310,7 +318,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
         model_path, name = resolve_hub_model(model_path), name or model_path
     if name is None:
         name = "smollm2-135m" if args.model is None else os.path.basename(model_path.rstrip("/"))
-    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
+    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy,
                             max_num_batched_tokens=args.max_num_batched_tokens, step_budget=args.step_budget,
                             max_model_len=args.max_model_len or 1 << 30)
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
@@ -318,7 +326,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=args.enable_prefix_caching, hash_seed=args.hash_seed)
     store = StoreConfig(cpu_offload_gb=args.cpu_offload_gb, disk_cache_dir=args.disk_cache_dir,
                         disk_cache_gb=args.disk_cache_gb, redis_url=args.redis_url,
-                        redis_ttl_s=args.redis_ttl)
+                        redis_ttl_s=args.redis_ttl, offload_min_priority=args.offload_min_priority)
     sessions = SessionConfig(default_ttl_s=args.default_session_ttl, max_ttl_s=args.max_session_ttl,
                              max_sessions_per_key=args.max_sessions_per_key,
                              max_pinned_gb=args.max_pinned_gb, share_prefix_cache=args.share_prefix_cache)

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
+from kvhive.core.retention import DEFAULT_PRIORITY
 from kvhive.store.base import StoreStats
 from kvhive.store.key import StoreKey
 
@@ -23,6 +24,7 @@ class CachedBlock(NamedTuple):
     block_id: int
     block_hash: bytes
     window_block_id: int | None = None      # its window part's block in the window pool; None: one pool
+    priority: int = DEFAULT_PRIORITY        # the retention priority its request gives it (kvhive.core.retention)
 
 
 @dataclass(frozen=True)
@@ -194,6 +196,7 @@ class ConnectorStats:
     sync_loads: int = 0            # loads started with the bytes in hand (memory tier)
     async_loads: int = 0           # loads that fetch from a slow tier while the request waits
     saved_blocks: int = 0          # blocks handed to the worker for saving
+    unsaved_low_priority: int = 0  # blocks not saved: retention priority below --offload-min-priority
 
 
 @dataclass(frozen=True)

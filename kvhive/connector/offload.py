@@ -16,7 +16,8 @@ Torch-free: it runs inside the scheduler. Policy:
   request that waits for blocks asks again every step and gets the kept answer.
 - Save (write-through on compute): every block a step computed and registered in the prefix
   cache is saved (CPU memory, and the write-through tiers: disk, Redis), so a block evicted from
-  the device pool already has a copy below. Loaded blocks are never saved again.
+  the device pool already has a copy below. Loaded blocks are never saved again, nor blocks whose
+  retention priority is below ``min_priority`` (``--offload-min-priority``).
 """
 
 from __future__ import annotations
@@ -69,9 +70,11 @@ class OffloadScheduler:
     """Scheduler half of the offload connector: lookups, load specs and saves over a TieredStore."""
 
     def __init__(self, store: TieredStore, key_space: KeySpace, block_bytes: int,
-                 lookup_wait_s: float = 0.002) -> None:
+                 lookup_wait_s: float = 0.002, min_priority: int = 0) -> None:
         """``lookup_wait_s``: how long admission waits for a lookup of the slow tiers before
-        leaving it to run in the background (the request then waits a step and asks again)."""
+        leaving it to run in the background (the request then waits a step and asks again).
+        ``min_priority``: blocks of a lower retention priority are not saved."""
+        self.min_priority = min_priority
         self.store = store
         self.key_space = key_space
         self.block_size = key_space.block_size
@@ -137,7 +140,8 @@ class OffloadScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMeta:
         """Loads recorded since the last call, and saves of the blocks the last steps computed."""
-        cached = scheduler_output.newly_cached
+        cached = [b for b in scheduler_output.newly_cached if b.priority >= self.min_priority]
+        self._stats.unsaved_low_priority += len(scheduler_output.newly_cached) - len(cached)
         saves = tuple((b.block_id, self.key_space.key(b.block_hash)) for b in cached)
         window = tuple(b.window_block_id for b in cached) if cached and cached[0].window_block_id is not None else ()
         self._stats.saved_blocks += len(saves)

@@ -82,7 +82,8 @@ def build_connector(config: EngineConfig, loaded, store, block_bytes: int) -> tu
     logger.info("KV tiers: %s opened in %.1f s", ", ".join(t.name for t in store.tiers),
                 time.perf_counter() - started)
     key_space = KeySpace(loaded.fingerprint, KV_LAYOUT_VERSION, config.dtype, config.cache.block_size)
-    return store, OffloadScheduler(store, key_space, block_bytes), OffloadWorker(store)
+    return (store, OffloadScheduler(store, key_space, block_bytes, min_priority=config.store.offload_min_priority),
+            OffloadWorker(store))
 
 
 def build_disagg(config: EngineConfig, loaded, connector_scheduler, connector_worker, store,
@@ -144,7 +145,7 @@ def open_publisher(events: KVEventsConfig, config: EngineConfig, scheduler: Sche
 
     publisher = open_events(events, config.served_model_name)
     publisher.publish_cleared()
-    scheduler.kv.enable_events()
+    scheduler.kv.enable_events(priority_events=events.priority_events)
     if store is not None:
         store.send_events_to(TierEventForwarder(publisher, config.cache.block_size),
                              connector_scheduler.key_space.prefix)

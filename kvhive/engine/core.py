@@ -218,6 +218,8 @@ class LLMEngine:
         if sampling.prompt_logprobs is not None and session_id is not None:
             raise ValueError("prompt logprobs cannot be asked in a session: the session's tokens "
                              "are not computed again")
+        if priority and not self.config.scheduler.by_priority:
+            raise ValueError(f"priority {priority} needs --scheduling-policy priority (the policy is fcfs)")
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                           sampling=sampling, eos_token_ids=self.eos_token_ids, cache_salt=cache_salt,
                           session_id=session_id, end_session=end_session, kv_transfer=kv_transfer,
@@ -330,7 +332,8 @@ class LLMEngine:
             tiers = self.connector_scheduler.tier_stats()
             c, w = self.connector_scheduler.stats(), self.connector_worker
             connector = ConnectorCounters(c.sync_loads, c.async_loads, w.failed_load_blocks, c.saved_blocks,
-                                          w.dropped_save_blocks, w.async_load_seconds, w.async_load_count)
+                                          w.dropped_save_blocks, w.async_load_seconds, w.async_load_count,
+                                          c.unsaved_low_priority)
         return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting,
                            kv_usage=s.kv_usage,
                            prefix_cache_queries_tokens=s.prefix_cache_queries_tokens,

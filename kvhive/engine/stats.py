@@ -44,6 +44,7 @@ class ConnectorCounters:
     dropped_save_blocks: int       # saves skipped because the writer fell behind
     async_load_seconds_sum: float
     async_load_count: int
+    unsaved_low_priority: int = 0  # blocks not saved: retention priority below --offload-min-priority
 
 
 @dataclass(frozen=True)

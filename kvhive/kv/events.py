@@ -16,6 +16,11 @@ digests) or ints (vLLM); both decode unchanged. The map encoding leaves out ``ex
 is None and ``data_parallel_rank`` when unset, as msgspec's ``omit_defaults`` does; the array
 encoding keeps every field in place.
 
+``BlockUpdated`` (kvhive's, after TensorRT-LLM's ``KVCacheUpdatedData``: a block's retention
+priority changed, old and new value) is sent only when ``--kv-events-config`` sets
+``priority_events``: vLLM's msgspec decoders and llm-d's adapter refuse a batch holding an event
+tag they do not know, while kvhive's own decoder skips it.
+
 Hashes on the wire (``int_hashes``): kvhive's digests as they are, or vLLM's int form of them
 (``wire_int_hash``: the digest read big-endian, kept to its low 64 bits).
 """
@@ -76,15 +81,26 @@ class BlockRemoved:
 
 
 @dataclass(frozen=True)
+class BlockUpdated:
+    """Blocks a replica holds in ``medium`` changed retention priority from ``old_priority`` to
+    ``priority`` (evicted lowest priority first; ``kvhive.core.retention``)."""
+
+    block_hashes: list[WireHash]
+    priority: int
+    old_priority: int | None = None
+    medium: str | None = MEDIUM_GPU
+
+
+@dataclass(frozen=True)
 class AllBlocksCleared:
     """The replica dropped every block (cache reset or restart)."""
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-_EVENT_TYPES: dict[str, type] = {t.__name__: t for t in (BlockStored, BlockRemoved, AllBlocksCleared)}
+KVEvent = BlockStored | BlockRemoved | BlockUpdated | AllBlocksCleared
+_EVENT_TYPES: dict[str, type] = {t.__name__: t for t in (BlockStored, BlockRemoved, BlockUpdated, AllBlocksCleared)}
 # Wire field order of each event (dataclass field order is the wire contract: append only).
 _FIELDS = {name: tuple(f.name for f in fields(t)) for name, t in _EVENT_TYPES.items()}
-_REQUIRED = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}
+_REQUIRED = {"BlockStored": 4, "BlockRemoved": 1, "BlockUpdated": 2, "AllBlocksCleared": 0}
 
 
 @dataclass(frozen=True)
@@ -172,7 +188,7 @@ def _decode_event(raw: Any) -> KVEvent | None:
     missing = [k for k in _FIELDS[tag][:_REQUIRED[tag]] if k not in values]
     if missing:
         raise ValueError(f"{tag} event lacks {', '.join(missing)}")
-    for name, kind in (("block_hashes", list), ("token_ids", list), ("block_size", int)):
+    for name, kind in (("block_hashes", list), ("token_ids", list), ("block_size", int), ("priority", int)):
         if name in values and not isinstance(values[name], kind):
             raise ValueError(f"{tag}.{name} must be a {kind.__name__}, got {type(values[name]).__name__}")
     if values.get("extra_keys") is not None and not isinstance(values["extra_keys"], list):

@@ -12,6 +12,8 @@ The JSON object takes vLLM's ``KVEventsConfig`` keys (``vllm/config/kv_events.py
   to its low 64 bits, so the digest's last 8 bytes as an unsigned 64-bit number). llm-d reads a
   bytes hash the same way (its last 8 bytes, big-endian), so both formats name a block alike there.
 - ``data_parallel_rank``: stamped on every batch (default 0, as vLLM's publisher does).
+- ``priority_events``: also send ``BlockUpdated`` when a device block's retention priority changes
+  (default false: vLLM's and llm-d's decoders refuse a batch with an event type they do not know).
 
 ``topic`` is a template: ``{host}`` (the address the replica is reached at), ``{port}`` (its HTTP
 port), ``{model}`` (the served model name) and ``{rank}`` (``data_parallel_rank``); ``{{``/``}}``
@@ -57,6 +59,7 @@ class KVEventsConfig:
     encoding: str = "map"
     hash_format: str = "bytes"
     data_parallel_rank: int = 0
+    priority_events: bool = False
     # Not JSON keys: the server sets them (the address its clients reach, its HTTP port).
     host: str = "127.0.0.1"
     port: int = 8000
@@ -108,7 +111,7 @@ class KVEventsConfig:
 
 def _check_type(name: str, value: Any) -> None:
     """ValueError naming ``name`` when ``value`` is not of the field's JSON type."""
-    kinds = {"enable_kv_cache_events": (bool,), "publisher": (str, type(None)), "replay_endpoint": (str, type(None))}
+    kinds = {"enable_kv_cache_events": (bool,), "priority_events": (bool,), "publisher": (str, type(None)), "replay_endpoint": (str, type(None))}
     ints = ("buffer_steps", "hwm", "max_queue_size", "data_parallel_rank", "port")
     if name in ints:
         ok = isinstance(value, int) and not isinstance(value, bool)

@@ -20,19 +20,25 @@ the new tokens to compute. A request id holds blocks in ``_blocks`` or a session
 Window layers (Gemma): with a ``WindowLayout`` the manager also keeps a ``WindowGroup``, the
 window layers' own pool and a second table per request beside ``_blocks``; each call below makes
 the same change there, and ``slide_window`` releases what no row still to compute can see.
+
+Retention (``kvhive.kv.retention_policy``): freed blocks take their request's retention
+priorities; a spilled session's blocks are pinned until the session ends.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvhive.core.blocks import ExtraKeys, hash_blocks
-from kvhive.kv.events import MEDIUM_GPU, BlockRemoved, BlockStored
+from kvhive.core.retention import RetentionSpec
+from kvhive.kv.events import MEDIUM_GPU, BlockRemoved, BlockStored, BlockUpdated
 from kvhive.kv.held_blocks import HeldChain, held_block_events, stored_runs
 from kvhive.kv.pool import BlockPool, BlockPoolStats, KVBlock
+from kvhive.kv.retention_policy import SpillPins, at_least_pinned, block_retentions, priority_events
 from kvhive.kv.window_group import WindowGroup, WindowLayout
 from kvhive.request import Request
 
@@ -81,19 +87,23 @@ class SessionBlocks:
     block_hashes: list[bytes]        # chained hashes of the full blocks of token_ids
     num_cached_blocks: int           # leading blocks registered in the pool's hash map
     last_used: int                   # park order, for least-recently-used spilling
+    retention: RetentionSpec | None = None   # the parking request's, given to the blocks as they are freed
+    num_prompt_tokens: int = 0
 
 
 class KVCacheManager:
     """Allocates, caches and frees the blocks of requests; matches prompts against cached blocks."""
 
     def __init__(self, block_size: int, num_blocks: int, enable_prefix_caching: bool, root_hash: bytes,
-                 window: WindowLayout | None = None) -> None:
-        """``window``: the window layers' own pool and its layout; None (every layer in one pool)."""
+                 window: WindowLayout | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """``window``: the window layers' own pool and its layout; None (every layer in one pool).
+        ``clock``: monotonic seconds, for retention durations."""
         self.block_size = block_size
         self.window = WindowGroup(block_size, window) if window is not None else None
         self.enable_prefix_caching = enable_prefix_caching
         self.root_hash = root_hash
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, clock)
+        self._spill_pins = SpillPins(self.pool)
         self._blocks: dict[str, list[KVBlock]] = {}
         # Block ids handed out as block tables: replaced (never mutated) when blocks are added, so
         # a decode step that adds no block shares the previous step's list instead of copying it.
@@ -103,7 +113,7 @@ class KVCacheManager:
         self._queries_tokens = 0
         self._hits_tokens = 0
         # KV events since the last take_events(); None until enable_events() is called.
-        self._events: list[BlockStored | BlockRemoved] | None = None
+        self._events: list[BlockStored | BlockRemoved | BlockUpdated] | None = None
         # Session id -> blocks kept alive between the session's requests (insertion order = LRU).
         self._sessions: dict[str, SessionBlocks] = {}
         # Invariant: _session_block_refs[id] == number of holdings in _sessions whose blocks hold id (> 0).
@@ -114,21 +124,29 @@ class KVCacheManager:
         self._copies: list[BlockCopy] = []
         self._copy_sources: list[KVBlock] = []
 
-    def enable_events(self) -> None:
-        """Start recording BlockStored / BlockRemoved events for take_events()."""
+    def enable_events(self, priority_events: bool = False) -> None:
+        """Start recording BlockStored / BlockRemoved events for take_events(); with
+        ``priority_events``, BlockUpdated too (retention priority changes)."""
         self._events = []
         self.pool.evicted_hashes = []
+        if priority_events:
+            self.pool.priority_changes = []
 
-    def take_events(self) -> list[BlockStored | BlockRemoved]:
-        """Events since the last call, evictions first (the order the pool saw them)."""
+    def take_events(self) -> list[BlockStored | BlockRemoved | BlockUpdated]:
+        """Events since the last call, evictions first (the order the pool saw them), priority
+        changes of blocks still cached last (retentions that ended are let go first)."""
         if self._events is None:
             return []
-        out: list[BlockStored | BlockRemoved] = []
+        self.pool.expire()
+        out: list[BlockStored | BlockRemoved | BlockUpdated] = []
         if self.pool.evicted_hashes:
             out.append(BlockRemoved(block_hashes=self.pool.evicted_hashes, medium=MEDIUM_GPU))
             self.pool.evicted_hashes = []
         out += self._events
         self._events = []
+        if self.pool.priority_changes:
+            out += priority_events(self.pool.priority_changes, self.pool.cached)
+            self.pool.priority_changes = []
         return out
 
     @property
@@ -300,9 +318,13 @@ class KVCacheManager:
         self._num_cached_blocks.pop(rid, None)
         if blocks:
             self._list_partial(blocks, request.block_hashes, request.all_token_ids, request.num_computed_tokens)
-            self.pool.free_blocks(reversed(blocks))
+            kept = block_retentions(request.retention, len(blocks), self.block_size, request.num_tokens,
+                                    request.num_prompt_tokens)
+            self.pool.free_blocks(reversed(blocks), reversed(kept))
         if self.window is not None:
             self.window.free(rid)
+        if request.end_session and request.session_id is not None:
+            self._spill_pins.withdraw(request.session_id)
 
     def _list_partial(self, blocks: list[KVBlock], block_hashes: Sequence[bytes], token_ids: Sequence[int],
                       num_computed: int) -> None:
@@ -359,7 +381,8 @@ class KVCacheManager:
         self._sessions[session_id] = SessionBlocks(
             token_ids=request.all_token_ids, num_computed_tokens=request.num_computed_tokens,
             blocks=blocks, block_hashes=request.block_hashes, num_cached_blocks=num_cached,
-            last_used=self._park_counter)
+            last_used=self._park_counter, retention=request.retention,
+            num_prompt_tokens=request.num_prompt_tokens)
         self._session_block_refs.update(block.block_id for block in blocks)
 
     def session_prefix(self, request: Request) -> int:
@@ -415,16 +438,28 @@ class KVCacheManager:
         assert ok, "resume_session checked the free blocks"
         return True
 
-    def release_session(self, session_id: str) -> bool:
-        """Free the blocks a session holds, tail first (full ones stay cached); False if none."""
+    def release_session(self, session_id: str, spill: bool = False) -> bool:
+        """Free the blocks a session holds, tail first (full ones stay cached), with the parking
+        request's retention; ``spill`` (memory pressure, the session lives on): at least pinned
+        until the session ends. False if none."""
         held = self._take_holding(session_id)
         if held is None:
             return False
         self._list_partial(held.blocks, held.block_hashes, held.token_ids, held.num_computed_tokens)
-        self.pool.free_blocks(reversed(held.blocks))
+        kept = block_retentions(held.retention, len(held.blocks), self.block_size, len(held.token_ids),
+                                held.num_prompt_tokens)
+        self.pool.free_blocks(reversed(held.blocks), reversed(at_least_pinned(kept) if spill else kept))
+        if spill:
+            self._spill_pins.record(session_id, held.blocks)
         if self.window is not None:
             self.window.free(("session", session_id))
         return True
+
+    def end_session(self, session_id: str) -> bool:
+        """The session ended: free its holding and withdraw the pins of its spilled blocks."""
+        released = self.release_session(session_id)
+        self._spill_pins.withdraw(session_id)
+        return released
 
     def _take_holding(self, session_id: str) -> SessionBlocks | None:
         """Remove and return the session's holding (its blocks keep their references)."""

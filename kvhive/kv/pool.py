@@ -1,4 +1,4 @@
-"""BlockPool: the device KV blocks, their ref counts, the prefix-cache map and the LRU free queue.
+"""BlockPool: the device KV blocks, their ref counts, the prefix-cache map and the free queue.
 
 Every block is in exactly one of three states (torch-free, pure bookkeeping):
 
@@ -15,13 +15,32 @@ A cached block registered with its parent's hash and its tokens is also listed u
 cached sibling shares with it (``longest_child``): the partial-block reuse of the manager. A
 request's last, partly filled block gets such a listing, and no hash, as it is freed
 (``list_partial``).
+
+Eviction order (``kvhive.kv.free_queue``): empty blocks first, then evictable blocks of the
+lowest retention priority, least recently freed first within a priority. A block's priority is
+given as its holders free it (``free_blocks(blocks, retentions)``, see ``kvhive.core.retention``):
+the stronger of its live retention and the freer's (higher priority; among equals the later
+expiry), so a one-off request hitting a pinned prefix never demotes it. A block handed out again
+starts with no retention (``retained`` False, the default priority). A retention with a duration
+falls back to the default priority when it ends: expiries sit in a heap checked on each
+allocation (``expire``), and an expired evictable block goes to the head of the default level
+(it was freed before every block there). With every block at the default priority the order is
+plain LRU.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+
+from kvhive.core.retention import DEFAULT_PRIORITY, DEFAULT_RETENTION, BlockRetention
+from kvhive.kv.free_queue import FreeBlockQueue, PriorityFreeQueue
+
+__all__ = ["MAX_SIBLINGS_SCANNED", "NULL_BLOCK_ID", "BlockPool", "BlockPoolStats", "FreeBlockQueue", "KVBlock",
+           "PriorityChange"]
 
 # Block 0 is never handed out: the runner may point padding slots at it (CUDA-graph padding,
 # dummy positions). It is in no queue and no map.
@@ -40,78 +59,28 @@ class KVBlock:
     # Set with block_hash when the block is listed under its parent (see BlockPool.children).
     parent_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None
+    # Retention (kvhive.core.retention): the free-queue level of an evictable block. ``retained``:
+    # a holder gave it one since it was last handed out (else the default priority, no expiry).
+    priority: int = DEFAULT_PRIORITY
+    # Monotonic time at which ``priority`` falls back to the default; None: never.
+    expiry: float | None = None
+    retained: bool = False
     # Intrusive links; meaningful only while the block is in the free queue.
     prev_free: KVBlock | None = None
     next_free: KVBlock | None = None
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash else None
-        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h}, priority={self.priority})"
 
 
-class FreeBlockQueue:
-    """Intrusive doubly linked list of blocks: O(1) popleft, append, appendleft and remove.
+@dataclass(frozen=True, slots=True)
+class PriorityChange:
+    """A cached block's retention priority changed (for KV events)."""
 
-    The head is the least recently freed block (evicted first), the tail the most recent.
-    """
-
-    def __init__(self, blocks: Iterable[KVBlock] = ()) -> None:
-        self._head: KVBlock | None = None
-        self._tail: KVBlock | None = None
-        self._len = 0
-        for block in blocks:
-            self.append(block)
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __iter__(self) -> Iterator[KVBlock]:
-        node = self._head
-        while node is not None:
-            yield node
-            node = node.next_free
-
-    def popleft(self) -> KVBlock:
-        """Remove and return the head (the block to evict next)."""
-        block = self._head
-        if block is None:
-            raise IndexError("popleft from an empty free queue")
-        self.remove(block)
-        return block
-
-    def append(self, block: KVBlock) -> None:
-        """Add a block at the tail (evicted last)."""
-        block.prev_free, block.next_free = self._tail, None
-        if self._tail is None:
-            self._head = block
-        else:
-            self._tail.next_free = block
-        self._tail = block
-        self._len += 1
-
-    def appendleft(self, block: KVBlock) -> None:
-        """Add a block at the head (handed out first)."""
-        block.prev_free, block.next_free = None, self._head
-        if self._head is None:
-            self._tail = block
-        else:
-            self._head.prev_free = block
-        self._head = block
-        self._len += 1
-
-    def remove(self, block: KVBlock) -> None:
-        """Unlink a block from anywhere in the queue; the caller guarantees it is in the queue."""
-        prev, nxt = block.prev_free, block.next_free
-        if prev is None:
-            self._head = nxt
-        else:
-            prev.next_free = nxt
-        if nxt is None:
-            self._tail = prev
-        else:
-            nxt.prev_free = prev
-        block.prev_free = block.next_free = None
-        self._len -= 1
+    block_hash: bytes
+    old_priority: int
+    new_priority: int
 
 
 @dataclass(frozen=True)
@@ -127,16 +96,17 @@ class BlockPoolStats:
 
 
 class BlockPool:
-    """Ref-counted KV blocks with a hash -> block prefix cache and an O(1) LRU free queue."""
+    """Ref-counted KV blocks with a hash -> block prefix cache and a priority-then-LRU free queue."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: monotonic seconds, for retention expiries (tests pass their own)."""
         if num_blocks < 2:
             raise ValueError(f"BlockPool needs at least 2 blocks (block 0 is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[NULL_BLOCK_ID]
         # Invariant: ref_cnt == 0 <=> the block is in free_queue (the null block excepted).
-        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.free_queue = PriorityFreeQueue(self.blocks[1:], _reusable)
         # Invariant: cached[h] is b <=> b.block_hash == h; one block per hash.
         self.cached: dict[bytes, KVBlock] = {}
         # Hashes evicted since the last drain, for BlockRemoved events; None when nobody listens.
@@ -146,6 +116,13 @@ class BlockPool:
         # Parent hash -> {block id: block} of the cached blocks registered with that parent, oldest
         # first. Invariant: b in children[p].values() <=> b is cached and b.parent_hash == p.
         self.children: dict[bytes, dict[int, KVBlock]] = {}
+        self.clock = clock
+        # (expiry, block id, block) for every block with an expiry; stale entries (the block's
+        # expiry changed since) are skipped when they come up and compacted away when they pile up.
+        # Retentions ending at the same time fall back in block id order.
+        self._expiries: list[tuple[float, int, KVBlock]] = []
+        # Priority changes of cached blocks since the last drain, for KV events; None: nobody listens.
+        self.priority_changes: list[PriorityChange] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -160,6 +137,7 @@ class BlockPool:
         """Take ``n`` blocks from the queue head with ref_cnt 1, evicting any cached ones taken."""
         if n > len(self.free_queue):
             raise ValueError(f"cannot allocate {n} blocks, only {len(self.free_queue)} free")
+        self.expire()
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
@@ -169,6 +147,7 @@ class BlockPool:
                 if self.evicted_hashes is not None and block.block_hash is not None:
                     self.evicted_hashes.append(block.block_hash)
                 self._forget(block)
+            _clear_retention(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -182,23 +161,93 @@ class BlockPool:
                     self._num_evictable -= 1
             block.ref_cnt += 1
 
-    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+    def free_blocks(self, blocks: Iterable[KVBlock], retentions: Iterable[BlockRetention] | None = None) -> None:
         """Drop one reference on each block; blocks reaching 0 return to the free queue.
 
-        ``blocks`` come in eviction order: among the cached ones, the first given is evicted first
-        (the manager passes a request's blocks tail first). Blocks without a hash or a listing
-        hold nothing reusable and go to the head, so they are handed out before any cached block.
+        ``blocks`` come in eviction order: among the cached ones of one priority, the first given
+        is evicted first (the manager passes a request's blocks tail first). Blocks without a hash
+        or a listing hold nothing reusable and go to the head, so they are handed out before any
+        cached block. ``retentions`` (one per block): what the freer keeps each reusable block
+        with, combined with its live retention (the stronger wins); None: no opinion, the blocks
+        keep theirs.
         """
-        for block in blocks:
+        now = None
+        pairs = zip(blocks, retentions, strict=True) if retentions is not None else ((b, None) for b in blocks)
+        for block, retention in pairs:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of {block}")
+            if retention is not None and _reusable(block):
+                now = self.clock() if now is None else now
+                self._retain(block, retention, now)
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if not _reusable(block):
-                    self.free_queue.appendleft(block)
-                else:
-                    self.free_queue.append(block)
+                self.free_queue.push(block)
+                if _reusable(block):
                     self._num_evictable += 1
-            elif block.ref_cnt < 0:
-                raise RuntimeError(f"double free of {block}")
+
+    def _retain(self, block: KVBlock, retention: BlockRetention, now: float) -> None:
+        """Give a held block the stronger of its live retention and ``retention`` (from ``now``)."""
+        priority = retention.priority
+        expiry = None if retention.duration_s is None or priority == DEFAULT_PRIORITY else now + retention.duration_s
+        if block.retained and (block.expiry is None or block.expiry > now):
+            if block.priority > priority or (block.priority == priority and (
+                    block.expiry is None or (expiry is not None and block.expiry >= expiry))):
+                return
+        self._set_retention(block, priority, expiry)
+
+    def _set_retention(self, block: KVBlock, priority: int, expiry: float | None) -> None:
+        """Set a block's retention (not while it is queued); record a priority change of a cached block."""
+        if priority != block.priority and block.block_hash is not None and self.priority_changes is not None:
+            self.priority_changes.append(PriorityChange(block.block_hash, block.priority, priority))
+        block.priority, block.expiry, block.retained = priority, expiry, True
+        if expiry is not None:
+            heapq.heappush(self._expiries, (expiry, block.block_id, block))
+            if len(self._expiries) > 2 * self.num_blocks + 64:
+                self._expiries = [(b.expiry, b.block_id, b) for b in self.blocks if b.expiry is not None]
+                heapq.heapify(self._expiries)
+
+    def expire(self) -> int:
+        """Let every retention whose duration ended fall back to the default priority; an evictable
+        block moves to the head of the default level. Returns how many fell back."""
+        if not self._expiries or self._expiries[0][0] > self.clock():
+            return 0
+        now, n = self.clock(), 0
+        while self._expiries and self._expiries[0][0] <= now:
+            expiry, _, block = heapq.heappop(self._expiries)
+            if block.expiry != expiry:
+                continue                      # stale: the block's retention changed since
+            self._replace_retention(block, DEFAULT_PRIORITY, None)
+            n += 1
+        return n
+
+    def set_retention(self, blocks: Iterable[KVBlock], retention: BlockRetention = DEFAULT_RETENTION) -> int:
+        """Set the retention of cached blocks outright (a pin withdrawn: back to the default),
+        whether held or evictable; an evictable one moves to the tail of its new level, a block
+        set to the default to the head of the default level. Returns how many changed."""
+        now, n = self.clock(), 0
+        for block in blocks:
+            if not _reusable(block):
+                continue
+            expiry = (None if retention.duration_s is None or retention.priority == DEFAULT_PRIORITY
+                      else now + retention.duration_s)
+            if (block.priority, block.expiry) == (retention.priority, expiry):
+                continue
+            self._replace_retention(block, retention.priority, expiry)
+            n += 1
+        return n
+
+    def _replace_retention(self, block: KVBlock, priority: int, expiry: float | None) -> None:
+        """Set a cached block's retention outright, moving it if nobody holds it: back to the
+        default (no retention left) to the head of the default level, else to its level's tail."""
+        queued = block.ref_cnt == 0
+        if queued:
+            self.free_queue.remove(block)
+        self._set_retention(block, priority, expiry)
+        default = (priority, expiry) == (DEFAULT_PRIORITY, None)
+        if default:
+            block.retained = False
+        if queued:
+            self.free_queue.push(block, first=default)
 
     def cache_block(self, block: KVBlock, block_hash: bytes, parent_hash: bytes | None = None,
                     token_ids: Sequence[int] | None = None) -> bool:
@@ -213,11 +262,14 @@ class BlockPool:
             return block.block_hash == block_hash and self.cached.get(block_hash) is block
         if block_hash in self.cached or block.parent_hash is not None:    # taken, or a listed partial
             return False
+        if block.ref_cnt == 0:                  # an empty block nobody holds: moves to the default level
+            self.free_queue.remove(block)
         block.block_hash = block_hash
         self.cached[block_hash] = block
         if parent_hash is not None and token_ids is not None:
             self._list(block, parent_hash, token_ids)
         if block.ref_cnt == 0:
+            self.free_queue.push(block)
             self._num_evictable += 1
         return True
 
@@ -256,7 +308,8 @@ class BlockPool:
         return best, best_len
 
     def _forget(self, block: KVBlock) -> None:
-        """Drop a block's hash from the map and its parent's list (the caller fixes the counters)."""
+        """Drop a block's hash from the map and its parent's list (the caller fixes the counters
+        and the block's place in the queue)."""
         if block.block_hash is not None:
             del self.cached[block.block_hash]
             block.block_hash = None
@@ -276,9 +329,10 @@ class BlockPool:
         """
         dropped = [block for block in self.free_queue if _reusable(block)]
         for block in dropped:
-            self._forget(block)
             self.free_queue.remove(block)
-            self.free_queue.appendleft(block)
+            self._forget(block)
+            _clear_retention(block)
+            self.free_queue.push(block)
         self._num_evictable -= len(dropped)
         return len(dropped)
 
@@ -297,14 +351,22 @@ class BlockPool:
                 raise AssertionError(msg)
 
         queued: set[int] = set()
-        prev = None
-        for block in self.free_queue:
-            check(block.prev_free is prev, f"broken back link at {block}")
-            check(block.block_id not in queued, f"{block} queued twice")
-            check(block.ref_cnt == 0, f"{block} in the free queue with ref_cnt > 0")
-            queued.add(block.block_id)
-            prev = block
-        check(len(queued) == len(self.free_queue), "free queue length counter is wrong")
+        q = self.free_queue
+        check(q.levels_order == sorted(q.levels), "priority levels out of order")
+        for level, blocks in [(None, q.empty)] + [(p, q.levels[p]) for p in q.levels_order]:
+            check(level is None or len(blocks) > 0, f"empty list kept for priority {level}")
+            prev = None
+            for block in blocks:
+                check(block.prev_free is prev, f"broken back link at {block}")
+                check(block.block_id not in queued, f"{block} queued twice")
+                check(block.ref_cnt == 0, f"{block} in the free queue with ref_cnt > 0")
+                check(_reusable(block) == (level is not None), f"{block} in the wrong list (reusable or not)")
+                check(level is None or block.priority == level, f"{block} queued under priority {level}")
+                queued.add(block.block_id)
+                prev = block
+            check(len(blocks) == sum(1 for _ in blocks), f"length counter of list {level} is wrong")
+        check(len(queued) == len(q), "free queue length counter is wrong")
+        self._check_retention(check)
         check(NULL_BLOCK_ID not in queued, "null block in the free queue")
         empty = evictable = used = 0
         for block in self.blocks[1:]:
@@ -333,6 +395,28 @@ class BlockPool:
                 listed += 1
         check(listed == sum(1 for b in self.blocks if b.parent_hash is not None),
               "a block with a parent is missing from its parent's list")
+
+
+    def _check_retention(self, check: Callable[[bool, str], None]) -> None:
+        """Retention invariants: priorities in bounds, a default or unretained block has no expiry,
+        a block handed out or empty has no retention, every expiry has its heap entry."""
+        entries = {(e, b.block_id) for e, _, b in self._expiries}
+        for block in self.blocks:
+            check(0 <= block.priority <= 100, f"{block} priority out of [0, 100]")
+            if not block.retained:
+                check(block.priority == DEFAULT_PRIORITY and block.expiry is None,
+                      f"{block} has a retention it was never given")
+            if block.expiry is not None:
+                check(block.priority != DEFAULT_PRIORITY, f"{block} expires to the priority it has")
+                check((block.expiry, block.block_id) in entries, f"{block} expiry missing from the heap")
+            if not _reusable(block):
+                check(not block.retained, f"{block} holds nothing reusable but has a retention")
+        check(len(self._expiries) <= 2 * self.num_blocks + 64, "expiry heap not compacted")
+
+
+def _clear_retention(block: KVBlock) -> None:
+    """No retention: the default priority, no expiry (a block handed out, or forgotten)."""
+    block.priority, block.expiry, block.retained = DEFAULT_PRIORITY, None, False
 
 
 def _reusable(block: KVBlock) -> bool:

@@ -273,7 +273,7 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
     answer = ChatAnswer(service, body, num_logprobs, token_ids, plan)
     streams = service.choice_streams(answer.request_id, body.n, token_ids, sampling, body.stop_strings,
                                      service.cache_salt_for(owner, body.cache_salt), turn, kv_transfer,
-                                     TextOptions.of(body))
+                                     TextOptions.of(body), priority=body.priority)
     if not body.stream:
         return await service.whole_answer(streams, raw_request, headers,
                                           service.with_kv_transfer(answer.response, kv_transfer))

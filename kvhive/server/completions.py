@@ -248,7 +248,7 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
         sampling = service.sampling_params(body, max_tokens, body.logprobs, prompt_logprobs, structured)
         request_id = answer.request_id if len(prompts) == 1 else f"{answer.request_id}-p{p}"
         streams += service.choice_streams(request_id, body.n, prompt.token_ids, sampling, body.stop_strings,
-                                          salt, turn, kv_transfer, TextOptions.of(body))
+                                          salt, turn, kv_transfer, TextOptions.of(body), priority=body.priority)
     headers = session_headers(turn)
     if not body.stream:
         return await service.whole_answer(streams, raw_request, headers,

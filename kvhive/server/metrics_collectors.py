@@ -144,6 +144,8 @@ class EngineStatsCollector(Collector):
             ("kvhive_kv_connector_saved_blocks", "Blocks handed to the KV writer.", c.saved_blocks),
             ("kvhive_kv_connector_dropped_save_blocks", "Blocks not saved because the writer fell behind.",
              c.dropped_save_blocks),
+            ("kvhive_kv_connector_unsaved_low_priority_blocks", "Blocks not saved: their retention priority "
+             "is below --offload-min-priority.", c.unsaved_low_priority),
         ):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric(self._labels, value)

@@ -16,6 +16,8 @@ from kvhive.sessions.registry import MAX_SESSION_ID_CHARS, SESSION_ID_PATTERN
 
 # OpenAI's bounds on ``metadata``.
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+# Bounds of vLLM's scheduling ``priority`` (a 32-bit signed integer; lower is admitted first).
+MIN_SCHEDULING_PRIORITY, MAX_SCHEDULING_PRIORITY = -(2**31), 2**31 - 1
 
 # ---------------------------------------------------------------- requests
 # Strict (``StrictBody``): "5" is not an integer and "true" is not a boolean, as in OpenAI's API, and
@@ -77,6 +79,8 @@ class SamplingRequest(StructuredOutputFields):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     prompt_logprobs: int | None = None                  # vLLM extension: the prompt tokens' logprobs
     return_token_ids: bool = False                      # vLLM extension: prompt and generated token ids
+    # vLLM's admission order under --scheduling-policy priority (lower first); else only 0.
+    priority: int = Field(default=0, ge=MIN_SCHEDULING_PRIORITY, le=MAX_SCHEDULING_PRIORITY)
 
     @property
     def include_usage(self) -> bool:

@@ -147,6 +147,7 @@ class ResponsesAPI:
         """400 (404 for another model) for what a request may not ask; returns the top alternatives
         per output token it wants (None: no logprobs)."""
         self.service.check_model(body.model)
+        self.service.check_priority(body.priority)
         check_unsupported(body)
         num_logprobs = logprobs_wanted(body)
         if raw_request.headers.get("x-session-id"):
@@ -187,7 +188,7 @@ class ResponsesAPI:
             raw_request, body, len(token_ids) + max_tokens)
         response_id = new_response_id(conversation_id)
         deltas = service.stream(response_id, token_ids, sampling, (), service.cache_salt_for(owner, None),
-                                session_turn)
+                                session_turn, priority=body.priority)
         turn = Turn(self, body, owner, response_id, conversation_id, items, session, num_logprobs is not None, plan)
         headers = {RESPONSE_ID_HEADER: response_id} if body.store else {}
         if body.stream:

@@ -20,7 +20,12 @@ from kvhive.core.request_fields import (
 )
 from kvhive.request import MAX_LOGPROBS
 from kvhive.server.errors import bad_request
-from kvhive.server.protocol import ChatTokenLogprob, check_metadata
+from kvhive.server.protocol import (
+    MAX_SCHEDULING_PRIORITY,
+    MIN_SCHEDULING_PRIORITY,
+    ChatTokenLogprob,
+    check_metadata,
+)
 from kvhive.server.sse import sse_named_event
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
@@ -118,6 +123,8 @@ class ResponsesRequest(StrictBody):
     stream: bool = False
     metadata: dict[str, str] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's admission order under --scheduling-policy priority (lower first); else only 0.
+    priority: int = Field(default=0, ge=MIN_SCHEDULING_PRIORITY, le=MAX_SCHEDULING_PRIORITY)
     # No-ops (kvhive.core.request_fields.NO_OP_FIELDS): nothing here changes the output.
     user: NoOpText | None = None
     safety_identifier: NoOpText | None = None

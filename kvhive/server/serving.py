@@ -274,6 +274,14 @@ class GenerationService:
             raise bad_request(f"'n' must be between 1 and {MAX_CHOICES}, got {body.n}", param="n")
         self.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
         check_stream_options(body)
+        self.check_priority(body.priority)
+
+    def check_priority(self, priority: int) -> None:
+        """400 for a scheduling ``priority`` other than 0 unless ``--scheduling-policy priority``
+        (vLLM's rule: never ignored)."""
+        if priority and not self.engine.config.scheduler.by_priority:
+            raise bad_request(f"'priority' {priority} needs the server to run with --scheduling-policy "
+                              f"priority (it runs fcfs): leave it out or 0", param="priority")
 
     def kv_transfer_params(self, body: SamplingRequest):
         """The body's ``kv_transfer_params`` for this instance's ``--kv-role`` (a KVTransferParams,
@@ -396,8 +404,8 @@ class GenerationService:
 
     async def stream(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                      stop_strings: Sequence[str], cache_salt: str | None,
-                     turn: SessionTurn = NO_TURN, kv_transfer=None, text: TextOptions = TextOptions()
-                     ) -> AsyncIterator[TextDelta]:
+                     turn: SessionTurn = NO_TURN, kv_transfer=None, text: TextOptions = TextOptions(),
+                     *, priority: int = 0) -> AsyncIterator[TextDelta]:
         """Run one request; yield text deltas, the last with its finish reason.
 
         Leaving early (client gone, cancellation) or an engine error aborts the engine request; a
@@ -410,7 +418,7 @@ class GenerationService:
                                 text, sampling.min_tokens)
         outputs = self.engine.generate(request_id, prompt_token_ids, sampling, cache_salt=cache_salt,
                                        session_id=turn.engine_id, end_session=turn.end_session,
-                                       kv_transfer=kv_transfer)
+                                       kv_transfer=kv_transfer, priority=priority)
         done = False
         try:
             async for out in outputs:
@@ -447,21 +455,21 @@ class GenerationService:
 
     def choice_streams(self, request_id: str, n: int, prompt_token_ids: list[int], sampling: SamplingParams,
                        stop_strings: Sequence[str], cache_salt: str | None,
-                       turn: SessionTurn = NO_TURN, kv_transfer=None, text: TextOptions = TextOptions()
-                       ) -> list[AsyncIterator[TextDelta]]:
+                       turn: SessionTurn = NO_TURN, kv_transfer=None, text: TextOptions = TextOptions(),
+                       *, priority: int = 0) -> list[AsyncIterator[TextDelta]]:
         """One ``stream`` per choice. n == 1: the engine request is ``request_id`` itself. n > 1:
         engine requests ``{request_id}-{i}``, each with its own seed (``choice_seed``), never in a
         session; they run concurrently, and the scheduler computes the prompt's full blocks once
         (the other choices wait a step and hit them)."""
         if n == 1:
             return [self.stream(request_id, prompt_token_ids, sampling, stop_strings, cache_salt, turn,
-                                kv_transfer, text)]
+                                kv_transfer, text, priority=priority)]
         assert turn is NO_TURN, "open_session refuses n > 1 in a session"
         streams = []
         for i in range(n):
             seeded = replace(sampling, seed=choice_seed(sampling.seed, i))
             streams.append(self.stream(f"{request_id}-{i}", prompt_token_ids, seeded, stop_strings, cache_salt,
-                                       text=text))
+                                       text=text, priority=priority))
         return streams
 
     async def collect(self, deltas: AsyncIterator[TextDelta], raw_request: Request) -> TextDelta | None:

@@ -115,6 +115,13 @@ def test_extras_out_of_bounds_are_refused_by_name(tiny_client: httpx.Client, pat
     assert_error(tiny_client.post(path, json={**base, **extra}), 400, param=param)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+def test_a_scheduling_priority_is_refused_under_fcfs_never_ignored(tiny_client: httpx.Client, path: str) -> None:
+    base = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT_BODY}.get(path, RESPONSES_BODY)
+    assert_error(tiny_client.post(path, json={**base, "priority": 1}), 400, param="priority")
+    assert tiny_client.post(path, json={**base, "priority": 0}).status_code == 200
+
+
 def token_id(client: httpx.Client, text: str) -> int:
     r = client.post("/tokenize", json={"model": MODEL, "prompt": text, "add_special_tokens": False})
     ids = r.json()["tokens"]

@@ -45,7 +45,7 @@ def build_engine(args: argparse.Namespace):  # -> AsyncEngine (kvhive imports st
     from kvhive.engine.async_engine import AsyncEngine
     from kvhive.engine.core import LLMEngine
 
-    scheduler = SchedulerConfig(max_model_len=args.max_model_len or 8192)
+    scheduler = SchedulerConfig(max_model_len=args.max_model_len or 8192, scheduling_policy=args.scheduling_policy)
     store = StoreConfig(cpu_offload_gb=args.cpu_offload_gb, disk_cache_dir=args.disk_cache_dir,
                         redis_url=args.redis_url)
     sessions = SessionConfig(default_ttl_s=args.default_session_ttl, max_ttl_s=args.max_session_ttl,
@@ -219,6 +219,7 @@ def main() -> None:
     parser.add_argument("--max-sessions-per-key", type=int, default=None)
     parser.add_argument("--max-pinned-gb", type=pinned_gib, default=PINNED_AUTO)
     parser.add_argument("--share-prefix-cache", action="store_true")
+    parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     parser.add_argument("--served-model-name", default=SERVED_MODEL_NAME)
     parser.add_argument("--fault-mode", choices=FAULT_MODES, default=None)
     parser.add_argument("--max-request-bytes", type=int, default=None)

@@ -5,8 +5,9 @@ position p counts 1 + p / C: ``StepBudget``) and ``max_num_seqs`` running reques
 
 1. every running request in decode gets its one token;
 2. running requests still in prefill get their next chunk;
-3. waiting requests are admitted in FCFS order (prefix lookup on admission); the head of the queue
-   blocks everything behind it when it does not fit, so nothing starves.
+3. waiting requests are admitted in the queue's order, FCFS or by request priority (prefix lookup
+   on admission); the head of the queue blocks everything behind it when it does not fit, so
+   nothing behind it overtakes it.
 
 A request short of blocks first spills idle sessions (``session_spill``: least recently used
 first, whatever the tiers hold); a running request still short then preempts the newest running
@@ -126,7 +127,7 @@ class Batcher:
 
 
 class Admission:
-    """Admits waiting requests in FCFS order: session resume, prefix hits, tier loads."""
+    """Admits waiting requests in the queue's order (FCFS or by priority): session resume, prefix hits, tier loads."""
 
     def __init__(self, config: SchedulerConfig, queues: RequestQueues, kv: KVCacheManager,
                  spill: SessionSpill, transfers: KVTransfers,

@@ -55,7 +55,7 @@ class Scheduler:
         self.config = sched_config
         self.kv = KVCacheManager(cache_config.block_size, num_blocks, cache_config.enable_prefix_caching,
                                  root_hash, window)
-        self.queues = RequestQueues()
+        self.queues = RequestQueues(by_priority=sched_config.by_priority)
         self.transfers = KVTransfers(connector, self.kv)
         self.transfers.track(self.queues.by_id)
         self.spill = SessionSpill(self.kv, session_copy, self.transfers.pending_hashes)
@@ -68,7 +68,7 @@ class Scheduler:
 
     @property
     def waiting(self) -> deque[Request]:
-        """The FCFS waiting queue (read-only for callers)."""
+        """The waiting queue, in admission order (read-only for callers)."""
         return self.queues.waiting
 
     @property
@@ -102,8 +102,9 @@ class Scheduler:
         return request
 
     def end_session(self, session_id: str) -> None:
-        """Free a session's held blocks; its unfinished requests free theirs when they end."""
-        self.kv.release_session(session_id)
+        """Free a session's held blocks (and unpin its spilled ones); its unfinished requests free
+        theirs when they end."""
+        self.kv.end_session(session_id)
         for request in self.queues.by_id.values():
             if request.session_id == session_id:
                 request.end_session = True

@@ -116,5 +116,5 @@ class SessionSpill:
         return self.session_copy(hashes) if hashes else SessionCopy.LOWEST
 
     def _release(self, session_id: str) -> None:
-        self.kv.release_session(session_id)
+        self.kv.release_session(session_id, spill=True)    # pinned until the session ends
         self.num_spills += 1

@@ -6,7 +6,8 @@
   ``running`` as WAITING_FOR_KV, holding its blocks, until ``finish`` reports how many arrived.
 - A request finished while its load is in flight keeps its blocks until the load reports back;
   the next plan tells the worker to cut that load short (``cancelled_loads``).
-- Blocks a step computed are handed to the connector in the next plan's meta to be saved.
+- Blocks a step computed are handed to the connector in the next plan's meta to be saved, with
+  the retention priority their request gives them (the connector may leave low ones unsaved).
 - A finished request whose blocks the connector still saves from waits in ``sending``.
 
 Without a connector every method is a no-op, ``lookup`` answers (0, False) and ``release`` frees.
@@ -25,6 +26,7 @@ from kvhive.connector.base import (
 )
 from kvhive.kv.manager import KVCacheManager
 from kvhive.kv.pool import NULL_BLOCK_ID
+from kvhive.kv.retention_policy import block_retention_at
 from kvhive.request import Request, RequestStatus
 
 
@@ -94,11 +96,14 @@ class KVTransfers:
             return
         table, first = self.kv.get_block_table(request), start_pos // self.kv.block_size
         window = self.kv.get_window_table(request)
-        if window is None:
-            self.newly_cached += [CachedBlock(table[i], request.block_hashes[i]) for i in stored if i >= first]
-        else:   # read before the window slides: a block just computed still has its window part
-            self.newly_cached += [CachedBlock(table[i], request.block_hashes[i], window[i])
-                                  for i in stored if i >= first and window[i] != NULL_BLOCK_ID]
+        for i in stored:
+            # Read before the window slides: a block just computed still has its window part.
+            if i < first or (window is not None and window[i] == NULL_BLOCK_ID):
+                continue
+            priority = block_retention_at(request.retention, i, self.kv.block_size, request.num_tokens,
+                                          request.num_prompt_tokens).priority
+            self.newly_cached.append(CachedBlock(table[i], request.block_hashes[i],
+                                                 None if window is None else window[i], priority))
 
     def cancel_load(self, request: Request) -> bool:
         """For a request that just finished: True (its load is cut short, its blocks held until it
