@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from types import MappingProxyType
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,6 +28,12 @@ MAX_NO_OP_TEXT_CHARS = 256
 # The type of a free-text no-op field.
 NoOpText = Annotated[str, Field(max_length=MAX_NO_OP_TEXT_CHARS)]
 
+# Longest ``prompt_cache_key`` (OpenAI's routing key for its prompt cache; the gateway routes by it).
+MAX_PROMPT_CACHE_KEY_CHARS = 1024
+PromptCacheKey = Annotated[str, Field(max_length=MAX_PROMPT_CACHE_KEY_CHARS)]
+# OpenAI's values of ``prompt_cache_retention`` (kvhive.server.prompt_cache says what each pins).
+PromptCacheRetention = Literal["in_memory", "24h"]
+
 # The fields of a text content part (the others belong to other kinds of part).
 TEXT_PART_FIELDS = frozenset({"type", "text"})
 
@@ -38,10 +44,6 @@ NO_OP_FIELDS: Mapping[str, tuple[str, str]] = MappingProxyType({
     "safety_identifier": ("chat completions, responses",
                           "the successor of `user`: an end-user id for abuse monitoring; it never "
                           "changes the output"),
-    "prompt_cache_key": ("chat completions, responses",
-                         "a routing hint for the provider's prompt cache; kvhive caches every prefix "
-                         "by its tokens (and `cache_salt` or the API key), so the hint adds nothing and "
-                         "the output is the same"),
     "service_tier": ("chat completions, responses",
                      "the provider's processing tier (latency and price); one server has one tier, "
                      "and the output is the same"),

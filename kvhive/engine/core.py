@@ -49,6 +49,9 @@ class RequestOutput:
     num_output_tokens: int
     # Set on the last output of a session's request: the block hashes the session now holds.
     session_block_hashes: tuple[bytes, ...] | None = None
+    # For a request with a retention (its prompt-cache pins): the hashes of its full blocks so far,
+    # on its first output after the prompt was computed and on its last.
+    block_hashes: tuple[bytes, ...] | None = None
     # One entry per new token when the request's sampling params ask for logprobs, else None.
     logprobs: tuple[TokenLogprobs, ...] | None = None
     # On the request's first output when it asks for prompt_logprobs: one entry per prompt token
@@ -299,6 +302,8 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens,
             session_block_hashes=(tuple(req.block_hashes) if req.session_id and req.is_finished
                                   else None),
+            block_hashes=(tuple(req.block_hashes) if req.retention is not None and (
+                req.is_finished or (token is not None and req.num_output_tokens == 1)) else None),
             logprobs=None if logprobs is None else (logprobs,),
             prompt_logprobs=None if prompt is None else tuple(prompt),
             error=error or result.failed.get(req.request_id),

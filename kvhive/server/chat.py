@@ -266,15 +266,16 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
                                                       structured))
     service.check_transfer_unconstrained(sampling.structured, kv_transfer)
     owner = service.owner_of(raw_request)
-    turn = await service.open_session(raw_request, body.model, len(token_ids) + max_tokens,
-                                      conversation_id=body.conversation_id, new_ttl=new_session_ttl,
-                                      end_session=body.end_conversation, n=body.n)
+    salt = service.cache_salt_for(owner, body.cache_salt)
+    cache = await service.open_cache(raw_request, body, token_ids, salt)
+    turn = await service.open_session_after(cache, raw_request, body.model, len(token_ids) + max_tokens,
+                                            conversation_id=body.conversation_id, new_ttl=new_session_ttl,
+                                            end_session=body.end_conversation, n=body.n)
     headers = session_headers(turn)
     answer = ChatAnswer(service, body, num_logprobs, token_ids, plan)
     streams = service.choice_streams(answer.request_id, body.n, token_ids, sampling, body.stop_strings,
-                                     service.cache_salt_for(owner, body.cache_salt), turn, kv_transfer,
-                                     TextOptions.of(body), priority=body.priority)
+                                     salt, turn, kv_transfer, TextOptions.of(body), cache, priority=body.priority)
     if not body.stream:
         return await service.whole_answer(streams, raw_request, headers,
                                           service.with_kv_transfer(answer.response, kv_transfer))
-    return service.sse_response(answer.events(streams), headers, turn)
+    return service.sse_response(answer.events(streams), headers, turn, cache)

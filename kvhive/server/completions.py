@@ -21,6 +21,7 @@ from kvhive.server.logprobs import (
     prompt_completion_logprobs,
     vllm_prompt_logprobs,
 )
+from kvhive.server.prompt_cache import PromptCache, client_retention
 from kvhive.server.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -239,6 +240,7 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
     asked = 1 if scores_prompt_only(body) else body.max_tokens
     limits = [service.resolve_max_tokens(asked, len(p.token_ids), "max_tokens", "prompt") for p in prompts]
     owner = service.owner_of(raw_request)
+    retentions = [PromptCache(client_retention(body.kv_cache_retention_config, len(p.token_ids))) for p in prompts]
     turn = await service.open_session(raw_request, body.model, len(prompts[0].token_ids) + limits[0],
                                       new_ttl=new_session_ttl, n=body.n)
     answer = CompletionAnswer(service, body, prompts)
@@ -248,7 +250,8 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
         sampling = service.sampling_params(body, max_tokens, body.logprobs, prompt_logprobs, structured)
         request_id = answer.request_id if len(prompts) == 1 else f"{answer.request_id}-p{p}"
         streams += service.choice_streams(request_id, body.n, prompt.token_ids, sampling, body.stop_strings,
-                                          salt, turn, kv_transfer, TextOptions.of(body), priority=body.priority)
+                                          salt, turn, kv_transfer, TextOptions.of(body), retentions[p],
+                                          priority=body.priority)
     headers = session_headers(turn)
     if not body.stream:
         return await service.whole_answer(streams, raw_request, headers,

@@ -2,7 +2,8 @@
 
 - ``POST /v1/context`` (header ``x-session-ttl``, default ``--default-session-ttl``; a completion
   body with ``prompt`` or a chat body with ``messages``; ``max_tokens`` defaults to 16) runs that request in a new session and answers it with ``x-session-id``.
-- ``GET /v1/context``: the caller's live sessions. ``GET /v1/context/{id}``: one session, with
+- ``GET /v1/context``: the caller's live sessions, prompt-cache pins among them (``"kind": "pin"``,
+  ``kvhive.sessions.prefix_pins``). ``GET /v1/context/{id}``: one session, with
   its blocks per tier. ``PATCH /v1/context/{id}``: a new TTL (``{"ttl": N}`` or the header).
   ``DELETE /v1/context/{id}``: forget it and free its blocks.
 
@@ -39,7 +40,7 @@ def session_info(session: Session, blocks: dict[str, int] | None = None) -> dict
     info: dict[str, Any] = {"id": session.session_id, "object": "context", "model": session.model,
                             "created": int(session.created), "expires_at": int(session.expires),
                             "ttl": session.ttl_s, "tokens": session.num_tokens,
-                            "num_blocks": len(session.block_hashes), "busy": session.busy}
+                            "num_blocks": len(session.block_hashes), "busy": session.busy, "kind": session.kind}
     if blocks is not None:
         info["blocks"] = blocks
     return info

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 from kvhive.core.json_body import ListOf
-from kvhive.core.request_fields import NoOpText, StrictBody
+from kvhive.core.request_fields import NoOpText, PromptCacheKey, PromptCacheRetention, StrictBody
 from kvhive.core.tokenize_bodies import MessageToolCall, ToolCallFunction
 from kvhive.request import MAX_ABS_PENALTY, MAX_REPETITION_PENALTY, MIN_SEED, SEED_END
 from kvhive.server.errors import bad_request
@@ -65,6 +65,8 @@ class SamplingRequest(StructuredOutputFields):
     stream_options: StreamOptions | None = None
     user: NoOpText | None = None                        # no-op (NO_OP_FIELDS)
     cache_salt: str | None = None                       # vLLM extension: per-tenant prefix cache
+    # TensorRT-LLM's shape, checked and bounded in kvhive.server.prompt_cache (docs/prompt_caching.md).
+    kv_cache_retention_config: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None    # vLLM's field: disaggregated prefill/decode
     presence_penalty: float | None = Field(default=None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)   # None: 0
     frequency_penalty: float | None = Field(default=None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
@@ -153,9 +155,11 @@ class ChatCompletionRequest(SamplingRequest):
     end_conversation: bool = False                      # free the conversation after this turn
     # More variables for the chat template (Qwen3's enable_thinking); bounded in check_template_kwargs.
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's prompt-cache fields (kvhive.server.prompt_cache): the gateway's routing key, and a pin.
+    prompt_cache_key: PromptCacheKey | None = None
+    prompt_cache_retention: PromptCacheRetention | None = None
     # No-ops (NO_OP_FIELDS): nothing here changes the output.
     safety_identifier: NoOpText | None = None
-    prompt_cache_key: NoOpText | None = None
     service_tier: NoOpText | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None

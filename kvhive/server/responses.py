@@ -33,6 +33,7 @@ from kvhive.server.chat import chat_prompt_token_ids
 from kvhive.server.context import background_task
 from kvhive.server.errors import APIError, bad_request
 from kvhive.server.logprobs import SentToken, chat_logprobs
+from kvhive.server.prompt_cache import PromptCache
 from kvhive.server.protocol import ChatMessage, ChatTokenLogprob, SamplingRequest
 from kvhive.server.request_body import parse_body
 from kvhive.server.responses_items import chat_messages, check_call_ids, input_items
@@ -184,22 +185,28 @@ class ResponsesAPI:
         sampling = plan.with_spec(service.sampling_params(
             SamplingRequest(model=body.model, temperature=body.temperature, top_p=body.top_p), max_tokens,
             num_logprobs, structured=structured))
-        conversation_id, session_turn, session = await self.open_conversation(
-            raw_request, body, len(token_ids) + max_tokens)
+        salt = service.cache_salt_for(owner, None)
+        cache = await service.open_cache(raw_request, body, token_ids, salt)
+        try:
+            conversation_id, session_turn, session = await self.open_conversation(
+                raw_request, body, len(token_ids) + max_tokens)
+        except BaseException:
+            cache.end(None, 0)                   # refused: the pins it would have created are dropped
+            raise
         response_id = new_response_id(conversation_id)
-        deltas = service.stream(response_id, token_ids, sampling, (), service.cache_salt_for(owner, None),
-                                session_turn, priority=body.priority)
+        deltas = service.stream(response_id, token_ids, sampling, (), salt, session_turn, cache=cache,
+                                priority=body.priority)
         turn = Turn(self, body, owner, response_id, conversation_id, items, session, num_logprobs is not None, plan)
         headers = {RESPONSE_ID_HEADER: response_id} if body.store else {}
         if body.stream:
-            return self.stream_answer(turn, deltas, headers, session_turn)
+            return self.stream_answer(turn, deltas, headers, session_turn, cache)
         return await self.whole_answer(turn, deltas, raw_request, headers)
 
     def stream_answer(self, turn: Turn, deltas: AsyncIterator[TextDelta], headers: dict[str, str],
-                      session_turn: SessionTurn) -> Response:
+                      session_turn: SessionTurn, cache: PromptCache) -> Response:
         """The SSE answer of ``turn``; in a session, the turn is closed once sending ends, however
-        it ends."""
-        streaming = self.service.sse_response(turn.events(deltas), headers, session_turn)
+        it ends (and so is the pins' turn)."""
+        streaming = self.service.sse_response(turn.events(deltas), headers, session_turn, cache)
         if isinstance(streaming, ClosingStreamingResponse):
             # Called however sending ends, after the turn has ended; also when the client left
             # before the stream started (then the events' code never ran).
@@ -260,7 +267,8 @@ class Turn:
             user=body.user, metadata=body.metadata or {}, text={"format": text_format(body.text)},
             parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls,
             tools=[dict(f.definition["function"], type="function") for f in self.plan.functions],
-            tool_choice=body.tool_choice if body.tool_choice is not None else "auto")
+            tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
+            prompt_cache_key=body.prompt_cache_key, prompt_cache_retention=body.prompt_cache_retention)
         self.outputs = OutputItems(self.plan, self.logprobs)
 
     def logprobs(self, tokens: tuple[SentToken, ...]) -> list[ChatTokenLogprob]:

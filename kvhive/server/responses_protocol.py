@@ -16,6 +16,8 @@ from kvhive.core.json_body import ListOf
 from kvhive.core.request_fields import (
     TEXT_PART_FIELDS,
     NoOpText,
+    PromptCacheKey,
+    PromptCacheRetention,
     StrictBody,
 )
 from kvhive.request import MAX_LOGPROBS
@@ -125,10 +127,13 @@ class ResponsesRequest(StrictBody):
     parallel_tool_calls: bool | None = None
     # vLLM's admission order under --scheduling-policy priority (lower first); else only 0.
     priority: int = Field(default=0, ge=MIN_SCHEDULING_PRIORITY, le=MAX_SCHEDULING_PRIORITY)
+    # Prompt-cache fields (kvhive.server.prompt_cache): OpenAI's routing key and pin, TensorRT-LLM's retention.
+    prompt_cache_key: PromptCacheKey | None = None
+    prompt_cache_retention: PromptCacheRetention | None = None
+    kv_cache_retention_config: dict[str, Any] | None = None
     # No-ops (kvhive.core.request_fields.NO_OP_FIELDS): nothing here changes the output.
     user: NoOpText | None = None
     safety_identifier: NoOpText | None = None
-    prompt_cache_key: NoOpText | None = None
     service_tier: NoOpText | None = None
     tools: ListOf[Any] | None = None                 # checked in kvhive.server.tools
     tool_choice: str | dict[str, Any] | None = None
@@ -280,6 +285,8 @@ class ResponseObject(BaseModel):
     usage: ResponseUsage | None = None
     user: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
+    prompt_cache_key: str | None = None           # echoed as sent
+    prompt_cache_retention: str | None = None
 
 
 def output_text(response: dict[str, Any]) -> str:

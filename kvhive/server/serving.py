@@ -33,6 +33,7 @@ from kvhive.request import SamplingParams
 from kvhive.server.errors import APIError, bad_request, server_error
 from kvhive.server.logprobs import SentToken, TokensAwaitingText
 from kvhive.server.metrics import ServerMetrics
+from kvhive.server.prompt_cache import NO_PROMPT_CACHE, PromptCache, open_prompt_cache
 from kvhive.server.protocol import PromptTokensDetails, SamplingRequest, Usage
 from kvhive.server.request_checks import check_stream_options
 from kvhive.server.sampling_fields import sampling_params_for
@@ -44,6 +45,7 @@ from kvhive.sessions.service import NO_TURN, SessionService, SessionTurn
 if TYPE_CHECKING:
     from kvhive.core.tokenizer import Tokenizer
     from kvhive.engine.client import EngineClient
+    from kvhive.server.responses_protocol import ResponsesRequest
 
 logger = logging.getLogger(__name__)
 
@@ -405,26 +407,32 @@ class GenerationService:
     async def stream(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                      stop_strings: Sequence[str], cache_salt: str | None,
                      turn: SessionTurn = NO_TURN, kv_transfer=None, text: TextOptions = TextOptions(),
-                     *, priority: int = 0) -> AsyncIterator[TextDelta]:
+                     cache: PromptCache = NO_PROMPT_CACHE, *, priority: int = 0) -> AsyncIterator[TextDelta]:
         """Run one request; yield text deltas, the last with its finish reason.
 
         Leaving early (client gone, cancellation) or an engine error aborts the engine request; a
         request whose own computation failed raises ``RequestFailed`` (the route's 500).
         The request runs in ``turn``'s session, and ends the turn: with what the session holds
-        once the engine says so, else (stopped early, failed) with what it held before.
+        once the engine says so, else (stopped early, failed) with what it held before. It runs
+        with ``cache``'s retention and ends its pins' turn before its last delta goes out (then
+        ``cache.pins.usage`` holds the counters), with the prompt's block hashes once the engine
+        computed the prompt.
         """
         tracker = self.metrics.track_request(sampling.max_tokens)
         deltas = DeltaAssembler(self.tokenizer, prompt_token_ids, stop_strings, sampling.logprobs is not None,
                                 text, sampling.min_tokens)
         outputs = self.engine.generate(request_id, prompt_token_ids, sampling, cache_salt=cache_salt,
                                        session_id=turn.engine_id, end_session=turn.end_session,
-                                       kv_transfer=kv_transfer, priority=priority)
+                                       kv_transfer=kv_transfer, retention=cache.engine_retention, priority=priority)
         done = False
+        block_hashes: Sequence[bytes] | None = None          # the request's full blocks, once reported
         try:
             async for out in outputs:
                 if out.session_block_hashes is not None:
                     turn.end(out.num_prompt_tokens + out.num_output_tokens, out.session_block_hashes,
                              max(0, out.num_cached_tokens))
+                if out.block_hashes is not None:
+                    block_hashes = out.block_hashes
                 tracker.on_output(out)
                 delta = deltas.add(out)
                 if delta is None:
@@ -434,6 +442,7 @@ class GenerationService:
                     continue
                 if not out.finished:
                     self.engine.abort(request_id)    # a stop string: else the engine goes on to max_tokens
+                cache.end(block_hashes, delta.num_cached_tokens)
                 done = True
                 tracker.finish(delta.finish_reason, delta.num_prompt_tokens, delta.num_output_tokens)
                 await outputs.aclose()
@@ -452,24 +461,26 @@ class GenerationService:
             # Stopped early or failed: the engine keeps what was computed; the expiry slides.
             # A no-op when the turn ended above.
             turn.end()
+            cache.end(block_hashes, deltas.num_cached_tokens)
 
     def choice_streams(self, request_id: str, n: int, prompt_token_ids: list[int], sampling: SamplingParams,
                        stop_strings: Sequence[str], cache_salt: str | None,
                        turn: SessionTurn = NO_TURN, kv_transfer=None, text: TextOptions = TextOptions(),
-                       *, priority: int = 0) -> list[AsyncIterator[TextDelta]]:
+                       cache: PromptCache = NO_PROMPT_CACHE, *, priority: int = 0) -> list[AsyncIterator[TextDelta]]:
         """One ``stream`` per choice. n == 1: the engine request is ``request_id`` itself. n > 1:
         engine requests ``{request_id}-{i}``, each with its own seed (``choice_seed``), never in a
         session; they run concurrently, and the scheduler computes the prompt's full blocks once
-        (the other choices wait a step and hit them)."""
+        (the other choices wait a step and hit them). Every choice runs with ``cache``'s
+        retention; the first ends its pins."""
         if n == 1:
             return [self.stream(request_id, prompt_token_ids, sampling, stop_strings, cache_salt, turn,
-                                kv_transfer, text, priority=priority)]
+                                kv_transfer, text, cache, priority=priority)]
         assert turn is NO_TURN, "open_session refuses n > 1 in a session"
         streams = []
         for i in range(n):
             seeded = replace(sampling, seed=choice_seed(sampling.seed, i))
             streams.append(self.stream(f"{request_id}-{i}", prompt_token_ids, seeded, stop_strings, cache_salt,
-                                       text=text, priority=priority))
+                                       text=text, cache=cache if i == 0 else cache.without_pins(), priority=priority))
         return streams
 
     async def collect(self, deltas: AsyncIterator[TextDelta], raw_request: Request) -> TextDelta | None:
@@ -541,8 +552,31 @@ class GenerationService:
             raise server_error(f"Engine error: {type(exc).__name__}: {exc}") from exc
 
     @staticmethod
-    def sse_response(events: AsyncIterator[str], headers: dict[str, str], turn: SessionTurn = NO_TURN
-                     ) -> StreamingResponse:
-        """The SSE response over ``events``; a session's turn ends even if the stream never started
-        (a no-op when the stream ended it, the usual case)."""
-        return sse_response(events, headers, None if turn is NO_TURN else turn.end)
+    def sse_response(events: AsyncIterator[str], headers: dict[str, str], turn: SessionTurn = NO_TURN,
+                     cache: PromptCache = NO_PROMPT_CACHE) -> StreamingResponse:
+        """The SSE response over ``events``; a session's turn and the pins' turn end even if the
+        stream never started (a no-op when the stream ended them, the usual case)."""
+        if cache.pins is None:
+            return sse_response(events, headers, None if turn is NO_TURN else turn.end)
+
+        def end_turns() -> None:
+            turn.end()
+            cache.end(None, 0)
+        return sse_response(events, headers, end_turns)
+
+    async def open_cache(self, raw_request: Request, body: SamplingRequest | ResponsesRequest,
+                         token_ids: Sequence[int], cache_salt: str | None) -> PromptCache:
+        """The request's ``PromptCache`` from its prompt-cache fields (``kvhive.server.prompt_cache``)."""
+        return await open_prompt_cache(self, raw_request, body.model, token_ids, cache_salt,
+                                       retention_config=body.kv_cache_retention_config,
+                                       prompt_cache_retention=getattr(body, "prompt_cache_retention", None))
+
+    async def open_session_after(self, cache: PromptCache, raw_request: Request, model: str, num_tokens: int,
+                                 **session: Any) -> SessionTurn:
+        """``open_session`` for a request whose pins are open: a refusal ends the pins' turn (the
+        pins it would have created are dropped) before it is raised."""
+        try:
+            return await self.open_session(raw_request, model, num_tokens, **session)
+        except BaseException:
+            cache.end(None, 0)
+            raise

@@ -130,12 +130,13 @@ class SessionLimits:
                                "too_many_sessions")
 
     def check_pinned(self, owner: str | None, owned: Iterable[Session], num_tokens: int,
-                     exclude: Session | None = None) -> None:
+                     exclude: Session | None = None, keeper_tokens: int | None = None) -> None:
         """SessionLimit when a session holding ``num_tokens`` (prompt + max_tokens) in place of ``exclude``
         would take the key's sessions (``owner``'s, ``owned``; None: no API key) over --max-pinned-gb,
-        or all sessions over the keeper tier."""
+        or all sessions over the keeper tier (``keeper_tokens``, default ``num_tokens``: the tokens
+        whose full blocks are new there; nested pins of one prompt share their blocks)."""
         self._check_key_limit(owner, owned, num_tokens, exclude)
-        self._check_keeper(num_tokens, exclude)
+        self._check_keeper(num_tokens if keeper_tokens is None else keeper_tokens, exclude)
 
     def _check_key_limit(self, owner: str | None, owned: Iterable[Session], num_tokens: int,
                          exclude: Session | None) -> None:

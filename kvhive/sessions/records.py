@@ -33,8 +33,9 @@ class SessionRecords:
     def save(self, session: Session) -> None:
         """Write the session's record. A local backend that cannot (a full disk, an I/O error)
         raises SessionNotDurable and keeps the record it had; failures are logged once per
-        interval. A shared backend queues its writes (see ``want_republish`` for their loss)."""
-        if self.backend is None:
+        interval. A shared backend queues its writes (see ``want_republish`` for their loss). A
+        session held in memory only is never written."""
+        if self.backend is None or session.in_memory:
             return
         try:
             self.backend.save(session.to_json())

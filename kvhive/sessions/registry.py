@@ -61,6 +61,7 @@ from kvhive.sessions.records import SessionRecords
 from kvhive.sessions.session import (
     MAX_SESSION_ID_CHARS,
     SESSION_ID_PATTERN,
+    SESSION_KIND,
     Session,
     check_session_id,
     parse_ttl,
@@ -137,8 +138,10 @@ class SessionRegistry:
         return self._live(session, session_id)
 
     def _rereads(self, session: Session | None) -> bool:
-        """Whether a lookup reads the backend again: shared, and the session not busy here."""
-        return self.backend is not None and self.backend.shared and (session is None or not session.busy)
+        """Whether a lookup reads the backend again: shared, and the session not busy here (nor
+        held in memory only: the backend never has its record)."""
+        return (self.backend is not None and self.backend.shared
+                and (session is None or not (session.busy or session.in_memory)))
 
     def _live(self, session: Session | None, session_id: str) -> Session:
         if session is None or (not session.busy and session.expires <= self.clock()):
@@ -150,6 +153,10 @@ class SessionRegistry:
         now = self.clock()
         return sorted((s for (o, _), s in self._sessions.items() if o == owner and (s.busy or s.expires > now)),
                       key=lambda s: s.created)
+
+    def holds(self, session: Session) -> bool:
+        """Whether this record is the one held under its (owner, id): not deleted, swept or replaced."""
+        return self._sessions.get((session.owner, session.session_id)) is session
 
     def live_sessions(self) -> list[Session]:
         """Every owner's live sessions."""
@@ -177,13 +184,16 @@ class SessionRegistry:
 
     # ------------------------------------------------------------------ changes
 
-    def create(self, owner: str | None, model: str, ttl_s: int, session_id: str | None = None) -> Session:
-        """A new busy session (its first turn is about to run); SessionLimit over the per-key count limit."""
+    def create(self, owner: str | None, model: str, ttl_s: int, session_id: str | None = None,
+               kind: str = SESSION_KIND, num_tokens: int = 0, in_memory: bool = False) -> Session:
+        """A new busy session (its first turn is about to run) of ``kind``, counting ``num_tokens``
+        until its turn ends (``in_memory``: a record never written, whose blocks no store tier
+        keeps); SessionLimit over the per-key count limit."""
         if self.config.max_sessions_per_key is not None:
             self.limits.check_session_count(len(self.list(owner)))
         now = self.clock()
         session = Session(session_id or f"sess-{uuid.uuid4().hex}", owner, model, ttl_s, now, now + ttl_s,
-                          busy=True, turn=1)
+                          num_tokens, busy=True, turn=1, kind=kind, in_memory=in_memory)
         self.records.save(session)            # SessionNotDurable: refused before it exists
         self._add(session)
         return session
@@ -191,6 +201,8 @@ class SessionRegistry:
     def begin_turn(self, session: Session, model: str, new_tokens: int) -> None:
         """Mark the session busy for one turn: SessionInvalid for another model, SessionBusy if busy,
         SessionLimit over bytes."""
+        if session.is_pin:
+            raise not_found(session.session_id)           # a pin is never run in
         if session.model != model:
             raise SessionInvalid(f"Session '{session.session_id}' holds KV of model "
                                  f"'{session.model}', not '{model}'", "session_model_mismatch", "model")
@@ -201,10 +213,17 @@ class SessionRegistry:
         session.busy = True
         session.turn += 1
 
-    def check_pinned(self, owner: str | None, num_tokens: int, exclude: Session | None = None) -> None:
+    def check_pinned(self, owner: str | None, num_tokens: int, exclude: Session | None = None,
+                     keeper_tokens: int | None = None) -> None:
         """SessionLimit when a session holding ``num_tokens`` (prompt + max_tokens) in place of ``exclude``
-        would take the owner's sessions over --max-pinned-gb, or all sessions over the keeper tier."""
-        self.limits.check_pinned(owner, self._owned(owner), num_tokens, exclude)
+        would take the owner's sessions over --max-pinned-gb, or all sessions over the keeper tier
+        (``keeper_tokens``: the tokens of new distinct blocks there, when fewer than ``num_tokens``)."""
+        self.limits.check_pinned(owner, self._owned(owner), num_tokens, exclude, keeper_tokens)
+
+    def check_session_count(self, owner: str | None, num_new: int) -> None:
+        """SessionLimit when the owner may not create ``num_new`` more sessions (--max-sessions-per-key)."""
+        if num_new > 0 and self.config.max_sessions_per_key is not None:
+            self.limits.check_session_count(len(self.list(owner)) + num_new - 1)
 
     def end_turn(self, session: Session, num_tokens: int | None, block_hashes: list[str] | None,
                  cached_tokens: int = 0) -> None:
@@ -218,6 +237,19 @@ class SessionRegistry:
         session.expires = self.clock() + session.ttl_s
         if (session.owner, session.session_id) in self._sessions:
             self.records.save(session)
+
+    def refresh_pin(self, pin: Session, num_tokens: int, block_hashes: list[str], ttl_s: int) -> None:
+        """A read or a write of a prompt-cache pin: it holds these blocks, is no longer busy, and
+        expires no sooner than ``ttl_s`` from now (a later expiry it had stays, with its TTL). SessionNotDurable
+        when its record cannot be written (the record here holds the new state all the same)."""
+        pin.busy = False
+        pin.num_tokens = num_tokens
+        self._set_blocks(pin, block_hashes)
+        expires = self.clock() + ttl_s
+        if expires > pin.expires:
+            pin.ttl_s, pin.expires = ttl_s, expires
+        if (pin.owner, pin.session_id) in self._sessions:
+            self.records.save(pin)
 
     def set_ttl(self, session: Session, ttl_s: int) -> None:
         """New TTL; the session now expires ttl_s from now."""
@@ -242,12 +274,14 @@ class SessionRegistry:
                 logger.exception("could not delete the record of session %s", session.session_id)
 
     def pop_expired(self) -> list[Session]:
-        """Remove and return every expired, idle session (the caller frees their blocks).
+        """Remove and return every expired, idle session or pin (the caller frees their blocks).
 
         A local backend's records go too; a shared backend's expire in Redis on their own (and a
         record another replica extended since must stay)."""
         now = self.clock()
-        expired = [s for s in self._sessions.values() if not s.busy and s.expires <= now]
+        # A pin is busy only until the request that creates it has computed its prompt; one whose
+        # request never ended expires all the same (a session's turn always ends).
+        expired = [s for s in self._sessions.values() if (not s.busy or s.is_pin) and s.expires <= now]
         for session in expired:
             self._remove(session)
             if self.backend is not None and not self.backend.shared:
@@ -262,22 +296,27 @@ class SessionRegistry:
 
     def _add(self, session: Session) -> None:
         self._sessions[(session.owner, session.session_id)] = session
-        self.limits.count_blocks(session.block_hashes, 1)
+        self._count_blocks(session, session.block_hashes, 1)
 
     def _remove(self, session: Session) -> bool:
         if self._sessions.get((session.owner, session.session_id)) is not session:
             return False
         del self._sessions[(session.owner, session.session_id)]
-        self.limits.count_blocks(session.block_hashes, -1)
+        self._count_blocks(session, session.block_hashes, -1)
         return True
+
+    def _count_blocks(self, session: Session, block_hashes: list[str], delta: int) -> None:
+        """Count a held session's blocks in the keeper tier's rule, unless it keeps them in memory only."""
+        if not session.in_memory:
+            self.limits.count_blocks(block_hashes, delta)
 
     def _set_blocks(self, session: Session, block_hashes: list[str]) -> None:
         held = self._sessions.get((session.owner, session.session_id)) is session
         if held:
-            self.limits.count_blocks(session.block_hashes, -1)
+            self._count_blocks(session, session.block_hashes, -1)
         session.block_hashes = block_hashes
         if held:
-            self.limits.count_blocks(block_hashes, 1)
+            self._count_blocks(session, block_hashes, 1)
 
     # ------------------------------------------------------------------ persistence
 

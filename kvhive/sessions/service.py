@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvhive.config import SessionConfig
 from kvhive.sessions.backends import SessionBackend
+from kvhive.sessions.prefix_pins import PrefixPins
 from kvhive.sessions.registry import (
     KeeperTier,
     Session,
@@ -112,6 +113,8 @@ class SessionService:
         self.registry = SessionRegistry(config, block_bytes, block_size, backend=backend, keeper=keeper,
                                         on_load=self.pin, clock=clock, device_pool_bytes=device_pool_bytes)
         self.config = config
+        # Prompt-cache pins (cache_control, prompt_cache_retention) are records of this registry.
+        self.prefix_pins = PrefixPins(self, block_size)
 
     # ------------------------------------------------------------ turns
 

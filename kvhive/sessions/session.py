@@ -2,6 +2,9 @@
 
 A session (a ``/v1/context`` cache or a chat ``conversation_id``) is one ``Session`` record plus
 the blocks the engine holds for it under ``Session.engine_id``; ``to_json`` is what a backend stores.
+A prompt-cache pin (``kvhive.sessions.prefix_pins``) is a record of kind ``PIN_KIND``: listed,
+counted, persisted and expired like any session, but never run in (its id holds a character a
+client's session id may not, so no request can name it as its session).
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from kvhive.sessions.errors import SessionInvalid
 # these ASCII characters, safe in a header, a Redis key and a file name.
 SESSION_ID_PATTERN = r"^[A-Za-z0-9_.:-]+$"
 MAX_SESSION_ID_CHARS = 128
+# A record's kind: a session requests run in, or a prompt-cache pin (``kvhive.sessions.prefix_pins``).
+SESSION_KIND = "session"
+PIN_KIND = "pin"
 
 
 @dataclass
@@ -31,6 +37,14 @@ class Session:
     block_hashes: list[str] = field(default_factory=list)    # hex, full blocks of those tokens
     busy: bool = False             # a turn is running (not persisted)
     turn: int = 0                  # turns begun since load (not persisted): tells one turn's end from a later one's
+    kind: str = SESSION_KIND       # SESSION_KIND, or PIN_KIND for a prompt-cache pin
+    # Held in this process only: its record is never written and no store tier keeps its blocks.
+    in_memory: bool = False
+
+    @property
+    def is_pin(self) -> bool:
+        """Whether this record is a prompt-cache pin rather than a session requests run in."""
+        return self.kind == PIN_KIND
 
     @property
     def engine_id(self) -> str:
@@ -41,13 +55,16 @@ class Session:
         """The persisted fields."""
         return {"id": self.session_id, "owner": self.owner, "model": self.model, "ttl": self.ttl_s,
                 "created": self.created, "expires": self.expires, "num_tokens": self.num_tokens,
-                "block_hashes": self.block_hashes}
+                "block_hashes": self.block_hashes, "kind": self.kind}
 
     @classmethod
     def from_json(cls, d: dict) -> Session:
-        """Inverse of ``to_json``."""
+        """Inverse of ``to_json`` (a record written before kinds existed is a session)."""
+        kind = d.get("kind", SESSION_KIND)
+        if kind not in (SESSION_KIND, PIN_KIND):
+            raise ValueError(f"unknown session record kind {kind!r}")
         return cls(d["id"], d["owner"], d["model"], int(d["ttl"]), float(d["created"]),
-                   float(d["expires"]), int(d["num_tokens"]), list(d["block_hashes"]))
+                   float(d["expires"]), int(d["num_tokens"]), list(d["block_hashes"]), kind=kind)
 
 
 def check_session_id(session_id: str, param: str) -> None:

@@ -71,7 +71,7 @@ def test_another_part_kinds_field_on_a_text_part_is_refused(tiny_client: httpx.C
 
 
 def test_no_op_fields_answer_200(tiny_client: httpx.Client) -> None:
-    assert set(NO_OP_FIELDS) == {"user", "safety_identifier", "prompt_cache_key", "service_tier", "store", "metadata"}
+    assert set(NO_OP_FIELDS) == {"user", "safety_identifier", "service_tier", "store", "metadata"}
     chat = {**CHAT_BODY, "user": "u1", "safety_identifier": "u1", "prompt_cache_key": "agent-7",
             "service_tier": "auto", "store": True, "metadata": {"run": "7"}}
     for path, body in [("/v1/chat/completions", chat), ("/v1/completions", {**COMPLETION, "user": "u1"}),

@@ -57,7 +57,7 @@ def drain_sessions(client: EngineClient, registry: Any, idle_timeout_s: float = 
     docstring); blocking, so it runs on a worker thread."""
     if not wait_idle(client, idle_timeout_s):
         logger.warning("drain: requests still running after %.1fs", idle_timeout_s)
-    sessions = registry.live_sessions()
+    sessions = [s for s in registry.live_sessions() if not s.in_memory]      # in-memory pins end here
     hashes = sorted({h for session in sessions for h in session.block_hashes})
     copy = client.copy_to_shared_tier([bytes.fromhex(h) for h in hashes])
     if copy is None:
