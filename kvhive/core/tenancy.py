@@ -9,10 +9,18 @@ from __future__ import annotations
 import hashlib
 
 
-def key_owner(authorization: str) -> str:
-    """A digest of the key in an ``Authorization: Bearer KEY`` header value (owns sessions, salts
-    the cache); the key itself is never stored."""
-    token = authorization.partition(" ")[2].strip()
+def presented_key(authorization: str | None, x_api_key: str | None = None) -> str:
+    """The API key a request presents: the one in ``Authorization: Bearer KEY`` when that header is
+    sent, else Anthropic's ``x-api-key: KEY`` ("" when neither is)."""
+    if authorization:
+        return authorization.partition(" ")[2].strip()
+    return (x_api_key or "").strip()
+
+
+def key_owner(authorization: str | None, x_api_key: str | None = None) -> str:
+    """A digest of the key a request presents (``presented_key``; owns sessions, salts the cache);
+    the key itself is never stored."""
+    token = presented_key(authorization, x_api_key)
     return hashlib.sha256(token.encode()).hexdigest()[:32]
 
 

@@ -36,10 +36,10 @@ def chat_functions(tools: Sequence[Any] | None) -> tuple[ToolFunction, ...]:
 
 
 def _chat_function(tool: Any, param: str) -> ToolFunction:
-    _check_object(tool, param, CHAT_TOOL_KEYS)
+    check_object(tool, param, CHAT_TOOL_KEYS)
     _check_type(tool.get("type"), f"{param}.type")
     function = tool.get("function")
-    _check_object(function, f"{param}.function", CHAT_FUNCTION_KEYS)
+    check_object(function, f"{param}.function", CHAT_FUNCTION_KEYS)
     return _function(function, {"type": "function", "function": dict(function)}, f"{param}.function")
 
 
@@ -53,7 +53,7 @@ def _responses_function(tool: Any, param: str) -> ToolFunction:
     if isinstance(tool, Mapping) and tool.get("type") != "function":
         raise BodyError(f"Tools of type {tool.get('type')!r:.40} are not supported; only 'function' tools",
                           param=f"{param}.type")
-    _check_object(tool, param, RESPONSES_TOOL_KEYS)
+    check_object(tool, param, RESPONSES_TOOL_KEYS)
     body = {k: v for k, v in tool.items() if k != "type"}
     return _function(tool, {"type": "function", "function": body}, param)
 
@@ -106,7 +106,8 @@ def _check_count(tools: Sequence[Any], param: str) -> None:
         raise BodyError(f"'{param}' holds at most {MAX_TOOLS} tools, got {len(tools)}", param=param)
 
 
-def _check_object(value: Any, param: str, keys: frozenset[str]) -> None:
+def check_object(value: Any, param: str, keys: frozenset[str]) -> None:
+    """BodyError unless ``value`` is an object whose fields are all in ``keys`` (naming the first other)."""
     if not isinstance(value, Mapping):
         raise BodyError(f"'{param}' must be an object", param=param)
     unknown = sorted(set(value) - keys)

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI routes, health, metrics, API keys; and ``run_server`` (uvicorn)."""
+"""The FastAPI app: OpenAI routes, Anthropic's Messages API, health, metrics, API keys; and
+``run_server`` (uvicorn)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from kvhive.server.chat import create_chat_completion
 from kvhive.server.completions import create_completion
 from kvhive.server.context import install_context_routes, session_sweeper
 from kvhive.server.errors import APIError, install_error_handlers
+from kvhive.server.messages import install_messages_routes
+from kvhive.server.messages_errors import AnthropicErrors
 from kvhive.server.metrics import ServerMetrics
 from kvhive.server.openapi import install_request_bodies
 from kvhive.server.prefix_cache import install_prefix_cache_routes
@@ -65,7 +68,8 @@ KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/reset_prefix_cache", "/to
 
 class APIKeyMiddleware:
     """Answers 401 on ``/v1/*`` and KEYED_PATHS (``/tokenize``, ``/detokenize``,
-    ``/reset_prefix_cache``, ``/tokenizer_info``) unless ``Authorization: Bearer <key>`` names one of the keys.
+    ``/reset_prefix_cache``, ``/tokenizer_info``) unless the request presents one of the keys:
+    ``Authorization: Bearer <key>``, or Anthropic's ``x-api-key: <key>`` when no Authorization is sent.
 
     ``/health`` and ``/metrics`` stay open (probes and scrapers carry no key).
     """
@@ -79,18 +83,23 @@ class APIKeyMiddleware:
         if (scope["type"] == "http" and scope["method"] != "OPTIONS"
                 and (scope["path"].startswith("/v1") or scope["path"] in KEYED_PATHS)
                 and not self._authorized(scope)):
-            error = APIError(401, "Invalid or missing API key. Send 'Authorization: Bearer <key>'.",
-                             code="invalid_api_key")
+            error = APIError(401, "Invalid or missing API key. Send 'Authorization: Bearer <key>' "
+                                  "or 'x-api-key: <key>'.", code="invalid_api_key")
             await error.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
         header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer":
-            return False
+        if header:
+            scheme, _, token = header.partition(b" ")
+            if scheme.lower() != b"bearer":
+                return False
+        else:
+            token = next((v for k, v in scope["headers"] if k == b"x-api-key"), b"")
         token = token.strip()
+        if not token:
+            return False
         # compare_digest against every key: the time taken does not reveal which key nearly matched.
         return any([secrets.compare_digest(token, key) for key in self.api_keys])
 
@@ -131,11 +140,14 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=tuple(api_keys))
+    # Outside both: their errors on /v1/messages* leave in Anthropic's shape too.
+    app.add_middleware(AnthropicErrors)
     install_cors(app, cors)
     install_info_routes(app, service, created)
     if tokenizer_info:
         install_tokenizer_info_route(app, service)
     install_generation_routes(app, service)
+    install_messages_routes(app, service)
     install_context_routes(app, service)
     install_response_routes(app, responses)
     install_tokenize_routes(app, service)

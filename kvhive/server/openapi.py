@@ -14,13 +14,16 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from kvhive.core.tokenize_bodies import DetokenizeRequest, TokenizeCompletionRequest
+from kvhive.server.messages_errors import MESSAGES_PATH
+from kvhive.server.messages_protocol import CountTokensRequest, MessagesRequest
 from kvhive.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvhive.server.responses_protocol import ResponsesRequest
 from kvhive.server.tokenize import ChatTokenizeRequest
 
 _REF = "#/components/schemas/{model}"
 _MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, ResponsesRequest,
-                                        TokenizeCompletionRequest, ChatTokenizeRequest, DetokenizeRequest)
+                                        TokenizeCompletionRequest, ChatTokenizeRequest, DetokenizeRequest,
+                                        MessagesRequest, CountTokensRequest)
 # PATCH /v1/context/{session_id}: the TTL may also come in x-session-ttl, so the body is optional.
 _TTL_BODY = {"type": "object", "properties": {"ttl": {"type": "integer", "minimum": 1,
                                                       "description": "seconds from now"}}}
@@ -31,6 +34,10 @@ _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type"], "properties": {
         "message": {"type": "string"}, "type": {"type": "string"},
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+# ``kvhive.server.messages_errors.anthropic_error_body``: the error shape on /v1/messages*.
+_ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+        "type": {"type": "string"}, "message": {"type": "string"}}}}}
 _SESSION_TTL = {"name": "x-session-ttl", "in": "header", "required": False, "schema": {"type": "string"},
                 "description": "the session's time to live in seconds"}
 
@@ -50,6 +57,9 @@ def _bodies(model_name: str) -> dict[tuple[str, str], tuple[dict[str, Any], dict
         ("/tokenize", "post"): ({"anyOf": [ref[TokenizeCompletionRequest], ref[ChatTokenizeRequest]]},
                                 {"model": model_name, "prompt": "Once upon a time"}, True),
         ("/detokenize", "post"): (ref[DetokenizeRequest], {"model": model_name, "tokens": [19556, 905]}, True),
+        ("/v1/messages", "post"): (ref[MessagesRequest], chat, True),
+        ("/v1/messages/count_tokens", "post"): (ref[CountTokensRequest], {k: v for k, v in chat.items()
+                                                                          if k != "max_tokens"}, True),
     }
 
 
@@ -66,15 +76,16 @@ def add_request_bodies(schema: dict[str, Any], model_name: str) -> None:
     """Declare the JSON bodies (with an example naming ``model_name``) and session headers in ``schema``."""
     _, definitions = models_json_schema([(model, "validation") for model in _MODELS], ref_template=_REF)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    components.update(definitions["$defs"], Error=_ERROR)
-    error = {"content": {"application/json": {"schema": {"$ref": _REF.format(model="Error")}}}}
+    components.update(definitions["$defs"], Error=_ERROR, AnthropicError=_ANTHROPIC_ERROR)
     paths = schema.get("paths", {})
-    for operations in paths.values():
+    for path, operations in paths.items():
+        shape = "AnthropicError" if path.startswith(MESSAGES_PATH) else "Error"
+        error = {"content": {"application/json": {"schema": {"$ref": _REF.format(model=shape)}}}}
         for operation in operations.values():
             responses = operation.setdefault("responses", {})
-            # Validation errors are OpenAI's 400s (``install_error_handlers``), never FastAPI's 422.
+            # Validation errors are 400s (``install_error_handlers``), never FastAPI's 422.
             responses.pop("422", None)
-            responses["400"] = {"description": "Invalid request (OpenAI's error shape)", **error}
+            responses["400"] = {"description": f"Invalid request ({shape})", **error}
     for unused in ("HTTPValidationError", "ValidationError"):           # FastAPI's 422 bodies
         components.pop(unused, None)
     for (path, method), (body, example, required) in _bodies(model_name).items():
@@ -83,7 +94,8 @@ def add_request_bodies(schema: dict[str, Any], model_name: str) -> None:
             continue                    # a route this app does not serve
         operation["requestBody"] = {"required": required, "content": {
             "application/json": {"schema": body, "example": example}}}
-        operation["responses"]["413"] = {"description": "The body exceeds --max-request-bytes", **error}
+        operation["responses"]["413"] = {"description": "The body exceeds --max-request-bytes",
+                                         "content": operation["responses"]["400"]["content"]}
     for (path, method), headers in _HEADERS.items():
         operation = paths.get(path, {}).get(method)
         if operation is not None:

@@ -376,10 +376,12 @@ class GenerationService:
     # ------------------------------------------------------------ owners and sessions
 
     def owner_of(self, raw_request: Request) -> str | None:
-        """A digest of the caller's API key (None without API keys): owns sessions, salts the cache."""
+        """A digest of the caller's API key (``Authorization: Bearer`` or ``x-api-key``; None
+        without API keys): owns sessions, salts the cache."""
         if not self.has_api_keys:
             return None
-        return key_owner(raw_request.headers.get("authorization", ""))
+        headers = raw_request.headers
+        return key_owner(headers.get("authorization"), headers.get("x-api-key"))
 
     def cache_salt_for(self, owner: str | None, body_salt: str | None) -> str | None:
         """The prefix-cache salt (``kvhive.core.tenancy.cache_salt``, which the gateway calls too)."""

@@ -21,8 +21,10 @@ Rules, in one place:
   (a later expiry it had stays). A new pin's record is made when its request opens (busy, counted
   in the budgets) and holds the prefix's blocks once the engine has computed the prompt.
 - Counters, with Anthropic's meanings (``PinTurn.cache_usage``): ``cache_read_input_tokens`` are the
-  prompt tokens up to the furthest breakpoint whose pin was live before this request, and served
-  from cache (at most the engine's ``cached_tokens``); ``cache_creation_input_tokens`` the rest up
+  prompt tokens up to the furthest breakpoint whose pin was live before this request (or the
+  furthest earlier prefix of the prompt another live pin of the key holds: the previous turn's,
+  when a conversation moves its breakpoint to its newest turn), and served from cache (at most the
+  engine's ``cached_tokens``); ``cache_creation_input_tokens`` the rest up
   to the last breakpoint; ``input_tokens`` the tokens after it. The three sum to the prompt. Once a
   pin has expired the same prefix counts as created again, even when the automatic prefix cache
   still had its KV (which OpenAI's ``cached_tokens`` would count).
@@ -131,7 +133,7 @@ class PinTurn:
         self.breakpoints = breakpoints
         self._records = records          # one pin record per breakpoint
         self._created = created          # whether this request created that record
-        self.read_limit = read_limit     # the furthest breakpoint whose pin was live before the request
+        self.read_limit = read_limit     # the furthest prefix a live pin held before the request
         self.usage: CacheUsage | None = None      # set by ``end``
 
     @property
@@ -197,6 +199,8 @@ class PrefixPins:
         # Awaits end here: the checks below and the changes after them see one state.
         live = [bp.num_tokens for bp, pin in zip(points, held, strict=True) if pin is not None and not pin.busy]
         read_limit = max(live, default=0)
+        read_limit = max(read_limit, self._earlier_pin(owner, model, cache_salt, prompt_token_ids,
+                                                       points[-1].num_tokens, read_limit))
         missing = [bp for bp, pin in zip(points, held, strict=True) if pin is None]
         self._check_room(owner, missing, points, held)
         now = self.registry.clock()
@@ -217,6 +221,22 @@ class PrefixPins:
                     self.service.end(pin)
             raise
         return PinTurn(self, num_prompt, points, tuple(records), tuple(created), read_limit)
+
+    def _earlier_pin(self, owner: str | None, model: str, cache_salt: str | None, prompt_token_ids: Sequence[int],
+                     up_to: int, above: int) -> int:
+        """The furthest prefix of this prompt in ``(above, up_to]`` that another live, idle pin of the
+        owner on this replica holds; 0 when none. Anthropic reads a cache entry written at an earlier
+        position too: a conversation moves its breakpoint to its newest turn on every request, and
+        the prefix the previous request pinned is then read, not created again."""
+        pins = [pin for pin in self.registry.list(owner)
+                if pin.is_pin and not pin.busy and pin.model == model and above < pin.num_tokens <= up_to]
+        if not pins:
+            return 0
+        # Each distinct position once, in ascending order: one pass over the prompt names them all.
+        positions = sorted({(pin.num_tokens, pin.in_memory) for pin in pins})
+        ids = pin_ids(model, cache_salt, prompt_token_ids, [Breakpoint(n, 1, in_memory) for n, in_memory in positions])
+        held = {pin.session_id for pin in pins}
+        return max((n for (n, _), pin_id in zip(positions, ids, strict=True) if pin_id in held), default=0)
 
     async def _find(self, pin_id: str, owner: str | None) -> Session | None:
         """The owner's live pin of this id, or None."""

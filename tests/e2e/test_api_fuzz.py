@@ -37,6 +37,7 @@ OPERATIONS = [
     ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
     ("GET", "/v1/responses/{response_id}/input_items"), ("DELETE", "/v1/responses/{response_id}"),
     ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/reset_prefix_cache"),
+    ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
 ]
 # POSTs that read no body (their input is the query string).
 BODILESS = {("POST", "/reset_prefix_cache")}

@@ -175,6 +175,18 @@ def write_hf_dir(family: Family, vocab: Vocab, directory: str | os.PathLike[str]
     return os.fspath(directory)
 
 
+def family_tokenizer(name: str, directory: str | os.PathLike[str]):  # -> kvhive.core.tokenizer.Tokenizer
+    """The tokenizer of family ``name`` ("qwen3", "llama3", ...; "default": the default model's), its
+    files written to ``directory``."""
+    from kvhive.core.model_files import default_model_path
+    from kvhive.core.tokenizer import Tokenizer
+
+    if name == "default":
+        return Tokenizer.from_model_path(default_model_path())
+    family = next(f for f in FAMILIES if f.name == name)
+    return Tokenizer.from_hf_dir(write_hf_dir(family, build_vocab(family), directory))
+
+
 def write_gguf(family: Family, vocab: Vocab, path: str | os.PathLike[str], model: str | None = None,
                omit: tuple[str, ...] = ()) -> str:
     """A GGUF holding the tokenizer fields llama.cpp's converter writes (no tensors); ``model``

@@ -259,3 +259,18 @@ def test_a_pin_whose_request_never_ended_expires_all_the_same() -> None:
     assert pin.busy and sessions.sweep() == 0
     clock.now += 61
     assert sessions.sweep() == 1 and sessions.list("k") == [] and holder.released == [pin.engine_id]
+
+
+def test_a_conversation_reads_the_pin_its_previous_turn_made_at_an_earlier_position() -> None:
+    sessions = service()
+    first_turn = PROMPT[:3 * BLOCK_SIZE + 2]
+    request(sessions, "k", [Breakpoint(len(first_turn), 300)], cached_tokens=0, prompt=first_turn)
+    # The next turn moves its breakpoint to its own end: the previous turn's prefix is read.
+    usage = request(sessions, "k", [Breakpoint(len(PROMPT), 300)], cached_tokens=3 * BLOCK_SIZE)
+    assert usage == CacheUsage(3 * BLOCK_SIZE, len(PROMPT) - 3 * BLOCK_SIZE, 0)
+    # Another key's pin, or a pin of another prefix, is never read.
+    assert request(sessions, "other", [Breakpoint(len(PROMPT), 300)], cached_tokens=3 * BLOCK_SIZE) == CacheUsage(
+        0, len(PROMPT), 0)
+    changed = [7, *PROMPT[1:]]
+    assert request(sessions, "k", [Breakpoint(len(changed), 300)], cached_tokens=0, prompt=changed) == CacheUsage(
+        0, len(changed), 0)

@@ -13,10 +13,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from support.tokenizer_families import FAMILIES, build_vocab, write_hf_dir
+from support.tokenizer_families import family_tokenizer
 
 from kvhive.core.json_body import BodyError
-from kvhive.core.model_files import default_model_path
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.router.tokenize import PromptTokenizer, prompt_from_body
 from kvhive.server.chat import chat_prompt_token_ids
@@ -67,10 +66,7 @@ class _Replica:
 
 @pytest.fixture(scope="module", params=["qwen3", "llama3", "default"])
 def tokenizer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    if request.param == "default":
-        return Tokenizer.from_model_path(default_model_path())
-    family = next(f for f in FAMILIES if f.name == request.param)
-    return Tokenizer.from_hf_dir(write_hf_dir(family, build_vocab(family), tmp_path_factory.mktemp(family.name)))
+    return family_tokenizer(request.param, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="module")

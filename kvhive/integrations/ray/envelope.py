@@ -37,7 +37,7 @@ class HTTPEnvelope:
     @property
     def owner(self) -> str:
         """The digest of the caller's API key that replicas key sessions by."""
-        return key_owner(self.header("authorization") or "")
+        return key_owner(self.header("authorization"), self.header("x-api-key"))
 
     def json_body(self) -> dict[str, Any] | None:
         """The body as a JSON object, or None when it is none (the replica answers it)."""
