@@ -407,7 +407,7 @@ SECTIONS = (
             "~3,200-token system prompt with 20 tool definitions (JSON schemas); each runs 12 turns, each turn "
             "adding a canned tool call (~65 tokens) and its result (~285 tokens) to the history and asking for "
             "the next step (32 tokens, greedy, streamed). The history is sent as plain chat (definitions in the "
-            "system message, calls as Hermes `<tool_call>` text, results as `tool` messages), byte-identical "
+            "system message, calls as Hermes `<tool_call>` text, results as user messages holding `<tool_response>`; the bfloat16 rounds ran with them as `tool` messages), byte-identical "
             "for both servers. kvhive with prefix caching and with `conversation_id` (a session per agent) "
             "against vLLM for CPU with prefix caching, in float32 and bfloat16, in paired rounds.",
             ("turns 2-12 TTFT ≤ 0.6x vLLM's, in float32 and in bfloat16 (median of the rounds' paired ratios of "
