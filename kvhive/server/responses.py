@@ -29,6 +29,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvhive.core.retention import RetentionSpec
 from kvhive.server.chat import chat_prompt_token_ids
 from kvhive.server.context import background_task
 from kvhive.server.errors import APIError, bad_request
@@ -194,6 +195,10 @@ class ResponsesAPI:
             num_logprobs, structured=structured))
         salt = service.cache_salt_for(owner, None)
         cache = await service.open_cache(raw_request, body, token_ids, salt)
+        if body.store and cache.engine_retention is None:
+            # A retention at the default priority changes no eviction; it has the engine report the
+            # request's own block hashes, this response's chain when it ran beside its session.
+            cache = replace(cache, retention=RetentionSpec())
         try:
             conversation_id, session_turn, session = await self.open_conversation(
                 raw_request, body, len(token_ids) + max_tokens)
@@ -306,21 +311,24 @@ class Turn:
         if self.body.store:
             session = self.session
             expires = session.expires if session is not None else unix_time()
-            stored = StoredResponse(self.owner, answer, self.items, self.chain())
+            stored = StoredResponse(self.owner, answer, self.items, self.chain(result))
             self.api.store.add(stored, expires)
             self.stored = True
             self.api.sessions.pin_chain(self.owner, self.response_id, stored.chain)
         self.api.created[status] += 1
         return answer
 
-    def chain(self) -> list[str]:
-        """This response's chain (its prompt's and output's full blocks), when its session turn
-        recorded what the session holds after it; else none. Stored with it and pinned beside the
-        session, which later turns move on."""
+    def chain(self, result: TextDelta) -> list[str]:
+        """This response's chain (its prompt's and output's full blocks): what its session turn
+        recorded the session holds after it, else the request's own blocks as the engine reported
+        them (a branch that ran beside its busy session); none when neither is known. Stored with it
+        and pinned beside the session, which later turns move on."""
         session = self.session
-        if session is None or self.turns_before is None or session.num_turns <= self.turns_before:
+        if session is None:
             return []
-        return list(session.block_hashes)
+        if self.turns_before is not None and session.num_turns > self.turns_before:
+            return list(session.block_hashes)
+        return [h.hex() for h in result.block_hashes or ()]
 
     def fail(self, exc: Exception) -> ResponseObject:
         """The response object of a turn the engine failed, or whose storing failed (never stored)."""
@@ -374,7 +382,8 @@ class Turn:
             yield event(kind, **fields)
         try:
             answer = self.finish(TextDelta("".join(parts), last.finish_reason, last.num_prompt_tokens,
-                                           last.num_cached_tokens, last.num_output_tokens), streamed=True)
+                                           last.num_cached_tokens, last.num_output_tokens,
+                                           block_hashes=last.block_hashes), streamed=True)
         except SessionNotDurable as exc:
             yield event("response.failed", response=self.not_stored(exc))
             return

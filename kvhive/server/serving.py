@@ -86,6 +86,9 @@ class TextDelta:
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
     # The ids the engine generated since the previous delta (``return_token_ids``).
     token_ids: tuple[int, ...] = ()
+    # On the last delta of a request with a retention: its full blocks' hashes, as far as the
+    # engine reported them (``RequestOutput.block_hashes``); None otherwise.
+    block_hashes: tuple[bytes, ...] | None = None
 
     def usage(self) -> Usage:
         """OpenAI usage as of this delta."""
@@ -455,7 +458,7 @@ class GenerationService:
                 done = True
                 tracker.finish(delta.finish_reason, delta.num_prompt_tokens, delta.num_output_tokens)
                 await outputs.aclose()
-                yield delta
+                yield delta if block_hashes is None else replace(delta, block_hashes=tuple(block_hashes))
                 return
             raise RuntimeError(f"engine stream of {request_id} ended without a finished output")
         except RequestFailed:
@@ -521,7 +524,7 @@ class GenerationService:
                 assert final is not None
                 joined.append(TextDelta("".join(texts), final.finish_reason, final.num_prompt_tokens,
                                         final.num_cached_tokens, final.num_output_tokens, tuple(sent),
-                                        prompt_logprobs, tuple(generated)))
+                                        prompt_logprobs, tuple(generated), final.block_hashes))
             return joined
 
         task = asyncio.create_task(join())

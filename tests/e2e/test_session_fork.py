@@ -170,6 +170,29 @@ def test_every_responses_branch_keeps_its_own_pinned_chain(server):
         assert server.metric("kvhive_session_blocks", {"tier": "disk"}) < before
 
 
+def test_a_branch_sent_while_another_runs_pins_its_own_chain(server):
+    """A branch whose conversation is busy with another turn runs beside the session and still
+    pins its own chain, from the blocks the engine reports for it."""
+    words = " ".join(f"v{i}" for i in range(24))
+    with client(server) as c, client(server) as side:
+        parent = respond(c, f"Another start: {words}")
+        before = disk_pinned(server, 1)
+        body = {"model": SERVED_MODEL_NAME, "input": f"Long branch: {words[::-1]}", "max_output_tokens": 160,
+                "temperature": 0, "previous_response_id": parent["id"], "stream": True}
+        with c.stream("POST", "/v1/responses", json=body) as running:
+            assert running.status_code == 200, running.read()
+            lines = running.iter_lines()
+            next(line for line in lines if line.startswith("data:"))     # the long branch is running
+            beside = respond(side, f"Short branch: {words.upper()}", parent["id"])
+            for _ in lines:
+                pass
+        # The session holds the long branch now; the short branch's own blocks were pinned beside
+        # it, so deleting the short branch drops pins nothing else holds.
+        pinned = disk_pinned(server, before + 1)
+        assert c.delete(f"/v1/responses/{beside['id']}").status_code == 200
+        assert server.metric("kvhive_session_blocks", {"tier": "disk"}) < pinned
+
+
 def test_a_fork_survives_a_restart_and_conversation_caching_can_be_off(server, forked, disk):
     parent, child, turn1, _ = forked
     with client(server) as c:
