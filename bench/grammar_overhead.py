@@ -37,7 +37,7 @@ from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E4
 from kvhive.core.model_files import default_model_path  # noqa: E402
 from kvhive.core.structured_spec import StructuredSpec  # noqa: E402
 from kvhive.core.tokenizer import Tokenizer  # noqa: E402
-from kvhive.engine.core import LLMEngine  # noqa: E402
+from kvhive.engine.llm_engine import LLMEngine  # noqa: E402
 from kvhive.model.loader import load_model  # noqa: E402
 from kvhive.request import SamplingParams  # noqa: E402
 

@@ -39,7 +39,7 @@ from sessions_vs_vllm import interleave, load_multiturn, long_chat_user_turns
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvhive.core.model_files import default_model_path
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.engine.core import LLMEngine
+from kvhive.engine.llm_engine import LLMEngine
 from kvhive.model.loader import load_model
 from kvhive.request import SamplingParams
 

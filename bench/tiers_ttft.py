@@ -32,7 +32,7 @@ from run_info import command, machine
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvhive.core.model_files import default_model_path
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.engine.core import LLMEngine
+from kvhive.engine.llm_engine import LLMEngine
 from kvhive.model.loader import load_model
 from kvhive.request import SamplingParams
 from kvhive.store import DiskStore, MemoryStore, Tier, TieredStore

@@ -21,7 +21,7 @@ from kvhive.core.cors import cors_from_args
 from kvhive.core.flag_values import FlagValueError, given_dests, load_flag_file, mapping_argv
 from kvhive.core.http_limits import http_limits_from_args
 from kvhive.core.redis_check import redis_refusal
-from kvhive.core.registry import RegistrationConfig
+from kvhive.core.replica_registry import RegistrationConfig
 from kvhive.serve_args import AUTO_SPIN_COUNT, add_serve_args, build_engine_config, build_registration
 
 
@@ -191,7 +191,7 @@ def run_engine(args: argparse.Namespace, config: EngineConfig,
     The API keys are --api-key, else $KVHIVE_API_KEY. With ``registration``, the replica keeps its
     record in the registry while it serves and deregisters when it stops."""
     from kvhive.engine.async_engine import AsyncEngine
-    from kvhive.engine.core import LLMEngine
+    from kvhive.engine.llm_engine import LLMEngine
     from kvhive.server.app import run_server
     from kvhive.server.registration import start_heartbeat
 

@@ -9,7 +9,7 @@ import math
 import os
 from dataclasses import dataclass, field, replace
 
-from kvhive.connector.disagg.config import KVTransferConfig
+from kvhive.connector.disagg.transfer_config import KVTransferConfig
 from kvhive.kv.events_config import KVEventsConfig
 
 # ISA levels of the CPU kernels, best first (kvhive.model.cpu), and "auto": the best the CPU runs.

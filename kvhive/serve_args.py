@@ -23,10 +23,10 @@ from kvhive.config import (
     SessionConfig,
     StoreConfig,
 )
-from kvhive.connector.disagg.config import parse_kv_transfer_config
+from kvhive.connector.disagg.transfer_config import parse_kv_transfer_config
 from kvhive.core.cors import add_cors_args
 from kvhive.core.http_limits import add_http_limit_args
-from kvhive.core.registry import RegistrationConfig, default_advertise_url
+from kvhive.core.replica_registry import RegistrationConfig, default_advertise_url
 from kvhive.core.tool_parsers import PARSER_NAMES
 from kvhive.kv.events_config import parse_kv_events_config
 

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from typing import Any, NamedTuple, TypeVar
 
 from kvhive.core.retention import RetentionSpec
-from kvhive.engine.core import LLMEngine, RequestFailed, RequestOutput
+from kvhive.engine.llm_engine import LLMEngine, RequestFailed, RequestOutput
 from kvhive.engine.stats import EngineStats
 from kvhive.request import FinishReason, SamplingParams
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from kvhive.core.retention import RetentionSpec
 from kvhive.engine.cache_reset import CacheReset
-from kvhive.engine.core import RequestOutput
+from kvhive.engine.llm_engine import RequestOutput
 from kvhive.engine.stats import EngineStats, TierBudget
 from kvhive.request import SamplingParams
 from kvhive.store.shared_copy import SharedCopy, copy_to_shared_tier

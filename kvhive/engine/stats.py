@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvhive.connector.base import TierStats
-from kvhive.connector.disagg.stats import KVTransferStats
+from kvhive.connector.disagg.transfer_stats import KVTransferStats
 from kvhive.kv.pool import BlockPoolStats
 
 

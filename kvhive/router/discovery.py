@@ -1,5 +1,5 @@
 """``kvhive gateway --discover``: replicas that register themselves in Redis (``kvhive serve
---register``; layout in ``kvhive.core.registry``) join the gateway's replicas, beside any static
+--register``; layout in ``kvhive.core.replica_registry``) join the gateway's replicas, beside any static
 ``--replica``, and leave it when their heartbeat stops.
 
 Every ``interval_s`` the gateway reads the registry in one round trip (a Lua script that also
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from kvhive.core.registry import MEMBERS_KEY, RECORD_KEY_PREFIX, ReplicaRecord
+from kvhive.core.replica_registry import MEMBERS_KEY, RECORD_KEY_PREFIX, ReplicaRecord
 from kvhive.router.config import ReplicaSpec
 from kvhive.router.redis_link import RedisLink, SharedStateUnavailable
 from kvhive.router.replicas import Replica, ReplicaSet

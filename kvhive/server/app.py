@@ -46,7 +46,7 @@ from kvhive.server.responses import ResponsesAPI, install_response_routes, respo
 from kvhive.server.serving import GenerationService, unix_time
 from kvhive.server.tokenize import install_tokenize_routes
 from kvhive.sessions.durable import DurableState
-from kvhive.sessions.responses import ResponseStore
+from kvhive.sessions.response_store import ResponseStore
 from kvhive.sessions.service import SessionService, keeper_tier
 
 if TYPE_CHECKING:

@@ -29,10 +29,10 @@ from kvhive.server.metrics_vllm import check_metrics_compat, with_vllm_names
 
 if TYPE_CHECKING:
     from kvhive.config import EngineConfig
-    from kvhive.engine.core import RequestOutput
+    from kvhive.engine.llm_engine import RequestOutput
     from kvhive.engine.stats import EngineStats
     from kvhive.sessions.registry import SessionStats
-    from kvhive.sessions.responses import ResponseStats
+    from kvhive.sessions.response_store import ResponseStats
 
 # Bucket bounds as vLLM v1 has them, so dashboards' quantiles read the same on both.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from kvhive.engine.stats import ConnectorCounters, EngineStats
     from kvhive.kv.pool import BlockPoolStats
     from kvhive.sessions.registry import SessionStats
-    from kvhive.sessions.responses import ResponseStats
+    from kvhive.sessions.response_store import ResponseStats
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
-from kvhive.connector.disagg.stats import TRANSFER_BUCKETS_S, KVTransferStats
+from kvhive.connector.disagg.transfer_stats import TRANSFER_BUCKETS_S, KVTransferStats
 
 
 def kv_transfer_metrics(model_labels: list[str], t: KVTransferStats) -> Iterator[Metric]:

@@ -1,5 +1,5 @@
 """``kvhive serve --register``: this replica's heartbeat in the registry that gateways discover
-replicas from (layout: ``kvhive.core.registry``).
+replicas from (layout: ``kvhive.core.replica_registry``).
 
 A background thread writes the replica's record with an expiry of the TTL, now and every TTL / 3;
 a stopped process stops beating and its record expires. On a clean shutdown the record is marked
@@ -15,7 +15,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from kvhive.core.registry import MEMBERS_KEY, RegistrationConfig, ReplicaRecord, record_key
+from kvhive.core.replica_registry import MEMBERS_KEY, RegistrationConfig, ReplicaRecord, record_key
 
 if TYPE_CHECKING:
     from kvhive.config import EngineConfig

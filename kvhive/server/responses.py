@@ -6,7 +6,7 @@ of ``previous_response_id`` (the inputs and outputs of every response back to it
 without their instructions), then this request's ``input``.
 
 A stored response (``store``, the default) keeps its conversation's KV in a session whose id is the
-conversation's (``kvhive.sessions.responses``): a follow-up continues that session and computes only its new
+conversation's (``kvhive.sessions.response_store``): a follow-up continues that session and computes only its new
 tokens; a branch (a second follow-up of one response) diverges from what the session holds, falls
 back to prefix matching, and the session then follows the branch. A session runs one request at a
 time: a request continuing a conversation whose session is busy with another runs beside it (prefix
@@ -56,7 +56,7 @@ from kvhive.server.sse import ClosingStreamingResponse
 from kvhive.server.structured import text_format, text_structured_spec
 from kvhive.server.tools import NO_PLAN, ToolPlan, responses_functions, tool_choice, tool_plan
 from kvhive.sessions.registry import Session, SessionBusy, SessionNotDurable, SessionNotFound
-from kvhive.sessions.responses import (
+from kvhive.sessions.response_store import (
     ResponseStats,
     ResponseStore,
     StoredResponse,

@@ -27,7 +27,7 @@ from kvhive.core.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from kvhive.core.structured_spec import StructuredSpec
 from kvhive.core.tenancy import cache_salt, key_owner
 from kvhive.core.tokenizer import IncrementalDetokenizer
-from kvhive.engine.core import RequestFailed, RequestOutput
+from kvhive.engine.llm_engine import RequestFailed, RequestOutput
 from kvhive.engine.step import TokenLogprobs
 from kvhive.request import SamplingParams
 from kvhive.server.errors import APIError, bad_request, server_error

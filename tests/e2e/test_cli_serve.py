@@ -47,7 +47,7 @@ def test_a_taken_port_fails_fast_before_the_model_loads(taken_port: int, command
     flags = ["--replica", "http://127.0.0.1:9"] if command == "gateway" else []
     code = ("import sys\nfrom kvhive.cli import main\n"
             f"rc = main([{command!r}, '--port', '{taken_port}', *{flags!r}])\n"
-            "print('torch' in sys.modules, 'kvhive.engine.core' in sys.modules)\nsys.exit(rc)\n")
+            "print('torch' in sys.modules, 'kvhive.engine.llm_engine' in sys.modules)\nsys.exit(rc)\n")
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd=REPO_ROOT, env=subprocess_env())

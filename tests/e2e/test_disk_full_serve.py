@@ -21,7 +21,7 @@ from support.servers import (
 )
 from support.tmpfs import SmallTmpfs, small_tmpfs
 
-from kvhive.sessions.responses import conversation_of
+from kvhive.sessions.response_store import conversation_of
 
 PROMPT = [(i * 13) % 200 + 3 for i in range(70)]
 BODY = {"model": SERVED_MODEL_NAME, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}

@@ -19,7 +19,7 @@ import pytest
 from support.redis_server import RedisServer
 from support.servers import wait_until
 
-from kvhive.core.registry import MEMBERS_KEY, RegistrationConfig, ReplicaRecord, record_key
+from kvhive.core.replica_registry import MEMBERS_KEY, RegistrationConfig, ReplicaRecord, record_key
 from kvhive.router.config import ReplicaSpec
 from kvhive.router.discovery import RegistryReader, ReplicaDiscovery, registered_specs
 from kvhive.router.index import InMemoryIndex

@@ -20,7 +20,7 @@ from support.servers import (
     stop_server,
 )
 
-from kvhive.sessions.responses import conversation_of
+from kvhive.sessions.response_store import conversation_of
 
 RESPONSE_EVENTS_HEAD = ["response.created", "response.in_progress", "response.output_item.added",
                         "response.content_part.added"]

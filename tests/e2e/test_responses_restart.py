@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 from support.servers import SERVED_MODEL_NAME, ServerProcess, kill_server, start_server, stop_server
 
-from kvhive.sessions.responses import conversation_of
+from kvhive.sessions.response_store import conversation_of
 
 KEY = "responses-restart-key"
 HISTORY = "The quick brown fox jumps over the lazy dog. " * 6      # a few full blocks

@@ -10,7 +10,7 @@ from support.responses import Clock, assert_backend_persists, chain, stored
 from kvhive.sessions.durable import RedisKeys
 from kvhive.sessions.registry import SessionError
 from kvhive.sessions.response_backends import RedisResponseBackend
-from kvhive.sessions.responses import (
+from kvhive.sessions.response_store import (
     ResponseStore,
     conversation_of,
 )

@@ -13,7 +13,7 @@ from support.engines import GREEDY, make_engine, run
 from support.tiny import tiny_config, tiny_model
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, StoreConfig
-from kvhive.engine.core import LLMEngine
+from kvhive.engine.llm_engine import LLMEngine
 from kvhive.model.loader import LoadedModel
 from kvhive.request import RequestStatus, SamplingParams
 from kvhive.server.metrics import ServerMetrics

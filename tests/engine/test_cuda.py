@@ -10,7 +10,7 @@ import torch
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, StoreConfig
 from kvhive.core.model_files import default_model_path
-from kvhive.engine.core import LLMEngine
+from kvhive.engine.llm_engine import LLMEngine
 from kvhive.request import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

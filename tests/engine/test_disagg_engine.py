@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from support.engines import GREEDY, make_engine, make_engine_with_cpu_tier, run
 
-from kvhive.connector.disagg.config import KVTransferConfig
 from kvhive.connector.disagg.params import KVTransferParams
+from kvhive.connector.disagg.transfer_config import KVTransferConfig
 from kvhive.request import SamplingParams
 
 FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

@@ -15,7 +15,7 @@ from support.engines import run
 from support.families import edited_hf_copy, hf_model, path_in, prompt_ids, save_hf
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvhive.engine.core import LLMEngine
+from kvhive.engine.llm_engine import LLMEngine
 from kvhive.engine.runner import ModelRunner
 from kvhive.engine.step import ScheduledSeq, StepPlan
 from kvhive.model.loader import LoadedModel, load_model

@@ -12,7 +12,7 @@ from support.tiny import dense_logits, tiny_config, tiny_model
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.engine.core import LLMEngine
+from kvhive.engine.llm_engine import LLMEngine
 from kvhive.model.loader import LoadedModel
 from kvhive.request import SamplingParams
 from kvhive.server.logprobs import token_string

@@ -8,7 +8,7 @@ import pytest
 from kvhive.config import EngineConfig
 from kvhive.core.model_files import default_model_path
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.engine.core import LLMEngine
+from kvhive.engine.llm_engine import LLMEngine
 from kvhive.model import cpu
 from kvhive.model.decode_kernel import CpuDecodeKernel
 from kvhive.model.prefill_kernel import CpuPrefillKernel

@@ -12,7 +12,7 @@ from support.tiny import prompt_reference, tiny_config, tiny_model
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.engine.core import LLMEngine
+from kvhive.engine.llm_engine import LLMEngine
 from kvhive.engine.step import TokenLogprobs
 from kvhive.model.llama import LlamaModel
 from kvhive.model.loader import LoadedModel

@@ -17,7 +17,7 @@ from support.engines import run, turn
 from support.families import FAMILIES, hf_model, path_in, prompt_ids, save_gguf, save_hf
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, StoreConfig
-from kvhive.engine.core import LLMEngine
+from kvhive.engine.llm_engine import LLMEngine
 from kvhive.engine.runner import ModelRunner
 from kvhive.engine.step import ScheduledSeq, StepPlan
 from kvhive.model.loader import LoadedModel, load_model

@@ -28,7 +28,7 @@ from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvhive.core.generation_defaults import NO_DEFAULTS
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.engine.async_engine import AsyncEngine
-from kvhive.engine.core import MAX_FAILED_STEPS_IN_ROW, LLMEngine, RequestFailed, RequestOutput
+from kvhive.engine.llm_engine import MAX_FAILED_STEPS_IN_ROW, LLMEngine, RequestFailed, RequestOutput
 from kvhive.model.loader import LoadedModel
 from kvhive.request import MIN_SEED, SAMPLING_EPS, SEED_END, FinishReason, SamplingParams
 from kvhive.server.protocol import CompletionRequest

@@ -94,7 +94,7 @@ def test_under_the_priority_policy_lower_values_run_first(tokenizer):
     from support.tiny import tiny_config, tiny_model
 
     from kvhive.config import CacheConfig, EngineConfig
-    from kvhive.engine.core import LLMEngine
+    from kvhive.engine.llm_engine import LLMEngine
     from kvhive.model.loader import LoadedModel
 
     cfg = tiny_config(max_position_embeddings=512, vocab_size=256)

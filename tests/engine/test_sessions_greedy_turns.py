@@ -7,7 +7,7 @@ import pytest
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvhive.core.model_files import default_model_path
-from kvhive.engine.core import LLMEngine
+from kvhive.engine.llm_engine import LLMEngine
 from kvhive.request import SamplingParams
 
 

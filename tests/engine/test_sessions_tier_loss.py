@@ -11,7 +11,7 @@ from support.engines import GREEDY, make_engine, turn
 from support.tiny import tiny_config, tiny_model
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvhive.engine.core import LLMEngine
+from kvhive.engine.llm_engine import LLMEngine
 from kvhive.engine.scheduler import SessionCopy
 from kvhive.model.loader import LoadedModel
 from kvhive.store.base import PutResult, StatsCounter, StoreStats

@@ -147,7 +147,7 @@ def test_preempted_constrained_requests_keep_their_grammar(tokenizer) -> None:
 def test_json_object_on_the_default_model(tokenizer) -> None:
     from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
     from kvhive.core.model_files import default_model_path
-    from kvhive.engine.core import LLMEngine
+    from kvhive.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model_path=default_model_path(), cache=CacheConfig(num_blocks=64),
                                     scheduler=SchedulerConfig(max_model_len=1024)), tokenizer=tokenizer)

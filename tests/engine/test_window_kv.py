@@ -19,7 +19,7 @@ from support.families import hf_model, path_in, prompt_ids, save_hf
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, StoreConfig
 from kvhive.core.blocks import ExtraKeys, hash_blocks
-from kvhive.engine.core import LLMEngine
+from kvhive.engine.llm_engine import LLMEngine
 from kvhive.engine.runner import ModelRunner
 from kvhive.engine.step import ScheduledSeq, StepPlan
 from kvhive.kv.pool import NULL_BLOCK_ID
@@ -330,7 +330,7 @@ def test_a_load_cut_short_restarts_and_computes(saved, tokenizer, tmp_path) -> N
 
 def test_a_kv_role_keeps_one_pool(saved, tokenizer) -> None:
     """Disaggregated serving sends whole pool blocks: a Gemma engine with a KV role keeps one pool."""
-    from kvhive.connector.disagg.config import KVTransferConfig
+    from kvhive.connector.disagg.transfer_config import KVTransferConfig
 
     _, path, reference = saved["gemma2"]
     engine = _engine(load_model(path), tokenizer, kv_transfer=KVTransferConfig(role="prefill", host="127.0.0.1"))

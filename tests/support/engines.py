@@ -6,7 +6,7 @@ from __future__ import annotations
 from support.tiny import tiny_config, tiny_model
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, StoreConfig
-from kvhive.engine.core import LLMEngine, RequestOutput
+from kvhive.engine.llm_engine import LLMEngine, RequestOutput
 from kvhive.model.loader import LoadedModel
 from kvhive.request import SamplingParams
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvhive.sessions.registry import SessionError
 from kvhive.sessions.response_backends import ResponseBackend
-from kvhive.sessions.responses import (
+from kvhive.sessions.response_store import (
     ResponseStore,
     StoredResponse,
     conversation_of,

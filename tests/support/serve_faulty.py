@@ -43,7 +43,7 @@ def build_engine(args: argparse.Namespace):  # -> AsyncEngine (kvhive imports st
     from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, SessionConfig, StoreConfig
     from kvhive.core.model_files import default_model_path
     from kvhive.engine.async_engine import AsyncEngine
-    from kvhive.engine.core import LLMEngine
+    from kvhive.engine.llm_engine import LLMEngine
 
     scheduler = SchedulerConfig(max_model_len=args.max_model_len or 8192, scheduling_policy=args.scheduling_policy)
     store = StoreConfig(cpu_offload_gb=args.cpu_offload_gb, disk_cache_dir=args.disk_cache_dir,

@@ -18,7 +18,7 @@ from kvhive.sessions.backends import FileBackend
 from kvhive.sessions.errors import SessionNotDurable, SessionNotFound
 from kvhive.sessions.records import SessionRecords
 from kvhive.sessions.response_backends import FileResponseBackend
-from kvhive.sessions.responses import ResponseStore, StoredResponse, new_conversation_id, new_response_id
+from kvhive.sessions.response_store import ResponseStore, StoredResponse, new_conversation_id, new_response_id
 from kvhive.sessions.service import SessionService
 from kvhive.sessions.session import Session
 from kvhive.store.disk import DiskStore

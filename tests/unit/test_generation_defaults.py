@@ -16,7 +16,7 @@ from kvhive.core.generation_defaults import (
     SamplingDefaults,
     load_sampling_defaults,
 )
-from kvhive.integrations.ray.config import ConfigError, parse_app_config
+from kvhive.integrations.ray.app_args import ConfigError, parse_app_config
 from kvhive.server.protocol import CompletionRequest
 from kvhive.server.sampling_fields import sampling_params_for
 

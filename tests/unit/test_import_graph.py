@@ -21,14 +21,14 @@ CASES = {
         ["kvhive.engine.scheduler", "kvhive.kv.pool", "kvhive.kv.manager", "kvhive.core.blocks",
          "kvhive.store.tiered", "kvhive.store.disk", "kvhive.store.memory", "kvhive.store.redis",
          "kvhive.core.tokenizer", "kvhive.engine.step", "kvhive.request", "kvhive.config",
-         "kvhive.sessions.registry", "kvhive.sessions.responses", "kvhive.store.redis_guard"],
+         "kvhive.sessions.registry", "kvhive.sessions.response_store", "kvhive.store.redis_guard"],
         ("torch", "kvhive.engine.runner", "kvhive.model")),
     # KV events and the router import only the torch-free blocks and events modules.
     "events-and-router": (
         ["kvhive.kv.events", "kvhive.router", "kvhive.router.app", "kvhive.router.cli",
          "kvhive.router.ingest", "kvhive.router.index", "kvhive.router.scorer",
          "kvhive.router.tokenize", "kvhive.router.gateway", "kvhive.router.discovery",
-         "kvhive.router.redis_link", "kvhive.core.registry"],
+         "kvhive.router.redis_link", "kvhive.core.replica_registry"],
         ABOVE_THE_ROUTER),
     # What ``kvhive gateway`` imports, from the console script's module on.
     "gateway": (

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import xxhash
 
+from kvhive.connector.disagg.incoming import TransferTable
 from kvhive.connector.disagg.params import KVTransferParamsError, parse_kv_transfer_params
-from kvhive.connector.disagg.transfers import TransferTable
 from kvhive.connector.disagg.transport import TcpReceiver, TcpSendChannel, TransferRefused
 from kvhive.connector.disagg.wire import WireError, encode_layer, send_frame
 from kvhive.store.key import KeySpace

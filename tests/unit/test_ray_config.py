@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvhive.integrations.ray.config import ConfigError, parse_app_config
+from kvhive.integrations.ray.app_args import ConfigError, parse_app_config
 
 
 def test_engine_fields_become_serve_flags_and_ray_fields_stay_ray_s() -> None:
@@ -70,4 +70,4 @@ def test_another_ray_request_router_takes_its_own_kwargs() -> None:
     assert config.router.router_kwargs() == {"k": 1}
     assert parse_app_config({}).router.is_kvhive
     with pytest.raises(ConfigError, match="not a Ray Serve RequestRouter"):
-        parse_app_config({"router": {"request_router_class": "kvhive.integrations.ray.config:ConfigError"}})
+        parse_app_config({"router": {"request_router_class": "kvhive.integrations.ray.app_args:ConfigError"}})

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from kvhive.cli import main
-from kvhive.core.registry import (
+from kvhive.core.replica_registry import (
     RegistrationConfig,
     ReplicaRecord,
     connectable,

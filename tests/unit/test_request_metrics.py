@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvhive.engine.core import RequestOutput
+from kvhive.engine.llm_engine import RequestOutput
 from kvhive.engine.stats import EngineStats
 from kvhive.request import FinishReason
 from kvhive.server.metrics import ServerMetrics, token_buckets

@@ -1,4 +1,4 @@
-"""The stored-response store (``kvhive.sessions.responses``) and its file backend, without a model or a server."""
+"""The stored-response store (``kvhive.sessions.response_store``) and its file backend, without a model or a server."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from support.responses import Clock, assert_backend_persists, chain, reopened, s
 
 from kvhive.sessions.registry import SessionError, SessionLimit, SessionNotFound
 from kvhive.sessions.response_backends import FileResponseBackend
-from kvhive.sessions.responses import (
+from kvhive.sessions.response_store import (
     ResponseStats,
     ResponseStore,
     conversation_of,

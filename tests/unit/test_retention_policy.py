@@ -14,8 +14,8 @@ from kvhive.core.retention import (
     RetentionRange,
     RetentionSpec,
 )
+from kvhive.engine.scheduler.kv_transfers import KVTransfers
 from kvhive.engine.scheduler.session_spill import SessionSpill
-from kvhive.engine.scheduler.transfers import KVTransfers
 from kvhive.kv.events import BlockStored, BlockUpdated, EventBatch, decode_batch, encode_batch
 from kvhive.kv.retention_policy import block_retentions
 

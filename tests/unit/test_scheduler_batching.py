@@ -8,10 +8,10 @@ from support.scheduler_parts import compute, make_kv, make_request, park
 from kvhive.config import SchedulerConfig
 from kvhive.connector.base import ConnectorMeta
 from kvhive.engine.scheduler.batching import Admission, Batcher, StepBudget
+from kvhive.engine.scheduler.kv_transfers import KVTransfers
 from kvhive.engine.scheduler.preemption import Preemption
 from kvhive.engine.scheduler.queues import RequestQueues
 from kvhive.engine.scheduler.session_spill import SessionCopy, SessionSpill
-from kvhive.engine.scheduler.transfers import KVTransfers
 from kvhive.request import RequestStatus
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from support.scheduler_parts import BLOCK_SIZE, compute, make_kv, make_request
 
 from kvhive.connector.base import CachedBlock, ConnectorMeta, FinishedTransfers, SchedulerOutput
-from kvhive.engine.scheduler.transfers import KVTransfers
+from kvhive.engine.scheduler.kv_transfers import KVTransfers
 from kvhive.request import RequestStatus
 
 

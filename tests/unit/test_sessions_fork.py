@@ -234,7 +234,7 @@ def test_a_fork_of_a_busy_session_holds_its_last_finished_turn():
 
 
 def test_a_stored_responses_chain_is_kept_in_its_record_and_old_records_have_none():
-    from kvhive.sessions.responses import StoredResponse
+    from kvhive.sessions.response_store import StoredResponse
 
     stored = StoredResponse("o", {"id": "resp_x", "model": "m"}, [], hashes("a", 2))
     assert StoredResponse.from_json(stored.to_json()).chain == hashes("a", 2)

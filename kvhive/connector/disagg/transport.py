@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from kvhive.connector.disagg.transfers import Transfer, TransferTable
+from kvhive.connector.disagg.incoming import Transfer, TransferTable
 from kvhive.connector.disagg.wire import (
     MAX_BLOCKS,
     WireError,

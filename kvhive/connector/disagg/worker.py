@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from kvhive.connector.base import ConnectorMeta, ConnectorWorker, FinishedTransfers, KVSend, RemoteLoad
-from kvhive.connector.disagg.config import KVTransferConfig
-from kvhive.connector.disagg.stats import DisaggCounters, KVTransferStats
-from kvhive.connector.disagg.transfers import TransferTable
+from kvhive.connector.disagg.incoming import TransferTable
+from kvhive.connector.disagg.transfer_config import KVTransferConfig
+from kvhive.connector.disagg.transfer_stats import DisaggCounters, KVTransferStats
 from kvhive.connector.disagg.transport import KVSendChannel, TcpReceiver, TcpSendChannel
 from kvhive.store.key import KeySpace, StoreKey
 

@@ -20,7 +20,7 @@ call object that ends without a string ``name`` goes back to the content, markup
 """
 
 from kvhive.core.tool_parsers.base import ToolCallParser
-from kvhive.core.tool_parsers.events import (
+from kvhive.core.tool_parsers.call_events import (
     HERMES_BEGIN,
     HERMES_END,
     MISTRAL_BEGIN,
@@ -35,7 +35,7 @@ from kvhive.core.tool_parsers.events import (
     ParserName,
     collect,
 )
-from kvhive.core.tool_parsers.families import new_parser, parse_whole
+from kvhive.core.tool_parsers.call_formats import new_parser, parse_whole
 
 __all__ = ["HERMES_BEGIN", "HERMES_END", "MISTRAL_BEGIN", "PARSER_NAMES", "PYTHON_TAG", "ArgumentsDelta",
            "CallStarted", "ContentDelta", "ParseEvent", "ParsedCall", "ParsedOutput", "ParserName",

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from kvhive.core.tool_parsers.call_object import CallObject
-from kvhive.core.tool_parsers.events import (
+from kvhive.core.tool_parsers.call_events import (
     WHITESPACE,
     ArgumentsDelta,
     CallStarted,
@@ -14,6 +13,7 @@ from kvhive.core.tool_parsers.events import (
     ParseEvent,
     merged_events,
 )
+from kvhive.core.tool_parsers.call_object import CallObject
 
 
 class ToolCallParser(ABC):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from kvhive.core.tool_parsers.events import WHITESPACE
+from kvhive.core.tool_parsers.call_events import WHITESPACE
 
 
 class CallObject:

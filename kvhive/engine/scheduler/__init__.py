@@ -13,7 +13,7 @@ session spill, KV-connector transfers and prompt-logprobs spans, one module per 
 
 from __future__ import annotations
 
-from kvhive.engine.scheduler.core import Scheduler, SchedulerStats
+from kvhive.engine.scheduler.scheduler import Scheduler, SchedulerStats
 from kvhive.engine.scheduler.session_spill import SessionCopy, TierSessionCopy
 
 __all__ = ["Scheduler", "SchedulerStats", "SessionCopy", "TierSessionCopy"]

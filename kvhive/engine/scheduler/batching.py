@@ -20,10 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvhive.config import SchedulerConfig
+from kvhive.engine.scheduler.kv_transfers import KVTransfers
 from kvhive.engine.scheduler.preemption import Preemption
 from kvhive.engine.scheduler.queues import RequestQueues
 from kvhive.engine.scheduler.session_spill import SessionSpill
-from kvhive.engine.scheduler.transfers import KVTransfers
 from kvhive.kv.manager import KVCacheManager
 from kvhive.request import Request, RequestStatus
 

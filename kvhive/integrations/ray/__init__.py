@@ -4,6 +4,6 @@ router), ``KVHiveReplica`` and ``KVHiveIngress`` (its deployments). Needs the ``
 from __future__ import annotations
 
 from kvhive.integrations.ray.app import build_app
-from kvhive.integrations.ray.config import ConfigError, parse_app_config
+from kvhive.integrations.ray.app_args import ConfigError, parse_app_config
 
 __all__ = ["ConfigError", "build_app", "parse_app_config"]

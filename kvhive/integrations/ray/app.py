@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvhive.integrations.ray.config import ConfigError, RayAppConfig, parse_app_config
+from kvhive.integrations.ray.app_args import ConfigError, RayAppConfig, parse_app_config
 
 DEFAULT_REPLICA_OPTIONS = {"num_cpus": 1}
 DEFAULT_INGRESS_OPTIONS = {"num_cpus": 0}

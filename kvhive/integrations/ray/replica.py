@@ -19,8 +19,8 @@ import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
+from kvhive.integrations.ray.app_args import serve_parser
 from kvhive.integrations.ray.asgi_bridge import ResponseHead, call_asgi
-from kvhive.integrations.ray.config import serve_parser
 from kvhive.integrations.ray.drain import drain_sessions
 from kvhive.integrations.ray.envelope import REPLICA_HEADER, HTTPEnvelope
 from kvhive.integrations.ray.routing import ReplicaFacts
@@ -109,7 +109,7 @@ def _start_engine(args: Any) -> tuple[Any, Any]:
     """Build the engine for ``args`` as ``kvhive serve`` does and start its loop on a thread."""
     from kvhive.cli import build_engine_config, prepare_runtime, resolve_auto_dtype
     from kvhive.engine.async_engine import AsyncEngine
-    from kvhive.engine.core import LLMEngine
+    from kvhive.engine.llm_engine import LLMEngine
 
     config = build_engine_config(args)
     problem = prepare_runtime(args, config)

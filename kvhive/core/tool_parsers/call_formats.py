@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import abstractmethod
 
 from kvhive.core.tool_parsers.base import ToolCallParser, marker_prefix_length
-from kvhive.core.tool_parsers.events import (
+from kvhive.core.tool_parsers.call_events import (
     HERMES_BEGIN,
     HERMES_END,
     MISTRAL_BEGIN,

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from kvhive.config import CacheConfig, SchedulerConfig
 from kvhive.connector.base import ConnectorScheduler, FinishedTransfers
 from kvhive.engine.scheduler.batching import Admission, Batcher, StepBudget
+from kvhive.engine.scheduler.kv_transfers import KVTransfers
 from kvhive.engine.scheduler.preemption import Preemption
 from kvhive.engine.scheduler.prompt_logprobs import prompt_logprobs_span, record_prompt_rows
 from kvhive.engine.scheduler.queues import RequestQueues
 from kvhive.engine.scheduler.sampling_inputs import suppressed_tokens, token_history
 from kvhive.engine.scheduler.session_spill import SessionCopy, SessionSpill
-from kvhive.engine.scheduler.transfers import KVTransfers
 from kvhive.engine.step import ScheduledSeq, StepPlan, StepResult
 from kvhive.kv.manager import DeviceReset, KVCacheManager, KVCacheStats
 from kvhive.kv.window_group import WindowLayout
