@@ -121,10 +121,8 @@ def serve(args: argparse.Namespace) -> int:
     if problem is None:
         problem = redis_refusals(config, registration)
     if problem is None:
-        problem = prepare_runtime(args, config)
-    if problem is None and config.dtype == "auto":
         try:
-            config = resolve_auto_dtype(config)
+            config = resolve_runtime(args, config)
         except ValueError as exc:
             problem = str(exc)
     if problem is not None:
@@ -184,35 +182,39 @@ def prepare_runtime(args: argparse.Namespace, config: EngineConfig) -> str | Non
     return None
 
 
+def resolve_runtime(args: argparse.Namespace, config: EngineConfig) -> EngineConfig:
+    """Prepare this process to run ``config`` (``prepare_runtime``) and resolve ``--dtype auto``:
+    the config ``build_replica`` takes; ValueError naming what this CPU or CUDA cannot run."""
+    problem = prepare_runtime(args, config)
+    if problem is not None:
+        raise ValueError(problem)
+    return resolve_auto_dtype(config) if config.dtype == "auto" else config
+
+
 def run_engine(args: argparse.Namespace, config: EngineConfig,
                registration: RegistrationConfig | None = None) -> int:
     """Build the engine and serve HTTP over it until interrupted: 0 after a clean shutdown, 1 when
     the server never started or the engine loop died, 2 for a model or config the engine cannot run.
     The API keys are --api-key, else $KVHIVE_API_KEY. With ``registration``, the replica keeps its
     record in the registry while it serves and deregisters when it stops."""
-    from kvhive.engine.async_engine import AsyncEngine
-    from kvhive.engine.llm_engine import LLMEngine
-    from kvhive.server.app import run_server
-    from kvhive.server.registration import start_heartbeat
+    from kvhive.launch.replica import EngineRefused, build_replica
+    from kvhive.server.app import AppOptions, run_server
 
     api_keys = args.api_key or ([os.environ["KVHIVE_API_KEY"]] if os.environ.get("KVHIVE_API_KEY")
                                 else [])
+    options = AppOptions(api_keys=tuple(api_keys), max_request_bytes=args.max_request_bytes,
+                         metrics_compat=args.metrics_compat, cors=cors_from_args(args),
+                         tokenizer_info=args.enable_tokenizer_info_endpoint, tool_call_parser=args.tool_call_parser)
     try:
-        engine = LLMEngine(config)
-    except (ValueError, OSError) as exc:              # a model or config the engine cannot run
+        replica = build_replica(config, options, registration=registration)
+    except EngineRefused as exc:                      # a model or config the engine cannot run
         print(f"kvhive serve: {exc}", file=sys.stderr)
         return 2
-    heartbeat = start_heartbeat(registration, config, engine.fingerprint) if registration else None
     try:
-        served = run_server(AsyncEngine(engine), host=args.host, port=args.port,
-                            served_model_name=config.served_model_name, api_keys=tuple(api_keys),
-                            log_level=args.log_level, max_request_bytes=args.max_request_bytes,
-                            metrics_compat=args.metrics_compat, http_limits=http_limits_from_args(args),
-                            cors=cors_from_args(args), tokenizer_info=args.enable_tokenizer_info_endpoint,
-                            tool_call_parser=args.tool_call_parser)
+        served = run_server(replica.app, replica.engine, host=args.host, port=args.port, log_level=args.log_level,
+                            http_limits=http_limits_from_args(args))
     finally:
-        if heartbeat is not None:
-            heartbeat.stop(deregister=True)
+        replica.stop_heartbeat()
     return 0 if served else 1
 
 

@@ -11,12 +11,18 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvhive.config import EngineConfig
 from kvhive.core.blocks import root_hash
 from kvhive.engine.scheduler import Scheduler, TierSessionCopy
 from kvhive.kv.events_config import KVEventsConfig
 from kvhive.kv.window_group import window_layout_for
+
+if TYPE_CHECKING:
+    from kvhive.connector.offload import OffloadScheduler
+    from kvhive.connector.offload_worker import OffloadWorker
+    from kvhive.store.tiered import TieredStore
 
 logger = logging.getLogger(__name__)
 
@@ -68,22 +74,35 @@ def thread_governor(config: EngineConfig):
     return ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
 
 
-def build_connector(config: EngineConfig, loaded, store, block_bytes: int) -> tuple:
-    """The store tiers (``store``, else those ``config.store`` describes) and both halves of the
-    offload connector over them: ``(store, scheduler half, worker half)``."""
+class OffloadConnector(NamedTuple):
+    """The store tiers and both halves of the offload connector over them."""
+
+    store: TieredStore
+    scheduler_half: OffloadScheduler
+    worker_half: OffloadWorker
+
+
+def tiers_for(config: EngineConfig, store: TieredStore | None) -> TieredStore | None:
+    """The store tiers the engine runs over: ``store`` when handed in, else those ``config.store``
+    describes (None when it describes none)."""
+    if store is not None or not config.store.enabled:
+        return store
+    from kvhive.store.redis_keys import RedisKeys
+    from kvhive.store.tier_builder import build_tiered_store
+
+    return build_tiered_store(config.store, RedisKeys(config.served_model_name))
+
+
+def build_connector(config: EngineConfig, loaded, store: TieredStore, block_bytes: int) -> OffloadConnector:
+    """Both halves of the offload connector over the store tiers ``store``."""
     from kvhive.connector.offload import KV_LAYOUT_VERSION, OffloadScheduler
     from kvhive.connector.offload_worker import OffloadWorker
-    from kvhive.sessions.durable import DurableState
     from kvhive.store.key import KeySpace
 
-    started = time.perf_counter()
-    if store is None:
-        store = DurableState(config.store, config.served_model_name).tiered_store()
-    logger.info("KV tiers: %s opened in %.1f s", ", ".join(t.name for t in store.tiers),
-                time.perf_counter() - started)
     key_space = KeySpace(loaded.fingerprint, KV_LAYOUT_VERSION, config.dtype, config.cache.block_size)
-    return (store, OffloadScheduler(store, key_space, block_bytes, min_priority=config.store.offload_min_priority),
-            OffloadWorker(store))
+    return OffloadConnector(store, OffloadScheduler(store, key_space, block_bytes,
+                                                    min_priority=config.store.offload_min_priority),
+                            OffloadWorker(store))
 
 
 def build_disagg(config: EngineConfig, loaded, connector_scheduler, connector_worker, store,

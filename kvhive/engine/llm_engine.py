@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvhive.config import EngineConfig
 from kvhive.core.retention import RetentionSpec
@@ -23,6 +24,9 @@ from kvhive.engine.step import StepPlan, StepResult, TokenLogprobs
 from kvhive.kv.window_group import fit_kv_budget
 from kvhive.request import FinishReason, Request, SamplingParams
 from kvhive.structured import GrammarCompiler
+
+if TYPE_CHECKING:
+    from kvhive.store.tiered import TieredStore
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +73,10 @@ class RequestOutput:
 class LLMEngine:
     """Loads a model and tokenizer, and runs scheduler steps through the model runner."""
 
-    def __init__(self, config: EngineConfig, loaded=None, tokenizer=None, store=None) -> None:
-        """``store`` (a TieredStore) replaces the tiers ``config.store`` describes; the engine closes it."""
+    def __init__(self, config: EngineConfig, loaded=None, tokenizer=None, store: TieredStore | None = None) -> None:
+        """``store``: the KV tiers below the device pool, built by the caller from ``config.store``
+        (``kvhive.launch``) or any others; without it the engine opens those ``config.store``
+        describes. The engine closes them."""
         self.isa = assembly.kernel_isa(config)
         if loaded is None:
             loaded = assembly.load_model(config, self.isa)
@@ -89,18 +95,7 @@ class LLMEngine:
         self.max_model_len = config.scheduler.max_model_len
         self.num_blocks = config.cache.num_blocks
         self.block_bytes = config.kv_bytes_per_block(loaded.config)
-        self.store = self.connector_scheduler = self.connector_worker = None
-        if config.store.enabled or store is not None:
-            self.store, self.connector_scheduler, self.connector_worker = assembly.build_connector(
-                config, loaded, store, self.block_bytes)
-        self.holdings = TierHoldings(self.store, None if self.store is None else self.connector_scheduler.key_space)
-        # The halves the scheduler and the runner use: disaggregation's around the offload ones.
-        self.scheduler_half, self.worker_half = self.connector_scheduler, self.connector_worker
-        self.disagg = None
-        if config.kv_transfer.disaggregated:
-            self.disagg = assembly.build_disagg(config, loaded, self.connector_scheduler, self.connector_worker,
-                                                self.store, lambda hashes: self.scheduler.count_cached_blocks(hashes))
-            self.scheduler_half, self.worker_half = self.disagg
+        self._connect(config, loaded, assembly.tiers_for(config, store))
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) or loaded.config.eos_token_ids
         # Structured outputs: each distinct spec compiled once for this vocabulary (kvhive.structured).
         self.grammars = GrammarCompiler(tokenizer, loaded.config.vocab_size, self.eos_token_ids,
@@ -123,6 +118,21 @@ class LLMEngine:
         if events is not None and events.active:
             self.publisher = assembly.open_publisher(events, config, self.scheduler, self.store,
                                                      self.connector_scheduler)
+
+    def _connect(self, config: EngineConfig, loaded, store: TieredStore | None) -> None:
+        """Set up the offload connector over ``store`` (none without tiers) and, for ``--kv-role``,
+        the disaggregation halves around it: the halves the scheduler and the runner use."""
+        self.store, self.connector_scheduler, self.connector_worker = store, None, None
+        if store is not None:
+            connector = assembly.build_connector(config, loaded, store, self.block_bytes)
+            self.connector_scheduler, self.connector_worker = connector.scheduler_half, connector.worker_half
+        self.holdings = TierHoldings(store, None if store is None else self.connector_scheduler.key_space)
+        self.scheduler_half, self.worker_half = self.connector_scheduler, self.connector_worker
+        self.disagg = None
+        if config.kv_transfer.disaggregated:
+            self.disagg = assembly.build_disagg(config, loaded, self.connector_scheduler, self.connector_worker,
+                                                store, lambda hashes: self.scheduler.count_cached_blocks(hashes))
+            self.scheduler_half, self.worker_half = self.disagg
 
     def runtime_info(self) -> dict:
         """What this engine runs on and which implementation each op takes (``GET /version``)."""

@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI routes, Anthropic's Messages API, health, metrics, API keys; and
-``run_server`` (uvicorn)."""
+"""The FastAPI app over a replica's services: OpenAI routes, Anthropic's Messages API, health,
+metrics, API keys; and ``run_server`` (uvicorn). ``kvhive.launch`` builds the services."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import uvicorn
@@ -19,10 +20,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvhive.core.cors import CorsConfig, install_cors
-from kvhive.core.generation_defaults import load_sampling_defaults
 from kvhive.core.http_limits import HttpLimits
 from kvhive.core.http_protocol import uvicorn_options
-from kvhive.engine.client import EngineClient
 from kvhive.server.body_limit import BodyLimitMiddleware, default_max_request_bytes
 from kvhive.server.chat import create_chat_completion
 from kvhive.server.completions import create_completion
@@ -30,7 +29,6 @@ from kvhive.server.context import install_context_routes, session_sweeper
 from kvhive.server.errors import APIError, install_error_handlers
 from kvhive.server.messages import install_messages_routes
 from kvhive.server.messages_errors import AnthropicErrors
-from kvhive.server.metrics import ServerMetrics
 from kvhive.server.openapi import install_request_bodies
 from kvhive.server.prefix_cache import install_prefix_cache_routes
 from kvhive.server.protocol import (
@@ -45,9 +43,6 @@ from kvhive.server.request_body import parse_body
 from kvhive.server.responses import ResponsesAPI, install_response_routes, response_sweeper
 from kvhive.server.serving import GenerationService, unix_time
 from kvhive.server.tokenize import install_tokenize_routes
-from kvhive.sessions.durable import DurableState
-from kvhive.sessions.response_store import ResponseStore
-from kvhive.sessions.service import SessionService, keeper_tier
 
 if TYPE_CHECKING:
     from kvhive.engine.async_engine import AsyncEngine
@@ -104,23 +99,39 @@ class APIKeyMiddleware:
         return any([secrets.compare_digest(token, key) for key in self.api_keys])
 
 
-def create_app(async_engine: AsyncEngine, *, served_model_name: str,
-               api_keys: tuple[str, ...] = (), max_request_bytes: int | None = None,
-               metrics_compat: str = "none", cors: CorsConfig | None = None,
-               tokenizer_info: bool = False, tool_call_parser: str = "auto") -> FastAPI:
-    """The OpenAI-compatible app over a started ``AsyncEngine`` (the caller owns its lifecycle).
+@dataclass(frozen=True)
+class AppOptions:
+    """How the HTTP front of a replica is set up (``kvhive serve``'s flags for it).
 
-    ``metrics_compat``: "vllm" also exports each metric vLLM has under vLLM's name (docs/metrics.md).
-    ``cors``: the browser origins allowed (None: no CORS headers). ``tokenizer_info``: serve
-    ``GET /tokenizer_info``.
-
-    ``tool_call_parser``: how tool calls are read from outputs ("auto": by the chat template).
-
-    ``max_request_bytes``: larger request bodies are refused with 413 before they are read
-    (default: ``default_max_request_bytes`` of the model's context).
+    ``api_keys``: the keys /v1 requires (none: open). ``max_request_bytes``: larger request bodies
+    are refused with 413 before they are read (None: ``default_max_request_bytes`` of the model's
+    context). ``metrics_compat``: "vllm" also exports each metric vLLM has under vLLM's name
+    (docs/metrics.md). ``cors``: the browser origins allowed (None: no CORS headers).
+    ``tokenizer_info``: serve ``GET /tokenizer_info``. ``tool_call_parser``: how tool calls are
+    read from outputs ("auto": by the chat template).
     """
-    engine = EngineClient(async_engine)
-    service, responses = build_services(engine, served_model_name, api_keys, metrics_compat, tool_call_parser)
+
+    api_keys: tuple[str, ...] = ()
+    max_request_bytes: int | None = None
+    metrics_compat: str = "none"
+    cors: CorsConfig | None = None
+    tokenizer_info: bool = False
+    tool_call_parser: str = "auto"
+
+
+@dataclass(frozen=True)
+class AppServices:
+    """What the routes serve from: generation (with its metrics and session service) and the
+    Responses API (``kvhive.launch`` builds them)."""
+
+    generation: GenerationService
+    responses: ResponsesAPI
+
+
+def create_app(services: AppServices, options: AppOptions) -> FastAPI:
+    """The OpenAI-compatible app over ``services`` (the caller owns the engine's lifecycle); its
+    lifespan runs the session and stored-response sweepers."""
+    service, responses = services.generation, services.responses
 
     @contextlib.asynccontextmanager
     async def sweepers(_app: FastAPI) -> AsyncIterator[None]:
@@ -130,21 +141,22 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
     app = FastAPI(title="kvhive", version=KVHIVE_VERSION, lifespan=sweepers)
     app.state.service = service
     app.state.metrics = service.metrics
+    max_request_bytes = options.max_request_bytes
     if max_request_bytes is None:
         max_request_bytes = default_max_request_bytes(service.max_model_len)
     app.state.max_request_bytes = max_request_bytes
     created = unix_time()
     install_error_handlers(app)
-    install_request_bodies(app, served_model_name)
+    install_request_bodies(app, service.served_model_name)
     # The last added runs first: the key is checked, then the body's size, before any route reads it.
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
-    if api_keys:
-        app.add_middleware(APIKeyMiddleware, api_keys=tuple(api_keys))
+    if options.api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=tuple(options.api_keys))
     # Outside both: their errors on /v1/messages* leave in Anthropic's shape too.
     app.add_middleware(AnthropicErrors)
-    install_cors(app, cors)
+    install_cors(app, options.cors)
     install_info_routes(app, service, created)
-    if tokenizer_info:
+    if options.tokenizer_info:
         install_tokenizer_info_route(app, service)
     install_generation_routes(app, service)
     install_messages_routes(app, service)
@@ -153,31 +165,6 @@ def create_app(async_engine: AsyncEngine, *, served_model_name: str,
     install_tokenize_routes(app, service)
     install_prefix_cache_routes(app, service)
     return app
-
-
-def build_services(engine: EngineClient, served_model_name: str, api_keys: tuple[str, ...],
-                   metrics_compat: str = "none", tool_call_parser: str = "auto"
-                   ) -> tuple[GenerationService, ResponsesAPI]:
-    """The app's generation service (with its metrics, whose runtime paths and cache config it
-    shows, and its session service) and the Responses API, over the durable backends of the
-    engine's config."""
-    metrics = ServerMetrics(engine.stats, served_model_name, max_model_len=engine.max_model_len,
-                            compat=metrics_compat)
-    metrics.show_paths(engine.runtime_info())
-    metrics.show_cache_config(engine.config)
-    config = engine.config
-    durable = DurableState(config.store, served_model_name)
-    sessions = SessionService(config.sessions, engine, block_bytes=engine.block_bytes, block_size=engine.block_size,
-                              backend=durable.session_backend(),
-                              keeper=keeper_tier(engine.keeper_budget(), config.store),
-                              device_pool_bytes=config.cache.num_blocks * engine.block_bytes)
-    defaults = load_sampling_defaults(config.generation_config, config.model_path)
-    logger.info("sampling defaults for unset request fields (--generation-config %s): %s",
-                config.generation_config, defaults.describe())
-    service = GenerationService(engine, metrics, served_model_name, sessions=sessions,
-                                api_keys=api_keys, share_prefix_cache=config.sessions.share_prefix_cache,
-                                defaults=defaults, tool_call_parser=tool_call_parser)
-    return service, ResponsesAPI(service, ResponseStore(durable.response_backend()))
 
 
 def install_info_routes(app: FastAPI, service: GenerationService, created: int) -> None:
@@ -244,12 +231,10 @@ def install_generation_routes(app: FastAPI, service: GenerationService) -> None:
         return await create_chat_completion(service, body, raw_request)
 
 
-def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_name: str,
-               api_keys: tuple[str, ...] = (), log_level: str = "info",
-               max_request_bytes: int | None = None, metrics_compat: str = "none",
-               http_limits: HttpLimits | None = None, cors: CorsConfig | None = None,
-               tokenizer_info: bool = False, tool_call_parser: str = "auto") -> bool:
-    """Serve HTTP on a thread and run the engine loop on this (main) thread until interrupted.
+def run_server(app: FastAPI, async_engine: AsyncEngine, host: str, port: int, log_level: str = "info",
+               http_limits: HttpLimits | None = None) -> bool:
+    """Serve ``app`` over HTTP on a thread and run ``async_engine``'s loop on this (main) thread
+    until interrupted.
 
     Returns False when the HTTP server never started (e.g. the port is taken) or the engine loop
     died: the caller then exits non-zero, so a supervisor restarts the server. ``http_limits``: what
@@ -261,9 +246,6 @@ def run_server(async_engine: AsyncEngine, host: str, port: int, served_model_nam
     and this returns within ENGINE_FAILURE_EXIT_S of the death (past it, the process exits with
     status 1 on its own: closing must not keep a broken server alive).
     """
-    app = create_app(async_engine, served_model_name=served_model_name, api_keys=api_keys,
-                     max_request_bytes=max_request_bytes, metrics_compat=metrics_compat, cors=cors,
-                     tokenizer_info=tokenizer_info, tool_call_parser=tool_call_parser)
     logger.info("request bodies over %d bytes are refused (413)", app.state.max_request_bytes)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             **uvicorn_options(http_limits or HttpLimits()))

@@ -13,8 +13,9 @@ Where each piece lives:
 - Sessions and stored responses: Redis when configured (shared, so they move between replicas),
   else the disk cache dir (``sessions/``, ``responses/``; this replica's own), else nowhere.
 
-Redis keys: one namespace per served model, ``kvhive:{model}:`` (the served model name as is), so
-one ``SCAN kvhive:{model}:*`` or one ACL key pattern covers everything a model's replicas write:
+Redis keys (``kvhive.store.redis_keys``): one namespace per served model, ``kvhive:{model}:`` (the
+served model name as is), so one ``SCAN kvhive:{model}:*`` or one ACL key pattern covers everything a
+model's replicas write:
 
     kvhive:{model}:kv:{store key}             a KV block (codec record; ``kvhive.store.key`` encodes
                                               layout, dtype, block size, fingerprint, block hash)
@@ -33,47 +34,12 @@ gives each model its own Redis ACL grants ``~kvhive:{model}:*`` and ``kvhive:dat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kvhive.config import StoreConfig
 from kvhive.sessions.backends import FileBackend, RedisBackend, SessionBackend
 from kvhive.sessions.response_backends import FileResponseBackend, RedisResponseBackend, ResponseBackend
-from kvhive.store.disk import DiskStore
-from kvhive.store.memory import MemoryStore
-from kvhive.store.tiered import Tier, TieredStore
-
-_GB = 2**30
-
-
-@dataclass(frozen=True)
-class RedisKeys:
-    """The Redis key prefixes of one served model (the module docstring lists the keys)."""
-
-    model: str
-
-    def __post_init__(self) -> None:
-        if not self.model:
-            raise ValueError("Redis keys: the served model name must not be empty")
-
-    @property
-    def namespace(self) -> str:
-        """``kvhive:{model}``: the start of every key of this model."""
-        return f"kvhive:{self.model}"
-
-    @property
-    def kv_blocks(self) -> bytes:
-        """What comes before a block's store key."""
-        return f"{self.namespace}:kv:".encode()
-
-    @property
-    def sessions(self) -> str:
-        """What comes before ``:{owner}:{id}`` of a session record."""
-        return f"{self.namespace}:sessions"
-
-    @property
-    def responses(self) -> str:
-        """What comes before ``:{owner}:{id}`` of a conversation's stored responses."""
-        return f"{self.namespace}:responses"
+from kvhive.store.redis_keys import RedisKeys
+from kvhive.store.tier_builder import build_tiered_store
+from kvhive.store.tiered import TieredStore
 
 
 class DurableState:
@@ -84,25 +50,9 @@ class DurableState:
         self.redis_keys = RedisKeys(model)
 
     def tiered_store(self) -> TieredStore | None:
-        """CPU memory -> disk -> Redis, as configured; None when no tier is.
-
-        Disk and Redis are write-through: every saved block reaches them at once, so the disk tier
-        survives a kill of the process and Redis serves other replicas without waiting for evictions.
-        """
-        config = self.config
-        tiers: list[Tier] = []
-        if config.cpu_offload_gb > 0:
-            tiers.append(Tier("cpu", MemoryStore(int(config.cpu_offload_gb * _GB))))
-        if config.disk_cache_dir is not None:
-            tiers.append(Tier("disk", DiskStore(config.disk_cache_dir, int(config.disk_cache_gb * _GB)),
-                              write_through=True))
-        if config.redis_url is not None:
-            from kvhive.store.redis import RedisStore
-
-            tiers.append(Tier("redis", RedisStore(config.redis_url, ttl_seconds=config.redis_ttl_s,
-                                                  timeout_s=config.redis_timeout_s,
-                                                  key_prefix=self.redis_keys.kv_blocks), write_through=True))
-        return TieredStore(tiers) if tiers else None
+        """CPU memory -> disk -> Redis, as configured; None when no tier is
+        (``kvhive.store.tier_builder``)."""
+        return build_tiered_store(self.config, self.redis_keys)
 
     def session_backend(self) -> SessionBackend | None:
         """Where session records persist: Redis (shared, so sessions move between replicas), else

@@ -11,9 +11,9 @@ from support.servers import wait_until
 from support.sessions import BLOCK_BYTES, BLOCK_SIZE, CONFIG, Holder
 
 from kvhive.sessions.backends import RedisBackend
-from kvhive.sessions.durable import RedisKeys
 from kvhive.sessions.prefix_pins import Breakpoint, CacheUsage
 from kvhive.sessions.service import SessionService
+from kvhive.store.redis_keys import RedisKeys
 
 PREFIX = RedisKeys("m").sessions
 PROMPT = list(range(500, 500 + 4 * BLOCK_SIZE + 3))

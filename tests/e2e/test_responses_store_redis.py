@@ -7,13 +7,13 @@ import pytest
 from support.redis_server import RedisServer
 from support.responses import Clock, assert_backend_persists, chain, stored
 
-from kvhive.sessions.durable import RedisKeys
 from kvhive.sessions.registry import SessionError
 from kvhive.sessions.response_backends import RedisResponseBackend
 from kvhive.sessions.response_store import (
     ResponseStore,
     conversation_of,
 )
+from kvhive.store.redis_keys import RedisKeys
 
 PREFIX = RedisKeys("m").responses          # the stored-response keys of a replica serving model "m"
 

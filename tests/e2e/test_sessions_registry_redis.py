@@ -10,8 +10,8 @@ from support.redis_server import RedisServer
 from support.sessions import BLOCK_SIZE, Pins, hashes, registry, run_turn
 
 from kvhive.sessions.backends import RedisBackend
-from kvhive.sessions.durable import RedisKeys
 from kvhive.sessions.registry import SessionBusy, SessionError, SessionNotFound
+from kvhive.store.redis_keys import RedisKeys
 
 PREFIX = RedisKeys("m").sessions           # the session keys of a replica serving model "m"
 

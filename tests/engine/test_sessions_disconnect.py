@@ -12,10 +12,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from starlette.requests import ClientDisconnect
-from support.serve_faulty import arg_parser, build_engine
+from support.serve_faulty import arg_parser, build_test_replica
 from support.servers import SERVED_MODEL_NAME
-
-from kvhive.server.app import create_app
 
 KEY = "disconnect-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -24,13 +22,13 @@ PROMPT = [(i * 7) % 200 + 3 for i in range(40)]
 
 @pytest.fixture(scope="module")
 def app() -> Iterator:
-    # The engine the test server script builds (tiny model, no tiers), here in this process.
+    # The replica the test server script builds (tiny model, no tiers), here in this process.
     flags = arg_parser().parse_args(["--model", "tiny", "--port", "0", "--max-model-len", "512",
-                                     "--num-blocks", "128", "--max-pinned-gb", "none"])
-    engine = build_engine(flags)
-    engine.start()
-    yield create_app(engine, served_model_name=SERVED_MODEL_NAME, api_keys=(KEY,))
-    engine.shutdown()
+                                     "--num-blocks", "128", "--max-pinned-gb", "none", "--api-key", KEY])
+    replica = build_test_replica(flags)
+    replica.engine.start()
+    yield replica.app
+    replica.engine.shutdown()
 
 
 async def request_and_vanish(app, path: str, body: dict, headers: dict[str, str], spec_version: str) -> None:

@@ -38,12 +38,15 @@ from support.servers import (
 )
 
 
-def build_engine(args: argparse.Namespace):  # -> AsyncEngine (kvhive imports stay inside)
-    """The AsyncEngine ``args`` (this script's flags) describe."""
+def build_test_replica(args: argparse.Namespace):  # -> Replica (kvhive imports stay inside)
+    """The replica ``args`` (this script's flags) describe, built as ``kvhive serve`` builds its own
+    (``build_replica``); its engine loop not started yet."""
     from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, SessionConfig, StoreConfig
+    from kvhive.core.cors import cors_from_args
     from kvhive.core.model_files import default_model_path
     from kvhive.engine.async_engine import AsyncEngine
-    from kvhive.engine.llm_engine import LLMEngine
+    from kvhive.launch.replica import build_replica
+    from kvhive.server.app import AppOptions
 
     scheduler = SchedulerConfig(max_model_len=args.max_model_len or 8192, scheduling_policy=args.scheduling_policy)
     store = StoreConfig(cpu_offload_gb=args.cpu_offload_gb, disk_cache_dir=args.disk_cache_dir,
@@ -53,52 +56,52 @@ def build_engine(args: argparse.Namespace):  # -> AsyncEngine (kvhive imports st
                              share_prefix_cache=args.share_prefix_cache,
                              enable_conversation_caching=args.enable_conversation_caching,
                              max_active_conversations=args.max_active_conversations)
+    options = AppOptions(api_keys=tuple(args.api_key), max_request_bytes=args.max_request_bytes,
+                         cors=cors_from_args(args), tokenizer_info=args.enable_tokenizer_info_endpoint)
+    engine_class = faulty_engine_class(AsyncEngine) if args.faulty else AsyncEngine
     prefix = not args.no_prefix_caching
     if args.model == "default":
-        config = EngineConfig(model_path=default_model_path(), served_model_name=SERVED_MODEL_NAME,
+        config = EngineConfig(model_path=default_model_path(), served_model_name=args.served_model_name,
                               device=TEST_DEVICE,
                               cache=CacheConfig(kv_cache_gb=args.kv_cache_gb, num_blocks=args.num_blocks,
                                                 enable_prefix_caching=prefix),
                               scheduler=scheduler, store=store, sessions=sessions)
-        engine = LLMEngine(config)
-    else:
-        from support import tiny
+        return build_replica(config, options, engine_class=engine_class)
+    from support import tiny
 
-        from kvhive.core.tokenizer import Tokenizer
-        from kvhive.model.loader import LoadedModel
+    from kvhive.core.tokenizer import Tokenizer
+    from kvhive.model.loader import LoadedModel
 
-        tokenizer = Tokenizer.from_model_path(default_model_path())
-        model_config = tiny.tiny_config(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_token_id,
-                                        eos_token_ids=tokenizer.eos_token_ids)
-        loaded = LoadedModel(model_config, tiny.tiny_model(model_config, device=TEST_DEVICE), "tiny-server-test")
-        config = EngineConfig(model_path=default_model_path(), served_model_name=SERVED_MODEL_NAME,
-                              device=TEST_DEVICE,
-                              cache=CacheConfig(num_blocks=args.num_blocks or 256, enable_prefix_caching=prefix),
-                              scheduler=scheduler, store=store, sessions=sessions)
-        engine = LLMEngine(config, loaded=loaded, tokenizer=tokenizer)
-    if not args.faulty:
-        return AsyncEngine(engine)
-    return faulty_engine(AsyncEngine, engine)
+    tokenizer = Tokenizer.from_model_path(default_model_path())
+    model_config = tiny.tiny_config(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_token_id,
+                                    eos_token_ids=tokenizer.eos_token_ids)
+    loaded = LoadedModel(model_config, tiny.tiny_model(model_config, device=TEST_DEVICE), "tiny-server-test")
+    config = EngineConfig(model_path=default_model_path(), served_model_name=args.served_model_name,
+                          device=TEST_DEVICE,
+                          cache=CacheConfig(num_blocks=args.num_blocks or 256, enable_prefix_caching=prefix),
+                          scheduler=scheduler, store=store, sessions=sessions)
+    return build_replica(config, options, model=loaded, tokenizer=tokenizer, engine_class=engine_class)
 
 
-def faulty_engine(async_engine_class: type, engine):  # -> a FaultyAsyncEngine over engine
-    """The ``--faulty`` engine: see this module's docstring for the markers."""
+def faulty_engine_class(async_engine_class: type) -> type:
+    """The ``--faulty`` AsyncEngine class: see this module's docstring for the markers."""
     faulty_rows: set[str] = set()           # engine request ids whose sampling raises
     faulty_steps: set[str] = set()          # engine request ids whose steps' forward raises
-    runner = engine.runner
-    sample_rows, execute = runner.sample_rows, runner.execute
 
-    def faulty_sample_rows(logits, seqs):
-        if any(s.request_id in faulty_rows for s in seqs):
-            raise RuntimeError("injected row failure")
-        return sample_rows(logits, seqs)
+    def make_runner_faulty(runner) -> None:
+        sample_rows, execute = runner.sample_rows, runner.execute
 
-    def faulty_execute(plan):
-        if any(s.request_id in faulty_steps for s in plan.seqs):
-            raise RuntimeError("injected step failure")
-        return execute(plan)
+        def faulty_sample_rows(logits, seqs):
+            if any(s.request_id in faulty_rows for s in seqs):
+                raise RuntimeError("injected row failure")
+            return sample_rows(logits, seqs)
 
-    runner.sample_rows, runner.execute = faulty_sample_rows, faulty_execute
+        def faulty_execute(plan):
+            if any(s.request_id in faulty_steps for s in plan.seqs):
+                raise RuntimeError("injected step failure")
+            return execute(plan)
+
+        runner.sample_rows, runner.execute = faulty_sample_rows, faulty_execute
 
     class FaultyAsyncEngine(async_engine_class):
         """Fails requests whose prompt starts with FAULT_TOKEN_IDS at once, and those whose text
@@ -106,6 +109,10 @@ def faulty_engine(async_engine_class: type, engine):  # -> a FaultyAsyncEngine o
         would; fails rows, steps and the loop itself for the other markers."""
 
         kill_loop = False
+
+        def __init__(self, engine) -> None:
+            make_runner_faulty(engine.runner)
+            super().__init__(engine)
 
         def _apply_commands(self):
             if self.kill_loop:
@@ -135,7 +142,7 @@ def faulty_engine(async_engine_class: type, engine):  # -> a FaultyAsyncEngine o
                         await asyncio.sleep(0.02)
                     yield out
 
-    return FaultyAsyncEngine(engine)
+    return FaultyAsyncEngine
 
 
 FAULT_MODES = ("none", "garbage", "500", "hang")
@@ -185,20 +192,6 @@ async def _answer(send, status: int, content_type: bytes, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def with_fault_modes(mode: str) -> None:
-    """Make ``kvhive.server.app.run_server`` serve its app behind ``FaultModes`` starting in ``mode``."""
-    from kvhive.server import app as server_app
-
-    create_app = server_app.create_app
-
-    def create_sick_app(*args, **kwargs):
-        app = create_app(*args, **kwargs)
-        app.add_middleware(FaultModes, mode=mode)
-        return app
-
-    server_app.create_app = create_sick_app
-
-
 def arg_parser() -> argparse.ArgumentParser:
     """This script's flags (tests that build its engine in process parse theirs with it)."""
     from kvhive.config import PINNED_AUTO
@@ -241,19 +234,16 @@ def main() -> None:
     args = arg_parser().parse_args()
     import torch
 
-    from kvhive.core.cors import cors_from_args
     from kvhive.core.http_limits import http_limits_from_args
 
     torch.set_num_threads(2)
     from kvhive.server.app import run_server
 
+    replica = build_test_replica(args)
     if args.fault_mode is not None:
-        with_fault_modes(args.fault_mode)
-    served = run_server(build_engine(args), host="127.0.0.1", port=args.port,
-                        served_model_name=args.served_model_name, api_keys=tuple(args.api_key),
-                        log_level="warning", max_request_bytes=args.max_request_bytes,
-                        http_limits=http_limits_from_args(args), cors=cors_from_args(args),
-                        tokenizer_info=args.enable_tokenizer_info_endpoint)
+        replica.app.add_middleware(FaultModes, mode=args.fault_mode)
+    served = run_server(replica.app, replica.engine, host="127.0.0.1", port=args.port, log_level="warning",
+                        http_limits=http_limits_from_args(args))
     sys.exit(0 if served else 1)           # as ``kvhive serve``: 1 when the engine loop died
 
 

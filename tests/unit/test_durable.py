@@ -7,9 +7,10 @@ import pytest
 
 from kvhive.config import StoreConfig
 from kvhive.sessions.backends import FileBackend, RedisBackend
-from kvhive.sessions.durable import DurableState, RedisKeys
+from kvhive.sessions.durable import DurableState
 from kvhive.sessions.response_backends import FileResponseBackend, RedisResponseBackend
 from kvhive.store.key import KeySpace
+from kvhive.store.redis_keys import RedisKeys
 
 URL = "redis://127.0.0.1:1/0"       # never reached
 

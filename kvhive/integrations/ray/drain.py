@@ -19,10 +19,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvhive.engine.client import EngineClient
+    from kvhive.launch.replica import Replica
+    from kvhive.sessions.backends import SessionBackend
+    from kvhive.sessions.registry import Session
 
 logger = logging.getLogger(__name__)
 
@@ -52,24 +55,24 @@ def wait_idle(client: EngineClient, timeout_s: float) -> bool:
     return False
 
 
-def drain_sessions(client: EngineClient, registry: Any, idle_timeout_s: float = 5.0) -> DrainReport:
+def drain_sessions(replica: Replica, idle_timeout_s: float = 5.0) -> DrainReport:
     """Move every live session's KV blocks and record to the shared tier (see the module
     docstring); blocking, so it runs on a worker thread."""
+    client = replica.client
     if not wait_idle(client, idle_timeout_s):
         logger.warning("drain: requests still running after %.1fs", idle_timeout_s)
-    sessions = [s for s in registry.live_sessions() if not s.in_memory]      # in-memory pins end here
+    sessions = [s for s in replica.live_sessions() if not s.in_memory]      # in-memory pins end here
     hashes = sorted({h for session in sessions for h in session.block_hashes})
     copy = client.copy_to_shared_tier([bytes.fromhex(h) for h in hashes])
     if copy is None:
         return DrainReport(sessions=len(sessions))
     return DrainReport(sessions=len(sessions), blocks=copy.blocks, in_shared_tier=copy.in_shared_tier,
-                       copied=copy.copied, records_written=_write_missing_records(registry, sessions),
+                       copied=copy.copied, records_written=_write_missing_records(replica.session_backend, sessions),
                        shared_tier=copy.tier)
 
 
-def _write_missing_records(registry: Any, sessions: list[Any]) -> int:
-    """Write the records of ``sessions`` the session store lacks; how many were written."""
-    backend = registry.backend
+def _write_missing_records(backend: SessionBackend | None, sessions: list[Session]) -> int:
+    """Write the records of ``sessions`` that ``backend`` (the session store) lacks; how many were written."""
     if backend is None:
         return 0
     written = 0

@@ -1,5 +1,5 @@
 """``KVHiveReplica``: one kvhive engine in a Ray Serve replica, answering with ``kvhive serve``'s
-own FastAPI app (``create_app``) through ``call_asgi``.
+own replica (``kvhive.launch.build_replica``: engine, services, FastAPI app) through ``call_asgi``.
 
 The replica parses its engine flags with ``kvhive serve``'s parser, publishes KV events on a free
 port of its node, and states its block geometry, fingerprint and event endpoints in its replica
@@ -11,19 +11,22 @@ records to the shared tier (``drain_sessions``), where another replica finds the
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import socket
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvhive.integrations.ray.app_args import serve_parser
 from kvhive.integrations.ray.asgi_bridge import ResponseHead, call_asgi
 from kvhive.integrations.ray.drain import drain_sessions
 from kvhive.integrations.ray.envelope import REPLICA_HEADER, HTTPEnvelope
 from kvhive.integrations.ray.routing import ReplicaFacts
+
+if TYPE_CHECKING:
+    from kvhive.launch.replica import Replica
 
 logger = logging.getLogger(__name__)
 # Ray Serve writes this logger to the replica's own log file (others stop at WARNING).
@@ -54,19 +57,13 @@ class KVHiveReplica:
         args = serve_parser().parse_args([*engine_args, "--kv-events", f"tcp://*:{events}",
                                           "--kv-events-replay", f"tcp://*:{replay}"])
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.async_engine, self.config = _start_engine(args)
-        from kvhive.engine.client import EngineClient
-
-        self.client = EngineClient(self.async_engine)
-        self.facts = ReplicaFacts(self.config.model_path, self.config.cache.block_size,
-                                  self.config.cache.hash_seed, self.client.fingerprint,
-                                  f"tcp://{node_ip}:{events}", f"tcp://{node_ip}:{replay}")
-        from kvhive.server.app import create_app
-
-        self.app = create_app(self.async_engine, served_model_name=self.config.served_model_name,
-                              api_keys=tuple(args.api_key or ()), max_request_bytes=args.max_request_bytes,
-                              metrics_compat=args.metrics_compat,
-                              tokenizer_info=args.enable_tokenizer_info_endpoint, tool_call_parser=args.tool_call_parser)
+        self.replica = _build_replica(args)
+        self.async_engine, self.app = self.replica.engine, self.replica.app
+        self.async_engine.start()
+        config = self.replica.client.config
+        self.facts = ReplicaFacts(config.model_path, config.cache.block_size, config.cache.hash_seed,
+                                  self.replica.client.fingerprint, f"tcp://{node_ip}:{events}",
+                                  f"tcp://{node_ip}:{replay}")
         self._lifespan = contextlib.AsyncExitStack()
         await self._lifespan.enter_async_context(self.app.router.lifespan_context(self.app))
         serve_logger.info("kvhive replica %s ready: %s", self.replica_id, self.facts)
@@ -93,10 +90,8 @@ class KVHiveReplica:
     async def __del__(self) -> None:
         """Hand the sessions to the shared tier, then stop the sweepers and the engine (Ray calls
         this when it stops the replica, once its ongoing requests are done)."""
-        registry = self.app.state.service.sessions.registry
         try:
-            report = await asyncio.wait_for(asyncio.to_thread(drain_sessions, self.client, registry),
-                                            DRAIN_TIMEOUT_S)
+            report = await asyncio.wait_for(asyncio.to_thread(drain_sessions, self.replica), DRAIN_TIMEOUT_S)
             serve_logger.info("kvhive replica %s drained: %s", self.replica_id, report)
         except Exception:  # noqa: BLE001 - stopping goes on: what reached Redis already stays there
             serve_logger.exception("kvhive replica %s: drain failed", self.replica_id)
@@ -105,18 +100,16 @@ class KVHiveReplica:
         await asyncio.to_thread(self.async_engine.shutdown)
 
 
-def _start_engine(args: Any) -> tuple[Any, Any]:
-    """Build the engine for ``args`` as ``kvhive serve`` does and start its loop on a thread."""
-    from kvhive.cli import build_engine_config, prepare_runtime, resolve_auto_dtype
-    from kvhive.engine.async_engine import AsyncEngine
-    from kvhive.engine.llm_engine import LLMEngine
+def _build_replica(args: argparse.Namespace) -> Replica:
+    """The replica ``args`` (``kvhive serve``'s flags) describe, its config resolved as ``kvhive serve``
+    resolves it; its engine loop not started yet."""
+    from kvhive.cli import resolve_runtime
+    from kvhive.launch.replica import build_replica
+    from kvhive.serve_args import build_engine_config
+    from kvhive.server.app import AppOptions
 
-    config = build_engine_config(args)
-    problem = prepare_runtime(args, config)
-    if problem is not None:
-        raise ValueError(problem)
-    if config.dtype == "auto":
-        config = resolve_auto_dtype(config)
-    async_engine = AsyncEngine(LLMEngine(dataclasses.replace(config)))
-    async_engine.start()
-    return async_engine, config
+    config = resolve_runtime(args, build_engine_config(args))
+    options = AppOptions(api_keys=tuple(args.api_key or ()), max_request_bytes=args.max_request_bytes,
+                         metrics_compat=args.metrics_compat, tokenizer_info=args.enable_tokenizer_info_endpoint,
+                         tool_call_parser=args.tool_call_parser)
+    return build_replica(config, options)
