@@ -6,13 +6,17 @@ forbidden when it is one of the case's prefixes or inside one (``torch`` forbids
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from support.servers import REPO_ROOT, subprocess_env
 
+# What the engine package never imports, at import time or inside a function.
+ENGINE_CLIENTS = ("kvhive.sessions", "kvhive.server", "kvhive.launch")
 ABOVE_THE_ROUTER = ("torch", "kvhive.model", "kvhive.engine", "kvhive.server", "kvhive.sessions")
 
 CASES = {
@@ -37,8 +41,13 @@ CASES = {
         ABOVE_THE_ROUTER),
     # The builder of the KV tiers and the record backends sits below the engine and the server.
     "durable-state": (
-        ["kvhive.sessions.durable"],
-        ("torch", "kvhive.model", "kvhive.engine", "kvhive.server")),
+        ["kvhive.sessions.durable", "kvhive.store.tier_builder"],
+        ("torch", "kvhive.model", "kvhive.engine", "kvhive.server", "kvhive.launch")),
+    # The engine is handed its tiers (``kvhive.launch``): it imports no layer that builds or serves it.
+    "engine": (
+        ["kvhive.engine.llm_engine", "kvhive.engine.async_engine", "kvhive.engine.client",
+         "kvhive.engine.assembly"],
+        ENGINE_CLIENTS),
     # The tokenizer and chat template are kvhive's own, not transformers'.
     "tokenizer": (
         ["kvhive.core.tokenizer", "kvhive.core.chat_template", "kvhive.core.model_files"],
@@ -77,3 +86,22 @@ def test_imports_nothing_forbidden(modules: list[str], forbidden: tuple[str, ...
     loaded = loaded_modules(modules)
     assert set(modules) <= set(loaded)
     assert [m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden)] == []
+
+
+def imported_names(root: Path) -> list[str]:
+    """``path: module`` of every import (module level or inside a function) in ``root``'s modules."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found += [f"{path.relative_to(root)}: {alias.name}" for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module is not None:
+                found.append(f"{path.relative_to(root)}: {node.module}")
+    return found
+
+
+def test_the_engine_package_names_no_layer_above_it() -> None:
+    # The import case above sees module-level imports; this sees those inside functions too.
+    engine = Path(REPO_ROOT) / "kvhive" / "engine"
+    assert [hit for hit in imported_names(engine)
+            if any(hit.split(": ")[1] == f or hit.split(": ")[1].startswith(f + ".") for f in ENGINE_CLIENTS)] == []
