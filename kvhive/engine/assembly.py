@@ -20,9 +20,15 @@ from kvhive.kv.events_config import KVEventsConfig
 from kvhive.kv.window_group import window_layout_for
 
 if TYPE_CHECKING:
+    from kvhive.connector.disagg.build import DisaggHalves
     from kvhive.connector.offload import OffloadScheduler
     from kvhive.connector.offload_worker import OffloadWorker
+    from kvhive.engine.runner import ModelRunner
+    from kvhive.kv.events import KVEventPublisher
+    from kvhive.model.loader import LoadedModel
+    from kvhive.model.threads import ThreadGovernor
     from kvhive.store.tiered import TieredStore
+    from kvhive.structured import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +47,7 @@ def kernel_isa(config: EngineConfig) -> str | None:
     return isa
 
 
-def load_model(config: EngineConfig, isa: str | None):
+def load_model(config: EngineConfig, isa: str | None) -> LoadedModel:
     """The model ``config.model_path`` names, loaded for the config's dtype, device and kernels."""
     from kvhive.model.loader import load_model as load
 
@@ -63,7 +69,7 @@ def fix_quant_rows(config: EngineConfig, model) -> None:
         model.quant_max_rows = config.quantized_matmul_rows
 
 
-def thread_governor(config: EngineConfig):
+def thread_governor(config: EngineConfig) -> ThreadGovernor | None:
     """A ThreadGovernor sizing torch's thread team, with ``adaptive_threads`` on the CPU; else None."""
     if not (config.adaptive_threads and config.on_cpu):
         return None
@@ -93,7 +99,7 @@ def tiers_for(config: EngineConfig, store: TieredStore | None) -> TieredStore | 
     return build_tiered_store(config.store, RedisKeys(config.served_model_name))
 
 
-def build_connector(config: EngineConfig, loaded, store: TieredStore, block_bytes: int) -> OffloadConnector:
+def build_connector(config: EngineConfig, loaded: LoadedModel, store: TieredStore, block_bytes: int) -> OffloadConnector:
     """Both halves of the offload connector over the store tiers ``store``."""
     from kvhive.connector.offload import KV_LAYOUT_VERSION, OffloadScheduler
     from kvhive.connector.offload_worker import OffloadWorker
@@ -105,8 +111,9 @@ def build_connector(config: EngineConfig, loaded, store: TieredStore, block_byte
                             OffloadWorker(store))
 
 
-def build_disagg(config: EngineConfig, loaded, connector_scheduler, connector_worker, store,
-                 count_cached: Callable[[Sequence[bytes]], int]):
+def build_disagg(config: EngineConfig, loaded: LoadedModel, connector_scheduler: OffloadScheduler | None,
+                 connector_worker: OffloadWorker | None, store: TieredStore | None,
+                 count_cached: Callable[[Sequence[bytes]], int]) -> DisaggHalves:
     """Both disaggregation halves for ``--kv-role`` around the offload connector (or none);
     ``count_cached`` counts the blocks the device prefix cache holds."""
     from kvhive.connector.disagg.build import build_disagg as build
@@ -120,7 +127,8 @@ def build_disagg(config: EngineConfig, loaded, connector_scheduler, connector_wo
                  connector_worker, store, lambda hashes: leading_held(count_cached, hashes))
 
 
-def build_runner(config: EngineConfig, loaded, num_blocks: int, worker_half, isa: str | None, grammars=None):
+def build_runner(config: EngineConfig, loaded: LoadedModel, num_blocks: int, worker_half, isa: str | None,
+                 grammars: GrammarCompiler | None = None) -> ModelRunner:
     """The model runner over a KV pool of ``num_blocks`` blocks (and the connector's worker half;
     ``grammars``: the GrammarCompiler structured requests decode under)."""
     from kvhive.engine.runner import ModelRunner
@@ -140,14 +148,15 @@ def build_runner(config: EngineConfig, loaded, num_blocks: int, worker_half, isa
     return runner
 
 
-def session_copy(store, connector_scheduler, connector_worker) -> TierSessionCopy | None:
+def session_copy(store: TieredStore | None, connector_scheduler: OffloadScheduler | None,
+                 connector_worker: OffloadWorker | None) -> TierSessionCopy | None:
     """Where the store tiers hold a copy of a session's blocks (None without tiers)."""
     if store is None:
         return None
     return TierSessionCopy(store, connector_scheduler.key_space, connector_worker.is_saving)
 
 
-def build_scheduler(config: EngineConfig, loaded, num_blocks: int, scheduler_half,
+def build_scheduler(config: EngineConfig, loaded: LoadedModel, num_blocks: int, scheduler_half,
                     copy: TierSessionCopy | None, window) -> Scheduler:
     """The scheduler over the device pool; with store tiers it spills first the sessions they hold copies of."""
     cache = config.cache
@@ -155,8 +164,8 @@ def build_scheduler(config: EngineConfig, loaded, num_blocks: int, scheduler_hal
                      connector=scheduler_half, session_copy=copy, window=window)
 
 
-def open_publisher(events: KVEventsConfig, config: EngineConfig, scheduler: Scheduler, store,
-                   connector_scheduler):
+def open_publisher(events: KVEventsConfig, config: EngineConfig, scheduler: Scheduler, store: TieredStore | None,
+                   connector_scheduler: OffloadScheduler | None) -> KVEventPublisher:
     """The KV-event publisher: AllBlocksCleared first (the pool starts empty), then the blocks the
     store tiers hold and, from then on, the device pool's and the tiers' changes."""
     from kvhive.kv.events_config import open_publisher as open_events
