@@ -13,20 +13,13 @@ Where each piece lives:
 - Sessions and stored responses: Redis when configured (shared, so they move between replicas),
   else the disk cache dir (``sessions/``, ``responses/``; this replica's own), else nowhere.
 
-Redis keys (``kvhive.store.redis_keys``): one namespace per served model, ``kvhive:{model}:`` (the
-served model name as is), so one ``SCAN kvhive:{model}:*`` or one ACL key pattern covers everything a
-model's replicas write:
+Redis keys (``kvhive.store.redis_keys`` lists them): one namespace per served model,
+``kvhive:{model}:`` (the served model name as is), so one ``SCAN kvhive:{model}:*`` or one ACL key
+pattern covers everything a model's replicas write (KV blocks, session records, stored responses),
+beside the global data-loss marker ``kvhive:data-marker``.
 
-    kvhive:{model}:kv:{store key}             a KV block (codec record; ``kvhive.store.key`` encodes
-                                              layout, dtype, block size, fingerprint, block hash)
-    kvhive:{model}:sessions:{owner}:{id}      a session record (JSON), expiring with the session
-    kvhive:{model}:responses:{owner}:{id}     a conversation's stored responses (a hash), expiring
-                                              with it
-    kvhive:data-marker                        the data-loss marker (``kvhive.store.redis_guard``)
-
-``{owner}`` is the API key's owner id, ``-`` without API keys. Replicas share blocks, sessions and
-responses when they share the Redis and the served model name; the store key's model fingerprint
-still keeps blocks of other weights apart. The data marker stays global: it reports that the Redis
+Replicas share blocks, sessions and responses when they share the Redis and the served model name;
+the store key's model fingerprint still keeps blocks of other weights apart. The data marker stays global: it reports that the Redis
 server lost its data (FLUSHALL, a restart without persistence), one event for every model on it,
 and the process watches it once per Redis URL (``guard_for``), not per model. A deployment that
 gives each model its own Redis ACL grants ``~kvhive:{model}:*`` and ``kvhive:data-marker``.
