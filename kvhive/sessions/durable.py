@@ -19,10 +19,10 @@ pattern covers everything a model's replicas write (KV blocks, session records, 
 beside the global data-loss marker ``kvhive:data-marker``.
 
 Replicas share blocks, sessions and responses when they share the Redis and the served model name;
-the store key's model fingerprint still keeps blocks of other weights apart. The data marker stays global: it reports that the Redis
-server lost its data (FLUSHALL, a restart without persistence), one event for every model on it,
-and the process watches it once per Redis URL (``guard_for``), not per model. A deployment that
-gives each model its own Redis ACL grants ``~kvhive:{model}:*`` and ``kvhive:data-marker``.
+the store key's model fingerprint still keeps blocks of other weights apart. The data marker stays
+global: it reports that the Redis server lost its data (FLUSHALL, a restart without persistence),
+one event for every model on it, and the process watches it once per Redis URL (``guard_for``), not
+per model. A deployment that gives each model its own Redis ACL grants ``~kvhive:{model}:*`` and ``kvhive:data-marker``.
 """
 
 from __future__ import annotations
