@@ -22,7 +22,8 @@ Replicas share blocks, sessions and responses when they share the Redis and the 
 the store key's model fingerprint still keeps blocks of other weights apart. The data marker stays
 global: it reports that the Redis server lost its data (FLUSHALL, a restart without persistence),
 one event for every model on it, and the process watches it once per Redis URL (``guard_for``), not
-per model. A deployment that gives each model its own Redis ACL grants ``~kvhive:{model}:*`` and ``kvhive:data-marker``.
+per model. A deployment that gives each model its own Redis ACL grants ``~kvhive:{model}:*`` and
+``kvhive:data-marker``.
 """
 
 from __future__ import annotations
