@@ -2,9 +2,9 @@
 session records and stored responses persist, all from ``--cpu-offload-gb``, ``--disk-cache-dir``
 and ``--redis-url`` (``StoreConfig``).
 
-``DurableState(config, model)`` hands out each piece to its one owner: the engine takes
-``tiered_store()``, the session registry ``session_backend()``, the response store
-``response_backend()``. Torch-free.
+``DurableState(config, model)`` builds each piece once; ``kvhive.launch`` hands it to its one owner:
+the engine takes ``tiered_store()`` (built by ``kvhive.store.tier_builder``), the session registry
+``session_backend()``, the response store ``response_backend()``. Torch-free.
 
 Where each piece lives:
 
