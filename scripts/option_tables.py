@@ -19,6 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TABLE_PAGES = {"serve": REPO_ROOT / "docs" / "serve.md", "gateway": REPO_ROOT / "docs" / "gateway.md"}
 HELP_DEFAULT = re.compile(r"^(?P<meaning>.*?)\s*\((?:default:?\s*)(?P<default>[^()]*(?:\([^()]*\)[^()]*)*)\)"
                           r"(?P<after>.*)$", re.S)
+DOC_MENTION = re.compile(r"\bdocs/(\w+\.md)")
 MACHINE_VALUE = re.compile(r":\s*%\(default\)s here")      # a default measured on this machine
 
 
@@ -72,6 +73,11 @@ def cell(text: str) -> str:
     return text
 
 
+def with_links(text: str) -> str:
+    """Help text whose mentions of docs/NAME.md are links (the tables sit in docs/ themselves)."""
+    return DOC_MENTION.sub(r"[\1](\1)", text)
+
+
 def code_cell(text: str) -> str:
     """Code spans made safe for a markdown table cell (a ``|`` inside one still splits the row)."""
     return text.replace("|", "\\|")
@@ -88,7 +94,7 @@ def option_table(parser: argparse.ArgumentParser) -> str:
         lines.append(f"| **{cell(group.title or '')}** | | |")
         for action in actions:
             meaning, default = split_help(action)
-            lines.append(f"| {code_cell(option_name(action))} | {cell(default)} | {cell(meaning)} |")
+            lines.append(f"| {code_cell(option_name(action))} | {cell(default)} | {with_links(cell(meaning))} |")
     return "\n".join(lines) + "\n"
 
 
