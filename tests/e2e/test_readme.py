@@ -30,24 +30,17 @@ SKIPPED = {
         "creates and activates a virtual environment (the suite runs in one already)",
     "bash scripts/install.sh && kvhive serve --port 8000":
         "installs the package, then starts a server on port 8000 (the test's server stands in for it)",
-    "pip install .                                 # from a checkout; the gateway's dependencies only":
-        "installs the gateway alone (tests/e2e/test_gateway_install.py does, into a fresh venv)",
-    "kvhive serve --port 8000 --kv-cache-gb 0.5":
-        "starts a server on port 8000 (tests/e2e/test_cli_serve.py starts 'kvhive serve' itself)",
     "bash scripts/test.sh":
         "installs Debian packages and runs this whole suite",
-    "python -m pytest tests/unit     # no model, no server process, no Redis: under a minute on 2 cores":
-        "runs part of this suite",
-    "kvhive warmup":
-        "builds the kernels into the user's cache (tests/e2e/test_cpu_paths.py runs it)",
     "kvhive serve --cpu-offload-gb 4 --disk-cache-dir ~/.cache/kvhive/kv-tier --disk-cache-gb 50 \\":
         "starts a server with a disk tier and a Redis tier (tests/e2e/test_tiers_e2e.py runs the tiers)",
     "kvhive serve --port 8001 --kv-events 'tcp://*:5557' --kv-events-replay 'tcp://*:5558' &":
         "starts two replicas and a gateway in the background (tests/e2e/test_gateway.py runs them)",
-    "KEY_A=key-of-alice KEY_B=key-of-bob                 # the keys clients send":
-        "starts a replica with API keys and a gateway in the background (tests/e2e/test_router_api_keys.py)",
     "ray start --head --num-cpus 1                                    # one node; on each other node:":
         "starts a Ray cluster and the Ray Serve application (tests/e2e/test_ray_cluster.py runs them)",
+    "kvhive serve --port 8200 --kv-role decode --kv-transfer-port 7600 &":
+        "starts a decode and a prefill replica and a gateway in the background "
+        "(tests/e2e/test_disagg_serve.py runs them)",
 }
 
 # What the output of a block must contain, by a line of the block.
@@ -56,6 +49,14 @@ ANSWERS = {
     """France?"}], "max_tokens": 32, "temperature": 0}'""": "Paris",
     "r = client.chat.completions.create(model=\"smollm2-135m\", max_tokens=32, temperature=0,": "Paris",
     "print(r2.output_text, r2.usage.input_tokens_details.cached_tokens)": "Rome",
+    """  -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "The capital of France, as """
+    """JSON."}], "max_tokens": 64, "temperature": 0, "response_format": {"type": "json_schema", "json_schema": """
+    """{"name": "city", """
+    """"schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}}'""":
+        "city",
+    """  -d '{"model": "smollm2-135m", "max_tokens": 32, "system": [{"type": "text", "text": "You answer from this """
+    """manual: ...", "cache_control": {"type": "ephemeral"}}], "messages": [{"role": "user", "content": "How do I """
+    """reset it?"}]}'""": '"type":"message"',
 }
 
 
