@@ -380,11 +380,6 @@ class SessionRegistry:
             self._pin(held)
         return held
 
-    def want_republish(self) -> None:
-        """The shared backend may lack what this replica holds: republish before its next read.
-        Safe from any thread (it only sets a flag and counts)."""
-        self.store.want_republish()
-
     def republish_if_wanted(self) -> int:
         """Write every live session held here again, if the backend may lack them; how many."""
         return self.store.republish_if_wanted()

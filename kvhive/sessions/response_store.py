@@ -345,11 +345,6 @@ class ResponseStore:
         elif held is not None:
             self.conversations.release(held)
 
-    def want_republish(self) -> None:
-        """The shared backend may lack what this replica holds: republish before its next read.
-        Safe from any thread (it only sets a flag and counts)."""
-        self.conversations.want_republish()
-
     def republish_if_wanted(self) -> int:
         """Write every live conversation held here again, if the backend may lack them; how many."""
         return self.conversations.republish_if_wanted()
