@@ -29,28 +29,15 @@ from typing import Protocol
 
 from kvhive.core import atomic_file
 from kvhive.core.atomic_file import atomic_write
+from kvhive.sessions.expiring import RecordBackend
 
 logger = logging.getLogger(__name__)
 
 SESSIONS_DIR = "sessions"
 
 
-class SessionBackend(Protocol):
-    """One record per session, keyed by (owner, id)."""
-
-    shared: bool     # other replicas write it too: re-read a record on each use, never load all
-
-    def load_all(self) -> list[dict]:
-        """The records to hold at start: every record of a local backend, none of a shared one."""
-
-    def load(self, owner: str | None, session_id: str) -> dict | None:
-        """The session's record, or None if there is none (never saved, deleted, or expired in Redis)."""
-
-    def save(self, record: dict) -> None:
-        """Create or replace the session's record (``record["expires"]`` is its unix expiry)."""
-
-    def delete(self, owner: str | None, session_id: str) -> None:
-        """Forget the session's record (no error if there is none)."""
+class SessionBackend(RecordBackend, Protocol):
+    """One record per session (``Session.to_json()``), keyed by (owner, id)."""
 
 
 def record_name(owner: str | None, session_id: str) -> str:
@@ -123,6 +110,7 @@ class RedisRecords:
     written through the URL's ``RedisGuard``."""
 
     shared = True
+    noun = "record"                    # what a record is, in the guard's failure lines
 
     def __init__(self, url: str, prefix: str, timeout_s: float = 2.0) -> None:
         from kvhive.store.redis_guard import guard_for
@@ -148,9 +136,16 @@ class RedisRecords:
         are told); RedisUnavailable when it cannot tell. Blocking: call it off the event loop."""
         return self.guard.read(self.guard.check_data)
 
+    def delete(self, owner: str | None, record_id: str) -> None:
+        """Queue the deletion of the record's key."""
+        key = self.key(owner, record_id)
+        self.guard.write(lambda: self.client.delete(key), f"the deletion of {self.noun} {record_id}")
+
 
 class RedisBackend(RedisRecords):
     """One Redis key per session under ``prefix``, expiring when the session does."""
+
+    noun = "session"
 
     def load(self, owner: str | None, session_id: str) -> dict | None:
         """The session's record, or None (Redis drops a record at its expiry); blocks until read
@@ -163,8 +158,3 @@ class RedisBackend(RedisRecords):
         key = self.key(record["owner"], record["id"])
         value, expires_ms = json.dumps(record), max(1, int(record["expires"] * 1000))
         self.guard.write(lambda: self.client.set(key, value, pxat=expires_ms), f"session {record['id']}")
-
-    def delete(self, owner: str | None, session_id: str) -> None:
-        """Queue the deletion of the session's key."""
-        key = self.key(owner, session_id)
-        self.guard.write(lambda: self.client.delete(key), f"the deletion of session {session_id}")

@@ -5,7 +5,8 @@ blocks the engine holds for it under ``Session.engine_id`` (see ``kvhive.kv.mana
 registry lives on the server's event loop; the engine is told only to pin and free a session's
 blocks (``on_load`` pins the blocks of a session taken from the backend). Beside it:
 ``session.py`` (the record, id and TTL checks), ``errors.py`` (the error kinds), ``limits.py``
-(the per-key and keeper-tier limits) and ``records.py`` (the backend's writes and reads).
+(the per-key and keeper-tier limits) and ``expiring.py`` (the record store: held records, the
+backend's writes and reads, the expiry sweep).
 
 Rules, in one place:
 
@@ -15,14 +16,14 @@ Rules, in one place:
   (0, max_ttl]. A session busy with a turn never expires under it.
 - One turn at a time: a second request on a busy session is refused (busy), nothing changes.
 - Limits: per key (``--max-sessions-per-key``, ``--max-pinned-gb``: by default half the room
-  sessions may pin) and server-wide (the blocks of
-  all sessions must fit in the keeper tier that pins them, less ``KEEPER_MARGIN``); a request over
-  one is refused (a limit) before anything changes.
-- Persistence (``kvhive.sessions.backends``): every change writes that session's record. A local
-  backend (disk dir) is loaded whole at start. A write it cannot make (a full disk) raises
-  SessionNotDurable and leaves its old record: a new session is not created, a TTL not changed. A shared one (Redis) is the truth for every
-  replica: a session this replica does not hold is loaded on first use, and one it holds is read
-  again on each use (another replica may have extended, re-TTL'd or deleted it since).
+  sessions may pin) and server-wide (the blocks of all sessions must fit in the keeper tier that
+  pins them, less ``KEEPER_MARGIN``); a request over one is refused before anything changes.
+- Persistence (``kvhive.sessions.backends``, through the store ``kvhive.sessions.expiring``
+  shares with stored responses): every change writes that session's record. A local backend (disk
+  dir) is loaded whole at start. A write it cannot make (a full disk) raises SessionNotDurable and
+  leaves its old record: a new session is not created, a TTL not changed. A shared one (Redis) is
+  the truth for every replica: a session this replica does not hold is loaded on first use, and
+  one it holds is read again on each use (another replica may have extended, re-TTL'd or deleted it).
 - Across replicas the busy rule is per process: two replicas running a turn on one session at
   once (the gateway sends a session to one replica, so only around a failover) both succeed, and
   the last turn to end wins the record; the other turn's history is lost to the session.
@@ -38,12 +39,11 @@ Rules, in one place:
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvhive.config import SessionConfig
 from kvhive.sessions.backends import SessionBackend
@@ -57,8 +57,8 @@ from kvhive.sessions.errors import (
     SessionStale,
     not_found,
 )
+from kvhive.sessions.expiring import BackendRead, ExpiringStore
 from kvhive.sessions.limits import KEEPER_MARGIN, KeeperTier, SessionLimits, format_bytes
-from kvhive.sessions.records import SessionRecords
 from kvhive.sessions.session import (
     MAX_SESSION_ID_CHARS,
     SESSION_ID_PATTERN,
@@ -67,15 +67,11 @@ from kvhive.sessions.session import (
     check_session_id,
     parse_ttl,
 )
-from kvhive.store.redis_guard import check_backend_data
 
 # The session vocabulary stays importable from here, where the server and the service take it.
 __all__ = ["KEEPER_MARGIN", "MAX_SESSION_ID_CHARS", "SESSION_ID_PATTERN", "KeeperTier", "Session", "SessionBusy",
            "SessionError", "SessionInvalid", "SessionLimit", "SessionNotDurable", "SessionNotFound",
            "SessionRegistry", "SessionStale", "SessionStats", "check_session_id", "format_bytes", "not_found", "parse_ttl"]
-
-logger = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class SessionStats:
@@ -104,17 +100,19 @@ class SessionRegistry:
         self.config = config
         self.limits = SessionLimits(config, block_bytes, block_size, keeper, device_pool_bytes)
         self.backend = backend
-        self.records = SessionRecords(backend)
         self.on_load = on_load
         self.clock = clock
-        self._sessions: dict[tuple[str | None, str], Session] = {}
+        # A local backend's sessions are held from here on (expired ones for the sweep to drop); a
+        # shared one's load on use.
+        self.store: ExpiringStore[Session] = ExpiringStore(backend, Session.from_json, "session",
+                                                           "session records", clock)
         self._turns = self._hit_tokens = self._expired = self._deleted = 0
         self._forks = self._evicted = 0
-        if backend is not None:
-            add_listener = getattr(backend, "add_listener", None)
-            if add_listener is not None:
-                add_listener(self.want_republish)
-            self._load_all()
+        now = clock()
+        for session in self.store:
+            self._count_blocks(session, session.block_hashes, 1)
+            if session.expires > now:
+                self._pin(session)
 
     # ------------------------------------------------------------------ lookups
 
@@ -123,60 +121,58 @@ class SessionRegistry:
 
         With a shared backend, an idle session is read from it again (and one this replica does
         not hold yet is loaded and pinned); this blocks on the backend (the server calls ``aget``)."""
-        session = self._sessions.get((owner, session_id))
+        session = self.store.held(owner, session_id)
         if self._rereads(session):
-            losses = self.records.losses
-            self.republish_if_wanted()
-            record, lost = self.records.read(owner, session_id, session, losses)
-            session = self._apply(owner, session_id, session, record, lost)
+            read = self.store.fetch(owner, session_id, self._lacks(session))
+            session = self._apply(session, read)
         return self._live(session, session_id)
 
     async def aget(self, session_id: str, owner: str | None) -> Session:
         """``get`` with the backend read on a worker thread, off the event loop."""
-        session = self._sessions.get((owner, session_id))
+        session = self.store.held(owner, session_id)
         if self._rereads(session):
-            losses = self.records.losses
-            self.republish_if_wanted()
-            record, lost = await asyncio.to_thread(self.records.read, owner, session_id, session, losses)
-            session = self._apply(owner, session_id, self._sessions.get((owner, session_id)), record, lost)
+            read = await self.store.afetch(owner, session_id, self._lacks(session))
+            session = self._apply(self.store.held(owner, session_id), read)
         return self._live(session, session_id)
 
     def _rereads(self, session: Session | None) -> bool:
         """Whether a lookup reads the backend again: shared, and the session not busy here (nor
         held in memory only: the backend never has its record)."""
-        return (self.backend is not None and self.backend.shared
-                and (session is None or not (session.busy or session.in_memory)))
+        return self.store.rereads and (session is None or not (session.busy or session.in_memory))
+
+    @staticmethod
+    def _lacks(held: Session | None) -> Callable[[dict[str, Any] | None], bool]:
+        """Whether a backend record lacks the session held here: it has none of it."""
+        return lambda record: held is not None and record is None
 
     def _live(self, session: Session | None, session_id: str) -> Session:
-        if session is None or (not session.busy and session.expires <= self.clock()):
+        if session is None or not session.is_live(self.clock()):
             raise not_found(session_id)
         return session
 
     def list(self, owner: str | None) -> list[Session]:
         """The caller's live sessions on this replica, oldest first."""
         now = self.clock()
-        return sorted((s for (o, _), s in self._sessions.items() if o == owner and (s.busy or s.expires > now)),
-                      key=lambda s: s.created)
+        return sorted((s for s in self.store.owned(owner) if s.is_live(now)), key=lambda s: s.created)
 
     def holds(self, session: Session) -> bool:
         """Whether this record is the one held under its (owner, id): not deleted, swept or replaced."""
-        return self._sessions.get((session.owner, session.session_id)) is session
+        return self.store.holds(session)
 
     def live_sessions(self) -> list[Session]:
         """Every owner's live sessions."""
-        now = self.clock()
-        return [s for s in self._sessions.values() if s.busy or s.expires > now]
+        return self.store.live()
 
     def stats(self) -> SessionStats:
         """Live sessions, what they hold, and the cumulative counters."""
         live = self.live_sessions()
         return SessionStats(len(live), sum(s.num_tokens for s in live), sum(len(s.block_hashes) for s in live),
                             self._turns, self._hit_tokens, self._expired, self._deleted,
-                            self.records.write_failures.total, self._forks, self._evicted)
+                            self.store.write_failures.total, self._forks, self._evicted)
 
     def pinned_bytes(self, owner: str | None) -> int:
         """KV bytes the owner's sessions hold."""
-        return self.limits.pinned_bytes(self._owned(owner))
+        return self.limits.pinned_bytes(self.store.owned(owner))
 
     def pinned_block_bytes(self, exclude: Session | None = None) -> int:
         """Bytes of the distinct full blocks all sessions pin (less those only ``exclude`` pins)."""
@@ -184,11 +180,7 @@ class SessionRegistry:
 
     def owned(self, owner: str | None) -> list[Session]:
         """The owner's sessions held here, expired ones included (what its limits count)."""
-        return list(self._owned(owner))
-
-    def _owned(self, owner: str | None) -> Iterator[Session]:
-        """The owner's sessions held here, expired ones included."""
-        return (s for (o, _), s in self._sessions.items() if o == owner)
+        return list(self.store.owned(owner))
 
     # ------------------------------------------------------------------ changes
 
@@ -204,7 +196,7 @@ class SessionRegistry:
         now = self.clock()
         session = Session(session_id or f"sess-{uuid.uuid4().hex}", owner, model, ttl_s, now, now + ttl_s,
                           num_tokens, busy=True, turn=1, kind=kind, in_memory=in_memory, conversation=conversation)
-        self.records.save(session)            # SessionNotDurable: refused before it exists
+        self.store.save(session)              # SessionNotDurable: refused before it exists
         self._add(session)
         return session
 
@@ -217,13 +209,13 @@ class SessionRegistry:
         num_turns = parent.num_turns if turn is None else turn
         if self.config.max_sessions_per_key is not None:
             self.limits.check_session_count(len(self.list(parent.owner)))
-        self.limits.check_key_limit(parent.owner, self._owned(parent.owner), num_tokens)
+        self.limits.check_key_limit(parent.owner, self.store.owned(parent.owner), num_tokens)
         first = parent.num_turns - len(parent.turn_ends) + 1
         now = self.clock()
         child = Session(f"sess-{uuid.uuid4().hex}", parent.owner, parent.model, ttl_s, now, now + ttl_s,
                         num_tokens, parent.block_hashes[:num_tokens // self.limits.block_size],
                         num_turns=num_turns, turn_ends=parent.turn_ends[:max(0, num_turns - first + 1)])
-        self.records.save(child)              # SessionNotDurable: refused before it exists
+        self.store.save(child)                # SessionNotDurable: refused before it exists
         self._add(child)
         self._forks += 1
         return child
@@ -264,7 +256,7 @@ class SessionRegistry:
         """SessionLimit when a session holding ``num_tokens`` (prompt + max_tokens) in place of ``exclude``
         would take the owner's sessions over --max-pinned-gb, or all sessions over the keeper tier
         (``keeper_tokens``: the tokens of new distinct blocks there, when fewer than ``num_tokens``)."""
-        self.limits.check_pinned(owner, self._owned(owner), num_tokens, exclude, keeper_tokens)
+        self.limits.check_pinned(owner, self.store.owned(owner), num_tokens, exclude, keeper_tokens)
 
     def check_session_count(self, owner: str | None, num_new: int) -> None:
         """SessionLimit when the owner may not create ``num_new`` more sessions (--max-sessions-per-key)."""
@@ -282,8 +274,8 @@ class SessionRegistry:
             session.record_turn(num_tokens, block_hashes or [])
             self._recount(session, before)
         session.expires = self.clock() + session.ttl_s
-        if (session.owner, session.session_id) in self._sessions:
-            self.records.save(session)
+        if self.store.held(session.owner, session.session_id) is not None:
+            self.store.save(session)
 
     def refresh_pin(self, pin: Session, num_tokens: int, block_hashes: list[str], ttl_s: int) -> None:
         """A read or a write of a prompt-cache pin: it holds these blocks, is no longer busy, and
@@ -295,8 +287,8 @@ class SessionRegistry:
         expires = self.clock() + ttl_s
         if expires > pin.expires:
             pin.ttl_s, pin.expires = ttl_s, expires
-        if (pin.owner, pin.session_id) in self._sessions:
-            self.records.save(pin)
+        if self.store.held(pin.owner, pin.session_id) is not None:
+            self.store.save(pin)
 
     def set_ttl(self, session: Session, ttl_s: int) -> None:
         """New TTL; the session now expires ttl_s from now."""
@@ -304,7 +296,7 @@ class SessionRegistry:
         session.ttl_s = ttl_s
         session.expires = self.clock() + ttl_s
         try:
-            self.records.save(session)
+            self.store.save(session)
         except SessionNotDurable:
             session.ttl_s, session.expires = before
             raise
@@ -314,52 +306,35 @@ class SessionRegistry:
         session.busy = False
         if self._remove(session):
             self._deleted += 1
-        if self.backend is not None:
-            try:
-                self.backend.delete(session.owner, session.session_id)
-            except Exception:  # noqa: BLE001 - the session is gone here; a shared record expires on its own
-                logger.exception("could not delete the record of session %s", session.session_id)
+        self.store.delete_record(session)
 
     def evict(self, session: Session) -> None:
         """Forget an idle conversation to make room for a new one (``idle_conversation_to_evict``);
         the caller releases its blocks, which the prefix cache keeps while there is room."""
         if self._remove(session):
             self._evicted += 1
-        if self.backend is not None:
-            try:
-                self.backend.delete(session.owner, session.session_id)
-            except Exception:  # noqa: BLE001 - forgotten here; a shared record expires on its own
-                logger.exception("could not delete the record of session %s", session.session_id)
+        self.store.delete_record(session)
 
     def pop_expired(self) -> list[Session]:
         """Remove and return every expired, idle session or pin (the caller frees their blocks).
 
         A local backend's records go too; a shared backend's expire in Redis on their own (and a
         record another replica extended since must stay)."""
-        now = self.clock()
-        # A pin is busy only until the request that creates it has computed its prompt; one whose
-        # request never ended expires all the same (a session's turn always ends).
-        expired = [s for s in self._sessions.values() if (not s.busy or s.is_pin) and s.expires <= now]
+        expired = self.store.pop_expired()          # ``Session.can_sweep``: pins whose request never ended too
         for session in expired:
-            self._remove(session)
-            if self.backend is not None and not self.backend.shared:
-                try:
-                    self.backend.delete(session.owner, session.session_id)
-                except OSError:
-                    logger.exception("could not delete the record of session %s", session.session_id)
+            self._count_blocks(session, session.block_hashes, -1)
         self._expired += len(expired)
         return expired
 
     # ------------------------------------------------------------------ holdings
 
     def _add(self, session: Session) -> None:
-        self._sessions[(session.owner, session.session_id)] = session
+        self.store.hold(session)
         self._count_blocks(session, session.block_hashes, 1)
 
     def _remove(self, session: Session) -> bool:
-        if self._sessions.get((session.owner, session.session_id)) is not session:
+        if not self.store.release(session):
             return False
-        del self._sessions[(session.owner, session.session_id)]
         self._count_blocks(session, session.block_hashes, -1)
         return True
 
@@ -374,23 +349,22 @@ class SessionRegistry:
 
     def _recount(self, session: Session, before: list[str]) -> None:
         """The session's blocks changed from ``before``: count them again if it is held here."""
-        if self._sessions.get((session.owner, session.session_id)) is session:
+        if self.store.holds(session):
             self._count_blocks(session, before, -1)
             self._count_blocks(session, session.block_hashes, 1)
 
     # ------------------------------------------------------------------ persistence
 
-    def _apply(self, owner: str | None, session_id: str, held: Session | None, record: dict | None,
-               lost: bool) -> Session | None:
+    def _apply(self, held: Session | None, read: BackendRead) -> Session | None:
         """The session as the shared backend has it now, held here (pinned via ``on_load``).
 
-        ``lost``: the backend could not be read, or lost the record: keep what is held here."""
+        ``read.lost``: the backend could not be read, or lost the record: keep what is held here."""
         if held is not None and held.busy:
             return held                           # a turn began while the read ran: it wins
-        if lost:
+        if read.lost:
             self.republish_if_wanted()
             return held
-        current = self.records.parse(record)
+        current = self.store.parse(read.record)
         if current is None or current.expires <= self.clock():
             if held is not None:
                 held.expires = min(held.expires, self.clock())   # ended elsewhere: the sweep frees it
@@ -406,36 +380,14 @@ class SessionRegistry:
             self._pin(held)
         return held
 
-    def want_republish(self) -> None:
-        """The shared backend may lack what this replica holds: republish before its next read.
-        Safe from any thread (it only sets a flag and counts)."""
-        self.records.want_republish()
-
     def republish_if_wanted(self) -> int:
         """Write every live session held here again, if the backend may lack them; how many."""
-        if not self.records.take_republish():
-            return 0
-        live = self.live_sessions()
-        for session in live:
-            self.records.save(session)
-        if live:
-            logger.info("republished %d sessions to the session backend", len(live))
-        return len(live)
+        return self.store.republish_if_wanted()
 
     async def check_backend(self) -> None:
         """Ask a shared backend whether it lost its data (off the event loop); republish if so."""
-        if self._sessions and await check_backend_data(self.backend):
-            self.republish_if_wanted()
+        await self.store.check_backend()
 
     def _pin(self, session: Session) -> None:
         if self.on_load is not None:
             self.on_load(session)
-
-    def _load_all(self) -> None:
-        """Hold the backend's sessions (a local backend's all, expired ones for the sweep to drop;
-        a shared one's load on use) and pin the live ones."""
-        now = self.clock()
-        for session in self.records.load_all():
-            self._add(session)
-            if session.expires > now:
-                self._pin(session)

@@ -1,7 +1,8 @@
 """Where stored responses persist: per conversation, in a disk directory or Redis.
 
-A conversation record is ``{"id", "owner", "expires", "responses": [StoredResponse.to_json()...]}``.
-Both backends write one response at a time (a turn costs one record, whatever the length of its
+A conversation record is ``{"id", "owner", "expires", "responses": [StoredResponse.to_json()...]}``
+(``Conversation.to_json()``), a record of ``kvhive.sessions.expiring``. Both backends write one
+response at a time (``save_response``: a turn costs one record, whatever the length of its
 conversation) and keep the conversation's expiry beside its responses.
 
 - ``FileResponseBackend`` (``--disk-cache-dir`` without ``--redis-url``; local to one replica): one
@@ -27,6 +28,7 @@ from typing import Any, Protocol
 
 from kvhive.core.atomic_file import atomic_write
 from kvhive.sessions.backends import RedisRecords, record_digest, remove_temp_files
+from kvhive.sessions.expiring import RecordBackend
 
 logger = logging.getLogger(__name__)
 
@@ -35,29 +37,16 @@ CONVERSATION_FILE = "conversation.json"
 CONVERSATION_FIELD = "conversation"
 
 
-class ResponseBackend(Protocol):
-    """Conversation records keyed by (owner, conversation id)."""
+class ResponseBackend(RecordBackend, Protocol):
+    """Conversation records keyed by (owner, conversation id): ``save`` adds or replaces the
+    responses of a record (and sets the conversation's expiry), ``delete`` forgets all of them."""
 
-    shared: bool     # other replicas write it too: re-read a conversation on each use, never load all
-
-    def load_all(self) -> list[dict[str, Any]]:
-        """The conversations to hold at start: all of a local backend's, none of a shared one's."""
-
-    def load_conversation(self, owner: str | None, conversation_id: str) -> dict[str, Any] | None:
-        """The conversation's record, or None (never saved, deleted, or expired in Redis)."""
-
-    def save(self, owner: str | None, conversation_id: str, expires: float, response: dict[str, Any]) -> None:
+    def save_response(self, owner: str | None, conversation_id: str, expires: float,
+                      response: dict[str, Any]) -> None:
         """Add or replace one response of the conversation, whose expiry becomes ``expires``."""
 
-    def save_conversation(self, owner: str | None, conversation_id: str, expires: float,
-                          responses: list[dict[str, Any]]) -> None:
-        """Add or replace these responses of the conversation, whose expiry becomes ``expires``."""
-
-    def delete(self, owner: str | None, conversation_id: str, response_id: str) -> None:
+    def delete_response(self, owner: str | None, conversation_id: str, response_id: str) -> None:
         """Forget one response (no error if there is none)."""
-
-    def delete_conversation(self, owner: str | None, conversation_id: str) -> None:
-        """Forget the conversation and all its responses (no error if there is none)."""
 
 
 def _header(owner: str | None, conversation_id: str, expires: float) -> dict[str, Any]:
@@ -89,7 +78,7 @@ class FileResponseBackend:
                 records.append(record)
         return records
 
-    def load_conversation(self, owner: str | None, conversation_id: str) -> dict[str, Any] | None:
+    def load(self, owner: str | None, conversation_id: str) -> dict[str, Any] | None:
         """The conversation's record, or None."""
         return self._read(self._dir(owner, conversation_id))
 
@@ -109,7 +98,8 @@ class FileResponseBackend:
             return None
         return record
 
-    def save(self, owner: str | None, conversation_id: str, expires: float, response: dict[str, Any]) -> None:
+    def save_response(self, owner: str | None, conversation_id: str, expires: float,
+                      response: dict[str, Any]) -> None:
         """Write the response's file, then the conversation's new expiry. On OSError (a full disk)
         a new response's file goes again and the conversation stays as it was."""
         path = self._dir(owner, conversation_id)
@@ -128,20 +118,19 @@ class FileResponseBackend:
                 os.rmdir(path)                  # only when empty: a new conversation's directory
             raise
 
-    def save_conversation(self, owner: str | None, conversation_id: str, expires: float,
-                          responses: list[dict[str, Any]]) -> None:
+    def save(self, record: dict[str, Any]) -> None:
         """Write each response's file, then the conversation's expiry."""
-        for response in responses:
-            self.save(owner, conversation_id, expires, response)
+        for response in record["responses"]:
+            self.save_response(record["owner"], record["id"], record["expires"], response)
 
-    def delete(self, owner: str | None, conversation_id: str, response_id: str) -> None:
+    def delete_response(self, owner: str | None, conversation_id: str, response_id: str) -> None:
         """Remove the response's file."""
         try:
             os.unlink(os.path.join(self._dir(owner, conversation_id), f"{response_id}.json"))
         except FileNotFoundError:
             pass
 
-    def delete_conversation(self, owner: str | None, conversation_id: str) -> None:
+    def delete(self, owner: str | None, conversation_id: str) -> None:
         """Remove the conversation's directory."""
         shutil.rmtree(self._dir(owner, conversation_id), ignore_errors=True)
 
@@ -149,7 +138,9 @@ class FileResponseBackend:
 class RedisResponseBackend(RedisRecords):
     """One Redis hash per conversation under ``prefix``, expiring when the conversation does."""
 
-    def load_conversation(self, owner: str | None, conversation_id: str) -> dict[str, Any] | None:
+    noun = "conversation"
+
+    def load(self, owner: str | None, conversation_id: str) -> dict[str, Any] | None:
         """The conversation's record, or None (Redis drops it at its expiry); blocks until read
         (RedisUnavailable while Redis is unreachable)."""
         fields = self.guard.read(lambda: self.client.hgetall(self.key(owner, conversation_id)))
@@ -160,14 +151,16 @@ class RedisResponseBackend(RedisRecords):
         record["responses"] = [json.loads(value) for value in fields.values()]
         return record
 
-    def save(self, owner: str | None, conversation_id: str, expires: float, response: dict[str, Any]) -> None:
+    def save_response(self, owner: str | None, conversation_id: str, expires: float,
+                      response: dict[str, Any]) -> None:
         """Queue one transaction: the response's field, the conversation's field, the key's expiry."""
-        self.save_conversation(owner, conversation_id, expires, [response])
+        self.save({**_header(owner, conversation_id, expires), "responses": [response]})
 
-    def save_conversation(self, owner: str | None, conversation_id: str, expires: float,
-                          responses: list[dict[str, Any]]) -> None:
+    def save(self, record: dict[str, Any]) -> None:
         """Queue one transaction: the responses' fields, the conversation's field, the key's
         expiry (PEXPIREAT)."""
+        owner, conversation_id, expires = record["owner"], record["id"], record["expires"]
+        responses: list[dict[str, Any]] = record["responses"]
         key = self.key(owner, conversation_id)
         fields = {CONVERSATION_FIELD: json.dumps(_header(owner, conversation_id, expires))}
         fields.update({response["response"]["id"]: json.dumps(response) for response in responses})
@@ -180,12 +173,7 @@ class RedisResponseBackend(RedisRecords):
 
         self.guard.write(write, f"conversation {conversation_id}")
 
-    def delete(self, owner: str | None, conversation_id: str, response_id: str) -> None:
+    def delete_response(self, owner: str | None, conversation_id: str, response_id: str) -> None:
         """Queue the deletion of the response's field."""
         key = self.key(owner, conversation_id)
         self.guard.write(lambda: self.client.hdel(key, response_id), f"the deletion of {response_id}")
-
-    def delete_conversation(self, owner: str | None, conversation_id: str) -> None:
-        """Queue the deletion of the conversation's key."""
-        key = self.key(owner, conversation_id)
-        self.guard.write(lambda: self.client.delete(key), f"the deletion of {conversation_id}")

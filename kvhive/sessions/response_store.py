@@ -17,7 +17,8 @@ Rules, in one place:
   conversation is a session, so ``--max-sessions-per-key`` bounds the conversations of a key.
 - Delete removes one response; the caller ends the session when its conversation has no response
   left. A response whose history lost a response to DELETE cannot be continued (not found).
-- Persistence (``kvhive.sessions.response_backends``): each stored turn writes its record and the
+- Persistence (``kvhive.sessions.response_backends``, through ``kvhive.sessions.expiring``, the
+  store it shares with sessions, a conversation being its record): each stored turn writes its record and the
   conversation's expiry; a local backend that cannot (a full disk) refuses the turn's storing
   (SessionNotDurable) and holds nothing new. A local backend is loaded whole at start; a shared one (Redis) is read
   again on each use, since another replica may have added responses or deleted some since. The
@@ -29,8 +30,6 @@ Rules, in one place:
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import re
 import time
 import uuid
@@ -39,12 +38,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvhive.core.failure_log import FailureLog
-from kvhive.sessions.errors import not_durable
+from kvhive.sessions.expiring import BackendRead, ExpiringStore
 from kvhive.sessions.registry import SessionLimit, SessionNotFound
 from kvhive.sessions.response_backends import ResponseBackend
-from kvhive.store.redis_guard import RedisUnavailable, backend_lost_data, check_backend_data
-
-logger = logging.getLogger(__name__)
 
 # Stored responses of one conversation (a tree of branches from one first turn): with the context
 # length, this bounds the text one conversation keeps.
@@ -145,6 +141,38 @@ class Conversation:
     expires: float                     # unix time: the expiry of its session after the newest turn
     responses: dict[str, StoredResponse] = field(default_factory=dict)
 
+    @property
+    def record_id(self) -> str:
+        """Its id in the record store (``kvhive.sessions.expiring``)."""
+        return self.conversation_id
+
+    @property
+    def written(self) -> bool:
+        """Whether a republish writes it: only while it stores a response."""
+        return bool(self.responses)
+
+    def is_live(self, now: float) -> bool:
+        """Not expired at ``now``."""
+        return self.expires > now
+
+    def can_sweep(self, now: float) -> bool:
+        """Expired at ``now``."""
+        return self.expires <= now
+
+    def to_json(self) -> dict[str, Any]:
+        """The persisted record: id, owner, expiry and every response."""
+        return {"id": self.conversation_id, "owner": self.owner, "expires": self.expires,
+                "responses": [r.to_json() for r in self.responses.values()]}
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> Conversation:
+        """Inverse of ``to_json`` (KeyError, TypeError, ValueError for a corrupt record)."""
+        conversation = cls(record["id"], record["owner"], float(record["expires"]))
+        for item in record["responses"]:
+            stored = StoredResponse.from_json(item)
+            conversation.responses[stored.response_id] = stored
+        return conversation
+
 
 class ResponseStore:
     """Stored responses by (owner, conversation), with expiry, a bound and persistence."""
@@ -155,15 +183,15 @@ class ResponseStore:
         self.backend = backend
         self.max_per_conversation = max_per_conversation
         self.clock = clock
-        self._conversations: dict[tuple[str | None, str], Conversation] = {}
-        self._republish_wanted = False       # set from any thread; cleared by the republish
-        self._losses = 0                     # times told the backend may lack what is held here
-        self.write_failures = FailureLog(logger, "stored responses: writes failed")
-        if backend is not None:
-            add_listener = getattr(backend, "add_listener", None)
-            if add_listener is not None:
-                add_listener(self.want_republish)
-            self._load_all()
+        # A local backend's conversations are held from here on (expired ones for the sweep to
+        # drop); a shared one's are read on use.
+        self.conversations: ExpiringStore[Conversation] = ExpiringStore(
+            backend, Conversation.from_json, "conversation", "stored responses", clock)
+
+    @property
+    def write_failures(self) -> FailureLog:
+        """Responses a local backend could not write."""
+        return self.conversations.write_failures
 
     def get(self, response_id: str, owner: str | None, param: str | None = None) -> StoredResponse:
         """The caller's live stored response; SessionNotFound otherwise (``param`` names the field).
@@ -185,7 +213,7 @@ class ResponseStore:
     def history(self, stored: StoredResponse) -> list[StoredResponse]:
         """The responses from the first turn of ``stored``'s conversation to ``stored`` itself;
         SessionNotFound when one of them was deleted."""
-        conversation = self._conversations.get((stored.owner, conversation_of(stored.response_id) or ""))
+        conversation = self.conversations.held(stored.owner, conversation_of(stored.response_id) or "")
         responses = {} if conversation is None else conversation.responses
         chain = [stored]
         while chain[-1].previous_response_id is not None:
@@ -200,7 +228,7 @@ class ResponseStore:
 
     def check_room(self, conversation_id: str, owner: str | None) -> None:
         """SessionLimit when the conversation already holds ``max_per_conversation`` responses."""
-        conversation = self._conversations.get((owner, conversation_id))
+        conversation = self.conversations.held(owner, conversation_id)
         if conversation is not None and len(conversation.responses) >= self.max_per_conversation:
             raise SessionLimit(f"Conversation '{conversation_id}' already stores "
                                f"{self.max_per_conversation} responses; delete some, or start a new "
@@ -213,37 +241,35 @@ class ResponseStore:
         changes; failures are logged once per interval."""
         conversation_id = conversation_of(stored.response_id)
         assert conversation_id is not None, stored.response_id
-        if self.backend is not None:
-            try:
-                self.backend.save(stored.owner, conversation_id, expires, stored.to_json())
-            except OSError as exc:
-                self.write_failures.record(exc)
-                raise not_durable(f"response '{stored.response_id}'", exc) from exc
-            except Exception:  # noqa: BLE001 - not a storage failure: a shared backend republishes
-                logger.exception("could not persist response %s", stored.response_id)
-        key = (stored.owner, conversation_id)
-        conversation = self._conversations.setdefault(key, Conversation(conversation_id, stored.owner, expires))
+        backend = self.backend
+        if backend is not None:
+            self.conversations.write(f"response '{stored.response_id}'", lambda: backend.save_response(
+                stored.owner, conversation_id, expires, stored.to_json()))
+        conversation = self.conversations.held(stored.owner, conversation_id)
+        if conversation is None:
+            conversation = Conversation(conversation_id, stored.owner, expires)
+            self.conversations.hold(conversation)
         conversation.expires = expires
         conversation.responses[stored.response_id] = stored
 
     def delete(self, stored: StoredResponse) -> bool:
         """Forget one response, here and in the backend; True when its conversation is now empty
         (and forgotten too: the caller ends its session)."""
-        conversation_id = conversation_of(stored.response_id) or ""
-        conversation = self._conversations.get((stored.owner, conversation_id))
+        owner, response_id = stored.owner, stored.response_id
+        conversation_id = conversation_of(response_id) or ""
+        conversation = self.conversations.held(owner, conversation_id)
         if conversation is not None:
-            conversation.responses.pop(stored.response_id, None)
+            conversation.responses.pop(response_id, None)
         empty = conversation is None or not conversation.responses
-        if empty:
-            self._conversations.pop((stored.owner, conversation_id), None)
-        if self.backend is not None:
-            try:
-                if empty:
-                    self.backend.delete_conversation(stored.owner, conversation_id)
-                else:
-                    self.backend.delete(stored.owner, conversation_id, stored.response_id)
-            except Exception:  # noqa: BLE001 - gone here; a shared record expires on its own
-                logger.exception("could not delete the record of response %s", stored.response_id)
+        if empty and conversation is not None:
+            self.conversations.release(conversation)
+        backend = self.backend
+        if backend is not None and empty:
+            self.conversations.delete_quietly(f"conversation {conversation_id}",
+                                              lambda: backend.delete(owner, conversation_id))
+        elif backend is not None:
+            self.conversations.delete_quietly(f"response {response_id}",
+                                              lambda: backend.delete_response(owner, conversation_id, response_id))
         return empty
 
     def is_empty(self, conversation_id: str, owner: str | None) -> bool:
@@ -259,30 +285,19 @@ class ResponseStore:
     def pop_expired(self) -> list[Conversation]:
         """Remove and return the expired conversations (a local backend's records go too; a shared
         backend's expire in Redis on their own)."""
-        now = self.clock()
-        expired = [c for c in self._conversations.values() if c.expires <= now]
-        for conversation in expired:
-            del self._conversations[(conversation.owner, conversation.conversation_id)]
-            if self.backend is not None and not self.backend.shared:
-                try:
-                    self.backend.delete_conversation(conversation.owner, conversation.conversation_id)
-                except OSError:
-                    logger.exception("could not delete the records of %s", conversation.conversation_id)
-        return expired
+        return self.conversations.pop_expired()
 
     def live_responses(self) -> list[StoredResponse]:
         """The stored responses of the live conversations held here, oldest conversation first."""
-        now = self.clock()
-        return [r for c in sorted(self._conversations.values(), key=lambda c: c.expires) if c.expires > now
-                for r in c.responses.values()]
+        return [r for c in sorted(self.conversations.live(), key=lambda c: c.expires) for r in c.responses.values()]
 
     def num_responses(self) -> int:
         """Stored responses this replica holds (live or not yet swept)."""
-        return sum(len(c.responses) for c in self._conversations.values())
+        return sum(len(c.responses) for c in self.conversations)
 
     def stats(self) -> ResponseStats:
         """The responses and conversations this replica holds (live or not yet swept)."""
-        return ResponseStats(self.num_responses(), len(self._conversations),
+        return ResponseStats(self.num_responses(), self.conversations.count(),
                              write_errors_total=self.write_failures.total)
 
     # ------------------------------------------------------------------ persistence
@@ -291,117 +306,49 @@ class ResponseStore:
         """The live conversation; with a shared backend, as the backend has it now (blocking)."""
         if conversation_id is None:
             return None
-        key = (owner, conversation_id)
-        if self.backend is not None and self.backend.shared:
-            losses = self._losses
-            self.republish_if_wanted()
-            self._apply(key, *self._read(key, losses))
-        return self._live(key)
+        if self.conversations.rereads:
+            read = self.conversations.fetch(owner, conversation_id, self._lacks(owner, conversation_id))
+            self._apply(owner, conversation_id, read)
+        return self._live(owner, conversation_id)
 
     async def _aconversation(self, conversation_id: str | None, owner: str | None) -> Conversation | None:
         """``_conversation`` with the backend read on a worker thread."""
         if conversation_id is None:
             return None
-        key = (owner, conversation_id)
-        if self.backend is not None and self.backend.shared:
-            losses = self._losses
-            self.republish_if_wanted()
-            self._apply(key, *await asyncio.to_thread(self._read, key, losses))
-        return self._live(key)
+        if self.conversations.rereads:
+            read = await self.conversations.afetch(owner, conversation_id, self._lacks(owner, conversation_id))
+            self._apply(owner, conversation_id, read)
+        return self._live(owner, conversation_id)
 
-    def _live(self, key: tuple[str | None, str]) -> Conversation | None:
-        conversation = self._conversations.get(key)
-        if conversation is None or conversation.expires <= self.clock():
-            return None
-        return conversation
+    def _live(self, owner: str | None, conversation_id: str) -> Conversation | None:
+        conversation = self.conversations.held(owner, conversation_id)
+        return conversation if conversation is not None and conversation.is_live(self.clock()) else None
 
-    def _read(self, key: tuple[str | None, str], losses: int) -> tuple[dict[str, Any] | None, bool]:
-        """The backend's record, and whether to keep what is held here instead: the backend could
-        not be read, or lost its data (for a conversation whose responses held here are missing
-        there: by its marker, or by a loss noted since ``losses``, which another check found
-        first). Blocking."""
-        assert self.backend is not None
-        try:
-            record = self.backend.load_conversation(*key)
-        except Exception as exc:  # noqa: BLE001 - backend down: what this replica holds is the best it knows
-            # Quiet while Redis is unreachable: its breaker has logged that once.
-            logger.log(logging.DEBUG if isinstance(exc, RedisUnavailable) else logging.WARNING,
-                       "could not read conversation %s from the response backend (%s: %s)",
-                       key[1], type(exc).__name__, exc)
-            return None, True
-        held = self._conversations.get(key)
-        if held is None or held.responses.keys() <= _response_ids(record):
-            return record, False
-        # Missing here-held responses: deleted by another replica, or lost with Redis's data (then
-        # a turn stored since wrote a record holding only itself).
-        if backend_lost_data(self.backend) or self._losses != losses:
-            return None, True
-        return record, False
+    def _lacks(self, owner: str | None, conversation_id: str) -> Callable[[dict[str, Any] | None], bool]:
+        """Whether a backend record lacks responses the conversation held here has (when it is
+        read): deleted by another replica, or lost with Redis's data (then a turn stored since
+        wrote a record holding only itself)."""
+        def lacks(record: dict[str, Any] | None) -> bool:
+            held = self.conversations.held(owner, conversation_id)
+            return held is not None and not held.responses.keys() <= _response_ids(record)
+        return lacks
 
-    def _apply(self, key: tuple[str | None, str], record: dict[str, Any] | None, keep: bool) -> None:
-        """Hold the conversation as the backend has it (``keep``: as held here, republished)."""
-        if keep:
+    def _apply(self, owner: str | None, conversation_id: str, read: BackendRead) -> None:
+        """Hold the conversation as the backend has it (``read.lost``: as held here, republished)."""
+        if read.lost:
             self.republish_if_wanted()
             return
-        conversation = self._parse(record)
-        if conversation is None:
-            self._conversations.pop(key, None)
-        else:
-            self._conversations[key] = conversation
-
-    def want_republish(self) -> None:
-        """The shared backend may lack what this replica holds: republish before its next read.
-        Safe from any thread (it only sets a flag and counts)."""
-        self._losses += 1
-        self._republish_wanted = True
+        conversation = self.conversations.parse(read.record)
+        held = self.conversations.held(owner, conversation_id)
+        if conversation is not None:
+            self.conversations.hold(conversation)
+        elif held is not None:
+            self.conversations.release(held)
 
     def republish_if_wanted(self) -> int:
         """Write every live conversation held here again, if the backend may lack them; how many."""
-        if not self._republish_wanted or self.backend is None:
-            return 0
-        self._republish_wanted = False
-        now = self.clock()
-        live = [c for c in self._conversations.values() if c.expires > now and c.responses]
-        for conversation in live:
-            try:
-                self.backend.save_conversation(conversation.owner, conversation.conversation_id,
-                                               conversation.expires,
-                                               [r.to_json() for r in conversation.responses.values()])
-            except Exception:  # noqa: BLE001 - the next recovery republishes again
-                logger.exception("could not republish conversation %s", conversation.conversation_id)
-        if live:
-            logger.info("republished %d conversations to the response backend", len(live))
-        return len(live)
+        return self.conversations.republish_if_wanted()
 
     async def check_backend(self) -> None:
         """Ask a shared backend whether it lost its data (off the event loop); republish if so."""
-        if self._conversations and await check_backend_data(self.backend):
-            self.republish_if_wanted()
-
-    @staticmethod
-    def _parse(record: dict[str, Any] | None) -> Conversation | None:
-        """A backend record as a conversation; None for no record or a corrupt one."""
-        if record is None:
-            return None
-        try:
-            conversation = Conversation(record["id"], record["owner"], float(record["expires"]))
-            for item in record["responses"]:
-                stored = StoredResponse.from_json(item)
-                conversation.responses[stored.response_id] = stored
-        except (KeyError, TypeError, ValueError):
-            logger.exception("ignoring a corrupt conversation record")
-            return None
-        return conversation
-
-    def _load_all(self) -> None:
-        """Hold a local backend's conversations (expired ones for the sweep to drop)."""
-        assert self.backend is not None
-        try:
-            records = self.backend.load_all()
-        except Exception:  # noqa: BLE001 - unreadable records start empty rather than not at all
-            logger.exception("could not load the stored responses; starting with none")
-            return
-        for record in records:
-            conversation = self._parse(record)
-            if conversation is not None:
-                self._conversations[(conversation.owner, conversation.conversation_id)] = conversation
+        await self.conversations.check_backend()

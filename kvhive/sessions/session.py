@@ -52,6 +52,26 @@ class Session:
         return self.kind == PIN_KIND
 
     @property
+    def record_id(self) -> str:
+        """Its id in the record store (``kvhive.sessions.expiring``)."""
+        return self.session_id
+
+    @property
+    def written(self) -> bool:
+        """Whether its record is written to the backend (never for one held in memory only)."""
+        return not self.in_memory
+
+    def is_live(self, now: float) -> bool:
+        """Not expired at ``now``; a session busy with a turn never expires under it."""
+        return self.busy or self.expires > now
+
+    def can_sweep(self, now: float) -> bool:
+        """Whether the expiry sweep drops it at ``now``: expired and idle. A pin is busy only until
+        the request that creates it has computed its prompt; one whose request never ended expires
+        all the same (a session's turn always ends)."""
+        return (not self.busy or self.is_pin) and self.expires <= now
+
+    @property
     def engine_id(self) -> str:
         """The id the engine holds the blocks under (unique across owners)."""
         return f"{self.owner or '-'}/{self.session_id}"

@@ -46,16 +46,16 @@ def test_a_loss_another_check_finds_during_the_read_keeps_the_conversation(redis
     store = ResponseStore(backend, clock=clock)
     (r1,) = chain(store, "k", 1, expires=clock.now + 60)
     assert store.get(r1.response_id, "k").to_json() == r1.to_json()      # the marker noted
-    real_load = backend.load_conversation
+    real_load = backend.load
 
     def load_after_another_check(owner, conversation_id):
         redis_server.admin().flushall()
         assert backend.check_data()
         return real_load(owner, conversation_id)
 
-    backend.load_conversation = load_after_another_check                 # type: ignore[method-assign]
+    backend.load = load_after_another_check                 # type: ignore[method-assign]
     assert store.get(r1.response_id, "k").to_json() == r1.to_json()      # kept, and republished
-    backend.load_conversation = real_load                                 # type: ignore[method-assign]
+    backend.load = real_load                                 # type: ignore[method-assign]
     assert ResponseStore(backend, clock=clock).get(r1.response_id, "k").to_json() == r1.to_json()
 
 

@@ -67,6 +67,6 @@ def assert_backend_persists(backend: ResponseBackend) -> None:
     assert again.get(other.response_id, None).to_json() == other.to_json()
     # Deleting the rest drops the conversation's record as a whole.
     assert again.delete(r1) is False and again.delete(r3) is True
-    assert backend.load_conversation("alice", conversation_of(r1.response_id) or "") is None
+    assert backend.load("alice", conversation_of(r1.response_id) or "") is None
     clock.now += 61
     assert reopened(backend, clock).is_empty(conversation_of(other.response_id) or "", None)

@@ -16,7 +16,7 @@ from support.tmpfs import SmallTmpfs, small_tmpfs
 from kvhive.core.failure_log import FailureLog
 from kvhive.sessions.backends import FileBackend
 from kvhive.sessions.errors import SessionNotDurable, SessionNotFound
-from kvhive.sessions.records import SessionRecords
+from kvhive.sessions.expiring import ExpiringStore
 from kvhive.sessions.response_backends import FileResponseBackend
 from kvhive.sessions.response_store import ResponseStore, StoredResponse, new_conversation_id, new_response_id
 from kvhive.sessions.service import SessionService
@@ -142,8 +142,13 @@ def session(i: int, tokens: int = 0) -> Session:
     return Session(f"sess-{i}", "owner", "m", 600, 1000.0, 1600.0, tokens, [f"{tokens:064x}"])
 
 
+def on_disk(path: str) -> ExpiringStore[Session]:
+    """The session records in ``path``, as a restarted registry loads them."""
+    return ExpiringStore(FileBackend(path), Session.from_json, "session", "session records")
+
+
 def test_session_record_on_a_full_disk_is_refused_and_the_old_one_stays(tmpfs):
-    records = SessionRecords(FileBackend(tmpfs.path))
+    records = on_disk(tmpfs.path)
     records.save(session(1, tokens=10))
     filler = tmpfs.fill()
     with pytest.raises(SessionNotDurable) as refused:
@@ -152,11 +157,10 @@ def test_session_record_on_a_full_disk_is_refused_and_the_old_one_stays(tmpfs):
     with pytest.raises(SessionNotDurable):
         records.save(session(2))                   # a new session
     assert temp_files(tmpfs.path) == []
-    loaded = records.load_all()
-    assert [(s.session_id, s.num_tokens) for s in loaded] == [("sess-1", 10)]
+    assert [(s.session_id, s.num_tokens) for s in on_disk(tmpfs.path)] == [("sess-1", 10)]
     os.unlink(filler)
     records.save(session(2))
-    assert sorted(s.session_id for s in records.load_all()) == ["sess-1", "sess-2"]
+    assert sorted(s.session_id for s in on_disk(tmpfs.path)) == ["sess-1", "sess-2"]
 
 
 def test_a_session_turn_whose_record_cannot_be_written_raises_and_keeps_the_old_record(tmpfs):
@@ -184,8 +188,7 @@ def test_a_session_turn_whose_record_cannot_be_written_raises_and_keeps_the_old_
     assert temp_files(tmpfs.path) == []
     os.unlink(filler)
     os.unlink(refill)
-    on_disk = SessionRecords(FileBackend(tmpfs.path)).load_all()
-    assert [(s.session_id, s.num_tokens) for s in on_disk] == [(old.session.session_id, 40)]
+    assert [(s.session_id, s.num_tokens) for s in on_disk(tmpfs.path)] == [(old.session.session_id, 40)]
 
 
 def stored(conversation_id: str, text: str) -> StoredResponse:
