@@ -53,7 +53,7 @@ class Replica:
 
     def live_sessions(self) -> list[Session]:
         """The sessions this replica holds now, busy or idle (a drain hands them on)."""
-        return self.sessions.registry.live_sessions()
+        return self.sessions.live_sessions()
 
     def stop_heartbeat(self) -> None:
         """Stop the heartbeat (if any) and take this replica's record out of the registry."""

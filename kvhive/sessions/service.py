@@ -296,6 +296,10 @@ class SessionService:
         """The caller's live session (read from a shared backend off the event loop); SessionNotFound otherwise."""
         return await self.registry.aget(session_id, owner)
 
+    def live_sessions(self) -> list[Session]:
+        """Every owner's live sessions (what a stopping replica hands to the shared tier)."""
+        return self.registry.live_sessions()
+
     def list(self, owner: str | None) -> list[Session]:
         """The caller's live sessions on this replica, oldest first."""
         return self.registry.list(owner)
