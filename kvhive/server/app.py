@@ -28,6 +28,7 @@ from kvhive.server.chat import create_chat_completion
 from kvhive.server.completions import create_completion
 from kvhive.server.context import install_context_routes, session_sweeper
 from kvhive.server.errors import APIError, install_error_handlers
+from kvhive.server.generation import GenerationService
 from kvhive.server.messages import install_messages_routes
 from kvhive.server.messages_errors import AnthropicErrors
 from kvhive.server.metrics import ServerMetrics
@@ -42,8 +43,8 @@ from kvhive.server.protocol import (
     ModelList,
 )
 from kvhive.server.request_body import parse_body
+from kvhive.server.response_identity import unix_time
 from kvhive.server.responses import ResponsesAPI, install_response_routes, response_sweeper
-from kvhive.server.serving import GenerationService, unix_time
 from kvhive.server.tokenize import install_tokenize_routes
 from kvhive.sessions.durable import DurableState
 from kvhive.sessions.response_store import ResponseStore

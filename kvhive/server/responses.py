@@ -31,12 +31,15 @@ from fastapi.responses import JSONResponse, Response
 
 from kvhive.core.retention import RetentionSpec
 from kvhive.server.chat import chat_prompt_token_ids
+from kvhive.server.choices import collect
 from kvhive.server.context import background_task
 from kvhive.server.errors import APIError, bad_request
+from kvhive.server.generation import GenerationService
 from kvhive.server.logprobs import SentToken, chat_logprobs
 from kvhive.server.prompt_cache import PromptCache
 from kvhive.server.protocol import ChatMessage, ChatTokenLogprob, SamplingRequest
 from kvhive.server.request_body import parse_body
+from kvhive.server.response_identity import unix_time
 from kvhive.server.responses_items import chat_messages, check_call_ids, input_items
 from kvhive.server.responses_output import OutputItems
 from kvhive.server.responses_protocol import (
@@ -51,9 +54,10 @@ from kvhive.server.responses_protocol import (
     logprobs_wanted,
 )
 from kvhive.server.sampling_fields import pick
-from kvhive.server.serving import GenerationService, TextDelta, unix_time
+from kvhive.server.session_turns import open_session, sse_response_ending_turns
 from kvhive.server.sse import ClosingStreamingResponse
 from kvhive.server.structured import text_format, text_structured_spec
+from kvhive.server.text_deltas import TextDelta
 from kvhive.server.tools import NO_PLAN, ToolPlan, responses_functions, tool_choice, tool_plan
 from kvhive.sessions.registry import Session, SessionBusy, SessionNotDurable, SessionNotFound
 from kvhive.sessions.response_store import (
@@ -130,12 +134,13 @@ class ResponsesAPI:
         owner = self.service.owner_of(raw_request)
         self.store.check_room(conversation_id, owner)
         try:
-            turn = await self.service.open_session(raw_request, body.model, num_tokens,
-                                                   conversation_id=conversation_id, wait_if_busy=False)
+            turn = await open_session(self.service, raw_request, body.model, num_tokens,
+                                      conversation_id=conversation_id, wait_if_busy=False)
         except SessionBusy:
             with contextlib.suppress(SessionNotFound):      # ended meanwhile: open it again below
                 return NO_TURN, await self.sessions.find(conversation_id, owner)
-            turn = await self.service.open_session(raw_request, body.model, num_tokens, conversation_id=conversation_id)
+            turn = await open_session(self.service, raw_request, body.model, num_tokens,
+                                      conversation_id=conversation_id)
         assert turn.session is not None
         return turn, turn.session
 
@@ -219,7 +224,7 @@ class ResponsesAPI:
                       session_turn: SessionTurn, cache: PromptCache) -> Response:
         """The SSE answer of ``turn``; in a session, the turn is closed once sending ends, however
         it ends (and so is the pins' turn)."""
-        streaming = self.service.sse_response(turn.events(deltas), headers, session_turn, cache)
+        streaming = sse_response_ending_turns(turn.events(deltas), headers, session_turn, cache)
         if isinstance(streaming, ClosingStreamingResponse):
             # Called however sending ends, after the turn has ended; also when the client left
             # before the stream started (then the events' code never ran).
@@ -238,7 +243,7 @@ class ResponsesAPI:
         collect's 500 (counted as failed) if the engine failed. The turn is closed either way."""
         try:
             try:
-                result = await self.service.collect(deltas, raw_request)
+                result = await collect(deltas, raw_request)
             except APIError:
                 self.created["failed"] += 1            # the engine failed: collect's 500
                 raise
