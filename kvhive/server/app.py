@@ -25,6 +25,7 @@ from kvhive.core.http_protocol import uvicorn_options
 from kvhive.engine.client import EngineClient
 from kvhive.server.body_limit import BodyLimitMiddleware, default_max_request_bytes
 from kvhive.server.chat import create_chat_completion
+from kvhive.server.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
 from kvhive.server.completions import create_completion
 from kvhive.server.context import install_context_routes, session_sweeper
 from kvhive.server.errors import APIError, install_error_handlers
@@ -34,14 +35,7 @@ from kvhive.server.messages_errors import AnthropicErrors
 from kvhive.server.metrics import ServerMetrics
 from kvhive.server.openapi import install_request_bodies
 from kvhive.server.prefix_cache import install_prefix_cache_routes
-from kvhive.server.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-    ModelCard,
-    ModelList,
-)
+from kvhive.server.protocol import CompletionRequest, CompletionResponse, ModelCard, ModelList
 from kvhive.server.request_body import parse_body
 from kvhive.server.response_identity import unix_time
 from kvhive.server.responses import ResponsesAPI, install_response_routes, response_sweeper

@@ -14,15 +14,11 @@ from jinja2 import TemplateError
 
 from kvhive.core.json_body import BodyError
 from kvhive.core.request_fields import TEXT_PART_FIELDS, stray_field, stray_field_message
-from kvhive.core.tokenize_bodies import check_template_kwargs
+from kvhive.core.tokenize_bodies import ToolCallFunction, check_template_kwargs
 from kvhive.core.tool_definitions import chat_template_input
 from kvhive.core.tool_parsers import ContentDelta
 from kvhive.request import MAX_LOGPROBS
-from kvhive.server.choices import choice_streams, merge_streams, whole_answer
-from kvhive.server.errors import bad_request, body_error
-from kvhive.server.generation import GenerationService
-from kvhive.server.logprobs import SentToken, chat_logprobs, vllm_prompt_logprobs
-from kvhive.server.protocol import (
+from kvhive.server.chat_protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -34,12 +30,13 @@ from kvhive.server.protocol import (
     DeltaFunction,
     DeltaMessage,
     DeltaToolCall,
-    PromptTokensDetails,
     ToolCall,
-    ToolCallFunction,
-    Usage,
-    check_metadata,
 )
+from kvhive.server.choices import choice_streams, merge_streams, whole_answer
+from kvhive.server.errors import bad_request, body_error
+from kvhive.server.generation import GenerationService
+from kvhive.server.logprobs import SentToken, chat_logprobs, vllm_prompt_logprobs
+from kvhive.server.protocol import PromptTokensDetails, Usage, check_metadata
 from kvhive.server.request_checks import check_prompt_logprobs
 from kvhive.server.response_identity import new_request_id, unix_time
 from kvhive.server.sampling_fields import truncated_prompt

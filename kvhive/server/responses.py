@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -31,12 +30,13 @@ from fastapi.responses import JSONResponse, Response
 
 from kvhive.core.retention import RetentionSpec
 from kvhive.server.chat import chat_prompt_token_ids
+from kvhive.server.chat_protocol import ChatMessage
 from kvhive.server.choices import collect
 from kvhive.server.context import background_task
 from kvhive.server.errors import APIError, bad_request
 from kvhive.server.generation import GenerationService
 from kvhive.server.prompt_cache import PromptCache
-from kvhive.server.protocol import ChatMessage, SamplingRequest
+from kvhive.server.protocol import SamplingRequest
 from kvhive.server.request_body import parse_body
 from kvhive.server.responses_items import chat_messages, check_call_ids, input_items
 from kvhive.server.responses_protocol import (
@@ -60,8 +60,6 @@ from kvhive.sessions.response_store import (
     new_response_id,
 )
 from kvhive.sessions.service import DATA_CHECK_INTERVAL_S, NO_TURN, SWEEP_INTERVAL_S, SessionTurn
-
-logger = logging.getLogger(__name__)
 
 # A stored response's answer names it in this header, so a gateway learns which replica holds it.
 RESPONSE_ID_HEADER = "x-kvhive-response-id"

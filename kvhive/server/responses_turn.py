@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvhive.server.chat_protocol import ChatTokenLogprob
 from kvhive.server.logprobs import SentToken, chat_logprobs
-from kvhive.server.protocol import ChatTokenLogprob
 from kvhive.server.response_identity import unix_time
 from kvhive.server.responses_output import OutputItems
 from kvhive.server.responses_protocol import (
