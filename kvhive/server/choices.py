@@ -47,7 +47,6 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     return int.from_bytes(digest, "big") >> 1          # non-negative, below 2**63
 
 
-
 @dataclass(frozen=True)
 class _StreamEnded:
     """What ``merge_streams``' pump sends when its stream ends: nothing, or the error it raised."""

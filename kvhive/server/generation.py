@@ -47,7 +47,8 @@ OFF_LOOP_CHARS = 4096
 
 class GenerationService:
     """Validates what the engine would reject and streams a request's text back, over the
-    ``EngineClient``; a request's session turn comes from the ``SessionService``."""
+    ``EngineClient``; a request's session turn comes from the ``SessionService``
+    (``kvhive.server.session_turns.open_session``)."""
 
     def __init__(self, engine: EngineClient, metrics: ServerMetrics, served_model_name: str,
                  sessions: SessionService, api_keys: tuple[str, ...] = (),
@@ -178,7 +179,7 @@ class GenerationService:
             return self.tokenizer.encode_chat(messages, **kwargs)
         return await asyncio.to_thread(functools.partial(self.tokenizer.encode_chat, messages, **kwargs))
 
-    # ------------------------------------------------------------ owners and sessions
+    # ------------------------------------------------------------ owners
 
     def owner_of(self, raw_request: Request) -> str | None:
         """A digest of the caller's API key (``Authorization: Bearer`` or ``x-api-key``; None
