@@ -24,24 +24,19 @@ from kvhive.core.http_limits import HttpLimits
 from kvhive.core.http_protocol import uvicorn_options
 from kvhive.server.body_limit import BodyLimitMiddleware, default_max_request_bytes
 from kvhive.server.chat import create_chat_completion
+from kvhive.server.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
 from kvhive.server.completions import create_completion
 from kvhive.server.context import install_context_routes, session_sweeper
 from kvhive.server.errors import APIError, install_error_handlers
+from kvhive.server.generation import GenerationService
 from kvhive.server.messages import install_messages_routes
 from kvhive.server.messages_errors import AnthropicErrors
 from kvhive.server.openapi import install_request_bodies
 from kvhive.server.prefix_cache import install_prefix_cache_routes
-from kvhive.server.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-    ModelCard,
-    ModelList,
-)
+from kvhive.server.protocol import CompletionRequest, CompletionResponse, ModelCard, ModelList
 from kvhive.server.request_body import parse_body
+from kvhive.server.response_identity import unix_time
 from kvhive.server.responses import ResponsesAPI, install_response_routes, response_sweeper
-from kvhive.server.serving import GenerationService, unix_time
 from kvhive.server.tokenize import install_tokenize_routes
 
 if TYPE_CHECKING:

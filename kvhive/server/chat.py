@@ -14,13 +14,11 @@ from jinja2 import TemplateError
 
 from kvhive.core.json_body import BodyError
 from kvhive.core.request_fields import TEXT_PART_FIELDS, stray_field, stray_field_message
-from kvhive.core.tokenize_bodies import check_template_kwargs
+from kvhive.core.tokenize_bodies import ToolCallFunction, check_template_kwargs
 from kvhive.core.tool_definitions import chat_template_input
 from kvhive.core.tool_parsers import ContentDelta
 from kvhive.request import MAX_LOGPROBS
-from kvhive.server.errors import bad_request, body_error
-from kvhive.server.logprobs import SentToken, chat_logprobs, vllm_prompt_logprobs
-from kvhive.server.protocol import (
+from kvhive.server.chat_protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -32,26 +30,20 @@ from kvhive.server.protocol import (
     DeltaFunction,
     DeltaMessage,
     DeltaToolCall,
-    PromptTokensDetails,
     ToolCall,
-    ToolCallFunction,
-    Usage,
-    check_metadata,
 )
+from kvhive.server.choices import choice_streams, merge_streams, whole_answer
+from kvhive.server.errors import bad_request, body_error
+from kvhive.server.generation import GenerationService
+from kvhive.server.logprobs import SentToken, chat_logprobs, vllm_prompt_logprobs
+from kvhive.server.protocol import PromptTokensDetails, Usage, check_metadata
 from kvhive.server.request_checks import check_prompt_logprobs
+from kvhive.server.response_identity import new_request_id, unix_time
 from kvhive.server.sampling_fields import truncated_prompt
-from kvhive.server.serving import (
-    GenerationService,
-    TextDelta,
-    TextOptions,
-    combined_usage,
-    merge_streams,
-    new_request_id,
-    session_headers,
-    unix_time,
-)
+from kvhive.server.session_turns import open_session_after, session_headers, sse_response_ending_turns
 from kvhive.server.sse import SSE_DONE, sse_event
 from kvhive.server.structured import body_structured_spec
+from kvhive.server.text_deltas import TextDelta, TextOptions, combined_usage
 from kvhive.server.tool_output import CallBegun, OutputEvent, ToolOutputReader, read_whole
 from kvhive.server.tools import (
     NO_PLAN,
@@ -272,16 +264,14 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
     owner = service.owner_of(raw_request)
     salt = service.cache_salt_for(owner, body.cache_salt)
     cache = await service.open_cache(raw_request, body, token_ids, salt)
-    turn = await service.open_session_after(cache, raw_request, body.model, len(token_ids) + max_tokens,
-                                            conversation_id=body.conversation_id, new_ttl=new_session_ttl,
-                                            end_session=body.end_conversation, n=body.n,
-                                            turn_number=body.turn_number)
+    turn = await open_session_after(service, cache, raw_request, body.model, len(token_ids) + max_tokens,
+                                    conversation_id=body.conversation_id, new_ttl=new_session_ttl,
+                                    end_session=body.end_conversation, n=body.n, turn_number=body.turn_number)
     headers = session_headers(turn)
     answer = ChatAnswer(service, body, num_logprobs, token_ids, plan)
-    streams = service.choice_streams(answer.request_id, body.n, token_ids, sampling, body.stop_strings,
-                                     salt, turn, kv_transfer, TextOptions.of(body), cache,
-                                     priority=body.priority)
+    streams = choice_streams(service, answer.request_id, body.n, token_ids, sampling, body.stop_strings,
+                             salt, turn, kv_transfer, TextOptions.of(body), cache, priority=body.priority)
     if not body.stream:
-        return await service.whole_answer(streams, raw_request, headers,
-                                          service.with_kv_transfer(answer.response, kv_transfer))
-    return service.sse_response(answer.events(streams), headers, turn, cache)
+        return await whole_answer(streams, raw_request, headers,
+                                  service.with_kv_transfer(answer.response, kv_transfer))
+    return sse_response_ending_turns(answer.events(streams), headers, turn, cache)

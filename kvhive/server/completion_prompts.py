@@ -10,9 +10,9 @@ from fastapi import Request
 
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.server.errors import bad_request
+from kvhive.server.generation import OFF_LOOP_CHARS, GenerationService
 from kvhive.server.protocol import CompletionRequest
 from kvhive.server.sampling_fields import truncated_prompt
-from kvhive.server.serving import OFF_LOOP_CHARS, GenerationService
 
 # Prompts one request may carry (OpenAI's batch form), and choices in all (prompts x n): each choice
 # is an engine request of its own.

@@ -13,8 +13,10 @@ from fastapi.responses import Response
 
 from kvhive.engine.step import TokenLogprobs
 from kvhive.request import MAX_LOGPROBS
+from kvhive.server.choices import choice_streams, merge_streams, whole_answer
 from kvhive.server.completion_prompts import PromptInput, check_batch, prompt_input, request_prompts
 from kvhive.server.errors import bad_request
+from kvhive.server.generation import GenerationService
 from kvhive.server.logprobs import (
     SentToken,
     completion_logprobs,
@@ -30,18 +32,11 @@ from kvhive.server.protocol import (
     Usage,
 )
 from kvhive.server.request_checks import check_prompt_logprobs
-from kvhive.server.serving import (
-    GenerationService,
-    TextDelta,
-    TextOptions,
-    combined_usage,
-    merge_streams,
-    new_request_id,
-    session_headers,
-    unix_time,
-)
+from kvhive.server.response_identity import new_request_id, unix_time
+from kvhive.server.session_turns import open_session, session_headers, sse_response_ending_turns
 from kvhive.server.sse import SSE_DONE, sse_event
 from kvhive.server.structured import body_structured_spec
+from kvhive.server.text_deltas import TextDelta, TextOptions, combined_usage
 
 
 def _check_unsupported(body: CompletionRequest) -> None:
@@ -243,19 +238,19 @@ async def create_completion(service: GenerationService, body: CompletionRequest,
     max_ttl_s = service.sessions.config.max_ttl_s
     retentions = [PromptCache(client_retention(body.kv_cache_retention_config, len(p.token_ids), max_ttl_s))
                   for p in prompts]
-    turn = await service.open_session(raw_request, body.model, len(prompts[0].token_ids) + limits[0],
-                                      new_ttl=new_session_ttl, n=body.n, turn_number=body.turn_number)
+    turn = await open_session(service, raw_request, body.model, len(prompts[0].token_ids) + limits[0],
+                              new_ttl=new_session_ttl, n=body.n, turn_number=body.turn_number)
     answer = CompletionAnswer(service, body, prompts)
     salt = service.cache_salt_for(owner, body.cache_salt)
     streams = []
     for p, (prompt, max_tokens) in enumerate(zip(prompts, limits, strict=True)):
         sampling = service.sampling_params(body, max_tokens, body.logprobs, prompt_logprobs, structured)
         request_id = answer.request_id if len(prompts) == 1 else f"{answer.request_id}-p{p}"
-        streams += service.choice_streams(request_id, body.n, prompt.token_ids, sampling, body.stop_strings,
-                                          salt, turn, kv_transfer, TextOptions.of(body), retentions[p],
-                                          priority=body.priority)
+        streams += choice_streams(service, request_id, body.n, prompt.token_ids, sampling, body.stop_strings,
+                                  salt, turn, kv_transfer, TextOptions.of(body), retentions[p],
+                                  priority=body.priority)
     headers = session_headers(turn)
     if not body.stream:
-        return await service.whole_answer(streams, raw_request, headers,
-                                          service.with_kv_transfer(answer.response, kv_transfer))
-    return service.sse_response(answer.events(streams), headers, turn)
+        return await whole_answer(streams, raw_request, headers,
+                                  service.with_kv_transfer(answer.response, kv_transfer))
+    return sse_response_ending_turns(answer.events(streams), headers, turn)

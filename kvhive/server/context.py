@@ -27,11 +27,12 @@ from fastapi.responses import JSONResponse
 
 from kvhive.core.json_body import BodyError, load_json, off_loop_for
 from kvhive.server.chat import create_chat_completion
+from kvhive.server.chat_protocol import ChatCompletionRequest
 from kvhive.server.completions import create_completion
 from kvhive.server.errors import bad_request, body_error
-from kvhive.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvhive.server.generation import GenerationService
+from kvhive.server.protocol import CompletionRequest
 from kvhive.server.request_body import parse_body_as
-from kvhive.server.serving import GenerationService
 from kvhive.sessions.registry import Session
 from kvhive.sessions.service import SessionService
 

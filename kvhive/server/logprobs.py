@@ -16,14 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvhive.core.tokenizer import IncrementalDetokenizer
 from kvhive.engine.step import TokenLogprobs
-from kvhive.server.protocol import (
-    ChatLogprobs,
-    ChatTokenLogprob,
-    CompletionLogprobs,
-    PromptLogprob,
-    PromptLogprobs,
-    TopLogprob,
-)
+from kvhive.server.chat_protocol import ChatLogprobs, ChatTokenLogprob, TopLogprob
+from kvhive.server.protocol import CompletionLogprobs, PromptLogprob, PromptLogprobs
 
 if TYPE_CHECKING:
     from kvhive.core.tokenizer import Tokenizer

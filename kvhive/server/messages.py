@@ -24,7 +24,9 @@ from kvhive.core.anthropic_breakpoints import breakpoint_chars, breakpoint_token
 from kvhive.core.anthropic_messages import MessagesChat, messages_chat, render_body
 from kvhive.core.json_body import BodyError
 from kvhive.request import SamplingParams
+from kvhive.server.choices import collect
 from kvhive.server.errors import APIError, bad_request, body_error
+from kvhive.server.generation import OFF_LOOP_CHARS, GenerationService
 from kvhive.server.messages_errors import check_anthropic_headers
 from kvhive.server.messages_protocol import (
     CountTokensRequest,
@@ -37,8 +39,8 @@ from kvhive.server.messages_stream import MessageAnswer
 from kvhive.server.prompt_cache import client_retention, open_pins
 from kvhive.server.request_body import parse_body
 from kvhive.server.sampling_fields import pick
-from kvhive.server.serving import OFF_LOOP_CHARS, GenerationService, TextOptions
 from kvhive.server.sse import SSE_HEADERS, ClosingStreamingResponse
+from kvhive.server.text_deltas import TextOptions
 from kvhive.server.tools import ToolPlan, chat_functions, tool_choice, tool_plan
 from kvhive.sessions.prefix_pins import Breakpoint
 
@@ -168,7 +170,7 @@ async def answer_message(service: GenerationService, body: MessagesRequest, raw_
         return ClosingStreamingResponse(answer.events(stream), lambda: cache.end(None, 0),
                                         media_type="text/event-stream", headers=SSE_HEADERS)
     try:
-        result = await service.collect(stream, raw_request)
+        result = await collect(stream, raw_request)
     finally:
         cache.end(None, 0)              # a no-op once the stream ended the pins' turn
     if result is None:

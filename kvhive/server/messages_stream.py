@@ -24,8 +24,8 @@ from kvhive.core.tool_parsers import ContentDelta
 from kvhive.server.errors import APIError, session_error
 from kvhive.server.messages_protocol import MessagesResponse, MessagesUsage, TextBlock, ToolUseBlock
 from kvhive.server.prompt_cache import PromptCache
-from kvhive.server.serving import TextDelta
 from kvhive.server.sse import sse_named_event
+from kvhive.server.text_deltas import TextDelta
 from kvhive.server.tool_output import CallBegun, OutputCall, OutputEvent, ToolOutputReader, read_whole
 from kvhive.server.tools import ToolPlan
 from kvhive.sessions.errors import SessionError

@@ -14,9 +14,10 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from kvhive.core.tokenize_bodies import DetokenizeRequest, TokenizeCompletionRequest
+from kvhive.server.chat_protocol import ChatCompletionRequest
 from kvhive.server.messages_errors import MESSAGES_PATH
 from kvhive.server.messages_protocol import CountTokensRequest, MessagesRequest
-from kvhive.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvhive.server.protocol import CompletionRequest
 from kvhive.server.responses_protocol import ResponsesRequest
 from kvhive.server.tokenize import ChatTokenizeRequest
 

@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from kvhive.server.errors import bad_request, server_error
-from kvhive.server.serving import GenerationService
+from kvhive.server.generation import GenerationService
 
 logger = logging.getLogger(__name__)
 

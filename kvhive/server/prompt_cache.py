@@ -36,7 +36,7 @@ from kvhive.sessions.prefix_pins import Breakpoint, CacheUsage, PinTurn
 if TYPE_CHECKING:
     from fastapi import Request
 
-    from kvhive.server.serving import GenerationService
+    from kvhive.server.generation import GenerationService
 
 # The TTL each of OpenAI's ``prompt_cache_retention`` values pins the prompt for: in_memory as
 # long as OpenAI keeps an in-memory prefix after its last use (5 minutes), 24h a day.

@@ -1,5 +1,6 @@
-"""Pydantic schemas of the OpenAI API subset kvhive serves (requests strict, unknown fields refused;
-responses plain)."""
+"""Pydantic schemas the OpenAI routes share (the sampling fields, usage, ``metadata``, the model list)
+and those of ``/v1/completions`` (requests strict, unknown fields refused; responses plain). Chat's are
+in ``kvhive.server.chat_protocol``."""
 
 from __future__ import annotations
 
@@ -8,11 +9,9 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 from kvhive.core.json_body import ListOf
-from kvhive.core.request_fields import NoOpText, PromptCacheKey, PromptCacheRetention, StrictBody
-from kvhive.core.tokenize_bodies import MessageToolCall, ToolCallFunction
+from kvhive.core.request_fields import NoOpText, StrictBody
 from kvhive.request import MAX_ABS_PENALTY, MAX_REPETITION_PENALTY, MIN_SEED, SEED_END
 from kvhive.server.errors import bad_request
-from kvhive.sessions.registry import MAX_SESSION_ID_CHARS, SESSION_ID_PATTERN
 
 # OpenAI's bounds on ``metadata``.
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
@@ -116,57 +115,6 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None
 
 
-class ContentPart(StrictBody):
-    """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported. The
-    other OpenAI part kinds' fields are declared so that the refusal names the part's type."""
-
-    type: str
-    text: str | None = None
-    image_url: Any = None                   # refused: type "image_url"
-    input_audio: Any = None                 # refused: type "input_audio"
-    file: Any = None                        # refused: type "file"
-
-
-Role = Literal["system", "developer", "user", "assistant", "tool"]
-
-
-class ChatMessage(StrictBody):
-    """One chat message; ``content`` is a string or a list of text parts. An assistant message may
-    carry ``tool_calls`` (its content then may be null); a ``tool`` message answers the call
-    ``tool_call_id``."""
-
-    role: Role
-    content: str | ListOf[ContentPart] | None = None
-    name: str | None = None
-    tool_call_id: str | None = None
-    tool_calls: ListOf[MessageToolCall] | None = None
-
-
-class ChatCompletionRequest(SamplingRequest):
-    """``POST /v1/chat/completions``."""
-
-    messages: ListOf[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: ListOf[dict[str, Any]] | None = None          # checked in kvhive.server.tools
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
-    conversation_id: str | None = Field(default=None, max_length=MAX_SESSION_ID_CHARS,
-                                       pattern=SESSION_ID_PATTERN)   # a session
-    end_conversation: bool = False                      # free the conversation after this turn
-    # More variables for the chat template (Qwen3's enable_thinking); bounded in check_template_kwargs.
-    chat_template_kwargs: dict[str, Any] | None = None
-    # OpenAI's prompt-cache fields (kvhive.server.prompt_cache): the gateway's routing key, and a pin.
-    prompt_cache_key: PromptCacheKey | None = None
-    prompt_cache_retention: PromptCacheRetention | None = None
-    # No-ops (NO_OP_FIELDS): nothing here changes the output.
-    safety_identifier: NoOpText | None = None
-    service_tier: NoOpText | None = None
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
-
-
 def check_metadata(metadata: dict[str, str]) -> None:
     """400 beyond OpenAI's bounds on ``metadata``: 16 pairs, keys up to 64 characters, values up to 512."""
     if len(metadata) > MAX_METADATA_PAIRS:
@@ -181,7 +129,7 @@ def check_metadata(metadata: dict[str, str]) -> None:
 # ---------------------------------------------------------------- responses
 
 
-class _OmitUnasked(BaseModel):
+class OmitUnasked(BaseModel):
     """A response model whose vLLM-only fields (``OMIT_WHEN_NONE``) are left out unless set: they
     appear only when the request asked for them."""
 
@@ -230,7 +178,7 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
-class CompletionChoice(_OmitUnasked):
+class CompletionChoice(OmitUnasked):
     """One choice of a completion (or a streamed completion chunk); the vLLM fields are there only when
     asked (``return_token_ids``, ``prompt_logprobs``)."""
 
@@ -255,136 +203,6 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     kv_transfer_params: dict[str, Any] | None = None    # a prefill's answer: the decode request's params
-
-
-class ToolCall(BaseModel):
-    """A call the model made: a fresh id, the function and its arguments as JSON text."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
-
-
-class AssistantMessage(BaseModel):
-    """The generated message of a chat completion: its text (null when it only made calls) and its
-    calls."""
-
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
-
-
-class TopLogprob(BaseModel):
-    """A token and its logprob; ``token`` is ``bytes:\\x..`` when its bytes are not whole UTF-8."""
-
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class ChatTokenLogprob(TopLogprob):
-    """A generated token's logprob, with the most likely tokens at its position."""
-
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    """``logprobs`` of a chat choice (or of a streamed chunk's tokens)."""
-
-    content: list[ChatTokenLogprob]
-    refusal: None = None
-
-
-class ChatChoice(_OmitUnasked):
-    """One choice of a chat completion."""
-
-    OMIT_WHEN_NONE = frozenset({"token_ids"})
-
-    index: int = 0
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None
-    token_ids: list[int] | None = None                  # vLLM's, with return_token_ids: the generated ids
-
-
-class ChatCompletionResponse(_OmitUnasked):
-    """A non-streamed chat completion."""
-
-    OMIT_WHEN_NONE = frozenset({"prompt_logprobs", "prompt_token_ids"})
-
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    kv_transfer_params: dict[str, Any] | None = None    # a prefill's answer: the decode request's params
-    prompt_logprobs: PromptLogprobs | None = None       # vLLM's, with prompt_logprobs
-    prompt_token_ids: list[int] | None = None           # vLLM's, with return_token_ids
-
-
-class DeltaFunction(BaseModel):
-    """A streamed call's function: its name in the call's first chunk, then pieces of its arguments."""
-
-    name: str | None = None
-    arguments: str
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class DeltaToolCall(BaseModel):
-    """A streamed call: ``index`` (its place among the choice's calls), with ``id`` and ``type`` in
-    its first chunk."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunction
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class DeltaMessage(BaseModel):
-    """What a streamed chat chunk adds to the message."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # A delta names only what it adds: {"content": "x"}, {"role": "assistant", ...} or {}.
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatChunkChoice(_OmitUnasked):
-    """One choice of a streamed chat chunk."""
-
-    OMIT_WHEN_NONE = frozenset({"token_ids"})
-
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    token_ids: list[int] | None = None                  # vLLM's, with return_token_ids: this chunk's ids
-
-
-class ChatCompletionChunk(_OmitUnasked):
-    """One ``data:`` event of a streamed chat completion."""
-
-    OMIT_WHEN_NONE = frozenset({"prompt_token_ids"})
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    prompt_token_ids: list[int] | None = None           # vLLM's, with return_token_ids: the first chunk only
 
 
 class ModelCard(BaseModel):

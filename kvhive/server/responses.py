@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Literal
 
 from fastapi import FastAPI, Query, Request
@@ -31,29 +30,25 @@ from fastapi.responses import JSONResponse, Response
 
 from kvhive.core.retention import RetentionSpec
 from kvhive.server.chat import chat_prompt_token_ids
+from kvhive.server.chat_protocol import ChatMessage
+from kvhive.server.choices import collect
 from kvhive.server.context import background_task
 from kvhive.server.errors import APIError, bad_request
-from kvhive.server.logprobs import SentToken, chat_logprobs
+from kvhive.server.generation import GenerationService
 from kvhive.server.prompt_cache import PromptCache
-from kvhive.server.protocol import ChatMessage, ChatTokenLogprob, SamplingRequest
+from kvhive.server.protocol import SamplingRequest
 from kvhive.server.request_body import parse_body
 from kvhive.server.responses_items import chat_messages, check_call_ids, input_items
-from kvhive.server.responses_output import OutputItems
 from kvhive.server.responses_protocol import (
-    EventWriter,
-    IncompleteDetails,
-    InputTokensDetails,
-    ResponseError,
-    ResponseObject,
     ResponsesRequest,
-    ResponseUsage,
     check_unsupported,
     logprobs_wanted,
 )
-from kvhive.server.sampling_fields import pick
-from kvhive.server.serving import GenerationService, TextDelta, unix_time
+from kvhive.server.responses_turn import Turn
+from kvhive.server.session_turns import open_session, sse_response_ending_turns
 from kvhive.server.sse import ClosingStreamingResponse
-from kvhive.server.structured import text_format, text_structured_spec
+from kvhive.server.structured import text_structured_spec
+from kvhive.server.text_deltas import TextDelta
 from kvhive.server.tools import NO_PLAN, ToolPlan, responses_functions, tool_choice, tool_plan
 from kvhive.sessions.registry import Session, SessionBusy, SessionNotDurable, SessionNotFound
 from kvhive.sessions.response_store import (
@@ -65,8 +60,6 @@ from kvhive.sessions.response_store import (
     new_response_id,
 )
 from kvhive.sessions.service import DATA_CHECK_INTERVAL_S, NO_TURN, SWEEP_INTERVAL_S, SessionTurn
-
-logger = logging.getLogger(__name__)
 
 # A stored response's answer names it in this header, so a gateway learns which replica holds it.
 RESPONSE_ID_HEADER = "x-kvhive-response-id"
@@ -130,12 +123,13 @@ class ResponsesAPI:
         owner = self.service.owner_of(raw_request)
         self.store.check_room(conversation_id, owner)
         try:
-            turn = await self.service.open_session(raw_request, body.model, num_tokens,
-                                                   conversation_id=conversation_id, wait_if_busy=False)
+            turn = await open_session(self.service, raw_request, body.model, num_tokens,
+                                      conversation_id=conversation_id, wait_if_busy=False)
         except SessionBusy:
             with contextlib.suppress(SessionNotFound):      # ended meanwhile: open it again below
                 return NO_TURN, await self.sessions.find(conversation_id, owner)
-            turn = await self.service.open_session(raw_request, body.model, num_tokens, conversation_id=conversation_id)
+            turn = await open_session(self.service, raw_request, body.model, num_tokens,
+                                      conversation_id=conversation_id)
         assert turn.session is not None
         return turn, turn.session
 
@@ -219,7 +213,7 @@ class ResponsesAPI:
                       session_turn: SessionTurn, cache: PromptCache) -> Response:
         """The SSE answer of ``turn``; in a session, the turn is closed once sending ends, however
         it ends (and so is the pins' turn)."""
-        streaming = self.service.sse_response(turn.events(deltas), headers, session_turn, cache)
+        streaming = sse_response_ending_turns(turn.events(deltas), headers, session_turn, cache)
         if isinstance(streaming, ClosingStreamingResponse):
             # Called however sending ends, after the turn has ended; also when the client left
             # before the stream started (then the events' code never ran).
@@ -238,7 +232,7 @@ class ResponsesAPI:
         collect's 500 (counted as failed) if the engine failed. The turn is closed either way."""
         try:
             try:
-                result = await self.service.collect(deltas, raw_request)
+                result = await collect(deltas, raw_request)
             except APIError:
                 self.created["failed"] += 1            # the engine failed: collect's 500
                 raise
@@ -250,146 +244,6 @@ class ResponsesAPI:
             raise
         finally:
             turn.close()
-
-
-@dataclass
-class Turn:
-    """One request's response object as it is built, and its storing once it is done."""
-
-    api: ResponsesAPI
-    body: ResponsesRequest
-    owner: str | None
-    response_id: str
-    conversation_id: str | None                  # None: not stored
-    items: list[dict[str, Any]]                  # this request's input items
-    session: Session | None
-    with_logprobs: bool                          # ``include`` asks for the output tokens' logprobs
-    plan: ToolPlan = NO_PLAN
-    # The session's finished turns when this one began (None: it runs beside the session, or none).
-    turns_before: int | None = None
-    stored: bool = False
-    response: ResponseObject = field(init=False)
-    outputs: OutputItems = field(init=False)
-
-    def __post_init__(self) -> None:
-        body, defaults = self.body, self.api.service.defaults
-        self.response = ResponseObject(
-            id=self.response_id, created_at=unix_time(), status="in_progress", instructions=body.instructions,
-            max_output_tokens=body.max_output_tokens, model=body.model, output=[],
-            previous_response_id=body.previous_response_id, store=body.store,
-            temperature=pick(body.temperature, defaults.temperature, 1.0),
-            top_p=pick(body.top_p, defaults.top_p, 1.0), top_logprobs=body.top_logprobs or 0,
-            user=body.user, metadata=body.metadata or {}, text={"format": text_format(body.text)},
-            parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls,
-            tools=[dict(f.definition["function"], type="function") for f in self.plan.functions],
-            tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
-            prompt_cache_key=body.prompt_cache_key, prompt_cache_retention=body.prompt_cache_retention)
-        self.outputs = OutputItems(self.plan, self.logprobs)
-
-    def logprobs(self, tokens: tuple[SentToken, ...]) -> list[ChatTokenLogprob]:
-        """The tokens' logprobs as ``output_text`` parts and text deltas carry them (as chat's)."""
-        if not self.with_logprobs:
-            return []
-        return chat_logprobs(tokens, self.api.service.tokenizer).content
-
-    def finish(self, result: TextDelta, streamed: bool = False) -> dict[str, Any]:
-        """The final response object for the whole output ``result`` (read into output items here
-        unless they were ``streamed``); stored when asked."""
-        incomplete = result.finish_reason == "length"
-        status = "incomplete" if incomplete else "completed"
-        self.response.status = status
-        self.response.incomplete_details = IncompleteDetails() if incomplete else None
-        if not streamed:
-            self.outputs.tokens = list(result.tokens)
-            self.outputs.read_whole(result.text)
-        self.response.output = self.outputs.output(status)
-        self.response.usage = ResponseUsage(
-            input_tokens=result.num_prompt_tokens, output_tokens=result.num_output_tokens,
-            input_tokens_details=InputTokensDetails(cached_tokens=result.num_cached_tokens),
-            total_tokens=result.num_prompt_tokens + result.num_output_tokens)
-        answer = self.response.model_dump(mode="json")
-        if self.body.store:
-            session = self.session
-            expires = session.expires if session is not None else unix_time()
-            stored = StoredResponse(self.owner, answer, self.items, self.chain(result))
-            self.api.store.add(stored, expires)
-            self.stored = True
-            self.api.sessions.pin_chain(self.owner, self.response_id, stored.chain)
-        self.api.created[status] += 1
-        return answer
-
-    def chain(self, result: TextDelta) -> list[str]:
-        """This response's chain (its prompt's and output's full blocks): what its session turn
-        recorded the session holds after it, else the request's own blocks as the engine reported
-        them (a branch that ran beside its busy session); none when neither is known. Stored with it
-        and pinned beside the session, which later turns move on."""
-        session = self.session
-        if session is None:
-            return []
-        if self.turns_before is not None and session.num_turns > self.turns_before:
-            return list(session.block_hashes)
-        return [h.hex() for h in result.block_hashes or ()]
-
-    def fail(self, exc: Exception) -> ResponseObject:
-        """The response object of a turn the engine failed, or whose storing failed (never stored)."""
-        self.response.status = "failed"
-        self.api.created["failed"] += 1
-        self.response.error = ResponseError(message=f"Engine error: {type(exc).__name__}: {exc}")
-        return self.response
-
-    def not_stored(self, exc: SessionNotDurable) -> ResponseObject:
-        """The response object of a turn whose record could not be written (counted as failed)."""
-        self.response.status = "failed"
-        self.api.created["failed"] += 1
-        self.response.error = ResponseError(code=exc.code, message=exc.message)
-        return self.response
-
-    def close(self) -> None:
-        """After the turn: a new conversation whose first response was not stored ends its session
-        (nobody else knows its id, so nothing else stores in it: no backend read needed). A
-        continuation keeps its session: its conversation stores the responses before it."""
-        if (self.conversation_id is not None and not self.stored and self.session is not None
-                and self.body.previous_response_id is None):
-            self.api.sessions.end(self.session)
-
-    async def events(self, deltas: AsyncIterator[TextDelta]) -> AsyncIterator[str]:
-        """The stream events of the turn, ending with response.completed (or response.incomplete);
-        an engine error ends them with response.failed (the response is not stored)."""
-        event = EventWriter()
-        outputs = self.outputs
-        yield event("response.created", response=self.response)
-        yield event("response.in_progress", response=self.response)
-        for kind, fields in outputs.start():
-            yield event(kind, **fields)
-        parts: list[str] = []
-        last: TextDelta | None = None
-        try:
-            async with contextlib.aclosing(deltas):
-                async for delta in deltas:
-                    last = delta
-                    parts.append(delta.text)
-                    for kind, fields in outputs.add(delta.text, delta.tokens, self.with_logprobs):
-                        yield event(kind, **fields)
-        except SessionNotDurable as exc:          # the session turn's record could not be written
-            yield event("response.failed", response=self.not_stored(exc))
-            return
-        except Exception as exc:  # noqa: BLE001 - reported to the client as OpenAI's response.failed
-            logger.exception("engine error while streaming response %s", self.response_id)
-            yield event("response.failed", response=self.fail(exc))
-            return
-        assert last is not None
-        for kind, fields in outputs.finish():
-            yield event(kind, **fields)
-        try:
-            answer = self.finish(TextDelta("".join(parts), last.finish_reason, last.num_prompt_tokens,
-                                           last.num_cached_tokens, last.num_output_tokens,
-                                           block_hashes=last.block_hashes), streamed=True)
-        except SessionNotDurable as exc:
-            yield event("response.failed", response=self.not_stored(exc))
-            return
-        for kind, fields in outputs.done_events(answer["output"]):
-            yield event(kind, **fields)
-        yield event(f"response.{answer['status']}", response=answer)
 
 
 async def sweep_expired_responses(api: ResponsesAPI) -> None:

@@ -9,9 +9,10 @@ import uuid
 from typing import Any
 
 from kvhive.core.request_fields import stray_field, stray_field_message
+from kvhive.core.tokenize_bodies import MessageToolCall, ToolCallFunction
 from kvhive.core.tool_definitions import MAX_CALL_ID_CHARS
+from kvhive.server.chat_protocol import ChatMessage, ContentPart
 from kvhive.server.errors import bad_request
-from kvhive.server.protocol import ChatMessage, ContentPart, MessageToolCall, ToolCallFunction
 from kvhive.server.responses_protocol import (
     INPUT_ROLES,
     OUTPUT_TEXT_FIELDS,

@@ -21,13 +21,9 @@ from kvhive.core.request_fields import (
     StrictBody,
 )
 from kvhive.request import MAX_LOGPROBS
+from kvhive.server.chat_protocol import ChatTokenLogprob
 from kvhive.server.errors import bad_request
-from kvhive.server.protocol import (
-    MAX_SCHEDULING_PRIORITY,
-    MIN_SCHEDULING_PRIORITY,
-    ChatTokenLogprob,
-    check_metadata,
-)
+from kvhive.server.protocol import MAX_SCHEDULING_PRIORITY, MIN_SCHEDULING_PRIORITY, check_metadata
 from kvhive.server.sse import sse_named_event
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")

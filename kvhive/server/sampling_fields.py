@@ -4,7 +4,7 @@ OpenAI's; vLLM's extras are checked against the vocabulary and each other, a 400
 
 Fields that work on the text rather than the tokens (``skip_special_tokens``,
 ``include_stop_str_in_output``, stop strings before ``min_tokens``) are the stream's
-(``kvhive.server.serving.DeltaAssembler``); ``truncate_prompt_tokens`` is ``truncated_prompt``'s.
+(``kvhive.server.text_deltas.DeltaAssembler``); ``truncate_prompt_tokens`` is ``truncated_prompt``'s.
 """
 
 from __future__ import annotations

@@ -31,10 +31,10 @@ from kvhive.core.tokenize_bodies import (
     tokenize_response,
 )
 from kvhive.server.chat import template_messages
+from kvhive.server.chat_protocol import ChatMessage
 from kvhive.server.errors import bad_request, body_error
-from kvhive.server.protocol import ChatMessage
+from kvhive.server.generation import OFF_LOOP_CHARS, GenerationService
 from kvhive.server.request_body import parse_body, parse_body_as
-from kvhive.server.serving import OFF_LOOP_CHARS, GenerationService
 
 T = TypeVar("T")
 

@@ -11,8 +11,9 @@ import pytest
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.router.tokenize import PromptTokenizer, prompt_from_body
 from kvhive.server.chat import template_messages
+from kvhive.server.chat_protocol import ChatCompletionRequest
 from kvhive.server.completion_prompts import prompt_token_ids
-from kvhive.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvhive.server.protocol import CompletionRequest
 
 WORDS = ("the quick brown fox jumps over lazy dogs 1234 56 naïve café über straße ÄÖÜ 日本語 🙂 "
          "it's don't x_y foo-bar a.b, c; d: 'quoted' \"double\" <|im_start|> <|im_end|> \n \t  ").split(" ")

@@ -12,8 +12,8 @@ import torch
 from kvhive.engine.sampling import token_logprobs
 from kvhive.engine.step import TokenLogprobs
 from kvhive.request import MAX_LOGPROBS, SamplingParams
+from kvhive.server.choices import choice_seed
 from kvhive.server.logprobs import SentToken, TokensAwaitingText
-from kvhive.server.serving import choice_seed
 
 
 def test_token_logprobs_equal_log_softmax() -> None:

@@ -23,7 +23,7 @@ from kvhive.server.messages_errors import AnthropicErrors, check_anthropic_heade
 from kvhive.server.messages_protocol import MessagesRequest
 from kvhive.server.messages_stream import BlockEvents, MessageAnswer, cut_stop_sequence, stop_reason
 from kvhive.server.prompt_cache import NO_PROMPT_CACHE
-from kvhive.server.serving import TextDelta
+from kvhive.server.text_deltas import TextDelta
 from kvhive.server.tool_output import CallBegun, OutputCall
 from kvhive.server.tools import NO_PLAN
 

@@ -25,7 +25,8 @@ from kvhive.core.json_body import (
 )
 from kvhive.engine.sampling import _filtered_probs, sample_tokens
 from kvhive.request import MIN_SEED, SAMPLING_EPS, SEED_END, SamplingParams
-from kvhive.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvhive.server.chat_protocol import ChatCompletionRequest
+from kvhive.server.protocol import CompletionRequest
 from kvhive.sessions.registry import SessionError, SessionInvalid, check_session_id
 
 MODEL = SERVED_MODEL_NAME

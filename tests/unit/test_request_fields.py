@@ -16,8 +16,9 @@ from kvhive.core.json_body import BodyError, parse_chosen_body, validation_body_
 from kvhive.core.request_fields import NO_OP_FIELDS, UNRECOGNIZED_FIELD
 from kvhive.core.tokenize_bodies import TokenizeChatRequest, TokenizeContentPart, TokenizeMessage
 from kvhive.router.tokenize_api import check_text_parts
+from kvhive.server.chat_protocol import ChatCompletionRequest, ChatMessage, ContentPart
 from kvhive.server.openapi import _MODELS
-from kvhive.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart
+from kvhive.server.protocol import CompletionRequest
 from kvhive.server.responses_protocol import OtherInputItem, ResponsesRequest
 
 # Objects that take any field: a Responses input item of a type kvhive refuses by that type.

@@ -19,9 +19,9 @@ from kvhive.core.json_body import BodyError
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.router.tokenize import PromptTokenizer, prompt_from_body
 from kvhive.server.chat import chat_prompt_token_ids
+from kvhive.server.chat_protocol import ChatCompletionRequest
 from kvhive.server.errors import APIError
-from kvhive.server.protocol import ChatCompletionRequest
-from kvhive.server.serving import GenerationService
+from kvhive.server.generation import GenerationService
 from kvhive.server.tools import chat_functions, tool_choice, tool_plan
 
 WEATHER = {"type": "function", "function": {

@@ -13,8 +13,9 @@ import pytest
 
 from kvhive.core.generation_defaults import NO_DEFAULTS
 from kvhive.core.structured_spec import StructuredSpec
+from kvhive.server.chat_protocol import ChatCompletionRequest
 from kvhive.server.errors import APIError
-from kvhive.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvhive.server.protocol import CompletionRequest
 from kvhive.server.responses_protocol import ResponsesRequest, check_unsupported
 from kvhive.server.sampling_fields import sampling_params_for
 from kvhive.server.structured import (
