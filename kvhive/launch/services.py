@@ -8,9 +8,9 @@ import logging
 from kvhive.core.generation_defaults import load_sampling_defaults
 from kvhive.engine.client import EngineClient
 from kvhive.server.app import AppOptions, AppServices
+from kvhive.server.generation import GenerationService
 from kvhive.server.metrics import ServerMetrics
 from kvhive.server.responses import ResponsesAPI
-from kvhive.server.serving import GenerationService
 from kvhive.sessions.backends import SessionBackend
 from kvhive.sessions.response_backends import ResponseBackend
 from kvhive.sessions.response_store import ResponseStore
