@@ -10,12 +10,15 @@ Per request the manager keeps, for request r with blocks b_0..b_{n-1}:
 that computed it has run, not only when its request ends. ``request.block_hashes`` is extended
 only for newly full blocks; no step re-hashes a whole prompt.
 
-The manager composes two parts of its own and moves blocks between them and the request tables:
+The manager composes two parts of its own, public like ``pool``, and moves blocks between them
+and the request tables:
 
-- ``sessions`` (``kvhive.kv.session_holdings``): the blocks a session keeps between its requests;
-  ``park_session`` moves a finished request's blocks there, ``resume_session`` gives them back.
+- ``sessions`` (``kvhive.kv.session_holdings``): the blocks a session keeps between its requests,
+  looked up, forked and released there; ``park_session`` moves a finished request's blocks into a
+  holding, ``resume_session`` gives them back to the session's next request.
 - ``copies`` (``kvhive.kv.partial_copies``): a prompt's next block copied from a cached sibling
-  that shares its leading tokens, planned at admission and run by the next step.
+  that shares its leading tokens, found and pinned there; ``take_partial_hit`` plans the copy
+  into the request's block, run by the next step.
 
 Window layers (Gemma): with a ``WindowLayout`` the manager also keeps a ``WindowGroup``, the
 window layers' own pool and a second table per request beside ``_blocks``; each call below makes
