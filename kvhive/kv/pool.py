@@ -12,7 +12,7 @@ the hash map (``cached``) iff it has a hash.
 
 A cached block registered with its parent's hash and its tokens is also listed under that parent
 (``children``), so a prompt whose next block is not cached can still reuse the leading tokens a
-cached sibling shares with it (``longest_child``): the partial-block reuse of the manager. A
+cached sibling shares with it (``longest_child``; ``kvhive.kv.partial_copies``). A
 request's last, partly filled block gets such a listing, and no hash, as it is freed
 (``list_partial``).
 
