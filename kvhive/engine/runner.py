@@ -1,7 +1,9 @@
 """ModelRunner: turns a StepPlan into tensors, runs the model over the paged KV pool, samples.
 
 The runner owns the KV pool (``kv_cache``, layout in ``kvhive.model.attention``) and the per-request
-sampling generators; it never imports the scheduler (they share only ``kvhive.engine.step``).
+sampling generators; it never imports the scheduler (they share only ``kvhive.engine.step``). A plan
+becomes tensors in ``kvhive.engine.step_inputs``; ``kvhive.engine.attention_kernels`` picks which
+attention implementation runs.
 """
 
 from __future__ import annotations
@@ -9,32 +11,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from typing import TypeVar
 
-import numpy as np
 import torch
 
 from kvhive.config import ModelConfig
 from kvhive.connector.base import ConnectorWorker
+from kvhive.engine.attention_kernels import choose_attention_kernels
 from kvhive.engine.constrained import GrammarRows
 from kvhive.engine.logits_processors import LogitsProcessors
 from kvhive.engine.sampling import sample_tokens, token_logprobs
 from kvhive.engine.step import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
+from kvhive.engine.step_inputs import PoolShape, StepInputBuilder, StepInputs, WindowPool
 from kvhive.kv.window_group import WindowLayout
-from kvhive.model.attention import (
-    AttnMetadata,
-    DecodeBatch,
-    PrefillSpan,
-    decode_mask,
-    output_rows,
-    torch_prefill_is_faster,
-)
 from kvhive.model.cuda_graphs import DecodeGraphs
-from kvhive.model.decode_kernel import CpuDecodeKernel
 from kvhive.model.llama import LlamaModel, resolve_dtype
-from kvhive.model.prefill_kernel import CpuPrefillKernel
-from kvhive.model.window_kv import window_kv
 from kvhive.request import SEED_END
 from kvhive.structured import GrammarCompiler
 
@@ -42,42 +33,14 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# A chunk of at most this many new tokens over a cached prefix attends as decode rows, one per token
-# (each sees the keys up to its own position), through the decode kernel, which reads the pool as it
-# is: the prefill kernel would pack the whole prefix's K/V, every layer, for a handful of queries
-# (a re-sent prompt whose last partial block is recomputed, a short follow-up turn).
-DECODE_ROWS_MAX = 8
-
 # Prompt logprobs take the logits of this many prompt rows at a time (x vocab x 4 bytes: 48 MiB
 # for a 49,152-token vocabulary), reduced to the chosen token and the top ones before the next.
 PROMPT_LOGPROBS_ROWS = 256
 
 
-@dataclass(frozen=True)
-class StepInputs:
-    """The tensors of one step, with decode sequences first, then prefill chunks."""
-
-    input_ids: torch.Tensor             # [T]
-    positions: torch.Tensor             # [T]
-    attn: AttnMetadata
-    seqs: list[ScheduledSeq]            # in flat-batch order
-    sample_rows: list[int]              # flat row of the last token of each seq with sample=True
-    has_prompt_logprobs: bool = False   # some seq carries a PromptLogprobsSpan
-
-
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """Rows ``rows`` of ``t`` (``t`` itself, no copy, when they are all of its rows in order)."""
     return t if rows == list(range(t.shape[0])) else t[rows]
-
-
-def _sample_rows(seqs: list[ScheduledSeq]) -> list[int]:
-    """The batch row of each sampled seq's last token (seqs in batch order)."""
-    rows, end = [], 0
-    for s in seqs:
-        end += s.num_new_tokens
-        if s.sample:
-            rows.append(end - 1)
-    return rows
 
 
 class ModelRunner:
@@ -103,23 +66,8 @@ class ModelRunner:
         self.device = torch.device(device)
         if model.dtype != self.dtype:
             raise ValueError(f"the model holds {model.dtype} weights but the runner was asked for {self.dtype}")
-        c = model_config
         self.window = window
-        num_layers = c.num_layers - (window.num_window_layers if window is not None else 0)
-        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]; a block is contiguous.
-        self.kv_cache = torch.zeros(num_blocks, num_layers, 2, block_size, c.num_kv_heads, c.head_dim,
-                                    dtype=self.dtype, device=self.device)
-        # The window layers' pool (kvhive.model.window_kv), in the same layout; None: one pool.
-        self.window_cache = None if window is None else torch.zeros(
-            window.num_blocks, window.num_window_layers, *self.kv_cache.shape[2:], dtype=self.dtype, device=self.device)
-        # Rows of kv_cache.view(-1, kv_heads * head_dim) per block (K of layer 0 at offset 0).
-        self._rows_per_block = num_layers * 2 * block_size
-        # The KV connector's worker half: moves blocks between the pool and the store tiers.
-        self.connector = connector
-        if connector is not None:
-            connector.register_kv_caches(self.kv_cache)
-            if self.window_cache is not None:
-                connector.register_window_cache(self.window_cache, window.window_layers)
+        self._allocate_pools(connector)
         # Seeded requests keep their generator until they appear in finished_request_ids.
         self._generators: dict[str, torch.Generator] = {}
         # Penalties' token histories (kept until finished_request_ids), bias, min_p, min_tokens.
@@ -129,31 +77,44 @@ class ModelRunner:
                                                                       overlap=grammar_mask_overlap)
         # Attention straight from the pool on CPU (C++ kernels built for the ISA level ``isa``); None:
         # gather + torch (CUDA, no compiler, the portable level for prefill, or native_attention=False).
-        native = native_attention and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
-        self.decode_kernel = CpuDecodeKernel.load(isa) if native else None
-        self.decode_rows_max = DECODE_ROWS_MAX if self.decode_kernel is not None else 1
-        prefill = CpuPrefillKernel.load(isa) if native else None
-        self.prefill_kernel = (prefill if prefill is not None and prefill.supports(
-            self.dtype, c.num_heads, c.num_kv_heads, c.head_dim) else None)
-        if self.prefill_kernel is not None and self.dtype == torch.bfloat16:
-            # Two candidates for bf16 prefill attention: the kernel's faster bf16 path, and torch's
-            # (AMX-backed where the CPU has AMX); measured here on a synthetic layer.
-            path = self.prefill_kernel.pick_bf16_path()
-            if measure_attention and torch_prefill_is_faster(self.prefill_kernel, self.dtype, c.num_heads,
-                                                             c.num_kv_heads, c.head_dim):
-                self.prefill_kernel = None
-                logger.info("bfloat16 prefill attention: torch on gathered K/V (faster here than the C++ kernel)")
-            else:
-                logger.info("bfloat16 prefill attention: the C++ kernel's %s path (faster here)", path)
+        kernels = choose_attention_kernels(model_config, self.dtype, self.device, native_attention, isa,
+                                           measure_attention)
+        self.decode_kernel, self.prefill_kernel = kernels.decode, kernels.prefill
+        self.inputs = StepInputBuilder(
+            model_config, PoolShape(num_blocks, block_size, self.kv_cache.shape[1], self.device), kernels,
+            None if window is None else WindowPool(self.window_cache, window), layer_hooks=connector,
+            selects_output_rows=getattr(model, "selects_output_rows", False))
         # CUDA: decode-only steps replay per-bucket graphs (kvhive.model.cuda_graphs).
         self.decode_graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda" and getattr(model, "cuda_graphs", True):
-            self.decode_graphs = DecodeGraphs(model, self.kv_cache, -(-c.max_position_embeddings // block_size),
-                                              max_rows=max_num_seqs)
-            started = time.perf_counter()
-            self.decode_graphs.capture_all()
-            logger.info("captured %d CUDA graphs for decode steps in %.1f s", len(self.decode_graphs.row_buckets) * len(self.decode_graphs.block_buckets),
-                        time.perf_counter() - started)
+            self._capture_decode_graphs(max_num_seqs)
+
+    def _allocate_pools(self, connector: ConnectorWorker | None) -> None:
+        """Allocate the KV pool (and the window layers' pool) and register them with the connector."""
+        c, window = self.config, self.window
+        num_layers = c.num_layers - (window.num_window_layers if window is not None else 0)
+        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]; a block is contiguous.
+        self.kv_cache = torch.zeros(self.num_blocks, num_layers, 2, self.block_size, c.num_kv_heads, c.head_dim,
+                                    dtype=self.dtype, device=self.device)
+        # The window layers' pool (kvhive.model.window_kv), in the same layout; None: one pool.
+        self.window_cache = None if window is None else torch.zeros(
+            window.num_blocks, window.num_window_layers, *self.kv_cache.shape[2:], dtype=self.dtype, device=self.device)
+        # The KV connector's worker half: moves blocks between the pool and the store tiers.
+        self.connector = connector
+        if connector is not None:
+            connector.register_kv_caches(self.kv_cache)
+            if self.window_cache is not None:
+                connector.register_window_cache(self.window_cache, window.window_layers)
+
+    def _capture_decode_graphs(self, max_num_seqs: int) -> None:
+        """Capture the CUDA graphs decode-only steps replay, one per (rows, blocks) bucket."""
+        max_blocks = -(-self.config.max_position_embeddings // self.block_size)
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, max_blocks, max_rows=max_num_seqs)
+        started = time.perf_counter()
+        self.decode_graphs.capture_all()
+        logger.info("captured %d CUDA graphs for decode steps in %.1f s",
+                    len(self.decode_graphs.row_buckets) * len(self.decode_graphs.block_buckets),
+                    time.perf_counter() - started)
 
     def paths(self) -> dict[str, str]:
         """Which implementation decode and prefill attention run here (for the startup log and /version)."""
@@ -341,107 +302,6 @@ class ModelRunner:
             self._generators[seq.request_id] = gen
         return gen
 
-    def _decode_batch(self, decodes: list[ScheduledSeq]) -> DecodeBatch:
-        """Padded block tables and context lengths of the decode rows (and what their path needs):
-        one row per new token of each sequence, seeing the keys up to its own position."""
-        B, c = self.block_size, self.config
-        max_blocks = max((s.context_len + B - 1) // B for s in decodes)
-        num_rows = sum(s.num_new_tokens for s in decodes)
-        tables = np.zeros((num_rows, max_blocks), dtype=np.int64)
-        ctx = np.empty(num_rows, dtype=np.int64)
-        j = 0
-        for s in decodes:
-            for length in range(s.start_pos + 1, s.context_len + 1):
-                n = (length + B - 1) // B
-                tables[j, :n] = s.block_table[:n]   # padding points at block 0, never read unmasked
-                ctx[j] = length
-                j += 1
-        context_lens = torch.from_numpy(ctx).to(self.device)
-        mask = workspace = None
-        if self.decode_kernel is not None:
-            size = CpuDecodeKernel.workspace_size(num_rows, max_blocks * B, c.num_heads, c.head_dim)
-            workspace = torch.empty(size, dtype=torch.float32)
-        else:
-            mask = decode_mask(context_lens, max_blocks * B)
-        return DecodeBatch(num_seqs=num_rows, block_tables=torch.from_numpy(tables).to(self.device),
-                           context_lens=context_lens, mask=mask, kernel=self.decode_kernel, workspace=workspace)
-
     def prepare_inputs(self, plan: StepPlan, all_rows: bool = False) -> StepInputs:
-        """Flatten the plan into ids, positions, slot rows and attention metadata (decode first).
-        The model then returns the hidden states of the sampled rows alone where that is fewer than
-        all (``AttnMetadata.out_rows``); ``all_rows`` keeps every row's."""
-        B, rpb = self.block_size, self._rows_per_block
-        decodes, prefills = self._decode_and_prefill(plan)
-        ids: list[int] = []
-        positions: list[np.ndarray] = []
-        rows: list[np.ndarray] = []
-        # Decode rows: one token (or a short chunk over a cached prefix) per sequence from start_pos on.
-        for s in decodes:
-            pos = range(s.start_pos, s.context_len)
-            ids.extend(s.token_ids)
-            positions.append(np.array(pos))
-            rows.append(np.array([s.block_table[p // B] * rpb + p % B for p in pos]))
-        decode = self._decode_batch(decodes) if decodes else None
-        # Prefill chunks: contiguous spans after the decode rows.
-        spans = []
-        for s in prefills:
-            pos, table = np.arange(s.start_pos, s.start_pos + s.num_new_tokens), np.asarray(s.block_table, dtype=np.int64)
-            spans.append(self._prefill_span(s, len(ids), pos, table))
-            ids.extend(s.token_ids)
-            positions.append(pos)
-            rows.append(table[pos // B] * rpb + pos % B)
-        seqs = decodes + prefills
-        attn = AttnMetadata(slot_rows=self._slot_rows(rows), decode=decode, prefills=tuple(spans),
-                            prefill_kernel=self.prefill_kernel, layer_hooks=self.connector)
-        if self.window_cache is not None:
-            attn = replace(attn, window=window_kv(attn, decodes, prefills, self.window_cache, self.window.window))
-        sample_rows = _sample_rows(seqs)
-        has_prompt_logprobs = any(s.prompt_logprobs is not None for s in seqs)
-        if (not all_rows and getattr(self.model, "selects_output_rows", False) and not has_prompt_logprobs
-                and len(sample_rows) < len(ids)):
-            # Rows nobody samples need only the last layer's K/V: the model skips the rest for them.
-            attn = replace(attn, out_rows=output_rows(attn, sample_rows, self.device))
-        return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.from_numpy(np.concatenate(positions)).to(self.device),
-            attn=attn,
-            seqs=seqs,
-            sample_rows=sample_rows,
-            has_prompt_logprobs=has_prompt_logprobs,
-        )
-
-    def _decode_and_prefill(self, plan: StepPlan) -> tuple[list[ScheduledSeq], list[ScheduledSeq]]:
-        """The plan's seqs that run as decode rows and those that run as prefill spans; ValueError
-        for a seq with nothing to compute or a block table too short for its context."""
-        decodes: list[ScheduledSeq] = []
-        prefills: list[ScheduledSeq] = []
-        for s in plan.seqs:
-            if s.num_new_tokens == 0:
-                raise ValueError(f"request {s.request_id}: nothing to compute")
-            if len(s.block_table) * self.block_size < s.context_len:
-                raise ValueError(f"request {s.request_id}: {len(s.block_table)} blocks cannot hold "
-                                 f"{s.context_len} tokens")
-            as_rows = s.num_new_tokens == 1 or (s.start_pos > 0 and s.num_new_tokens <= self.decode_rows_max)
-            (decodes if as_rows else prefills).append(s)
-        return decodes, prefills
-
-    def _prefill_span(self, s: ScheduledSeq, offset: int, pos: np.ndarray, table: np.ndarray) -> PrefillSpan:
-        """The attention span of a prefill chunk whose tokens start at row ``offset`` of the batch."""
-        B = self.block_size
-        block_ids = mask = None
-        if s.start_pos > 0 or self.prefill_kernel is not None:
-            n_blocks = (s.context_len + B - 1) // B
-            block_ids = torch.from_numpy(table[:n_blocks]).to(self.device)
-        if s.start_pos > 0 and self.prefill_kernel is None and self.device.type == "cpu":
-            # (CUDA needs no mask tensor: its SDPA takes the lower-right causal bias.)
-            keep = np.arange(s.context_len)[None, :] <= pos[:, None]
-            mask = torch.from_numpy(keep).to(self.device)
-        return PrefillSpan(offset, offset + s.num_new_tokens, s.start_pos, block_ids, mask)
-
-    def _slot_rows(self, rows: list[np.ndarray]) -> torch.Tensor:
-        """The (K row, V row) pair of each token's slot in the pool; ValueError for a row outside it."""
-        base = np.concatenate(rows)
-        if base.size and (base.min() < 0 or base.max() >= self.num_blocks * self._rows_per_block):
-            raise ValueError("a block table points outside the KV pool")     # the C++ kernels read unchecked
-        slot_rows = np.stack([base, base + self.block_size], axis=1)    # V follows K in a block
-        return torch.from_numpy(slot_rows).to(self.device)
+        """The step's tensors (``StepInputBuilder.build``); ``all_rows`` keeps every row's hidden state."""
+        return self.inputs.build(plan, all_rows)

@@ -13,7 +13,7 @@ from kvhive.request import SamplingParams
 
 if TYPE_CHECKING:
     from kvhive.connector.base import ConnectorMeta
-    from kvhive.kv.manager import BlockCopy
+    from kvhive.kv.partial_copies import BlockCopy
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,15 @@ Per request the manager keeps, for request r with blocks b_0..b_{n-1}:
 that computed it has run, not only when its request ends. ``request.block_hashes`` is extended
 only for newly full blocks; no step re-hashes a whole prompt.
 
-Sessions: when a request of a session ends, ``park_session`` moves its blocks (the partial last
-block included) and its block hashes into a ``SessionBlocks`` holding instead of freeing them, so
-their ref counts keep them out of the free queue. The session's next request takes them back with
-``resume_session`` when its prompt starts with the tokens they hold: no hashing, no lookup, only
-the new tokens to compute. A request id holds blocks in ``_blocks`` or a session id holds them in
-``_sessions``, never both. ``fork_session`` gives a second session its own holding of another's
-full blocks (each holding references them; nobody writes into a full block).
+The manager composes two parts of its own, public like ``pool``, and moves blocks between them
+and the request tables:
+
+- ``sessions`` (``kvhive.kv.session_holdings``): the blocks a session keeps between its requests,
+  looked up, forked and released there; ``park_session`` moves a finished request's blocks into a
+  holding, ``resume_session`` gives them back to the session's next request.
+- ``copies`` (``kvhive.kv.partial_copies``): a prompt's next block copied from a cached sibling
+  that shares its leading tokens, found and pinned there; ``take_partial_hit`` plans the copy
+  into the request's block, run by the next step.
 
 Window layers (Gemma): with a ``WindowLayout`` the manager also keeps a ``WindowGroup``, the
 window layers' own pool and a second table per request beside ``_blocks``; each call below makes
@@ -29,17 +31,17 @@ priorities; a spilled session's blocks are pinned until the session ends.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvhive.core.blocks import ExtraKeys, hash_blocks
-from kvhive.core.retention import RetentionSpec
 from kvhive.kv.events import MEDIUM_GPU, BlockRemoved, BlockStored, BlockUpdated
 from kvhive.kv.held_blocks import HeldChain, held_block_events, stored_runs
+from kvhive.kv.partial_copies import PartialCopies
 from kvhive.kv.pool import BlockPool, BlockPoolStats, KVBlock
-from kvhive.kv.retention_policy import SpillPins, at_least_pinned, block_retentions, priority_events
+from kvhive.kv.retention_policy import block_retentions, priority_events
+from kvhive.kv.session_holdings import SessionBlocks, SessionHoldings, window_key
 from kvhive.kv.window_group import WindowGroup, WindowLayout
 from kvhive.request import Request
 
@@ -49,14 +51,6 @@ class ComputedBlocks(NamedTuple):
 
     blocks: list[KVBlock]
     num_computed_tokens: int      # len(blocks) * block_size
-
-
-class BlockCopy(NamedTuple):
-    """Copy the first ``num_tokens`` token slots of pool block ``src`` into block ``dst`` (every layer)."""
-
-    src: int
-    dst: int
-    num_tokens: int
 
 
 @dataclass(frozen=True)
@@ -78,20 +72,6 @@ class DeviceReset(NamedTuple):
     stored: list[BlockStored]     # the kept blocks, to announce after AllBlocksCleared
 
 
-@dataclass(eq=False)
-class SessionBlocks:
-    """The blocks a session keeps alive between its requests, and what they hold."""
-
-    token_ids: list[int]             # the session's tokens; KV is in the blocks for the first
-    num_computed_tokens: int         # num_computed_tokens of them (the last sampled one has none)
-    blocks: list[KVBlock]
-    block_hashes: list[bytes]        # chained hashes of the full blocks of token_ids
-    num_cached_blocks: int           # leading blocks registered in the pool's hash map
-    last_used: int                   # park order, for least-recently-used spilling
-    retention: RetentionSpec | None = None   # the parking request's, given to the blocks as they are freed
-    num_prompt_tokens: int = 0
-
-
 class KVCacheManager:
     """Allocates, caches and frees the blocks of requests; matches prompts against cached blocks."""
 
@@ -104,7 +84,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.root_hash = root_hash
         self.pool = BlockPool(num_blocks, clock)
-        self._spill_pins = SpillPins(self.pool)
+        self.copies = PartialCopies(self.pool, block_size, enable_prefix_caching and self.window is None)
+        self.sessions = SessionHoldings(self.pool, block_size, enable_prefix_caching, self.window, self.copies)
         self._blocks: dict[str, list[KVBlock]] = {}
         # Block ids handed out as block tables: replaced (never mutated) when blocks are added, so
         # a decode step that adds no block shares the previous step's list instead of copying it.
@@ -115,15 +96,6 @@ class KVCacheManager:
         self._hits_tokens = 0
         # KV events since the last take_events(); None until enable_events() is called.
         self._events: list[BlockStored | BlockRemoved | BlockUpdated] | None = None
-        # Session id -> blocks kept alive between the session's requests (insertion order = LRU).
-        self._sessions: dict[str, SessionBlocks] = {}
-        # Invariant: _session_block_refs[id] == number of holdings in _sessions whose blocks hold id (> 0).
-        self._session_block_refs: Counter[int] = Counter()
-        self._park_counter = 0
-        # Partial-block hits admitted since the last plan, and their source blocks, referenced
-        # until the step that copies them has run (``release_copy_sources``).
-        self._copies: list[BlockCopy] = []
-        self._copy_sources: list[KVBlock] = []
 
     def enable_events(self, priority_events: bool = False) -> None:
         """Start recording BlockStored / BlockRemoved events for take_events(); with
@@ -180,54 +152,12 @@ class KVCacheManager:
             hits = hits[:self.window.usable_hit(request.block_hashes, len(hits))]
         return ComputedBlocks(hits, len(hits) * self.block_size)
 
-    def partial_hit(self, request: Request, num_hit_blocks: int) -> tuple[KVBlock | None, int]:
-        """After ``num_hit_blocks`` full-block hits: the cached block whose leading tokens match the
-        most of the request's next block, and how many tokens match (at most the block less one,
-        and never the request's last token); (None, 0) when none does.
-
-        That block follows the same chain (the same parent hash, so the same model, salt and
-        earlier tokens), so its first tokens' KV is what computing them would give: a finished
-        turn's last prompt block, whose later tokens are the reply the next turn's history replaced,
-        or the partly filled last block of a finished request (listed as it was freed).
-        Off with a window pool (its blocks are not copied) and for a first block (no parent to key on).
-        """
-        if not self.enable_prefix_caching or self.window is not None or num_hit_blocks == 0:
-            return None, 0
-        start = num_hit_blocks * self.block_size
-        limit = min(self.block_size - 1, request.num_tokens - 1 - start)
-        if limit <= 0:
-            return None, 0
-        block, n = self.pool.longest_child(request.block_hashes[num_hit_blocks - 1],
-                                           request.all_token_ids[start:start + limit])
-        return (block, n) if n else (None, 0)
-
-    def pin(self, block: KVBlock) -> None:
-        """Take a reference on a block (a partial hit's source, while its admission allocates)."""
-        self.pool.touch([block])
-
-    def unpin(self, block: KVBlock) -> None:
-        """Drop a reference ``pin`` took."""
-        self.pool.free_blocks([block])
-
     def take_partial_hit(self, request: Request, num_hit_blocks: int, source: KVBlock, num_tokens: int) -> None:
         """Plan the copy of a pinned partial hit into the request's block after its full hits
-        (allocated already); the source stays referenced until ``release_copy_sources``."""
-        dst = self.get_block_table(request)[num_hit_blocks]
-        self._copies.append(BlockCopy(source.block_id, dst, num_tokens))
-        self._copy_sources.append(source)
+        (allocated already); the source stays referenced until ``copies.release_sources``."""
+        self.copies.plan(source, self.get_block_table(request)[num_hit_blocks], num_tokens)
         if request.num_cached_tokens < 0:
             self._hits_tokens += num_tokens
-
-    def take_block_copies(self) -> tuple[BlockCopy, ...]:
-        """The block copies planned since the last call (for the next plan)."""
-        copies, self._copies = tuple(self._copies), []
-        return copies
-
-    def release_copy_sources(self) -> None:
-        """Drop the references on the sources of copies a step has run."""
-        if self._copy_sources:
-            self.pool.free_blocks(self._copy_sources)
-            self._copy_sources = []
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[KVBlock] = (), num_loaded_tokens: int = 0) -> bool:
@@ -318,27 +248,14 @@ class KVCacheManager:
         self._block_ids.pop(rid, None)
         self._num_cached_blocks.pop(rid, None)
         if blocks:
-            self._list_partial(blocks, request.block_hashes, request.all_token_ids, request.num_computed_tokens)
+            self.copies.list_partial(blocks, request.block_hashes, request.all_token_ids, request.num_computed_tokens)
             kept = block_retentions(request.retention, len(blocks), self.block_size, request.num_tokens,
                                     request.num_prompt_tokens)
             self.pool.free_blocks(reversed(blocks), reversed(kept))
         if self.window is not None:
             self.window.free(rid)
         if request.end_session and request.session_id is not None:
-            self._spill_pins.withdraw(request.session_id)
-
-    def _list_partial(self, blocks: list[KVBlock], block_hashes: Sequence[bytes], token_ids: Sequence[int],
-                      num_computed: int) -> None:
-        """Before its last holder frees it, list the partly computed block after the full ones
-        under its parent, with its computed tokens (see ``partial_hit``)."""
-        if not self.enable_prefix_caching or self.window is not None:
-            return
-        num_full, rest = divmod(num_computed, self.block_size)
-        if not rest or not num_full or num_full >= len(blocks) or len(block_hashes) < num_full:
-            return
-        block = blocks[num_full]
-        if block.ref_cnt == 1 and block.block_hash is None and block.parent_hash is None:
-            self.pool.list_partial(block, block_hashes[num_full - 1], token_ids[num_full * self.block_size:num_computed])
+            self.sessions.withdraw_spill_pins(request.session_id)
 
     def slide_window(self, request: Request) -> int:
         """Release the window blocks no row of the request still to compute can see; returns how many."""
@@ -360,71 +277,53 @@ class KVCacheManager:
             self.window.pool.reset_prefix_cache()
         chains = [HeldChain(self._blocks[rid], r.block_hashes, r.all_token_ids)
                   for rid, r in requests.items() if rid in self._blocks]
-        chains += [HeldChain(h.blocks, h.block_hashes, h.token_ids) for h in self._sessions.values()]
+        chains += [HeldChain(h.blocks, h.block_hashes, h.token_ids) for h in self.sessions.values()]
         return DeviceReset(dropped, len(self.pool.cached), held_block_events(chains, self.block_size))
 
     # ------------------------------------------------------------------ sessions
 
     def park_session(self, request: Request, session_id: str) -> None:
         """Move a finished request's blocks into the session's holding (replacing an older one)."""
-        self.release_session(session_id)
+        self.sessions.release(session_id)
         rid = request.request_id
         blocks = self._blocks.pop(rid, None)
         self._block_ids.pop(rid, None)
         num_cached = self._num_cached_blocks.pop(rid, 0)
         if self.window is not None and blocks:
-            self.window.move(rid, ("session", session_id))
+            self.window.move(rid, window_key(session_id))
         elif self.window is not None:
             self.window.free(rid)
         if not blocks:
             return
-        self._park_counter += 1
-        self._sessions[session_id] = SessionBlocks(
+        self.sessions.put(session_id, SessionBlocks(
             token_ids=request.all_token_ids, num_computed_tokens=request.num_computed_tokens,
             blocks=blocks, block_hashes=request.block_hashes, num_cached_blocks=num_cached,
-            last_used=self._park_counter, retention=request.retention,
-            num_prompt_tokens=request.num_prompt_tokens)
-        self._session_block_refs.update(block.block_id for block in blocks)
-
-    def session_prefix(self, request: Request) -> int:
-        """Tokens of the request's session KV that its prompt continues (0: none held, or diverged).
-
-        A token comparison only (C speed), never a hash: the holding's tokens must all be a prefix
-        of the request's, so its KV covers ``num_computed_tokens`` of them and at least one token
-        is left to compute.
-        """
-        held = self._sessions.get(request.session_id) if request.session_id else None
-        if held is None or held.num_computed_tokens == 0:
-            return 0
-        n = len(held.token_ids)
-        if n >= request.num_tokens or request.all_token_ids[:n] != held.token_ids:
-            return 0
-        return held.num_computed_tokens
+            retention=request.retention, num_prompt_tokens=request.num_prompt_tokens))
 
     def resume_session(self, request: Request, num_new_tokens: int) -> bool:
         """Give the request its session's blocks plus room for ``num_new_tokens``; False if short.
 
-        Call only when ``session_prefix`` is > 0. On success the holding is gone, the request's
+        Call only when ``sessions.prefix_of`` is > 0. On success the holding is gone, the request's
         ``num_computed_tokens`` and ``block_hashes`` are the session's, and the prefix-cache
         counters count the held tokens as hits. On failure nothing changed.
         """
-        held = self._sessions[request.session_id]
+        session_id = request.session_id
+        held = self.sessions.get(session_id)
         computed = held.num_computed_tokens
         keep = self.num_blocks_for(computed)
         extra = max(0, self.num_blocks_for(computed + num_new_tokens) - keep)
         spare = len(held.blocks) - keep
         if extra > self.pool.num_free_blocks + spare:
             return False
-        if self.window is not None and not self.window.room_to_resume(("session", request.session_id), keep,
-                                                                      keep + extra):
+        if self.window is not None and not self.window.room_to_resume(window_key(session_id), keep, keep + extra):
             return False
-        self._take_holding(request.session_id)
+        self.sessions.take(session_id)
         rid = request.request_id
         blocks = held.blocks[:keep]
         if spare > 0:
             self.pool.free_blocks(reversed(held.blocks[keep:]))
         if self.window is not None:
-            self.window.move(("session", request.session_id), rid)
+            self.window.move(window_key(session_id), rid)
             self.window.free(rid, keep)
         self._blocks[rid] = blocks
         self._block_ids[rid] = [b.block_id for b in blocks]
@@ -441,83 +340,10 @@ class KVCacheManager:
 
     def fork_session(self, parent_id: str, child_id: str, num_tokens: int) -> int:
         """Give ``child_id`` its own holding of the parent's full blocks within its first
-        ``num_tokens`` tokens (replacing an older one); the tokens shared (0: the parent holds no
-        full block of them, or window layers are in use).
+        ``num_tokens`` tokens; the tokens shared (``SessionHoldings.fork``)."""
+        return self.sessions.fork(parent_id, child_id, num_tokens)
 
-        Copy-on-write by construction: a shared block is full and computed, and neither side ever
-        writes into a full block; each side's next request writes from its own end on, into blocks
-        of its own (the partial last block is never shared). Each holding takes a reference on
-        every shared block, so either side's release leaves the other's.
-        """
-        held = self._sessions.get(parent_id)
-        if held is None or self.window is not None or parent_id == child_id:
-            return 0
-        num_full = min(num_tokens, held.num_computed_tokens) // self.block_size
-        num_full = min(num_full, len(held.blocks))
-        if self.enable_prefix_caching:            # without it, blocks are not hashed (tokens match them)
-            num_full = min(num_full, len(held.block_hashes))
-        self.release_session(child_id)
-        if num_full == 0:
-            return 0
-        blocks = held.blocks[:num_full]
-        self.pool.touch(blocks)
-        self._park_counter += 1
-        num_shared = num_full * self.block_size
-        self._sessions[child_id] = SessionBlocks(
-            token_ids=held.token_ids[:num_shared], num_computed_tokens=num_shared, blocks=blocks,
-            block_hashes=held.block_hashes[:num_full], num_cached_blocks=min(held.num_cached_blocks, num_full),
-            last_used=self._park_counter, retention=held.retention,
-            num_prompt_tokens=min(held.num_prompt_tokens, num_shared))
-        self._session_block_refs.update(block.block_id for block in blocks)
-        return num_shared
-
-    def release_session(self, session_id: str, spill: bool = False) -> bool:
-        """Free the blocks a session holds, tail first (full ones stay cached), with the parking
-        request's retention; ``spill`` (memory pressure, the session lives on): at least pinned
-        until the session ends. False if none."""
-        held = self._take_holding(session_id)
-        if held is None:
-            return False
-        self._list_partial(held.blocks, held.block_hashes, held.token_ids, held.num_computed_tokens)
-        kept = block_retentions(held.retention, len(held.blocks), self.block_size, len(held.token_ids),
-                                held.num_prompt_tokens)
-        self.pool.free_blocks(reversed(held.blocks), reversed(at_least_pinned(kept) if spill else kept))
-        if spill:
-            self._spill_pins.record(session_id, held.blocks)
-        if self.window is not None:
-            self.window.free(("session", session_id))
-        return True
-
-    def end_session(self, session_id: str) -> bool:
-        """The session ended: free its holding and withdraw the pins of its spilled blocks."""
-        released = self.release_session(session_id)
-        self._spill_pins.withdraw(session_id)
-        return released
-
-    def _take_holding(self, session_id: str) -> SessionBlocks | None:
-        """Remove and return the session's holding (its blocks keep their references)."""
-        held = self._sessions.pop(session_id, None)
-        if held is not None:
-            refs = self._session_block_refs
-            for block in held.blocks:
-                refs[block.block_id] -= 1
-                if refs[block.block_id] == 0:
-                    del refs[block.block_id]
-        return held
-
-    def session_ids(self) -> list[str]:
-        """Sessions holding device blocks, least recently parked first."""
-        return sorted(self._sessions, key=lambda sid: self._sessions[sid].last_used)
-
-    def session_blocks(self, session_id: str) -> SessionBlocks | None:
-        """The holding of a session, or None (read-only view)."""
-        return self._sessions.get(session_id)
-
-    @property
-    def num_session_blocks(self) -> int:
-        """Distinct device blocks held by sessions (a block two sessions share counts once)."""
-        return len(self._session_block_refs)
-
+    # ------------------------------------------------------------------ lookups
     def count_cached(self, block_hashes: Sequence[bytes]) -> int:
         """How many of these blocks the device prefix cache holds; changes nothing, not even
         recency (safe from any thread: the hash map is only read)."""

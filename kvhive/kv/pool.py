@@ -12,7 +12,7 @@ the hash map (``cached``) iff it has a hash.
 
 A cached block registered with its parent's hash and its tokens is also listed under that parent
 (``children``), so a prompt whose next block is not cached can still reuse the leading tokens a
-cached sibling shares with it (``longest_child``): the partial-block reuse of the manager. A
+cached sibling shares with it (``longest_child``; ``kvhive.kv.partial_copies``). A
 request's last, partly filled block gets such a listing, and no hash, as it is freed
 (``list_partial``).
 
@@ -40,7 +40,7 @@ from kvhive.core.retention import DEFAULT_PRIORITY, DEFAULT_RETENTION, BlockRete
 from kvhive.kv.free_queue import FreeBlockQueue, PriorityFreeQueue
 
 __all__ = ["MAX_SIBLINGS_SCANNED", "NULL_BLOCK_ID", "BlockPool", "BlockPoolStats", "FreeBlockQueue", "KVBlock",
-           "PriorityChange"]
+           "PriorityChange", "is_reusable"]
 
 # Block 0 is never handed out: the runner may point padding slots at it (CUDA-graph padding,
 # dummy positions). It is in no queue and no map.
@@ -106,7 +106,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[NULL_BLOCK_ID]
         # Invariant: ref_cnt == 0 <=> the block is in free_queue (the null block excepted).
-        self.free_queue = PriorityFreeQueue(self.blocks[1:], _reusable)
+        self.free_queue = PriorityFreeQueue(self.blocks[1:], is_reusable)
         # Invariant: cached[h] is b <=> b.block_hash == h; one block per hash.
         self.cached: dict[bytes, KVBlock] = {}
         # Hashes evicted since the last drain, for BlockRemoved events; None when nobody listens.
@@ -141,7 +141,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
-            if _reusable(block):
+            if is_reusable(block):
                 # Evict: the block's contents are about to be overwritten.
                 self._num_evictable -= 1
                 if self.evicted_hashes is not None and block.block_hash is not None:
@@ -157,7 +157,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
-                if _reusable(block):
+                if is_reusable(block):
                     self._num_evictable -= 1
             block.ref_cnt += 1
 
@@ -176,13 +176,13 @@ class BlockPool:
         for block, retention in pairs:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of {block}")
-            if retention is not None and _reusable(block):
+            if retention is not None and is_reusable(block):
                 now = self.clock() if now is None else now
                 self._retain(block, retention, now)
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.push(block)
-                if _reusable(block):
+                if is_reusable(block):
                     self._num_evictable += 1
 
     def _retain(self, block: KVBlock, retention: BlockRetention, now: float) -> None:
@@ -226,7 +226,7 @@ class BlockPool:
         set to the default to the head of the default level. Returns how many changed."""
         now, n = self.clock(), 0
         for block in blocks:
-            if not _reusable(block):
+            if not is_reusable(block):
                 continue
             expiry = (None if retention.duration_s is None or retention.priority == DEFAULT_PRIORITY
                       else now + retention.duration_s)
@@ -327,7 +327,7 @@ class BlockPool:
         shareable. The forgotten blocks become empty and move to the queue head (handed out
         first). Nothing is recorded in ``evicted_hashes``: the caller announces the reset itself.
         """
-        dropped = [block for block in self.free_queue if _reusable(block)]
+        dropped = [block for block in self.free_queue if is_reusable(block)]
         for block in dropped:
             self.free_queue.remove(block)
             self._forget(block)
@@ -344,74 +344,15 @@ class BlockPool:
                               num_cached=len(self.cached), num_used=used, usage=used / usable,
                               num_evictable=self._num_evictable)
 
+    @property
+    def expiry_heap(self) -> list[tuple[float, int, KVBlock]]:
+        """The (expiry, block id, block) heap of retentions with a duration (read-only; stale entries included)."""
+        return self._expiries
+
     def check_integrity(self) -> None:
-        """Raise AssertionError unless queue, ref counts and hash map agree (O(num_blocks); tests)."""
-        def check(ok: bool, msg: str) -> None:
-            if not ok:
-                raise AssertionError(msg)
-
-        queued: set[int] = set()
-        q = self.free_queue
-        check(q.levels_order == sorted(q.levels), "priority levels out of order")
-        for level, blocks in [(None, q.empty)] + [(p, q.levels[p]) for p in q.levels_order]:
-            check(level is None or len(blocks) > 0, f"empty list kept for priority {level}")
-            prev = None
-            for block in blocks:
-                check(block.prev_free is prev, f"broken back link at {block}")
-                check(block.block_id not in queued, f"{block} queued twice")
-                check(block.ref_cnt == 0, f"{block} in the free queue with ref_cnt > 0")
-                check(_reusable(block) == (level is not None), f"{block} in the wrong list (reusable or not)")
-                check(level is None or block.priority == level, f"{block} queued under priority {level}")
-                queued.add(block.block_id)
-                prev = block
-            check(len(blocks) == sum(1 for _ in blocks), f"length counter of list {level} is wrong")
-        check(len(queued) == len(q), "free queue length counter is wrong")
-        self._check_retention(check)
-        check(NULL_BLOCK_ID not in queued, "null block in the free queue")
-        empty = evictable = used = 0
-        for block in self.blocks[1:]:
-            check(block.ref_cnt >= 0, f"{block} has a negative ref count")
-            check((block.ref_cnt == 0) == (block.block_id in queued), f"{block}: ref_cnt vs queue")
-            if block.block_hash is not None:
-                check(self.cached.get(block.block_hash) is block, f"{block} hashed but not mapped")
-            if block.ref_cnt > 0:
-                used += 1
-            elif not _reusable(block):
-                empty += 1
-            else:
-                evictable += 1
-        check(empty + evictable + used == self.num_blocks - 1, "empty + evictable + used != total")
-        check(evictable == self._num_evictable, f"evictable counter {self._num_evictable} != {evictable}")
-        for h, block in self.cached.items():
-            check(block.block_hash == h, f"map entry {h.hex()[:8]} points at {block}")
-        listed = 0
-        for parent, siblings in self.children.items():
-            check(bool(siblings), f"empty child list under {parent.hex()[:8]}")
-            for block in siblings.values():
-                check(block.parent_hash == parent and block.token_ids is not None,
-                      f"{block} listed under {parent.hex()[:8]} without that parent or tokens")
-                check(block.block_hash is None or self.cached.get(block.block_hash) is block,
-                      f"{block} listed with a hash that is not cached")
-                listed += 1
-        check(listed == sum(1 for b in self.blocks if b.parent_hash is not None),
-              "a block with a parent is missing from its parent's list")
-
-
-    def _check_retention(self, check: Callable[[bool, str], None]) -> None:
-        """Retention invariants: priorities in bounds, a default or unretained block has no expiry,
-        a block handed out or empty has no retention, every expiry has its heap entry."""
-        entries = {(e, b.block_id) for e, _, b in self._expiries}
-        for block in self.blocks:
-            check(0 <= block.priority <= 100, f"{block} priority out of [0, 100]")
-            if not block.retained:
-                check(block.priority == DEFAULT_PRIORITY and block.expiry is None,
-                      f"{block} has a retention it was never given")
-            if block.expiry is not None:
-                check(block.priority != DEFAULT_PRIORITY, f"{block} expires to the priority it has")
-                check((block.expiry, block.block_id) in entries, f"{block} expiry missing from the heap")
-            if not _reusable(block):
-                check(not block.retained, f"{block} holds nothing reusable but has a retention")
-        check(len(self._expiries) <= 2 * self.num_blocks + 64, "expiry heap not compacted")
+        """Raise AssertionError unless queue, ref counts and hash map agree (``kvhive.kv.pool_invariants``)."""
+        from kvhive.kv.pool_invariants import check_pool  # tests only; it imports this module
+        check_pool(self)
 
 
 def _clear_retention(block: KVBlock) -> None:
@@ -419,6 +360,6 @@ def _clear_retention(block: KVBlock) -> None:
     block.priority, block.expiry, block.retained = DEFAULT_PRIORITY, None, False
 
 
-def _reusable(block: KVBlock) -> bool:
+def is_reusable(block: KVBlock) -> bool:
     """Whether a block's contents can be reused: it has a hash, or a listing under its parent."""
     return block.block_hash is not None or block.parent_hash is not None

@@ -43,20 +43,20 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
 from kvhive.core.failure_log import DEFAULT_INTERVAL_S, FailureLog
 from kvhive.store.base import Payload, PutResult, StatsCounter, StoreStats
 from kvhive.store.codec import decode_block, encode_block
-from kvhive.store.key import HASH_BYTES, StoreKey
+from kvhive.store.disk_index import DiskIndex
+from kvhive.store.key import StoreKey
 from kvhive.store.segment import (
     RecordLocation,
+    SegmentSpan,
     append_record,
     fsync_directory,
-    list_segments,
-    scan_segment,
+    read_record,
+    recover_segments,
     segment_path,
-    take_snapshot,
     write_snapshot,
 )
 
@@ -64,18 +64,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
 # The errors of a filesystem with no room left for this process: dropping segments makes room.
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-
-
-@dataclass
-class _Segment:
-    start: int                                       # bytes appended to the store before this segment
-    size: int                                        # bytes in the file, live or dead
-    keys: list[bytes] = field(default_factory=list)  # every key written here; the index says which are live
-
-    @property
-    def end(self) -> int:
-        """Bytes appended to the store up to the end of this segment."""
-        return self.start + self.size
 
 
 class DiskStore:
@@ -95,14 +83,10 @@ class DiskStore:
         self._write_failures = FailureLog(logger, "disk tier: writes failed", failure_log_interval_s)
         # Invariants: _segments is ordered oldest -> newest and its last entry is the active segment;
         # every index entry points into a segment in _segments; used bytes == sum of segment sizes.
-        self._segments: dict[int, _Segment] = {}
-        self._index: dict[bytes, RecordLocation] = {}
+        self._segments: dict[int, SegmentSpan] = {}
+        self._index = DiskIndex()
         self._used_bytes = 0
-        # Pinned encoded keys, held or not; pinned_bytes == sum of record lengths of the indexed ones.
-        self._pins: set[bytes] = set()
-        self._pinned_bytes = 0
         self._sealed_fds: list[int] = []             # sealed by rotation, waiting for fsync + close
-        self._dropped: list[bytes] | None = None     # hashes of records dropped since take_dropped
         os.makedirs(directory, exist_ok=True)
         self._load()
         self._active_fd = os.open(segment_path(directory, self._active_id),
@@ -116,28 +100,18 @@ class DiskStore:
 
     def _load(self) -> None:
         """Rebuild the index from the snapshot and segment scans; truncate a torn tail."""
-        snapshot = take_snapshot(self.directory)
-        ids = list_segments(self.directory)
-        for seg in ids:
-            path = segment_path(self.directory, seg)
-            size = os.path.getsize(path)
-            if snapshot is not None and snapshot.segment_sizes.get(seg) == size:
-                records = snapshot.records.get(seg, [])
-            else:
-                scanned = scan_segment(path)
-                records = scanned.records
-                if seg == ids[-1] and scanned.good_end < size:
-                    logger.warning("disk tier: dropping %d torn bytes at the end of %s",
-                                   size - scanned.good_end, path)
-                    os.truncate(path, scanned.good_end)
-                    size = scanned.good_end
-            segment = self._segments[seg] = _Segment(self._used_bytes, size)
+        recovered = recover_segments(self.directory)
+        for seg, size, records, num_torn in recovered:
+            if num_torn:
+                logger.warning("disk tier: dropping %d torn bytes at the end of %s", num_torn,
+                               segment_path(self.directory, seg))
+            segment = self._segments[seg] = SegmentSpan(self._used_bytes, size)
             self._used_bytes += size
             for key, offset, length in records:   # later segments overwrite: the newest copy wins
-                self._index[key] = RecordLocation(seg, offset, length)
+                self._index.set(key, RecordLocation(seg, offset, length))
                 segment.keys.append(key)
         if not self._segments or self._segments[self._active_id].size >= self.segment_bytes:
-            self._segments[(ids[-1] + 1) if ids else 1] = _Segment(self._used_bytes, 0)
+            self._segments[(recovered[-1].segment_id + 1) if recovered else 1] = SegmentSpan(self._used_bytes, 0)
         self._evict_to_fit(0)
 
     # ------------------------------------------------------------------ the BlockStore calls
@@ -191,54 +165,40 @@ class DiskStore:
     def delete(self, key: StoreKey) -> None:
         """Drop the block from the index (not persisted: see the module docstring)."""
         with self._lock:
-            self._index_pop(key.encode())
+            self._index.pop(key.encode())
 
     def pin(self, keys: Iterable[StoreKey]) -> None:
         """Never drop these keys' records, stored now or later, until ``unpin``."""
         with self._lock:
-            for encoded in (key.encode() for key in keys):
-                if encoded not in self._pins:
-                    self._pins.add(encoded)
-                    loc = self._index.get(encoded)
-                    self._pinned_bytes += loc.length if loc is not None else 0
+            self._index.pin(key.encode() for key in keys)
 
     def unpin(self, keys: Iterable[StoreKey]) -> None:
         """Let these keys' records go with their segments again."""
         with self._lock:
-            for encoded in (key.encode() for key in keys):
-                if encoded in self._pins:
-                    self._pins.discard(encoded)
-                    loc = self._index.get(encoded)
-                    self._pinned_bytes -= loc.length if loc is not None else 0
+            self._index.unpin(key.encode() for key in keys)
 
     def track_drops(self) -> None:
         """Keep the block hashes of records that leave the index from now on, for ``take_dropped``."""
         with self._lock:
-            if self._dropped is None:
-                self._dropped = []
+            self._index.track_drops()
 
     def take_dropped(self) -> list[bytes]:
         """Block hashes of the records dropped (segment deleted, corrupt, deleted) since the last call."""
         with self._lock:
-            dropped = self._dropped or []
-            if self._dropped:
-                self._dropped = []
-        return dropped
+            return self._index.take_dropped()
 
     def held_hashes(self, prefix: bytes) -> list[bytes]:
         """Block hashes of the indexed records whose encoded key starts with ``prefix`` (a key space)."""
         with self._lock:
-            return [bytes.fromhex(k[len(prefix):].decode()) for k in self._index if k.startswith(prefix)]
+            return self._index.held_hashes(prefix)
 
     def drop_unpinned(self) -> int:
         """Forget every record no pin keeps and delete the sealed segments left with no live record;
         returns how many records were forgotten (a crash before the next clean close may bring them
         back, as for ``delete``)."""
         with self._lock:
-            gone = [key for key in self._index if key not in self._pins]
-            for key in gone:
-                del self._index[key]
-            live = {loc.segment for loc in self._index.values()}
+            num_gone = self._index.forget_unpinned()
+            live = self._index.live_segments()
             for seg in list(self._segments)[:-1]:
                 if seg not in live:
                     self._used_bytes -= self._segments.pop(seg).size
@@ -246,7 +206,7 @@ class DiskStore:
                         os.unlink(segment_path(self.directory, seg))
                     except OSError as exc:   # the index no longer points there: at worst disk space leaks
                         logger.warning("disk tier: cannot delete segment %d: %s", seg, exc)
-        return len(gone)
+        return num_gone
 
     def stats(self) -> StoreStats:
         """Counters, bytes in segment files and the budget."""
@@ -264,7 +224,7 @@ class DiskStore:
             fd, self._active_fd = self._active_fd, -1
             try:
                 os.fsync(fd)
-                write_snapshot(self.directory, {seg: s.size for seg, s in self._segments.items()}, self._index)
+                write_snapshot(self.directory, {seg: s.size for seg, s in self._segments.items()}, self._index.locations)
             except OSError as exc:
                 logger.warning("disk tier: no index snapshot written (the next start scans): %s", exc)
             finally:
@@ -275,25 +235,17 @@ class DiskStore:
     def _read(self, loc: RecordLocation) -> bytes | None:
         """The record's bytes; None if its segment was dropped meanwhile (a miss) or the read failed."""
         try:
-            # A fresh fd per read: a concurrently dropped segment is then FileNotFoundError, never
-            # bytes from a file that reused a cached descriptor number.
-            fd = os.open(segment_path(self.directory, loc.segment), os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        try:
-            return os.pread(fd, loc.length, loc.offset)
+            return read_record(self.directory, loc)
         except OSError as exc:
             logger.warning("disk tier: read failed: %s", exc)
             self._stats.record_error()
             return None
-        finally:
-            os.close(fd)
 
     def _forget(self, encoded: bytes, loc: RecordLocation) -> None:
         """Drop an index entry found unreadable, unless it was rewritten meanwhile."""
         with self._lock:
             if self._index.get(encoded) == loc:
-                self._index_pop(encoded)
+                self._index.pop(encoded)
 
     def _is_old(self, seg: int) -> bool:
         """Whether more than half a budget was written after ``seg`` (it is due to be dropped); lock held."""
@@ -336,10 +288,10 @@ class DiskStore:
         active.size += record_len
         self._used_bytes += record_len
         active.keys.append(encoded)
-        self._index_set(encoded, RecordLocation(self._active_id, offset, record_len))
+        self._index.set(encoded, RecordLocation(self._active_id, offset, record_len))
         return None
 
-    def _cut_torn_tail(self, active: _Segment, offset: int) -> None:
+    def _cut_torn_tail(self, active: SegmentSpan, offset: int) -> None:
         """Cut a partial record off the active segment; if that fails, count what stayed so offsets
         remain true (the torn record is never indexed, and its payload checksum makes it a miss
         if a startup scan finds its header). Lock held."""
@@ -354,7 +306,7 @@ class DiskStore:
         """Delete the oldest segment that holds no live pinned record, to make room on a full
         filesystem; the active one is sealed first when it is the only candidate. False when no
         segment can go. Lock held."""
-        pinned = {self._index[key].segment for key in self._pins if key in self._index}
+        pinned = self._index.pinned_segments()
         candidates = [seg for seg, segment in self._segments.items() if seg not in pinned and segment.size]
         if not candidates:
             return False
@@ -366,27 +318,12 @@ class DiskStore:
         self._drop_segment(candidates[0])
         return True
 
-    def _index_set(self, encoded: bytes, loc: RecordLocation) -> None:
-        # Lock held; keeps pinned_bytes true.
-        if encoded in self._pins:
-            old = self._index.get(encoded)
-            self._pinned_bytes += loc.length - (old.length if old is not None else 0)
-        self._index[encoded] = loc
-
-    def _index_pop(self, encoded: bytes) -> None:
-        # Lock held; keeps pinned_bytes true.
-        loc = self._index.pop(encoded, None)
-        if loc is not None and encoded in self._pins:
-            self._pinned_bytes -= loc.length
-        if loc is not None and self._dropped is not None:
-            self._dropped.append(bytes.fromhex(encoded[-2 * HASH_BYTES:].decode()))
-
     def _rotate(self) -> None:
         """Seal the active segment (queued for fsync) and start the next one; lock held."""
         new_id = self._active_id + 1
         new_fd = os.open(segment_path(self.directory, new_id), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._sealed_fds.append(self._active_fd)
-        self._segments[new_id] = _Segment(self._segments[self._active_id].end, 0)
+        self._segments[new_id] = SegmentSpan(self._segments[self._active_id].end, 0)
         self._active_fd = new_fd
 
     def _sync_sealed(self) -> None:
@@ -413,7 +350,7 @@ class DiskStore:
         """
         if self._used_bytes + record_len <= self.budget_bytes:
             return True
-        if self._pinned_bytes + record_len > self.budget_bytes:
+        if self._index.pinned_bytes + record_len > self.budget_bytes:
             return False
         # One pass over the segments sealed now: copies land in newer segments, never in these. A
         # segment whose pinned records cannot all be copied (a full filesystem) stays; a copy that
@@ -433,7 +370,7 @@ class DiskStore:
         for key in segment.keys:
             loc = self._index.get(key)
             if loc is not None and loc.segment == seg:
-                self._index_pop(key)
+                self._index.pop(key)
                 dropped += 1
         try:
             os.unlink(segment_path(self.directory, seg))
@@ -447,7 +384,7 @@ class DiskStore:
         kept = True
         for key in self._segments[seg].keys:
             loc = self._index.get(key)
-            if key not in self._pins or loc is None or loc.segment != seg:
+            if not self._index.is_pinned(key) or loc is None or loc.segment != seg:
                 continue
             record = self._read(loc)
             if record is not None and not self._write(key, [record], loc.length):

@@ -1,4 +1,5 @@
-"""Segment files of the disk tier: naming, appending records, scanning, and the index snapshot.
+"""Segment files of the disk tier: naming, appending and reading records, scanning, recovery at
+startup, and the index snapshot.
 
 A segment is an append-only file of codec records (codec.py), each self-describing, so the
 index (key -> segment, offset, length) can always be rebuilt by scanning headers. The snapshot
@@ -11,6 +12,7 @@ import contextlib
 import mmap
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import msgpack
@@ -45,6 +47,29 @@ class Snapshot(NamedTuple):
 
     segment_sizes: dict[int, int]
     records: dict[int, list[tuple[bytes, int, int]]]   # segment id -> (encoded key, offset, length)
+
+
+@dataclass
+class SegmentSpan:
+    """One segment's place in the bytes appended to the store, and every key written to it."""
+
+    start: int                                       # bytes appended to the store before this segment
+    size: int                                        # bytes in the file, live or dead
+    keys: list[bytes] = field(default_factory=list)  # every key written here; the index says which are live
+
+    @property
+    def end(self) -> int:
+        """Bytes appended to the store up to the end of this segment."""
+        return self.start + self.size
+
+
+class RecoveredSegment(NamedTuple):
+    """One segment as startup found it: its size, its intact records, the torn bytes cut off its end."""
+
+    segment_id: int
+    size: int
+    records: list[tuple[bytes, int, int]]   # (encoded key, offset, record length), in file order
+    num_torn_bytes: int = 0
 
 
 def segment_path(directory: str, segment_id: int) -> str:
@@ -97,6 +122,40 @@ def scan_segment(path: str) -> ScannedSegment:
             else:
                 offset = mm.find(MAGIC, offset + 1)
     return ScannedSegment(records, good_end)
+
+
+def recover_segments(directory: str) -> list[RecoveredSegment]:
+    """Every segment's size and records, oldest first: from the snapshot where it covers a segment
+    at the size it recorded, else from a scan; the last segment's torn tail is truncated."""
+    snapshot = take_snapshot(directory)
+    ids = list_segments(directory)
+    out = []
+    for seg in ids:
+        path = segment_path(directory, seg)
+        size = os.path.getsize(path)
+        if snapshot is not None and snapshot.segment_sizes.get(seg) == size:
+            out.append(RecoveredSegment(seg, size, snapshot.records.get(seg, [])))
+            continue
+        scanned = scan_segment(path)
+        torn = size - scanned.good_end if seg == ids[-1] else 0
+        if torn > 0:
+            os.truncate(path, scanned.good_end)
+        out.append(RecoveredSegment(seg, size - torn, scanned.records, torn))
+    return out
+
+
+def read_record(directory: str, loc: RecordLocation) -> bytes | None:
+    """The record's bytes; None if its segment is gone (OSError for a failed read)."""
+    try:
+        # A fresh fd per read: a concurrently dropped segment is then FileNotFoundError, never
+        # bytes from a file that reused a cached descriptor number.
+        fd = os.open(segment_path(directory, loc.segment), os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        return os.pread(fd, loc.length, loc.offset)
+    finally:
+        os.close(fd)
 
 
 def fsync_directory(directory: str) -> None:

@@ -42,7 +42,7 @@ def test_engine_prompt_logprobs_over_chunks_and_a_cached_prefix(tokenizer: Token
     config = tiny_config(max_position_embeddings=512)
     model = tiny_model(config)
     # 16 tokens a step: a 37-token prompt takes chunks of 16, 16 and 5; the last one, over 32
-    # computed tokens, runs as decode rows (kvhive.engine.runner.DECODE_ROWS_MAX).
+    # computed tokens, runs as decode rows (kvhive.engine.step_inputs.DECODE_ROWS_MAX).
     engine = small_engine(tokenizer, model, budget=16)
     rng = random.Random(5)
     prompt = [rng.randrange(3, 256) for _ in range(37)]

@@ -33,7 +33,7 @@ def test_session_turns_match_plain_and_resume_partial_block(tokenizer):
             # Everything the previous turn computed, partial last block included (block size 4).
             assert cached == history - 1
         history += len(TURNS[i]) + len(tokens)
-    assert engine.scheduler.kv.session_blocks("s1") is not None
+    assert engine.scheduler.kv.sessions.get("s1") is not None
 
 
 def test_resume_does_not_rehash(tokenizer, monkeypatch):
@@ -56,27 +56,27 @@ def test_diverging_prompt_falls_back_to_prefix_match(tokenizer):
     assert cached == len(TURNS[0])                   # the common part: full blocks and a copied tail
     assert len(tokens) == GREEDY.max_tokens
     # The session now follows the new history.
-    assert engine.scheduler.kv.session_blocks("s").token_ids[:len(TURNS[0]) + 3] == TURNS[0] + [1, 2, 3]
+    assert engine.scheduler.kv.sessions.get("s").token_ids[:len(TURNS[0]) + 3] == TURNS[0] + [1, 2, 3]
 
 
 def test_end_session_frees(tokenizer):
     engine = make_engine(tokenizer)
     turn(engine, "a", TURNS[0], "s", end=True)
-    assert engine.scheduler.kv.session_blocks("s") is None
+    assert engine.scheduler.kv.sessions.get("s") is None
     turn(engine, "b", TURNS[0], "t")
-    assert engine.scheduler.kv.num_session_blocks > 0
+    assert engine.scheduler.kv.sessions.num_blocks > 0
     engine.end_session("t")
-    assert engine.scheduler.kv.num_session_blocks == 0
+    assert engine.scheduler.kv.sessions.num_blocks == 0
     assert engine.scheduler.kv.pool.stats().num_used == 0
 
 
 def test_no_tier_pins_session_blocks(tokenizer):
     engine = make_engine(tokenizer, num_blocks=40)
     turn(engine, "a", TURNS[0], "s")
-    pinned = {b.block_id for b in engine.scheduler.kv.session_blocks("s").blocks}
+    pinned = {b.block_id for b in engine.scheduler.kv.sessions.get("s").blocks}
     for i in range(4):
         turn(engine, f"f{i}", [200 + i] * 60)          # floods the 40-block pool
-    assert {b.block_id for b in engine.scheduler.kv.session_blocks("s").blocks} == pinned
+    assert {b.block_id for b in engine.scheduler.kv.sessions.get("s").blocks} == pinned
 
 
 def test_spill_to_tier_under_pressure_and_come_back(tokenizer, tmp_path):
@@ -107,7 +107,7 @@ def test_idle_sessions_never_stall_a_request_without_tiers(tokenizer):
     tokens, _, _ = turn(engine, "big", [200 + j % 30 for j in range(60)])
     assert len(tokens) == GREEDY.max_tokens
     kv = engine.scheduler.kv
-    assert kv.session_blocks("s0") is None and kv.session_blocks("s2") is not None
+    assert kv.sessions.get("s0") is None and kv.sessions.get("s2") is not None
     assert engine.scheduler.num_session_spills >= 1
 
 
@@ -124,7 +124,7 @@ def test_idle_sessions_give_way_to_concurrent_requests_and_answer_like_an_uncach
         tokens, _, _ = turn(engine, f"s{k}-0", prompt, f"s{k}", sampling=one)
         history[f"s{k}"] = prompt + tokens
     kv = engine.scheduler.kv
-    assert kv.pool.num_free_blocks == 0 and len(kv.session_ids()) == 13
+    assert kv.pool.num_free_blocks == 0 and len(kv.sessions.ids()) == 13
     prompts = {f"r{i}": [150 + 3 * i + j % 7 for j in range(20)] for i in range(4)}
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, GREEDY)
@@ -136,7 +136,7 @@ def test_idle_sessions_give_way_to_concurrent_requests_and_answer_like_an_uncach
         for out in engine.step():
             outs[out.request_id] += out.new_token_ids
     assert engine.scheduler.num_preemptions == 0
-    spilled = [sid for sid in history if kv.session_blocks(sid) is None]
+    spilled = [sid for sid in history if kv.sessions.get(sid) is None]
     assert spilled == [f"s{k}" for k in range(len(spilled))] and 0 < len(spilled) < 13
     for rid, prompt in prompts.items():
         assert outs[rid] == turn(fresh, rid, prompt)[0]

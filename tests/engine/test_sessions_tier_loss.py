@@ -94,15 +94,15 @@ def test_an_emptied_lowest_tier_never_stalls_a_request(tokenizer):
     engine = engine_over(tokenizer, shared)
     try:
         outs = fill_with_sessions(engine)
-        copies = {sid: engine._session_copy(engine.scheduler.kv.session_blocks(sid).block_hashes[:10])
+        copies = {sid: engine._session_copy(engine.scheduler.kv.sessions.get(sid).block_hashes[:10])
                   for sid in SESSIONS}
         assert set(copies.values()) == {SessionCopy.LOWEST}
         shared.flush()                                   # Redis lost every block
-        assert engine._session_copy(engine.scheduler.kv.session_blocks("s0").block_hashes[:10]) \
+        assert engine._session_copy(engine.scheduler.kv.sessions.get("s0").block_hashes[:10]) \
             is SessionCopy.NONE
         tokens, _, _ = turn(engine, "big", BIG)          # ran: a holding was released to recompute
         assert len(tokens) == GREEDY.max_tokens
-        assert engine.scheduler.kv.session_blocks("s0") is None
+        assert engine.scheduler.kv.sessions.get("s0") is None
         # The released session stays usable: its next turn recomputes what is missing.
         fresh = make_engine(tokenizer, prefix=False)
         prompt = SESSIONS["s0"] + outs["s0"] + [7, 8, 9]
@@ -117,13 +117,13 @@ def test_a_down_lowest_tier_spills_to_the_tier_above(tokenizer):
     try:
         shared.down = True                               # Redis unreachable while the turns save
         outs = fill_with_sessions(engine)
-        hashes = engine.scheduler.kv.session_blocks("s0").block_hashes[:10]
+        hashes = engine.scheduler.kv.sessions.get("s0").block_hashes[:10]
         assert engine._session_copy(hashes) is SessionCopy.HIGHER
         tokens, _, _ = turn(engine, "big", BIG)
         assert len(tokens) == GREEDY.max_tokens
         assert engine.scheduler.num_session_spills >= 1
         # The spilled session's blocks come back from the CPU tier.
-        spilled = next(sid for sid in SESSIONS if engine.scheduler.kv.session_blocks(sid) is None)
+        spilled = next(sid for sid in SESSIONS if engine.scheduler.kv.sessions.get(sid) is None)
         tokens, cached, _ = turn(engine, "again", SESSIONS[spilled] + outs[spilled] + [7], spilled)
         assert cached >= 40 and len(tokens) == GREEDY.max_tokens
     finally:

@@ -127,7 +127,7 @@ def step(sched: Scheduler, runner: FakeRunner) -> tuple[StepPlan, list[Request]]
     out = sched.update_from_result(plan, runner.execute(plan))
     sched.kv.pool.check_integrity()
     held = {b for r in sched.running for b in sched.kv.get_block_table(r)}
-    held |= {b.block_id for sid in sched.kv.session_ids() for b in sched.kv.session_blocks(sid).blocks}
+    held |= {b.block_id for sid in sched.kv.sessions.ids() for b in sched.kv.sessions.get(sid).blocks}
     assert sched.kv.pool.stats().num_used == len(held)
     assert all(not sched.kv.get_block_table(r) for r in sched.waiting)
     # Blocks exactly cover the computed tokens: nothing over-allocated.

@@ -30,7 +30,7 @@ def test_the_measurement_runs_both_paths() -> None:
 @pytest.mark.parametrize("torch_faster", [True, False])
 def test_the_runner_takes_the_faster_path(monkeypatch, torch_faster: bool) -> None:
     model = tiny_model(dtype="bfloat16")
-    monkeypatch.setattr("kvhive.engine.runner.torch_prefill_is_faster", lambda *a, **k: torch_faster)
+    monkeypatch.setattr("kvhive.engine.attention_kernels.torch_prefill_is_faster", lambda *a, **k: torch_faster)
     measured = ModelRunner(model, model.config, num_blocks=64, block_size=16, dtype="bfloat16",
                            measure_attention=True)
     assert (measured.prefill_kernel is None) == torch_faster

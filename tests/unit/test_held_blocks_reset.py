@@ -108,7 +108,7 @@ def test_the_manager_keeps_what_requests_and_sessions_hold_and_lists_it() -> Non
     assert kv.get_computed_blocks(again).num_computed_tokens == 0          # recomputed from scratch
     assert kv.get_computed_blocks(make_request("more", shared + [1, 2])).num_computed_tokens == 8
     turn = make_request("s-next", session.all_token_ids + [7, 7, 7], session_id="s")
-    assert kv.session_prefix(turn) == session.num_computed_tokens          # the session resumes as before
+    assert kv.sessions.prefix_of(turn) == session.num_computed_tokens          # the session resumes as before
 
 
 def test_a_reset_drops_the_events_recorded_before_it() -> None:

@@ -47,9 +47,9 @@ def test_a_freed_request_gives_its_blocks_its_retention():
 def test_a_spilled_session_is_pinned_until_it_ends():
     kv = make_kv()
     park(kv, "s", range(8))
-    blocks = list(kv.session_blocks("s").blocks)
+    blocks = list(kv.sessions.get("s").blocks)
     SessionSpill(kv, None, set).spill()
-    assert [b.priority for b in blocks] == [PINNED_PRIORITY] * 2 and kv.session_ids() == []
+    assert [b.priority for b in blocks] == [PINNED_PRIORITY] * 2 and kv.sessions.ids() == []
     one_off = make_request("x", range(100, 120), max_tokens=1)
     compute(kv, one_off)
     kv.free(one_off)
@@ -57,7 +57,7 @@ def test_a_spilled_session_is_pinned_until_it_ends():
     queue = list(kv.pool.free_queue)
     assert queue.index(blocks[0]) > max(queue.index(b) for b in kv.pool.blocks if b.priority == DEFAULT_PRIORITY
                                         and b.block_hash is not None)
-    kv.end_session("s")
+    kv.sessions.end("s")
     assert [b.priority for b in blocks] == [DEFAULT_PRIORITY] * 2
     kv.pool.check_integrity()
 
@@ -69,7 +69,7 @@ def test_a_released_session_takes_the_parking_requests_retention():
     compute(kv, r)
     blocks = list(kv._blocks["s-turn"])
     kv.park_session(r, "s")
-    kv.end_session("s")
+    kv.sessions.end("s")
     assert [b.priority for b in blocks] == [60, DEFAULT_PRIORITY]
 
 

@@ -112,7 +112,7 @@ def test_short_chunk_on_a_cached_prefix_attends_as_decode_rows(dtype: str, tol: 
     torch.testing.assert_close(got["c"], dense_logits(runner.model, c), **tol)
     # The same step with every chunk through the prefill path gives the same greedy tokens.
     sampled = runner.execute(plan).sampled
-    runner.decode_rows_max = 1
+    runner.inputs.decode_rows_max = 1
     assert runner.prepare_inputs(plan, all_rows=True).attn.decode.num_seqs == 1
     assert runner.execute(plan).sampled == sampled
 

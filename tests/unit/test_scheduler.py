@@ -10,7 +10,7 @@ from support.scheduler_parts import VOCAB, FakeRunner, drive, make_sched, refere
 from kvhive.connector.base import ConnectorMeta, FinishedTransfers, SchedulerOutput
 from kvhive.engine.scheduler import Scheduler
 from kvhive.engine.step import StepResult
-from kvhive.kv.manager import BlockCopy
+from kvhive.kv.partial_copies import BlockCopy
 from kvhive.request import FinishReason, Request, RequestStatus
 
 
@@ -290,7 +290,7 @@ def test_a_partial_hit_whose_source_is_the_only_free_block_left_gives_way():
     drive(sched, runner)
     b = req("b", prompt + [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], max_tokens=1)    # 24 tokens: 6 blocks
     sched.add_request(b)
-    assert len(sched.kv.get_computed_blocks(b).blocks) == 3 and sched.kv.partial_hit(b, 3)[1] == 2
+    assert len(sched.kv.get_computed_blocks(b).blocks) == 3 and sched.kv.copies.find(b, 3)[1] == 2
     plan, _ = step(sched, runner)
     assert plan.block_copies == () and b.num_cached_tokens == 12
     drive(sched, runner)

@@ -169,7 +169,7 @@ def test_a_session_turn_resumes_its_held_blocks():
     park(units.kv, "s", range(8))
     turn = make_request("turn", [*range(8), 1, 2, 3], session_id="s")
     assert units.admit(turn).planned == {"turn": 3}
-    assert turn.num_cached_tokens == 8 and units.kv.session_blocks("s") is None
+    assert turn.num_cached_tokens == 8 and units.kv.sessions.get("s") is None
 
 
 def test_an_async_tier_load_parks_the_request_without_budget_and_a_pending_lookup_holds_the_queue():

@@ -28,7 +28,7 @@ def sessions_filling_the_pool():
     drive(sched, runner)
     history["s0"] = prompt + reference(prompt, 1)
     use_order = [f"s{k}" for k in range(1, NUM_SESSIONS)] + ["s0"]
-    assert sched.kv.session_ids() == use_order
+    assert sched.kv.sessions.ids() == use_order
     assert sched.kv.pool.num_free_blocks <= 1 and sched.num_session_spills == 0
     return sched, runner, history, use_order
 
@@ -42,14 +42,14 @@ def test_every_request_runs_at_once_and_sessions_go_least_recently_used_first():
     plan, _ = step(sched, runner)
     assert len(plan.seqs) == 8 and len(sched.running) == 8 and not sched.waiting
     assert all(r.status is RequestStatus.RUNNING for r in requests)
-    num_spilled = NUM_SESSIONS - len(sched.kv.session_ids())
+    num_spilled = NUM_SESSIONS - len(sched.kv.sessions.ids())
     assert num_spilled > 0 and sched.num_session_spills == num_spilled
-    assert sched.kv.session_ids() == use_order[num_spilled:]        # the least recently used went
+    assert sched.kv.sessions.ids() == use_order[num_spilled:]        # the least recently used went
     drive(sched, runner)
     # Decodes that outgrew their blocks spilled more sessions; nothing was preempted.
     assert sched.num_preemptions == 0
-    assert 0 < len(sched.kv.session_ids()) < NUM_SESSIONS - num_spilled + 1
-    assert sched.kv.session_ids() == use_order[NUM_SESSIONS - len(sched.kv.session_ids()):]
+    assert 0 < len(sched.kv.sessions.ids()) < NUM_SESSIONS - num_spilled + 1
+    assert sched.kv.sessions.ids() == use_order[NUM_SESSIONS - len(sched.kv.sessions.ids()):]
     for request in requests:
         assert request.output_token_ids == reference(prompts[request.request_id], 6)
 
@@ -59,8 +59,8 @@ def test_a_spilled_session_s_next_turn_matches_an_uncached_run():
     for i in range(8):
         sched.add_request(req(f"r{i}", [50 + i + j for j in range(8)], max_tokens=6))
     drive(sched, runner)
-    spilled = [sid for sid in use_order if sched.kv.session_blocks(sid) is None]
-    kept = [sid for sid in use_order if sched.kv.session_blocks(sid) is not None]
+    spilled = [sid for sid in use_order if sched.kv.sessions.get(sid) is None]
+    kept = [sid for sid in use_order if sched.kv.sessions.get(sid) is not None]
     assert spilled and kept
     for sid in spilled + kept:
         prompt = history[sid] + [9, 8, 7]
@@ -68,4 +68,4 @@ def test_a_spilled_session_s_next_turn_matches_an_uncached_run():
         sched.add_request(turn)
         drive(sched, runner)
         assert turn.output_token_ids == reference(prompt, 5), sid
-        assert sched.kv.session_blocks(sid) is not None            # it holds its new history
+        assert sched.kv.sessions.get(sid) is not None            # it holds its new history

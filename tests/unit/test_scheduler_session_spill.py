@@ -20,15 +20,15 @@ def parked(*session_ids):
 
 def copies_by_session(kv, where: dict[str, SessionCopy]):
     """A ``session_copy`` that answers ``where[session]`` for that session's full blocks."""
-    by_hashes = {tuple(kv.session_blocks(sid).block_hashes[:2]): copy for sid, copy in where.items()}
+    by_hashes = {tuple(kv.sessions.get(sid).block_hashes[:2]): copy for sid, copy in where.items()}
     return lambda hashes: by_hashes[tuple(hashes)]
 
 
 def test_without_tiers_holdings_go_least_recently_used_first_whenever_asked():
     kv = parked("old", "mid", "new")
     spill = SessionSpill(kv, None, set)
-    assert spill.spill() and kv.session_ids() == ["mid", "new"]
-    assert spill.spill(keep="mid") and kv.session_ids() == ["mid"]
+    assert spill.spill() and kv.sessions.ids() == ["mid", "new"]
+    assert spill.spill(keep="mid") and kv.sessions.ids() == ["mid"]
     assert spill.num_spills == 2
     assert not spill.spill(keep="mid")
 
@@ -38,34 +38,34 @@ def test_the_least_recently_used_holding_with_a_copy_below_goes_first():
     where = {"pending": SessionCopy.PENDING, "none": SessionCopy.NONE,
              "higher": SessionCopy.HIGHER, "lowest": SessionCopy.LOWEST}
     spill = SessionSpill(kv, copies_by_session(kv, where), set)
-    assert spill.spill() and kv.session_ids() == ["pending", "none", "lowest"]
-    assert spill.spill() and kv.session_ids() == ["pending", "none"]
-    assert spill.spill() and kv.session_ids() == ["pending"]      # no copy: goes after those with one
+    assert spill.spill() and kv.sessions.ids() == ["pending", "none", "lowest"]
+    assert spill.spill() and kv.sessions.ids() == ["pending", "none"]
+    assert spill.spill() and kv.sessions.ids() == ["pending"]      # no copy: goes after those with one
     assert not spill.spill() and spill.num_spills == 3          # a pending copy waits for its saves
 
 
 def test_a_holding_whose_blocks_are_not_yet_handed_to_saves_waits():
     kv = parked("s")
-    pending = set(kv.session_blocks("s").block_hashes[1:2])
+    pending = set(kv.sessions.get("s").block_hashes[1:2])
     spill = SessionSpill(kv, copies_by_session(kv, {"s": SessionCopy.LOWEST}), lambda: pending)
     assert not spill.spill()
     pending.clear()
-    assert spill.spill() and kv.session_ids() == []
+    assert spill.spill() and kv.sessions.ids() == []
 
 
 def test_the_kept_session_is_never_spilled():
     kv = parked("mine", "other")
     spill = SessionSpill(kv, lambda hashes: SessionCopy.LOWEST, set)
-    assert spill.spill(keep="mine") and kv.session_ids() == ["mine"]
+    assert spill.spill(keep="mine") and kv.sessions.ids() == ["mine"]
     assert not spill.spill(keep="mine")
     kv.pool.check_integrity()
 
 
 def test_spilled_full_blocks_stay_cached_in_the_pool():
     kv = parked("s")
-    hashes = kv.session_blocks("s").block_hashes
+    hashes = kv.sessions.get("s").block_hashes
     assert SessionSpill(kv, None, set).spill()
-    assert kv.count_cached(hashes) == 2 and kv.num_session_blocks == 0
+    assert kv.count_cached(hashes) == 2 and kv.sessions.num_blocks == 0
 
 
 def test_tier_session_copy_prefers_the_lowest_tier_then_waits_for_saves_then_looks_above():
@@ -97,7 +97,7 @@ def test_a_block_two_sessions_share_counts_once():
     b.num_computed_tokens = b.num_tokens
     kv.cache_full_blocks(b, b.num_tokens)
     kv.park_session(b, "b")                          # holds a's two blocks and one of its own
-    assert [len(kv.session_blocks(s).blocks) for s in ("a", "b")] == [2, 3]
-    assert kv.num_session_blocks == 3
-    assert kv.release_session("a") and kv.num_session_blocks == 3
-    assert kv.release_session("b") and kv.num_session_blocks == 0
+    assert [len(kv.sessions.get(s).blocks) for s in ("a", "b")] == [2, 3]
+    assert kv.sessions.num_blocks == 3
+    assert kv.sessions.release("a") and kv.sessions.num_blocks == 3
+    assert kv.sessions.release("b") and kv.sessions.num_blocks == 0

@@ -20,7 +20,7 @@ def run_turns(sched, runner, turns: dict[str, list[int]], max_tokens: int = 6) -
 
 def held_slots(sched, runner, session_id: str) -> list:
     """What the session's held blocks hold, slot by slot."""
-    blocks = sched.kv.session_blocks(session_id).blocks
+    blocks = sched.kv.sessions.get(session_id).blocks
     return [runner.slots.get(b.block_id * BLOCK_SIZE + i) for b in blocks for i in range(BLOCK_SIZE)]
 
 
@@ -28,17 +28,17 @@ def test_a_fork_shares_the_full_blocks_only_and_each_holding_keeps_its_reference
     kv = make_kv(num_blocks=20)
     parent = park(kv, "p", range(10))                 # 2 full blocks and a partial one (9 computed)
     assert kv.fork_session("p", "c", 10) == 2 * BLOCK_SIZE
-    held, child = kv.session_blocks("p"), kv.session_blocks("c")
+    held, child = kv.sessions.get("p"), kv.sessions.get("c")
     assert child.blocks == held.blocks[:2] and child.block_hashes == parent.block_hashes[:2]
     assert child.token_ids == list(range(8)) and child.num_computed_tokens == 8
     assert all(b.ref_cnt == 2 for b in child.blocks) and held.blocks[2].ref_cnt == 1
-    assert kv.num_session_blocks == 3
+    assert kv.sessions.num_blocks == 3
     assert kv.fork_session("p", "c2", 5) == 4                     # at an earlier point: one block
-    assert kv.fork_session("p", "c3", 3) == 0 and kv.session_blocks("c3") is None   # no full block
+    assert kv.fork_session("p", "c3", 3) == 0 and kv.sessions.get("c3") is None   # no full block
     assert kv.fork_session("nobody", "c4", 8) == 0
-    assert kv.release_session("p") and all(b.ref_cnt >= 1 for b in child.blocks)
+    assert kv.sessions.release("p") and all(b.ref_cnt >= 1 for b in child.blocks)
     kv.pool.check_integrity()
-    assert kv.release_session("c") and kv.release_session("c2") and kv.num_session_blocks == 0
+    assert kv.sessions.release("c") and kv.sessions.release("c2") and kv.sessions.num_blocks == 0
     kv.pool.check_integrity()
 
 
@@ -60,11 +60,11 @@ def test_turns_on_both_sides_of_a_fork_match_uncached_runs_and_never_change_the_
     for sid, prompt in again.items():
         assert outputs[sid] == reference(prompt, 6), sid
     # The parent ends: the child still reads its shared prefix, unchanged.
-    parent_blocks = {b.block_id for b in sched.kv.session_blocks("p").blocks}
-    sched.kv.release_session("p")
+    parent_blocks = {b.block_id for b in sched.kv.sessions.get("p").blocks}
+    sched.kv.sessions.release("p")
     child_now = held_slots(sched, runner, "c")
     assert child_now[:len(child_before)] == child_before
-    assert parent_blocks & {b.block_id for b in sched.kv.session_blocks("c").blocks}
+    assert parent_blocks & {b.block_id for b in sched.kv.sessions.get("c").blocks}
     last = again["c"] + outputs["c"] + [99]
     assert run_turns(sched, runner, {"c": last})["c"] == reference(last, 6)
     sched.kv.pool.check_integrity()

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvhive.store import disk as disk_module
+from kvhive.store import segment as segment_module
 from kvhive.store.disk import DiskStore
 from kvhive.store.key import KeySpace
 from kvhive.store.segment import SNAPSHOT_NAME, list_segments, scan_segment, segment_path
@@ -78,7 +79,7 @@ def test_survives_reopen(tmp_path, clean_close, monkeypatch):
     if clean_close:
         store.close()
         assert os.path.exists(tmp_path / SNAPSHOT_NAME)
-        monkeypatch.setattr(disk_module, "scan_segment", None)   # the snapshot alone must do
+        monkeypatch.setattr(segment_module, "scan_segment", None)   # the snapshot alone must do
     # Without close the index comes from scanning segment headers (the process "died").
     reopened = open_store(tmp_path)
     monkeypatch.undo()
@@ -144,7 +145,7 @@ def test_smaller_budget_on_reopen_drops_oldest(tmp_path):
 
 
 def _record_offset(store: DiskStore, i: int):
-    loc = store._index[key(i).encode()]
+    loc = store._index.get(key(i).encode())
     return segment_path(store.directory, loc.segment), loc.offset, loc.length
 
 

@@ -81,7 +81,7 @@ def test_a_parked_session_keeps_only_its_last_window() -> None:
     held = kv.window.table(("session", "s"))
     assert held[:4] == [NULL_BLOCK_ID] * 4 and held[4:] != [NULL_BLOCK_ID] * 2
     nxt = Request("r2", r.all_token_ids[:22] + [7] * 8, SamplingParams(max_tokens=4), session_id="s")
-    assert kv.session_prefix(nxt) == 22 and kv.resume_session(nxt, 8)
+    assert kv.sessions.prefix_of(nxt) == 22 and kv.resume_session(nxt, 8)
     assert kv.window.table(("session", "s")) is None and len(kv.get_window_table(nxt)) == 8
     kv.free(nxt)
     assert kv.window.stats().num_used == 0

@@ -157,11 +157,11 @@ class Admission:
     def _admit_head(self, request: Request, budget: StepBudget) -> bool:
         """Try to admit the head of the queue; False when admission stops for this step."""
         if request.session_id is not None:
-            held = self.kv.session_prefix(request)
+            held = self.kv.sessions.prefix_of(request)
             if held:
                 return self._resume_session(request, held, budget)
             # Diverged (or nothing held): the session follows this request's history.
-            self.kv.release_session(request.session_id)
+            self.kv.sessions.release(request.session_id)
         if request.needs_prompt_rows:
             return self._admit_without_hits(request, budget)
         return self._admit_with_prefix(request, budget)
@@ -201,23 +201,23 @@ class Admission:
             return False            # its tier lookup is still running; FCFS: the rest wait too
         # Where the tiers have nothing more, the leading tokens of the next block may be on the
         # device in a sibling block: copied, not computed. Pinned so allocating cannot evict it.
-        source, num_partial = self.kv.partial_hit(request, len(hit.blocks)) if not num_external else (None, 0)
+        source, num_partial = self.kv.copies.find(request, len(hit.blocks)) if not num_external else (None, 0)
         if source is not None:
-            self.kv.pin(source)
+            self.kv.copies.pin(source)
         while True:
             computed = hit.num_computed_tokens + num_external + num_partial
             # An async load computes nothing until its blocks arrive; it takes no token budget.
             num_new = 0 if is_async else budget.fit(computed, request.num_tokens - computed)
             if not is_async and not num_new:
                 if source is not None:
-                    self.kv.unpin(source)
+                    self.kv.copies.unpin(source)
                 return False
             if self.kv.allocate_slots(request, num_external + num_partial + num_new, hit.blocks, num_external):
                 break
             if source is None:
                 return self._spill_for(request)     # then look it up again: the spill may evict hits
             # Short of blocks by the pinned source itself, maybe: try again without the partial hit.
-            self.kv.unpin(source)
+            self.kv.copies.unpin(source)
             source, num_partial = None, 0
         self.queues.start_head()
         self.transfers.after_alloc(request, len(hit.blocks), num_external)

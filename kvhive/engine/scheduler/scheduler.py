@@ -104,7 +104,7 @@ class Scheduler:
     def end_session(self, session_id: str) -> None:
         """Free a session's held blocks (and unpin its spilled ones); its unfinished requests free
         theirs when they end."""
-        self.kv.end_session(session_id)
+        self.kv.sessions.end(session_id)
         for request in self.queues.by_id.values():
             if request.session_id == session_id:
                 request.end_session = True
@@ -134,7 +134,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """Pick this step's tokens: decodes, then running prefill chunks, then FCFS admissions."""
-        self.kv.release_copy_sources()          # the last plan's copies have run, applied or not
+        self.kv.copies.release_sources()          # the last plan's copies have run, applied or not
         budget = StepBudget(self.config.max_num_batched_tokens, self.config.attention_context)
         if not self.batcher.schedule_running(budget):
             self.admission.admit(budget)
@@ -147,7 +147,7 @@ class Scheduler:
         Returns the requests that got a token or finished (including any that ``schedule`` ended).
         Call it after every ``schedule()``, with an empty StepResult when the plan was empty.
         """
-        self.kv.release_copy_sources()          # the step copied them
+        self.kv.copies.release_sources()          # the step copied them
         touched, self._finished_in_schedule = self._finished_in_schedule, []
         any_finished = False
         for seq in plan.seqs:
@@ -173,7 +173,7 @@ class Scheduler:
                               num_preemptions=self.num_preemptions, kv_usage=kv.usage,
                               prefix_cache_queries_tokens=kv.prefix_cache_queries_tokens,
                               prefix_cache_hits_tokens=kv.prefix_cache_hits_tokens, kv=kv,
-                              num_session_blocks=self.kv.num_session_blocks,
+                              num_session_blocks=self.kv.sessions.num_blocks,
                               num_session_spills=self.num_session_spills)
 
     def _apply_seq(self, request: Request, seq: ScheduledSeq, result: StepResult) -> FinishReason | None:
@@ -220,7 +220,7 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         meta = self.transfers.build_meta(tuple(planned), finished, planned)
         return StepPlan(seqs=seqs, finished_request_ids=finished, connector_meta=meta,
-                        block_copies=self.kv.take_block_copies())
+                        block_copies=self.kv.copies.take())
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         """STOP on an end-of-sequence or stop token, LENGTH at max_tokens or max_model_len, else None."""

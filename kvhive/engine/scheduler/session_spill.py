@@ -90,7 +90,7 @@ class SessionSpill:
         """
         pending = self.pending_hashes()
         uncopied = None
-        for session_id in self.kv.session_ids():
+        for session_id in self.kv.sessions.ids():
             if session_id == keep:
                 continue
             if self.session_copy is None:
@@ -109,12 +109,12 @@ class SessionSpill:
 
     def _copy_of(self, session_id: str, pending: set[bytes]) -> SessionCopy:
         """Where the holding's full blocks are; PENDING while any is not yet handed to saves."""
-        held = self.kv.session_blocks(session_id)
+        held = self.kv.sessions.get(session_id)
         hashes = held.block_hashes[:held.num_cached_blocks]
         if any(h in pending for h in hashes):
             return SessionCopy.PENDING
         return self.session_copy(hashes) if hashes else SessionCopy.LOWEST
 
     def _release(self, session_id: str) -> None:
-        self.kv.release_session(session_id, spill=True)    # pinned until the session ends
+        self.kv.sessions.release(session_id, spill=True)    # pinned until the session ends
         self.num_spills += 1
