@@ -173,8 +173,8 @@ class LLMEngine:
 
     def fork_session(self, parent_id: str, child_id: str, num_tokens: int) -> int:
         """Share the parent session's held full blocks of its first ``num_tokens`` tokens with the
-        child session (loop thread only); the tokens shared (``KVCacheManager.fork_session``)."""
-        return self.scheduler.kv.fork_session(parent_id, child_id, num_tokens)
+        child session (loop thread only); the tokens shared (``SessionHoldings.fork``)."""
+        return self.scheduler.kv.sessions.fork(parent_id, child_id, num_tokens)
 
     def pin_session(self, session_id: str, block_hashes) -> None:
         """Keep these blocks of a live session in the store tiers until ``unpin_session``.

@@ -338,11 +338,6 @@ class KVCacheManager:
         assert ok, "resume_session checked the free blocks"
         return True
 
-    def fork_session(self, parent_id: str, child_id: str, num_tokens: int) -> int:
-        """Give ``child_id`` its own holding of the parent's full blocks within its first
-        ``num_tokens`` tokens; the tokens shared (``SessionHoldings.fork``)."""
-        return self.sessions.fork(parent_id, child_id, num_tokens)
-
     # ------------------------------------------------------------------ lookups
     def count_cached(self, block_hashes: Sequence[bytes]) -> int:
         """How many of these blocks the device prefix cache holds; changes nothing, not even

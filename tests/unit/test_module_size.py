@@ -18,14 +18,7 @@ MAX_FUNCTION_LINES = 50
 PACKAGE = Path(REPO_ROOT) / "kvhive"
 
 EXCEPTIONS: dict[str, str] = {
-    "kvhive/server/serving.py": "split in progress",
-    "kvhive/server/responses.py": "split in progress",
-    "kvhive/sessions/registry.py": "split in progress",
-    "kvhive/server/protocol.py": "split in progress",
-    "kvhive/sessions/response_store.py": "split in progress",
     "kvhive/router/gateway.py:Gateway.forward": "split in progress",
-    "kvhive/server/serving.py:GenerationService.stream": "split in progress",
-    "kvhive/engine/llm_engine.py:LLMEngine.__init__": "split in progress",
 }
 
 

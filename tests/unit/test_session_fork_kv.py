@@ -27,15 +27,15 @@ def held_slots(sched, runner, session_id: str) -> list:
 def test_a_fork_shares_the_full_blocks_only_and_each_holding_keeps_its_reference():
     kv = make_kv(num_blocks=20)
     parent = park(kv, "p", range(10))                 # 2 full blocks and a partial one (9 computed)
-    assert kv.fork_session("p", "c", 10) == 2 * BLOCK_SIZE
+    assert kv.sessions.fork("p", "c", 10) == 2 * BLOCK_SIZE
     held, child = kv.sessions.get("p"), kv.sessions.get("c")
     assert child.blocks == held.blocks[:2] and child.block_hashes == parent.block_hashes[:2]
     assert child.token_ids == list(range(8)) and child.num_computed_tokens == 8
     assert all(b.ref_cnt == 2 for b in child.blocks) and held.blocks[2].ref_cnt == 1
     assert kv.sessions.num_blocks == 3
-    assert kv.fork_session("p", "c2", 5) == 4                     # at an earlier point: one block
-    assert kv.fork_session("p", "c3", 3) == 0 and kv.sessions.get("c3") is None   # no full block
-    assert kv.fork_session("nobody", "c4", 8) == 0
+    assert kv.sessions.fork("p", "c2", 5) == 4                     # at an earlier point: one block
+    assert kv.sessions.fork("p", "c3", 3) == 0 and kv.sessions.get("c3") is None   # no full block
+    assert kv.sessions.fork("nobody", "c4", 8) == 0
     assert kv.sessions.release("p") and all(b.ref_cnt >= 1 for b in child.blocks)
     kv.pool.check_integrity()
     assert kv.sessions.release("c") and kv.sessions.release("c2") and kv.sessions.num_blocks == 0
@@ -47,7 +47,7 @@ def test_turns_on_both_sides_of_a_fork_match_uncached_runs_and_never_change_the_
     runner = FakeRunner(sched)
     first = list(range(1, 11))
     history = first + run_turns(sched, runner, {"p": first})["p"]
-    shared = sched.kv.fork_session("p", "c", len(history))
+    shared = sched.kv.sessions.fork("p", "c", len(history))
     assert shared == (len(history) - 1) // BLOCK_SIZE * BLOCK_SIZE > 0     # the last token has no KV yet
     child_before = held_slots(sched, runner, "c")
     prompts = {"p": history + [50, 51, 52], "c": history + [60, 61]}
@@ -77,7 +77,7 @@ def test_a_fork_at_an_earlier_turn_continues_from_that_turn():
     turn1 = first + run_turns(sched, runner, {"p": first})["p"]
     second = turn1 + [40, 41, 42, 43, 44]
     run_turns(sched, runner, {"p": second})
-    assert sched.kv.fork_session("p", "c", len(turn1)) == len(turn1) // BLOCK_SIZE * BLOCK_SIZE > 0
+    assert sched.kv.sessions.fork("p", "c", len(turn1)) == len(turn1) // BLOCK_SIZE * BLOCK_SIZE > 0
     other = turn1 + [80, 81, 82]
     request = req("c-1", other, max_tokens=6, session_id="c")
     sched.add_request(request)
