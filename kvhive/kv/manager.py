@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvhive.core.blocks import ExtraKeys, hash_blocks
+from kvhive.core.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, BlockUpdated
 from kvhive.core.retention import RetentionSpec
-from kvhive.kv.events import MEDIUM_GPU, BlockRemoved, BlockStored, BlockUpdated
 from kvhive.kv.held_blocks import HeldChain, held_block_events, stored_runs
 from kvhive.kv.pool import BlockPool, BlockPoolStats, KVBlock
 from kvhive.kv.retention_policy import SpillPins, at_least_pinned, block_retentions, priority_events

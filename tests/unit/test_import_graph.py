@@ -25,14 +25,14 @@ CASES = {
         ("torch", "kvhive.engine.runner", "kvhive.model")),
     # KV events and the router import only the torch-free blocks and events modules.
     "events-and-router": (
-        ["kvhive.kv.events", "kvhive.router", "kvhive.router.app", "kvhive.router.cli",
-         "kvhive.router.ingest", "kvhive.router.index", "kvhive.router.scorer",
-         "kvhive.router.tokenize", "kvhive.router.gateway", "kvhive.router.discovery",
-         "kvhive.router.redis_link", "kvhive.core.replica_registry"],
+        ["kvhive.core.kv_events", "kvhive.gateway", "kvhive.gateway.app", "kvhive.gateway.cli",
+         "kvhive.routing.ingest", "kvhive.routing.index", "kvhive.routing.scorer",
+         "kvhive.routing.prompts", "kvhive.gateway.gateway", "kvhive.gateway.discovery",
+         "kvhive.routing.redis_link", "kvhive.core.replica_registry"],
         ABOVE_THE_ROUTER),
     # What ``kvhive gateway`` imports, from the console script's module on.
     "gateway": (
-        ["kvhive.cli", "kvhive.router.app", "kvhive.router.cli", "kvhive.core.tenancy",
+        ["kvhive.cli", "kvhive.gateway.app", "kvhive.gateway.cli", "kvhive.core.tenancy",
          "kvhive.core.http_protocol"],
         ABOVE_THE_ROUTER),
     # The builder of the KV tiers and the record backends sits below the engine and the server.

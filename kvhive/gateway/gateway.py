@@ -13,23 +13,18 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response
 
-from kvhive.router.indexer import KVCacheIndexer, KVScores
-from kvhive.router.metrics import GatewayMetrics
-from kvhive.router.outlier import OutlierPolicy
-from kvhive.router.proxy import (
+from kvhive.gateway.metrics import GatewayMetrics
+from kvhive.gateway.outlier import OutlierPolicy
+from kvhive.gateway.proxy import (
     RelayResponse,
     answer_problem,
     failed_answer,
     failure_status,
-    gateway_error,
     open_upstream,
     whole_answer,
 )
-from kvhive.router.replicas import Replica, ReplicaSet
-from kvhive.router.scorer import RoutingWeights, pick_replica
-from kvhive.router.sessions import RESPONSE_ID_HEADER, SESSION_HEADER, SessionAffinity, SharedAffinity
-from kvhive.router.tokenize import Prompt
-from kvhive.router.upstream import (
+from kvhive.gateway.replicas import Replica, ReplicaSet
+from kvhive.gateway.upstream import (
     UpstreamClient,
     UpstreamConnectError,
     UpstreamError,
@@ -37,6 +32,11 @@ from kvhive.router.upstream import (
     UpstreamResponse,
     UpstreamUnanswered,
 )
+from kvhive.routing.affinity import RESPONSE_ID_HEADER, SESSION_HEADER, SessionAffinity, SharedAffinity
+from kvhive.routing.dialects import gateway_error
+from kvhive.routing.indexer import KVCacheIndexer, KVScores
+from kvhive.routing.prompts import Prompt
+from kvhive.routing.scorer import RoutingWeights, pick_replica
 
 logger = logging.getLogger(__name__)
 

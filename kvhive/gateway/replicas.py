@@ -12,12 +12,12 @@ from datetime import datetime, timezone
 
 import httpx
 
-from kvhive.router.config import ReplicaSpec
-from kvhive.router.event_watch import EventSilence
-from kvhive.router.index import KVBlockIndex
-from kvhive.router.ingest import ReplicaIngest
-from kvhive.router.outlier import OutlierState
-from kvhive.router.scorer import LoadStats
+from kvhive.gateway.event_watch import EventSilence
+from kvhive.gateway.gateway_config import ReplicaSpec
+from kvhive.gateway.outlier import OutlierState
+from kvhive.routing.index import KVBlockIndex
+from kvhive.routing.ingest import ReplicaIngest
+from kvhive.routing.scorer import LoadStats
 
 logger = logging.getLogger(__name__)
 
