@@ -1,8 +1,12 @@
-"""The ``kvhive gateway``: KV-aware routing across replicas (never imports torch).
+"""The ``kvhive gateway`` process: an OpenAI-compatible proxy that routes each request to a replica
+with the routing library (``kvhive.routing``); never imports torch, and runs without the server
+extra.
 
-One module per concept, as in llm-d's kv-cache manager: ``index`` (which replica holds which block),
-``ingest`` (KV events -> index), ``tokenize`` (request body -> token ids, with a prefix store),
-``indexer`` (tokens -> block keys -> lookup -> KV scores), ``scorer`` (scoring policies and the pick),
-``replicas`` (health and load), ``sessions`` (session -> replica), ``proxy`` (forwarding),
-``gateway`` (the routing decision), ``metrics``, ``config``, ``app`` and ``cli``.
+``cli`` (flags and entry point), ``gateway_config`` (its frozen config), ``wiring`` (its parts built
+from the config), ``app`` (the routes), ``gateway`` (the routing decision and the forwarding of one
+request), ``pd`` (disaggregated prefill/decode routing), ``proxy`` (relaying an answer) over
+``upstream`` (the lean HTTP/1.1 client), ``replicas`` (health and load from each replica's
+/metrics), ``discovery`` (replicas registered in Redis), ``outlier`` (ejecting failing replicas),
+``event_watch`` (replicas whose KV events never arrive), ``tokenize_api`` (its /tokenize and
+/detokenize) and ``metrics``.
 """

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvhive.gateway.event_watch import EventSilence
 from kvhive.gateway.gateway_config import ReplicaSpec
@@ -25,28 +25,24 @@ logger = logging.getLogger(__name__)
 _RUNNING = ("kvhive_num_requests_running", "vllm:num_requests_running")
 _WAITING = ("kvhive_num_requests_waiting", "vllm:num_requests_waiting")
 _KV_USAGE = ("kvhive_kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{.*\})?\s+(\S+)")
 
 
 def parse_load(text: str) -> LoadStats:
     """Running and waiting requests (summed over label sets) and KV usage (the largest) from
-    Prometheus text; absent metrics count 0."""
+    Prometheus text, read with ``prometheus_client``'s parser; absent metrics count 0, and text
+    that stops parsing is read up to the family where it stops."""
     running = waiting = usage = 0.0
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        name = match.group(1)
-        try:
-            value = float(match.group(2))
-        except ValueError:
-            continue
-        if name in _RUNNING:
-            running += value
-        elif name in _WAITING:
-            waiting += value
-        elif name in _KV_USAGE:
-            usage = max(usage, value)
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in _RUNNING:
+                    running += sample.value
+                elif sample.name in _WAITING:
+                    waiting += sample.value
+                elif sample.name in _KV_USAGE:
+                    usage = max(usage, sample.value)
+    except ValueError:
+        logger.debug("a replica's /metrics stopped parsing; its load is read up to there")
     return LoadStats(running, waiting, usage)
 
 

@@ -6,14 +6,18 @@ forbidden when it is one of the case's prefixes or inside one (``torch`` forbids
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from support.servers import REPO_ROOT, subprocess_env
 
 ABOVE_THE_ROUTER = ("torch", "kvhive.model", "kvhive.engine", "kvhive.server", "kvhive.sessions")
+# The packages of the server extra (pyproject.toml): the gateway is installed without it.
+SERVER_EXTRA = ("gguf", "safetensors", "llguidance")
 
 CASES = {
     # The scheduler side: block pool, KV manager, stores, sessions, requests, config.
@@ -23,18 +27,25 @@ CASES = {
          "kvhive.core.tokenizer", "kvhive.engine.step", "kvhive.request", "kvhive.config",
          "kvhive.sessions.registry", "kvhive.sessions.response_store", "kvhive.store.redis_guard"],
         ("torch", "kvhive.engine.runner", "kvhive.model")),
-    # KV events and the router import only the torch-free blocks and events modules.
-    "events-and-router": (
-        ["kvhive.core.kv_events", "kvhive.gateway", "kvhive.gateway.app", "kvhive.gateway.cli",
-         "kvhive.routing.ingest", "kvhive.routing.index", "kvhive.routing.scorer",
-         "kvhive.routing.prompts", "kvhive.gateway.gateway", "kvhive.gateway.discovery",
+    # The KV-event wire format and the routing library import only the torch-free core below them:
+    # neither the KV package, nor the gateway process, nor an integration.
+    "events-and-routing": (
+        ["kvhive.core.kv_events", "kvhive.routing", "kvhive.routing.ingest", "kvhive.routing.index",
+         "kvhive.routing.scorer", "kvhive.routing.prompts", "kvhive.routing.indexer",
+         "kvhive.routing.block_keys", "kvhive.routing.affinity", "kvhive.routing.dialects",
          "kvhive.routing.redis_link", "kvhive.core.replica_registry"],
-        ABOVE_THE_ROUTER),
-    # What ``kvhive gateway`` imports, from the console script's module on.
+        (*ABOVE_THE_ROUTER, "kvhive.kv", "kvhive.gateway", "kvhive.integrations")),
+    # The gateway process: torch-free, without the KV package (the wire format is core's) and without
+    # the server extra's packages.
     "gateway": (
-        ["kvhive.cli", "kvhive.gateway.app", "kvhive.gateway.cli", "kvhive.core.tenancy",
-         "kvhive.core.http_protocol"],
-        ABOVE_THE_ROUTER),
+        ["kvhive.gateway", "kvhive.gateway.app", "kvhive.gateway.cli", "kvhive.gateway.gateway",
+         "kvhive.gateway.discovery", "kvhive.gateway.wiring", "kvhive.core.tenancy", "kvhive.core.http_protocol"],
+        (*ABOVE_THE_ROUTER, *SERVER_EXTRA, "kvhive.kv", "kvhive.integrations")),
+    # What ``kvhive gateway`` imports, from the console script's module on (it parses ``kvhive serve``'s
+    # flags too, so the engine's config and its KV-event settings are loaded; still torch-free).
+    "gateway-command": (
+        ["kvhive.cli", "kvhive.gateway.app", "kvhive.gateway.cli"],
+        (*ABOVE_THE_ROUTER, *SERVER_EXTRA, "kvhive.integrations")),
     # The builder of the KV tiers and the record backends sits below the engine and the server.
     "durable-state": (
         ["kvhive.sessions.durable"],
@@ -43,10 +54,12 @@ CASES = {
     "tokenizer": (
         ["kvhive.core.tokenizer", "kvhive.core.chat_template", "kvhive.core.model_files"],
         ("torch", "transformers")),
-    # The Ray application's router and ingress run in the ingress process: torch-free, no engine.
+    # The Ray application's router and ingress run in the ingress process: torch-free, no engine; they
+    # use the routing library, never the gateway process.
     "ray-router": (
-        ["kvhive.integrations.ray", "kvhive.integrations.ray.router", "kvhive.integrations.ray.ingress"],
-        ABOVE_THE_ROUTER),
+        ["kvhive.integrations.ray", "kvhive.integrations.ray.router", "kvhive.integrations.ray.ingress",
+         "kvhive.integrations.ray.replica_routing", "kvhive.integrations.ray.envelope"],
+        (*ABOVE_THE_ROUTER, "kvhive.gateway")),
     # The grammar backend (structured outputs) is torch-free and below the engine and the server.
     "structured": (
         ["kvhive.structured", "kvhive.structured.compiler", "kvhive.structured.grammars",
@@ -77,3 +90,27 @@ def test_imports_nothing_forbidden(modules: list[str], forbidden: tuple[str, ...
     loaded = loaded_modules(modules)
     assert set(modules) <= set(loaded)
     assert [m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden)] == []
+
+
+# Packages whose every import, lazy ones inside functions included, stays out of the gateway process.
+GATEWAY_FREE = ("kvhive/routing", "kvhive/integrations/ray")
+
+
+def imported_names(tree: ast.AST) -> list[str]:
+    """Every module an ``import`` or ``from ... import`` anywhere in ``tree`` names (absolute only)."""
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+@pytest.mark.parametrize("package", GATEWAY_FREE)
+def test_imports_nothing_from_the_gateway_process(package: str) -> None:
+    offenders = [f"{path.relative_to(Path(REPO_ROOT))}: {name}"
+                 for path in sorted((Path(REPO_ROOT) / package).rglob("*.py"))
+                 for name in imported_names(ast.parse(path.read_text()))
+                 if name == "kvhive.gateway" or name.startswith("kvhive.gateway.")]
+    assert offenders == []
