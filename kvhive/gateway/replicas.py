@@ -25,24 +25,29 @@ logger = logging.getLogger(__name__)
 _RUNNING = ("kvhive_num_requests_running", "vllm:num_requests_running")
 _WAITING = ("kvhive_num_requests_waiting", "vllm:num_requests_waiting")
 _KV_USAGE = ("kvhive_kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_LOAD_NAMES = _RUNNING + _WAITING + _KV_USAGE
 
 
 def parse_load(text: str) -> LoadStats:
     """Running and waiting requests (summed over label sets) and KV usage (the largest) from
-    Prometheus text, read with ``prometheus_client``'s parser; absent metrics count 0, and text
-    that stops parsing is read up to the family where it stops."""
+    Prometheus text; absent metrics count 0. Each line of a load figure is read with
+    ``prometheus_client``'s parser on its own (the other lines are never parsed, which keeps a poll
+    cheap on the event loop), and a line that does not parse is skipped."""
     running = waiting = usage = 0.0
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in _RUNNING:
-                    running += sample.value
-                elif sample.name in _WAITING:
-                    waiting += sample.value
-                elif sample.name in _KV_USAGE:
-                    usage = max(usage, sample.value)
-    except ValueError:
-        logger.debug("a replica's /metrics stopped parsing; its load is read up to there")
+    for line in text.splitlines():
+        if not line.startswith(_LOAD_NAMES):
+            continue
+        try:
+            samples = [s for family in text_string_to_metric_families(line + "\n") for s in family.samples]
+        except ValueError:
+            continue
+        for sample in samples:
+            if sample.name in _RUNNING:
+                running += sample.value
+            elif sample.name in _WAITING:
+                waiting += sample.value
+            elif sample.name in _KV_USAGE:
+                usage = max(usage, sample.value)
     return LoadStats(running, waiting, usage)
 
 
