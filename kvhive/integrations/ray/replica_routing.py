@@ -1,4 +1,4 @@
-"""kvhive's routing for one Ray Serve deployment, free of Ray: the gateway's index, event
+"""kvhive's routing for one Ray Serve deployment, free of Ray: the routing library's index, event
 ingesters, indexer and ``pick_replica``, keyed by Ray's replica ids.
 
 Each replica states in its metadata (``ReplicaFacts``) its model file, block geometry, fingerprint
