@@ -38,8 +38,9 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvhive.core.blocks import ExtraKeys, hash_blocks, root_hash  # noqa: E402
-from kvhive.kv.events import BlockRemoved, BlockStored, KVEvent, KVEventPublisher  # noqa: E402
-from kvhive.router.tokenize import Prompt, PromptTokenizer, prompt_from_body  # noqa: E402
+from kvhive.core.kv_events import BlockRemoved, BlockStored, KVEvent  # noqa: E402
+from kvhive.kv.event_publisher import KVEventPublisher  # noqa: E402
+from kvhive.routing.prompts import Prompt, PromptTokenizer, prompt_from_body  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from router_real import wait_for  # noqa: E402
 from run_info import command, machine  # noqa: E402
 
 from kvhive.core.blocks import hash_blocks, root_hash  # noqa: E402
-from kvhive.router.index import InMemoryIndex, RedisIndex  # noqa: E402
+from kvhive.routing.index import InMemoryIndex, RedisIndex  # noqa: E402
 
 BLOCK = 16
 
@@ -79,7 +79,7 @@ def fill(index, prompts, replicas: int, batch: int = 400) -> float:
 
 
 def time_lookups(index, prompts, lookups: int, seed: int) -> dict[str, object]:
-    from kvhive.router.scorer import LongestPrefixMatch, TierWeights
+    from kvhive.routing.scorer import LongestPrefixMatch, TierWeights
 
     rng = random.Random(seed)
     root = root_hash(0, "bench")

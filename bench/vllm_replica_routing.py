@@ -7,7 +7,7 @@ its ZMQ publisher and replay socket), one ``kvhive serve`` replica, and the gate
 (the vLLM replica as ``kind=vllm``: its engine hashes are mapped to kvhive keys from the token ids of
 its BlockStored events). It checks, and records:
 
-1. the raw vLLM events (decoded by ``kvhive.kv.events``): block size, medium, hash type;
+1. the raw vLLM events (decoded by ``kvhive.core.kv_events``): block size, medium, hash type;
 2. that the gateway's tokenization equals vLLM's own (``/tokenize``) for the prompts sent;
 3. routing: each document is sent once (routed by load, so some land on vLLM), then again with new
    questions: each must go back to the replica that holds it, with route reason ``kv``, and be
@@ -70,7 +70,7 @@ class RawEvents:
     def _run(self) -> None:
         import zmq
 
-        from kvhive.kv.events import decode_batch
+        from kvhive.core.kv_events import decode_batch
 
         ctx = zmq.Context()
         sub = ctx.socket(zmq.SUB)
@@ -91,7 +91,7 @@ class RawEvents:
         self._thread.join(2)
 
     def summary(self) -> dict[str, object]:
-        from kvhive.kv.events import BlockRemoved, BlockStored
+        from kvhive.core.kv_events import BlockRemoved, BlockStored
 
         stored = [e for _, b in self.batches for e in b.events if isinstance(e, BlockStored)]
         removed = [e for _, b in self.batches for e in b.events if isinstance(e, BlockRemoved)]

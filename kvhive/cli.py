@@ -289,7 +289,7 @@ def warmup(args: argparse.Namespace) -> int:
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The ``kvhive`` parser and its subcommands' parsers by name."""
     from kvhive import __version__
-    from kvhive.router.cli import GATEWAY_DESCRIPTION, GATEWAY_EPILOG, add_gateway_args
+    from kvhive.gateway.cli import GATEWAY_DESCRIPTION, GATEWAY_EPILOG, add_gateway_args
 
     parser = argparse.ArgumentParser(prog="kvhive", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=HelpFormatter)
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "warmup":
         return warmup(args)
-    from kvhive.router.cli import run_gateway
+    from kvhive.gateway.cli import run_gateway
 
     return run_gateway(args)
 

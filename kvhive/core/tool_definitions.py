@@ -1,7 +1,7 @@
 """A request's tool definitions and tool-call history, checked (torch-free): the functions a chat
 completions or Responses body offers, and the calls and results its messages carry. The replicas
 answer a problem as a 400 naming the field (``kvhive.server.tools``); the gateway, rendering the
-same prompt to route by KV (``kvhive.router.tokenize``), routes such a body by load instead.
+same prompt to route by KV (``kvhive.routing.prompts``), routes such a body by load instead.
 ``chat_template_input`` is what both hand the chat template (``docs/tool_calling.md``).
 """
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from kvhive.connector.offload import OffloadScheduler
     from kvhive.connector.offload_worker import OffloadWorker
     from kvhive.engine.runner import ModelRunner
-    from kvhive.kv.events import KVEventPublisher
+    from kvhive.kv.event_publisher import KVEventPublisher
     from kvhive.model.loader import LoadedModel
     from kvhive.model.threads import ThreadGovernor
     from kvhive.store.tiered import TieredStore

@@ -17,12 +17,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvhive.kv.events import AllBlocksCleared, KVEvent
+from kvhive.core.kv_events import AllBlocksCleared, KVEvent
 from kvhive.kv.tier_events import tier_change_events
 
 if TYPE_CHECKING:
     from kvhive.engine.scheduler import Scheduler
-    from kvhive.kv.events import KVEventPublisher
+    from kvhive.kv.event_publisher import KVEventPublisher
     from kvhive.store.tiered import TierChange, TieredStore
 
 DEVICE = "device"

@@ -32,7 +32,7 @@ from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvhive.kv.events import KVEventPublisher
+    from kvhive.kv.event_publisher import KVEventPublisher
 
 ENCODINGS = ("map", "array")
 HASH_FORMATS = ("bytes", "int64")
@@ -198,7 +198,7 @@ def parse_kv_events_config(text: str | None, endpoint: str | None = None,
 
 def open_publisher(config: KVEventsConfig, model: str) -> KVEventPublisher:
     """A started KVEventPublisher for ``config`` (an active one) on the topic rendered for ``model``."""
-    from kvhive.kv.events import KVEventPublisher
+    from kvhive.kv.event_publisher import KVEventPublisher
 
     return KVEventPublisher(config.endpoint, config.replay_endpoint, topic=config.rendered_topic(model).encode(),
                             buffer_steps=config.buffer_steps, as_map=config.as_map,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from kvhive.kv.events import MEDIUM_GPU, BlockStored
+from kvhive.core.kv_events import MEDIUM_GPU, BlockStored
 from kvhive.kv.pool import KVBlock
 
 

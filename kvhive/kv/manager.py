@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvhive.core.blocks import ExtraKeys, hash_blocks
-from kvhive.kv.events import MEDIUM_GPU, BlockRemoved, BlockStored, BlockUpdated
+from kvhive.core.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, BlockUpdated
 from kvhive.kv.held_blocks import HeldChain, held_block_events, stored_runs
 from kvhive.kv.partial_copies import PartialCopies
 from kvhive.kv.pool import BlockPool, BlockPoolStats, KVBlock

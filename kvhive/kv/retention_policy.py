@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from kvhive.core.kv_events import MEDIUM_GPU, BlockUpdated
 from kvhive.core.retention import DEFAULT_RETENTION, PINNED_PRIORITY, BlockRetention, RetentionSpec
-from kvhive.kv.events import MEDIUM_GPU, BlockUpdated
 from kvhive.kv.pool import BlockPool, KVBlock, PriorityChange
 
 SPILL_PIN = BlockRetention(PINNED_PRIORITY, None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvhive.kv.events import (
+from kvhive.core.kv_events import (
     MEDIUM_CPU,
     MEDIUM_DISK,
     MEDIUM_REMOTE,
@@ -25,7 +25,7 @@ from kvhive.kv.events import (
 )
 
 if TYPE_CHECKING:
-    from kvhive.kv.events import KVEventPublisher
+    from kvhive.kv.event_publisher import KVEventPublisher
     from kvhive.store.tiered import TierChange
 
 TIER_MEDIA = {"cpu": MEDIUM_CPU, "disk": MEDIUM_DISK, "redis": MEDIUM_REMOTE}

@@ -16,7 +16,7 @@ import pytest
 from support.cluster import Cluster, default_cluster, long_prompt
 from support.servers import SERVED_MODEL_NAME, wait_until
 
-from kvhive.router.replicas import parse_load
+from kvhive.gateway.replicas import parse_load
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,12 @@ from support.redis_server import RedisServer
 from support.servers import wait_until
 
 from kvhive.core.replica_registry import MEMBERS_KEY, RegistrationConfig, ReplicaRecord, record_key
-from kvhive.router.config import ReplicaSpec
-from kvhive.router.discovery import RegistryReader, ReplicaDiscovery, registered_specs
-from kvhive.router.index import InMemoryIndex
-from kvhive.router.redis_link import GuardedIndex, RedisLink, SharedStateUnavailable
-from kvhive.router.replicas import Replica, ReplicaSet
-from kvhive.router.sessions import SharedAffinity
+from kvhive.gateway.discovery import RegistryReader, ReplicaDiscovery, registered_specs
+from kvhive.gateway.gateway_config import ReplicaSpec
+from kvhive.gateway.replicas import Replica, ReplicaSet
+from kvhive.routing.affinity import SharedAffinity
+from kvhive.routing.index import InMemoryIndex
+from kvhive.routing.redis_link import GuardedIndex, RedisLink, SharedStateUnavailable
 from kvhive.server.registration import ReplicaHeartbeat
 
 TTL_S = 1.5           # the registration TTL of these tests: a heartbeat every 0.5 s

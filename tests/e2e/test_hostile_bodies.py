@@ -21,7 +21,7 @@ from support.cluster import Cluster, TinyReplica, running_replicas, start_gatewa
 from support.hostile_bodies import hostile_bodies
 from support.servers import SERVED_MODEL_NAME, TINY_MAX_MODEL_LEN
 
-from kvhive.router.config import GatewayConfig
+from kvhive.gateway.gateway_config import GatewayConfig
 from kvhive.server.body_limit import default_max_request_bytes
 
 REPLICA_BODY_BYTES = default_max_request_bytes(TINY_MAX_MODEL_LEN)

@@ -22,8 +22,8 @@ from support.cluster import (
 )
 from support.servers import SERVED_MODEL_NAME, wait_until
 
-from kvhive.router.cli import fetch_hashing
-from kvhive.router.config import ReplicaSpec
+from kvhive.gateway.cli import fetch_hashing
+from kvhive.gateway.gateway_config import ReplicaSpec
 
 KEYS = ("key-alpha", "key-beta")
 

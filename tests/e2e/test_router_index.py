@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from support.redis_server import RedisServer
 
-from kvhive.router.index import InMemoryIndex, KVBlockIndex, RedisIndex
+from kvhive.routing.index import InMemoryIndex, KVBlockIndex, RedisIndex
 
 
 def key(i: int) -> bytes:
@@ -124,9 +124,9 @@ def test_redis_lookup_is_one_round_trip(redis_url: str, monkeypatch: pytest.Monk
 
 
 def test_cache_keys_are_shared_by_gateways_apart_from_sessions(redis_url: str) -> None:
-    from kvhive.router.config import GatewayConfig, ReplicaSpec
-    from kvhive.router.redis_link import RedisLink
-    from kvhive.router.wiring import build_affinity
+    from kvhive.gateway.gateway_config import GatewayConfig, ReplicaSpec
+    from kvhive.gateway.wiring import build_affinity
+    from kvhive.routing.redis_link import RedisLink
 
     config = GatewayConfig((ReplicaSpec("http://a:1"),), redis_url=redis_url)
     links = [RedisLink(redis_url), RedisLink(redis_url)]

@@ -14,8 +14,8 @@ from support.tokenizer_families import FAMILIES, build_vocab, write_gguf, write_
 
 from kvhive.core.tokenize_bodies import TokenizeCompletionRequest, prompt_token_ids
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.router.indexer import BlockKeyCache
-from kvhive.router.tokenize import Prompt, PromptPieces, PromptTokenizer, prompt_from_body
+from kvhive.routing.indexer import BlockKeyCache
+from kvhive.routing.prompts import Prompt, PromptPieces, PromptTokenizer, prompt_from_body
 from kvhive.server.completion_prompts import text_start
 
 SHORT = "Hello, world! How are you today?"

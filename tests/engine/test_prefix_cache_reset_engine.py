@@ -11,7 +11,7 @@ from support.engines import GREEDY, make_engine, run, turn
 from support.kv_event_decoders import replay_from
 from support.servers import free_port
 
-from kvhive.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from kvhive.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 
 PROMPT = list(range(5, 30))
 SESSION_PROMPT = list(range(60, 83))

@@ -253,8 +253,8 @@ def test_async_engine_fails_one_request_and_runs_on(tokenizer: Tokenizer) -> Non
 
 
 def test_the_gateway_refuses_hostile_bodies_and_fails_in_openai_shape(tokenizer: Tokenizer) -> None:
-    from kvhive.router.app import create_gateway_app
-    from kvhive.router.config import GatewayConfig, ReplicaSpec
+    from kvhive.gateway.app import create_gateway_app
+    from kvhive.gateway.gateway_config import GatewayConfig, ReplicaSpec
 
     # No replica needs to answer: these bodies are refused before one is chosen.
     app = create_gateway_app(GatewayConfig((ReplicaSpec("http://127.0.0.1:9"),)), tokenizer)

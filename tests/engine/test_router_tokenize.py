@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.router.tokenize import PromptTokenizer, prompt_from_body
+from kvhive.routing.prompts import PromptTokenizer, prompt_from_body
 from kvhive.server.chat import template_messages
 from kvhive.server.chat_protocol import ChatCompletionRequest
 from kvhive.server.completion_prompts import prompt_token_ids
@@ -166,7 +166,7 @@ def test_tokenization_runs_off_the_event_loop(tokenizer: Tokenizer) -> None:
 def test_the_prefix_store_is_kept_per_salt() -> None:
     from kvhive.core.model_files import default_model_path
     from kvhive.core.tokenizer import Tokenizer
-    from kvhive.router.tokenize import Prompt, PromptTokenizer
+    from kvhive.routing.prompts import Prompt, PromptTokenizer
 
     prompts = PromptTokenizer(Tokenizer.from_model_path(default_model_path()), chunk_chars=64)
     text = " ".join(["alpha beta gamma delta"] * 40)

@@ -15,11 +15,11 @@ from replica_sim import SimConfig, SimReplica, create_sim_app
 
 from kvhive.core.blocks import ExtraKeys, hash_blocks, root_hash
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.router.index import InMemoryIndex
-from kvhive.router.indexer import KVCacheIndexer
-from kvhive.router.replicas import parse_load
-from kvhive.router.scorer import SCORERS, LongestPrefixMatch, TierWeights
-from kvhive.router.tokenize import Prompt, PromptTokenizer, prompt_from_body
+from kvhive.gateway.replicas import parse_load
+from kvhive.routing.index import InMemoryIndex
+from kvhive.routing.indexer import KVCacheIndexer
+from kvhive.routing.prompts import Prompt, PromptTokenizer, prompt_from_body
+from kvhive.routing.scorer import SCORERS, LongestPrefixMatch, TierWeights
 
 KEYS_ROOT = root_hash(0, "fingerprint")
 

@@ -18,7 +18,7 @@ from support.tokenizer_families import FAMILIES, Family, Vocab, build_vocab, wri
 from kvhive.core.chat_template import ChatTemplateError
 from kvhive.core.gguf_vocab import PRE_TOKENIZER_RULES, gguf_pre_tokenizer
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.router.tokenize import Prompt, PromptTokenizer, chat_messages
+from kvhive.routing.prompts import Prompt, PromptTokenizer, chat_messages
 
 transformers = pytest.importorskip("transformers")
 

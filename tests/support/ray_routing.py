@@ -10,11 +10,11 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Requ
 from ray.serve.request_router import PendingRequest, ReplicaID
 
 from kvhive.core.blocks import ExtraKeys, hash_blocks, root_hash
+from kvhive.core.kv_events import BlockStored, EventBatch
 from kvhive.core.model_files import default_model_path
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.integrations.ray.envelope import HTTPEnvelope
 from kvhive.integrations.ray.router import KVAwareRequestRouter
-from kvhive.kv.events import BlockStored, EventBatch
 
 DEPLOYMENT = DeploymentID(name="KVHiveReplica", app_name="kvhive")
 FINGERPRINT = "0123456789abcdef"

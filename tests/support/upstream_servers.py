@@ -10,14 +10,14 @@ from typing import Any
 from fastapi import Request
 from support.servers import free_port
 
-from kvhive.router.config import ReplicaSpec
-from kvhive.router.gateway import Gateway
-from kvhive.router.index import InMemoryIndex
-from kvhive.router.metrics import GatewayMetrics
-from kvhive.router.replicas import Replica, ReplicaSet
-from kvhive.router.scorer import RoutingWeights
-from kvhive.router.sessions import SessionAffinity
-from kvhive.router.upstream import UpstreamClient
+from kvhive.gateway.gateway import Gateway
+from kvhive.gateway.gateway_config import ReplicaSpec
+from kvhive.gateway.metrics import GatewayMetrics
+from kvhive.gateway.replicas import Replica, ReplicaSet
+from kvhive.gateway.upstream import UpstreamClient
+from kvhive.routing.affinity import SessionAffinity
+from kvhive.routing.index import InMemoryIndex
+from kvhive.routing.scorer import RoutingWeights
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{"ok": "y"}'

@@ -21,7 +21,7 @@ from kvhive.core.anthropic_breakpoints import (
 )
 from kvhive.core.anthropic_messages import messages_chat, render_body, render_chat
 from kvhive.core.json_body import BodyError
-from kvhive.router.tokenize import Prompt, chat_text
+from kvhive.routing.prompts import Prompt, chat_text
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOL = {"name": "get_weather", "description": "Weather in a city.", "input_schema": WEATHER}

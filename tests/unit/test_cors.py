@@ -43,8 +43,8 @@ def test_settings_are_off_unless_origins_are_given() -> None:
 
 @pytest.mark.parametrize("cors", [None, CorsConfig((ORIGIN,), ("POST",))])
 def test_the_gateway_answers_browsers_only_when_asked(tokenizer, cors: CorsConfig | None) -> None:
-    from kvhive.router.app import create_gateway_app
-    from kvhive.router.config import GatewayConfig, ReplicaSpec
+    from kvhive.gateway.app import create_gateway_app
+    from kvhive.gateway.gateway_config import GatewayConfig, ReplicaSpec
 
     app = create_gateway_app(GatewayConfig((ReplicaSpec("http://127.0.0.1:9"),)), tokenizer, cors=cors)
 

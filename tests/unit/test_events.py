@@ -8,17 +8,17 @@ import msgpack
 import pytest
 import zmq
 
-from kvhive.kv.events import (
+from kvhive.core.kv_events import (
     END_OF_REPLAY,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
-    KVEventPublisher,
     decode_batch,
     encode_batch,
     normalize_medium,
 )
+from kvhive.kv.event_publisher import KVEventPublisher
 
 # vLLM's documented schema (vllm/distributed/kv_events.py), field order as declared there.
 VLLM_FIELDS = {

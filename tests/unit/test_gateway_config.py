@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from kvhive.router.cli import add_gateway_args, build_gateway_config, parse_tier_weights, run_gateway
-from kvhive.router.config import ReplicaSpec
-from kvhive.router.proxy import as_openai_error
-from kvhive.router.replicas import parse_load
-from kvhive.router.scorer import LoadStats
+from kvhive.gateway.cli import add_gateway_args, build_gateway_config, parse_tier_weights, run_gateway
+from kvhive.gateway.gateway_config import ReplicaSpec
+from kvhive.gateway.replicas import parse_load
+from kvhive.routing.dialects import as_openai_error
+from kvhive.routing.scorer import LoadStats
 
 
 def test_replica_flags_and_gateway_config() -> None:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from support.scheduler_parts import BLOCK_SIZE, compute, make_kv, make_request
 from support.tier_sinks import RecordingSink
 
-from kvhive.kv.events import MEDIUM_GPU, BlockStored
+from kvhive.core.kv_events import MEDIUM_GPU, BlockStored
 from kvhive.kv.held_blocks import stored_runs
 from kvhive.kv.pool import BlockPool
 from kvhive.store.disk import DiskStore

@@ -19,7 +19,7 @@ from kvhive.core.http_limits import (
     http_limits_from_args,
 )
 from kvhive.core.http_protocol import HeadLimitedConnection, head_bytes
-from kvhive.router.cli import add_gateway_args, build_gateway_config
+from kvhive.gateway.cli import add_gateway_args, build_gateway_config
 
 
 def _parser() -> argparse.ArgumentParser:

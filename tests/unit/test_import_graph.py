@@ -18,6 +18,8 @@ from support.servers import REPO_ROOT, subprocess_env
 # What the engine package never imports, at import time or inside a function.
 ENGINE_CLIENTS = ("kvhive.sessions", "kvhive.server", "kvhive.launch")
 ABOVE_THE_ROUTER = ("torch", "kvhive.model", "kvhive.engine", "kvhive.server", "kvhive.sessions")
+# The packages of the server extra (pyproject.toml): the gateway is installed without it.
+SERVER_EXTRA = ("gguf", "safetensors", "llguidance")
 
 CASES = {
     # The scheduler side: block pool, KV manager, stores, sessions, requests, config.
@@ -27,18 +29,25 @@ CASES = {
          "kvhive.core.tokenizer", "kvhive.engine.step", "kvhive.request", "kvhive.config",
          "kvhive.sessions.registry", "kvhive.sessions.response_store", "kvhive.store.redis_guard"],
         ("torch", "kvhive.engine.runner", "kvhive.model")),
-    # KV events and the router import only the torch-free blocks and events modules.
-    "events-and-router": (
-        ["kvhive.kv.events", "kvhive.router", "kvhive.router.app", "kvhive.router.cli",
-         "kvhive.router.ingest", "kvhive.router.index", "kvhive.router.scorer",
-         "kvhive.router.tokenize", "kvhive.router.gateway", "kvhive.router.discovery",
-         "kvhive.router.redis_link", "kvhive.core.replica_registry"],
-        ABOVE_THE_ROUTER),
-    # What ``kvhive gateway`` imports, from the console script's module on.
+    # The KV-event wire format and the routing library import only the torch-free core below them:
+    # neither the KV package, nor the gateway process, nor an integration.
+    "events-and-routing": (
+        ["kvhive.core.kv_events", "kvhive.routing", "kvhive.routing.ingest", "kvhive.routing.index",
+         "kvhive.routing.scorer", "kvhive.routing.prompts", "kvhive.routing.indexer",
+         "kvhive.routing.block_keys", "kvhive.routing.affinity", "kvhive.routing.dialects",
+         "kvhive.routing.redis_link", "kvhive.core.replica_registry"],
+        (*ABOVE_THE_ROUTER, "kvhive.kv", "kvhive.gateway", "kvhive.integrations")),
+    # The gateway process: torch-free, without the KV package (the wire format is core's) and without
+    # the server extra's packages.
     "gateway": (
-        ["kvhive.cli", "kvhive.router.app", "kvhive.router.cli", "kvhive.core.tenancy",
-         "kvhive.core.http_protocol"],
-        ABOVE_THE_ROUTER),
+        ["kvhive.gateway", "kvhive.gateway.app", "kvhive.gateway.cli", "kvhive.gateway.gateway",
+         "kvhive.gateway.discovery", "kvhive.gateway.wiring", "kvhive.core.tenancy", "kvhive.core.http_protocol"],
+        (*ABOVE_THE_ROUTER, *SERVER_EXTRA, "kvhive.kv", "kvhive.integrations")),
+    # What ``kvhive gateway`` imports, from the console script's module on (it parses ``kvhive serve``'s
+    # flags too, so the engine's config and its KV-event settings are loaded; still torch-free).
+    "gateway-command": (
+        ["kvhive.cli", "kvhive.gateway.app", "kvhive.gateway.cli"],
+        (*ABOVE_THE_ROUTER, *SERVER_EXTRA, "kvhive.integrations")),
     # The builder of the KV tiers and the record backends sits below the engine and the server.
     "durable-state": (
         ["kvhive.sessions.durable", "kvhive.store.tier_builder"],
@@ -52,10 +61,12 @@ CASES = {
     "tokenizer": (
         ["kvhive.core.tokenizer", "kvhive.core.chat_template", "kvhive.core.model_files"],
         ("torch", "transformers")),
-    # The Ray application's router and ingress run in the ingress process: torch-free, no engine.
+    # The Ray application's router and ingress run in the ingress process: torch-free, no engine; they
+    # use the routing library, never the gateway process.
     "ray-router": (
-        ["kvhive.integrations.ray", "kvhive.integrations.ray.router", "kvhive.integrations.ray.ingress"],
-        ABOVE_THE_ROUTER),
+        ["kvhive.integrations.ray", "kvhive.integrations.ray.router", "kvhive.integrations.ray.ingress",
+         "kvhive.integrations.ray.replica_routing", "kvhive.integrations.ray.envelope"],
+        (*ABOVE_THE_ROUTER, "kvhive.gateway")),
     # The grammar backend (structured outputs) is torch-free and below the engine and the server.
     "structured": (
         ["kvhive.structured", "kvhive.structured.compiler", "kvhive.structured.grammars",
@@ -88,20 +99,35 @@ def test_imports_nothing_forbidden(modules: list[str], forbidden: tuple[str, ...
     assert [m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden)] == []
 
 
-def imported_names(root: Path) -> list[str]:
-    """``path: module`` of every import (module level or inside a function) in ``root``'s modules."""
-    found = []
-    for path in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                found += [f"{path.relative_to(root)}: {alias.name}" for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module is not None:
-                found.append(f"{path.relative_to(root)}: {node.module}")
-    return found
+# Packages whose every import, lazy ones inside functions included, stays out of the gateway process.
+GATEWAY_FREE = ("kvhive/routing", "kvhive/integrations/ray")
+
+
+def imported_names(tree: ast.AST) -> list[str]:
+    """Every module an ``import`` or ``from ... import`` anywhere in ``tree`` names (absolute only)."""
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def static_imports_of(package: str, forbidden: tuple[str, ...]) -> list[str]:
+    """``path: module`` of each import in ``package``'s modules (module level or inside a function)
+    that names one of ``forbidden`` or a module under it."""
+    return [f"{path.relative_to(Path(REPO_ROOT))}: {name}"
+            for path in sorted((Path(REPO_ROOT) / package).rglob("*.py"))
+            for name in imported_names(ast.parse(path.read_text()))
+            if any(name == f or name.startswith(f + ".") for f in forbidden)]
 
 
 def test_the_engine_package_names_no_layer_above_it() -> None:
-    # The import case above sees module-level imports; this sees those inside functions too.
-    engine = Path(REPO_ROOT) / "kvhive" / "engine"
-    assert [hit for hit in imported_names(engine)
-            if any(hit.split(": ")[1] == f or hit.split(": ")[1].startswith(f + ".") for f in ENGINE_CLIENTS)] == []
+    # The import cases above see module-level imports; this sees those inside functions too.
+    assert static_imports_of("kvhive/engine", ENGINE_CLIENTS) == []
+
+
+@pytest.mark.parametrize("package", GATEWAY_FREE)
+def test_imports_nothing_from_the_gateway_process(package: str) -> None:
+    assert static_imports_of(package, ("kvhive.gateway",)) == []

@@ -2,7 +2,7 @@
 
 Every event kind goes over a real ZMQ PUB socket to a SUB socket filtering on llm-d's ``kv@``, in
 both encodings and both hash formats, and is decoded with the structs or rules of the other system
-(tests/support/kv_event_decoders.py), never with ``kvhive.kv.events.decode_batch``.
+(tests/support/kv_event_decoders.py), never with ``kvhive.core.kv_events.decode_batch``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 import zmq
 from support.kv_event_decoders import llmd_decode, receive, subscribe, vllm_decode
 
-from kvhive.kv.events import BlockRemoved, BlockStored, KVEventPublisher
+from kvhive.core.kv_events import BlockRemoved, BlockStored
+from kvhive.kv.event_publisher import KVEventPublisher
 from kvhive.kv.events_config import KVEventsConfig, open_publisher
 from kvhive.kv.tier_events import TierEventForwarder
 from kvhive.store.tiered import TierChange
@@ -145,7 +146,7 @@ def test_old_vllm_array_structs_read_what_the_engine_sent_before_extra_fields() 
     (BlockStored up to lora_id, BlockRemoved with hashes only): extra trailing fields are ignored."""
     import msgpack
 
-    from kvhive.kv.events import EventBatch, encode_batch
+    from kvhive.core.kv_events import EventBatch, encode_batch
 
     payload = encode_batch(EventBatch(1.0, [BlockStored([1], None, [5] * 16, 16), BlockRemoved([1])], 0),
                            as_map=False)

@@ -9,12 +9,12 @@ from collections.abc import Callable
 import pytest
 from support.tier_sinks import RecordingSink
 
-from kvhive.kv.events import KVEventPublisher
+from kvhive.kv.event_publisher import KVEventPublisher
 from kvhive.kv.tier_events import TierEventForwarder, tier_medium
-from kvhive.router.block_keys import BlockKeyMapper
-from kvhive.router.index import InMemoryIndex
-from kvhive.router.ingest import ReplicaIngest
-from kvhive.router.scorer import LongestPrefixMatch, TierWeights
+from kvhive.routing.block_keys import BlockKeyMapper
+from kvhive.routing.index import InMemoryIndex
+from kvhive.routing.ingest import ReplicaIngest
+from kvhive.routing.scorer import LongestPrefixMatch, TierWeights
 from kvhive.store.disk import DiskStore
 from kvhive.store.key import KeySpace, StoreKey
 from kvhive.store.memory import MemoryStore
@@ -148,7 +148,7 @@ def test_int_hashes_and_location_only_tier_events_map_through_the_device_event(f
     gateway recomputes its keys from the device event's tokens, and a later tier event without
     tokens finds them through the same ints."""
     from kvhive.core.blocks import hash_blocks, root_hash
-    from kvhive.kv.events import BlockRemoved, BlockStored
+    from kvhive.core.kv_events import BlockRemoved, BlockStored
 
     root = root_hash(0, "test-fingerprint")
     tokens = list(range(500, 548))

@@ -19,7 +19,7 @@ from kvhive.core.replica_registry import (
     default_advertise_url,
     record_key,
 )
-from kvhive.router.cli import add_gateway_args, build_gateway_config, run_gateway
+from kvhive.gateway.cli import add_gateway_args, build_gateway_config, run_gateway
 
 
 def test_a_record_advertises_connectable_event_sockets() -> None:

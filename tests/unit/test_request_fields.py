@@ -15,7 +15,7 @@ from support.servers import REPO_ROOT
 from kvhive.core.json_body import BodyError, parse_chosen_body, validation_body_error
 from kvhive.core.request_fields import NO_OP_FIELDS, UNRECOGNIZED_FIELD
 from kvhive.core.tokenize_bodies import TokenizeChatRequest, TokenizeContentPart, TokenizeMessage
-from kvhive.router.tokenize_api import check_text_parts
+from kvhive.gateway.tokenize_api import check_text_parts
 from kvhive.server.chat_protocol import ChatCompletionRequest, ChatMessage, ContentPart
 from kvhive.server.openapi import _MODELS
 from kvhive.server.protocol import CompletionRequest

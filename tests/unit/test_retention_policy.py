@@ -7,6 +7,7 @@ import pytest
 from support.scheduler_parts import BLOCK_SIZE, compute, make_kv, make_request, park
 
 from kvhive.connector.base import CachedBlock, SchedulerOutput
+from kvhive.core.kv_events import BlockStored, BlockUpdated, EventBatch, decode_batch, encode_batch
 from kvhive.core.retention import (
     DEFAULT_PRIORITY,
     PINNED_PRIORITY,
@@ -16,7 +17,6 @@ from kvhive.core.retention import (
 )
 from kvhive.engine.scheduler.kv_transfers import KVTransfers
 from kvhive.engine.scheduler.session_spill import SessionSpill
-from kvhive.kv.events import BlockStored, BlockUpdated, EventBatch, decode_batch, encode_batch
 from kvhive.kv.retention_policy import block_retentions
 
 
@@ -140,8 +140,8 @@ def test_block_updated_is_opt_in_because_vllm_decoders_refuse_unknown_events():
 
 def test_the_gateway_ingest_skips_block_updated():
     from kvhive.core.blocks import root_hash
-    from kvhive.router.index import InMemoryIndex
-    from kvhive.router.ingest import BlockKeyMapper, ReplicaIngest
+    from kvhive.routing.index import InMemoryIndex
+    from kvhive.routing.ingest import BlockKeyMapper, ReplicaIngest
 
     index = InMemoryIndex()
     ingest = ReplicaIngest("r1", index, BlockKeyMapper(False, BLOCK_SIZE, root_hash(0)), "tcp://127.0.0.1:9", None)

@@ -7,8 +7,8 @@ import random
 import xxhash
 
 from kvhive.core.blocks import ExtraKeys, hash_blocks, root_hash
-from kvhive.router.indexer import BlockKeyCache
-from kvhive.router.tokenize import PromptPieces
+from kvhive.routing.indexer import BlockKeyCache
+from kvhive.routing.prompts import PromptPieces
 
 ROOT = root_hash(0, "fingerprint")
 

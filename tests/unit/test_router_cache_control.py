@@ -17,12 +17,11 @@ from kvhive.core.anthropic_messages import messages_chat, render_chat
 from kvhive.core.blocks import hash_blocks, root_hash
 from kvhive.core.request_fields import MAX_PROMPT_CACHE_KEY_CHARS
 from kvhive.core.tenancy import key_owner
-from kvhive.router.app import create_gateway_app
-from kvhive.router.config import GatewayConfig, ReplicaSpec
-from kvhive.router.dialects import is_anthropic
-from kvhive.router.gateway import REASON_HEADER, REPLICA_HEADER
-from kvhive.router.proxy import cut_stream_events
-from kvhive.router.scorer import LoadStats, RoutingWeights
+from kvhive.gateway.app import create_gateway_app
+from kvhive.gateway.gateway import REASON_HEADER, REPLICA_HEADER
+from kvhive.gateway.gateway_config import GatewayConfig, ReplicaSpec
+from kvhive.routing.dialects import cut_stream_events, is_anthropic
+from kvhive.routing.scorer import LoadStats, RoutingWeights
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4}
 MESSAGES = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "Hello there"}]}

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from kvhive.router.index import InMemoryIndex
+from kvhive.routing.index import InMemoryIndex
 
 
 def key(i: int) -> bytes:

@@ -11,9 +11,10 @@ import pytest
 import zmq
 
 from kvhive.core.blocks import ExtraKeys, hash_blocks, root_hash
-from kvhive.kv.events import BlockStored, EventBatch, KVEventPublisher, decode_batch, encode_batch
-from kvhive.router.index import InMemoryIndex
-from kvhive.router.ingest import BlockKeyMapper, ReplicaIngest
+from kvhive.core.kv_events import BlockStored, EventBatch, decode_batch, encode_batch
+from kvhive.kv.event_publisher import KVEventPublisher
+from kvhive.routing.index import InMemoryIndex
+from kvhive.routing.ingest import BlockKeyMapper, ReplicaIngest
 
 ROOT = root_hash(0, "test-fingerprint")
 B = 16
@@ -205,7 +206,7 @@ def test_mapper_keeps_a_block_while_any_tier_holds_it_and_mixes_lora_into_block_
     keys = mapper.stored(BlockStored([1, 2], None, tokens, B, None, "GPU"))
     assert keys == hash_blocks(tokens, B, ROOT)
     mapper.stored(BlockStored([2], 1, tokens[16:], B, None, "CPU"))
-    from kvhive.kv.events import BlockRemoved
+    from kvhive.core.kv_events import BlockRemoved
 
     assert mapper.removed(BlockRemoved([2], "GPU")) == keys[1:]
     child = mapper.stored(BlockStored([3], 2, list(range(32, 48)), B, None, "CPU"))

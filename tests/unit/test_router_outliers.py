@@ -13,11 +13,11 @@ import socket
 import pytest
 from support.upstream_servers import OK, SSE_HEAD, answers, chunk, forward, gateway_for, sample, served
 
-from kvhive.router.cli import add_gateway_args, build_gateway_config, run_gateway
-from kvhive.router.event_watch import RECEIVING, SILENT, WAITING, EventSilence
-from kvhive.router.gateway import REASON_HEADER, REPLICA_HEADER
-from kvhive.router.outlier import OutlierPolicy, OutlierState
-from kvhive.router.upstream import UpstreamClient, UpstreamMalformed, UpstreamTimeout
+from kvhive.gateway.cli import add_gateway_args, build_gateway_config, run_gateway
+from kvhive.gateway.event_watch import RECEIVING, SILENT, WAITING, EventSilence
+from kvhive.gateway.gateway import REASON_HEADER, REPLICA_HEADER
+from kvhive.gateway.outlier import OutlierPolicy, OutlierState
+from kvhive.gateway.upstream import UpstreamClient, UpstreamMalformed, UpstreamTimeout
 
 POLICY = OutlierPolicy(consecutive_failures=3, base_ejection_s=10, max_ejection_s=25)
 
@@ -92,7 +92,7 @@ def test_silent_events_are_reported_once_then_their_arrival(caplog: pytest.LogCa
     assert watch.check(100.0, heard=False) == WAITING          # nothing routed yet
     watch.routed(100.0, heard=False)
     watch.routed(120.0, heard=False)                           # the first request starts the clock
-    with caplog.at_level(logging.WARNING, logger="kvhive.router.event_watch"):
+    with caplog.at_level(logging.WARNING, logger="kvhive.gateway.event_watch"):
         assert watch.check(129.0, heard=False) == WAITING
         assert [watch.check(t, heard=False) for t in (130.0, 200.0)] == [SILENT, SILENT]
         assert watch.check(201.0, heard=True) == RECEIVING

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvhive.core.tenancy import cache_salt, key_owner
-from kvhive.router.tokenize import chat_messages, prompt_from_body
+from kvhive.routing.prompts import chat_messages, prompt_from_body
 
 
 @pytest.mark.parametrize("body", [{}, {"prompt": ""}, {"prompt": ["a", "b"]}, {"prompt": 5},

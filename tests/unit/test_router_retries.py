@@ -14,11 +14,11 @@ from fastapi import Request
 from support.upstream_servers import OK, SSE_HEAD, answers, chunk, forward, gateway_for, hangs, sample, served
 
 from kvhive.core.tenancy import key_owner
-from kvhive.router.app import read_body, too_large
-from kvhive.router.gateway import REASON_HEADER, REPLICA_HEADER
-from kvhive.router.proxy import cut_stream_events
-from kvhive.router.sessions import SessionAffinity
-from kvhive.router.upstream import UpstreamClient, UpstreamConnectError, UpstreamError, UpstreamUnanswered
+from kvhive.gateway.app import read_body, too_large
+from kvhive.gateway.gateway import REASON_HEADER, REPLICA_HEADER
+from kvhive.gateway.upstream import UpstreamClient, UpstreamConnectError, UpstreamError, UpstreamUnanswered
+from kvhive.routing.affinity import SessionAffinity
+from kvhive.routing.dialects import cut_stream_events
 
 
 def test_unanswered_failures_are_told_apart_from_answers_that_broke() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvhive.router.scorer import (
+from kvhive.routing.scorer import (
     SCORERS,
     CoverageBasedMatching,
     HighestBlockHit,

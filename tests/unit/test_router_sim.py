@@ -9,10 +9,10 @@ import pytest
 from replica_sim import SimConfig, SimKVCache, replica_specs
 
 from kvhive.core.blocks import hash_blocks, root_hash
-from kvhive.kv.events import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
-from kvhive.router.config import GatewayConfig, ReplicaSpec
-from kvhive.router.index import InMemoryIndex
-from kvhive.router.ingest import BlockKeyMapper, ReplicaIngest
+from kvhive.core.kv_events import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
+from kvhive.gateway.gateway_config import GatewayConfig, ReplicaSpec
+from kvhive.routing.index import InMemoryIndex
+from kvhive.routing.ingest import BlockKeyMapper, ReplicaIngest
 
 ROOT = root_hash(0, "simulated-model")
 
@@ -64,11 +64,11 @@ def test_gateway_policy_is_validated() -> None:
 
 
 def test_baseline_policies_ignore_the_index_but_keep_sessions() -> None:
-    from kvhive.router.gateway import Gateway
-    from kvhive.router.metrics import GatewayMetrics
-    from kvhive.router.replicas import Replica, ReplicaSet
-    from kvhive.router.scorer import RoutingWeights
-    from kvhive.router.sessions import SessionAffinity
+    from kvhive.gateway.gateway import Gateway
+    from kvhive.gateway.metrics import GatewayMetrics
+    from kvhive.gateway.replicas import Replica, ReplicaSet
+    from kvhive.routing.affinity import SessionAffinity
+    from kvhive.routing.scorer import RoutingWeights
 
     names = [f"http://r{i}:1" for i in range(3)]
 

@@ -17,7 +17,7 @@ from support.tokenizer_families import family_tokenizer
 
 from kvhive.core.json_body import BodyError
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.router.tokenize import PromptTokenizer, prompt_from_body
+from kvhive.routing.prompts import PromptTokenizer, prompt_from_body
 from kvhive.server.chat import chat_prompt_token_ids
 from kvhive.server.chat_protocol import ChatCompletionRequest
 from kvhive.server.errors import APIError

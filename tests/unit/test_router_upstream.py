@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from support.servers import free_port
 
-from kvhive.router.upstream import UpstreamClient, UpstreamConnectError, UpstreamError
+from kvhive.gateway.upstream import UpstreamClient, UpstreamConnectError, UpstreamError
 
 
 class TinyServer:

@@ -1,5 +1,5 @@
 """The /tokenize and /detokenize bodies over a tokenizer that adds a BOS (``kvhive.core.tokenize_bodies``),
-and the gateway's field naming and model lookup (``kvhive.router.tokenize_api``): no server, no model."""
+and the gateway's field naming and model lookup (``kvhive.gateway.tokenize_api``): no server, no model."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from kvhive.core.tokenize_bodies import (
     tokenize_response,
 )
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.router.tokenize_api import ModelUnknown, model_card
+from kvhive.gateway.tokenize_api import ModelUnknown, model_card
 
 VOCAB = {"<s>": 0, "</s>": 1, "[UNK]": 2, "hello": 3, "world": 4, "user": 5, "assistant": 6, ":": 7}
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] | trim | replace('!', '.') }} {% endfor %}"

@@ -20,7 +20,7 @@ from typing import Any
 from kvhive.config import EngineConfig
 from kvhive.core.flag_values import FlagValueError, flag_argv, option_actions
 from kvhive.core.http_limits import BOUNDS, http_dest
-from kvhive.router.scorer import SCORERS, RoutingWeights, TierWeights
+from kvhive.routing.scorer import SCORERS, RoutingWeights, TierWeights
 from kvhive.serve_args import add_serve_args, build_engine_config
 
 # Serve flags whose job Ray Serve (or this integration) does: not fields.

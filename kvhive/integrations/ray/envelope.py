@@ -10,8 +10,8 @@ from typing import Any
 
 from kvhive.core.json_body import BodyError, load_json
 from kvhive.core.tenancy import key_owner
-from kvhive.router.sessions import SESSION_HEADER
-from kvhive.router.tokenize import Prompt, prompt_for_path
+from kvhive.routing.affinity import SESSION_HEADER
+from kvhive.routing.prompts import Prompt, prompt_for_path
 
 # Paths that name a session (its fork too) or a stored response: sent to its holder.
 _HELD_PATH = re.compile(r"^/v1/(?:context/([^/]+)(?:/fork)?|responses/([^/]+)(?:/input_items)?)$")

@@ -31,15 +31,14 @@ from starlette.types import Receive, Scope, Send
 from kvhive.core.json_body import off_loop_for
 from kvhive.integrations.ray.asgi_bridge import ResponseHead
 from kvhive.integrations.ray.envelope import REPLICA_HEADER, HTTPEnvelope
-from kvhive.router.dialects import is_anthropic
-from kvhive.router.proxy import cut_stream_events, gateway_error
-from kvhive.router.sessions import (
+from kvhive.routing.affinity import (
     RESPONSE_ID_HEADER,
     SESSION_HEADER,
     SessionAffinity,
     SharedAffinity,
     cache_key_problem,
 )
+from kvhive.routing.dialects import cut_stream_events, gateway_error, is_anthropic
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ class KVHiveIngress:
         self.affinity: SessionAffinity | SharedAffinity = SessionAffinity()
         self.cache_keys: SessionAffinity | SharedAffinity = SessionAffinity()
         if redis_url:
-            from kvhive.router.redis_link import RedisLink
+            from kvhive.routing.redis_link import RedisLink
 
             link = RedisLink(redis_url)
             self.affinity = SharedAffinity(link, session_ttl_s, self.affinity)

@@ -23,7 +23,7 @@ from kvhive.integrations.ray.app_args import serve_parser
 from kvhive.integrations.ray.asgi_bridge import ResponseHead, call_asgi
 from kvhive.integrations.ray.drain import drain_sessions
 from kvhive.integrations.ray.envelope import REPLICA_HEADER, HTTPEnvelope
-from kvhive.integrations.ray.routing import ReplicaFacts
+from kvhive.integrations.ray.replica_routing import ReplicaFacts
 
 if TYPE_CHECKING:
     from kvhive.launch.replica import Replica

@@ -18,8 +18,8 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from kvhive.core.json_body import off_loop_for
 from kvhive.integrations.ray.envelope import HTTPEnvelope
-from kvhive.integrations.ray.routing import ReplicaFacts, ReplicaRouting
-from kvhive.router.scorer import LoadStats, RoutingWeights, TierWeights
+from kvhive.integrations.ray.replica_routing import ReplicaFacts, ReplicaRouting
+from kvhive.routing.scorer import LoadStats, RoutingWeights, TierWeights
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class KVAwareRequestRouter(RequestRouter):
         the Redis at ``index_redis_url``, as ``kvhive gateway --redis-url`` keeps it)."""
         index = None
         if index_redis_url:
-            from kvhive.router.redis_link import GuardedIndex, RedisLink
+            from kvhive.routing.redis_link import GuardedIndex, RedisLink
 
             index = GuardedIndex(RedisLink(index_redis_url))
         self.routing = ReplicaRouting(scorer, TierWeights(**(tier_weights or {})),

@@ -1,4 +1,4 @@
-"""kvhive's routing for one Ray Serve deployment, free of Ray: the gateway's index, event
+"""kvhive's routing for one Ray Serve deployment, free of Ray: the routing library's index, event
 ingesters, indexer and ``pick_replica``, keyed by Ray's replica ids.
 
 Each replica states in its metadata (``ReplicaFacts``) its model file, block geometry, fingerprint
@@ -19,12 +19,12 @@ from typing import Any
 
 from kvhive.core.blocks import root_hash
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.router.block_keys import BlockKeyMapper
-from kvhive.router.index import InMemoryIndex, KVBlockIndex
-from kvhive.router.indexer import KVCacheIndexer, KVScores
-from kvhive.router.ingest import ReplicaIngest
-from kvhive.router.scorer import SCORERS, LoadStats, RoutingWeights, TierWeights, pick_replica
-from kvhive.router.tokenize import Prompt, PromptTokenizer
+from kvhive.routing.block_keys import BlockKeyMapper
+from kvhive.routing.index import InMemoryIndex, KVBlockIndex
+from kvhive.routing.indexer import KVCacheIndexer, KVScores
+from kvhive.routing.ingest import ReplicaIngest
+from kvhive.routing.prompts import Prompt, PromptTokenizer
+from kvhive.routing.scorer import SCORERS, LoadStats, RoutingWeights, TierWeights, pick_replica
 
 logger = logging.getLogger(__name__)
 

@@ -1,28 +1,25 @@
 """Forwarding a request to a replica and its answer back: streamed chunk by chunk, errors in the
-path's dialect (OpenAI's, or Anthropic's on /v1/messages: ``kvhive.router.dialects``)."""
+path's dialect (OpenAI's, or Anthropic's on /v1/messages: ``kvhive.routing.dialects``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import re
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from kvhive.core.anthropic_errors import anthropic_error_body, as_anthropic_error
-from kvhive.router.dialects import is_anthropic
-from kvhive.router.upstream import (
+from kvhive.gateway.upstream import (
     UpstreamClient,
     UpstreamError,
     UpstreamMalformed,
     UpstreamResponse,
     UpstreamTimeout,
 )
+from kvhive.routing.dialects import as_error_body, cut_stream_events, gateway_error
 
 # Headers that describe one connection, not the message: never forwarded either way.
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
@@ -32,49 +29,6 @@ _HOP_BY_HOP_RAW = frozenset(name.encode() for name in _HOP_BY_HOP)
 _NOT_FORWARDED = _HOP_BY_HOP_RAW | {b"content-length"}
 # The generation routes: their 2xx answers are JSON or server-sent events.
 GENERATION_PATHS = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"))
-
-
-def openai_error(status: int, message: str, code: str | None = None,
-                 headers: Mapping[str, str] | None = None, param: str | None = None) -> JSONResponse:
-    """An OpenAI-shaped error answered by the gateway itself."""
-    error_type = "server_error" if status >= 500 else "invalid_request_error"
-    body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-    return JSONResponse(status_code=status, content=body, headers=dict(headers or {}))
-
-
-def gateway_error(path: str, status: int, message: str, code: str | None = None,
-                  headers: Mapping[str, str] | None = None, param: str | None = None) -> JSONResponse:
-    """An error answered by the gateway itself to a request for ``path``: Anthropic's shape on
-    /v1/messages, else OpenAI's (``openai_error``)."""
-    if is_anthropic(path):
-        return JSONResponse(status_code=status, content=anthropic_error_body(status, message),
-                            headers=dict(headers or {}))
-    return openai_error(status, message, code, headers, param)
-
-
-def as_error_body(path: str, status: int, raw: bytes) -> dict[str, Any]:
-    """A replica's error body for ``path`` in the path's dialect."""
-    return as_anthropic_error(status, raw) if is_anthropic(path) else as_openai_error(status, raw)
-
-
-def as_openai_error(status: int, raw: bytes) -> dict[str, Any]:
-    """A replica's error body in OpenAI's shape: kept when it already is, else wrapped (vLLM's older
-    flat ``{"message", "type", "code"}``, FastAPI's ``{"detail"}``, plain text)."""
-    try:
-        data = json.loads(raw) if raw else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        data = None
-    default_type = "server_error" if status >= 500 else "invalid_request_error"
-    if isinstance(data, dict) and isinstance(data.get("error"), dict):
-        return data
-    if isinstance(data, dict) and ("message" in data or "detail" in data):
-        message = data.get("message", data.get("detail"))
-        return {"error": {"message": message if isinstance(message, str) else json.dumps(message),
-                          "type": data.get("type") if isinstance(data.get("type"), str) else default_type,
-                          "param": data.get("param"), "code": data.get("code")}}
-    text = raw.decode("utf-8", "replace").strip() if raw else ""
-    return {"error": {"message": text or f"replica answered HTTP {status}", "type": default_type,
-                      "param": None, "code": None}}
 
 
 async def open_upstream(client: UpstreamClient, base_url: str, request: Request, body: bytes,
@@ -132,28 +86,6 @@ def failed_answer(source: str, failure: UpstreamError, headers: Mapping[str, str
                              headers=headers)
     return gateway_error(path, 502, f"replica {source} failed: {type(failure).__name__}: {failure}",
                          code="bad_gateway", headers=headers)
-
-
-def cut_stream_events(path: str, message: str, last_chunk: bytes) -> bytes:
-    """What ends an SSE stream the replica cut: the API's error event for ``path``.
-
-    Completions and chat: ``data: {"error": {...}}`` then ``data: [DONE]``, as a replica ends a
-    stream its engine failed. /v1/responses: an ``error`` event (type, code, message, param,
-    sequence_number one past the last one in ``last_chunk``). /v1/messages: Anthropic's ``error``
-    event. A partial event in ``last_chunk`` is closed first, so the error event parses on its own."""
-    lead = b"" if not last_chunk or last_chunk.endswith(b"\n\n") else b"\n\n"
-    if is_anthropic(path):
-        return lead + b"event: error\ndata: " + json.dumps(anthropic_error_body(502, message)).encode() + b"\n\n"
-    if path.rstrip("/") == "/v1/responses":
-        numbers = _SEQUENCE_NUMBER.findall(last_chunk)
-        data = {"type": "error", "code": "bad_gateway", "message": message, "param": None,
-                "sequence_number": int(numbers[-1]) + 1 if numbers else 0}
-        return lead + b"event: error\ndata: " + json.dumps(data).encode() + b"\n\n"
-    error = {"error": {"message": message, "type": "server_error", "param": None, "code": "bad_gateway"}}
-    return lead + b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
-
-
-_SEQUENCE_NUMBER = re.compile(rb'"sequence_number":\s*(\d+)')
 
 
 class RelayResponse(Response):

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvhive.kv.events import (
+from kvhive.core.kv_events import (
     END_OF_REPLAY,
     AllBlocksCleared,
     BlockRemoved,
@@ -33,8 +33,8 @@ from kvhive.kv.events import (
     decode_batch,
     normalize_medium,
 )
-from kvhive.router.block_keys import BlockKeyMapper
-from kvhive.router.index import KVBlockIndex
+from kvhive.routing.block_keys import BlockKeyMapper
+from kvhive.routing.index import KVBlockIndex
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from kvhive.kv.events import MEDIA, normalize_medium
+from kvhive.core.kv_events import MEDIA, normalize_medium
 
 # A block's copies in one replica are a 4-bit mask: bit i set <=> the replica holds it in MEDIA[i].
 _MEDIA_BITS = len(MEDIA)

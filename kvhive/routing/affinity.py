@@ -21,7 +21,7 @@ import threading
 from collections import OrderedDict
 
 from kvhive.core.request_fields import MAX_PROMPT_CACHE_KEY_CHARS
-from kvhive.router.redis_link import RedisLink, SharedStateUnavailable
+from kvhive.routing.redis_link import RedisLink, SharedStateUnavailable
 
 SESSION_HEADER = "x-session-id"
 # A replica names a response it stored in this header (kvhive.server.responses).

@@ -13,7 +13,7 @@ from itertools import groupby
 from types import MappingProxyType
 from typing import Protocol
 
-from kvhive.kv.events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, MEDIUM_REMOTE
+from kvhive.core.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, MEDIUM_REMOTE
 
 Hits = Sequence[Mapping[str, str]]
 _TIER_ATTR = MappingProxyType({MEDIUM_GPU: "gpu", MEDIUM_CPU: "cpu", MEDIUM_DISK: "disk",

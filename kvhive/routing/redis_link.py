@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from kvhive.router.index import KVBlockIndex, RedisIndex
+from kvhive.routing.index import KVBlockIndex, RedisIndex
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -16,20 +16,20 @@ from fastapi import FastAPI
 
 from kvhive.core.blocks import root_hash
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.router.config import GatewayConfig, ReplicaSpec
-from kvhive.router.discovery import RegistryReader, ReplicaDiscovery
-from kvhive.router.event_watch import EventSilence
-from kvhive.router.gateway import Gateway
-from kvhive.router.index import InMemoryIndex, KVBlockIndex
-from kvhive.router.indexer import KVCacheIndexer
-from kvhive.router.ingest import BlockKeyMapper, ReplicaIngest
-from kvhive.router.metrics import GatewayMetrics, InstrumentedIndex, Sample
-from kvhive.router.redis_link import GuardedIndex, RedisLink
-from kvhive.router.replicas import Replica, ReplicaSet
-from kvhive.router.scorer import SCORERS
-from kvhive.router.sessions import SessionAffinity, SharedAffinity
-from kvhive.router.tokenize import PromptTokenizer
-from kvhive.router.upstream import UpstreamClient
+from kvhive.gateway.discovery import RegistryReader, ReplicaDiscovery
+from kvhive.gateway.event_watch import EventSilence
+from kvhive.gateway.gateway import Gateway
+from kvhive.gateway.gateway_config import GatewayConfig, ReplicaSpec
+from kvhive.gateway.metrics import GatewayMetrics, InstrumentedIndex, Sample
+from kvhive.gateway.replicas import Replica, ReplicaSet
+from kvhive.gateway.upstream import UpstreamClient
+from kvhive.routing.affinity import SessionAffinity, SharedAffinity
+from kvhive.routing.index import InMemoryIndex, KVBlockIndex
+from kvhive.routing.indexer import KVCacheIndexer
+from kvhive.routing.ingest import BlockKeyMapper, ReplicaIngest
+from kvhive.routing.prompts import PromptTokenizer
+from kvhive.routing.redis_link import GuardedIndex, RedisLink
+from kvhive.routing.scorer import SCORERS
 
 
 def build_index(config: GatewayConfig, link: RedisLink | None) -> KVBlockIndex:

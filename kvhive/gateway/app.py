@@ -17,16 +17,21 @@ from kvhive.core.cors import CorsConfig, install_cors
 from kvhive.core.json_body import BodyError, MalformedJSON, load_json, off_loop_for
 from kvhive.core.tenancy import key_owner
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.router.config import GatewayConfig
-from kvhive.router.dialects import ANTHROPIC_PATHS, API_KEY_HEADER
-from kvhive.router.index import KVBlockIndex
-from kvhive.router.pd import route_disaggregated, wants_prefill
-from kvhive.router.proxy import as_openai_error, gateway_error, openai_error
-from kvhive.router.replicas import Replica
-from kvhive.router.sessions import SESSION_HEADER, cache_key_problem
-from kvhive.router.tokenize import Prompt, prompt_for_path
-from kvhive.router.tokenize_api import TokenizeAPI
-from kvhive.router.wiring import GatewayParts, build_gateway
+from kvhive.gateway.gateway_config import GatewayConfig
+from kvhive.gateway.pd import route_disaggregated, wants_prefill
+from kvhive.gateway.replicas import Replica
+from kvhive.gateway.tokenize_api import TokenizeAPI
+from kvhive.gateway.wiring import GatewayParts, build_gateway
+from kvhive.routing.affinity import SESSION_HEADER, cache_key_problem
+from kvhive.routing.dialects import (
+    ANTHROPIC_PATHS,
+    API_KEY_HEADER,
+    as_openai_error,
+    gateway_error,
+    openai_error,
+)
+from kvhive.routing.index import KVBlockIndex
+from kvhive.routing.prompts import Prompt, prompt_for_path
 
 logger = logging.getLogger(__name__)
 

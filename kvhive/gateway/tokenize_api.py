@@ -33,8 +33,8 @@ from kvhive.core.tokenize_bodies import (
     tokenize_response,
 )
 from kvhive.core.tokenizer import Tokenizer
-from kvhive.router.proxy import openai_error
-from kvhive.router.tokenize import chat_messages
+from kvhive.routing.dialects import openai_error
+from kvhive.routing.prompts import chat_messages
 
 # Texts (characters) and id lists this long or longer are worked on the tokenizer pool.
 OFF_LOOP_SIZE = 4096

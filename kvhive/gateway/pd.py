@@ -22,9 +22,10 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kvhive.router.gateway import Gateway
-from kvhive.router.proxy import failure_status, openai_error
-from kvhive.router.tokenize import Prompt
+from kvhive.gateway.gateway import Gateway
+from kvhive.gateway.proxy import failure_status
+from kvhive.routing.dialects import openai_error
+from kvhive.routing.prompts import Prompt
 
 logger = logging.getLogger(__name__)
 

@@ -7,29 +7,24 @@ import logging
 import random
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 from fastapi import Request
 from fastapi.responses import Response
 
-from kvhive.router.indexer import KVCacheIndexer, KVScores
-from kvhive.router.metrics import GatewayMetrics
-from kvhive.router.outlier import OutlierPolicy
-from kvhive.router.proxy import (
+from kvhive.gateway.metrics import GatewayMetrics
+from kvhive.gateway.outlier import OutlierPolicy
+from kvhive.gateway.proxy import (
     RelayResponse,
     answer_problem,
     failed_answer,
     failure_status,
-    gateway_error,
     open_upstream,
     whole_answer,
 )
-from kvhive.router.replicas import Replica, ReplicaSet
-from kvhive.router.scorer import RoutingWeights, pick_replica
-from kvhive.router.sessions import RESPONSE_ID_HEADER, SESSION_HEADER, SessionAffinity, SharedAffinity
-from kvhive.router.tokenize import Prompt
-from kvhive.router.upstream import (
+from kvhive.gateway.replicas import Replica, ReplicaSet
+from kvhive.gateway.upstream import (
     UpstreamClient,
     UpstreamConnectError,
     UpstreamError,
@@ -37,6 +32,11 @@ from kvhive.router.upstream import (
     UpstreamResponse,
     UpstreamUnanswered,
 )
+from kvhive.routing.affinity import RESPONSE_ID_HEADER, SESSION_HEADER, SessionAffinity, SharedAffinity
+from kvhive.routing.dialects import gateway_error
+from kvhive.routing.indexer import KVCacheIndexer, KVScores
+from kvhive.routing.prompts import Prompt
+from kvhive.routing.scorer import RoutingWeights, pick_replica
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,13 @@ REASON_HEADER = "x-kvhive-route-reason"
 # never saw the request or answered it with an error or garbage (a timed-out request may still be
 # running there; a cut answer was being generated).
 _RETRIED = frozenset(("connect", "connect_timeout", "reset", "malformed"))
+
+
+class SentRequest(NamedTuple):
+    """A request sent to a replica: its answer, and the answer's body when read whole (None: streamed)."""
+
+    upstream: UpstreamResponse
+    whole: bytes | None
 
 
 class Gateway:
@@ -149,56 +156,73 @@ class Gateway:
         part-way is not sent again: 504 or 502. A refused connection also marks that replica down.
         Every request's outcome feeds outlier ejection (``record``). With ``find_session``, a 404
         also moves on to the next candidate: the first replica that knows the session answers. A
-        replica that answers a request naming ``session_id`` (a session, or the response a request
-        continues) is remembered as the holder of ``owner``'s id, and as the holder of a response it
-        names in ``x-kvhive-response-id``; one that answers a request with ``cache_key`` (its
-        prompt_cache_key), as the replica of ``owner``'s key."""
+        successful answer is relayed by ``_answered``."""
         last_404: Response | None = None
         retried = False
         target = path or request.scope["path"]
         # Each pass either returns or moves on after a 404 (find_session) or a first retried failure.
         for attempt, replica in enumerate(candidates):
-            replica.inflight += 1
-            replica.routed(time.monotonic())
+            more = attempt + 1 < len(candidates)
             label = reason if attempt == 0 else "retry"
             headers = {REPLICA_HEADER: replica.name, REASON_HEADER: label}
             try:
-                upstream = await open_upstream(self.upstream, replica.name, request, body, path)
-                self.metrics.decisions.labels(replica.name, label).inc()
-                self.metrics.responses.labels(replica.name, str(upstream.status_code)).inc()
-                whole = await self._read_whole(upstream, target)
+                upstream, whole = await self._send(replica, label, request, body, path, target)
             except UpstreamError as exc:
                 await self._failed(replica, exc)
-                if not retried and attempt + 1 < len(candidates) and exc.kind in _RETRIED:
-                    retried = True
-                    self.metrics.retries.labels(exc.kind).inc()
-                    logger.info("retrying on another replica: %s failed (%s)", replica.name, exc)
+                if not retried and more and exc.kind in _RETRIED:
+                    retried = self._retrying(exc.kind, "%s failed (%s)", replica.name, exc)
                     continue
                 return last_404 if last_404 is not None else self._failure_answer(replica, exc, target)
             if failure_status(upstream.status_code):
                 self._done(replica, "5xx")
-                if not retried and attempt + 1 < len(candidates):
-                    retried = True
-                    self.metrics.retries.labels("5xx").inc()
-                    logger.info("retrying on another replica: %s answered %d", replica.name,
-                                upstream.status_code)
+                if not retried and more:
+                    retried = self._retrying("5xx", "%s answered %d", replica.name, upstream.status_code)
                     continue
                 return whole_answer(upstream, whole or b"", headers, target)
-            if find_session is not None and upstream.status_code == 404 and attempt + 1 < len(candidates):
+            if find_session is not None and upstream.status_code == 404 and more:
                 self._done(replica, None)
                 last_404 = whole_answer(upstream, whole or b"", headers, target)
                 continue
-            await self._remember_holder(upstream, replica, owner, find_session or session_id)
-            if cache_key and upstream.status_code < 400:
-                await self.cache_keys.aremember(owner, cache_key, replica.name)
-            if whole is not None:
-                self._done(replica, None)
-                return whole_answer(upstream, whole, headers, target)
-            return RelayResponse(upstream, headers, lambda failure, r=replica: self._done(r, failure),
-                                 replica.name)
+            named = find_session or session_id
+            return await self._answered(upstream, whole, replica, headers, target, owner, named, cache_key)
         if last_404 is not None:
             return last_404
         return gateway_error(target, 503, "No replica could be reached", code="no_replica")
+
+    async def _send(self, replica: Replica, label: str, request: Request, body: bytes, path: str | None,
+                    target: str) -> SentRequest:
+        """Send the request to ``replica`` (now in flight there) and read its answer's body when it
+        is not streamed (``_read_whole``)."""
+        replica.inflight += 1
+        replica.routed(time.monotonic())
+        upstream = await open_upstream(self.upstream, replica.name, request, body, path)
+        self.metrics.decisions.labels(replica.name, label).inc()
+        self.metrics.responses.labels(replica.name, str(upstream.status_code)).inc()
+        return SentRequest(upstream, await self._read_whole(upstream, target))
+
+    def _retrying(self, kind: str, why: str, *args: object) -> bool:
+        """Count and log a retry on another replica after a failure of ``kind``; True (retried)."""
+        self.metrics.retries.labels(kind).inc()
+        logger.info("retrying on another replica: " + why, *args)
+        return True
+
+    async def _answered(self, upstream: UpstreamResponse, whole: bytes | None, replica: Replica,
+                        headers: dict[str, str], target: str, owner: str, named: str | None,
+                        cache_key: str | None) -> Response:
+        """Relay a successful (non-5xx) answer of ``replica``: read whole (``whole``) or streamed.
+
+        A replica that answers a request naming ``named`` (a session, or the response a request
+        continues) is remembered as the holder of ``owner``'s id, and as the holder of a response it
+        names in ``x-kvhive-response-id``; one that answers a request with ``cache_key`` (its
+        prompt_cache_key), as the replica of ``owner``'s key."""
+        await self._remember_holder(upstream, replica, owner, named)
+        if cache_key and upstream.status_code < 400:
+            await self.cache_keys.aremember(owner, cache_key, replica.name)
+        if whole is not None:
+            self._done(replica, None)
+            return whole_answer(upstream, whole, headers, target)
+        return RelayResponse(upstream, headers, lambda failure, r=replica: self._done(r, failure),
+                             replica.name)
 
     @staticmethod
     async def _read_whole(upstream: UpstreamResponse, path: str) -> bytes | None:

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
-from kvhive.router.config import ReplicaSpec
-from kvhive.router.event_watch import EventSilence
-from kvhive.router.index import KVBlockIndex
-from kvhive.router.ingest import ReplicaIngest
-from kvhive.router.outlier import OutlierState
-from kvhive.router.scorer import LoadStats
+from kvhive.gateway.event_watch import EventSilence
+from kvhive.gateway.gateway_config import ReplicaSpec
+from kvhive.gateway.outlier import OutlierState
+from kvhive.routing.index import KVBlockIndex
+from kvhive.routing.ingest import ReplicaIngest
+from kvhive.routing.scorer import LoadStats
 
 logger = logging.getLogger(__name__)
 
@@ -25,28 +25,29 @@ logger = logging.getLogger(__name__)
 _RUNNING = ("kvhive_num_requests_running", "vllm:num_requests_running")
 _WAITING = ("kvhive_num_requests_waiting", "vllm:num_requests_waiting")
 _KV_USAGE = ("kvhive_kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{.*\})?\s+(\S+)")
+_LOAD_NAMES = _RUNNING + _WAITING + _KV_USAGE
 
 
 def parse_load(text: str) -> LoadStats:
     """Running and waiting requests (summed over label sets) and KV usage (the largest) from
-    Prometheus text; absent metrics count 0."""
+    Prometheus text; absent metrics count 0. Each line of a load figure is read with
+    ``prometheus_client``'s parser on its own (the other lines are never parsed, which keeps a poll
+    cheap on the event loop), and a line that does not parse is skipped."""
     running = waiting = usage = 0.0
     for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match is None:
+        if not line.startswith(_LOAD_NAMES):
             continue
-        name = match.group(1)
         try:
-            value = float(match.group(2))
+            samples = [s for family in text_string_to_metric_families(line + "\n") for s in family.samples]
         except ValueError:
             continue
-        if name in _RUNNING:
-            running += value
-        elif name in _WAITING:
-            waiting += value
-        elif name in _KV_USAGE:
-            usage = max(usage, value)
+        for sample in samples:
+            if sample.name in _RUNNING:
+                running += sample.value
+            elif sample.name in _WAITING:
+                waiting += sample.value
+            elif sample.name in _KV_USAGE:
+                usage = max(usage, sample.value)
     return LoadStats(running, waiting, usage)
 
 

@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass, field
 
 from kvhive.core.http_limits import HttpLimits
-from kvhive.router.outlier import OutlierPolicy
-from kvhive.router.scorer import SCORERS, RoutingWeights, TierWeights
+from kvhive.gateway.outlier import OutlierPolicy
+from kvhive.routing.scorer import SCORERS, RoutingWeights, TierWeights
 
 REPLICA_KINDS = ("kvhive", "vllm")
 # How the gateway picks a replica for a request without a session: by KV score and load (kvhive's

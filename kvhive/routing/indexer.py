@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvhive.core.blocks import ExtraKeys, hash_blocks
-from kvhive.router.index import KVBlockIndex
-from kvhive.router.scorer import KVBlockScorer, TierWeights
-from kvhive.router.tokenize import Prompt, PromptPieces, PromptTokenizer
+from kvhive.routing.index import KVBlockIndex
+from kvhive.routing.prompts import Prompt, PromptPieces, PromptTokenizer
+from kvhive.routing.scorer import KVBlockScorer, TierWeights
 
 
 @dataclass(frozen=True)

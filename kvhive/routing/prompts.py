@@ -48,7 +48,7 @@ from kvhive.core.tenancy import cache_salt
 from kvhive.core.tokenize_bodies import check_template_kwargs
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.core.tool_definitions import chat_functions, chat_template_input
-from kvhive.router.dialects import is_anthropic
+from kvhive.routing.dialects import is_anthropic
 
 _CUT_CANDIDATE = re.compile(r"(?<=\w) (?=\w)")
 _PROBES = ("The quick brown fox jumps over the lazy dog again and again",

@@ -10,7 +10,7 @@ entering a CPU, disk or remote tier) is resolved through that memory.
 from __future__ import annotations
 
 from kvhive.core.blocks import ExtraKeys, hash_blocks
-from kvhive.kv.events import BlockRemoved, BlockStored, WireHash, normalize_medium
+from kvhive.core.kv_events import BlockRemoved, BlockStored, WireHash, normalize_medium
 
 
 class BlockKeyMapper:

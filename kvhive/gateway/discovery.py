@@ -24,9 +24,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from kvhive.core.replica_registry import MEMBERS_KEY, RECORD_KEY_PREFIX, ReplicaRecord
-from kvhive.router.config import ReplicaSpec
-from kvhive.router.redis_link import RedisLink, SharedStateUnavailable
-from kvhive.router.replicas import Replica, ReplicaSet
+from kvhive.gateway.gateway_config import ReplicaSpec
+from kvhive.gateway.replicas import Replica, ReplicaSet
+from kvhive.routing.redis_link import RedisLink, SharedStateUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ import httpx
 
 from kvhive.core.cors import add_cors_args, cors_from_args
 from kvhive.core.http_limits import add_http_limit_args, http_limits_from_args
-from kvhive.router.config import ROUTING_POLICIES, GatewayConfig, ReplicaSpec
-from kvhive.router.outlier import OutlierPolicy
-from kvhive.router.scorer import SCORERS, RoutingWeights, TierWeights, weight_problem
+from kvhive.gateway.gateway_config import ROUTING_POLICIES, GatewayConfig, ReplicaSpec
+from kvhive.gateway.outlier import OutlierPolicy
+from kvhive.routing.scorer import SCORERS, RoutingWeights, TierWeights, weight_problem
 
 logger = logging.getLogger(__name__)
 
@@ -322,7 +322,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     from kvhive.core.http_protocol import uvicorn_options
     from kvhive.core.model_files import default_model_path
     from kvhive.core.tokenizer import Tokenizer
-    from kvhive.router.app import create_gateway_app
+    from kvhive.gateway.app import create_gateway_app
 
     if None in (args.model_fingerprint, args.block_size, args.hash_seed):
         config = with_replica_hashing(config, args)
@@ -358,8 +358,8 @@ def discovered_replicas(config: GatewayConfig) -> tuple[ReplicaSpec, ...]:
     --replica is given), to read block-hash settings from; else ()."""
     if config.discover_url is None:
         return ()
-    from kvhive.router.discovery import registered_specs
-    from kvhive.router.redis_link import RedisLink
+    from kvhive.gateway.discovery import registered_specs
+    from kvhive.routing.redis_link import RedisLink
 
     link = RedisLink(config.discover_url, timeout_s=1.0, fallback="no replica registered yet")
     try:
@@ -369,7 +369,7 @@ def discovered_replicas(config: GatewayConfig) -> tuple[ReplicaSpec, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvhive.router.cli``: the gateway without the ``kvhive`` console script."""
+    """``python -m kvhive.gateway.cli``: the gateway without the ``kvhive`` console script."""
     from kvhive.cli import HelpFormatter
 
     parser = argparse.ArgumentParser(prog="kvhive gateway", description=GATEWAY_DESCRIPTION,
