@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 from kvhive.connector.disagg.transfer_config import KVTransferConfig
-from kvhive.kv.events_config import KVEventsConfig
+from kvhive.core.kv_events_config import KVEventsConfig
 
 # ISA levels of the CPU kernels, best first (kvhive.model.cpu), and "auto": the best the CPU runs.
 CPU_ISAS = ("auto", "avx512_bf16", "avx512", "avx2", "portable")

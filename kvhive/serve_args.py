@@ -26,9 +26,9 @@ from kvhive.config import (
 from kvhive.connector.disagg.transfer_config import parse_kv_transfer_config
 from kvhive.core.cors import add_cors_args
 from kvhive.core.http_limits import add_http_limit_args
+from kvhive.core.kv_events_config import parse_kv_events_config
 from kvhive.core.replica_registry import RegistrationConfig, default_advertise_url
 from kvhive.core.tool_parsers import PARSER_NAMES
-from kvhive.kv.events_config import parse_kv_events_config
 
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
 WAIT_POLICIES = ("auto", "active", "passive")

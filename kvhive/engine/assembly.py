@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from kvhive.config import EngineConfig
 from kvhive.core.blocks import root_hash
+from kvhive.core.kv_events_config import KVEventsConfig
 from kvhive.engine.scheduler import Scheduler, TierSessionCopy
-from kvhive.kv.events_config import KVEventsConfig
 from kvhive.kv.window_group import window_layout_for
 
 if TYPE_CHECKING:
@@ -168,7 +168,7 @@ def open_publisher(events: KVEventsConfig, config: EngineConfig, scheduler: Sche
                    connector_scheduler: OffloadScheduler | None) -> KVEventPublisher:
     """The KV-event publisher: AllBlocksCleared first (the pool starts empty), then the blocks the
     store tiers hold and, from then on, the device pool's and the tiers' changes."""
-    from kvhive.kv.events_config import open_publisher as open_events
+    from kvhive.kv.event_publisher import open_publisher as open_events
     from kvhive.kv.tier_events import TierEventForwarder
 
     publisher = open_events(events, config.served_model_name)

@@ -23,6 +23,7 @@ from kvhive.core.kv_events import (
     WireHash,
     encode_batch,
 )
+from kvhive.core.kv_events_config import KVEventsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -162,3 +163,11 @@ def _bind_or_connect(socket: Any, endpoint: str) -> None:
         socket.bind(endpoint)
     else:
         socket.connect(endpoint)
+
+
+def open_publisher(config: KVEventsConfig, model: str) -> KVEventPublisher:
+    """A started KVEventPublisher for ``config`` (an active one) on the topic rendered for ``model``."""
+    return KVEventPublisher(config.endpoint, config.replay_endpoint, topic=config.rendered_topic(model).encode(),
+                            buffer_steps=config.buffer_steps, as_map=config.as_map,
+                            max_queue=config.max_queue_size, data_parallel_rank=config.data_parallel_rank,
+                            hwm=config.hwm, int_hashes=config.int_hashes)

@@ -44,10 +44,10 @@ CASES = {
          "kvhive.gateway.discovery", "kvhive.gateway.wiring", "kvhive.core.tenancy", "kvhive.core.http_protocol"],
         (*ABOVE_THE_ROUTER, *SERVER_EXTRA, "kvhive.kv", "kvhive.integrations")),
     # What ``kvhive gateway`` imports, from the console script's module on (it parses ``kvhive serve``'s
-    # flags too, so the engine's config and its KV-event settings are loaded; still torch-free).
+    # flags too, so the engine's config and its KV-event settings are loaded; neither needs ``kv``).
     "gateway-command": (
         ["kvhive.cli", "kvhive.gateway.app", "kvhive.gateway.cli"],
-        (*ABOVE_THE_ROUTER, *SERVER_EXTRA, "kvhive.integrations")),
+        (*ABOVE_THE_ROUTER, *SERVER_EXTRA, "kvhive.kv", "kvhive.integrations")),
     # The builder of the KV tiers and the record backends sits below the engine and the server.
     "durable-state": (
         ["kvhive.sessions.durable", "kvhive.store.tier_builder"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvhive.config import EngineConfig
-from kvhive.kv.events_config import KVEventsConfig, advertised_host, parse_kv_events_config
+from kvhive.core.kv_events_config import KVEventsConfig, advertised_host, parse_kv_events_config
 
 
 def test_vllm_keys_and_kvhive_keys_parse_into_one_config() -> None:

@@ -15,8 +15,8 @@ import zmq
 from support.kv_event_decoders import llmd_decode, receive, subscribe, vllm_decode
 
 from kvhive.core.kv_events import BlockRemoved, BlockStored
-from kvhive.kv.event_publisher import KVEventPublisher
-from kvhive.kv.events_config import KVEventsConfig, open_publisher
+from kvhive.core.kv_events_config import KVEventsConfig
+from kvhive.kv.event_publisher import KVEventPublisher, open_publisher
 from kvhive.kv.tier_events import TierEventForwarder
 from kvhive.store.tiered import TierChange
 

@@ -29,10 +29,7 @@ import json
 import socket
 import string
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from kvhive.kv.event_publisher import KVEventPublisher
+from typing import Any
 
 ENCODINGS = ("map", "array")
 HASH_FORMATS = ("bytes", "int64")
@@ -194,13 +191,3 @@ def parse_kv_events_config(text: str | None, endpoint: str | None = None,
     if replay_endpoint is not None and endpoint is None and text is None:
         raise ValueError("--kv-events-replay needs --kv-events (or an endpoint in --kv-events-config)")
     return KVEventsConfig(**values)
-
-
-def open_publisher(config: KVEventsConfig, model: str) -> KVEventPublisher:
-    """A started KVEventPublisher for ``config`` (an active one) on the topic rendered for ``model``."""
-    from kvhive.kv.event_publisher import KVEventPublisher
-
-    return KVEventPublisher(config.endpoint, config.replay_endpoint, topic=config.rendered_topic(model).encode(),
-                            buffer_steps=config.buffer_steps, as_map=config.as_map,
-                            max_queue=config.max_queue_size, data_parallel_rank=config.data_parallel_rank,
-                            hwm=config.hwm, int_hashes=config.int_hashes)
