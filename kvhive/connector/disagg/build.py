@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from kvhive.connector.disagg.scheduler import DisaggScheduler
+from kvhive.connector.disagg.scheduler_half import DisaggScheduler
 from kvhive.connector.disagg.transfer_config import KVTransferConfig
 from kvhive.connector.disagg.worker import DisaggWorker
 from kvhive.store.key import KeySpace

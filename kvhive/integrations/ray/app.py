@@ -28,7 +28,7 @@ def build_app(args: Mapping[str, Any]) -> Any:
     from ray.serve.config import RequestRouterConfig
 
     from kvhive.integrations.ray.ingress import KVHiveIngress
-    from kvhive.integrations.ray.replica import KVHiveReplica
+    from kvhive.integrations.ray.deployment import KVHiveReplica
 
     config = parse_app_config(args)
     replica_options = {**DEFAULT_REPLICA_OPTIONS, **config.ray_actor_options}
