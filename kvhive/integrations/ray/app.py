@@ -27,8 +27,8 @@ def build_app(args: Mapping[str, Any]) -> Any:
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from kvhive.integrations.ray.ingress import KVHiveIngress
     from kvhive.integrations.ray.deployment import KVHiveReplica
+    from kvhive.integrations.ray.ingress import KVHiveIngress
 
     config = parse_app_config(args)
     replica_options = {**DEFAULT_REPLICA_OPTIONS, **config.ray_actor_options}
