@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvhive.core.cors import CorsConfig, install_cors
+from kvhive.core.dashboard import DashboardAccess
 from kvhive.core.http_limits import HttpLimits
 from kvhive.core.http_protocol import uvicorn_options
 from kvhive.server.body_limit import BodyLimitMiddleware, default_max_request_bytes
@@ -27,6 +28,7 @@ from kvhive.server.chat import create_chat_completion
 from kvhive.server.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
 from kvhive.server.completions import create_completion
 from kvhive.server.context import install_context_routes, session_sweeper
+from kvhive.server.dashboard import ReplicaDashboard, dashboard_sampler, install_dashboard
 from kvhive.server.errors import APIError, install_error_handlers
 from kvhive.server.generation import GenerationService
 from kvhive.server.messages import install_messages_routes
@@ -103,7 +105,9 @@ class AppOptions:
     context). ``metrics_compat``: "vllm" also exports each metric vLLM has under vLLM's name
     (docs/metrics.md). ``cors``: the browser origins allowed (None: no CORS headers).
     ``tokenizer_info``: serve ``GET /tokenizer_info``. ``tool_call_parser``: how tool calls are
-    read from outputs ("auto": by the chat template).
+    read from outputs ("auto": by the chat template). ``dashboard``: serve the live page
+    (``/dashboard``, ``kvhive.server.dashboard``). ``admin_key``: the key that sees every key's
+    sessions and usage there (one of ``api_keys`` too; None: no admin).
     """
 
     api_keys: tuple[str, ...] = ()
@@ -112,6 +116,8 @@ class AppOptions:
     cors: CorsConfig | None = None
     tokenizer_info: bool = False
     tool_call_parser: str = "auto"
+    dashboard: bool = True
+    admin_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -127,10 +133,13 @@ def create_app(services: AppServices, options: AppOptions) -> FastAPI:
     """The OpenAI-compatible app over ``services`` (the caller owns the engine's lifecycle); its
     lifespan runs the session and stored-response sweepers."""
     service, responses = services.generation, services.responses
+    dashboard = None
+    if options.dashboard:
+        dashboard = ReplicaDashboard(service, DashboardAccess(True, options.api_keys, options.admin_key))
 
     @contextlib.asynccontextmanager
     async def sweepers(_app: FastAPI) -> AsyncIterator[None]:
-        async with session_sweeper(service.sessions), response_sweeper(responses):
+        async with session_sweeper(service.sessions), response_sweeper(responses), dashboard_sampler(dashboard):
             yield
 
     app = FastAPI(title="kvhive", version=KVHIVE_VERSION, lifespan=sweepers)
@@ -143,6 +152,8 @@ def create_app(services: AppServices, options: AppOptions) -> FastAPI:
     created = unix_time()
     install_error_handlers(app)
     install_request_bodies(app, service.served_model_name)
+    if dashboard is not None:
+        install_dashboard(app, dashboard)       # its usage counter runs inside the checks below
     # The last added runs first: the key is checked, then the body's size, before any route reads it.
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if options.api_keys:

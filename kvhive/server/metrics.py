@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from kvhive.server.dashboard_usage import CURRENT_KEY_USAGE
 from kvhive.server.metrics_collectors import (
     EngineStatsCollector,
     ResponseStatsCollector,
@@ -178,7 +179,8 @@ class RequestPhaseHistograms:
 
 
 class RequestMetrics:
-    """Timings and counts of one request; ``finish`` records it exactly once, whatever ended it."""
+    """Timings and counts of one request; ``finish`` records it exactly once, whatever ended it,
+    and adds its tokens to its key's usage (``CURRENT_KEY_USAGE`` when it was made)."""
 
     def __init__(self, metrics: ServerMetrics, max_tokens: int | None = None) -> None:
         self._m = metrics
@@ -188,6 +190,7 @@ class RequestMetrics:
         # The engine's stamps: queued and first scheduled, first and last output with tokens.
         self._queued = self._scheduled = self._first_output = self._last_output = None
         self._finished = False
+        self._key_usage = CURRENT_KEY_USAGE.get()
 
     def on_output(self, out: RequestOutput) -> None:
         """Record an engine output: TTFT for the first with tokens, ITL after; keep its stamps."""
@@ -216,6 +219,8 @@ class RequestMetrics:
         m.finished(reason).inc()
         m.prompt_tokens.inc(num_prompt_tokens)
         m.generation_tokens.inc(num_output_tokens)
+        if self._key_usage is not None:
+            self._key_usage.add_tokens(num_prompt_tokens, num_output_tokens)
         m.phases.e2e.observe(time.monotonic() - self._arrival)
         m.request_prompt_tokens.observe(num_prompt_tokens)
         m.request_generation_tokens.observe(num_output_tokens)
