@@ -195,16 +195,19 @@ def run_engine(args: argparse.Namespace, config: EngineConfig,
                registration: RegistrationConfig | None = None) -> int:
     """Build the engine and serve HTTP over it until interrupted: 0 after a clean shutdown, 1 when
     the server never started or the engine loop died, 2 for a model or config the engine cannot run.
-    The API keys are --api-key, else $KVHIVE_API_KEY. With ``registration``, the replica keeps its
+    The API keys are --api-key, else $KVHIVE_API_KEY, and --admin-key. With ``registration``, the replica keeps its
     record in the registry while it serves and deregisters when it stops."""
     from kvhive.launch.replica import EngineRefused, build_replica
     from kvhive.server.app import AppOptions, run_server
 
     api_keys = args.api_key or ([os.environ["KVHIVE_API_KEY"]] if os.environ.get("KVHIVE_API_KEY")
                                 else [])
+    if args.admin_key and args.admin_key not in api_keys:
+        api_keys.append(args.admin_key)          # the admin key is an API key too
     options = AppOptions(api_keys=tuple(api_keys), max_request_bytes=args.max_request_bytes,
                          metrics_compat=args.metrics_compat, cors=cors_from_args(args),
-                         tokenizer_info=args.enable_tokenizer_info_endpoint, tool_call_parser=args.tool_call_parser)
+                         tokenizer_info=args.enable_tokenizer_info_endpoint, tool_call_parser=args.tool_call_parser,
+                         dashboard=args.dashboard, admin_key=args.admin_key or None)
     try:
         replica = build_replica(config, options, registration=registration)
     except EngineRefused as exc:                      # a model or config the engine cannot run

@@ -210,6 +210,12 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require this key as 'Authorization: Bearer KEY'; may be repeated "
                         "(default: $KVHIVE_API_KEY if set, else no key)")
+    g.add_argument("--admin-key", default=None, metavar="KEY",
+                   help="a key that is also accepted as an API key and, on the live page (/dashboard), "
+                        "sees every key's sessions and usage; other keys see their own (default: none)")
+    g.add_argument("--no-dashboard", dest="dashboard", action="store_false",
+                   help="do not serve the live page (GET /dashboard and /dashboard/data answer 404; its data "
+                        "is behind the API keys when keys are set) (default: served)")
     g.add_argument("--share-prefix-cache", action="store_true",
                    help="share prefix-cache blocks across API keys; without it each key has its own, "
                         "closing the timing side channel of vLLM CVE-2025-46570 (default: off)")

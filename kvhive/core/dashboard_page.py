@@ -1,7 +1,7 @@
 """The live page ``GET /dashboard`` answers on a replica and on the gateway: one self-contained
 HTML document (inline CSS and JavaScript, no external asset, no build step; works offline).
 
-It holds no data: every ``POLL_INTERVAL_S`` it fetches ``dashboard/data`` (``kvhive.core.dashboard``'s
+It holds no data: every ``POLL_INTERVAL_S`` it fetches ``dashboard/data`` (``kvhive.core.dashboard_data``'s
 shape) with the key the user typed, or gave in the URL fragment (``/dashboard#key=KEY``), sent as
 ``Authorization: Bearer`` and kept in the browser's localStorage. It renders cards, series and
 tables generically, and marks each with a stable attribute a browser test reads: ``data-card`` (with
@@ -11,7 +11,7 @@ tables generically, and marks each with a stable attribute a browser test reads:
 
 from __future__ import annotations
 
-from kvhive.core.dashboard import POLL_INTERVAL_S
+from kvhive.core.dashboard_data import POLL_INTERVAL_S
 
 _STYLE = """
 body{font:14px system-ui,sans-serif;margin:0;background:#f6f7f9;color:#1d2330}

@@ -14,9 +14,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvhive.core.cors import CorsConfig, install_cors
+from kvhive.core.dashboard_data import OPEN_DASHBOARD, DashboardAccess
 from kvhive.core.json_body import BodyError, MalformedJSON, load_json, off_loop_for
 from kvhive.core.tenancy import key_owner
 from kvhive.core.tokenizer import Tokenizer
+from kvhive.gateway.dashboard_gateway import GatewayDashboard, install_gateway_dashboard
 from kvhive.gateway.gateway_config import GatewayConfig
 from kvhive.gateway.pd import route_disaggregated, wants_prefill
 from kvhive.gateway.replicas import Replica
@@ -39,13 +41,17 @@ _ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", *so
 
 
 def create_gateway_app(config: GatewayConfig, tokenizer: Tokenizer,
-                       index: KVBlockIndex | None = None, cors: CorsConfig | None = None) -> FastAPI:
+                       index: KVBlockIndex | None = None, cors: CorsConfig | None = None,
+                       dashboard: DashboardAccess = OPEN_DASHBOARD) -> FastAPI:
     """The gateway app; replicas are checked and event subscribers started when it starts.
-    ``cors``: the browser origins allowed (None: no CORS headers)."""
+    ``cors``: the browser origins allowed (None: no CORS headers). ``dashboard``: whether the live
+    page is served and who reads its data (``kvhive.gateway.dashboard_gateway``)."""
     parts = build_gateway(config, tokenizer, index)
     app = FastAPI(title="kvhive gateway", version="0.1.0", lifespan=parts.lifespan)
     app.state.gateway = parts.gateway
     app.state.index = parts.index
+    if dashboard.enabled:
+        install_gateway_dashboard(app, GatewayDashboard(parts.replicas, parts.metrics, dashboard))
     GatewayRoutes(config, parts).install(app)
     install_cors(app, cors)               # added last, so a preflight is answered before any route
     return app

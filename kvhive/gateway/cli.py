@@ -191,6 +191,13 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-bytes", type=int, default=32 * 2**20, metavar="N",
                    help="largest request body in bytes the gateway reads (it holds each body in memory "
                         "to forward it); a larger one is refused with 413 (default: 32 MiB)")
+    g.add_argument("--admin-key", default=None, metavar="KEY",
+                   help="the key the live page's data (/dashboard/data) needs, as 'Authorization: Bearer "
+                        "KEY' (401 without it); without this flag the page and its data are open to anyone "
+                        "who reaches the gateway (default: none)")
+    g.add_argument("--no-dashboard", dest="dashboard", action="store_false",
+                   help="do not serve the live page (GET /dashboard and /dashboard/data answer 404) "
+                        "(default: served)")
     add_cors_args(g)
 
 
@@ -319,6 +326,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         return 2
     import uvicorn
 
+    from kvhive.core.dashboard_data import DashboardAccess
     from kvhive.core.http_protocol import uvicorn_options
     from kvhive.core.model_files import default_model_path
     from kvhive.core.tokenizer import Tokenizer
@@ -327,7 +335,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     if None in (args.model_fingerprint, args.block_size, args.hash_seed):
         config = with_replica_hashing(config, args)
     tokenizer = Tokenizer.from_model_path(config.model_path or default_model_path())
-    app = create_gateway_app(config, tokenizer, cors=cors)
+    app = create_gateway_app(config, tokenizer, cors=cors,
+                             dashboard=DashboardAccess(args.dashboard, admin_key=args.admin_key or None))
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5, **uvicorn_options(config.http))
     return 0

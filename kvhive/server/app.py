@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvhive.core.cors import CorsConfig, install_cors
-from kvhive.core.dashboard import DashboardAccess
+from kvhive.core.dashboard_data import DashboardAccess
 from kvhive.core.http_limits import HttpLimits
 from kvhive.core.http_protocol import uvicorn_options
 from kvhive.server.body_limit import BodyLimitMiddleware, default_max_request_bytes
@@ -28,7 +28,7 @@ from kvhive.server.chat import create_chat_completion
 from kvhive.server.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
 from kvhive.server.completions import create_completion
 from kvhive.server.context import install_context_routes, session_sweeper
-from kvhive.server.dashboard import ReplicaDashboard, dashboard_sampler, install_dashboard
+from kvhive.server.dashboard_replica import ReplicaDashboard, dashboard_sampler, install_dashboard
 from kvhive.server.errors import APIError, install_error_handlers
 from kvhive.server.generation import GenerationService
 from kvhive.server.messages import install_messages_routes
@@ -106,7 +106,7 @@ class AppOptions:
     (docs/metrics.md). ``cors``: the browser origins allowed (None: no CORS headers).
     ``tokenizer_info``: serve ``GET /tokenizer_info``. ``tool_call_parser``: how tool calls are
     read from outputs ("auto": by the chat template). ``dashboard``: serve the live page
-    (``/dashboard``, ``kvhive.server.dashboard``). ``admin_key``: the key that sees every key's
+    (``/dashboard``, ``kvhive.server.dashboard_replica``). ``admin_key``: the key that sees every key's
     sessions and usage there (one of ``api_keys`` too; None: no admin).
     """
 

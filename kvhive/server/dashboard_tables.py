@@ -1,7 +1,7 @@
 """The replica page's cards and tables, each built from one snapshot: the engine's stats, the
 metrics registry, the sessions a viewer may see, the per-key usage and the runtime's kernel paths.
 
-What a viewer may see is decided by the caller (``kvhive.server.dashboard``); these builders only
+What a viewer may see is decided by the caller (``kvhive.server.dashboard_replica``); these builders only
 shape what they are given. Numbers are the same ones ``/metrics``, ``/v1/context`` and ``/version``
 answer, so the page and those endpoints agree.
 """
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
-from kvhive.core.dashboard import Card, Cell, Table, bounded_table
+from kvhive.core.dashboard_data import Card, Cell, Table, bounded_table
 from kvhive.server.dashboard_usage import KeyUsage
 
 if TYPE_CHECKING:

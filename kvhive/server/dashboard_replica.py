@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from kvhive.core.dashboard import (
+from kvhive.core.dashboard_data import (
     MAX_TABLE_ROWS,
     Card,
     DashboardAccess,

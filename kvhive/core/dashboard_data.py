@@ -164,3 +164,7 @@ class DashboardAccess:
         """Whether ``key`` (a valid key, from ``key_of``) is the admin key."""
         return key is not None and self.admin_key is not None and secrets.compare_digest(
             key.encode(), self.admin_key.encode())
+
+
+# The page served, its data open to anyone (a server or gateway without keys).
+OPEN_DASHBOARD = DashboardAccess()
