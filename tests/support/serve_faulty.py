@@ -1,6 +1,6 @@
 """The test server process: ``python -m support.serve_faulty --model tiny|default --port N [--api-key K]
 [--max-model-len N] [--faulty] [--served-model-name NAME] [--http-* limits] [CORS flags]
-[--enable-tokenizer-info-endpoint]`` (``support.servers.start_server`` runs it).
+[--enable-tokenizer-info-endpoint] [--admin-key K] [--no-dashboard]`` (``support.servers.start_server`` runs it).
 
 ``tiny`` is a random-weight Llama (``support/tiny.py``) behind the real tokenizer of the default GGUF;
 ``default`` is the real default model. ``--faulty`` makes prompts that start with
@@ -56,8 +56,10 @@ def build_test_replica(args: argparse.Namespace):  # -> Replica (kvhive imports 
                              share_prefix_cache=args.share_prefix_cache,
                              enable_conversation_caching=args.enable_conversation_caching,
                              max_active_conversations=args.max_active_conversations)
-    options = AppOptions(api_keys=tuple(args.api_key), max_request_bytes=args.max_request_bytes,
-                         cors=cors_from_args(args), tokenizer_info=args.enable_tokenizer_info_endpoint)
+    api_keys = tuple(args.api_key) + ((args.admin_key,) if args.admin_key else ())
+    options = AppOptions(api_keys=api_keys, max_request_bytes=args.max_request_bytes,
+                         cors=cors_from_args(args), tokenizer_info=args.enable_tokenizer_info_endpoint,
+                         dashboard=args.dashboard, admin_key=args.admin_key)
     engine_class = faulty_engine_class(AsyncEngine) if args.faulty else AsyncEngine
     prefix = not args.no_prefix_caching
     if args.model == "default":
@@ -221,6 +223,8 @@ def arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fault-mode", choices=FAULT_MODES, default=None)
     parser.add_argument("--max-request-bytes", type=int, default=None)
     parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true")
+    parser.add_argument("--admin-key", default=None)            # also an API key, as kvhive serve's
+    parser.add_argument("--no-dashboard", dest="dashboard", action="store_false")
     from kvhive.core.cors import add_cors_args
     from kvhive.core.http_limits import add_http_limit_args
 
