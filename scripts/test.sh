@@ -5,9 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # redis-server: the Redis tier's tests start their own. g++: builds the C++ kernels (without it their
 # tests skip and the engine falls back to torch, so CI would not test the paths users run).
+# chromium: the live page's browser test loads /dashboard in it, headless.
 NEED=()
 command -v redis-server >/dev/null 2>&1 || NEED+=(redis-server)
 command -v g++ >/dev/null 2>&1 || NEED+=(g++)
+command -v chromium >/dev/null 2>&1 || NEED+=(chromium)
 if [ ${#NEED[@]} -gt 0 ]; then
   SUDO=$([ "$(id -u)" -eq 0 ] && echo "" || echo sudo)
   $SUDO apt-get update -qq
