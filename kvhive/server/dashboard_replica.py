@@ -18,7 +18,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from kvhive.core.dashboard_data import (
-    MAX_TABLE_ROWS,
     Card,
     DashboardAccess,
     DashboardData,
@@ -42,7 +41,7 @@ from kvhive.server.dashboard_tables import (
     tier_table,
     usage_table,
 )
-from kvhive.server.dashboard_usage import NO_KEY, KeyUsageMiddleware, KeyUsageTable
+from kvhive.server.dashboard_usage import NO_KEY, KeyUsage, KeyUsageMiddleware, KeyUsageTable
 from kvhive.server.errors import APIError
 
 if TYPE_CHECKING:
@@ -90,6 +89,14 @@ def load_series(samples: list[tuple[float, LoadSample]], with_store: bool) -> tu
     return tuple(series)
 
 
+class Viewer(NamedTuple):
+    """Who asks: the admin (or anyone, on a server without keys) sees everything; ``owner`` is the
+    key's digest (None without keys)."""
+
+    admin: bool
+    owner: str | None
+
+
 class ReplicaDashboard:
     """Builds the page's data for one viewer and samples the series (bounded: ``StatsRing``)."""
 
@@ -101,17 +108,23 @@ class ReplicaDashboard:
         self.ring: StatsRing[LoadSample] = StatsRing()
         self._admin_owner = None if access.admin_key is None else key_owner(f"Bearer {access.admin_key}")
 
-    def sample(self, now: float | None = None) -> None:
-        """Offer the engine's current stats to the ring (kept if the last sample is old enough)."""
+    def sample(self, now: float | None = None, stats: EngineStats | None = None) -> None:
+        """Offer the engine's stats (``stats``, else read now) to the ring, kept if the last
+        sample is old enough."""
         now = time.time() if now is None else now
         if self.ring.due(now):
-            self.ring.offer(now, load_sample(self.service.engine.stats()))
+            self.ring.offer(now, load_sample(self.service.engine.stats() if stats is None else stats))
 
     async def run_sampler(self) -> None:
         """Sample every ring interval until cancelled."""
         while True:
             self.sample()
             await asyncio.sleep(self.ring.interval_s)
+
+    def viewer(self, key: str | None) -> Viewer:
+        """Who ``key`` (a valid key, or None on a server without keys) is."""
+        return Viewer(self.access.is_admin(key) or not self.access.needs_key,
+                      None if key is None else key_owner(f"Bearer {key}"))
 
     def owner_label(self, owner: str | None) -> str:
         """How the page names an owner: "admin", a short digest, or NO_KEY."""
@@ -123,33 +136,31 @@ class ReplicaDashboard:
         """What ``key`` (a valid key, or None on a server without keys) may see now."""
         engine = self.service.engine
         stats = engine.stats()
-        self.sample()
-        admin = self.access.is_admin(key) or not self.access.needs_key
-        owner = None if key is None else key_owner(f"Bearer {key}")
+        self.sample(stats=stats)
+        viewer = self.viewer(key)
+        sessions = self.visible_sessions(viewer)
         sums = metric_sums(self.service.metrics.registry, (PREFILL_SECONDS_SUM, PROMPT_TOKENS_TOTAL))
-        cards = engine_cards(stats, prefill_saving(stats, sums)) + tier_cards(stats)
-        sessions = await self.session_rows(admin, owner)
-        tier_names = [t.name for t in stats.tiers]
-        show_owner = admin and self.access.needs_key
+        cards = [*engine_cards(stats, prefill_saving(stats, sums)), *tier_cards(stats),
+                 Card("sessions_live", "Live sessions" if viewer.admin else "Live sessions (yours)",
+                      len(sessions), "count")]
+        show_owner = viewer.admin and self.access.needs_key
         tables = (tier_table(stats, engine.block_bytes),
-                  session_table(sessions, tier_names, engine.block_bytes, show_owner),
-                  usage_table(self.usage_rows(admin, owner)), runtime_table(engine.runtime_info()))
-        cards.append(Card("sessions_live", "Live sessions (yours)" if not admin else "Live sessions",
-                          len(self.visible_sessions(admin, owner)), "count"))
+                  session_table(await self.session_rows(sessions), [t.name for t in stats.tiers],
+                                engine.block_bytes, show_owner),
+                  usage_table(self.usage_rows(viewer)), runtime_table(engine.runtime_info()))
         return DashboardData(f"kvhive replica: {self.service.served_model_name}", time.time(), tuple(cards),
                              load_series(self.ring.samples(), bool(stats.tiers)), tables)
 
-    def visible_sessions(self, admin: bool, owner: str | None) -> list[Session]:
-        """Every live session for the admin (or without keys), else the owner's."""
+    def visible_sessions(self, viewer: Viewer) -> list[Session]:
+        """Every live session for the admin (or without keys), else the viewer's own; soonest expiry first."""
         sessions = self.service.sessions
-        return sessions.live_sessions() if admin else sessions.list(owner)
+        shown = sessions.live_sessions() if viewer.admin else sessions.list(viewer.owner)
+        return sorted(shown, key=lambda s: s.expires)
 
-    async def session_rows(self, admin: bool, owner: str | None) -> list[SessionRow]:
-        """The visible sessions, soonest expiry first, the first MAX_PLACEMENT_LOOKUPS with their
-        blocks per tier."""
-        visible = sorted(self.visible_sessions(admin, owner), key=lambda s: s.expires)[:MAX_TABLE_ROWS]
+    async def session_rows(self, sessions: list[Session]) -> list[SessionRow]:
+        """A row per session; the first MAX_PLACEMENT_LOOKUPS with their blocks per tier."""
         rows = []
-        for i, session in enumerate(visible):
+        for i, session in enumerate(sessions):
             placed = None
             if i < MAX_PLACEMENT_LOOKUPS:
                 placed = await self.service.engine.session_blocks_by_tier(
@@ -157,12 +168,12 @@ class ReplicaDashboard:
             rows.append(SessionRow(session, self.owner_label(session.owner), placed))
         return rows
 
-    def usage_rows(self, admin: bool, owner: str | None) -> list:
-        """Every key's usage for the admin (or without keys), else the caller's own row."""
-        if admin:
+    def usage_rows(self, viewer: Viewer) -> list[tuple[str, KeyUsage]]:
+        """Every key's usage for the admin (or without keys), else the viewer's own row."""
+        if viewer.admin:
             return [(self.owner_label(name), usage) for name, usage in self.usage.items()]
-        own = None if owner is None else self.usage.get(owner)
-        return [] if own is None else [(self.owner_label(owner), own)]
+        own = None if viewer.owner is None else self.usage.get(viewer.owner)
+        return [] if own is None else [(self.owner_label(viewer.owner), own)]
 
 
 def dashboard_sampler(dashboard: ReplicaDashboard | None) -> contextlib.AbstractAsyncContextManager[None]:
