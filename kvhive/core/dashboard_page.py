@@ -6,7 +6,7 @@ shape) with the key the user typed, or gave in the URL fragment (``/dashboard#ke
 ``Authorization: Bearer`` and kept in the browser's localStorage. It renders cards, series and
 tables generically, and marks each with a stable attribute a browser test reads: ``data-card`` (with
 ``data-value``, the raw number), ``data-series`` (with ``data-points``), ``data-table`` (rows hold
-``td[data-col]``), and ``#status[data-state]`` ("ok", "auth", "error").
+``td[data-col]``, with ``data-value`` on numbers), and ``#status[data-state]`` ("ok", "auth", "error").
 """
 
 from __future__ import annotations
@@ -63,6 +63,12 @@ function formatValue(value, unit) {
   return unit && unit !== 'count' ? text + ' ' + unit : text;
 }
 
+// How a table column's numbers read: by its name (bytes, fractions), else plain.
+function columnUnit(column) {
+  if (column === 'bytes' || column.endsWith('_bytes')) { return 'bytes'; }
+  return ['fill', 'share', 'kv_usage'].includes(column) ? 'fraction' : '';
+}
+
 function renderCards(cards) {
   const box = document.getElementById('cards'); box.replaceChildren();
   for (const card of cards) {
@@ -106,8 +112,12 @@ function renderTables(tables) {
     table.append(head);
     t.rows.forEach((row, i) => {
       const tr = el('tr', {'data-row': String(i)});
-      row.forEach((cell, j) => tr.append(el('td', {'data-col': t.columns[j],
-        'class': typeof cell === 'number' ? 'num' : ''}, cell === null ? '-' : String(cell))));
+      row.forEach((cell, j) => {
+        const column = t.columns[j];
+        if (typeof cell !== 'number') { tr.append(el('td', {'data-col': column}, cell === null ? '-' : String(cell))); return; }
+        tr.append(el('td', {'data-col': column, 'data-value': String(cell), 'class': 'num'},
+                     formatValue(cell, columnUnit(column))));
+      });
       table.append(tr);
     });
     section.append(table); box.append(section);

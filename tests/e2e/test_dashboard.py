@@ -182,12 +182,15 @@ def rendered_cards(dom: str) -> dict[str, float]:
 
 
 def rendered_sessions(dom: str) -> dict[str, dict[str, str]]:
-    """Session id -> column -> cell text, from the rendered sessions table."""
+    """Session id -> column -> cell (a number's raw value, else its text), from the rendered sessions table."""
     found = re.search(r'<table data-table="sessions">(.*?)</table>', dom, re.S)
     assert found, "no sessions table rendered"
     rows = {}
     for row in re.findall(r'<tr data-row="\d+">(.*?)</tr>', found.group(1), re.S):
-        cells = {col: html.unescape(text) for col, text in re.findall(r'<td data-col="(\w+)"[^>]*>(.*?)</td>', row)}
+        cells = {}
+        for col, attrs, text in re.findall(r'<td data-col="(\w+)"([^>]*)>(.*?)</td>', row):
+            value = re.search(r'data-value="([^"]*)"', attrs)      # numbers carry their raw value
+            cells[col] = value.group(1) if value else html.unescape(text)
         rows[cells["id"]] = cells
     return rows
 
