@@ -27,6 +27,7 @@ from kvhive.core.dashboard_data import (
     StatsRing,
     Table,
     bounded_table,
+    unknown_query,
 )
 from kvhive.core.dashboard_page import dashboard_html
 from kvhive.gateway.metrics import GatewayMetrics
@@ -132,6 +133,9 @@ def install_gateway_dashboard(app: FastAPI, dashboard: GatewayDashboard) -> None
                                               request.headers.get("x-api-key")) is None:
             return openai_error(401, "Invalid or missing admin key. Send 'Authorization: Bearer <key>' "
                                      "with the gateway's --admin-key.", code="invalid_api_key")
+        problem = unknown_query(list(request.query_params.keys()))
+        if problem is not None:
+            return openai_error(400, problem, param=next(iter(request.query_params.keys()))[:64])
         return JSONResponse(dashboard.data().to_json(), headers={"cache-control": "no-store"})
 
     app.add_api_route("/dashboard", dashboard_page, methods=["GET"], include_in_schema=False)

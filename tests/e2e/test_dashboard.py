@@ -111,6 +111,8 @@ def test_the_data_needs_a_key(served) -> None:
     for headers in ({}, auth("not-a-key"), {"Authorization": KEYS[0]}):
         assert_error(httpx.get(url, headers=headers, timeout=30), 401, code="invalid_api_key")
     assert httpx.get(url, headers={"x-api-key": KEYS[1]}, timeout=30).status_code == 200
+    # The endpoint takes no query parameters: one is a 400 naming it, not ignored.
+    assert_error(httpx.get(f"{url}?window=60", headers=auth(KEYS[1]), timeout=30), 400, param="window")
     # The body limit of every endpoint: a 2 MiB body (the limit is 1 MiB here) is refused unread.
     big = httpx.request("GET", url, headers=auth(KEYS[1]), content=b"x" * (2 << 20), timeout=30)
     assert_error(big, 413, code="request_too_large")

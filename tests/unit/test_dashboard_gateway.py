@@ -68,6 +68,8 @@ def test_the_admin_key_guards_the_data_not_the_page(tokenizer) -> None:
         assert refused.status_code == 401
         assert refused.json()["error"]["code"] == "invalid_api_key"
     assert get(app, "/dashboard/data", {"Authorization": "Bearer adm"}).status_code == 200
+    unknown = get(app, "/dashboard/data?window=60", {"Authorization": "Bearer adm"})
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "window"
 
 
 def test_no_dashboard_is_a_404_on_both_paths(tokenizer) -> None:
