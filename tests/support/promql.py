@@ -177,10 +177,17 @@ def variable_queries(dashboard: dict) -> Iterator[tuple[str, str, str]]:
 
 
 class ExportedSample(NamedTuple):
-    """A sample name of a scrape: its family's type and the label names its series carry."""
+    """A sample name of a scrape: its family's type and the label names its series carry (None: the
+    family is declared, by its ``# TYPE`` line, but has no series yet)."""
 
     family_type: str
-    labels: frozenset[str]
+    labels: frozenset[str] | None
+
+
+# The sample names of a family with no series yet, by type (a labelled counter shows its first
+# series with its first event; its ``# TYPE`` line is there from the start).
+DECLARED_SAMPLES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count"),
+                    "summary": ("_sum", "_count")}
 
 
 def exported_samples(metrics_text: str) -> dict[str, ExportedSample]:
@@ -189,10 +196,17 @@ def exported_samples(metrics_text: str) -> dict[str, ExportedSample]:
 
     found: dict[str, ExportedSample] = {}
     for family in text_string_to_metric_families(metrics_text):
+        if not family.samples:
+            for suffix in DECLARED_SAMPLES.get(family.type, ()):
+                found.setdefault(family.name + suffix, ExportedSample(family.type, None))
         for s in family.samples:
-            seen = found.get(s.name, ExportedSample(family.type, frozenset()))
-            found[s.name] = ExportedSample(family.type, seen.labels | set(s.labels) - {"le", "quantile"})
+            seen = found.get(s.name)
+            earlier = seen.labels if seen is not None and seen.labels is not None else frozenset()
+            found[s.name] = ExportedSample(family.type, earlier | (set(s.labels) - {"le", "quantile"}))
     return found
+
+
+NOT_EXPORTED = ExportedSample("", frozenset())
 
 
 def _ref_problems(where: str, ref: MetricRef, exported: dict[str, ExportedSample]) -> Iterator[str]:
@@ -201,7 +215,8 @@ def _ref_problems(where: str, ref: MetricRef, exported: dict[str, ExportedSample
     if sample is None:
         yield f"{where}: {ref.name} is not exported"
         return
-    for label in set(ref.labels) - sample.labels - TARGET_LABELS:
+    known = set(ref.labels) if sample.labels is None else sample.labels   # no series yet: unknown
+    for label in set(ref.labels) - known - TARGET_LABELS:
         yield f"{where}: {ref.name} has no label {label}"
     if sample.family_type != "gauge" and not ref.ranged:
         yield f"{where}: {ref.name} ({sample.family_type}) is read without a range (rate/increase)"
@@ -220,7 +235,7 @@ def query_problems(dashboard: dict, exported: dict[str, ExportedSample]) -> list
         refs = metric_refs(selector)
         for ref in refs:
             problems.extend(_ref_problems(f"${name}", ref._replace(ranged=True), exported))
-        if label not in TARGET_LABELS and not any(label in exported.get(r.name, ExportedSample("", frozenset())).labels
+        if label not in TARGET_LABELS and not any(label in (exported.get(r.name, NOT_EXPORTED).labels or ())
                                                   for r in refs):
             problems.append(f"${name}: no series of {selector!r} has label {label}")
     return problems

@@ -29,13 +29,18 @@ HISTOGRAM_PARTS = ("_bucket", "_sum", "_count")
 
 
 def scrape_text() -> str:
-    """A scrape as prometheus_client writes it: a counter, a gauge and a histogram."""
+    """A scrape as prometheus_client writes it: a counter, a gauge, a histogram, and a labelled
+    counter with no series yet (its ``# TYPE`` line only)."""
     registry = CollectorRegistry()
+    Counter("kvhive_failures", "f", ["replica"], registry=registry)
     Counter("kvhive_hits", "h", ["model_name", "tier"], registry=registry).labels("m", "cpu").inc(3)
     Gauge("kvhive_running", "r", ["model_name"], registry=registry).labels("m").set(1)
     Histogram("kvhive_ttft_seconds", "t", ["model_name"], buckets=(0.1,), registry=registry).labels("m").observe(0.05)
     return generate_latest(registry).decode()
+
+
 def refs(expr: str) -> list[tuple[str, tuple[str, ...], bool]]:
+    """(name, label names, has a range) of each metric ``expr`` reads."""
     return [tuple(r) for r in metric_refs(expr)]
 
 
@@ -60,18 +65,22 @@ def test_an_unclosed_string_or_bracket_is_an_error(expr: str) -> None:
 
 def test_a_made_up_name_a_missing_label_and_a_raw_counter_are_caught() -> None:
     exported = exported_samples(scrape_text())
-    assert set(exported) - {"kvhive_hits_created", "kvhive_ttft_seconds_created"} == {"kvhive_hits_total", "kvhive_running", "kvhive_ttft_seconds_bucket",
-                             "kvhive_ttft_seconds_count", "kvhive_ttft_seconds_sum"}
+    assert set(exported) - {"kvhive_hits_created", "kvhive_ttft_seconds_created"} == {
+        "kvhive_hits_total", "kvhive_running", "kvhive_ttft_seconds_bucket", "kvhive_ttft_seconds_count",
+        "kvhive_ttft_seconds_sum", "kvhive_failures_total"}
+    assert exported["kvhive_failures_total"].labels is None and exported["kvhive_running"].labels == {"model_name"}
     board = copy.deepcopy(load_dashboard("kvhive-gateway.json"))
     board["templating"]["list"] = [v for v in board["templating"]["list"] if v["type"] != "query"]
     board["panels"] = [{"id": 1, "title": "p", "targets": [{"expr": e} for e in (
         "sum(rate(kvhive_hits_total{tier=~'c.*'}[5m])) / sum(kvhive_running)",
         "histogram_quantile(0.9, sum by (le) (rate(kvhive_ttft_seconds_bucket{instance='i'}[5m])))",
         "rate(kvhive_made_up_total[5m])",
+        "sum by (replica) (increase(kvhive_failures_total{replica='r'}[1h]))",
         "kvhive_hits_total",
         "kvhive_running{replica='r'}",
         "rate(kvhive_ttft_seconds[5m])",
         "vector(1)",
+        "kvhive_failures_total",
     )]}]
     assert query_problems(board, exported) == [
         "p: kvhive_made_up_total is not exported",
@@ -79,6 +88,7 @@ def test_a_made_up_name_a_missing_label_and_a_raw_counter_are_caught() -> None:
         "p: kvhive_running has no label replica",
         "p: kvhive_ttft_seconds is not exported",
         "p: reads no metric: 'vector(1)'",
+        "p: kvhive_failures_total (counter) is read without a range (rate/increase)",
     ]
 
 
