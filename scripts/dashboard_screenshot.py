@@ -6,8 +6,9 @@
 
 With ``--url`` it starts nothing: it loads the page of a server you run (one without ``--api-key``:
 Chromium sends no key). With ``--start replica`` it starts ``kvhive serve`` on the default model
-with the smallest settings and a CPU and a disk tier, sends a few completions and opens two
-sessions so the page has something to show, takes the picture and stops the server; ``--start
+with the smallest settings and a CPU and a disk tier, opens two sessions and sends completions (the
+same few prompts again and again, so most are cache hits) for ``--settle-s`` seconds so the page's
+series have points, takes the picture and stops the server; ``--start
 gateway`` also starts ``kvhive gateway`` in front of it and takes the gateway's page. Chromium
 (Debian's ``chromium`` package: ``apt-get install -y chromium``) runs with the flags below and a
 throwaway profile; the page has ``--budget-ms`` of virtual time to poll its data before the picture.
@@ -32,7 +33,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "docs" / "dashboard.png"
 MODEL = "smollm2-135m"
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
-PROMPTS = ("The capital of France is", "One, two, three,", "A short poem about caches:")
+# Prompts of several KV blocks each, so that sending one again is a prefix-cache hit.
+PROMPTS = tuple(f"Order {n}: " + " ".join(f"item {i} costs {i * n % 17} coins;" for i in range(12)) + " Total:"
+                for n in (3, 5, 7))
 SESSION_PROMPTS = ("You answer from this manual: the pump starts with the red switch.",
                    "You are a terse assistant for a bakery's orders.")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -56,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window-size", default="1280,1600", help="WIDTH,HEIGHT in pixels (default: 1280,1600)")
     p.add_argument("--budget-ms", type=int, default=6000,
                    help="virtual time the page gets to load and poll before the picture (default: 6000)")
+    p.add_argument("--settle-s", type=float, default=20.0,
+                   help="with --start: seconds of repeated requests before the picture, so the page's "
+                        "series (one sample per 5 s) have points (default: 20)")
     p.add_argument("--chromium", default=None, help="the browser binary (default: the first of "
                    f"{', '.join(CHROMIUM_NAMES)} on PATH)")
     args = p.parse_args(argv)
@@ -64,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--window-size must be WIDTH,HEIGHT in pixels, got {args.window_size!r}")
     if not 0 < args.budget_ms <= 120_000:
         p.error("--budget-ms must be 1..120000")
+    if not 0 <= args.settle_s <= 600:
+        p.error("--settle-s must be 0..600")
     return args
 
 
@@ -143,16 +151,22 @@ def running(kind: str, *flags: str) -> Iterator[str]:
             process.wait()
 
 
-def give_the_page_something(url: str) -> None:
-    """A few completions (twice each: the second is a cache hit) and two sessions through ``url``."""
+def give_the_page_something(url: str, settle_s: float) -> None:
+    """Two sessions and a few completions through ``url``, then for ``settle_s`` seconds one repeated
+    completion a second (cache hits), so the page's series have samples over time."""
     with httpx.Client(base_url=url, timeout=300) as client:
-        for prompt in PROMPTS * 2:
-            r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 8})
-            r.raise_for_status()
         for system in SESSION_PROMPTS:
             r = client.post("/v1/context", headers={"x-session-ttl": "3600"}, json={
                 "model": MODEL, "max_tokens": 4, "messages": [{"role": "system", "content": system}]})
             r.raise_for_status()
+        deadline, turn = time.monotonic() + settle_s, 0
+        while turn < len(PROMPTS) or time.monotonic() < deadline:
+            prompt = PROMPTS[turn % len(PROMPTS)]
+            r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4})
+            r.raise_for_status()
+            turn += 1
+            if turn >= len(PROMPTS):
+                time.sleep(1.0)
 
 
 def screenshot_started(kind: str, args: argparse.Namespace, chromium: str) -> Screenshot:
@@ -164,7 +178,7 @@ def screenshot_started(kind: str, args: argparse.Namespace, chromium: str) -> Sc
             page_host = replica
             if kind == "gateway":
                 page_host = stack.enter_context(running("gateway", "--replica", replica))
-            give_the_page_something(page_host)
+            give_the_page_something(page_host, args.settle_s)
             return take_screenshot(chromium, f"{page_host}/dashboard", args.out, args.window_size, args.budget_ms)
 
 
