@@ -4,8 +4,8 @@
     python scripts/dashboard_screenshot.py --start replica                         # starts one itself
     python scripts/dashboard_screenshot.py --start gateway --out docs/dashboard_gateway.png
 
-With ``--url`` it starts nothing: it loads the page of a server you run (one without ``--api-key``:
-Chromium sends no key). With ``--start replica`` it starts ``kvhive serve`` on the default model
+With ``--url`` it starts nothing: it loads the page of a server you run (with API keys, give one in
+the URL's fragment, ``/dashboard#key=KEY``: the page sends it with its polls). With ``--start replica`` it starts ``kvhive serve`` on the default model
 with the smallest settings and a CPU and a disk tier, opens two sessions and sends completions (the
 same few prompts again and again, so most are cache hits) for ``--settle-s`` seconds so the page's
 series have points, takes the picture and stops the server; ``--start
