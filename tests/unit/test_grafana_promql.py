@@ -1,13 +1,17 @@
 """The Grafana dashboards of ``examples/grafana/`` without a server: each is an importable dashboard
 shape, the PromQL scan finds the metric names an expression reads (and only those), a made-up name
 or label is caught, and every name the dashboards read is a family docs/metrics.md lists.
-``tests/e2e/test_grafana_dashboards.py`` checks the same names against real scrapes."""
+``tests/e2e/test_grafana_dashboards.py`` checks the same names against real scrapes. Where
+``promtool`` is installed (Debian's ``prometheus`` package), Prometheus's own parser reads every expression."""
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
+import shutil
+import subprocess
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -26,6 +30,8 @@ from support.promql import (
 from support.servers import REPO_ROOT
 
 HISTOGRAM_PARTS = ("_bucket", "_sum", "_count")
+# What Grafana puts in place of the dashboards' variables before Prometheus reads an expression.
+GRAFANA_VALUES = {"$__rate_interval": "1m", "$instance": ".*", "$model_name": ".*", "$replica": ".*"}
 
 
 def scrape_text() -> str:
@@ -145,3 +151,27 @@ def test_every_name_the_dashboards_read_is_documented() -> None:
         assert all(isinstance(r, MetricRef) for r in read)
         unknown = sorted({r.name for r in read if documented_family_of(r.name, families) is None})
         assert unknown == [], name
+
+
+def promtool_check(rules: list[dict[str, str]], path) -> subprocess.CompletedProcess:
+    """``promtool check rules`` of one group of recording ``rules`` written to ``path``."""
+    path.write_text(json.dumps({"groups": [{"name": "dashboards", "rules": rules}]}))  # JSON is YAML
+    return subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian's prometheus package) not installed")
+def test_prometheus_parses_every_expression(tmp_path) -> None:
+    rules = []
+    for name in dashboard_files():
+        for number, (_, expr) in enumerate(panel_queries(load_dashboard(name))):
+            for variable, value in GRAFANA_VALUES.items():
+                expr = expr.replace(variable, value)
+            rules.append({"record": f"dashboard:{name.removesuffix('.json').replace('-', '_')}:{number}",
+                          "expr": expr})
+    assert len(rules) > 100
+    done = promtool_check(rules, tmp_path / "rules.yml")
+    assert done.returncode == 0, done.stderr
+    done = promtool_check([*rules, {"record": "dashboard:broken", "expr": "sum by (le) (rate(x[5m])"}],
+                          tmp_path / "broken.yml")
+    failed = [line for line in done.stderr.splitlines() if "could not parse" in line]
+    assert done.returncode == 1 and len(failed) == 1 and '"dashboard:broken"' in failed[0], done.stderr
