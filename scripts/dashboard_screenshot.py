@@ -4,12 +4,16 @@
     python scripts/dashboard_screenshot.py --start replica                         # starts one itself
     python scripts/dashboard_screenshot.py --start gateway --out docs/dashboard_gateway.png
 
-With ``--url`` it starts nothing: it loads the page of a server you run (with API keys, give one in
-the URL's fragment, ``/dashboard#key=KEY``: the page sends it with its polls). With ``--start replica`` it starts ``kvhive serve`` on the default model
-with the smallest settings and a CPU and a disk tier, opens two sessions and sends completions (the
-same few prompts again and again, so most are cache hits) for ``--settle-s`` seconds so the page's
-series have points, takes the picture and stops the server; ``--start
-gateway`` also starts ``kvhive gateway`` in front of it and takes the gateway's page. Chromium
+With ``--url`` it starts nothing: it loads the page of a server you run (with API keys, pass one
+with ``--key`` or the environment's ``KVHIVE_DASHBOARD_KEY``; the admin key shows every key's
+sessions). With ``--start replica`` it starts ``kvhive serve`` on the default model with the
+smallest settings, a CPU and a disk tier and a fresh admin key, opens two sessions and sends
+completions (the same few prompts again and again, so most are cache hits) for ``--settle-s``
+seconds so the page's series have points, takes the picture and stops the server; ``--start
+gateway`` also starts ``kvhive gateway`` (with the same ``--admin-key``) in front of it and takes the
+gateway's page. The key reaches Chromium as HTTP Basic credentials in the URL
+(``http://admin:KEY@host/dashboard``): Chromium sends them when the page answers 401, and again
+on the page's own polls of ``dashboard/data``. Chromium
 (Debian's ``chromium`` package: ``apt-get install -y chromium``) runs with the flags below and a
 throwaway profile; the page has ``--budget-ms`` of virtual time to poll its data before the picture.
 """
@@ -18,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -26,6 +32,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import httpx
 
@@ -55,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     source.add_argument("--url", help="the page of a running server, e.g. http://127.0.0.1:8000/dashboard")
     source.add_argument("--start", choices=("replica", "gateway"),
                         help="start kvhive serve (and kvhive gateway in front) and take its page")
+    p.add_argument("--key", default=os.environ.get("KVHIVE_DASHBOARD_KEY"),
+                   help="with --url: the key to open the page with, sent as HTTP Basic credentials "
+                        "(default: $KVHIVE_DASHBOARD_KEY; none: an open server)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the PNG to write (default: docs/dashboard.png)")
     p.add_argument("--window-size", default="1280,1600", help="WIDTH,HEIGHT in pixels (default: 1280,1600)")
     p.add_argument("--budget-ms", type=int, default=6000,
@@ -84,25 +94,34 @@ def find_chromium(name: str | None) -> str:
     raise SystemExit("no Chromium found: apt-get install -y chromium (or pass --chromium PATH)")
 
 
-def take_screenshot(chromium: str, url: str, out: Path, window_size: str, budget_ms: int) -> Screenshot:
-    """Load ``url`` in headless Chromium and write its picture to ``out``; SystemExit if the page is
-    not an HTML page answered 200 (no picture of an error) or no PNG came."""
-    check_page(url)
+def with_credentials(url: str, key: str | None) -> str:
+    """``url`` carrying ``key`` as HTTP Basic credentials (user "admin"), or ``url`` itself without a key."""
+    if not key:
+        return url
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=f"admin:{quote(key, safe='')}@{parts.netloc.rpartition('@')[2]}"))
+
+
+def take_screenshot(chromium: str, url: str, key: str | None, out: Path, window_size: str,
+                    budget_ms: int) -> Screenshot:
+    """Load ``url`` in headless Chromium, opened with ``key`` (None: no key), and write its picture to
+    ``out``; SystemExit if the page is not an HTML page answered 200 (no picture of an error) or no PNG came."""
+    check_page(url, key)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvhive-chromium-") as profile:
         cmd = [chromium, "--headless", "--disable-gpu", "--no-sandbox", "--hide-scrollbars",
                f"--window-size={window_size}", f"--virtual-time-budget={budget_ms}",
-               f"--user-data-dir={profile}", f"--screenshot={out}", url]
+               f"--user-data-dir={profile}", f"--screenshot={out}", with_credentials(url, key)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if not out.is_file() or not out.read_bytes().startswith(PNG_SIGNATURE):
         raise SystemExit(f"Chromium wrote no PNG to {out} (exit {done.returncode}):\n{done.stderr[-2000:]}")
     return Screenshot(out, out.stat().st_size)
 
 
-def check_page(url: str) -> None:
-    """SystemExit unless ``url`` answers 200 with HTML (a 401, 404 or JSON error is no dashboard)."""
+def check_page(url: str, key: str | None) -> None:
+    """SystemExit unless ``url`` answers 200 with HTML to ``key`` (a 401, 404 or JSON error is no dashboard)."""
     try:
-        r = httpx.get(url, timeout=30)
+        r = httpx.get(url, auth=None if not key else ("admin", key), timeout=30)
     except httpx.HTTPError as e:
         raise SystemExit(f"{url}: {e}") from None
     if r.status_code != 200 or not r.headers.get("content-type", "").startswith("text/html"):
@@ -151,10 +170,10 @@ def running(kind: str, *flags: str) -> Iterator[str]:
             process.wait()
 
 
-def give_the_page_something(url: str, settle_s: float) -> None:
-    """Two sessions and a few completions through ``url``, then for ``settle_s`` seconds one repeated
-    completion a second (cache hits), so the page's series have samples over time."""
-    with httpx.Client(base_url=url, timeout=300) as client:
+def give_the_page_something(url: str, key: str, settle_s: float) -> None:
+    """Two sessions and a few completions through ``url`` with ``key``, then for ``settle_s`` seconds
+    one repeated completion a second (cache hits), so the page's series have samples over time."""
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=300) as client:
         for system in SESSION_PROMPTS:
             r = client.post("/v1/context", headers={"x-session-ttl": "3600"}, json={
                 "model": MODEL, "max_tokens": 4, "messages": [{"role": "system", "content": system}]})
@@ -170,16 +189,19 @@ def give_the_page_something(url: str, settle_s: float) -> None:
 
 
 def screenshot_started(kind: str, args: argparse.Namespace, chromium: str) -> Screenshot:
-    """Start a replica (and a gateway in front when ``kind`` is "gateway"), fill it, take its page."""
+    """Start a replica (and a gateway in front when ``kind`` is "gateway") with a fresh admin key,
+    fill it, take its page opened with that key."""
+    admin_key = secrets.token_urlsafe(16)
     with tempfile.TemporaryDirectory(prefix="kvhive-dashboard-disk-") as disk, running(
             "serve", "--max-model-len", "1024", "--kv-cache-gb", "0.25", "--cpu-offload-gb", "0.05",
-            "--disk-cache-dir", disk) as replica:
+            "--disk-cache-dir", disk, "--admin-key", admin_key) as replica:
         with contextlib.ExitStack() as stack:
             page_host = replica
             if kind == "gateway":
-                page_host = stack.enter_context(running("gateway", "--replica", replica))
-            give_the_page_something(page_host, args.settle_s)
-            return take_screenshot(chromium, f"{page_host}/dashboard", args.out, args.window_size, args.budget_ms)
+                page_host = stack.enter_context(running("gateway", "--replica", replica, "--admin-key", admin_key))
+            give_the_page_something(page_host, admin_key, args.settle_s)
+            return take_screenshot(chromium, f"{page_host}/dashboard", admin_key, args.out, args.window_size,
+                                   args.budget_ms)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     chromium = find_chromium(args.chromium)
     if args.url:
-        shot = take_screenshot(chromium, args.url, args.out, args.window_size, args.budget_ms)
+        shot = take_screenshot(chromium, args.url, args.key, args.out, args.window_size, args.budget_ms)
     else:
         shot = screenshot_started(args.start, args, chromium)
     print(f"wrote {shot.path} ({shot.num_bytes} bytes)")

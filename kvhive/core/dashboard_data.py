@@ -3,18 +3,19 @@
 Torch-free: ``kvhive serve`` and ``kvhive gateway`` both build a ``DashboardData`` and the one page
 (``kvhive.core.dashboard_page``) renders any of them generically: cards as numbers, series as line
 charts, tables as tables. ``StatsRing`` keeps the last minutes of samples for the series, bounded.
-``DashboardAccess`` is who may read the data (``--no-dashboard``, ``--admin-key``).
+``DashboardAccess`` is who may open the page and read the data (``--no-dashboard``, the keys,
+``--admin-key``): the key comes as Bearer, ``x-api-key`` or HTTP Basic's password, so a browser asks for it.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import secrets
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
-
-from kvhive.core.tenancy import presented_key
 
 # How often the series are sampled and how many samples are kept: 10 minutes at 5 s.
 SAMPLE_INTERVAL_S = 5.0
@@ -136,6 +137,39 @@ def rate_points(samples: Sequence[tuple[float, tuple[float, float]]]) -> tuple[t
     return tuple(points)
 
 
+# Longest Authorization or x-api-key header the page reads a key from; a longer one presents no key.
+MAX_KEY_HEADER_CHARS = 4096
+# What a 401 from the page or its data asks for: a browser then prompts for the key (any user name).
+DASHBOARD_CHALLENGE = 'Basic realm="kvhive dashboard", charset="UTF-8"'
+MISSING_KEY_MESSAGE = ("Invalid or missing API key. Send 'Authorization: Bearer <key>', 'x-api-key: <key>' "
+                       "or HTTP Basic auth with the key as the password.")
+
+
+def basic_password(credentials: str) -> bytes | None:
+    """The password of HTTP Basic ``credentials`` (base64 of ``user:password``), else None."""
+    try:
+        decoded = base64.b64decode(credentials.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    _, colon, password = decoded.partition(b":")
+    return password if colon else None
+
+
+def presented_dashboard_key(authorization: str | None, x_api_key: str | None = None) -> bytes | None:
+    """The key a dashboard request presents, as bytes: Bearer's token, Basic's password, else
+    ``x-api-key`` when no Authorization is sent; None for none, an empty one, another scheme or a
+    header over MAX_KEY_HEADER_CHARS."""
+    header = authorization or x_api_key
+    if not header or len(header) > MAX_KEY_HEADER_CHARS:
+        return None
+    if not authorization:
+        return header.strip().encode("utf-8", "replace") or None
+    scheme, _, credentials = header.strip().partition(" ")
+    if scheme.lower() == "bearer":
+        return credentials.strip().encode("utf-8", "replace") or None
+    return (basic_password(credentials) or None) if scheme.lower() == "basic" else None
+
+
 @dataclass(frozen=True)
 class DashboardAccess:
     """Whether the page is served and who may read its data: ``api_keys`` (empty: anyone, unless
@@ -147,18 +181,23 @@ class DashboardAccess:
 
     @property
     def needs_key(self) -> bool:
-        """Whether the data endpoint answers 401 to a request without a valid key."""
+        """Whether the page and its data answer 401 (``DASHBOARD_CHALLENGE``) to a request without a valid key."""
         return bool(self.api_keys) or self.admin_key is not None
 
     def key_of(self, authorization: str | None, x_api_key: str | None = None) -> str | None:
-        """The valid key the request presents (``Authorization: Bearer`` or ``x-api-key``), else None."""
-        token = presented_key(authorization, x_api_key).encode()
-        if not token or (authorization and not authorization.lower().startswith("bearer ")):
+        """The valid key the request presents (``Authorization: Bearer KEY``, ``Authorization: Basic``
+        whose password is the key, or ``x-api-key: KEY``), else None. Never raises."""
+        token = presented_dashboard_key(authorization, x_api_key)
+        if token is None:
             return None
         keys = (*self.api_keys, *(() if self.admin_key is None else (self.admin_key,)))
         # compare_digest against every key: the time taken does not reveal which key nearly matched.
         matches = [key for key in keys if secrets.compare_digest(token, key.encode())]
         return matches[0] if matches else None
+
+    def key_in(self, headers: Mapping[str, str]) -> str | None:
+        """``key_of`` a request's headers (``headers.get`` finds a header by its lower-case name)."""
+        return self.key_of(headers.get("authorization"), headers.get("x-api-key"))
 
     def is_admin(self, key: str | None) -> bool:
         """Whether ``key`` (a valid key, from ``key_of``) is the admin key."""

@@ -2,11 +2,12 @@
 HTML document (inline CSS and JavaScript, no external asset, no build step; works offline).
 
 It holds no data: every ``POLL_INTERVAL_S`` it fetches ``dashboard/data`` (``kvhive.core.dashboard_data``'s
-shape) with the key the user typed, or gave in the URL fragment (``/dashboard#key=KEY``), sent as
-``Authorization: Bearer`` and kept in the browser's localStorage. It renders cards, series and
-tables generically, and marks each with a stable attribute a browser test reads: ``data-card`` (with
-``data-value``, the raw number), ``data-series`` (with ``data-points``), ``data-table`` (rows hold
-``td[data-col]``, with ``data-value`` on numbers), and ``#status[data-state]`` ("ok", "auth", "error").
+shape) from the page's own origin and path (never from a URL carrying ``user:key@``, which fetch
+refuses), so the browser sends the HTTP Basic credentials it opened the page with; the page itself
+handles no key. It renders cards, series and tables generically, and marks each with a stable
+attribute a browser test reads: ``data-card`` (with ``data-value``, the raw number), ``data-series``
+(with ``data-points``), ``data-table`` (rows hold ``td[data-col]``, with ``data-value`` on numbers),
+and ``#status[data-state]`` ("ok", "auth", "error").
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ _STYLE = """
 body{font:14px system-ui,sans-serif;margin:0;background:#f6f7f9;color:#1d2330}
 header{display:flex;gap:1em;align-items:center;padding:.6em 1em;background:#1d2330;color:#fff}
 header h1{font-size:1.1em;margin:0;flex:1}
-header input{width:16em}
 #status{font-size:.85em}#status[data-state=error],#status[data-state=auth]{color:#ffb4a8}
 main{padding:1em}
 #cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(11em,1fr));gap:.6em}
@@ -35,13 +35,9 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}
 
 _SCRIPT = """
 const POLL_MS = %(poll_ms)d;
-const keyInput = document.getElementById('key');
-const fragmentKey = new URLSearchParams(location.hash.slice(1)).get('key');
-if (fragmentKey) { localStorage.setItem('kvhive_dashboard_key', fragmentKey); }
-keyInput.value = fragmentKey || localStorage.getItem('kvhive_dashboard_key') || '';
-keyInput.addEventListener('change', () => {
-  localStorage.setItem('kvhive_dashboard_key', keyInput.value.trim()); poll();
-});
+// Next to the page, without the user:key@ the page may have been opened with (fetch refuses
+// such a URL); the browser re-sends the page's Basic credentials to its own origin.
+const DATA_URL = new URL('dashboard/data', location.origin + location.pathname);
 
 function el(tag, attrs, text) {
   const node = document.createElement(tag);
@@ -130,11 +126,9 @@ function setStatus(state, text) {
 }
 
 async function poll() {
-  const key = keyInput.value.trim();
-  const headers = key ? {'Authorization': 'Bearer ' + key} : {};
   try {
-    const answer = await fetch('dashboard/data', {headers, cache: 'no-store'});
-    if (answer.status === 401) { setStatus('auth', 'this server needs an API key'); return; }
+    const answer = await fetch(DATA_URL, {credentials: 'same-origin', cache: 'no-store'});
+    if (answer.status === 401) { setStatus('auth', 'the key was refused: reload to enter it'); return; }
     if (!answer.ok) { setStatus('error', 'HTTP ' + answer.status); return; }
     const data = await answer.json();
     document.getElementById('title').textContent = data.title;
@@ -150,13 +144,12 @@ poll(); setInterval(poll, POLL_MS);
 
 
 def dashboard_html() -> str:
-    """The page: a header (title, key field, status), then cards, series and tables as data comes."""
+    """The page: a header (title, status), then cards, series and tables as data comes."""
     script = _SCRIPT % {"poll_ms": int(POLL_INTERVAL_S * 1000)}
     return ("<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">"
             "<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\">"
             f"<title>kvhive</title><style>{_STYLE}</style></head><body>"
             "<header><h1 id=\"title\">kvhive</h1>"
-            "<input id=\"key\" type=\"password\" placeholder=\"API key\" autocomplete=\"off\" "
-            "aria-label=\"API key\"><span id=\"status\" data-state=\"loading\">loading</span></header>"
+            "<span id=\"status\" data-state=\"loading\">loading</span></header>"
             "<main><div id=\"cards\"></div><div id=\"series\"></div><div id=\"tables\"></div></main>"
             f"<script>{script}</script></body></html>")

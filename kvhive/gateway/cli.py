@@ -192,9 +192,10 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help="largest request body in bytes the gateway reads (it holds each body in memory "
                         "to forward it); a larger one is refused with 413 (default: 32 MiB)")
     g.add_argument("--admin-key", default=None, metavar="KEY",
-                   help="the key the live page's data (/dashboard/data) needs, as 'Authorization: Bearer "
-                        "KEY' (401 without it); without this flag the page and its data are open to anyone "
-                        "who reaches the gateway (default: none)")
+                   help="the key the live page (/dashboard and its data) needs, as 'Authorization: Bearer "
+                        "KEY' or as HTTP Basic auth's password, which a browser asks for (401 without it); "
+                        "without this flag the page and its data are open to anyone who reaches the gateway "
+                        "(default: none)")
     g.add_argument("--no-dashboard", dest="dashboard", action="store_false",
                    help="do not serve the live page (GET /dashboard and /dashboard/data answer 404) "
                         "(default: served)")

@@ -5,8 +5,8 @@ the routed requests and the reasons they were routed there.
 The numbers are the ones ``/health`` and ``/metrics`` answer: health and load as the health checks
 last saw them, routed requests from ``kvhive_gateway_routing_decisions``. The series are sampled
 when the page polls (at most one sample per ``SAMPLE_INTERVAL_S``, the last minutes kept).
-The gateway holds no API keys of its own (it forwards the client's): its data is open unless
-``--admin-key`` is given, then only that key reads it (401 otherwise).
+The gateway holds no API keys of its own (it forwards the client's): its page and data are open
+unless ``--admin-key`` is given, then only that key opens them (401 otherwise, asking a browser for it).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from kvhive.core.dashboard_data import (
+    DASHBOARD_CHALLENGE,
+    MISSING_KEY_MESSAGE,
     Card,
     DashboardAccess,
     DashboardData,
@@ -118,25 +120,31 @@ class GatewayDashboard:
 
 
 def install_gateway_dashboard(app: FastAPI, dashboard: GatewayDashboard) -> None:
-    """Add ``GET /dashboard`` (the page, served without a key: it holds no data) and
-    ``GET /dashboard/data`` (behind ``--admin-key`` when one is given)."""
+    """Add ``GET /dashboard`` (the page) and ``GET /dashboard/data``, both behind ``--admin-key``
+    when one is given (Bearer, ``x-api-key`` or HTTP Basic's password: a browser asks for it)."""
     page = dashboard_html()
+    access = dashboard.access
 
-    async def dashboard_page() -> HTMLResponse:
-        """The live page."""
-        return HTMLResponse(page, headers={"cache-control": "no-store"})
+    def refused(request: Request) -> Response | None:
+        """The 401 (OpenAI's shape, with the Basic challenge) of a request without the admin key, else None."""
+        if not access.needs_key or access.key_in(request.headers) is not None:
+            return None
+        return openai_error(401, MISSING_KEY_MESSAGE.replace("API key", "admin key"), code="invalid_api_key",
+                            headers={"www-authenticate": DASHBOARD_CHALLENGE})
+
+    async def dashboard_page(request: Request) -> Response:
+        """The live page (it holds no data: it polls ``/dashboard/data``, its browser sending the same key)."""
+        return refused(request) or HTMLResponse(page, headers={"cache-control": "no-store"})
 
     async def dashboard_data(request: Request) -> Response:
-        """The replicas' state; 401 in OpenAI's shape without the admin key when one is set."""
-        access = dashboard.access
-        if access.needs_key and access.key_of(request.headers.get("authorization"),
-                                              request.headers.get("x-api-key")) is None:
-            return openai_error(401, "Invalid or missing admin key. Send 'Authorization: Bearer <key>' "
-                                     "with the gateway's --admin-key.", code="invalid_api_key")
+        """The replicas' state; 401 without the admin key when one is set."""
+        refusal = refused(request)
+        if refusal is not None:
+            return refusal
         problem = unknown_query(list(request.query_params.keys()))
         if problem is not None:
             return openai_error(400, problem, param=next(iter(request.query_params.keys()))[:64])
         return JSONResponse(dashboard.data().to_json(), headers={"cache-control": "no-store"})
 
-    app.add_api_route("/dashboard", dashboard_page, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/dashboard", dashboard_page, methods=["GET"], include_in_schema=False, response_model=None)
     app.add_api_route("/dashboard/data", dashboard_data, methods=["GET"], response_model=None)

@@ -4,7 +4,8 @@
 the per-key usage table, keeps the last minutes of hit rates and load in a ``StatsRing`` (sampled
 by a task on the app's lifespan), and builds one ``DashboardData`` per poll for one viewer: with
 API keys, a key sees its own sessions and usage and the replica-wide gauges; the admin key
-(``--admin-key``) sees every key's sessions (with a short owner digest) and usage.
+(``--admin-key``) sees every key's sessions (with a short owner digest) and usage. With keys, the
+page itself is a 401 without one too, with a Basic challenge so that a browser asks for the key.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import time
 from typing import TYPE_CHECKING, NamedTuple
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from kvhive.core.dashboard_data import (
+    DASHBOARD_CHALLENGE,
+    MISSING_KEY_MESSAGE,
     Card,
     DashboardAccess,
     DashboardData,
@@ -189,22 +192,30 @@ def install_dashboard(app: FastAPI, dashboard: ReplicaDashboard) -> None:
     page = dashboard_html()
 
     @app.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
-    async def dashboard_page() -> HTMLResponse:
-        """The live page. Served without a key: it holds no data, and asks ``/dashboard/data``
-        with the key the user gives it."""
+    async def dashboard_page(raw_request: Request) -> Response:
+        """The live page; with keys, only to a request with a valid one (a browser asks for it:
+        ``unauthorized``). It holds no data: it polls ``/dashboard/data``, its browser sending the same key."""
+        if dashboard.access.needs_key and dashboard.access.key_in(raw_request.headers) is None:
+            return unauthorized()
         return HTMLResponse(page, headers={"cache-control": "no-store"})
 
-    @app.get("/dashboard/data")
-    async def dashboard_data(raw_request: Request) -> JSONResponse:
+    @app.get("/dashboard/data", response_model=None)
+    async def dashboard_data(raw_request: Request) -> Response:
         """What the caller's key may see (``ReplicaDashboard.data``); 401 without a valid key
         when the server has keys."""
-        headers = raw_request.headers
-        key = dashboard.access.key_of(headers.get("authorization"), headers.get("x-api-key"))
+        key = dashboard.access.key_in(raw_request.headers)
         if key is None and dashboard.access.needs_key:
-            raise APIError(401, "Invalid or missing API key. Send 'Authorization: Bearer <key>' "
-                                "or 'x-api-key: <key>'.", code="invalid_api_key")
+            return unauthorized()
         problem = unknown_query(list(raw_request.query_params.keys()))
         if problem is not None:
             raise bad_request(problem, param=next(iter(raw_request.query_params.keys()))[:64])
         data = await dashboard.data(key)
         return JSONResponse(data.to_json(), headers={"cache-control": "no-store"})
+
+
+def unauthorized() -> JSONResponse:
+    """The 401 of a dashboard request without a valid key: OpenAI's error shape, with the Basic
+    challenge a browser answers by asking for the key."""
+    response = APIError(401, MISSING_KEY_MESSAGE, code="invalid_api_key").response()
+    response.headers["www-authenticate"] = DASHBOARD_CHALLENGE
+    return response

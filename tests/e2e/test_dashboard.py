@@ -1,7 +1,8 @@
 """The live page on a real replica (tiny model, a CPU tier, two API keys and an admin key, sessions
 of both keys): ``/dashboard/data`` agrees with ``/metrics`` and ``/v1/context``, shows a key only
-its own sessions and usage (the admin every key's), and is a 401 without a key; and headless
-Chromium renders the same numbers from ``/dashboard``."""
+its own sessions and usage (the admin every key's); the page and its data are a 401 without a key
+(Bearer, x-api-key or Basic); and headless Chromium, given the key as Basic credentials in the URL,
+renders the same numbers from ``/dashboard``."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ PROMPTS = {KEYS[0]: [list(range(10, 80)), list(range(200, 300))], KEYS[1]: [list
 
 def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
+
+
+CHALLENGE = 'Basic realm="kvhive dashboard", charset="UTF-8"'
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +120,25 @@ def test_the_data_needs_a_key(served) -> None:
     # The body limit of every endpoint: a 2 MiB body (the limit is 1 MiB here) is refused unread.
     big = httpx.request("GET", url, headers=auth(KEYS[1]), content=b"x" * (2 << 20), timeout=30)
     assert_error(big, 413, code="request_too_large")
-    page = httpx.get(f"{server.base_url}/dashboard", timeout=30)
-    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+
+
+def test_the_page_needs_a_key_and_takes_it_as_basic_auth_too(served) -> None:
+    server, _ = served
+    for path in ("/dashboard", "/dashboard/data"):
+        url = f"{server.base_url}{path}"
+        for refused in (httpx.get(url, timeout=30), httpx.get(url, headers=auth("not-a-key"), timeout=30),
+                        httpx.get(url, auth=("x", "not-a-key"), timeout=30)):
+            assert_error(refused, 401, code="invalid_api_key")
+            assert refused.headers["www-authenticate"] == CHALLENGE      # a browser asks for the key
+        for answer in (httpx.get(url, headers=auth(KEYS[0]), timeout=30),
+                       httpx.get(url, auth=("x", KEYS[1]), timeout=30), httpx.get(url, auth=("", ADMIN), timeout=30)):
+            assert answer.status_code == 200, answer.text
+    page = httpx.get(f"{server.base_url}/dashboard", auth=("x", KEYS[0]), timeout=30)
+    assert page.headers["content-type"].startswith("text/html") and "dashboard/data" in page.text
+    # Basic's key is the viewer's key: its own sessions only.
+    basic_view = httpx.get(f"{server.base_url}/dashboard/data", auth=("x", KEYS[1]), timeout=30).json()
+    assert {row["id"] for row in table(basic_view, "sessions")} == {
+        row["id"] for row in table(data(server, KEYS[1]), "sessions")}
 
 
 def test_the_numbers_are_those_of_metrics(served) -> None:
@@ -167,7 +188,9 @@ def test_the_admin_key_sees_every_key_s_sessions_and_usage(served) -> None:
 
 
 # The command the browser test runs (the URL appended): headless, no GPU, no sandbox (CI runs as
-# root), its own profile, and 5 s of virtual time for the page to fetch and render its data.
+# root), its own profile, and 5 s of virtual time for the page to fetch and render its data. The
+# URL carries the key as Basic credentials (http://x:KEY@host/dashboard): Chromium sends them after
+# the page's 401 challenge, and again on the page's fetch of dashboard/data.
 CHROMIUM = ("chromium", "--headless", "--disable-gpu", "--no-sandbox", "--virtual-time-budget=5000", "--dump-dom")
 
 
@@ -203,7 +226,8 @@ def test_a_browser_renders_the_numbers_of_metrics_and_sessions(served, tmp_path:
     dom_box: dict[str, str] = {}
 
     def read_rendered() -> dict[str, float]:
-        dom_box["dom"] = rendered_page(f"{server.base_url}/dashboard#key={KEYS[0]}", tmp_path / "profile")
+        url = server.base_url.replace("http://", f"http://x:{KEYS[0]}@", 1)
+        dom_box["dom"] = rendered_page(f"{url}/dashboard", tmp_path / "profile")
         return rendered_cards(dom_box["dom"])
     metrics, shown = settled_cards(server, read_rendered)
     dom = dom_box["dom"]

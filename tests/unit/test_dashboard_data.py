@@ -3,11 +3,13 @@ table, who may read the data, the page itself (self-contained), and the serve fl
 
 from __future__ import annotations
 
+import base64
 import re
 
 import pytest
 
 from kvhive.core.dashboard_data import (
+    MAX_KEY_HEADER_CHARS,
     Card,
     DashboardAccess,
     DashboardData,
@@ -59,10 +61,37 @@ def test_only_a_valid_key_reads_and_only_the_admin_key_is_admin() -> None:
     assert access.needs_key
     assert access.key_of("Bearer k1") == "k1" and access.key_of(None, "k1") == "k1"
     assert access.key_of("Bearer k2") is None and access.key_of(None) is None and access.key_of("Bearer ") is None
-    assert access.key_of("Basic k1") is None
+    assert access.key_of("Basic k1") is None and access.key_of("Digest k1") is None
     assert access.is_admin("adm") and not access.is_admin("k1") and not access.is_admin(None)
     assert not DashboardAccess().needs_key
     assert DashboardAccess(admin_key="adm").needs_key          # the gateway: the admin key alone
+
+
+def basic(credentials: bytes) -> str:
+    return "Basic " + base64.b64encode(credentials).decode()
+
+
+def test_basic_auth_presents_its_password_as_the_key() -> None:
+    access = DashboardAccess(api_keys=("k1",), admin_key="adm")
+    assert access.key_of(basic(b"x:k1")) == "k1" and access.key_of(basic(b":adm")) == "adm"
+    assert access.key_of("basic  " + base64.b64encode(b"anyone:k1").decode()) == "k1"   # scheme in any case
+    assert access.key_of(basic(b"k1:")) is None and access.key_of(basic(b"x:k2")) is None
+    assert access.key_of(basic(b"k1")) is None                       # no colon: no password
+    assert access.key_of(basic("x:k\u00e9".encode())) is None
+    assert DashboardAccess(api_keys=("k\u00e9",)).key_of(basic("x:k\u00e9".encode())) == "k\u00e9"  # UTF-8
+    for bad in ("Basic !!!!", "Basic eDprMQ", "Basic eDpr\u00e9MQ==", "Basic", "Basic "):
+        assert access.key_of(bad) is None                            # bad base64 or padding, never raises
+    # Basic takes precedence over x-api-key like Bearer does: a failing Authorization is no key.
+    assert access.key_of(basic(b"x:nope"), "k1") is None
+
+
+def test_an_over_long_key_header_is_no_key() -> None:
+    long_key = "k" * (MAX_KEY_HEADER_CHARS + 1)
+    access = DashboardAccess(api_keys=(long_key,))
+    assert access.key_of(f"Bearer {long_key}") is None and access.key_of(None, long_key) is None
+    assert access.key_of(basic(f"x:{long_key}".encode())) is None
+    fits = "k" * 100
+    assert DashboardAccess(api_keys=(fits,)).key_in({"authorization": basic(f"x:{fits}".encode())}) == fits
 
 
 def test_usage_keeps_at_most_its_bound_of_keys() -> None:
@@ -107,7 +136,8 @@ def test_the_page_is_self_contained() -> None:
     assert page.startswith("<!doctype html>")
     assert not re.search(r"""(src|href)\s*=""", page), "no external asset"
     assert re.findall(r"https?://[^'\"\s]+", page) == ["http://www.w3.org/2000/svg"]     # a namespace, not a fetch
-    assert "fetch('dashboard/data'" in page and "Authorization" in page and "const POLL_MS = 2000;" in page
+    assert "new URL('dashboard/data', location.origin + location.pathname)" in page and "const POLL_MS = 2000;" in page
+    assert "credentials: 'same-origin'" in page and "localStorage" not in page   # the browser holds the key
 
 
 def test_serve_flags_reach_the_app_options(monkeypatch: pytest.MonkeyPatch) -> None:

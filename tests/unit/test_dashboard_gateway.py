@@ -1,10 +1,11 @@
 """The gateway's live page, on an app built in process: each replica's health, load and share of
-the routed requests with their reasons; open without --admin-key, 401 without it when set, 404 with
---no-dashboard; and the gateway's flags."""
+the routed requests with their reasons; open without --admin-key, page and data 401 without it when set
+(Bearer, x-api-key or Basic), 404 with --no-dashboard; and the gateway's flags."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 
 import httpx
 import pytest
@@ -60,14 +61,19 @@ def test_the_data_lists_each_replica_with_health_load_and_share(tokenizer) -> No
     assert f'kvhive_gateway_routing_decisions_total{{reason="kv",replica="{first.name}"}} 3.0' in metrics
 
 
-def test_the_admin_key_guards_the_data_not_the_page(tokenizer) -> None:
+def test_the_admin_key_guards_the_page_and_the_data(tokenizer) -> None:
     app = gateway_app(tokenizer, DashboardAccess(admin_key="adm"))
-    assert get(app, "/dashboard").status_code == 200
-    for headers in (None, {"Authorization": "Bearer nope"}, {"Authorization": "adm"}):
-        refused = get(app, "/dashboard/data", headers)
-        assert refused.status_code == 401
-        assert refused.json()["error"]["code"] == "invalid_api_key"
-    assert get(app, "/dashboard/data", {"Authorization": "Bearer adm"}).status_code == 200
+    wrong_basic = {"Authorization": "Basic " + base64.b64encode(b"x:nope").decode()}
+    for path in ("/dashboard", "/dashboard/data"):
+        for headers in (None, {"Authorization": "Bearer nope"}, {"Authorization": "adm"}, wrong_basic):
+            refused = get(app, path, headers)
+            assert refused.status_code == 401
+            assert refused.json()["error"]["code"] == "invalid_api_key"
+            assert refused.headers["www-authenticate"] == 'Basic realm="kvhive dashboard", charset="UTF-8"'
+        for headers in ({"Authorization": "Bearer adm"}, {"x-api-key": "adm"},
+                        {"Authorization": "Basic " + base64.b64encode(b"x:adm").decode()}):
+            assert get(app, path, headers).status_code == 200
+    assert get(app, "/dashboard", {"Authorization": "Bearer adm"}).text.startswith("<!doctype html>")
     unknown = get(app, "/dashboard/data?window=60", {"Authorization": "Bearer adm"})
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "window"
 
