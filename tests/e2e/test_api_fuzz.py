@@ -39,6 +39,7 @@ OPERATIONS = [
     ("GET", "/v1/responses/{response_id}/input_items"), ("DELETE", "/v1/responses/{response_id}"),
     ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/reset_prefix_cache"),
     ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
+    ("GET", "/dashboard/data"),
 ]
 # POSTs that read no body (their input is the query string).
 BODILESS = {("POST", "/reset_prefix_cache")}
