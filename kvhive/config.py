@@ -14,6 +14,8 @@ from kvhive.core.kv_events_config import KVEventsConfig
 
 # ISA levels of the CPU kernels, best first (kvhive.model.cpu), and "auto": the best the CPU runs.
 CPU_ISAS = ("auto", "avx512_bf16", "avx512", "avx2", "portable")
+# --attention-backend: auto (CPU: the C++ kernels; CUDA: the Triton paged kernels), triton, torch.
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
 # What ``--metrics-compat`` may name: "vllm" also exports metrics under vLLM's names (server/metrics_vllm.py).
 METRICS_COMPAT = ("none", "vllm")
 # Bytes of one K or V value in the KV pool, by --dtype.
@@ -290,6 +292,7 @@ class EngineConfig:
     quantized_matmul: bool = True          # few-row steps read GGUF Q4_1/Q8_0 blocks directly (CPU)
     quantized_matmul_rows: int | None = None   # up to how many rows they do; None: measured per machine
     native_attention: bool = True          # C++ attention kernels over the KV pool (CPU)
+    attention_backend: str = "auto"        # ATTENTION_BACKENDS (kvhive.engine.attention_kernels)
     enforce_eager: bool = False            # CUDA: no decode graphs (kvhive.model.cuda_graphs)
     cpu_isa: str = "auto"                  # ISA level of the C++ kernels (kvhive.model.cpu.LEVELS)
     adaptive_threads: bool = False         # CPU: size the thread team to the cores others leave free
@@ -311,6 +314,9 @@ class EngineConfig:
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if self.cpu_isa not in CPU_ISAS:
             raise ValueError(f"--cpu-isa must be one of {', '.join(CPU_ISAS)}, got {self.cpu_isa!r}")
         if self.kv_events_replay and not self.kv_events:

@@ -11,6 +11,7 @@ import math
 import os
 
 from kvhive.config import (
+    ATTENTION_BACKENDS,
     CPU_ISAS,
     MAX_QUANT_ROWS,
     METRICS_COMPAT,
@@ -308,6 +309,11 @@ def _add_performance_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-native-attention", dest="native_attention", action="store_false",
                    help="attend with torch's SDPA on gathered K/V; without it, on CPU, decode and "
                         "prefill attention read the KV pool directly in C++ kernels (default: off)")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="auto: on CPU the C++ kernels, on CUDA the Triton paged kernels (the gather path, "
+                        "logged, where Triton cannot run); triton: the Triton paged kernels or exit 2 (on "
+                        "CPU only under TRITON_INTERPRET=1, for tests); torch: torch's SDPA on gathered K/V "
+                        "(default: auto)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: launch every decode step kernel by kernel; without it, decode-only steps "
                         "replay CUDA graphs (one per batch-size and context bucket, captured when the "
@@ -351,7 +357,8 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model_path=model_path, served_model_name=name, dtype=args.dtype,
                         device=args.device, num_threads=args.num_threads,
                         quantized_matmul=args.quantized_matmul, quantized_matmul_rows=args.quantized_matmul_rows,
-                        native_attention=args.native_attention, enforce_eager=args.enforce_eager,
+                        native_attention=args.native_attention, attention_backend=args.attention_backend,
+                        enforce_eager=args.enforce_eager,
                         cpu_isa=args.cpu_isa, adaptive_threads=args.num_threads is None,
                         cache=cache,
                         kv_events_config=None if events is None else events.for_server(args.host, args.port),

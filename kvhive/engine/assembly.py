@@ -137,6 +137,7 @@ def build_runner(config: EngineConfig, loaded: LoadedModel, num_blocks: int, wor
     runner = ModelRunner(loaded.model, loaded.config, num_blocks=num_blocks,
                          block_size=config.cache.block_size, dtype=config.dtype,
                          device=config.device, native_attention=config.native_attention,
+                         attention_backend=config.attention_backend,
                          connector=worker_half, cuda_graphs=not config.enforce_eager,
                          max_num_seqs=config.scheduler.max_num_seqs, isa=isa,
                          window=window_layout_for(loaded.config, config, config.kv_transfer.disaggregated),

@@ -51,13 +51,15 @@ class ModelRunner:
                  native_attention: bool = True, connector: ConnectorWorker | None = None,
                  cuda_graphs: bool = True, max_num_seqs: int = 32, isa: str | None = None,
                  window: WindowLayout | None = None, measure_attention: bool = False,
-                 grammars: GrammarCompiler | None = None, grammar_mask_overlap: bool = True) -> None:
+                 grammars: GrammarCompiler | None = None, grammar_mask_overlap: bool = True,
+                 attention_backend: str = "auto") -> None:
         """``isa``: the CPU ISA level of the attention kernels (``kvhive.model.cpu``; None: the CPU's best).
         ``window``: the window layers get a pool of their own (``kvhive.kv.window_group``); None: one pool.
         ``measure_attention``: a bf16 pool's prefill attention runs in torch instead of the C++ kernel
         where a synthetic layer says torch is faster here (else the kernel, whatever the timing).
         ``grammars``: compiles structured requests' specs (None: such a request fails); their token
-        masks are computed while the forward runs unless ``grammar_mask_overlap`` is False."""
+        masks are computed while the forward runs unless ``grammar_mask_overlap`` is False.
+        ``attention_backend``: auto, triton or torch (``kvhive.engine.attention_kernels``)."""
         self.model = model
         self.config = model_config
         self.num_blocks = num_blocks
@@ -78,7 +80,7 @@ class ModelRunner:
         # Attention straight from the pool on CPU (C++ kernels built for the ISA level ``isa``); None:
         # gather + torch (CUDA, no compiler, the portable level for prefill, or native_attention=False).
         kernels = choose_attention_kernels(model_config, self.dtype, self.device, native_attention, isa,
-                                           measure_attention)
+                                           measure_attention, backend=attention_backend)
         self.decode_kernel, self.prefill_kernel = kernels.decode, kernels.prefill
         self.inputs = StepInputBuilder(
             model_config, PoolShape(num_blocks, block_size, self.kv_cache.shape[1], self.device), kernels,
