@@ -1,0 +1,192 @@
+"""The Triton paged decode kernel against a torch reference, run on CPU tensors by Triton's interpreter.
+
+The kernel tests run in a process started with ``TRITON_INTERPRET=1`` (``support.triton_interpret``
+says why); without it, ``test_under_the_interpreter`` runs this module again in such a child. Either
+``PYTHONPATH=$PWD python -m pytest -q tests/unit/test_triton_decode.py`` (a child) or the same with
+``TRITON_INTERPRET=1`` in front (in process) checks them; skipped where triton is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+from support.triton_interpret import interpreted, interpreter_run_passes
+
+MODULE = "kvhive.model.triton_decode"
+
+
+def test_under_the_interpreter() -> None:
+    interpreter_run_passes(__file__)
+
+
+@pytest.fixture(scope="module")
+def kernel_module():
+    """``kvhive.model.triton_decode``, interpreted (this process was started with TRITON_INTERPRET=1)."""
+    return importlib.import_module(MODULE)
+
+
+@dataclass
+class Case:
+    """A pool, a batch of decode rows over it, and their queries."""
+
+    q: torch.Tensor                 # [n, heads, head_dim]
+    pool: torch.Tensor              # [blocks, layers, 2, block_size, kv_heads, head_dim]
+    tables: torch.Tensor            # [n, max_blocks] int64, padding block 0
+    lens: torch.Tensor              # [n] int64
+    first: torch.Tensor | None      # [n] int64: position of each table's first entry
+
+
+def make_case(lens: list[int], heads: int, kv_heads: int, head_dim: int = 16, block_size: int = 4,
+              dtype: torch.dtype = torch.float32, first: list[int] | None = None, layers: int = 2,
+              shared_table: bool = False, seed: int = 0) -> Case:
+    """Rows with context lens ``lens`` (absolute positions; with ``first``, row i's table covers
+    positions first[i]..lens[i]-1), random pool blocks, block 0 left as padding."""
+    gen = torch.Generator().manual_seed(seed)
+    first_keys = first or [0] * len(lens)
+    widths = [-(-(n - f) // block_size) for n, f in zip(lens, first_keys, strict=True)]
+    num_blocks = 1 + (max(widths) if shared_table else sum(widths))
+    pool = torch.randn(num_blocks, layers, 2, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks - 1, generator=gen) + 1
+    tables = torch.zeros(len(lens), max(widths), dtype=torch.long)
+    used = 0
+    for i, w in enumerate(widths):
+        tables[i, :w] = order[:w] if shared_table else order[used:used + w]
+        used += w
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    return Case(q, pool, tables, torch.tensor(lens), None if first is None else torch.tensor(first))
+
+
+def reference(c: Case, layer: int, scale: float | None = None, softcap: float | None = None,
+              window: int | None = None) -> torch.Tensor:
+    """Gather each row's keys, mask them, softmax in float64: [n, heads * head_dim]."""
+    n, heads, head_dim = c.q.shape
+    block_size, kv_heads = c.pool.shape[3], c.pool.shape[4]
+    out = []
+    for i in range(n):
+        k = c.pool[c.tables[i], layer, 0].reshape(-1, kv_heads, head_dim).double()
+        v = c.pool[c.tables[i], layer, 1].reshape(-1, kv_heads, head_dim).double()
+        first = 0 if c.first is None else int(c.first[i])
+        positions = first + torch.arange(k.shape[0])
+        pos = int(c.lens[i]) - 1
+        seen = positions <= pos
+        if window is not None:
+            seen &= positions > pos - window
+        k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+        s = torch.einsum("hd,khd->hk", c.q[i].double(), k) * (head_dim ** -0.5 if scale is None else scale)
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        p = torch.softmax(s.masked_fill(~seen, float("-inf")), -1)
+        out.append(torch.einsum("hk,khd->hd", p, v).reshape(-1))
+    return torch.stack(out)
+
+
+def run(module, c: Case, layer: int = 1, partition_keys: int = 16, **rules) -> torch.Tensor:
+    """The kernel with small partitions (several per row) over case ``c``."""
+    kernel = module.TritonDecodeKernel(partition_keys=partition_keys, block_keys=16)
+    return kernel.attend(c.q, c.pool, layer, c.tables, c.lens, first_keys=c.first, **rules)
+
+
+def check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+@interpreted
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2), (8, 2)])
+def test_ragged_rows_across_block_and_partition_edges(kernel_module, heads: int, kv_heads: int) -> None:
+    # 1 key; one block exactly; one key past a block; a partition exactly (16); across partitions.
+    c = make_case([1, 4, 5, 16, 17, 37], heads, kv_heads)
+    check(run(kernel_module, c), reference(c, 1), torch.float32)
+
+
+@interpreted
+def test_one_partition_and_the_default_geometry(kernel_module) -> None:
+    c = make_case([3, 9, 30], 4, 2, head_dim=32, block_size=8)
+    want = reference(c, 0)
+    check(run(kernel_module, c, layer=0, partition_keys=64), want, torch.float32)     # the single-pass path
+    got = kernel_module.TritonDecodeKernel().attend(c.q, c.pool, 0, c.tables, c.lens)
+    check(got, want, torch.float32)
+
+
+@interpreted
+def test_rows_of_one_sequence_and_padding_rows(kernel_module) -> None:
+    # A short chunk's rows share one table, each at its own position; a graph's padding rows see key 0.
+    c = make_case([18, 19, 20, 21], 4, 1, shared_table=True)
+    c.tables = torch.cat([c.tables, torch.zeros(2, c.tables.shape[1], dtype=torch.long)])
+    c.lens = torch.cat([c.lens, torch.ones(2, dtype=torch.long)])
+    c.q = torch.cat([c.q, torch.randn(2, *c.q.shape[1:])])
+    check(run(kernel_module, c), reference(c, 1), torch.float32)
+
+
+@interpreted
+def test_strided_queries(kernel_module) -> None:
+    c = make_case([7, 22], 4, 2)
+    qk = torch.randn(2, 6, 16)
+    c.q = qk[:, :4]                     # a view into the fused q/k rows, as the model passes it
+    check(run(kernel_module, c), reference(c, 1), torch.float32)
+
+
+@interpreted
+@pytest.mark.parametrize("window", [1, 4, 5, 13])
+def test_sliding_window_edges(kernel_module, window: int) -> None:
+    c = make_case([1, 4, 5, 13, 14, 40], 4, 2)
+    check(run(kernel_module, c, window=window), reference(c, 1, window=window), torch.float32)
+
+
+@interpreted
+def test_first_key_offsets_with_a_window(kernel_module) -> None:
+    # Window tables: row i's table starts at the block its window reaches (as window_kv builds them).
+    c = make_case([9, 30, 41], 4, 2, first=[4, 20, 32])
+    check(run(kernel_module, c, window=8), reference(c, 1, window=8), torch.float32)
+
+
+@interpreted
+def test_scale_and_soft_cap(kernel_module) -> None:
+    c = make_case([6, 35], 4, 2)
+    c.q = c.q * 8                       # scores large enough for the cap to bend them
+    rules = dict(scale=0.0625, softcap=5.0)
+    got = run(kernel_module, c, **rules)
+    check(got, reference(c, 1, **rules), torch.float32)
+    assert not torch.allclose(got.double(), reference(c, 1, scale=0.0625), atol=1e-3)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_pools(kernel_module, dtype: torch.dtype) -> None:
+    c = make_case([2, 16, 33], 8, 2, dtype=dtype)
+    check(run(kernel_module, c), reference(c, 1), dtype)
+
+
+@interpreted
+def test_head_dim_padded_to_a_power_of_two(kernel_module) -> None:
+    c = make_case([5, 21], 6, 2, head_dim=24)
+    check(run(kernel_module, c), reference(c, 1), torch.float32)
+
+
+@interpreted
+def test_the_decode_batch_interface(kernel_module) -> None:
+    from kvhive.model.attention import DecodeBatch
+
+    c = make_case([3, 20], 4, 2)
+    dec = DecodeBatch(2, c.tables, c.lens, mask=None, kernel=None, workspace=None)
+    got = kernel_module.TritonDecodeKernel(partition_keys=16, block_keys=16)(c.q, c.pool, 1, dec)
+    check(got, reference(c, 1), torch.float32)
+
+
+@interpreted
+def test_supports_and_load(kernel_module) -> None:
+    kernel_class = kernel_module.TritonDecodeKernel
+    assert kernel_class.supports(torch.bfloat16, 32, 8, 128)
+    assert kernel_class.supports(torch.float32, 9, 3, 64)
+    assert not kernel_class.supports(torch.float32, 9, 3, 512)         # head_dim over 256
+    assert not kernel_class.supports(torch.float64, 4, 2, 64)
+    assert not kernel_class.supports(torch.float32, 6, 4, 64)          # heads not a multiple of KV heads
+    with pytest.raises(ValueError, match="block_keys"):
+        kernel_class(partition_keys=24, block_keys=16)
+    kernel = kernel_class.load("cpu")
+    assert kernel is not None and kernel.describe(torch.device("cpu")) == "Triton paged (cpu)"
+    assert kernel.num_partitions(3, 16) == 1 and kernel.num_partitions(33, 16) == 2
