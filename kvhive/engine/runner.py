@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -111,7 +111,8 @@ class ModelRunner:
     def _capture_decode_graphs(self, max_num_seqs: int) -> None:
         """Capture the CUDA graphs decode-only steps replay, one per (rows, blocks) bucket."""
         max_blocks = -(-self.config.max_position_embeddings // self.block_size)
-        self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, max_blocks, max_rows=max_num_seqs)
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, max_blocks, max_rows=max_num_seqs,
+                                          decode_kernel=self.decode_kernel)
         started = time.perf_counter()
         self.decode_graphs.capture_all()
         logger.info("captured %d CUDA graphs for decode steps in %.1f s",
@@ -121,10 +122,18 @@ class ModelRunner:
     def paths(self) -> dict[str, str]:
         """Which implementation decode and prefill attention run here (for the startup log and /version)."""
         sdpa = f"torch SDPA on {self.device}" if self.device.type != "cpu" else "torch SDPA on gathered K/V"
-        prefill = self.prefill_kernel
         window = {} if self.window is None else {"window_kv": self.window.describe(self.num_blocks)}
-        return {"decode_attention": f"C++ {self.decode_kernel.isa}" if self.decode_kernel is not None else sdpa,
-                "prefill_attention": f"C++ {prefill.isa}" if prefill is not None else sdpa, **window}
+        return {"decode_attention": self._kernel_name(self.decode_kernel, sdpa),
+                "prefill_attention": self._kernel_name(self.prefill_kernel, sdpa), **window}
+
+    def _kernel_name(self, kernel: Any | None, fallback: str) -> str:
+        """A kernel's path name (its ``describe``, else C++ at its ISA level); ``fallback`` without one."""
+        if kernel is None:
+            return fallback
+        if hasattr(kernel, "describe"):
+            return kernel.describe(self.device)
+        isa = getattr(kernel, "isa", None)
+        return f"C++ {isa}" if isa is not None else f"{type(kernel).__name__} on {self.device}"
 
     def pool_bytes(self) -> int:
         """Bytes of the KV pool (both pools when the window layers have their own)."""

@@ -18,7 +18,6 @@ from kvhive.engine.attention_kernels import AttentionKernels
 from kvhive.engine.step import ScheduledSeq, StepPlan
 from kvhive.kv.window_group import WindowLayout
 from kvhive.model.attention import AttnMetadata, DecodeBatch, PrefillSpan, decode_mask, output_rows
-from kvhive.model.decode_kernel import CpuDecodeKernel
 from kvhive.model.window_kv import window_kv
 
 # A chunk of at most this many new tokens over a cached prefix attends as decode rows, one per token
@@ -166,8 +165,7 @@ class StepInputBuilder:
         context_lens = torch.from_numpy(ctx).to(device)
         mask = workspace = None
         if self.kernels.decode is not None:
-            size = CpuDecodeKernel.workspace_size(num_rows, max_blocks * B, c.num_heads, c.head_dim)
-            workspace = torch.empty(size, dtype=torch.float32)
+            workspace = self.kernels.decode.workspace(num_rows, max_blocks * B, c.num_heads, c.head_dim)
         else:
             mask = decode_mask(context_lens, max_blocks * B)
         return DecodeBatch(num_seqs=num_rows, block_tables=torch.from_numpy(tables).to(device),

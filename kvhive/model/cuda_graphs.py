@@ -7,8 +7,10 @@ replays the whole recorded step with one launch.
 A graph fixes every shape and address, so each one serves a bucket: up to ``rows`` decode rows
 whose contexts fit in ``blocks`` pool blocks. The step's inputs are copied into the bucket's static
 buffers, the rows past the real ones padded: token 0 at position 0, writing its K/V into pool block
-0 (never handed out, see ``kvhive.kv.pool``) and attending to that block's first key only. The
-attention mask comes from the context lengths inside the graph. All buckets are captured up front
+0 (never handed out, see ``kvhive.kv.pool``) and attending to that block's first key only. Decode
+attention runs through the runner's decode kernel where it has one (the Triton paged kernel on
+CUDA, whose grid depends only on the bucket's shape), else over gathered K/V with a mask built from
+the context lengths inside the graph. All buckets are captured up front
 (``capture_all``, when the engine starts): a capture must not overlap CUDA work from other threads,
 such as the KV connector's loads. The graphs share one memory pool.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,8 +51,11 @@ class DecodeGraphs:
     layer, or hold prefill chunks, eager)."""
 
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, max_blocks_per_seq: int,
-                 max_rows: int = ROW_BUCKETS[-1], capture: bool = True) -> None:
+                 max_rows: int = ROW_BUCKETS[-1], capture: bool = True, decode_kernel: Any | None = None) -> None:
+        """``decode_kernel``: the runner's decode attention kernel, replayed inside the graphs (None:
+        torch over gathered K/V)."""
         self.model = model
+        self.decode_kernel = decode_kernel
         self.kv_cache = kv_cache
         self.block_size = kv_cache.shape[3]
         self.capture = capture
@@ -125,8 +131,13 @@ class DecodeGraphs:
     def _run(self, g: _Graph) -> torch.Tensor:
         """The model over the bucket's static inputs (recorded when capturing)."""
         rows, blocks = g.block_tables.shape
+        kernel, keys = self.decode_kernel, blocks * self.block_size
+        if kernel is None:
+            mask, workspace = decode_mask(g.context_lens, keys), None
+        else:
+            config = self.model.config
+            mask, workspace = None, kernel.workspace(rows, keys, config.num_heads, config.head_dim)
         decode = DecodeBatch(num_seqs=rows, block_tables=g.block_tables, context_lens=g.context_lens,
-                             mask=decode_mask(g.context_lens, blocks * self.block_size), kernel=None,
-                             workspace=None)
+                             mask=mask, kernel=kernel, workspace=workspace)
         attn = AttnMetadata(slot_rows=g.slot_rows, decode=decode, prefills=())
         return self.model(g.input_ids, g.positions, attn, self.kv_cache)

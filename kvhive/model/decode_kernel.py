@@ -61,6 +61,14 @@ class CpuDecodeKernel:
         chunks = -(-max_context // CpuDecodeKernel.CHUNK_KEYS) + 1
         return num_seqs * num_heads * chunks * (head_dim + 2)
 
+    def workspace(self, num_seqs: int, max_context: int, num_heads: int, head_dim: int) -> torch.Tensor:
+        """A float32 partials buffer for a decode batch of this shape (``DecodeBatch.workspace``)."""
+        return torch.empty(self.workspace_size(num_seqs, max_context, num_heads, head_dim), dtype=torch.float32)
+
+    def describe(self, device: torch.device) -> str:
+        """The path's name for the runner's startup log and /version."""
+        return f"C++ {self.isa}"
+
     @staticmethod
     def chunk_keys(block_size: int) -> int:
         """Keys per work item: CHUNK_KEYS rounded up to whole blocks."""

@@ -171,6 +171,10 @@ class TritonDecodeKernel:
         """The path's name for the runner's startup log and /version."""
         return f"Triton paged ({device.type})"
 
+    def workspace(self, num_seqs: int, max_context: int, num_heads: int, head_dim: int) -> None:
+        """None: the kernel allocates its partials per call (shapes only, so a CUDA graph keeps them)."""
+        return None
+
     def num_partitions(self, max_blocks: int, block_size: int) -> int:
         """Programs per (row, KV head) for a table of max_blocks blocks: a shape, not a context."""
         return max(1, -(-max_blocks * block_size // self.partition_keys))

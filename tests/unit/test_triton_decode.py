@@ -63,7 +63,7 @@ def reference(c: Case, layer: int, scale: float | None = None, softcap: float | 
               window: int | None = None) -> torch.Tensor:
     """Gather each row's keys, mask them, softmax in float64: [n, heads * head_dim]."""
     n, heads, head_dim = c.q.shape
-    block_size, kv_heads = c.pool.shape[3], c.pool.shape[4]
+    kv_heads = c.pool.shape[4]
     out = []
     for i in range(n):
         k = c.pool[c.tables[i], layer, 0].reshape(-1, kv_heads, head_dim).double()
@@ -90,6 +90,7 @@ def run(module, c: Case, layer: int = 1, partition_keys: int = 16, **rules) -> t
 
 
 def check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """got (the kernel's, in the pool dtype) equals want within that dtype's rounding."""
     tol = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]
     assert got.dtype == dtype
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)

@@ -1,0 +1,75 @@
+"""The Triton paged decode kernel inside the runner and the engine, on CPU under Triton's interpreter:
+greedy tokens equal the torch path's (a batch of three, a prefix-cache hit whose short tail runs as
+decode rows), and the padded static-shape decode (the CUDA graphs' buckets, run eagerly) matches
+the dense reference.
+
+The kernel tests run in a process started with ``TRITON_INTERPRET=1`` (``support.triton_interpret``);
+without it, ``test_under_the_interpreter`` runs this module again in such a child. Until a Triton
+prefill kernel exists, ``--attention-backend triton`` refuses to start (both kernels or none): these
+tests let the decode half run alone by asking for the Triton kernels as ``auto`` would on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+from support.engines import make_engine, run
+from support.runners import generate, make_runner, prompt
+from support.tiny import dense_greedy
+from support.triton_interpret import interpreted, interpreter_run_passes
+
+from kvhive.engine import attention_kernels
+from kvhive.model.cuda_graphs import DecodeGraphs
+
+PROMPTS = {"a": prompt(11, 20), "b": prompt(3, 21), "c": prompt(26, 22)}
+
+
+def test_under_the_interpreter() -> None:
+    interpreter_run_passes(__file__)
+
+
+@pytest.fixture
+def decode_only_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--attention-backend triton`` takes the Triton decode kernel even without a Triton prefill one."""
+    choose = attention_kernels._triton_kernels
+    monkeypatch.setattr(attention_kernels, "_triton_kernels",
+                        lambda config, dtype, device, required: choose(config, dtype, device, required=False))
+
+
+@interpreted
+def test_engine_greedy_tokens_equal_the_torch_path(tokenizer, decode_only_triton) -> None:
+    shared = prompt(21, 5)
+    outputs = {}
+    for backend in ("torch", "triton"):
+        engine = make_engine(tokenizer, attention_backend=backend)
+        runner = engine.runner
+        if backend == "triton":
+            assert type(runner.decode_kernel).__name__ == "TritonDecodeKernel"
+            assert runner.paths()["decode_attention"] == "Triton paged (cpu)"
+        else:
+            assert runner.decode_kernel is None
+        batch = run(engine, PROMPTS)                                      # three requests at once
+        # The same 21 tokens again, then 3 more: at least 20 cached, a short tail.
+        first = run(engine, {"d": shared})
+        hit = run(engine, {"e": shared + prompt(3, 6)})
+        assert hit["e"][1] >= 20
+        outputs[backend] = (batch, first, hit)
+        engine.close()
+    assert outputs["triton"] == outputs["torch"]
+
+
+@interpreted
+def test_padded_static_decode_runs_the_kernel(decode_only_triton, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = make_runner(4, native=False)
+    kernel = attention_kernels.choose_attention_kernels(runner.config, runner.dtype, runner.device, True, None,
+                                                        False, backend="triton").decode
+    assert kernel is not None
+    max_blocks = -(-runner.config.max_position_embeddings // runner.block_size)
+    runner.decode_graphs = DecodeGraphs(runner.model, runner.kv_cache, max_blocks, capture=False,
+                                        decode_kernel=kernel)
+    calls = []
+    original = type(kernel).__call__
+    monkeypatch.setattr(type(kernel), "__call__", lambda self, *args: calls.append(1) or original(self, *args))
+    got = generate(runner, PROMPTS, 6, join_at={"b": 2, "c": 4})
+    for rid, p in PROMPTS.items():
+        assert got[rid] == dense_greedy(runner.model, p, 6), rid
+    assert runner.decode_graphs.num_steps > 0 and calls
