@@ -36,6 +36,31 @@ MAX_HEAD_DIM = 256
 
 
 @triton.jit
+def _visible_span(ctx_ptr, first_ptr, row, part, window, HAS_FIRST: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  PART_KEYS: tl.constexpr):
+    """[start, stop): the table indices of partition ``part`` that row ``row``'s query sees."""
+    # Table index t holds position first + t; the row's query sits at position ctx - 1.
+    pos = tl.load(ctx_ptr + row) - 1
+    first = 0
+    if HAS_FIRST:
+        first = tl.load(first_ptr + row)
+    hi = pos - first + 1                                  # table indices [lo, hi) are visible
+    lo = hi * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, pos - window + 1 - first)
+    return tl.maximum(lo, part * PART_KEYS), tl.minimum(hi, (part + 1) * PART_KEYS)
+
+
+@triton.jit
+def _scores(q, k, seen, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    """[group, keys] scores of q against k in the log2 domain (-inf where not ``seen``)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if HAS_SOFTCAP:                                       # cap * tanh(s / cap), tanh by the sigmoid
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
+    return tl.where(seen[None, :], s * 1.4426950408889634, float("-inf"))
+
+
+@triton.jit
 def _decode_partition(q_ptr, pool_ptr, tables_ptr, ctx_ptr, first_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                       layer, max_blocks, block_size, head_dim, group, qk_scale, softcap, window,
                       q_s0, q_s1, s_block, s_layer, s_kv, s_slot, s_head, num_heads,
@@ -49,40 +74,26 @@ def _decode_partition(q_ptr, pool_ptr, tables_ptr, ctx_ptr, first_ptr, out_ptr, 
     part = tl.program_id(2)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     g_ok = offs_g < group
     d_ok = offs_d < head_dim
     heads = kvh * group + offs_g
     q = tl.load(q_ptr + row.to(tl.int64) * q_s0 + heads[:, None] * q_s1 + offs_d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    # Table index t holds position first + t; the row's query sits at position ctx - 1.
-    pos = tl.load(ctx_ptr + row) - 1
-    first = 0
-    if HAS_FIRST:
-        first = tl.load(first_ptr + row)
-    hi = pos - first + 1                                  # table indices [lo, hi) are visible
-    lo = hi * 0
-    if HAS_WINDOW:
-        lo = tl.maximum(lo, pos - window + 1 - first)
-    start = tl.maximum(lo, part * PART_KEYS)
-    stop = tl.minimum(hi, (part + 1) * PART_KEYS)
+    start, stop = _visible_span(ctx_ptr, first_ptr, row, part, window, HAS_FIRST, HAS_WINDOW, PART_KEYS)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     layer_base = pool_ptr + layer.to(tl.int64) * s_layer + kvh * s_head
     # Tiles start on BLOCK_N boundaries inside the partition: each holds at least one visible key.
     for tile in range((start // BLOCK_N) * BLOCK_N, stop, BLOCK_N):
-        t = tile + offs_n
+        t = tile + tl.arange(0, BLOCK_N)
         seen = (t >= start) & (t < stop)
         block = tl.load(tables_ptr + row.to(tl.int64) * max_blocks + t // block_size,
                         mask=seen, other=0)
         rows = block * s_block + (t % block_size) * s_slot
         kv_mask = seen[:, None] & d_ok[None, :]
         k = tl.load(layer_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        if HAS_SOFTCAP:                                   # cap * tanh(s / cap), tanh by the sigmoid
-            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
-        s = tl.where(seen[None, :], s * 1.4426950408889634, float("-inf"))   # log2 domain
+        s = _scores(q, k, seen, qk_scale, softcap, HAS_SOFTCAP, PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)

@@ -12,11 +12,16 @@ A prefill chunk of a window layer gathers only the blocks its window reaches. De
 their block table and mask; with the window layers' own pool (``kvhive.model.window_kv``) their
 tables start at the first block their window reaches (``decode_first_keys``), so a window layer
 reads about ``window`` keys per row however long the context (``docs/sliding_window.md``).
+
+Where the step's decode kernel applies a rule itself (``ScoredDecodeKernel``: the Triton paged kernel
+on CUDA), decode rows skip the gather and run through it with the rule's scale, soft-cap and window
+(scores in float32 there, rather than in the model dtype).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -32,6 +37,17 @@ class ScoreRule:
     window: int | None = None
 
 
+@runtime_checkable
+class ScoredDecodeKernel(Protocol):
+    """A decode kernel that reads the pool through the block tables under a score rule itself."""
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
+               context_lens: torch.Tensor, scale: float | None = None, softcap: float | None = None,
+               window: int | None = None, first_keys: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of q [N, heads, head_dim] -> [N, heads * head_dim]; changes nothing."""
+        ...
+
+
 def masked_paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                            meta: AttnMetadata, rule: ScoreRule,
                            decode_first_keys: torch.Tensor | None = None) -> torch.Tensor:
@@ -42,8 +58,12 @@ def masked_paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_cache: torc
     write_kv(kv_new, kv_cache, layer, meta)
     k_layer, v_layer = kv_cache[:, layer, 0], kv_cache[:, layer, 1]   # [blocks, B, kv_heads, hd]
     parts: list[torch.Tensor] = []
-    if meta.decode is not None:
-        parts.append(_decode_rows(q, k_layer, v_layer, meta.decode, rule, decode_first_keys))
+    dec = meta.decode
+    if dec is not None and isinstance(dec.kernel, ScoredDecodeKernel):
+        parts.append(dec.kernel.attend(q[:dec.num_seqs], kv_cache, layer, dec.block_tables, dec.context_lens,
+                                       rule.scale, rule.softcap, rule.window, decode_first_keys))
+    elif dec is not None:
+        parts.append(_decode_rows(q, k_layer, v_layer, dec, rule, decode_first_keys))
     for span in meta.prefills:
         parts.append(_prefill_span(q, kv_new, k_layer, v_layer, span, rule))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

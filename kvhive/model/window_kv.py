@@ -6,7 +6,8 @@ the global layers only and ``WindowKV.cache`` with the window layers only, each 
 beside its block table; ``window_kv`` turns a step's main ``AttnMetadata`` into the window
 layers' one: their slot rows, the decode rows' window tables, the prefill chunks' window block
 ids. Released entries are block 0 of the window pool, which no row reads unmasked (they lie
-before every row's window).
+before every row's window). The decode rows keep the step's decode kernel only where it applies
+the window itself (``ScoredDecodeKernel``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from kvhive.model.attention import AttnMetadata
+from kvhive.model.window_attention import ScoredDecodeKernel
 
 if TYPE_CHECKING:
     from kvhive.engine.step import ScheduledSeq
@@ -60,7 +62,8 @@ def window_kv(meta: AttnMetadata, decodes: list[ScheduledSeq], prefills: list[Sc
     decode, first_keys = meta.decode, None
     if decode is not None:
         tables, first_keys = _decode_tables(decodes, block_size, window)
-        decode = dataclasses.replace(decode, block_tables=tables.to(cache.device), mask=None, kernel=None,
+        kernel = decode.kernel if isinstance(decode.kernel, ScoredDecodeKernel) else None
+        decode = dataclasses.replace(decode, block_tables=tables.to(cache.device), mask=None, kernel=kernel,
                                      workspace=None)
         first_keys = first_keys.to(cache.device)
     spans = tuple(dataclasses.replace(span, mask=None, block_ids=None if span.block_ids is None else torch.tensor(

@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import pytest
 from support.engines import make_engine, run
+from support.families import hf_model, path_in, prompt_ids, save_hf
 from support.runners import generate, make_runner, prompt
 from support.tiny import dense_greedy
 from support.triton_interpret import interpreted, interpreter_run_passes
 
+from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvhive.engine import attention_kernels
+from kvhive.engine.llm_engine import LLMEngine
 from kvhive.model.cuda_graphs import DecodeGraphs
+from kvhive.model.loader import load_model
+from kvhive.request import SamplingParams
 
 PROMPTS = {"a": prompt(11, 20), "b": prompt(3, 21), "c": prompt(26, 22)}
 
@@ -73,3 +78,38 @@ def test_padded_static_decode_runs_the_kernel(decode_only_triton, monkeypatch: p
     for rid, p in PROMPTS.items():
         assert got[rid] == dense_greedy(runner.model, p, 6), rid
     assert runner.decode_graphs.num_steps > 0 and calls
+
+
+@interpreted
+def test_gemma_window_and_soft_cap_rows_run_the_kernel(tokenizer, decode_only_triton, tmp_path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # Tiny Gemma 2: a window layer (8 keys, in its own pool) and a global one, both soft-capped.
+    pytest.importorskip("transformers")
+    path = save_hf(hf_model("gemma2"), path_in(tmp_path, "gemma2"))
+    sampling = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = {"a": prompt_ids(40, seed=5), "b": prompt_ids(23, seed=6)}
+    rules: list[tuple[float | None, int | None]] = []
+    outputs = {}
+    for backend in ("torch", "triton"):
+        config = EngineConfig(model_path="tiny", cache=CacheConfig(block_size=16, num_blocks=24),
+                              scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=512),
+                              attention_backend=backend)
+        engine = LLMEngine(config, loaded=load_model(path), tokenizer=tokenizer)
+        assert engine.runner.window is not None
+        if backend == "triton":
+            _record_rules(monkeypatch, type(engine.runner.decode_kernel), rules)
+        outputs[backend] = run(engine, prompts, sampling)
+        engine.close()
+    assert outputs["triton"] == outputs["torch"]
+    assert (5.0, 8) in rules and (5.0, None) in rules              # window layer, global layer
+
+
+def _record_rules(monkeypatch: pytest.MonkeyPatch, kernel_class: type, rules: list) -> None:
+    """Each ``kernel_class.attend`` call appends its (softcap, window) to ``rules``."""
+    attend = kernel_class.attend
+
+    def recording(self, *args, **kwargs):
+        rules.append(args[6:8])
+        return attend(self, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_class, "attend", recording)

@@ -15,6 +15,9 @@ import pytest
 import torch
 from support.triton_interpret import interpreted, interpreter_run_passes
 
+from kvhive.model.attention import AttnMetadata, DecodeBatch
+from kvhive.model.window_attention import ScoredDecodeKernel, ScoreRule, masked_paged_attention
+
 MODULE = "kvhive.model.triton_decode"
 
 
@@ -170,8 +173,6 @@ def test_head_dim_padded_to_a_power_of_two(kernel_module) -> None:
 
 @interpreted
 def test_the_decode_batch_interface(kernel_module) -> None:
-    from kvhive.model.attention import DecodeBatch
-
     c = make_case([3, 20], 4, 2)
     dec = DecodeBatch(2, c.tables, c.lens, mask=None, kernel=None, workspace=None)
     got = kernel_module.TritonDecodeKernel(partition_keys=16, block_keys=16)(c.q, c.pool, 1, dec)
@@ -191,3 +192,22 @@ def test_supports_and_load(kernel_module) -> None:
     kernel = kernel_class.load("cpu")
     assert kernel is not None and kernel.describe(torch.device("cpu")) == "Triton paged (cpu)"
     assert kernel.num_partitions(3, 16) == 1 and kernel.num_partitions(33, 16) == 2
+
+
+@interpreted
+@pytest.mark.parametrize("window,first", [(None, None), (8, [4, 20, 32])])
+def test_the_window_layers_decode_rows_match_the_torch_path(kernel_module, window, first) -> None:
+    c = make_case([9, 30, 41], 4, 2, first=first)
+    kernel = kernel_module.TritonDecodeKernel(partition_keys=16, block_keys=16)
+    assert isinstance(kernel, ScoredDecodeKernel)
+    rule = ScoreRule(scale=0.2, softcap=3.0, window=window)
+    kv_new = torch.randn(3, 2, 2, 16)
+    slot_rows = torch.tensor([[2, 6], [1, 5], [3, 7]])      # block 0 (padding, never read unmasked)
+    outputs = []
+    for path in (kernel, None):
+        dec = DecodeBatch(3, c.tables, c.lens, mask=None, kernel=path, workspace=None)
+        pool = c.pool.clone()
+        outputs.append(masked_paged_attention(c.q, kv_new, pool, 1, AttnMetadata(slot_rows, dec, ()), rule, c.first))
+        torch.testing.assert_close(pool[0, 1, :, 1:4].transpose(0, 1), kv_new[[1, 0, 2]])
+    torch.testing.assert_close(outputs[0], outputs[1], atol=2e-5, rtol=2e-5)
+    check(outputs[0], reference(c, 1, scale=0.2, softcap=3.0, window=window), torch.float32)
