@@ -83,7 +83,7 @@ def _decode_partition(q_ptr, pool_ptr, tables_ptr, ctx_ptr, first_ptr, out_ptr, 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    layer_base = pool_ptr + layer.to(tl.int64) * s_layer + kvh * s_head
+    layer_base = pool_ptr + layer * s_layer + kvh * s_head       # small: int32 is enough
     # Tiles start on BLOCK_N boundaries inside the partition: each holds at least one visible key.
     for tile in range((start // BLOCK_N) * BLOCK_N, stop, BLOCK_N):
         t = tile + tl.arange(0, BLOCK_N)
