@@ -11,7 +11,8 @@ The runner orders a step's tokens as: decode rows first (one new token each, eac
 up to its own position; a short chunk over a cached prefix is one row per token), then prefill
 chunks (one contiguous span each). Every layer reuses the one ``AttnMetadata`` built per step.
 Decode reads K/V straight from the pool with a small C++ kernel on CPU
-(``decode_kernel.CpuDecodeKernel``, built once per machine with the system compiler); elsewhere, or without a compiler, it gathers the
+(``decode_kernel.CpuDecodeKernel``, built once per machine with the system compiler) and on CUDA with a
+Triton kernel (``triton_decode.TritonDecodeKernel``); elsewhere, or without either, it gathers the
 sequences' blocks and runs one padded SDPA. Prefill chunks attend causally to their whole context
 (cached prefix + the chunk itself): on CPU with AVX2 or AVX-512 straight from the pool in a C++
 flash kernel (``prefill_kernel.CpuPrefillKernel``); elsewhere over their own K/V (first chunk) or the
@@ -64,8 +65,8 @@ class DecodeBatch:
     block_tables: torch.Tensor          # [num_seqs, max_blocks] int64; padding points at block 0
     context_lens: torch.Tensor          # [num_seqs] int64, new token included
     mask: torch.Tensor | None           # [num_seqs, 1, 1, max_blocks * B] bool (SDPA path only)
-    kernel: CpuDecodeKernel | None      # None: gather the blocks and run SDPA
-    workspace: torch.Tensor | None      # float32 chunk partials for the kernel
+    kernel: CpuDecodeKernel | None      # or a TritonDecodeKernel; None: gather the blocks and run SDPA
+    workspace: torch.Tensor | None      # float32 chunk partials for the kernel (None: it needs none)
 
 
 @dataclass(frozen=True)
