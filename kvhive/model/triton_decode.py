@@ -190,6 +190,10 @@ class TritonDecodeKernel:
         """Programs per (row, KV head) for a table of max_blocks blocks: a shape, not a context."""
         return max(1, -(-max_blocks * block_size // self.partition_keys))
 
+    def _tile_keys(self, block_d: int) -> int:
+        """Keys per inner step: halved for heads over 128, whose float32 K and V tiles would spill."""
+        return self.block_keys if block_d <= 128 else max(16, self.block_keys // 2)
+
     def self_check(self, device: torch.device) -> bool:
         """A tiny launch on ``device`` (two partitions, GQA group 2) against torch; compiles the kernels."""
         gen = torch.Generator().manual_seed(0)
@@ -243,7 +247,7 @@ class TritonDecodeKernel:
             head_dim ** -0.5 if scale is None else scale, 1.0 if softcap is None else softcap,
             0 if window is None else window, q.stride(0), q.stride(1), *s[:5], num_heads,
             HAS_FIRST=first_keys is not None, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
-            SINGLE=parts == 1, NUM_PARTS=parts, PART_KEYS=self.partition_keys, BLOCK_N=self.block_keys,
+            SINGLE=parts == 1, NUM_PARTS=parts, PART_KEYS=self.partition_keys, BLOCK_N=self._tile_keys(block_d),
             BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
             PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32")
         if parts > 1:

@@ -169,6 +169,10 @@ def test_16_bit_pools(kernel_module, dtype: torch.dtype) -> None:
 def test_head_dim_padded_to_a_power_of_two(kernel_module) -> None:
     c = make_case([5, 21], 6, 2, head_dim=24)
     check(run(kernel_module, c), reference(c, 1), torch.float32)
+    # The largest head: K/V tiles of 32 keys (half of block_keys), two partitions of 64.
+    c = make_case([3, 70], 2, 1, head_dim=256)
+    got = kernel_module.TritonDecodeKernel(partition_keys=64, block_keys=64).attend(c.q, c.pool, 0, c.tables, c.lens)
+    check(got, reference(c, 0), torch.float32)
 
 
 @interpreted
