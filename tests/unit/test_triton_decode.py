@@ -8,12 +8,13 @@ says why); without it, ``test_under_the_interpreter`` runs this module again in 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 
 import pytest
 import torch
-from support.triton_interpret import interpreted, interpreter_run_passes
+from support.triton_interpret import HAS_TRITON, INTERPRETING, interpreted, interpreter_run_passes
 
 from kvhive.model.attention import AttnMetadata, DecodeBatch
 from kvhive.model.window_attention import ScoredDecodeKernel, ScoreRule, masked_paged_attention
@@ -215,3 +216,39 @@ def test_the_window_layers_decode_rows_match_the_torch_path(kernel_module, windo
         torch.testing.assert_close(pool[0, 1, :, 1:4].transpose(0, 1), kv_new[[1, 0, 2]])
     torch.testing.assert_close(outputs[0], outputs[1], atol=2e-5, rtol=2e-5)
     check(outputs[0], reference(c, 1, scale=0.2, softcap=3.0, window=window), torch.float32)
+
+
+def on_cuda(c: Case) -> Case:
+    """``c`` with every tensor on the GPU."""
+    return dataclasses.replace(c, **{f.name: getattr(c, f.name).cuda() for f in dataclasses.fields(c)
+                                     if getattr(c, f.name) is not None})
+
+
+@pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()) or INTERPRETING,
+                    reason="needs CUDA and compiled (not interpreted) Triton")
+def test_compiled_on_cuda_and_replayed_in_a_cuda_graph() -> None:
+    module = importlib.import_module(MODULE)
+    kernel = module.TritonDecodeKernel.load("cuda")
+    assert kernel is not None
+    for dtype in (torch.float32, torch.bfloat16):
+        c = make_case([1, 17, 300, 1100], 32, 8, head_dim=128, block_size=16, dtype=dtype)
+        g = on_cuda(c)
+        check(kernel.attend(g.q, g.pool, 1, g.tables, g.lens).cpu(), reference(c, 1), dtype)
+        check(kernel.attend(g.q, g.pool, 1, g.tables, g.lens, window=64).cpu(), reference(c, 1, window=64), dtype)
+    # Recorded once with some context lengths, replayed with others: nothing depends on their values.
+    c = make_case([40, 1100, 600], 8, 2, head_dim=64, block_size=16)
+    g = on_cuda(c)
+    dec = DecodeBatch(3, g.tables, g.lens, mask=None, kernel=kernel, workspace=None)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        kernel(g.q, g.pool, 1, dec)                   # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernel(g.q, g.pool, 1, dec)
+    for lens in ([40, 1100, 600], [1, 700, 590]):
+        g.lens.copy_(torch.tensor(lens))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out.cpu(), reference(dataclasses.replace(c, lens=torch.tensor(lens)), 1), torch.float32)
