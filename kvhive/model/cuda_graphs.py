@@ -44,6 +44,7 @@ class _Graph:
     context_lens: torch.Tensor      # [rows]
     hidden: torch.Tensor | None     # [rows, hidden] after a run
     graph: torch.cuda.CUDAGraph | None
+    rows_used: int = 0              # real rows of the last step; the rest are padding
 
 
 class DecodeGraphs:
@@ -98,6 +99,9 @@ class DecodeGraphs:
         g.block_tables[:n, :max_blocks].copy_(decode.block_tables)
         g.block_tables[:n, max_blocks:].zero_()
         g.context_lens[:n].copy_(decode.context_lens)
+        if n < g.rows_used:
+            self._pad(g, n)
+        g.rows_used = n
         if g.graph is None:
             g.hidden = self._run(g)
         else:
@@ -105,6 +109,15 @@ class DecodeGraphs:
         self.num_steps += 1
         assert g.hidden is not None
         return g.hidden[:n]
+
+    def _pad(self, g: _Graph, first: int) -> None:
+        """Rows ``first``.. back to padding (an earlier step's rows there would write their old slots)."""
+        g.input_ids[first:].zero_()
+        g.positions[first:].zero_()
+        g.slot_rows[first:, 0] = 0
+        g.slot_rows[first:, 1] = self.block_size
+        g.block_tables[first:].zero_()
+        g.context_lens[first:].fill_(1)
 
     def _new_graph(self, rows: int, blocks: int) -> _Graph:
         device = self.kv_cache.device

@@ -10,6 +10,7 @@ from support.runners import generate, make_runner, prompt
 from support.tiny import dense_greedy, tiny_config, tiny_model
 
 from kvhive.engine.runner import ModelRunner
+from kvhive.model.attention import DecodeBatch
 from kvhive.model.cuda_graphs import DecodeGraphs
 
 PROMPTS = {"a": prompt(11, 20), "b": prompt(3, 21), "c": prompt(26, 22)}
@@ -53,3 +54,24 @@ def test_captured_graphs_match_eager_cuda() -> None:
     expected = generate(eager, PROMPTS, 12, join_at={"b": 2, "c": 5})
     assert generate(graphed, PROMPTS, 12, join_at={"b": 2, "c": 5}) == expected
     assert graphed.decode_graphs.num_steps > 0
+
+
+def test_a_smaller_step_leaves_the_earlier_rows_slots_alone() -> None:
+    # Four rows, then three in the same bucket: the last row's old slot (its block since handed to
+    # another sequence, say) must not be written again by the padding row that replaces it.
+    runner = make_runner(4, native=False)
+    graphs = with_graphs(runner, capture=False)
+    rows_per_block = runner.kv_cache.shape[1] * 2 * 4
+
+    def step(blocks: list[int]) -> None:
+        n = len(blocks)
+        decode = DecodeBatch(n, torch.tensor([[b] for b in blocks]), torch.ones(n, dtype=torch.long),
+                             mask=None, kernel=None, workspace=None)
+        slots = torch.tensor([[b * rows_per_block, b * rows_per_block + 4] for b in blocks])
+        graphs.forward(torch.full((n,), 7), torch.zeros(n, dtype=torch.long), slots, decode)
+
+    step([3, 6, 7, 5])
+    assert graphs.bucket(4, 1) == graphs.bucket(3, 1)
+    runner.kv_cache[5].fill_(42.0)                     # block 5's new owner wrote it
+    step([3, 6, 7])
+    assert bool((runner.kv_cache[5] == 42.0).all())
