@@ -63,9 +63,9 @@ def _scores(q, k, seen, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr, PRECISION:
 @triton.jit
 def _decode_partition(q_ptr, pool_ptr, tables_ptr, ctx_ptr, first_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                       layer, max_blocks, block_size, head_dim, group, qk_scale, softcap, window,
-                      q_s0, q_s1, s_block, s_layer, s_kv, s_slot, s_head, num_heads,
+                      q_s0, q_s1, s_block, s_layer, s_kv, s_slot, s_head, num_heads, num_parts,
                       HAS_FIRST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                      SINGLE: tl.constexpr, NUM_PARTS: tl.constexpr, PART_KEYS: tl.constexpr,
+                      SINGLE: tl.constexpr, PART_KEYS: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                       PRECISION: tl.constexpr):
     """One (row, KV head, partition): online softmax over the partition's visible keys."""
@@ -107,30 +107,30 @@ def _decode_partition(q_ptr, pool_ptr, tables_ptr, ctx_ptr, first_ptr, out_ptr, 
         tl.store(out_ptr + row.to(tl.int64) * num_heads * head_dim + heads[:, None] * head_dim + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
     else:
-        slot = (row.to(tl.int64) * num_heads + heads) * NUM_PARTS + part
+        slot = (row.to(tl.int64) * num_heads + heads) * num_parts + part
         tl.store(m_ptr + slot, m_i, mask=g_ok)
         tl.store(l_ptr + slot, l_i, mask=g_ok)
         tl.store(acc_ptr + slot[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_ok[:, None])
 
 
 @triton.jit
-def _merge_partitions(out_ptr, m_ptr, l_ptr, acc_ptr, head_dim, num_heads,
-                      NUM_PARTS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+def _merge_partitions(out_ptr, m_ptr, l_ptr, acc_ptr, head_dim, num_heads, num_parts,
+                      BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
     """One (row, head): the partitions' partial softmaxes merged by their maxima."""
     row = tl.program_id(0)
     head = tl.program_id(1)
-    base = (row.to(tl.int64) * num_heads + head) * NUM_PARTS
+    base = (row.to(tl.int64) * num_heads + head) * num_parts
     offs_p = tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, BLOCK_D)
     m_max = tl.full([BLOCK_P], float("-inf"), tl.float32)
-    for p0 in range(0, NUM_PARTS, BLOCK_P):
-        m_max = tl.maximum(m_max, tl.load(m_ptr + base + p0 + offs_p, mask=p0 + offs_p < NUM_PARTS,
+    for p0 in range(0, num_parts, BLOCK_P):
+        m_max = tl.maximum(m_max, tl.load(m_ptr + base + p0 + offs_p, mask=p0 + offs_p < num_parts,
                                           other=float("-inf")))
     m_all = tl.max(m_max, 0)                  # finite: the query's own key lies in some partition
     total = tl.zeros([BLOCK_P], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for p0 in range(0, NUM_PARTS, BLOCK_P):
-        ok = p0 + offs_p < NUM_PARTS
+    for p0 in range(0, num_parts, BLOCK_P):
+        ok = p0 + offs_p < num_parts
         m = tl.load(m_ptr + base + p0 + offs_p, mask=ok, other=float("-inf"))
         w = tl.where(m > float("-inf"), tl.exp2(m - m_all), 0.0)
         total += w * tl.load(l_ptr + base + p0 + offs_p, mask=ok, other=0.0)
@@ -227,8 +227,8 @@ class TritonDecodeKernel:
         group = num_heads // num_kv_heads
         if q.stride(2) != 1:
             q = q.contiguous()
-        if kv_cache.stride(5) != 1 or not kv_cache.is_contiguous():
-            raise ValueError("the Triton decode kernel reads a contiguous KV pool")
+        if kv_cache.stride(5) != 1:
+            raise ValueError("the Triton decode kernel reads K/V rows with unit stride")
         out = torch.empty(n, num_heads * head_dim, dtype=q.dtype, device=q.device)
         if n == 0:
             return out
@@ -245,13 +245,12 @@ class TritonDecodeKernel:
             q, kv_cache, tables, context_lens, context_lens if first_keys is None else first_keys, out, *scratch,
             layer, tables.shape[1], block_size, head_dim, group,
             head_dim ** -0.5 if scale is None else scale, 1.0 if softcap is None else softcap,
-            0 if window is None else window, q.stride(0), q.stride(1), *s[:5], num_heads,
+            0 if window is None else window, q.stride(0), q.stride(1), *s[:5], num_heads, parts,
             HAS_FIRST=first_keys is not None, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
-            SINGLE=parts == 1, NUM_PARTS=parts, PART_KEYS=self.partition_keys, BLOCK_N=self._tile_keys(block_d),
+            SINGLE=parts == 1, PART_KEYS=self.partition_keys, BLOCK_N=self._tile_keys(block_d),
             BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
             PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32")
         if parts > 1:
-            _merge_partitions[(n, num_heads)](out, *scratch, head_dim, num_heads, NUM_PARTS=parts,
-                                              BLOCK_P=min(32, triton.next_power_of_2(parts)), BLOCK_D=block_d)
+            _merge_partitions[(n, num_heads)](out, *scratch, head_dim, num_heads, parts, BLOCK_P=16, BLOCK_D=block_d)
         return out
 

@@ -109,6 +109,12 @@ def test_ragged_rows_across_block_and_partition_edges(kernel_module, heads: int,
 
 
 @interpreted
+def test_more_partitions_than_one_merge_step(kernel_module) -> None:
+    c = make_case([300, 2, 150], 2, 1)              # 19 partitions of 16 keys: merged 16 at a time
+    check(run(kernel_module, c), reference(c, 1), torch.float32)
+
+
+@interpreted
 def test_one_partition_and_the_default_geometry(kernel_module) -> None:
     c = make_case([3, 9, 30], 4, 2, head_dim=32, block_size=8)
     want = reference(c, 0)
