@@ -64,6 +64,7 @@ class CpuPrefillKernel:
     """Causal prefill attention from the pool: float32 and bfloat16 pools (AVX2 + FMA or AVX-512)."""
 
     HEAD_DIMS = (16, 32, 64, 128)
+    takes_score_rules = False       # 1/sqrt(head_dim) causal scores only (no soft-cap, no window)
 
     def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
         self.isa = isa                  # the ISA level the library was built for (kvhive.model.cpu)

@@ -23,7 +23,6 @@ float32 sums (on CPU under ``TRITON_INTERPRET=1`` tiles are widened to float32 f
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -182,6 +181,7 @@ class TritonPrefillKernel:
     DTYPES = (torch.float32, torch.bfloat16, torch.float16)
     MAX_GROUP = 16
     isa = "triton"                  # the path's name in the runner's startup log
+    takes_score_rules = True        # scale, soft-cap and window per call (``ScoreRule``)
 
     def __init__(self, rows: int | None = None, block_n: int | None = None, num_warps: int | None = None) -> None:
         """``rows``: query rows (tokens x padded group) per tile; ``block_n``: keys per tile; None: by

@@ -19,14 +19,22 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from types import ModuleType
 
 import pytest
 import torch
 from support.servers import REPO_ROOT, subprocess_env
 
-from kvhive.model.attention import AttnMetadata, DecodeBatch, PrefillSpan, decode_mask, output_rows, paged_attention
-from kvhive.model.window_attention import ScoreRule
+from kvhive.model.attention import (
+    AttnMetadata,
+    DecodeBatch,
+    PrefillSpan,
+    decode_mask,
+    output_rows,
+    paged_attention,
+)
+from kvhive.model.window_attention import ScoreRule, masked_paged_attention
 
 pytest.importorskip("triton")
 
@@ -189,10 +197,25 @@ def test_paged_attention_calls_one_launch_per_layer(kernel, monkeypatch) -> None
     original = kernel.attend_varlen
     monkeypatch.setattr(kernel, "attend_varlen", lambda *a, **k: calls.append(1) or original(*a, **k))
     got = paged_attention(q, kv_new, pool.clone(), 1, meta)
-    plain = AttnMetadata(meta.slot_rows, meta.decode, tuple(PrefillSpan(s.begin, s.end, s.start_pos, s.block_ids, None)
-                                                            for s in meta.prefills))
-    want = paged_attention(q, kv_new, pool.clone(), 1, plain)
+    want = paged_attention(q, kv_new, pool.clone(), 1, replace(meta, prefill_kernel=None))
     assert calls == [1]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_masked_path_sends_its_rule_to_the_kernel(kernel, monkeypatch) -> None:
+    """A soft-capped window layer's chunks run through the kernel in one launch and match the
+    gathered masked attention (float32, so both score in float32)."""
+    block_size, kv_heads, heads, hd = 8, 2, 4, 16
+    meta, _ = step_meta(kernel, block_size, kv_heads)
+    pool = make_pool(30, block_size, kv_heads, hd, torch.float32)
+    q, kv_new = make_q(45, heads, kv_heads, hd, torch.float32), torch.randn(45, 2, kv_heads, hd)
+    rule = ScoreRule(0.5, softcap=3.0, window=7)
+    calls = []
+    original = kernel.attend_varlen
+    monkeypatch.setattr(kernel, "attend_varlen", lambda *a, **k: calls.append(a[-1]) or original(*a, **k))
+    got = masked_paged_attention(q, kv_new, pool.clone(), 1, meta, rule)
+    want = masked_paged_attention(q, kv_new, pool.clone(), 1, replace(meta, prefill_kernel=None), rule)
+    assert calls == [rule]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
