@@ -24,8 +24,11 @@ from types import ModuleType
 
 import pytest
 import torch
+from support.runners import Blocks, make_runner, prompt, seq
 from support.servers import REPO_ROOT, subprocess_env
 
+from kvhive.engine.attention_kernels import AttentionKernels
+from kvhive.engine.step import StepPlan
 from kvhive.model.attention import (
     AttnMetadata,
     DecodeBatch,
@@ -263,3 +266,26 @@ def test_load_checks_a_launch_and_falls_back(tp: ModuleType, monkeypatch, caplog
     with caplog.at_level(logging.INFO, logger=MODULE):
         assert tp.TritonPrefillKernel.load(torch.device("cpu")) is None
     assert "cannot run" in caplog.text
+
+
+@torch.inference_mode()
+def test_runner_steps_match_torch(kernel, monkeypatch) -> None:
+    """The tiny model's steps, the runner's inputs built with the kernel as its prefill kernel (block
+    ids set from position 0 on), against the same steps on torch's gather path: first chunks, then
+    chunks over their cached prefix beside a decode row, every row's hidden state, then the sampled
+    rows alone (the last layer restricted to them)."""
+    torch_runner, triton_runner = make_runner(8, native=False), make_runner(8, native=False)
+    monkeypatch.setattr(triton_runner.inputs, "kernels", AttentionKernels(None, kernel))
+    blocks = Blocks(torch_runner.num_blocks, 8)
+    a, b, c = prompt(38, 1), prompt(52, 2), prompt(20, 3)
+    ta, tb, tc = blocks.grow([], 38), blocks.grow([], 52), blocks.grow([], 20)
+    steps = [[seq("a", a[:23], 0, ta), seq("b", b[:40], 0, tb), seq("c", c[:19], 0, tc)],
+             [seq("c", c[19:], 19, tc), seq("a", a[23:], 23, ta, sample=False), seq("b", b[40:], 40, tb)]]
+    for seqs in steps:
+        for all_rows in (True, False):
+            hidden = []
+            for runner in (torch_runner, triton_runner):
+                inputs = runner.prepare_inputs(StepPlan(seqs), all_rows=all_rows)
+                assert all(s.block_ids is not None for s in inputs.attn.prefills) or runner is torch_runner
+                hidden.append(runner.model(inputs.input_ids, inputs.positions, inputs.attn, runner.kv_cache))
+            torch.testing.assert_close(hidden[1], hidden[0], atol=1e-4, rtol=1e-4)
