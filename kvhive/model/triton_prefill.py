@@ -186,6 +186,9 @@ class TritonPrefillKernel:
     def __init__(self, rows: int | None = None, block_n: int | None = None, num_warps: int | None = None) -> None:
         """``rows``: query rows (tokens x padded group) per tile; ``block_n``: keys per tile; None: by
         head_dim (smaller tiles for wider heads, so the float32 accumulator fits the registers)."""
+        for name, value in (("rows", rows), ("block_n", block_n)):
+            if value is not None and (value < 16 or value & (value - 1)):
+                raise ValueError(f"prefill kernel: {name} must be a power of two of at least 16, got {value}")
         self.rows, self.block_n, self.num_warps = rows, block_n, num_warps
         # The launch inputs of the last chunks attended (one step's every layer reuses them).
         self._last: tuple[tuple[PrefillSpan, ...], VarlenPrefill] | None = None

@@ -253,6 +253,9 @@ def test_supports_and_refusals(tp: ModuleType, kernel) -> None:
         kernel(make_q(3, 4, 2, 16, torch.float32), pool, 0, torch.tensor([0]), 7)
     with pytest.raises(ValueError, match="dtype"):
         kernel(make_q(3, 4, 2, 16, torch.bfloat16), pool, 0, torch.tensor([0, 1]), 7)
+    for tiles in (dict(rows=8), dict(block_n=48)):
+        with pytest.raises(ValueError, match="power of two"):
+            tp.TritonPrefillKernel(**tiles)
 
 
 def test_load_checks_a_launch_and_falls_back(tp: ModuleType, monkeypatch, caplog) -> None:
