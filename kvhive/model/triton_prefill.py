@@ -183,13 +183,17 @@ class TritonPrefillKernel:
     isa = "triton"                  # the path's name in the runner's startup log
     takes_score_rules = True        # scale, soft-cap and window per call (``ScoreRule``)
 
-    def __init__(self, rows: int | None = None, block_n: int | None = None, num_warps: int | None = None) -> None:
-        """``rows``: query rows (tokens x padded group) per tile; ``block_n``: keys per tile; None: by
-        head_dim (smaller tiles for wider heads, so the float32 accumulator fits the registers)."""
+    def __init__(self, device: torch.device | None = None, rows: int | None = None, block_n: int | None = None,
+                 num_warps: int | None = None) -> None:
+        """``device``: where it runs (None: CPU, under TRITON_INTERPRET=1); ``rows``: query rows
+        (tokens x padded group) per tile; ``block_n``: keys per tile; None: by head_dim (smaller
+        tiles for wider heads, so the float32 accumulator fits the registers)."""
         for name, value in (("rows", rows), ("block_n", block_n)):
             if value is not None and (value < 16 or value & (value - 1)):
                 raise ValueError(f"prefill kernel: {name} must be a power of two of at least 16, got {value}")
+        self.device = device or torch.device("cpu")
         self.rows, self.block_n, self.num_warps = rows, block_n, num_warps
+        self._launched: dict[tuple[torch.dtype, int, int], bool] = {}    # ``launches``' answers
         # The launch inputs of the last chunks attended (one step's every layer reuses them).
         self._last: tuple[tuple[PrefillSpan, ...], VarlenPrefill] | None = None
 
@@ -197,30 +201,28 @@ class TritonPrefillKernel:
     def load(cls, device: torch.device) -> TritonPrefillKernel | None:
         """The kernel where it compiles and runs on ``device`` (one tiny launch, checked against
         torch); None with a log line otherwise (no driver, a CPU without TRITON_INTERPRET=1)."""
-        kernel = cls()
-        gen = torch.Generator().manual_seed(0)
-        pool = torch.randn(3, 1, 2, 16, 1, 16, generator=gen).to(device)
-        q = torch.randn(5, 2, 16, generator=gen).to(device)
-        ids = torch.tensor([2, 0], dtype=torch.int64, device=device)
-        try:
-            got = kernel(q, pool, 0, ids, 20)
-        except Exception as exc:  # noqa: BLE001 - any compile or launch failure means: not here
-            logger.info("Triton prefill kernel cannot run on %s: %s", device, exc)
-            return None
-        k = pool[:, 0, 0].index_select(0, ids).flatten(0, 1)[:25].repeat_interleave(2, dim=1).float()
-        v = pool[:, 0, 1].index_select(0, ids).flatten(0, 1)[:25].repeat_interleave(2, dim=1).float()
-        seen = torch.ones(5, 25, dtype=torch.bool, device=device).tril(20)
-        scores = torch.einsum("qhd,khd->hqk", q, k).div(4.0).masked_fill(~seen, float("-inf"))
-        want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(5, 32)
-        if not torch.allclose(got.float(), want, atol=1e-3, rtol=1e-3):
-            logger.warning("Triton prefill kernel gives wrong results on %s; not used", device)
-            return None
-        return kernel
+        kernel = cls(device=device)
+        return kernel if kernel.launches(torch.float32, 2, 16) else None
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-        """True where this kernel can run a model of these shapes and pool dtype."""
+        """True where this kernel runs a model of these shapes and pool dtype on its device: the shape
+        within its limits, and a tiny launch of that configuration right (``launches``)."""
+        return (self.within_limits(dtype, num_heads, num_kv_heads, head_dim)
+                and self.launches(dtype, num_heads // num_kv_heads, head_dim))
+
+    def within_limits(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        """Whether the shape and dtype are within the kernel's limits (no launch)."""
         return (dtype in self.DTYPES and head_dim in self.HEAD_DIMS and num_kv_heads > 0
                 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= self.MAX_GROUP)
+
+    def launches(self, dtype: torch.dtype, group: int, head_dim: int) -> bool:
+        """Whether one tiny launch (5 new tokens over 20 cached, ``group`` query heads on one KV head)
+        compiles, runs and matches torch on this kernel's device; remembered per configuration.
+        False with a log line where it does not (no driver, a GPU short of shared memory)."""
+        key = (dtype, group, head_dim)
+        if key not in self._launched:
+            self._launched[key] = _launch_check(self, self.device, dtype, group, head_dim)
+        return self._launched[key]
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_ids: torch.Tensor,
                  start_pos: int, rule: ScoreRule | None = None) -> torch.Tensor:
@@ -251,7 +253,7 @@ class TritonPrefillKernel:
         _, _, _, block_size, kv_heads, _ = kv_cache.shape
         if q.dtype != kv_cache.dtype or q.stride(2) != 1 or kv_cache.stride(5) != 1:
             raise ValueError("prefill kernel: q must match the pool's dtype, with contiguous head dims")
-        if rows != batch.num_rows or not self.supports(q.dtype, heads, kv_heads, head_dim):
+        if rows != batch.num_rows or not self.within_limits(q.dtype, heads, kv_heads, head_dim):
             raise ValueError(f"prefill kernel: unsupported shape ({rows} rows for {batch.num_rows}, "
                              f"{heads} heads on {kv_heads} KV heads of {head_dim}, {q.dtype})")
         rule = rule or ScoreRule(head_dim ** -0.5)
@@ -277,3 +279,28 @@ class TritonPrefillKernel:
         rows = self.rows or (128 if head_dim <= 128 else 64)
         block_n = self.block_n or (64 if head_dim <= 64 else 32)
         return rows, block_n, self.num_warps or (4 if head_dim <= 64 else 8)
+
+
+def _launch_check(kernel: TritonPrefillKernel, device: torch.device, dtype: torch.dtype, group: int,
+                  head_dim: int) -> bool:
+    """One tiny launch of this configuration against torch (float32 softmax); False, logged, where it
+    fails to compile or run, or is wrong."""
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randn(3, 1, 2, 16, 1, head_dim, generator=gen).to(device, dtype)
+    q = torch.randn(5, group, head_dim, generator=gen).to(device, dtype)
+    ids = torch.tensor([2, 0], dtype=torch.int64, device=device)
+    what = f"Triton prefill kernel ({dtype}, {group} query heads per KV head of {head_dim})"
+    try:
+        got = kernel(q, pool, 0, ids, 20)
+    except Exception as exc:  # noqa: BLE001 - any compile or launch failure means: not here
+        logger.info("%s cannot run on %s: %s", what, device, exc)
+        return False
+    k, v = (pool[:, 0, i].index_select(0, ids).flatten(0, 1)[:25].float().expand(25, group, head_dim) for i in (0, 1))
+    seen = torch.ones(5, 25, dtype=torch.bool, device=device).tril(20)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k).mul(head_dim ** -0.5).masked_fill(~seen, float("-inf"))
+    want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(5, group * head_dim)
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    if not torch.allclose(got.float(), want, atol=tol, rtol=tol):
+        logger.warning("%s gives wrong results on %s; not used", what, device)
+        return False
+    return True

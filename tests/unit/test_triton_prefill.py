@@ -259,16 +259,30 @@ def test_supports_and_refusals(tp: ModuleType, kernel) -> None:
 
 
 def test_load_checks_a_launch_and_falls_back(tp: ModuleType, monkeypatch, caplog) -> None:
-    """``load`` gives the kernel where a tiny launch matches torch; None, logged, where it fails."""
+    """``load`` gives the kernel where a tiny launch matches torch; None, logged, where it fails; and
+    ``supports`` refuses a configuration whose own launch fails (once, remembered)."""
     assert isinstance(tp.TritonPrefillKernel.load(torch.device("cpu")), tp.TritonPrefillKernel)
+    calls = []
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("no compiler for this target")
+    def broken(self, *args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("out of resource: shared memory")
 
     monkeypatch.setattr(tp.TritonPrefillKernel, "attend_varlen", broken)
     with caplog.at_level(logging.INFO, logger=MODULE):
         assert tp.TritonPrefillKernel.load(torch.device("cpu")) is None
-    assert "cannot run" in caplog.text
+        fresh = tp.TritonPrefillKernel()
+        assert not fresh.supports(torch.bfloat16, 8, 2, 64) and not fresh.supports(torch.bfloat16, 8, 2, 64)
+    assert "cannot run" in caplog.text and "shared memory" in caplog.text and len(calls) == 2
+
+
+def test_load_refuses_wrong_results(tp: ModuleType, monkeypatch, caplog) -> None:
+    """A launch that runs but disagrees with torch is refused too."""
+    original = tp.TritonPrefillKernel.attend_varlen
+    monkeypatch.setattr(tp.TritonPrefillKernel, "attend_varlen", lambda *a, **k: original(*a, **k) * 1.01)
+    with caplog.at_level(logging.WARNING, logger=MODULE):
+        assert tp.TritonPrefillKernel.load(torch.device("cpu")) is None
+    assert "wrong results" in caplog.text
 
 
 @torch.inference_mode()
