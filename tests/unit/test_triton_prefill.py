@@ -38,6 +38,7 @@ from kvhive.model.attention import (
     paged_attention,
 )
 from kvhive.model.window_attention import ScoreRule, masked_paged_attention
+from kvhive.model.window_kv import window_kv
 
 triton = pytest.importorskip("triton")
 
@@ -330,3 +331,26 @@ def test_runner_steps_match_torch(kernel, monkeypatch) -> None:
                 assert all(s.block_ids is not None for s in inputs.attn.prefills) or runner is torch_runner
                 hidden.append(runner.model(inputs.input_ids, inputs.positions, inputs.attn, runner.kv_cache))
             torch.testing.assert_close(hidden[1], hidden[0], atol=1e-4, rtol=1e-4)
+
+
+def test_window_pool_tables_read_in_place(kernel) -> None:
+    """With the window layers' own pool, chunks read their window tables in place: the released
+    entries (the null block, filled with NaN here) are never read, and the result matches the
+    gathered masked attention."""
+    block_size, kv_heads, heads, hd, window = 4, 2, 4, 16, 6
+    pool = make_pool(12, block_size, kv_heads, hd, torch.float32)
+    pool[0] = float("nan")                                  # the null block of the window pool
+    # Chunk x: 9 new over 13 cached; its window starts at key 8, so blocks 0 and 1 are released.
+    x = replace(seq("x", prompt(9, 1), 13, [1, 2, 3, 4, 5, 6]), window_table=[0, 0, 5, 7, 3, 9])
+    y = replace(seq("y", prompt(10, 2), 0, [7, 8, 9]), window_table=[4, 6, 8])
+    spans = (PrefillSpan(0, 9, 13, torch.tensor(x.block_table), None),
+             PrefillSpan(9, 19, 0, torch.tensor(y.block_table), None))
+    meta = AttnMetadata(torch.zeros(19, 2, dtype=torch.long), None, spans, prefill_kernel=kernel)
+    win = window_kv(meta, [], [x, y], pool, window)
+    assert win.meta.prefill_kernel is kernel
+    q, kv_new = make_q(19, heads, kv_heads, hd, torch.float32), torch.randn(19, 2, kv_heads, hd)
+    rule = ScoreRule(hd ** -0.5, window=window)
+    got = masked_paged_attention(q, kv_new, pool.clone(), 1, win.meta, rule)
+    want = masked_paged_attention(q, kv_new, pool.clone(), 1, replace(win.meta, prefill_kernel=None), rule)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
