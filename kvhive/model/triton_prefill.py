@@ -36,6 +36,8 @@ from kvhive.model.window_attention import ScoreRule
 logger = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
+# Span tuples whose launch inputs are kept: a step's main pool, window pool and restricted last layer.
+PLANS_KEPT = 3
 
 
 @triton.jit
@@ -194,8 +196,9 @@ class TritonPrefillKernel:
         self.device = device or torch.device("cpu")
         self.rows, self.block_n, self.num_warps = rows, block_n, num_warps
         self._launched: dict[tuple[torch.dtype, int, int], bool] = {}    # ``launches``' answers
-        # The launch inputs of the last chunks attended (one step's every layer reuses them).
-        self._last: tuple[tuple[PrefillSpan, ...], VarlenPrefill] | None = None
+        # The launch inputs of the latest span tuples attended, newest last: a step's every layer
+        # reuses its tuple (the main pool's, the window pool's, the restricted last layer's).
+        self._plans: list[tuple[tuple[PrefillSpan, ...], VarlenPrefill]] = []
 
     @classmethod
     def load(cls, device: torch.device) -> TritonPrefillKernel | None:
@@ -236,14 +239,15 @@ class TritonPrefillKernel:
                      rule: ScoreRule | None = None) -> torch.Tensor:
         """Every prefill span of a step in one launch: q is the step's [T, heads, head_dim], the spans
         contiguous rows of it with their block ids set -> [rows of the spans, heads * head_dim]."""
-        if self._last is None or self._last[0] is not spans:
-            lengths = [s.end - s.begin for s in spans]
+        batch = next((b for known, b in self._plans if known is spans), None)
+        if batch is None:
             if any(s.block_ids is None for s in spans) or any(
                     a.end != b.begin for a, b in zip(spans, spans[1:], strict=False)):
                 raise ValueError("prefill kernel: spans must be contiguous rows with block ids")
-            self._last = (spans, varlen_prefill(lengths, [s.start_pos for s in spans],
-                                                [s.block_ids for s in spans], kv_cache.shape[3], kv_cache.device))
-        return self.attend_varlen(q[spans[0].begin:spans[-1].end], kv_cache, layer, self._last[1], rule)
+            batch = varlen_prefill([s.end - s.begin for s in spans], [s.start_pos for s in spans],
+                                   [s.block_ids for s in spans], kv_cache.shape[3], kv_cache.device)
+            self._plans = [*self._plans[-(PLANS_KEPT - 1):], (spans, batch)]
+        return self.attend_varlen(q[spans[0].begin:spans[-1].end], kv_cache, layer, batch, rule)
 
     def attend_varlen(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: int, batch: VarlenPrefill,
                       rule: ScoreRule | None = None) -> torch.Tensor:

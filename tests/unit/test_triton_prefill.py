@@ -215,18 +215,21 @@ def step_meta(kernel, block_size: int, kv_heads: int) -> tuple[AttnMetadata, tor
     return meta, blocks
 
 
-def test_paged_attention_calls_one_launch_per_layer(kernel, monkeypatch) -> None:
-    """paged_attention sends every chunk of a step to the kernel at once and matches torch's path."""
+def test_paged_attention_calls_one_launch_per_layer(tp: ModuleType, monkeypatch) -> None:
+    """paged_attention sends every chunk of a step to the kernel at once and matches torch's path;
+    the launch inputs are built once per step, every layer reusing them."""
+    kernel = tp.TritonPrefillKernel(rows=16, block_n=16)
     block_size, kv_heads, heads, hd = 8, 2, 4, 16
     meta, _ = step_meta(kernel, block_size, kv_heads)
     pool = make_pool(30, block_size, kv_heads, hd, torch.float32)
     q, kv_new = make_q(45, heads, kv_heads, hd, torch.float32), torch.randn(45, 2, kv_heads, hd)
-    calls = []
-    original = kernel.attend_varlen
+    calls, builds = [], []
+    original, build = kernel.attend_varlen, tp.varlen_prefill
     monkeypatch.setattr(kernel, "attend_varlen", lambda *a, **k: calls.append(1) or original(*a, **k))
-    got = paged_attention(q, kv_new, pool.clone(), 1, meta)
-    want = paged_attention(q, kv_new, pool.clone(), 1, replace(meta, prefill_kernel=None))
-    assert calls == [1]
+    monkeypatch.setattr(tp, "varlen_prefill", lambda *a, **k: builds.append(1) or build(*a, **k))
+    got = [paged_attention(q, kv_new, pool, layer, meta) for layer in (0, 1)]
+    want = [paged_attention(q, kv_new, pool, layer, replace(meta, prefill_kernel=None)) for layer in (0, 1)]
+    assert calls == [1, 1] and builds == [1]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
