@@ -15,7 +15,8 @@ Decode reads K/V straight from the pool with a small C++ kernel on CPU
 Triton kernel (``triton_decode.TritonDecodeKernel``); elsewhere, or without either, it gathers the
 sequences' blocks and runs one padded SDPA. Prefill chunks attend causally to their whole context
 (cached prefix + the chunk itself): on CPU with AVX2 or AVX-512 straight from the pool in a C++
-flash kernel (``prefill_kernel.CpuPrefillKernel``); elsewhere over their own K/V (first chunk) or the
+flash kernel (``prefill_kernel.CpuPrefillKernel``), on CUDA in one Triton launch for all chunks
+(``triton_prefill.TritonPrefillKernel``); elsewhere over their own K/V (first chunk) or the
 gathered context, as batched GEMMs over query blocks (``prefill_attention``) where that beats
 torch's flash SDPA, else with SDPA.
 """
@@ -34,6 +35,7 @@ from kvhive.model.timing import min_times
 if TYPE_CHECKING:
     from kvhive.model.decode_kernel import CpuDecodeKernel
     from kvhive.model.prefill_kernel import CpuPrefillKernel
+    from kvhive.model.triton_prefill import TritonPrefillKernel
     from kvhive.model.window_kv import WindowKV
 
 
@@ -78,8 +80,9 @@ class AttnMetadata:
     slot_rows: torch.Tensor
     decode: DecodeBatch | None
     prefills: tuple[PrefillSpan, ...]
-    # Prefill attention straight from the pool (CPU C++ kernel); None: torch over gathered K/V.
-    prefill_kernel: CpuPrefillKernel | None = None
+    # Prefill attention straight from the pool (the C++ kernel on CPU, Triton on CUDA); None: torch
+    # over gathered K/V.
+    prefill_kernel: CpuPrefillKernel | TritonPrefillKernel | None = None
     # KV connector worker: ``wait_for_layer_load(l)`` before layer l reads the pool, then
     # ``save_kv_layer(l)`` after it; None without a connector.
     layer_hooks: LayerHooks | None = None
@@ -180,11 +183,11 @@ def paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_cache: torch.Tenso
         qd = q[:n].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
         o = decode_sdpa(qd, k.transpose(1, 2), v.transpose(1, 2), dec.mask)
         out_parts.append(o.reshape(n, num_heads * head_dim))
-    for span in meta.prefills:
+    if meta.prefill_kernel is not None and meta.prefills:
+        # Every chunk straight from the pool (the Triton kernel: one launch for all of them).
+        out_parts.append(meta.prefill_kernel.attend_spans(q, kv_cache, layer, meta.prefills))
+    for span in () if meta.prefill_kernel is not None else meta.prefills:
         qs = q[span.begin:span.end]
-        if meta.prefill_kernel is not None:
-            out_parts.append(meta.prefill_kernel(qs, kv_cache, layer, span.block_ids, span.start_pos))
-            continue
         if span.block_ids is None:
             k, v = kv_new[span.begin:span.end, 0], kv_new[span.begin:span.end, 1]   # [n, kv_heads, hd]
         else:

@@ -29,12 +29,16 @@ Built once per machine and level by ``kvhive.model.native``.
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvhive.model.cpu import resolve
 from kvhive.model.native import build_library, kernel_source
 from kvhive.model.timing import min_times
+
+if TYPE_CHECKING:
+    from kvhive.model.attention import PrefillSpan
 
 
 class _Args(ctypes.Structure):
@@ -60,6 +64,7 @@ class CpuPrefillKernel:
     """Causal prefill attention from the pool: float32 and bfloat16 pools (AVX2 + FMA or AVX-512)."""
 
     HEAD_DIMS = (16, 32, 64, 128)
+    takes_score_rules = False       # 1/sqrt(head_dim) causal scores only (no soft-cap, no window)
 
     def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
         self.isa = isa                  # the ISA level the library was built for (kvhive.model.cpu)
@@ -137,6 +142,13 @@ class CpuPrefillKernel:
         else:
             mode = _MODE_FLOAT32
         return self._run(q, kv_cache, layer, block_ids, start_pos, mode)
+
+    def attend_spans(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                     spans: tuple[PrefillSpan, ...]) -> torch.Tensor:
+        """Every prefill span of a step (rows of q [T, heads, head_dim]), one call each ->
+        [rows of the spans, heads * head_dim]."""
+        outs = [self(q[s.begin:s.end], kv_cache, layer, s.block_ids, s.start_pos) for s in spans]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _run(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_ids: torch.Tensor,
              start_pos: int, mode: int) -> torch.Tensor:

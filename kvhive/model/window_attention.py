@@ -7,6 +7,8 @@ instead: the layer's new K/V are written to the pool the same way, then each dec
 prefill chunk gathers its keys from the pool (a chunk with no cached prefix uses its own K/V) and
 computes the scores in the model dtype, caps them, masks every key outside
 ``(position - window, position]``, and takes the softmax in float32, in transformers' eager order.
+Where the step's prefill kernel takes these rules (the Triton kernel on CUDA), the prefill chunks
+run through it instead, straight from the pool with float32 scores.
 
 A prefill chunk of a window layer gathers only the blocks its window reaches. Decode rows gather
 their block table and mask; with the window layers' own pool (``kvhive.model.window_kv``) their
@@ -64,8 +66,12 @@ def masked_paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_cache: torc
                                        rule.scale, rule.softcap, rule.window, decode_first_keys))
     elif dec is not None:
         parts.append(_decode_rows(q, k_layer, v_layer, dec, rule, decode_first_keys))
-    for span in meta.prefills:
-        parts.append(_prefill_span(q, kv_new, k_layer, v_layer, span, rule))
+    kernel = meta.prefill_kernel
+    if meta.prefills and kernel is not None and kernel.takes_score_rules:
+        # Straight from the pool, every chunk in one launch, scores in float32 (the Triton kernel).
+        parts.append(kernel.attend_spans(q, kv_cache, layer, meta.prefills, rule))
+    else:
+        parts.extend(_prefill_span(q, kv_new, k_layer, v_layer, span, rule) for span in meta.prefills)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

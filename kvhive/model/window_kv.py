@@ -69,7 +69,10 @@ def window_kv(meta: AttnMetadata, decodes: list[ScheduledSeq], prefills: list[Sc
     spans = tuple(dataclasses.replace(span, mask=None, block_ids=None if span.block_ids is None else torch.tensor(
         _table(s)[:span.block_ids.shape[0]], dtype=torch.int64, device=cache.device))
         for span, s in zip(meta.prefills, prefills, strict=True))
-    return WindowKV(cache, AttnMetadata(slot_rows=slot_rows, decode=decode, prefills=spans), first_keys)
+    # A prefill kernel that applies the window itself reads the window pool in place; others do not.
+    kernel = meta.prefill_kernel if meta.prefill_kernel is not None and meta.prefill_kernel.takes_score_rules else None
+    return WindowKV(cache, AttnMetadata(slot_rows=slot_rows, decode=decode, prefills=spans, prefill_kernel=kernel),
+                    first_keys)
 
 
 def _decode_tables(decodes: list[ScheduledSeq], block_size: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
