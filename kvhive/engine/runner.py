@@ -127,13 +127,8 @@ class ModelRunner:
                 "prefill_attention": self._kernel_name(self.prefill_kernel, sdpa), **window}
 
     def _kernel_name(self, kernel: Any | None, fallback: str) -> str:
-        """A kernel's path name (its ``describe``, else C++ at its ISA level); ``fallback`` without one."""
-        if kernel is None:
-            return fallback
-        if hasattr(kernel, "describe"):
-            return kernel.describe(self.device)
-        isa = getattr(kernel, "isa", None)
-        return f"C++ {isa}" if isa is not None else f"{type(kernel).__name__} on {self.device}"
+        """A kernel's path name (its ``describe``); ``fallback`` without one."""
+        return fallback if kernel is None else kernel.describe(self.device)
 
     def pool_bytes(self) -> int:
         """Bytes of the KV pool (both pools when the window layers have their own)."""

@@ -124,6 +124,10 @@ class CpuPrefillKernel:
         kernel = cls(lib, isa)
         return kernel if kernel.dtypes else None
 
+    def describe(self, device: torch.device) -> str:
+        """The path's name for the runner's startup log and /version."""
+        return f"C++ {self.isa}"
+
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         """True where this kernel can run a model of these shapes and dtype."""
         return dtype in self.dtypes and head_dim in self.HEAD_DIMS and num_heads % num_kv_heads == 0

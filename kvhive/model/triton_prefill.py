@@ -182,7 +182,6 @@ class TritonPrefillKernel:
     HEAD_DIMS = (16, 32, 64, 128, 256)
     DTYPES = (torch.float32, torch.bfloat16, torch.float16)
     MAX_GROUP = 16
-    isa = "triton"                  # the path's name in the runner's startup log
     takes_score_rules = True        # scale, soft-cap and window per call (``ScoreRule``)
 
     def __init__(self, device: torch.device | None = None, rows: int | None = None, block_n: int | None = None,
@@ -206,6 +205,10 @@ class TritonPrefillKernel:
         torch); None with a log line otherwise (no driver, a CPU without TRITON_INTERPRET=1)."""
         kernel = cls(device=device)
         return kernel if kernel.launches(torch.float32, 2, 16) else None
+
+    def describe(self, device: torch.device) -> str:
+        """The path's name for the runner's startup log and /version."""
+        return f"Triton paged ({device.type})"
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         """True where this kernel runs a model of these shapes and pool dtype on its device: the shape
