@@ -261,8 +261,8 @@ def run_budget(args: argparse.Namespace, budget: int, interval: float) -> dict:
     log_dir = tempfile.mkdtemp(prefix="kvhive-pd-bench-")
     load_start, procs = os.getloadavg()[0], []
     try:
-        procs, gateways, urls = start_arms(log_dir, [*args.server_args.split(), "--max-num-batched-tokens",
-                                                     str(budget)])
+        procs, gateways, urls = start_arms(log_dir, [*args.server_args.split(), "--device", args.device,
+                                                     "--max-num-batched-tokens", str(budget)])
         warm_up(urls, args.long_sentences)
         got = measure(args, gateways, urls)
     finally:
@@ -303,21 +303,26 @@ def main() -> int:
                     help="--max-num-batched-tokens values, one run of both arms each (2048: the default); "
                          "BUDGET@SECONDS gives that run its own --interval")
     ap.add_argument("--server-args", default="", help="extra flags for every kvhive serve")
+    ap.add_argument("--device", default="cpu",
+                    help="every instance's --device (cuda: all four instances share the one GPU)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: one short round per arm")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "pd_vs_colocated.json"))
+    ap.add_argument("--out", default=None, help="the result file (default: bench/results/pd_vs_colocated.json; "
+                                                "with --quick, one in the temp directory)")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.decoders, args.decode_tokens, args.long_prompts = 1, 2, 16, 1
         args.long_sentences, args.long_max_tokens, args.interval, args.warm_s = 8, 4, 0.5, 0.5
-        args.budgets, args.out = "2048", os.path.join(tempfile.gettempdir(), "pd_vs_colocated_quick.json")
+        args.budgets = "2048"
+    if args.out is None:
+        args.out = (os.path.join(tempfile.gettempdir(), "pd_vs_colocated_quick.json") if args.quick else
+                    os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pd_vs_colocated.json"))
     runs = []
     for spec in args.budgets.split(","):
         budget, _, interval = spec.partition("@")
         runs.append(run_budget(args, int(budget), float(interval) if interval else args.interval))
     record = {"machine": machine(), "command": command(__file__), "date": time.strftime("%Y-%m-%d"),
               "config": {k: v for k, v in vars(args).items() if k not in ("out", "quick")},
-              "dtype": "float32 (the default)", "runs": runs}
+              "device": args.device, "dtype": "float32 (the default)", "runs": runs}
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     for run in runs:

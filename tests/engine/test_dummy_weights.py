@@ -43,7 +43,7 @@ def _logits(loaded: LoadedModel, prompt: list[int]) -> torch.Tensor:
     """The model's logits [len(prompt), vocab] of one prefill through the runner's paged cache."""
     blocks = -(-len(prompt) // BLOCK)
     runner = ModelRunner(loaded.model, loaded.config, num_blocks=blocks, block_size=BLOCK,
-                         dtype=str(loaded.model.dtype).removeprefix("torch."))
+                         dtype=loaded.model.dtype, device=loaded.model.device, cuda_graphs=False)
     plan = StepPlan([ScheduledSeq("x", prompt, 0, list(range(blocks)), True, SamplingParams(temperature=0))])
     inputs = runner.prepare_inputs(plan, all_rows=True)
     with torch.inference_mode():
@@ -170,3 +170,17 @@ def test_serve_exits_2_on_a_config_it_cannot_run(tmp_path) -> None:
                           capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, env=subprocess_env())
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert os.path.join(path, "config.json") in proc.stderr and "hidden_act" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_dummy_model_is_made_on_the_device_in_bf16(tmp_path) -> None:
+    path = _config_dir(tmp_path, "llama")
+    before = torch.cuda.memory_allocated()
+    loaded = load_model(path, dtype="bfloat16", device="cuda", load_format="dummy")
+    assert {p.device.type for p in loaded.model.parameters()} == {"cuda"}
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+    assert torch.cuda.memory_allocated() > before
+    again = load_model(path, dtype="bfloat16", device="cuda", load_format="dummy")
+    assert torch.equal(again.model.layers[0].qkv_proj, loaded.model.layers[0].qkv_proj)
+    assert torch.isfinite(_logits(loaded, PROMPT)).all()
