@@ -33,6 +33,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -191,51 +192,57 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
+class StepTiming(NamedTuple):
+    """A step's median time, whether it replayed a CUDA graph, and the attention paths it took."""
+
+    ms: float
+    cuda_graph: bool
+    attention: dict[str, str]
+
+
+def time_step(loaded: LoadedModel, backend: str, batch: int, context: int, plan: StepPlan, graphs: bool,
+              repeat: int) -> StepTiming | str:
+    """``plan``'s median time on a runner sized for ``batch`` x ``context``, or why it was not timed."""
+    reason = does_not_fit(loaded, batch, context)
+    if reason is not None:
+        return reason
+    runner = None
+    try:
+        runner = make_runner(loaded, backend, batch, context, graphs)
+        ms = median_ms(lambda: runner.execute(plan), repeat, loaded.model.device)
+        graphed = runner.decode_graphs is not None and runner.decode_graphs.num_steps > 0
+        return StepTiming(ms, graphed, runner.paths())
+    except Exception as exc:  # noqa: BLE001 - one failed case is recorded; the others run
+        return _failure(exc)
+    finally:
+        runner = None
+        release()
+
+
 def decode_case(loaded: LoadedModel, backend: str, batch: int, context: int, args: argparse.Namespace,
                 floors: dict[str, float]) -> dict:
     """One decode case's median step time beside its floor (or why it was skipped)."""
     case = {"kind": "decode", "backend": backend, "batch": batch, "context": context}
-    reason = does_not_fit(loaded, batch, context)
-    if reason is not None:
-        return {**case, "skipped": reason}
     graphs = loaded.model.device.type == "cuda" and not args.enforce_eager
-    try:
-        runner = make_runner(loaded, backend, batch, context, graphs)
-        plan = decode_plan(batch, context)
-        ms = median_ms(lambda: runner.execute(plan), args.repeat, loaded.model.device)
-        graphed = runner.decode_graphs is not None and runner.decode_graphs.num_steps > 0
-        paths = runner.paths()
-    except Exception as exc:  # noqa: BLE001 - one failed case is recorded; the others run
-        return {**case, "skipped": _failure(exc)}
-    finally:
-        runner = None
-        release()
+    timing = time_step(loaded, backend, batch, context, decode_plan(batch, context), graphs, args.repeat)
+    if isinstance(timing, str):
+        return {**case, "skipped": timing}
     moved = floors["weight_bytes"] + kv_bytes(loaded, batch, context)
     floor_ms = 1000 * moved / floors["hbm_bytes_per_s"]
-    return {**case, "step_ms": ms, "floor_ms": floor_ms, "x_floor": ms / floor_ms, "bytes_read": moved,
-            "cuda_graph": graphed, "attention": paths}
+    return {**case, "step_ms": timing.ms, "floor_ms": floor_ms, "x_floor": timing.ms / floor_ms,
+            "bytes_read": moved, "cuda_graph": timing.cuda_graph, "attention": timing.attention}
 
 
 def prefill_case(loaded: LoadedModel, backend: str, n: int, args: argparse.Namespace, floors: dict[str, float]) -> dict:
     """The ``n``-token prefill's median time beside its FLOPs floor (or why it was skipped)."""
     case = {"kind": "prefill", "backend": backend, "batch": 1, "context": n}
-    reason = does_not_fit(loaded, 1, n)
-    if reason is not None:
-        return {**case, "skipped": reason}
-    try:
-        runner = make_runner(loaded, backend, 1, n, graphs=False)
-        plan = prefill_plan(n)
-        ms = median_ms(lambda: runner.execute(plan), args.repeat, loaded.model.device)
-        paths = runner.paths()
-    except Exception as exc:  # noqa: BLE001 - one failed case is recorded; the others run
-        return {**case, "skipped": _failure(exc)}
-    finally:
-        runner = None
-        release()
+    timing = time_step(loaded, backend, 1, n, prefill_plan(n), False, args.repeat)
+    if isinstance(timing, str):
+        return {**case, "skipped": timing}
     flops = prefill_flops(loaded, n)
     floor_ms = 1000 * flops / floors["matmul_flop_per_s"]
-    return {**case, "step_ms": ms, "floor_ms": floor_ms, "x_floor": ms / floor_ms, "flops": flops,
-            "attention": paths}
+    return {**case, "step_ms": timing.ms, "floor_ms": floor_ms, "x_floor": timing.ms / floor_ms, "flops": flops,
+            "attention": timing.attention}
 
 
 def run_backend(loaded: LoadedModel, backend: str, args: argparse.Namespace, floors: dict[str, float]) -> list[dict]:
