@@ -25,7 +25,6 @@ from kvhive.config import ModelConfig
 from kvhive.model.hf_dir import config_json_file, read_hf_config
 
 DUMMY_STD = 0.02       # standard deviation of every random matrix (as initializer_range in HF configs)
-LOAD_FORMAT = "dummy"
 
 
 class DummyConfig(NamedTuple):
