@@ -7,7 +7,9 @@
 #      decode at batch 1/32/128 x context 1k/8k/32k and an 8k prefill, Triton paged kernels against
 #      the gather path, each beside its floor  -> gpu_decode.json, gpu_decode.md, gpu_decode.log
 #   4. bench/pd_vs_colocated.py --device cuda: prefill + decode instances against two colocated
-#      replicas, all on the one GPU             -> pd_vs_colocated.json, pd_vs_colocated.log
+#      replicas, all on the one GPU, with torch profiler traces of one long prompt's layer-by-layer
+#      KV send and load -> pd_vs_colocated.json, pd_vs_colocated.log,
+#      pd_profile/budget2048/{prefill,decode}_trace.json
 # Each step has its own timeout and a failed step does not stop the next; summary.txt lists every
 # step's exit status and seconds, and the targets. See docs/gpu_check.md.
 #
@@ -58,7 +60,7 @@ step gpu-decode 200 "$OUT/gpu_decode.log" "$PYTHON" bench/gpu_decode.py --device
 
 step pd-vs-colocated 100 "$OUT/pd_vs_colocated.log" "$PYTHON" bench/pd_vs_colocated.py --device cuda \
     --rounds 2 --budgets 2048 --interval 2 --long-prompts 3 --decode-tokens 64 --warm-s 1 \
-    --out "$OUT/pd_vs_colocated.json"
+    --profile-dir "$OUT/pd_profile" --out "$OUT/pd_vs_colocated.json"
 
 # The targets, from the result files that exist.
 "$PYTHON" - "$OUT" >> "$SUMMARY" 2>&1 <<'EOF'

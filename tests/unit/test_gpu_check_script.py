@@ -58,3 +58,36 @@ def test_the_targets_are_judged_at_batch_32_and_8k() -> None:
     gather_only = evaluate_targets([_decode("torch", 32, 8192, 24.0, 10.0),
                                     {"kind": "backend", "backend": "triton", "skipped": "unavailable"}])
     assert {t["status"] for t in gather_only.values()} == {"not measured"}
+
+
+def test_the_profiler_window_records_other_threads_ops(tmp_path) -> None:
+    import threading
+    import time
+
+    import torch
+    from profiled_serve import profile_window
+
+    go = threading.Event()
+
+    def work() -> None:                          # a thread that runs before the window opens, as the engine's
+        x = torch.ones(64, 64)
+        go.wait(60)
+        for _ in range(20):
+            x = torch.mm(x, x) / 64
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    trace = str(tmp_path / "trace.json")
+    window = threading.Thread(target=profile_window, args=(trace, str(tmp_path)))
+    window.start()
+    (tmp_path / "start").touch()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(trace + ".started") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    go.set()
+    worker.join()
+    (tmp_path / "stop").touch()
+    window.join(timeout=60)
+    assert os.path.exists(trace + ".done")
+    names = {e.get("name") for e in json.loads(open(trace).read())["traceEvents"]}
+    assert "aten::mm" in names
