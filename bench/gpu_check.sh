@@ -50,16 +50,16 @@ step cuda-tests 100 "$OUT/cuda_tests.txt" "$PYTHON" -m pytest -q -p no:cacheprov
     --junitxml="$OUT/cuda_tests.xml" $CUDA_TESTS
 if [ -n "$TRITON_TESTS" ]; then
     # shellcheck disable=SC2086
-    step triton-tests 60 "$OUT/triton_tests.txt" "$PYTHON" -m pytest -q -p no:cacheprovider -rs \
+    step triton-tests 45 "$OUT/triton_tests.txt" "$PYTHON" -m pytest -q -p no:cacheprovider -rs \
         --junitxml="$OUT/triton_tests.xml" $TRITON_TESTS
 else
     echo "triton-tests: none in this tree (tests/*/test_triton*.py)" | tee -a "$SUMMARY"
 fi
 
-step gpu-decode 200 "$OUT/gpu_decode.log" "$PYTHON" bench/gpu_decode.py --device cuda --out "$OUT"
+step gpu-decode 180 "$OUT/gpu_decode.log" "$PYTHON" bench/gpu_decode.py --device cuda --out "$OUT"
 
-step pd-vs-colocated 100 "$OUT/pd_vs_colocated.log" "$PYTHON" bench/pd_vs_colocated.py --device cuda \
-    --rounds 2 --budgets 2048 --interval 2 --long-prompts 3 --decode-tokens 64 --warm-s 1 \
+step pd-vs-colocated 130 "$OUT/pd_vs_colocated.log" "$PYTHON" bench/pd_vs_colocated.py --device cuda \
+    --rounds 2 --budgets 2048 --interval 2 --long-prompts 2 --decode-tokens 64 --warm-s 1 \
     --profile-dir "$OUT/pd_profile" --out "$OUT/pd_vs_colocated.json"
 
 # The targets, from the result files that exist.

@@ -245,18 +245,48 @@ def prefill_case(loaded: LoadedModel, backend: str, n: int, args: argparse.Names
             "attention": timing.attention}
 
 
-def run_backend(loaded: LoadedModel, backend: str, args: argparse.Namespace, floors: dict[str, float]) -> list[dict]:
-    """Every case of one attention backend; one unavailable backend is recorded, not fatal."""
+def backend_problem(loaded: LoadedModel, backend: str) -> str | None:
+    """Why ``backend`` cannot run here (the runner's ValueError), or None when it can."""
     try:
-        make_runner(loaded, backend, 1, BLOCK, graphs=False)          # ValueError where it cannot run here
+        make_runner(loaded, backend, 1, BLOCK, graphs=False)
     except ValueError as exc:
-        return [{"kind": "backend", "backend": backend, "skipped": f"unavailable: {exc}"}]
+        return f"unavailable: {exc}"
     finally:
         release()
-    cases = [decode_case(loaded, backend, b, c, args, floors) for c in args.contexts for b in args.batches]
-    cases.append(prefill_case(loaded, backend, args.prefill, args, floors))
-    for case in cases:
-        print(json.dumps(case), flush=True)
+    return None
+
+
+def case_order(args: argparse.Namespace) -> list[tuple[str, int, int]]:
+    """(kind, batch, context) of every case, the targets' first (a run cut short keeps them): decode
+    at the target batch and context, the prefill, then every other decode case."""
+    batch, context, _ = TARGET_DECODE
+    decodes = [("decode", b, c) for c in args.contexts for b in args.batches]
+    first = [("decode", batch, context)] if ("decode", batch, context) in decodes else []
+    return first + [("prefill", 1, args.prefill)] + [d for d in decodes if d not in first]
+
+
+def run_cases(loaded: LoadedModel, args: argparse.Namespace, floors: dict[str, float],
+              record: Callable[[list[dict]], None]) -> list[dict]:
+    """Every case on every available backend, in ``case_order``, each backend beside the other;
+    ``record`` gets the cases so far after each one."""
+    cases: list[dict] = []
+    backends = []
+    for backend in args.backends:
+        problem = backend_problem(loaded, backend)
+        if problem is None:
+            backends.append(backend)
+        else:
+            cases.append({"kind": "backend", "backend": backend, "skipped": problem})
+    for kind, batch, context in case_order(args):
+        for backend in backends:
+            if kind == "decode":
+                case = decode_case(loaded, backend, batch, context, args, floors)
+            else:
+                case = prefill_case(loaded, backend, context, args, floors)
+            cases.append(case)
+            print(json.dumps(case), flush=True)
+            record(cases)
+    record(cases)
     return cases
 
 
@@ -341,6 +371,14 @@ def measure_floors(loaded: LoadedModel, args: argparse.Namespace) -> dict[str, f
             "weight_bytes": weight_bytes(loaded.model)}
 
 
+def write_results(out: str, record: dict) -> None:
+    """gpu_decode.json and gpu_decode.md under ``out`` (rewritten after every case)."""
+    with open(os.path.join(out, "gpu_decode.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    with open(os.path.join(out, "gpu_decode.md"), "w") as f:
+        f.write(markdown(record))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -350,17 +388,17 @@ def main(argv: list[str] | None = None) -> int:
                         pack_weights=False, load_format="dummy")
     print(f"built the dummy model ({loaded.fingerprint}) in {time.perf_counter() - started:.1f} s", flush=True)
     floors = measure_floors(loaded, args)
-    cases = [case for backend in args.backends for case in run_backend(loaded, backend, args, floors)]
-    record = {"machine": machine(), "command": command(__file__), "date": time.strftime("%Y-%m-%d %H:%M"),
-              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
-              "dtype": args.dtype, "model": "smoke" if args.smoke else "Llama-3.1-8B shape, dummy weights",
-              "fingerprint": loaded.fingerprint, "floors": floors, "cases": cases,
-              "targets": evaluate_targets(cases), "seconds": time.perf_counter() - started}
-    with open(os.path.join(args.out, "gpu_decode.json"), "w") as f:
-        json.dump(record, f, indent=1)
-    with open(os.path.join(args.out, "gpu_decode.md"), "w") as f:
-        f.write(markdown(record))
-    print(markdown(record))
+    base = {"machine": machine(), "command": command(__file__), "date": time.strftime("%Y-%m-%d %H:%M"),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+            "dtype": args.dtype, "model": "smoke" if args.smoke else "Llama-3.1-8B shape, dummy weights",
+            "fingerprint": loaded.fingerprint, "floors": floors}
+
+    def record(cases: list[dict]) -> dict:
+        whole = {**base, "cases": cases, "targets": evaluate_targets(cases), "seconds": time.perf_counter() - started}
+        write_results(args.out, whole)
+        return whole
+
+    print(markdown(record(run_cases(loaded, args, floors, record))))
     return 0
 
 
