@@ -234,22 +234,22 @@ def warm_up(urls: dict[str, str], sentences: int) -> None:
             stream(client, url, "Warm-up: once upon a time", 4)
 
 
-def profile_transfer(url: str, profile_dir: str, sentences: int, wait_s: float = 120.0) -> list[str]:
+def profile_transfer(url: str, profile_dir: str, sentences: int, wait_s: float = 60.0) -> list[str]:
     """One long prompt through the PD gateway at ``url`` while the prefill and decode instances
     profile (their layer-by-layer KV send and load beside the layers' kernels); the traces written."""
     traces = [os.path.join(profile_dir, f"{name}_trace.json") for name in ("prefill", "decode")]
 
-    def wait_for(suffix: str) -> None:
-        deadline = time.monotonic() + wait_s
+    def until_all(suffix: str, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
         while time.monotonic() < deadline and not all(os.path.exists(t + suffix) for t in traces):
             time.sleep(0.1)
 
     open(os.path.join(profile_dir, "start"), "w").close()
-    wait_for(".started")
+    until_all(".started", wait_s / 3)                 # a profiler that cannot start is not waited for long
     with httpx.Client() as client:
         stream(client, url, long_prompt("profiled", sentences), 4)
     open(os.path.join(profile_dir, "stop"), "w").close()
-    wait_for(".done")
+    until_all(".done", wait_s)
     return [t for t in traces if os.path.exists(t + ".done")]
 
 
