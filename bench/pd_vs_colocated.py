@@ -45,11 +45,17 @@ MODEL = "smollm2-135m"
 SENTENCE = "The ledger for cargo ship {n} lists {a} crates of tea, {b} barrels of oil and {c} bales of wool."
 
 
-def serve(name: str, core: int, log_dir: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    """A ``kvhive serve`` pinned to ``core`` (one thread); the process and its URL."""
+def serve(name: str, core: int, log_dir: str, extra: list[str], profile_dir: str | None = None
+          ) -> tuple[subprocess.Popen, str]:
+    """A ``kvhive serve`` pinned to ``core`` (one thread); the process and its URL. ``profile_dir``:
+    run it under ``profiled_serve.py``, its trace ``profile_dir/NAME_trace.json``."""
     port = free_port()
     pin = ["taskset", "-c", str(core)] if shutil.which("taskset") else []
-    cmd = [*pin, sys.executable, "-m", "kvhive.cli", "serve", "--port", str(port), "--num-threads", "1",
+    launch = [sys.executable, "-m", "kvhive.cli", "serve"]
+    if profile_dir is not None:
+        launch = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiled_serve.py"),
+                  "--trace", os.path.join(profile_dir, f"{name}_trace.json"), "--control", profile_dir, "--"]
+    cmd = [*pin, *launch, "--port", str(port), "--num-threads", "1",
            "--max-model-len", "4096", "--log-level", "warning", *extra]
     log = open(os.path.join(log_dir, f"{name}.log"), "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV, cwd=REPO), f"http://127.0.0.1:{port}"
@@ -198,14 +204,17 @@ def summary(rounds: list[dict]) -> dict:
             "prompt_tokens": statistics.median(t for r in rounds for t in r["prompt_tokens"])}
 
 
-def start_arms(log_dir: str, extra: list[str]) -> tuple[list[subprocess.Popen], dict[str, str], dict[str, str]]:
-    """Both arms' instances and gateways; (processes, gateway URL per arm, instance URL per name)."""
+def start_arms(log_dir: str, extra: list[str], profile_dir: str | None = None
+               ) -> tuple[list[subprocess.Popen], dict[str, str], dict[str, str]]:
+    """Both arms' instances and gateways; (processes, gateway URL per arm, instance URL per name).
+    ``profile_dir``: the prefill and decode instances run under the profiler (``profile_transfer``)."""
     kv_port = free_port()
     procs, urls = [], {}
     for name, core, flags in (("prefill", 0, ["--kv-role", "prefill"]),
                               ("decode", 1, ["--kv-role", "decode", "--kv-transfer-port", str(kv_port)]),
                               ("replica0", 0, []), ("replica1", 1, [])):
-        proc, urls[name] = serve(name, core, log_dir, flags + extra)
+        proc, urls[name] = serve(name, core, log_dir, flags + extra,
+                                 profile_dir if name in ("prefill", "decode") else None)
         procs.append(proc)
     for name, proc in zip(urls, procs, strict=True):
         wait_for(urls[name] + "/health", lambda r: r.status_code == 200, 600, name, proc)
@@ -223,6 +232,25 @@ def warm_up(urls: dict[str, str], sentences: int) -> None:
         for url in urls.values():
             stream(client, url, long_prompt("warm-up", sentences), 4)
             stream(client, url, "Warm-up: once upon a time", 4)
+
+
+def profile_transfer(url: str, profile_dir: str, sentences: int, wait_s: float = 60.0) -> list[str]:
+    """One long prompt through the PD gateway at ``url`` while the prefill and decode instances
+    profile (their layer-by-layer KV send and load beside the layers' kernels); the traces written."""
+    traces = [os.path.join(profile_dir, f"{name}_trace.json") for name in ("prefill", "decode")]
+
+    def until_all(suffix: str, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not all(os.path.exists(t + suffix) for t in traces):
+            time.sleep(0.1)
+
+    open(os.path.join(profile_dir, "start"), "w").close()
+    until_all(".started", wait_s / 3)                 # a profiler that cannot start is not waited for long
+    with httpx.Client() as client:
+        stream(client, url, long_prompt("profiled", sentences), 4)
+    open(os.path.join(profile_dir, "stop"), "w").close()
+    until_all(".done", wait_s)
+    return [t for t in traces if os.path.exists(t + ".done")]
 
 
 def measure(args: argparse.Namespace, gateways: dict[str, str], urls: dict[str, str]) -> dict:
@@ -259,11 +287,16 @@ def run_budget(args: argparse.Namespace, budget: int, interval: float) -> dict:
     ``interval`` seconds apart: paired rounds, summed up."""
     args = argparse.Namespace(**{**vars(args), "interval": interval})
     log_dir = tempfile.mkdtemp(prefix="kvhive-pd-bench-")
-    load_start, procs = os.getloadavg()[0], []
+    load_start, procs, traces = os.getloadavg()[0], [], []
+    profile_dir = None if args.profile_dir is None else os.path.join(args.profile_dir, f"budget{budget}")
+    if profile_dir is not None:
+        os.makedirs(profile_dir, exist_ok=True)
     try:
-        procs, gateways, urls = start_arms(log_dir, [*args.server_args.split(), "--max-num-batched-tokens",
-                                                     str(budget)])
+        procs, gateways, urls = start_arms(log_dir, [*args.server_args.split(), "--device", args.device,
+                                                     "--max-num-batched-tokens", str(budget)], profile_dir)
         warm_up(urls, args.long_sentences)
+        if profile_dir is not None:
+            traces = profile_transfer(gateways["pd"], profile_dir, args.long_sentences)
         got = measure(args, gateways, urls)
     finally:
         stop(procs)
@@ -274,7 +307,7 @@ def run_budget(args: argparse.Namespace, budget: int, interval: float) -> dict:
     return {"max_num_batched_tokens": budget, "interval_s": interval, "arms": arms, "ratios": ratios,
             "load_average_1m": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
             "targets_met": {"itl_p99 <= 0.5x": ratios["itl_p99"] <= 0.5, "ttft_p50 <= 1.3x": ratios["ttft_p50"] <= 1.3},
-            "transfer": transfer_figures(got["counters"], pd["num_prompts"]),
+            "transfer": transfer_figures(got["counters"], pd["num_prompts"]), "profiler_traces": traces,
             "paired_medians": paired_medians(got["rounds"]),
             "per_round": {arm: [{"itl_p99_ms": 1000 * pct(r["gaps"], 0.99), "ttft_ms": [1000 * t for t in r["ttfts"]],
                                  "load_1m": round(r["load_1m"], 2)} for r in rounds]
@@ -303,21 +336,29 @@ def main() -> int:
                     help="--max-num-batched-tokens values, one run of both arms each (2048: the default); "
                          "BUDGET@SECONDS gives that run its own --interval")
     ap.add_argument("--server-args", default="", help="extra flags for every kvhive serve")
+    ap.add_argument("--device", default="cpu",
+                    help="every instance's --device (cuda: all four instances share the one GPU)")
+    ap.add_argument("--profile-dir", default=None, metavar="DIR",
+                    help="before the rounds, profile one long prompt on the prefill and decode instances "
+                         "(bench/profiled_serve.py): Chrome traces DIR/budgetN/{prefill,decode}_trace.json")
     ap.add_argument("--quick", action="store_true", help="a smoke run: one short round per arm")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "pd_vs_colocated.json"))
+    ap.add_argument("--out", default=None, help="the result file (default: bench/results/pd_vs_colocated.json; "
+                                                "with --quick, one in the temp directory)")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.decoders, args.decode_tokens, args.long_prompts = 1, 2, 16, 1
         args.long_sentences, args.long_max_tokens, args.interval, args.warm_s = 8, 4, 0.5, 0.5
-        args.budgets, args.out = "2048", os.path.join(tempfile.gettempdir(), "pd_vs_colocated_quick.json")
+        args.budgets = "2048"
+    if args.out is None:
+        args.out = (os.path.join(tempfile.gettempdir(), "pd_vs_colocated_quick.json") if args.quick else
+                    os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pd_vs_colocated.json"))
     runs = []
     for spec in args.budgets.split(","):
         budget, _, interval = spec.partition("@")
         runs.append(run_budget(args, int(budget), float(interval) if interval else args.interval))
     record = {"machine": machine(), "command": command(__file__), "date": time.strftime("%Y-%m-%d"),
-              "config": {k: v for k, v in vars(args).items() if k not in ("out", "quick")},
-              "dtype": "float32 (the default)", "runs": runs}
+              "config": {k: v for k, v in vars(args).items() if k not in ("out", "quick", "profile_dir")},
+              "device": args.device, "dtype": "float32 (the default)", "runs": runs}
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     for run in runs:

@@ -157,7 +157,8 @@ def resolve_auto_dtype(config: EngineConfig) -> EngineConfig:
     imports torch, so call it after ``prepare_runtime``)."""
     from kvhive.model.auto_dtype import choose_dtype
 
-    choice = choose_dtype(config.model_path, config.device, config.cpu_isa)
+    dummy = (config.hf_config_path or config.model_path) if config.load_format == "dummy" else None
+    choice = choose_dtype(config.model_path, config.device, config.cpu_isa, dummy)
     logging.getLogger("kvhive.cli").info("--dtype auto: %s (%s)", choice.dtype, choice.reason)
     return dataclasses.replace(config, dtype=choice.dtype)
 
@@ -188,6 +189,10 @@ def resolve_runtime(args: argparse.Namespace, config: EngineConfig) -> EngineCon
     problem = prepare_runtime(args, config)
     if problem is not None:
         raise ValueError(problem)
+    if config.load_format == "dummy":        # the config and tokenizer, before the server stack loads
+        from kvhive.model.dummy_weights import check_dummy_sources
+
+        check_dummy_sources(config.model_path, config.hf_config_path)
     return resolve_auto_dtype(config) if config.dtype == "auto" else config
 
 

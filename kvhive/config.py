@@ -16,6 +16,8 @@ from kvhive.core.kv_events_config import KVEventsConfig
 CPU_ISAS = ("auto", "avx512_bf16", "avx512", "avx2", "portable")
 # --attention-backend: auto (CPU: the C++ kernels; CUDA: the Triton paged kernels), triton, torch.
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
+# --load-format (vLLM's names): auto reads the checkpoint's weights, dummy draws random ones for its config.
+LOAD_FORMATS = ("auto", "dummy")
 # What ``--metrics-compat`` may name: "vllm" also exports metrics under vLLM's names (server/metrics_vllm.py).
 METRICS_COMPAT = ("none", "vllm")
 # Bytes of one K or V value in the KV pool, by --dtype.
@@ -308,8 +310,11 @@ class EngineConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)   # --kv-role, --kv-transfer-*
     # --generation-config: auto (the model's generation_config.json), vllm (none) or a directory.
     generation_config: str = "auto"
+    load_format: str = "auto"              # LOAD_FORMATS (kvhive.model.dummy_weights for dummy)
+    hf_config_path: str | None = None      # a config.json (or its directory) read instead of the model's
 
     def __post_init__(self) -> None:
+        self._check_model_source()
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -338,6 +343,14 @@ class EngineConfig:
             raise ValueError("KV tiers (--cpu-offload-gb, --disk-cache-dir, --redis-url) need prefix caching")
         if self.kv_transfer.disaggregated and not self.cache.enable_prefix_caching:
             raise ValueError(f"--kv-role {self.kv_transfer.role} needs prefix caching (blocks are sent by hash)")
+
+    def _check_model_source(self) -> None:
+        """ValueError naming --load-format or --hf-config-path when either names nothing kvhive reads."""
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        path = self.hf_config_path
+        if path is not None and not (os.path.isfile(path) or os.path.isfile(os.path.join(path, "config.json"))):
+            raise ValueError(f"--hf-config-path must be a config.json file or a directory holding one, got {path!r}")
 
     def kv_events_settings(self) -> KVEventsConfig | None:
         """How the engine publishes KV events: ``kv_events_config``, else the ``kv_events`` short

@@ -13,6 +13,7 @@ import os
 from kvhive.config import (
     ATTENTION_BACKENDS,
     CPU_ISAS,
+    LOAD_FORMATS,
     MAX_QUANT_ROWS,
     METRICS_COMPAT,
     PINNED_AUTO,
@@ -86,6 +87,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights, activations and KV cache dtype (float16: CUDA only); auto: the "
                         "checkpoint's dtype where the device runs it well, else float32 (logged)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                   help="auto: read the checkpoint's weights; dummy: random weights for the model's "
+                        "config.json alone (--model may be a directory holding only config.json and a "
+                        "tokenizer, or the config.json file), to run a model of any size without its "
+                        "weights (see docs/dummy_weights.md) (default: auto)")
+    g.add_argument("--hf-config-path", "--hf-config", dest="hf_config_path", default=None, metavar="PATH",
+                   help="a config.json file (or a directory holding one) read instead of the model's; "
+                        "with --load-format dummy, the tokenizer still comes from --model (default: the "
+                        "model's)")
     g.add_argument("--cpu-isa", choices=CPU_ISAS, default="auto",
                    help="instruction-set level of the C++ CPU kernels; auto: the best this CPU runs; "
                         "a lower level runs the kernels a CPU without the higher ISA would run")
@@ -337,7 +347,8 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
 
         model_path, name = resolve_hub_model(model_path), name or model_path
     if name is None:
-        name = "smollm2-135m" if args.model is None else os.path.basename(model_path.rstrip("/"))
+        named = os.path.dirname(os.path.abspath(model_path)) if model_path.endswith(".json") else model_path
+        name = "smollm2-135m" if args.model is None else os.path.basename(named.rstrip("/"))
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy,
                             max_num_batched_tokens=args.max_num_batched_tokens, step_budget=args.step_budget,
                             max_model_len=args.max_model_len or 1 << 30)
@@ -363,4 +374,5 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
                         cache=cache,
                         kv_events_config=None if events is None else events.for_server(args.host, args.port),
                         scheduler=sched, store=store, sessions=sessions, kv_transfer=kv_transfer,
-                        generation_config=args.generation_config)
+                        generation_config=args.generation_config, load_format=args.load_format,
+                        hf_config_path=args.hf_config_path)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from kvhive.connector.disagg.build import DisaggHalves
     from kvhive.connector.offload import OffloadScheduler
     from kvhive.connector.offload_worker import OffloadWorker
+    from kvhive.core.tokenizer import Tokenizer
     from kvhive.engine.runner import ModelRunner
     from kvhive.kv.event_publisher import KVEventPublisher
     from kvhive.model.loader import LoadedModel
@@ -53,14 +54,29 @@ def load_model(config: EngineConfig, isa: str | None) -> LoadedModel:
 
     started = time.perf_counter()
     loaded = load(config.model_path, dtype=config.dtype, device=config.device,
-                  quantized_matmul=config.quantized_matmul, isa=isa)
-    logger.info("loaded %s (%s, %s) in %.1f s", os.path.basename(config.model_path.rstrip("/")),
-                config.dtype, config.device, time.perf_counter() - started)
+                  quantized_matmul=config.quantized_matmul, isa=isa, load_format=config.load_format,
+                  hf_config_path=config.hf_config_path)
+    logger.info("loaded %s (%s, %s%s) in %.1f s", os.path.basename(config.model_path.rstrip("/")),
+                config.dtype, config.device, ", random dummy weights" if config.load_format == "dummy" else "",
+                time.perf_counter() - started)
     if getattr(loaded.model, "qmatmul", None) is not None and config.quantized_matmul_rows is None:
         from kvhive.model import quant_rows
 
         quant_rows.calibrate(loaded.model)
     return loaded
+
+
+def load_tokenizer(config: EngineConfig) -> Tokenizer:
+    """The tokenizer of ``config.model_path`` (with ``--load-format dummy``, a bare config.json's
+    directory's); ValueError or OSError naming what is missing."""
+    from kvhive.core.tokenizer import Tokenizer
+
+    if config.load_format != "dummy":
+        return Tokenizer.from_model_path(config.model_path)
+    from kvhive.model.dummy_weights import check_dummy_tokenizer, dummy_tokenizer_path
+
+    check_dummy_tokenizer(config.model_path)
+    return Tokenizer.from_model_path(dummy_tokenizer_path(config.model_path))
 
 
 def fix_quant_rows(config: EngineConfig, model) -> None:

@@ -82,9 +82,7 @@ class LLMEngine:
             loaded = assembly.load_model(config, self.isa)
         assembly.fix_quant_rows(config, loaded.model)
         if tokenizer is None:
-            from kvhive.core.tokenizer import Tokenizer
-
-            tokenizer = Tokenizer.from_model_path(config.model_path)
+            tokenizer = assembly.load_tokenizer(config)
         self.tokenizer = tokenizer
         # From here on the config's model-dependent values (pool size, context length) are fixed.
         # Disaggregated serving sends whole pool blocks: it keeps every layer in one pool.

@@ -41,14 +41,20 @@ def checkpoint_dtype(path: str) -> str:
     return "quantized"
 
 
-def _hf_dir_dtype(path: str) -> str:
-    """The dtype config.json declares, else the first safetensors tensor's (float32 when unknown)."""
+def declared_dtype(config_path: str) -> str | None:
+    """The dtype the config.json at ``config_path`` (the file or its directory) declares, if any."""
     from kvhive.model.hf_dir import read_config_json
 
-    raw = read_config_json(path)
+    raw = read_config_json(config_path)
     declared = raw.get("dtype") or raw.get("torch_dtype")
-    if declared in _HF_DTYPES:
-        return _HF_DTYPES[str(declared)]
+    return _HF_DTYPES[str(declared)] if declared in _HF_DTYPES else None
+
+
+def _hf_dir_dtype(path: str) -> str:
+    """The dtype config.json declares, else the first safetensors tensor's (float32 when unknown)."""
+    declared = declared_dtype(path)
+    if declared is not None:
+        return declared
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         return "float32"
@@ -58,9 +64,10 @@ def _hf_dir_dtype(path: str) -> str:
     return _SAFETENSORS_DTYPES.get(kinds[0], "float32") if kinds else "float32"
 
 
-def choose_dtype(path: str, device: str, cpu_isa: str = "auto") -> DtypeChoice:
-    """The dtype ``--dtype auto`` runs ``path`` in on ``device`` (imports torch)."""
-    found = checkpoint_dtype(path)
+def choose_dtype(path: str, device: str, cpu_isa: str = "auto", dummy_config: str | None = None) -> DtypeChoice:
+    """The dtype ``--dtype auto`` runs ``path`` in on ``device`` (imports torch); ``dummy_config``:
+    the config.json of a model with random weights, whose declared dtype counts (else float32)."""
+    found = (declared_dtype(dummy_config) or "float32") if dummy_config else checkpoint_dtype(path)
     if found == "quantized":
         return DtypeChoice("float32", "a quantised GGUF is dequantised to float32")
     if found == "float32":

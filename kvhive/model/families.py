@@ -28,6 +28,7 @@ class Family:
     permuted_qk: bool = False         # llama.cpp's converter interleaves Q/K rows (Llama's rope layout)
     qk_norm: bool = False             # q_norm / k_norm weights per head (Qwen3)
     fused_projections: bool = False   # qkv_proj and gate_up_proj tensors (Phi-3)
+    qkv_bias: bool = False            # q/k/v projection biases in every checkpoint (Qwen2)
     gemma: int = 0                    # Gemma 2 or 3 layer graph (kvhive.model.gemma); 0: Llama's
     # transformers' value for a config.json key the file leaves out (beyond hidden_size // heads etc.).
     defaults: Mapping[str, object] = field(default_factory=dict)
@@ -36,7 +37,7 @@ class Family:
 FAMILIES = {f.model_type: f for f in (
     Family("llama", "llama", permuted_qk=True, defaults={"rms_norm_eps": 1e-6}),
     Family("mistral", "llama", permuted_qk=True, defaults={"rms_norm_eps": 1e-6, "sliding_window": 4096}),
-    Family("qwen2", "qwen2", defaults={"rms_norm_eps": 1e-6, "use_sliding_window": False}),
+    Family("qwen2", "qwen2", qkv_bias=True, defaults={"rms_norm_eps": 1e-6, "use_sliding_window": False}),
     Family("qwen3", "qwen3", qk_norm=True,
            defaults={"rms_norm_eps": 1e-6, "head_dim": 128, "use_sliding_window": False}),
     Family("phi3", "phi3", fused_projections=True, defaults={"rms_norm_eps": 1e-5}),

@@ -33,9 +33,15 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 INDEX_FILE = "model.safetensors.index.json"
 
 
+def config_json_file(path: str) -> str:
+    """The config.json a path names: the file itself, or a model directory's config.json."""
+    return path if os.path.isfile(path) else os.path.join(path, "config.json")
+
+
 def read_config_json(path: str) -> dict[str, object]:
-    """A model directory's config.json as a dict (ValueError naming the file when unreadable)."""
-    file = os.path.join(path, "config.json")
+    """The config.json of a model directory (or the JSON file ``path`` itself) as a dict
+    (ValueError naming the file when unreadable)."""
+    file = config_json_file(path)
     try:
         with open(file) as f:
             raw = json.load(f)
@@ -48,14 +54,24 @@ def read_config_json(path: str) -> dict[str, object]:
     return raw
 
 
-def read_hf_dir(path: str) -> Checkpoint:
-    """The directory's config, tensors (fused Phi-3 projections split), sources and digest, checked."""
-    where = os.path.join(path, "config.json")
+def read_hf_config(path: str) -> tuple[ModelConfig, Family]:
+    """The checked ModelConfig and family of the config.json ``path`` names (a directory or the
+    file); ValueError naming the file and the field of anything kvhive cannot run."""
+    where = config_json_file(path)
     raw = read_config_json(path)
     check_architectures(raw, where)
     family = family_for_model_type(raw.get("model_type"), where)
     check_graph_keys(raw, where, family)
-    config = hf_model_config(raw, family, where)
+    return hf_model_config(raw, family, where), family
+
+
+def read_hf_dir(path: str, config_path: str | None = None) -> Checkpoint:
+    """The directory's config, tensors (fused Phi-3 projections split), sources and digest, checked.
+
+    ``config_path``: read the config from this config.json (or directory) instead of the
+    model directory's (``--hf-config-path``); the tensors are checked against it all the same.
+    """
+    config, family = read_hf_config(config_path or path)
     weights, sources, digest = _read_safetensors(path)
     drop_ignored(weights)
     if config.tie_word_embeddings:
