@@ -1,5 +1,5 @@
-"""The Triton paged decode kernel inside the runner and the engine, on CPU under Triton's interpreter:
-greedy tokens equal the torch path's (a batch of three, a prefix-cache hit whose short tail runs as
+"""The Triton paged kernels (decode and prefill) inside the runner and the engine, on CPU under Triton's
+interpreter: greedy tokens equal the torch path's (a batch of three, a prefix-cache hit whose short tail runs as
 decode rows), and the padded static-shape decode (the CUDA graphs' buckets, run eagerly) matches
 the dense reference.
 
@@ -32,16 +32,8 @@ def test_under_the_interpreter() -> None:
     interpreter_run_passes(__file__)
 
 
-@pytest.fixture
-def decode_only_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--attention-backend triton`` takes the Triton decode kernel even without a Triton prefill one."""
-    choose = attention_kernels._triton_kernels
-    monkeypatch.setattr(attention_kernels, "_triton_kernels",
-                        lambda config, dtype, device, required: choose(config, dtype, device, required=False))
-
-
 @interpreted
-def test_engine_greedy_tokens_equal_the_torch_path(tokenizer, decode_only_triton) -> None:
+def test_engine_greedy_tokens_equal_the_torch_path(tokenizer) -> None:
     shared = prompt(21, 5)
     outputs = {}
     for backend in ("torch", "triton"):
@@ -50,8 +42,9 @@ def test_engine_greedy_tokens_equal_the_torch_path(tokenizer, decode_only_triton
         if backend == "triton":
             assert type(runner.decode_kernel).__name__ == "TritonDecodeKernel"
             assert runner.paths()["decode_attention"] == "Triton paged (cpu)"
+            assert runner.paths()["prefill_attention"] == "Triton paged (cpu)"
         else:
-            assert runner.decode_kernel is None
+            assert runner.decode_kernel is None and runner.prefill_kernel is None
         batch = run(engine, PROMPTS)                                      # three requests at once
         # The same 21 tokens again, then 3 more: at least 20 cached, a short tail.
         first = run(engine, {"d": shared})
@@ -63,7 +56,7 @@ def test_engine_greedy_tokens_equal_the_torch_path(tokenizer, decode_only_triton
 
 
 @interpreted
-def test_padded_static_decode_runs_the_kernel(decode_only_triton, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_padded_static_decode_runs_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     runner = make_runner(4, native=False)
     kernel = attention_kernels.choose_attention_kernels(runner.config, runner.dtype, runner.device, True, None,
                                                         False, backend="triton").decode
@@ -81,7 +74,7 @@ def test_padded_static_decode_runs_the_kernel(decode_only_triton, monkeypatch: p
 
 
 @interpreted
-def test_gemma_window_and_soft_cap_rows_run_the_kernel(tokenizer, decode_only_triton, tmp_path,
+def test_gemma_window_and_soft_cap_rows_run_the_kernel(tokenizer, tmp_path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     # Tiny Gemma 2: a window layer (8 keys, in its own pool) and a global one, both soft-capped.
     pytest.importorskip("transformers")
