@@ -293,11 +293,11 @@ def _launch_check(kernel: TritonPrefillKernel, device: torch.device, dtype: torc
     """One tiny launch of this configuration against torch (float32 softmax); False, logged, where it
     fails to compile or run, or is wrong."""
     gen = torch.Generator().manual_seed(0)
-    pool = torch.randn(3, 1, 2, 16, 1, head_dim, generator=gen).to(device, dtype)
-    q = torch.randn(5, group, head_dim, generator=gen).to(device, dtype)
-    ids = torch.tensor([2, 0], dtype=torch.int64, device=device)
     what = f"Triton prefill kernel ({dtype}, {group} query heads per KV head of {head_dim})"
     try:
+        pool = torch.randn(3, 1, 2, 16, 1, head_dim, generator=gen).to(device, dtype)
+        q = torch.randn(5, group, head_dim, generator=gen).to(device, dtype)
+        ids = torch.tensor([2, 0], dtype=torch.int64, device=device)
         got = kernel(q, pool, 0, ids, 20)
     except Exception as exc:  # noqa: BLE001 - any compile or launch failure means: not here
         logger.info("%s cannot run on %s: %s", what, device, exc)
