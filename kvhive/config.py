@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from kvhive.connector.disagg.transfer_config import KVTransferConfig
 from kvhive.core.kv_events_config import KVEventsConfig
+from kvhive.core.speculative_config import SpeculativeConfig
 
 # ISA levels of the CPU kernels, best first (kvhive.model.cpu), and "auto": the best the CPU runs.
 CPU_ISAS = ("auto", "avx512_bf16", "avx512", "avx2", "portable")
@@ -308,6 +309,8 @@ class EngineConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)   # --kv-role, --kv-transfer-*
     # --generation-config: auto (the model's generation_config.json), vllm (none) or a directory.
     generation_config: str = "auto"
+    # --speculative-config: draft tokens verified in one forward pass (kvhive.engine.speculative); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -290,7 +290,10 @@ class LLMEngine:
             if request_id in self._prompt_logprobs:     # else aborted since: nobody reads them
                 self._prompt_logprobs[request_id].extend(values)
         now = time.monotonic()
-        outputs = [self._output(req, result, now) for req in self.scheduler.update_from_result(plan, result)]
+        # Drafted steps may emit several tokens, cut at a stop: counted from the plan's output count.
+        drafted = {s.request_id: s.num_output_tokens for s in plan.seqs if s.draft_token_ids}
+        outputs = [self._output(req, result, now, drafted_from=drafted.get(req.request_id))
+                   for req in self.scheduler.update_from_result(plan, result)]
         self._publish_events()
         return outputs
 
@@ -302,15 +305,17 @@ class LLMEngine:
             if req is not None:
                 req.scheduled_time = now
 
-    def _output(self, req: Request, result: StepResult, now: float, error: str | None = None) -> RequestOutput:
-        """What the step ``result`` produced for ``req`` at ``now`` (``error``: why it failed, if it did)."""
+    def _output(self, req: Request, result: StepResult, now: float, error: str | None = None,
+                drafted_from: int | None = None) -> RequestOutput:
+        """What the step ``result`` produced for ``req`` at ``now`` (``error``: why it failed, if it
+        did; ``drafted_from``: its output tokens before a drafted step, else None)."""
         token = result.sampled.get(req.request_id)
-        logprobs = result.logprobs.get(req.request_id) if token is not None else None
+        new_ids, logprobs = _new_tokens(req, result, drafted_from)
         prompt = self._prompt_logprobs.pop(req.request_id, None)
         if req.is_finished:
             self._unscheduled.pop(req.request_id, None)     # ended before it ever ran (too long)
         return RequestOutput(
-            request_id=req.request_id, new_token_ids=[] if token is None else [token],
+            request_id=req.request_id, new_token_ids=new_ids,
             finished=req.is_finished, finish_reason=req.finish_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
@@ -319,7 +324,7 @@ class LLMEngine:
                                   else None),
             block_hashes=(tuple(req.block_hashes) if req.retention is not None and (
                 req.is_finished or (token is not None and req.num_output_tokens == 1)) else None),
-            logprobs=None if logprobs is None else (logprobs,),
+            logprobs=logprobs,
             prompt_logprobs=None if prompt is None else tuple(prompt),
             error=error or result.failed.get(req.request_id),
             queued_time=req.arrival_time, scheduled_time=req.scheduled_time, output_time=now)
@@ -364,3 +369,22 @@ class LLMEngine:
                            free_blocks=pool.num_free - pool.num_evictable, cached_blocks=pool.num_evictable,
                            used_blocks=pool.num_used, window_pool=s.kv.window,
                            kv_transfer=None if self.disagg is None else self.disagg.worker.stats())
+
+
+def _new_tokens(req: Request, result: StepResult, drafted_from: int | None
+                ) -> tuple[list[int], tuple[TokenLogprobs, ...] | None]:
+    """The tokens ``result`` gave ``req`` and their logprobs (None unless asked): its sampled token,
+    or after a drafted step (``drafted_from``: the output count before it) its accepted drafts and
+    then the sampled token, as many as the request kept (a stop may end it mid-draft)."""
+    rid = req.request_id
+    token = result.sampled.get(rid)
+    if token is None:
+        return [], None
+    value = result.logprobs.get(rid)
+    if drafted_from is None:
+        return [token], None if value is None else (value,)
+    num_new = req.num_output_tokens - drafted_from
+    tokens = [*result.accepted_drafts.get(rid, ()), token][:num_new]
+    if value is None:
+        return tokens, None
+    return tokens, (*result.accepted_logprobs.get(rid, ()), value)[:num_new]

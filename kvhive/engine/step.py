@@ -63,6 +63,9 @@ class ScheduledSeq:
     history: TokenHistory | None = None
     # Tokens this step must not sample (EOS and stop_token_ids while min_tokens is not reached).
     suppress_token_ids: tuple[int, ...] = ()
+    # Speculative decoding: the last ``len(draft_token_ids)`` entries of token_ids are drafts; every
+    # row from the request's last known token on is scored and the drafts verified (sample is True).
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def num_new_tokens(self) -> int:
@@ -122,10 +125,16 @@ class StepResult:
     A sequence whose own row could not be computed (its sampling or logprobs raised) is in
     ``failed`` with the error instead of ``sampled``; the request then ends with an error while
     the others go on. A structured request whose grammar this step's token completed is in
-    ``completed``: it ends with STOP."""
+    ``completed``: it ends with STOP.
+
+    A sequence with drafts emits ``accepted_drafts[id]`` (its drafts the target model accepted,
+    in order, absent when none) and then ``sampled[id]``; ``accepted_logprobs[id]`` holds the
+    accepted drafts' logprobs where the request asks for them."""
 
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     completed: frozenset[str] = frozenset()
+    accepted_drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)

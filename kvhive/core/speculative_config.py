@@ -1,0 +1,69 @@
+"""``--speculative-config``: speculative decoding's method and draft length, in vLLM's field names.
+
+The JSON object takes vLLM's ``SpeculativeConfig`` keys for the n-gram (prompt lookup) method:
+``method`` ("ngram"), ``num_speculative_tokens`` (required: the most draft tokens a step verifies),
+``prompt_lookup_min`` and ``prompt_lookup_max`` (the n-gram lengths looked up, longest first).
+Where both lookup bounds are omitted they are 5 (vLLM's default); where one is omitted it takes
+the other's value. Any other key, a wrong type or a value out of range is a ``ValueError`` that
+names it (``kvhive serve`` exits 2).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+OPTION = "--speculative-config"
+METHODS = ("ngram",)
+JSON_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+MAX_SPECULATIVE_TOKENS = 16
+MAX_LOOKUP = 16
+DEFAULT_LOOKUP = 5
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How decode steps draft tokens for the target model to verify in one forward pass."""
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_min: int = DEFAULT_LOOKUP
+    prompt_lookup_max: int = DEFAULT_LOOKUP
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"{OPTION}: unknown method {self.method!r} (known: {', '.join(METHODS)})")
+        for key, top in (("num_speculative_tokens", MAX_SPECULATIVE_TOKENS), ("prompt_lookup_min", MAX_LOOKUP),
+                         ("prompt_lookup_max", MAX_LOOKUP)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+                raise ValueError(f"{OPTION}: {key} must be an integer in 1..{top}, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"{OPTION}: prompt_lookup_min ({self.prompt_lookup_min}) is above "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+
+def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
+    """The config of ``--speculative-config`` JSON; None when the flag is not given (no speculation)."""
+    if text is None:
+        return None
+    try:
+        values: Any = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{OPTION}: not valid JSON ({exc.msg} at character {exc.pos})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{OPTION}: must be a JSON object, got {type(values).__name__}")
+    unknown = sorted(set(values) - set(JSON_KEYS))
+    if unknown:
+        raise ValueError(f"{OPTION}: unknown key{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(map(repr, unknown))} (known: {', '.join(JSON_KEYS)})")
+    if "num_speculative_tokens" not in values:
+        raise ValueError(f"{OPTION}: num_speculative_tokens is required")
+    low, high = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
+    if low is None and high is None:
+        low = high = DEFAULT_LOOKUP
+    low = high if low is None else low
+    high = low if high is None else high
+    return SpeculativeConfig(num_speculative_tokens=values["num_speculative_tokens"],
+                             method=values.get("method", "ngram"), prompt_lookup_min=low, prompt_lookup_max=high)
