@@ -20,6 +20,9 @@ JSON_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lo
 MAX_SPECULATIVE_TOKENS = 16
 MAX_LOOKUP = 16
 DEFAULT_LOOKUP = 5
+# The integer fields and their most (each at least 1).
+BOUNDS = {"num_speculative_tokens": MAX_SPECULATIVE_TOKENS, "prompt_lookup_min": MAX_LOOKUP,
+          "prompt_lookup_max": MAX_LOOKUP}
 
 
 @dataclass(frozen=True)
@@ -34,11 +37,8 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"{OPTION}: unknown method {self.method!r} (known: {', '.join(METHODS)})")
-        for key, top in (("num_speculative_tokens", MAX_SPECULATIVE_TOKENS), ("prompt_lookup_min", MAX_LOOKUP),
-                         ("prompt_lookup_max", MAX_LOOKUP)):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
-                raise ValueError(f"{OPTION}: {key} must be an integer in 1..{top}, got {value!r}")
+        for key in BOUNDS:
+            _check_bound(key, getattr(self, key))
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"{OPTION}: prompt_lookup_min ({self.prompt_lookup_min}) is above "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
@@ -60,6 +60,9 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
                          f"{', '.join(map(repr, unknown))} (known: {', '.join(JSON_KEYS)})")
     if "num_speculative_tokens" not in values:
         raise ValueError(f"{OPTION}: num_speculative_tokens is required")
+    for key, value in values.items():
+        if key in BOUNDS:
+            _check_bound(key, value)      # the key given is named, not the one filled from it
     low, high = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
     if low is None and high is None:
         low = high = DEFAULT_LOOKUP
@@ -67,3 +70,9 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
     high = low if high is None else high
     return SpeculativeConfig(num_speculative_tokens=values["num_speculative_tokens"],
                              method=values.get("method", "ngram"), prompt_lookup_min=low, prompt_lookup_max=high)
+
+
+def _check_bound(key: str, value: object) -> None:
+    """ValueError naming the flag and ``key`` unless ``value`` is an integer in 1..BOUNDS[key]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= BOUNDS[key]:
+        raise ValueError(f"{OPTION}: {key} must be an integer in 1..{BOUNDS[key]}, got {value!r}")

@@ -113,6 +113,8 @@ class LLMEngine:
         self._session_copy = assembly.session_copy(self.store, self.connector_scheduler, self.connector_worker)
         self.scheduler = assembly.build_scheduler(config, loaded, self.num_blocks, self.scheduler_half,
                                                   self._session_copy, self.runner.window)
+        if config.speculative is not None and self.scheduler.speculation is None:
+            logger.warning("speculative decoding is off: this model's sliding-window KV pool cannot roll back drafts")
         self.publisher = None
         events = config.kv_events_settings()
         if events is not None and events.active:
@@ -310,7 +312,8 @@ class LLMEngine:
         """What the step ``result`` produced for ``req`` at ``now`` (``error``: why it failed, if it
         did; ``drafted_from``: its output tokens before a drafted step, else None)."""
         token = result.sampled.get(req.request_id)
-        new_ids, logprobs = _new_tokens(req, result, drafted_from)
+        num_kept = None if drafted_from is None else req.num_output_tokens - drafted_from
+        new_ids, logprobs = result.emitted(req.request_id, num_kept)
         prompt = self._prompt_logprobs.pop(req.request_id, None)
         if req.is_finished:
             self._unscheduled.pop(req.request_id, None)     # ended before it ever ran (too long)
@@ -368,23 +371,6 @@ class LLMEngine:
                            num_session_blocks=s.num_session_blocks, num_session_spills=s.num_session_spills,
                            free_blocks=pool.num_free - pool.num_evictable, cached_blocks=pool.num_evictable,
                            used_blocks=pool.num_used, window_pool=s.kv.window,
-                           kv_transfer=None if self.disagg is None else self.disagg.worker.stats())
+                           kv_transfer=None if self.disagg is None else self.disagg.worker.stats(),
+                           spec_decode=self.scheduler.spec_decode_stats())
 
-
-def _new_tokens(req: Request, result: StepResult, drafted_from: int | None
-                ) -> tuple[list[int], tuple[TokenLogprobs, ...] | None]:
-    """The tokens ``result`` gave ``req`` and their logprobs (None unless asked): its sampled token,
-    or after a drafted step (``drafted_from``: the output count before it) its accepted drafts and
-    then the sampled token, as many as the request kept (a stop may end it mid-draft)."""
-    rid = req.request_id
-    token = result.sampled.get(rid)
-    if token is None:
-        return [], None
-    value = result.logprobs.get(rid)
-    if drafted_from is None:
-        return [token], None if value is None else (value,)
-    num_new = req.num_output_tokens - drafted_from
-    tokens = [*result.accepted_drafts.get(rid, ()), token][:num_new]
-    if value is None:
-        return tokens, None
-    return tokens, (*result.accepted_logprobs.get(rid, ()), value)[:num_new]

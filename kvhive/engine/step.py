@@ -7,7 +7,7 @@ the whole contract between them, and the engine is the one place that passes one
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvhive.request import SamplingParams
 
@@ -116,6 +116,13 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]
 
 
+class EmittedTokens(NamedTuple):
+    """The tokens a step gave one request, in order, and their logprobs (None unless asked)."""
+
+    token_ids: list[int]
+    logprobs: tuple[TokenLogprobs, ...] | None
+
+
 @dataclass(frozen=True)
 class StepResult:
     """Sampled tokens, one per sequence whose ``sample`` flag was set, the logprobs of the
@@ -138,3 +145,15 @@ class StepResult:
     completed: frozenset[str] = frozenset()
     accepted_drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)
     accepted_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
+
+    def emitted(self, request_id: str, num_kept: int | None = None) -> EmittedTokens:
+        """The request's tokens from this step: its sampled token, after its accepted drafts if it
+        had any; ``num_kept``: the first so many only (a stop ended the request mid-draft)."""
+        token = self.sampled.get(request_id)
+        if token is None:
+            return EmittedTokens([], None)
+        value = self.logprobs.get(request_id)
+        tokens = [*self.accepted_drafts.get(request_id, ()), token][:num_kept]
+        if value is None:
+            return EmittedTokens(tokens, None)
+        return EmittedTokens(tokens, (*self.accepted_logprobs.get(request_id, ()), value)[:num_kept])

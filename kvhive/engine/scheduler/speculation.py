@@ -70,7 +70,7 @@ class Speculation:
         # KV is valid for the last known token and the accepted drafts; the token emitted last
         # is computed by the next step, as after a plain step.
         request.num_computed_tokens = min(seq.start_pos + 1 + len(accepted), request.num_tokens - 1)
-        self.kv.trim_blocks(request, request.num_tokens)
+        self.kv.trim_blocks(request, request.num_computed_tokens)    # as many as after a plain step
         self.proposer.record(seq.request_id, len(seq.draft_token_ids), len(accepted))
         return reason
 
