@@ -28,8 +28,8 @@ from kvhive.connector.disagg.transfer_config import parse_kv_transfer_config
 from kvhive.core.cors import add_cors_args
 from kvhive.core.http_limits import add_http_limit_args
 from kvhive.core.kv_events_config import parse_kv_events_config
-from kvhive.core.speculative_config import parse_speculative_config
 from kvhive.core.replica_registry import RegistrationConfig, default_advertise_url
+from kvhive.core.speculative_config import parse_speculative_config
 from kvhive.core.tool_parsers import PARSER_NAMES
 
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]

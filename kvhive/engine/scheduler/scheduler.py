@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvhive.config import CacheConfig, SchedulerConfig
-from kvhive.core.speculative_config import SpeculativeConfig
 from kvhive.connector.base import ConnectorScheduler, FinishedTransfers
+from kvhive.core.speculative_config import SpeculativeConfig
 from kvhive.engine.scheduler.batching import Admission, Batcher, StepBudget
 from kvhive.engine.scheduler.kv_transfers import KVTransfers
 from kvhive.engine.scheduler.preemption import Preemption
