@@ -282,17 +282,19 @@ def speculative_scheduler(k: int, num_blocks: int = 64, budget: int = 64) -> Sch
                                                    prompt_lookup_max=3))
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(6))
 def test_drafted_steps_emit_the_plain_tokens_and_cache_only_accepted_blocks(seed: int,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(seed)
-    sched = speculative_scheduler(k=rng.choice([2, 4, 7]), budget=rng.choice([6, 64]))
+    # Seeds 4 and 5: 9 usable blocks for 4 requests of up to 29 tokens: preemptions.
+    small = seed >= 4
+    sched = speculative_scheduler(k=rng.choice([2, 4, 7]), budget=rng.choice([6, 64]), num_blocks=10 if small else 64)
     runner = VerifyingRunner(sched, monkeypatch)
     requests = {}
     for i in range(4):
         prompt = [rng.randrange(1, 20) for _ in range(rng.randint(3, 9))]
         eos = (rng.randrange(1, 20),) if i % 2 else ()
-        requests[f"r{i}"] = (prompt, rng.randint(5, 40), eos)
+        requests[f"r{i}"] = (prompt, rng.randint(10, 20) if small else rng.randint(5, 40), eos)
         sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=requests[f"r{i}"][1]),
                                   eos_token_ids=eos))
     emitted: dict[str, list[int]] = {rid: [] for rid in requests}
@@ -307,6 +309,7 @@ def test_drafted_steps_emit_the_plain_tokens_and_cache_only_accepted_blocks(seed
         for request in touched:
             emitted[request.request_id] = request.output_token_ids
     assert drafted_steps > 0 and sched.spec_decode_stats().num_accepted_tokens > 0
+    assert (sched.num_preemptions > 0) == small
     for rid, (prompt, max_tokens, eos) in requests.items():
         assert emitted[rid] == reference_tokens(prompt, max_tokens, eos), rid
     # Every cached block holds the tokens it is hashed with (the runner checks no cached block is written).
