@@ -10,9 +10,9 @@ names it (``kvhive serve`` exits 2).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any
+
+from kvhive.core.flag_values import json_flag_object
 
 OPTION = "--speculative-config"
 METHODS = ("ngram",)
@@ -48,12 +48,7 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
     """The config of ``--speculative-config`` JSON; None when the flag is not given (no speculation)."""
     if text is None:
         return None
-    try:
-        values: Any = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{OPTION}: not valid JSON ({exc.msg} at character {exc.pos})") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"{OPTION}: must be a JSON object, got {type(values).__name__}")
+    values = json_flag_object(OPTION, text)
     unknown = sorted(set(values) - set(JSON_KEYS))
     if unknown:
         raise ValueError(f"{OPTION}: unknown key{'s' if len(unknown) > 1 else ''} "

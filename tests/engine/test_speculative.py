@@ -132,17 +132,20 @@ def test_seeded_sampling_draws_the_plain_tokens(engines) -> None:
         assert tokens(drafted[rid]) == tokens(plain[rid]), rid
 
 
-def test_requests_with_penalties_or_min_tokens_decode_without_drafts(engines) -> None:
+def test_requests_with_penalties_or_min_tokens_draft_and_give_the_plain_tokens(engines) -> None:
     make, prompts = engines
-    requests = {"penalty": (prompts["quote"], SamplingParams(max_tokens=20, temperature=0, repetition_penalty=1.3)),
-                "min": (prompts["quote"], SamplingParams(max_tokens=20, temperature=0, min_tokens=20,
-                                                         ignore_eos=False))}
+    requests = {"penalty": (prompts["quote"], SamplingParams(max_tokens=32, temperature=0, repetition_penalty=1.1,
+                                                             frequency_penalty=0.2, logprobs=1)),
+                "min": (prompts["quote"], SamplingParams(max_tokens=32, temperature=0, min_tokens=24)),
+                "seeded": (prompts["quote"], SamplingParams(max_tokens=32, temperature=0.6, seed=3,
+                                                            presence_penalty=0.3))}
     plain, spec_engine = generate(make(None), requests), make(4)
     drafted = generate(spec_engine, requests)
-    assert spec_engine.stats().spec_decode.num_draft_tokens == 0
+    assert spec_engine.stats().spec_decode.num_accepted_tokens > 0
     for rid in requests:
-        assert tokens(drafted[rid]) == tokens(plain[rid])
-        assert all(len(out.new_token_ids) <= 1 for out in drafted[rid])
+        assert tokens(drafted[rid]) == tokens(plain[rid]), rid
+    for a, b in zip(logprobs(drafted["penalty"]), logprobs(plain["penalty"]), strict=True):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
 
 
 def test_a_session_turn_with_drafts_continues_like_a_plain_one(engines) -> None:

@@ -6,6 +6,7 @@ manager's trim of rejected drafts' blocks, and a whole scheduler whose fake mode
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,13 +17,14 @@ from kvhive.cli import parse_args, serve
 from kvhive.config import CacheConfig, SchedulerConfig
 from kvhive.core.blocks import root_hash
 from kvhive.core.speculative_config import SpeculativeConfig, parse_speculative_config
+from kvhive.engine.logits_processors import LogitsProcessors
 from kvhive.engine.scheduler import Scheduler
 from kvhive.engine.scheduler.batching import StepBudget
 from kvhive.engine.speculative.draft_length import FIRST_WAIT, DraftLength
 from kvhive.engine.speculative.draft_proposals import DraftProposer, can_speculate
 from kvhive.engine.speculative.draft_verification import accept_drafts, sample_row_layout
 from kvhive.engine.speculative.ngram_index import NgramIndex
-from kvhive.engine.step import ScheduledSeq, StepPlan, StepResult
+from kvhive.engine.step import ScheduledSeq, StepPlan, StepResult, TokenHistory
 from kvhive.request import FinishReason, Request, SamplingParams
 
 # ------------------------------------------------------------------ the n-gram index
@@ -109,11 +111,13 @@ def test_the_proposer_counts_drafts_and_skips_requests_it_cannot_verify() -> Non
     assert proposer.propose(quoting, 2) == [3, 4]
     proposer.record("q", 3, 2)
     assert proposer.stats().num_draft_tokens == 3 and proposer.stats().num_accepted_tokens == 2
-    for sampling in ({"repetition_penalty": 1.2}, {"presence_penalty": 0.5}, {"min_tokens": 3},
-                     {"prompt_logprobs": 1}):
-        request = make_request("x", [1, 2, 3, 4, 1, 2], max_tokens=20, **sampling)
+    refused = [make_request("x", [1, 2, 3, 4, 1, 2], max_tokens=20, prompt_logprobs=1),
+               Request("t", [1, 2, 3, 4, 1, 2], SamplingParams(max_tokens=20), kv_transfer=object())]
+    for request in refused:
         assert not can_speculate(request) and proposer.propose(request, 3) == []
-    assert can_speculate(make_request("b", [1], logit_bias=((3, 1.0),), temperature=0.5, logprobs=2))
+    for sampling in ({"logit_bias": ((3, 1.0),), "temperature": 0.5, "logprobs": 2}, {"repetition_penalty": 1.2},
+                     {"presence_penalty": 0.5, "frequency_penalty": 0.3}, {"min_tokens": 3}):
+        assert can_speculate(make_request("b", [1], **sampling))
     proposer.forget("q")
     assert proposer.draft_length("q") is None
 
@@ -203,6 +207,35 @@ def test_the_sample_rows_of_a_step_place_each_drafted_seq_after_the_plain_ones_b
     layout = sample_row_layout([seq("a", ()), seq("b", (4, 5)), seq("c", ()), seq("d", (7,))])
     assert layout.plain_rows == [0, 4]
     assert [(s.request_id, row) for s, row in layout.drafted] == [("b", 1), ("d", 5)]
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(max_tokens=20, repetition_penalty=1.4, frequency_penalty=0.7, presence_penalty=0.4),
+    SamplingParams(max_tokens=20, min_tokens=3, temperature=0.8, logit_bias=((2, 1.5),), min_p=0.05),
+    SamplingParams(max_tokens=20, min_tokens=2, repetition_penalty=1.3),
+])
+def test_each_drafted_row_is_processed_as_a_plain_step_after_the_drafts_before_it(sampling: SamplingParams) -> None:
+    vocab, prompt, output, drafts = 12, (1, 2, 3), (4, 4), (4, 5, 6, 5)
+    logits = torch.randn(len(drafts) + 1, vocab, generator=torch.Generator().manual_seed(1))
+    suppress = (0, 7)                                  # EOS and a stop token while min_tokens is not met
+    history = TokenHistory(0, prompt + output, len(prompt))
+    seq = ScheduledSeq("r", [output[-1], *drafts], 4, [1, 2], True, sampling, num_output_tokens=len(output),
+                       history=history, draft_token_ids=drafts,
+                       suppress_token_ids=suppress if len(output) < sampling.min_tokens else ())
+    drafted = LogitsProcessors(torch.device("cpu")).apply_drafted(logits, seq)
+    for j in range(len(drafts) + 1):
+        plain = LogitsProcessors(torch.device("cpu"))
+        emitted = output + drafts[:j]
+        row = replace(seq, token_ids=[emitted[-1]], draft_token_ids=(), num_output_tokens=len(emitted),
+                      history=TokenHistory(0, prompt + emitted, len(prompt)),
+                      suppress_token_ids=suppress if len(emitted) < sampling.min_tokens else ())
+        assert torch.equal(drafted[j], plain.apply(logits[j:j + 1], [row])[0]), j
+    # The drafts were counted for the rows only: the request's own history is as it was.
+    again = LogitsProcessors(torch.device("cpu"))
+    processors = LogitsProcessors(torch.device("cpu"))
+    processors.apply_drafted(logits, seq)
+    assert torch.equal(processors.apply(logits[:1], [replace(seq, history=None, draft_token_ids=())]),
+                       again.apply(logits[:1], [replace(seq, draft_token_ids=())]))
 
 
 # ------------------------------------------------------------------ rollback

@@ -1,9 +1,8 @@
 """The scheduler's side of speculative decoding: which requests draft, their drafts, the counters.
 
-A running request in decode drafts when nothing it asks for depends on the tokens before each
-position in a way one verification pass does not reproduce: requests with a grammar (structured
-outputs), penalties over their token history, ``min_tokens`` still suppressing EOS and stop
-tokens, prompt logprobs, or a disaggregated KV transfer decode one token per step. Torch-free.
+A running request in decode drafts unless it has a grammar (structured outputs: its token masks
+would have to follow each draft), asks for prompt logprobs, or is part of a disaggregated KV
+transfer: those decode one token per step. Torch-free.
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ class SpecDecodeStats:
 def can_speculate(request: Request) -> bool:
     """Whether the request's next tokens may be drafted (see the module's docstring)."""
     sampling = request.sampling
-    return (sampling.structured is None and not sampling.uses_token_history and sampling.prompt_logprobs is None
-            and request.num_output_tokens >= sampling.min_tokens and request.kv_transfer is None)
+    return sampling.structured is None and sampling.prompt_logprobs is None and request.kv_transfer is None
 
 
 class _RequestDrafts:

@@ -2,8 +2,8 @@
 
 A sequence with m drafts is scored at m + 1 rows: its last known token's and each draft's. Row j
 gives the distribution of the token after draft j - 1, after the request's own logits processing
-(bias, min_p: the same at every position; the requests whose processing depends on the position,
-penalties and min_tokens, never draft). Strict acceptance: row j's token is picked as a plain step
+as a plain step would do it there (``LogitsProcessors.apply_drafted``: the penalties count the
+drafts before the row, ``min_tokens`` suppresses EOS at the rows still short of it). Strict acceptance: row j's token is picked as a plain step
 would (the argmax, or a draw from the request's sampling distribution with its own generator);
 while it equals draft j the draft is accepted and row j + 1 is read, at the first difference (or
 after the last draft) the picked token is emitted and verification stops. Each emitted token is
@@ -84,9 +84,7 @@ def verify_drafts(logits: torch.Tensor, seq: ScheduledSeq, processors: LogitsPro
     if logits.shape[0] != len(drafts) + 1:
         raise ValueError(f"request {seq.request_id}: {logits.shape[0]} rows for {len(drafts)} drafts")
     check_logits(logits)
-    # The same processed logits at every row: none of the extras a drafting request may use
-    # depends on the tokens before the row (apply returns ``logits`` itself when none applies).
-    tokens = accept_drafts(processors.apply(logits, [seq] * logits.shape[0]), drafts, seq.sampling, generator)
+    tokens = accept_drafts(processors.apply_drafted(logits, seq), drafts, seq.sampling, generator)
     num_top = seq.sampling.logprobs
     if num_top is None:
         return VerifiedDrafts(tokens)
