@@ -373,4 +373,3 @@ class LLMEngine:
                            used_blocks=pool.num_used, window_pool=s.kv.window,
                            kv_transfer=None if self.disagg is None else self.disagg.worker.stats(),
                            spec_decode=self.scheduler.spec_decode_stats())
-
