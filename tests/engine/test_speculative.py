@@ -148,6 +148,26 @@ def test_requests_with_penalties_or_min_tokens_draft_and_give_the_plain_tokens(e
         assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
 
 
+def test_structured_requests_decode_plainly_beside_drafted_ones(engines) -> None:
+    from kvhive.core.structured_spec import StructuredSpec
+
+    make, prompts = engines
+    schema = '{"properties":{"name":{"type":"string"},"sum":{"type":"integer"}},"required":["name","sum"],"type":"object"}'
+    requests = {"json": (prompts["code"], SamplingParams(max_tokens=40, temperature=0, logprobs=2,
+                                                         structured=StructuredSpec("json_schema", schema=schema))),
+                "regex": (prompts["quote"], SamplingParams(max_tokens=12, temperature=0.8, seed=5,
+                                                           structured=StructuredSpec("regex", pattern=r"[a-z ]{5,20}"))),
+                "quote": (prompts["quote"], SamplingParams(max_tokens=40, temperature=0, logprobs=2))}
+    plain, spec_engine = generate(make(None), requests), make(5)
+    drafted = generate(spec_engine, requests)
+    assert spec_engine.stats().spec_decode.num_accepted_tokens > 0
+    for rid in requests:
+        assert tokens(drafted[rid]) == tokens(plain[rid]), rid
+        assert drafted[rid][-1].finish_reason == plain[rid][-1].finish_reason
+        assert [lp.token_id for lp in logprobs(drafted[rid])] == [lp.token_id for lp in logprobs(plain[rid])]
+    assert all(len(out.new_token_ids) <= 1 for rid in ("json", "regex") for out in drafted[rid])
+
+
 def test_a_session_turn_with_drafts_continues_like_a_plain_one(engines) -> None:
     make, prompts = engines
     greedy = SamplingParams(max_tokens=30, temperature=0)
