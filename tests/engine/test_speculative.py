@@ -168,6 +168,27 @@ def test_structured_requests_decode_plainly_beside_drafted_ones(engines) -> None
     assert all(len(out.new_token_ids) <= 1 for rid in ("json", "regex") for out in drafted[rid])
 
 
+def test_a_drafted_request_whose_verification_fails_ends_alone(engines, monkeypatch) -> None:
+    from kvhive.engine import runner as runner_module
+
+    make, prompts = engines
+    verify = runner_module.verify_drafts
+
+    def failing(logits, seq, processors, generator):
+        if seq.request_id == "bad":
+            raise RuntimeError("broken row")
+        return verify(logits, seq, processors, generator)
+
+    greedy = SamplingParams(max_tokens=30, temperature=0)
+    plain = generate(make(None), {"good": (prompts["quote"], greedy)})
+    monkeypatch.setattr(runner_module, "verify_drafts", failing)
+    spec_engine = make(4)
+    drafted = generate(spec_engine, {"bad": (prompts["quote"], greedy), "good": (prompts["quote"], greedy)})
+    assert drafted["bad"][-1].finish_reason is FinishReason.ERROR and "broken row" in drafted["bad"][-1].error
+    assert tokens(drafted["good"]) == tokens(plain["good"])
+    assert spec_engine.scheduler.kv.pool.stats().num_used == 0
+
+
 def test_a_session_turn_with_drafts_continues_like_a_plain_one(engines) -> None:
     make, prompts = engines
     greedy = SamplingParams(max_tokens=30, temperature=0)
