@@ -222,7 +222,8 @@ class ModelRunner:
         for seq, row in layout.drafted:
             try:
                 verified[seq.request_id] = verify_drafts(logits[row:row + 1 + len(seq.draft_token_ids)], seq,
-                                                         self.logits_processors, self._generator(seq))
+                                                         self.logits_processors, self._generator(seq),
+                                                         self.grammar_rows)
             except Exception as exc:  # noqa: BLE001 - fails this request only
                 logger.exception("verifying drafts failed for request %s", seq.request_id)
                 failed[seq.request_id] = f"verifying drafts failed: {type(exc).__name__}: {exc}"

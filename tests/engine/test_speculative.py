@@ -148,24 +148,28 @@ def test_requests_with_penalties_or_min_tokens_draft_and_give_the_plain_tokens(e
         assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
 
 
-def test_structured_requests_decode_plainly_beside_drafted_ones(engines) -> None:
+def test_structured_requests_draft_under_their_grammar_and_give_the_plain_tokens(engines) -> None:
     from kvhive.core.structured_spec import StructuredSpec
 
     make, prompts = engines
-    schema = '{"properties":{"name":{"type":"string"},"sum":{"type":"integer"}},"required":["name","sum"],"type":"object"}'
-    requests = {"json": (prompts["code"], SamplingParams(max_tokens=40, temperature=0, logprobs=2,
-                                                         structured=StructuredSpec("json_schema", schema=schema))),
-                "regex": (prompts["quote"], SamplingParams(max_tokens=12, temperature=0.8, seed=5,
-                                                           structured=StructuredSpec("regex", pattern=r"[a-z ]{5,20}"))),
-                "quote": (prompts["quote"], SamplingParams(max_tokens=40, temperature=0, logprobs=2))}
+    schema = ('{"properties":{"text":{"type":"string"},"times":{"type":"integer"}},"required":["text","times"],'
+              '"type":"object"}')
+    quoting = prompts["quote"]
+    requests = {"json": (quoting, SamplingParams(max_tokens=60, temperature=0, logprobs=2,
+                                                 structured=StructuredSpec("json_schema", schema=schema))),
+                "regex": (quoting, SamplingParams(max_tokens=24, temperature=0.8, seed=5,
+                                                  structured=StructuredSpec("regex", pattern=r"[A-Za-z .]{5,60}"))),
+                "choice": (quoting, SamplingParams(max_tokens=8, temperature=0, structured=StructuredSpec(
+                    "choice", choices=("The quick brown fox jumps over the lazy dog", "no")))),
+                "quote": (quoting, SamplingParams(max_tokens=40, temperature=0, logprobs=2))}
     plain, spec_engine = generate(make(None), requests), make(5)
     drafted = generate(spec_engine, requests)
     assert spec_engine.stats().spec_decode.num_accepted_tokens > 0
     for rid in requests:
         assert tokens(drafted[rid]) == tokens(plain[rid]), rid
-        assert drafted[rid][-1].finish_reason == plain[rid][-1].finish_reason
+        assert drafted[rid][-1].finish_reason == plain[rid][-1].finish_reason, rid
         assert [lp.token_id for lp in logprobs(drafted[rid])] == [lp.token_id for lp in logprobs(plain[rid])]
-    assert all(len(out.new_token_ids) <= 1 for rid in ("json", "regex") for out in drafted[rid])
+    assert any(len(out.new_token_ids) > 1 for rid in ("json", "regex", "choice") for out in drafted[rid])
 
 
 def test_a_drafted_request_whose_verification_fails_ends_alone(engines, monkeypatch) -> None:
@@ -174,10 +178,10 @@ def test_a_drafted_request_whose_verification_fails_ends_alone(engines, monkeypa
     make, prompts = engines
     verify = runner_module.verify_drafts
 
-    def failing(logits, seq, processors, generator):
+    def failing(logits, seq, *args):
         if seq.request_id == "bad":
             raise RuntimeError("broken row")
-        return verify(logits, seq, processors, generator)
+        return verify(logits, seq, *args)
 
     greedy = SamplingParams(max_tokens=30, temperature=0)
     plain = generate(make(None), {"good": (prompts["quote"], greedy)})

@@ -379,3 +379,23 @@ def test_drafts_short_of_free_blocks_fall_back_to_a_plain_step() -> None:
     assert not sched.speculation.plan(quoting, budget)           # ... but no block for it
     assert sched.kv.get_block_table(quoting) == table and not budget.planned and not sched.speculation.planned
     sched.kv.pool.check_integrity()
+
+
+def test_grammar_masks_follow_the_drafts_and_leave_the_matcher_where_it_was(tokenizer) -> None:
+    from kvhive.core.structured_spec import StructuredSpec
+    from kvhive.engine.constrained import GrammarRows
+    from kvhive.structured import GrammarCompiler
+
+    vocab = 49152
+    rows = GrammarRows(GrammarCompiler(tokenizer, vocab, tokenizer.eos_token_ids), vocab, overlap=False)
+    spec = StructuredSpec("choice", choices=("The quick brown fox", "no"))
+    seq = ScheduledSeq("r", [1], 5, [1, 2], True, SamplingParams(structured=spec))
+    matcher = rows.matcher_for(seq, {})
+    words = tokenizer.encode("The quick brown fox")
+    blocked = rows.draft_masks(matcher, tuple(words[:2]) + (tokenizer.encode(" cat")[0],))
+    assert blocked.shape[0] == 3                   # rows before each admitted draft, then the refused one's
+    assert not blocked[0][words[0]] and not blocked[1][words[1]] and not blocked[2][words[2]]
+    assert blocked[1][words[0]] or words[0] == words[1]
+    # The last draft completes the output: it is not verified (the model's own pick there is).
+    assert rows.draft_masks(matcher, tuple(words)).shape[0] == len(words)
+    assert matcher.accept(words[0]) and not matcher.is_complete     # it still starts at the beginning

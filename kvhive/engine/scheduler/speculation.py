@@ -62,9 +62,12 @@ class Speculation:
             raise ValueError(f"step result has no token for sampled request {seq.request_id!r}")
         accepted = result.accepted_drafts.get(seq.request_id, ())
         reason = None
-        for t in (*accepted, token):
+        emitted = (*accepted, token)
+        for i, t in enumerate(emitted):
             request.append_output_token(t)
-            reason = stop_reason(request, t)
+            # A complete structured output stops even at max_tokens (only its last token completes it).
+            complete = i == len(emitted) - 1 and seq.request_id in result.completed
+            reason = FinishReason.STOP if complete else stop_reason(request, t)
             if reason is not None:
                 break
         # KV is valid for the last known token and the accepted drafts; the token emitted last

@@ -1,8 +1,7 @@
 """The scheduler's side of speculative decoding: which requests draft, their drafts, the counters.
 
-A running request in decode drafts unless it has a grammar (structured outputs: its token masks
-would have to follow each draft), asks for prompt logprobs, or is part of a disaggregated KV
-transfer: those decode one token per step. Torch-free.
+A running request in decode drafts unless it asks for prompt logprobs or is part of a
+disaggregated KV transfer: those decode one token per step. Torch-free.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ class SpecDecodeStats:
 def can_speculate(request: Request) -> bool:
     """Whether the request's next tokens may be drafted (see the module's docstring)."""
     sampling = request.sampling
-    return sampling.structured is None and sampling.prompt_logprobs is None and request.kv_transfer is None
+    return sampling.prompt_logprobs is None and request.kv_transfer is None
 
 
 class _RequestDrafts:

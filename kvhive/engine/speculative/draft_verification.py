@@ -18,10 +18,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvhive.engine.constrained import GrammarRows
 from kvhive.engine.logits_processors import LogitsProcessors
 from kvhive.engine.sampling import check_logits, sample_tokens, token_logprobs
 from kvhive.engine.step import ScheduledSeq, StepResult, TokenLogprobs
 from kvhive.request import SamplingParams
+from kvhive.structured import GrammarMatcher
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class VerifiedDrafts:
 
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobs, ...] = ()
+    completed: bool = False          # a structured output that its last token completed
 
     @property
     def num_accepted(self) -> int:
@@ -77,20 +80,52 @@ def accept_drafts(logits: torch.Tensor, drafts: Sequence[int], sampling: Samplin
 
 
 def verify_drafts(logits: torch.Tensor, seq: ScheduledSeq, processors: LogitsProcessors,
-                  generator: torch.Generator | None) -> VerifiedDrafts:
+                  generator: torch.Generator | None, grammar: GrammarRows | None = None) -> VerifiedDrafts:
     """Verify ``seq``'s drafts on its raw ``logits`` rows [1 + m, vocab]; logprobs (of the raw
-    logits, as for a plain step) of each emitted token where the request asks for them."""
+    logits, as for a plain step) of each emitted token where the request asks for them. A
+    structured seq's rows are masked by its grammar at each row's position first (``grammar``;
+    drafts past one the grammar refuses or that completes the output are not verified), and its
+    matcher then takes the emitted tokens."""
     drafts = seq.draft_token_ids
     if logits.shape[0] != len(drafts) + 1:
         raise ValueError(f"request {seq.request_id}: {logits.shape[0]} rows for {len(drafts)} drafts")
     check_logits(logits)
-    tokens = accept_drafts(processors.apply_drafted(logits, seq), drafts, seq.sampling, generator)
+    matcher, masked = None, logits
+    if seq.sampling.structured is not None:
+        matcher, masked = _grammar_masked(logits, seq, grammar)
+        drafts = drafts[:masked.shape[0] - 1]
+    used = replace(seq, draft_token_ids=drafts)
+    tokens = accept_drafts(processors.apply_drafted(masked, used), drafts, seq.sampling, generator)
+    completed = False
+    if matcher is not None:
+        for token in tokens:
+            if not matcher.accept(token):
+                raise ValueError(f"the output's grammar rejected token {token}: {matcher.error}")
+        completed = matcher.is_complete
     num_top = seq.sampling.logprobs
     if num_top is None:
-        return VerifiedDrafts(tokens)
+        return VerifiedDrafts(tokens, completed=completed)
     values = token_logprobs(logits[:len(tokens)], tokens, [num_top] * len(tokens))
-    return VerifiedDrafts(tokens, tuple(v for v in values if v is not None))
+    return VerifiedDrafts(tokens, tuple(v for v in values if v is not None), completed)
 
+
+def _grammar_masked(logits: torch.Tensor, seq: ScheduledSeq, grammar: GrammarRows | None
+                    ) -> tuple[GrammarMatcher, torch.Tensor]:
+    """The structured seq's matcher and its rows of ``logits`` masked by the grammar (as many rows
+    as ``GrammarRows.draft_masks`` gives); ValueError where the spec cannot be followed."""
+    if grammar is None:
+        raise ValueError("this engine has no grammar compiler for structured outputs")
+    failed: dict[str, str] = {}
+    matcher = grammar.matcher_for(seq, failed)
+    if matcher is None:
+        raise ValueError(failed[seq.request_id])
+    if matcher.error is not None:
+        raise ValueError(f"the output's grammar failed: {matcher.error}")
+    blocked = grammar.draft_masks(matcher, seq.draft_token_ids)
+    if blocked[0].all():
+        raise ValueError("the output's grammar allows no token of this model's vocabulary here")
+    rows = logits[:blocked.shape[0]]
+    return matcher, rows.masked_fill(torch.from_numpy(blocked).to(rows.device), float("-inf"))
 
 
 def drafted_result(result: StepResult, verified: dict[str, VerifiedDrafts]) -> StepResult:
@@ -101,7 +136,8 @@ def drafted_result(result: StepResult, verified: dict[str, VerifiedDrafts]) -> S
     kept = {rid: v for rid, v in verified.items() if rid not in result.failed}
     sampled = {**result.sampled, **{rid: v.token_ids[-1] for rid, v in kept.items()}}
     logprobs = {**result.logprobs, **{rid: v.logprobs[-1] for rid, v in kept.items() if v.logprobs}}
-    return replace(result, sampled=sampled, logprobs=logprobs,
+    completed = result.completed | {rid for rid, v in kept.items() if v.completed}
+    return replace(result, sampled=sampled, logprobs=logprobs, completed=frozenset(completed),
                    accepted_drafts={rid: v.token_ids[:-1] for rid, v in kept.items() if v.num_accepted},
                    accepted_logprobs={rid: v.logprobs[:-1] for rid, v in kept.items()
                                       if v.logprobs and v.num_accepted})
