@@ -105,9 +105,12 @@ class GrammarRows:
         the output (that position is then the target model's own pick), so there are at most
         len(drafts) + 1. The matcher ends where it started."""
         rows, consumed = [], 0
+        words = np.zeros(self.compiler.mask_words, dtype=np.int32)
         try:
             for j in range(len(drafts) + 1):
-                rows.append(self._blocked([matcher])[0][0])
+                # The matcher's own mask call: the step's mask job may be using the shared executor.
+                matcher.fill_mask(words)
+                rows.append(np.unpackbits(words.view(np.uint8), count=self.logits_width, bitorder="little") == 0)
                 if j == len(drafts) or rows[-1][drafts[j]] or not matcher.accept(drafts[j]):
                     break
                 consumed += 1
