@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from kvhive.connector.disagg.transfer_config import KVTransferConfig
 from kvhive.core.kv_events_config import KVEventsConfig
+from kvhive.core.speculative_config import SpeculativeConfig
 
 # ISA levels of the CPU kernels, best first (kvhive.model.cpu), and "auto": the best the CPU runs.
 CPU_ISAS = ("auto", "avx512_bf16", "avx512", "avx2", "portable")
@@ -312,6 +313,8 @@ class EngineConfig:
     generation_config: str = "auto"
     load_format: str = "auto"              # LOAD_FORMATS (kvhive.model.dummy_weights for dummy)
     hf_config_path: str | None = None      # a config.json (or its directory) read instead of the model's
+    # --speculative-config: draft tokens verified in one forward pass (kvhive.engine.speculative); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         self._check_model_source()

@@ -30,6 +30,7 @@ from kvhive.core.cors import add_cors_args
 from kvhive.core.http_limits import add_http_limit_args
 from kvhive.core.kv_events_config import parse_kv_events_config
 from kvhive.core.replica_registry import RegistrationConfig, default_advertise_url
+from kvhive.core.speculative_config import parse_speculative_config
 from kvhive.core.tool_parsers import PARSER_NAMES
 
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
@@ -324,6 +325,12 @@ def _add_performance_args(p: argparse.ArgumentParser) -> None:
                         "logged, where Triton cannot run); triton: the Triton paged kernels or exit 2 (on "
                         "CPU only under TRITON_INTERPRET=1, for tests); torch: torch's SDPA on gathered K/V "
                         "(default: auto)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding in vLLM's shape: {\"method\": \"ngram\", \"num_speculative_tokens\": "
+                        "K (1..16), \"prompt_lookup_min\": A, \"prompt_lookup_max\": B (1..16, both 5 where "
+                        "omitted)}: a decode step drafts up to K tokens from the longest earlier n-gram of the "
+                        "request's own tokens and verifies them in one forward pass; output unchanged "
+                        "(see docs/speculative_decoding.md) (default: off)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: launch every decode step kernel by kernel; without it, decode-only steps "
                         "replay CUDA graphs (one per batch-size and context bucket, captured when the "
@@ -375,4 +382,5 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
                         kv_events_config=None if events is None else events.for_server(args.host, args.port),
                         scheduler=sched, store=store, sessions=sessions, kv_transfer=kv_transfer,
                         generation_config=args.generation_config, load_format=args.load_format,
-                        hf_config_path=args.hf_config_path)
+                        hf_config_path=args.hf_config_path,
+                        speculative=parse_speculative_config(args.speculative_config))

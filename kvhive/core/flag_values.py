@@ -9,6 +9,7 @@ Torch-free; PyYAML is imported only when a file is read.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +20,18 @@ MAX_FLAG_FILE_BYTES = 1 << 20
 
 class FlagValueError(ValueError):
     """A flag mapping, or one of its values, a command refuses; the message names the key."""
+
+
+def json_flag_object(option: str, text: str) -> dict[str, Any]:
+    """The JSON object a flag's value holds (``--kv-events-config``, ``--speculative-config``);
+    ValueError naming ``option`` when it is not valid JSON or not an object."""
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{option}: not valid JSON ({exc.msg} at character {exc.pos})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{option}: must be a JSON object, got {type(values).__name__}")
+    return values
 
 
 def dest_name(key: str) -> str:

@@ -31,6 +31,8 @@ import string
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from kvhive.core.flag_values import json_flag_object
+
 ENCODINGS = ("map", "array")
 HASH_FORMATS = ("bytes", "int64")
 PUBLISHERS = ("zmq", "null")
@@ -170,12 +172,7 @@ def parse_kv_events_config(text: str | None, endpoint: str | None = None,
         return None
     values: dict[str, Any] = {}
     if text is not None:
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{OPTION}: not valid JSON ({exc.msg} at character {exc.pos})") from None
-        if not isinstance(values, dict):
-            raise ValueError(f"{OPTION}: must be a JSON object, got {type(values).__name__}")
+        values = json_flag_object(OPTION, text)
         unknown = sorted(set(values) - set(JSON_KEYS))
         if unknown:
             raise ValueError(f"{OPTION}: unknown key {unknown[0]!r} (known: {', '.join(JSON_KEYS)})")

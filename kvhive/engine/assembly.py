@@ -178,7 +178,7 @@ def build_scheduler(config: EngineConfig, loaded: LoadedModel, num_blocks: int, 
     """The scheduler over the device pool; with store tiers it spills first the sessions they hold copies of."""
     cache = config.cache
     return Scheduler(config.scheduler, cache, num_blocks, root_hash(cache.hash_seed, loaded.fingerprint),
-                     connector=scheduler_half, session_copy=copy, window=window)
+                     connector=scheduler_half, session_copy=copy, window=window, speculative=config.speculative)
 
 
 def open_publisher(events: KVEventsConfig, config: EngineConfig, scheduler: Scheduler, store: TieredStore | None,

@@ -71,14 +71,9 @@ class GrammarRows:
         for i, s in enumerate(seqs):
             if s.sampling.structured is None or s.request_id in failed:
                 continue
-            matcher = self._matchers.get(s.request_id)
+            matcher = self.matcher_for(s, failed)
             if matcher is None:
-                try:
-                    matcher = self.compiler.compile(s.sampling.structured).matcher()
-                except StructuredOutputError as exc:
-                    failed[s.request_id] = str(exc)
-                    continue
-                self._matchers[s.request_id] = matcher
+                continue
             rows.append(i)
             ids.append(s.request_id)
             matchers.append(matcher)
@@ -90,6 +85,40 @@ class GrammarRows:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvhive-grammar")
             job.future = self._pool.submit(self._blocked, matchers)
         return job
+
+    def matcher_for(self, seq: ScheduledSeq, failed: dict[str, str]) -> GrammarMatcher | None:
+        """The structured seq's matcher, compiled at its first step; None (its request in
+        ``failed``) when its spec does not compile."""
+        matcher = self._matchers.get(seq.request_id)
+        if matcher is None:
+            try:
+                matcher = self.compiler.compile(seq.sampling.structured).matcher()
+            except StructuredOutputError as exc:
+                failed[seq.request_id] = str(exc)
+                return None
+            self._matchers[seq.request_id] = matcher
+        return matcher
+
+    def draft_masks(self, matcher: GrammarMatcher, drafts: tuple[int, ...]) -> np.ndarray:
+        """The blocked tokens [rows, logits width] of the rows a drafted seq is verified at: row j
+        after drafts 0..j-1. Rows stop after the first draft the grammar refuses or that completes
+        the output (that position is then the target model's own pick), so there are at most
+        len(drafts) + 1. The matcher ends where it started."""
+        rows, consumed = [], 0
+        words = np.zeros(self.compiler.mask_words, dtype=np.int32)
+        try:
+            for j in range(len(drafts) + 1):
+                # The matcher's own mask call: the step's mask job may be using the shared executor.
+                matcher.fill_mask(words)
+                rows.append(np.unpackbits(words.view(np.uint8), count=self.logits_width, bitorder="little") == 0)
+                if j == len(drafts) or rows[-1][drafts[j]] or not matcher.accept(drafts[j]):
+                    break
+                consumed += 1
+                if matcher.is_complete:
+                    break
+        finally:
+            matcher.rollback(consumed)
+        return np.stack(rows)
 
     def mask_logits(self, job: MaskJob | None, logits: torch.Tensor, failed: dict[str, str]) -> torch.Tensor:
         """``logits`` [sampled rows, vocab] with each constrained row's disallowed tokens at -inf (a

@@ -111,6 +111,8 @@ class LLMEngine:
         self._session_copy = assembly.session_copy(self.store, self.connector_scheduler, self.connector_worker)
         self.scheduler = assembly.build_scheduler(config, loaded, self.num_blocks, self.scheduler_half,
                                                   self._session_copy, self.runner.window)
+        if config.speculative is not None and self.scheduler.speculation is None:
+            logger.warning("speculative decoding is off: this model's sliding-window KV pool cannot roll back drafts")
         self.publisher = None
         events = config.kv_events_settings()
         if events is not None and events.active:
@@ -288,7 +290,10 @@ class LLMEngine:
             if request_id in self._prompt_logprobs:     # else aborted since: nobody reads them
                 self._prompt_logprobs[request_id].extend(values)
         now = time.monotonic()
-        outputs = [self._output(req, result, now) for req in self.scheduler.update_from_result(plan, result)]
+        # Drafted steps may emit several tokens, cut at a stop: counted from the plan's output count.
+        drafted = {s.request_id: s.num_output_tokens for s in plan.seqs if s.draft_token_ids}
+        outputs = [self._output(req, result, now, drafted_from=drafted.get(req.request_id))
+                   for req in self.scheduler.update_from_result(plan, result)]
         self._publish_events()
         return outputs
 
@@ -300,15 +305,18 @@ class LLMEngine:
             if req is not None:
                 req.scheduled_time = now
 
-    def _output(self, req: Request, result: StepResult, now: float, error: str | None = None) -> RequestOutput:
-        """What the step ``result`` produced for ``req`` at ``now`` (``error``: why it failed, if it did)."""
+    def _output(self, req: Request, result: StepResult, now: float, error: str | None = None,
+                drafted_from: int | None = None) -> RequestOutput:
+        """What the step ``result`` produced for ``req`` at ``now`` (``error``: why it failed, if it
+        did; ``drafted_from``: its output tokens before a drafted step, else None)."""
         token = result.sampled.get(req.request_id)
-        logprobs = result.logprobs.get(req.request_id) if token is not None else None
+        num_kept = None if drafted_from is None else req.num_output_tokens - drafted_from
+        new_ids, logprobs = result.emitted(req.request_id, num_kept)
         prompt = self._prompt_logprobs.pop(req.request_id, None)
         if req.is_finished:
             self._unscheduled.pop(req.request_id, None)     # ended before it ever ran (too long)
         return RequestOutput(
-            request_id=req.request_id, new_token_ids=[] if token is None else [token],
+            request_id=req.request_id, new_token_ids=new_ids,
             finished=req.is_finished, finish_reason=req.finish_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
@@ -317,7 +325,7 @@ class LLMEngine:
                                   else None),
             block_hashes=(tuple(req.block_hashes) if req.retention is not None and (
                 req.is_finished or (token is not None and req.num_output_tokens == 1)) else None),
-            logprobs=None if logprobs is None else (logprobs,),
+            logprobs=logprobs,
             prompt_logprobs=None if prompt is None else tuple(prompt),
             error=error or result.failed.get(req.request_id),
             queued_time=req.arrival_time, scheduled_time=req.scheduled_time, output_time=now)
@@ -361,4 +369,5 @@ class LLMEngine:
                            num_session_blocks=s.num_session_blocks, num_session_spills=s.num_session_spills,
                            free_blocks=pool.num_free - pool.num_evictable, cached_blocks=pool.num_evictable,
                            used_blocks=pool.num_used, window_pool=s.kv.window,
-                           kv_transfer=None if self.disagg is None else self.disagg.worker.stats())
+                           kv_transfer=None if self.disagg is None else self.disagg.worker.stats(),
+                           spec_decode=self.scheduler.spec_decode_stats())

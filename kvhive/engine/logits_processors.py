@@ -17,7 +17,7 @@ batch's rows are processed together, each kind of extra in one vectorised pass o
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -61,6 +61,31 @@ class LogitsProcessors:
             _min_p(out, filtered, [seqs[i].sampling.min_p for i in filtered],
                    [seqs[i].sampling.temperature for i in filtered])
         return out
+
+    def apply_drafted(self, logits: torch.Tensor, seq: ScheduledSeq) -> torch.Tensor:
+        """``logits`` [1 + m, vocab] of a seq with m drafts after its extras, row j processed as a
+        plain step would be after drafts 0..j-1 were emitted: they count in the output the penalties
+        read, and ``min_tokens`` suppresses EOS and stop tokens at the rows still short of it."""
+        drafts = seq.draft_token_ids
+        if seq.history is not None:
+            self._add_history(seq.request_id, seq.history, logits.shape[-1])
+        suppress_varies = seq.suppress_token_ids and seq.num_output_tokens + len(drafts) >= seq.sampling.min_tokens
+        if not seq.sampling.uses_token_history and not suppress_varies:
+            return self.apply(logits, [replace(seq, history=None)] * logits.shape[0])
+        held = self._histories.get(seq.request_id) if seq.sampling.uses_token_history else None
+        rows, added = [], []
+        try:
+            for j in range(logits.shape[0]):
+                if j and held is not None:
+                    held.output_counts[drafts[j - 1]] += 1        # taken back below
+                    added.append(drafts[j - 1])
+                suppress = seq.suppress_token_ids if seq.num_output_tokens + j < seq.sampling.min_tokens else ()
+                rows.append(self.apply(logits[j:j + 1], [replace(seq, history=None, suppress_token_ids=suppress)]))
+        finally:
+            if added:
+                ids = torch.tensor(added, device=self.device)
+                held.output_counts.index_add_(0, ids, -torch.ones_like(ids, dtype=torch.int32))
+        return torch.cat(rows)
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Forget the histories of finished requests."""

@@ -21,6 +21,12 @@ from kvhive.engine.attention_kernels import choose_attention_kernels
 from kvhive.engine.constrained import GrammarRows
 from kvhive.engine.logits_processors import LogitsProcessors
 from kvhive.engine.sampling import sample_tokens, token_logprobs
+from kvhive.engine.speculative.draft_verification import (
+    VerifiedDrafts,
+    drafted_result,
+    sample_row_layout,
+    verify_drafts,
+)
 from kvhive.engine.step import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
 from kvhive.engine.step_inputs import PoolShape, StepInputBuilder, StepInputs, WindowPool
 from kvhive.kv.window_group import WindowLayout
@@ -158,7 +164,8 @@ class ModelRunner:
             return StepResult(sampled={})
         inputs = self.prepare_inputs(plan)
         failed: dict[str, str] = {}
-        sampled_seqs = [s for s in inputs.seqs if s.sample]
+        # Seqs with drafts are verified apart (kvhive.engine.speculative.draft_verification).
+        sampled_seqs = [s for s in inputs.seqs if s.sample and not s.draft_token_ids]
         # Constrained rows' token masks start now, on a worker thread, and run with the forward.
         job = self._start_masks(sampled_seqs, failed)
         try:
@@ -177,11 +184,13 @@ class ModelRunner:
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache)
                 selected = inputs.attn.out_rows is not None
             prompt = self._prompt_logprobs(hidden, inputs.seqs, failed) if inputs.has_prompt_logprobs else {}
-            if not sampled_seqs:
+            if not inputs.sample_rows:
                 return StepResult(sampled={}, prompt_logprobs=prompt, failed=failed)
             if not selected:
                 hidden = hidden.index_select(0, torch.tensor(inputs.sample_rows, device=self.device))
-            logits = self.model.compute_logits(hidden)
+            logits, verified = self._verify_drafts(self.model.compute_logits(hidden), inputs.seqs, failed)
+            if not sampled_seqs:
+                return drafted_result(StepResult(sampled={}, prompt_logprobs=prompt, failed=failed), verified)
             # Sampling reads the masked logits; logprobs report the raw ones.
             masked = logits if job is None else self.grammar_rows.mask_logits(job, logits, failed)
             if job is None:
@@ -203,8 +212,26 @@ class ModelRunner:
                    if t is not None and s.request_id not in failed}
         values = {sampled_seqs[i].request_id: lp for i, lp in zip(asked, logprobs, strict=True)
                   if lp is not None and sampled_seqs[i].request_id in sampled}
-        return StepResult(sampled=sampled, logprobs=values, prompt_logprobs=prompt, failed=failed,
-                          completed=frozenset(completed & sampled.keys()))
+        return drafted_result(StepResult(sampled=sampled, logprobs=values, prompt_logprobs=prompt, failed=failed,
+                                         completed=frozenset(completed & sampled.keys())), verified)
+
+    def _verify_drafts(self, logits: torch.Tensor, seqs: list[ScheduledSeq], failed: dict[str, str]
+                       ) -> tuple[torch.Tensor, dict[str, VerifiedDrafts]]:
+        """The sampled rows' logits split: the plain seqs' rows (in order), and the verdict on each
+        seq with drafts (a seq whose verification raises goes to ``failed``)."""
+        layout = sample_row_layout([s for s in seqs if s.sample])
+        if not layout.drafted:
+            return logits, {}
+        verified: dict[str, VerifiedDrafts] = {}
+        for seq, row in layout.drafted:
+            try:
+                verified[seq.request_id] = verify_drafts(logits[row:row + 1 + len(seq.draft_token_ids)], seq,
+                                                         self.logits_processors, self._generator(seq),
+                                                         self.grammar_rows)
+            except Exception as exc:  # noqa: BLE001 - fails this request only
+                logger.exception("verifying drafts failed for request %s", seq.request_id)
+                failed[seq.request_id] = f"verifying drafts failed: {type(exc).__name__}: {exc}"
+        return _rows(logits, layout.plain_rows), verified
 
     def _start_masks(self, sampled_seqs: list[ScheduledSeq], failed: dict[str, str]):
         """The mask job of the step's structured sample rows (None: none); a structured request

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvhive.connector.base import TierStats
 from kvhive.connector.disagg.transfer_stats import KVTransferStats
+from kvhive.engine.speculative.draft_proposals import SpecDecodeStats
 from kvhive.kv.pool import BlockPoolStats
 
 
@@ -31,6 +32,7 @@ class EngineStats:
     used_blocks: int = 0                    # held by a running request or an idle session
     kv_transfer: KVTransferStats | None = None   # --kv-role prefill|decode: the transfer counters
     window_pool: BlockPoolStats | None = None    # the window layers' own pool (kvhive.kv.window_group)
+    spec_decode: SpecDecodeStats | None = None   # --speculative-config: drafts verified and accepted
 
 
 @dataclass(frozen=True)

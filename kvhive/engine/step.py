@@ -7,7 +7,7 @@ the whole contract between them, and the engine is the one place that passes one
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvhive.request import SamplingParams
 
@@ -63,6 +63,9 @@ class ScheduledSeq:
     history: TokenHistory | None = None
     # Tokens this step must not sample (EOS and stop_token_ids while min_tokens is not reached).
     suppress_token_ids: tuple[int, ...] = ()
+    # Speculative decoding: the last ``len(draft_token_ids)`` entries of token_ids are drafts; every
+    # row from the request's last known token on is scored and the drafts verified (sample is True).
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def num_new_tokens(self) -> int:
@@ -113,6 +116,13 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]
 
 
+class EmittedTokens(NamedTuple):
+    """The tokens a step gave one request, in order, and their logprobs (None unless asked)."""
+
+    token_ids: list[int]
+    logprobs: tuple[TokenLogprobs, ...] | None
+
+
 @dataclass(frozen=True)
 class StepResult:
     """Sampled tokens, one per sequence whose ``sample`` flag was set, the logprobs of the
@@ -122,10 +132,28 @@ class StepResult:
     A sequence whose own row could not be computed (its sampling or logprobs raised) is in
     ``failed`` with the error instead of ``sampled``; the request then ends with an error while
     the others go on. A structured request whose grammar this step's token completed is in
-    ``completed``: it ends with STOP."""
+    ``completed``: it ends with STOP.
+
+    A sequence with drafts emits ``accepted_drafts[id]`` (its drafts the target model accepted,
+    in order, absent when none) and then ``sampled[id]``; ``accepted_logprobs[id]`` holds the
+    accepted drafts' logprobs where the request asks for them."""
 
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     completed: frozenset[str] = frozenset()
+    accepted_drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
+
+    def emitted(self, request_id: str, num_kept: int | None = None) -> EmittedTokens:
+        """The request's tokens from this step: its sampled token, after its accepted drafts if it
+        had any; ``num_kept``: the first so many only (a stop ended the request mid-draft)."""
+        token = self.sampled.get(request_id)
+        if token is None:
+            return EmittedTokens([], None)
+        value = self.logprobs.get(request_id)
+        tokens = [*self.accepted_drafts.get(request_id, ()), token][:num_kept]
+        if value is None:
+            return EmittedTokens(tokens, None)
+        return EmittedTokens(tokens, (*self.accepted_logprobs.get(request_id, ()), value)[:num_kept])

@@ -35,7 +35,9 @@ class StepInputs:
     positions: torch.Tensor             # [T]
     attn: AttnMetadata
     seqs: list[ScheduledSeq]            # in flat-batch order
-    sample_rows: list[int]              # flat row of the last token of each seq with sample=True
+    # Flat rows each seq with sample=True is sampled at, in order: its last token's; a seq with
+    # drafts: its last known token's and every draft's (1 + len(draft_token_ids) rows).
+    sample_rows: list[int]
     has_prompt_logprobs: bool = False   # some seq carries a PromptLogprobsSpan
 
 
@@ -63,12 +65,14 @@ class WindowPool:
 
 
 def sample_rows_of(seqs: list[ScheduledSeq]) -> list[int]:
-    """The batch row of each sampled seq's last token (seqs in batch order)."""
-    rows, end = [], 0
+    """The batch rows each sampled seq is sampled at (seqs in batch order): its last token's, and
+    for a seq with drafts the rows of its last known token and of each draft."""
+    rows: list[int] = []
+    end = 0
     for s in seqs:
         end += s.num_new_tokens
         if s.sample:
-            rows.append(end - 1)
+            rows.extend(range(end - 1 - len(s.draft_token_ids), end))
     return rows
 
 

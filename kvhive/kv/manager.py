@@ -238,6 +238,22 @@ class KVCacheManager:
             self._record_stored(request, stored)
         return stored
 
+    def trim_blocks(self, request: Request, num_tokens: int) -> int:
+        """Free the request's tail blocks past the first ``num_tokens`` tokens (blocks allocated
+        for draft tokens that were rejected: never hashed); returns how many. One pool only."""
+        rid = request.request_id
+        blocks = self._blocks.get(rid)
+        keep = self.num_blocks_for(num_tokens)
+        if not blocks or len(blocks) <= keep:
+            return 0
+        if self.window is not None or keep < self._num_cached_blocks[rid]:
+            raise ValueError(f"request {rid}: cannot trim its blocks to {num_tokens} tokens")
+        extra = blocks[keep:]
+        del blocks[keep:]
+        self._block_ids[rid] = self._block_ids[rid][:keep]
+        self.pool.free_blocks(reversed(extra))
+        return len(extra)
+
     def _record_stored(self, request: Request, indices: list[int]) -> None:
         self._events += stored_runs(request.block_hashes, request.all_token_ids, indices, self.block_size)
 

@@ -76,6 +76,14 @@ class EngineStatsCollector(Collector):
         yield from self._tier_metrics(s)
         if s.kv_transfer is not None:
             yield from kv_transfer_metrics(self._labels, s.kv_transfer)
+        if s.spec_decode is not None:
+            yield from model_families(self._labels, (), (
+                ("kvhive_spec_decode_num_drafts", "Decode steps that verified draft tokens.", s.spec_decode.num_drafts),
+                ("kvhive_spec_decode_num_draft_tokens", "Draft tokens verified by the target model.",
+                 s.spec_decode.num_draft_tokens),
+                ("kvhive_spec_decode_num_accepted_tokens", "Draft tokens the target model accepted.",
+                 s.spec_decode.num_accepted_tokens),
+            ))
 
     def _window_blocks(self, pool: BlockPoolStats) -> Metric:
         """The window layers' own pool by state, as ``kvhive_kv_blocks`` counts the main pool."""

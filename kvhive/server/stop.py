@@ -20,6 +20,11 @@ class StopStringMatcher:
         self._pending = ""
         self.stopped = False          # True once a stop string matched; nothing more is returned
 
+    @property
+    def has_stops(self) -> bool:
+        """True when any stop string is looked for."""
+        return bool(self._stops)
+
     def feed(self, delta: str) -> str:
         """Add generated text; return what can be sent now (text before a match, if one completed)."""
         if self.stopped:

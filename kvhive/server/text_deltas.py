@@ -5,7 +5,7 @@ usage of a request's choices."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from kvhive.core.tokenizer import IncrementalDetokenizer
@@ -95,7 +95,36 @@ class DeltaAssembler:
 
     def add(self, out: RequestOutput) -> TextDelta | None:
         """The delta of one engine output: the last one (its finish reason set) once a stop string
-        matched or the engine finished the request; None while no new text is ready to send."""
+        matched or the engine finished the request; None while no new text is ready to send.
+
+        An output of several tokens (a speculative step's) is read token by token, so a stop
+        string ends the text, the tokens and the counts where a token at a time would have."""
+        if len(out.new_token_ids) > 1 and self._matcher.has_stops:
+            return self._add_each(out)
+        return self._add_one(out)
+
+    def _add_each(self, out: RequestOutput) -> TextDelta | None:
+        """``add`` for each token of ``out`` in turn, their deltas merged, up to a stop string's."""
+        n = len(out.new_token_ids)
+        merged: TextDelta | None = None
+        for i, token in enumerate(out.new_token_ids):
+            last = i == n - 1
+            part = replace(out, new_token_ids=[token], logprobs=None if out.logprobs is None else (out.logprobs[i],),
+                           finished=out.finished and last, finish_reason=out.finish_reason if last else None,
+                           num_output_tokens=out.num_output_tokens - (n - 1 - i),
+                           prompt_logprobs=out.prompt_logprobs if i == 0 else None)
+            delta = self._add_one(part)
+            if delta is not None:
+                merged = delta if merged is None else replace(
+                    delta, text=merged.text + delta.text, tokens=merged.tokens + delta.tokens,
+                    token_ids=merged.token_ids + delta.token_ids,
+                    prompt_logprobs=merged.prompt_logprobs or delta.prompt_logprobs)
+                if delta.finish_reason is not None:
+                    break
+        return merged
+
+    def _add_one(self, out: RequestOutput) -> TextDelta | None:
+        """``add`` for an output read as a whole."""
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_cached_tokens = max(0, out.num_cached_tokens)
         self.num_output_tokens = out.num_output_tokens

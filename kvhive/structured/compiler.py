@@ -55,6 +55,11 @@ class GrammarMatcher:
         """Advance by ``token_id``; False (and an error state from then on) when the grammar rejects it."""
         return self._m.consume_token(token_id)
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (drafts looked ahead over)."""
+        if num_tokens:
+            self._m.rollback(num_tokens)
+
     @property
     def is_complete(self) -> bool:
         """True when the output is done: the grammar admits nothing more (or only end-of-sequence was

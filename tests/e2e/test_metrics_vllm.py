@@ -171,7 +171,7 @@ def check_documented(scraped: dict, rows: dict[str, tuple[str, str]]) -> None:
     assert not undocumented, f"exported but not in docs/metrics.md: {undocumented}"
     for name, (kind, when) in rows.items():
         assert when in MET_HERE | {"--redis-url", "a response created", "--kv-role prefill or decode",
-                                   "a sliding-window model"}, (name, when)
+                                   "a sliding-window model", "--speculative-config"}, (name, when)
         if name in scraped:
             assert scraped[name].type == kind, (name, kind, scraped[name].type)
         else:

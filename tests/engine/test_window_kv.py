@@ -416,3 +416,15 @@ def test_the_two_pools_give_the_reference_tokens_at_every_kernel_level(saved, to
         assert cold.matches(reference) and hit.matches(reference) and cached > 0
     finally:
         engine.close()
+
+
+def test_speculative_decoding_is_off_with_a_window_pool_and_says_so(saved, tokenizer, caplog) -> None:
+    from kvhive.core.speculative_config import SpeculativeConfig
+
+    _, path, reference = saved["gemma2"]
+    with caplog.at_level("WARNING", logger="kvhive.engine.llm_engine"):
+        engine = _engine(load_model(path), tokenizer, speculative=SpeculativeConfig(num_speculative_tokens=4))
+    assert engine.scheduler.speculation is None and engine.stats().spec_decode is None
+    assert any("speculative decoding is off" in r.getMessage() for r in caplog.records)
+    out, _ = _generate(engine, "r", PROMPT)
+    assert out.matches(reference)

@@ -3,7 +3,8 @@
 Each step, under ``max_num_batched_tokens`` tokens (with ``--step-budget compute``, a token at
 position p counts 1 + p / C: ``StepBudget``) and ``max_num_seqs`` running requests:
 
-1. every running request in decode gets its one token;
+1. every running request in decode gets its one token (with speculative decoding, maybe its
+   drafts too: ``speculation``);
 2. running requests still in prefill get their next chunk;
 3. waiting requests are admitted in the queue's order, FCFS or by request priority (prefix lookup
    on admission); the head of the queue blocks everything behind it when it does not fit, so
@@ -18,6 +19,7 @@ finishes with LENGTH.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvhive.config import SchedulerConfig
 from kvhive.engine.scheduler.kv_transfers import KVTransfers
@@ -26,6 +28,9 @@ from kvhive.engine.scheduler.queues import RequestQueues
 from kvhive.engine.scheduler.session_spill import SessionSpill
 from kvhive.kv.manager import KVCacheManager
 from kvhive.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from kvhive.engine.scheduler.speculation import Speculation
 
 
 class StepBudget:
@@ -80,13 +85,16 @@ class Batcher:
     """Plans the running requests' tokens: decodes first, then prefill chunks."""
 
     def __init__(self, queues: RequestQueues, kv: KVCacheManager, spill: SessionSpill,
-                 preemption: Preemption, finish_too_long: Callable[[Request], None]) -> None:
-        """``finish_too_long(request)``: end a request (already out of the queues) with LENGTH."""
+                 preemption: Preemption, finish_too_long: Callable[[Request], None],
+                 speculation: Speculation | None = None) -> None:
+        """``finish_too_long(request)``: end a request (already out of the queues) with LENGTH.
+        ``speculation``: plans drafted decode steps (``kvhive.engine.scheduler.speculation``); None: off."""
         self.queues = queues
         self.kv = kv
         self.spill = spill
         self.preemption = preemption
         self.finish_too_long = finish_too_long
+        self.speculation = speculation
 
     def schedule_running(self, budget: StepBudget) -> bool:
         """Plan a token for each decode, then a chunk for each prefill, in arrival order, while the
@@ -98,6 +106,8 @@ class Batcher:
                     continue
                 remaining = request.num_tokens - request.num_computed_tokens
                 if (remaining == 1) != decode_pass or budget.tokens <= 0:
+                    continue
+                if decode_pass and self.speculation is not None and self.speculation.plan(request, budget):
                     continue
                 num_new = budget.fit(request.num_computed_tokens, remaining)
                 if num_new:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from kvhive.config import CacheConfig, SchedulerConfig
 from kvhive.connector.base import ConnectorScheduler, FinishedTransfers
+from kvhive.core.speculative_config import SpeculativeConfig
 from kvhive.engine.scheduler.batching import Admission, Batcher, StepBudget
 from kvhive.engine.scheduler.kv_transfers import KVTransfers
 from kvhive.engine.scheduler.preemption import Preemption
@@ -22,6 +23,8 @@ from kvhive.engine.scheduler.prompt_logprobs import prompt_logprobs_span, record
 from kvhive.engine.scheduler.queues import RequestQueues
 from kvhive.engine.scheduler.sampling_inputs import suppressed_tokens, token_history
 from kvhive.engine.scheduler.session_spill import SessionCopy, SessionSpill
+from kvhive.engine.scheduler.speculation import Speculation
+from kvhive.engine.speculative.draft_proposals import DraftProposer, SpecDecodeStats
 from kvhive.engine.step import ScheduledSeq, StepPlan, StepResult
 from kvhive.kv.manager import DeviceReset, KVCacheManager, KVCacheStats
 from kvhive.kv.window_group import WindowLayout
@@ -49,9 +52,11 @@ class Scheduler:
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  root_hash: bytes, connector: ConnectorScheduler | None = None,
                  session_copy: Callable[[Sequence[bytes]], SessionCopy] | None = None,
-                 window: WindowLayout | None = None) -> None:
+                 window: WindowLayout | None = None, speculative: SpeculativeConfig | None = None) -> None:
         """``session_copy(hashes)``: where the store tiers hold these full blocks; None: no tiers.
-        ``window``: the window layers' own pool (``kvhive.kv.window_group``); None: one pool."""
+        ``window``: the window layers' own pool (``kvhive.kv.window_group``); None: one pool.
+        ``speculative``: drafted decode steps (``speculation``); None: off. A window pool turns it
+        off (logged by the engine): its slide does not roll back."""
         self.config = sched_config
         self.kv = KVCacheManager(cache_config.block_size, num_blocks, cache_config.enable_prefix_caching,
                                  root_hash, window)
@@ -60,7 +65,10 @@ class Scheduler:
         self.transfers.track(self.queues.by_id)
         self.spill = SessionSpill(self.kv, session_copy, self.transfers.pending_hashes)
         self.preemption = Preemption(self.queues, self.kv)
-        self.batcher = Batcher(self.queues, self.kv, self.spill, self.preemption, self._finish_too_long)
+        self.speculation = None if speculative is None or window is not None else Speculation(
+            DraftProposer(speculative), self.kv, sched_config.max_model_len)
+        self.batcher = Batcher(self.queues, self.kv, self.spill, self.preemption, self._finish_too_long,
+                               self.speculation)
         self.admission = Admission(sched_config, self.queues, self.kv, self.spill, self.transfers,
                                    self._finish_too_long)
         self._finished_ids: list[str] = []                # ended since the last plan
@@ -135,6 +143,8 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Pick this step's tokens: decodes, then running prefill chunks, then FCFS admissions."""
         self.kv.copies.release_sources()          # the last plan's copies have run, applied or not
+        if self.speculation is not None:
+            self.speculation.begin_step()
         budget = StepBudget(self.config.max_num_batched_tokens, self.config.attention_context)
         if not self.batcher.schedule_running(budget):
             self.admission.admit(budget)
@@ -176,6 +186,10 @@ class Scheduler:
                               num_session_blocks=self.kv.sessions.num_blocks,
                               num_session_spills=self.num_session_spills)
 
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        """Speculative decoding's counters; None when it is off."""
+        return None if self.speculation is None else self.speculation.proposer.stats()
+
     def _apply_seq(self, request: Request, seq: ScheduledSeq, result: StepResult) -> FinishReason | None:
         """Apply one planned sequence's step to its request; the reason it finishes, or None."""
         request.num_computed_tokens = seq.context_len
@@ -183,6 +197,9 @@ class Scheduler:
         reason = None
         if seq.request_id in result.failed:
             reason = FinishReason.ERROR         # its KV was computed; its row was not
+            request.num_computed_tokens -= len(seq.draft_token_ids)
+        elif seq.draft_token_ids:
+            reason = self.speculation.apply(request, seq, result, self._stop_reason)
         elif seq.sample:
             token = result.sampled.get(seq.request_id)
             if token is None:
@@ -202,11 +219,13 @@ class Scheduler:
         for request_id, num_new in planned.items():
             request = self.queues.by_id[request_id]
             start = request.num_computed_tokens
-            end = start + num_new
+            drafts = () if self.speculation is None else self.speculation.planned.get(request_id, ())
+            end = start + num_new - len(drafts)
             sample = end == request.num_tokens      # never re-samples tokens it already has
             seqs.append(ScheduledSeq(
                 request_id=request_id,
-                token_ids=request.all_token_ids[start:end],
+                token_ids=request.all_token_ids[start:end] + list(drafts),
+                draft_token_ids=drafts,
                 start_pos=start,
                 block_table=self.kv.get_block_table(request),
                 window_table=self.kv.get_window_table(request),
@@ -241,6 +260,8 @@ class Scheduler:
         held while its load is in flight, parked in its session, or released."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        if self.speculation is not None:
+            self.speculation.forget(request.request_id)
         del self.queues.by_id[request.request_id]
         self._finished_ids.append(request.request_id)
         if self.transfers.cancel_load(request):         # freed when its load reports back

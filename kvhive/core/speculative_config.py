@@ -1,0 +1,73 @@
+"""``--speculative-config``: speculative decoding's method and draft length, in vLLM's field names.
+
+The JSON object takes vLLM's ``SpeculativeConfig`` keys for the n-gram (prompt lookup) method:
+``method`` ("ngram"), ``num_speculative_tokens`` (required: the most draft tokens a step verifies),
+``prompt_lookup_min`` and ``prompt_lookup_max`` (the n-gram lengths looked up, longest first).
+Where both lookup bounds are omitted they are 5 (vLLM's default); where one is omitted it takes
+the other's value. Any other key, a wrong type or a value out of range is a ``ValueError`` that
+names it (``kvhive serve`` exits 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvhive.core.flag_values import json_flag_object
+
+OPTION = "--speculative-config"
+METHODS = ("ngram",)
+JSON_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+MAX_SPECULATIVE_TOKENS = 16
+MAX_LOOKUP = 16
+DEFAULT_LOOKUP = 5
+# The integer fields and their most (each at least 1).
+BOUNDS = {"num_speculative_tokens": MAX_SPECULATIVE_TOKENS, "prompt_lookup_min": MAX_LOOKUP,
+          "prompt_lookup_max": MAX_LOOKUP}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How decode steps draft tokens for the target model to verify in one forward pass."""
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_min: int = DEFAULT_LOOKUP
+    prompt_lookup_max: int = DEFAULT_LOOKUP
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"{OPTION}: unknown method {self.method!r} (known: {', '.join(METHODS)})")
+        for key in BOUNDS:
+            _check_bound(key, getattr(self, key))
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"{OPTION}: prompt_lookup_min ({self.prompt_lookup_min}) is above "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+
+def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
+    """The config of ``--speculative-config`` JSON; None when the flag is not given (no speculation)."""
+    if text is None:
+        return None
+    values = json_flag_object(OPTION, text)
+    unknown = sorted(set(values) - set(JSON_KEYS))
+    if unknown:
+        raise ValueError(f"{OPTION}: unknown key{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(map(repr, unknown))} (known: {', '.join(JSON_KEYS)})")
+    if "num_speculative_tokens" not in values:
+        raise ValueError(f"{OPTION}: num_speculative_tokens is required")
+    for key, value in values.items():
+        if key in BOUNDS:
+            _check_bound(key, value)      # the key given is named, not the one filled from it
+    low, high = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
+    if low is None and high is None:
+        low = high = DEFAULT_LOOKUP
+    low = high if low is None else low
+    high = low if high is None else high
+    return SpeculativeConfig(num_speculative_tokens=values["num_speculative_tokens"],
+                             method=values.get("method", "ngram"), prompt_lookup_min=low, prompt_lookup_max=high)
+
+
+def _check_bound(key: str, value: object) -> None:
+    """ValueError naming the flag and ``key`` unless ``value`` is an integer in 1..BOUNDS[key]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= BOUNDS[key]:
+        raise ValueError(f"{OPTION}: {key} must be an integer in 1..{BOUNDS[key]}, got {value!r}")

@@ -1,0 +1,83 @@
+"""The scheduler's side of speculative decoding: planning drafted decode steps, applying verdicts.
+
+A running request in decode that the ``DraftProposer`` drafts for is planned as its last known
+token plus up to k draft tokens, all charged to the step's token budget, in blocks allocated for
+them; when those blocks are not free the request takes a plain one-token step instead (drafts
+never spill sessions or preempt anyone). After the step the emitted tokens (accepted drafts, then
+the target model's token) are appended one by one, each checked for a stop, and nothing after a
+stop is kept. Rollback: the request's computed tokens cover its last known token and the accepted
+drafts only, and the blocks allocated for rejected positions alone are freed, so a block is hashed
+(cached, announced, offered to the tiers, parked in a session) only once it is full of accepted
+tokens; slots a rejected draft wrote are overwritten when their position is computed again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvhive.engine.scheduler.batching import StepBudget
+from kvhive.engine.speculative.draft_proposals import DraftProposer
+from kvhive.engine.step import ScheduledSeq, StepResult
+from kvhive.kv.manager import KVCacheManager
+from kvhive.request import FinishReason, Request
+
+
+class Speculation:
+    """Drafted steps of the running requests (one instance per scheduler, with speculation on)."""
+
+    def __init__(self, proposer: DraftProposer, kv: KVCacheManager, max_model_len: int) -> None:
+        self.proposer = proposer
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.planned: dict[str, tuple[int, ...]] = {}     # this step's drafts by request id
+
+    def begin_step(self) -> None:
+        """Forget the last plan's drafts (the step that verified them has been applied)."""
+        self.planned.clear()
+
+    def plan(self, request: Request, budget: StepBudget) -> bool:
+        """Plan a drafted decode step for ``request`` (in decode); False (nothing planned or
+        allocated) when it has no draft, the budget leaves no room for one, or blocks are short."""
+        # Never draft past max_tokens or the context: the last draft's successor ends the request.
+        room = min(request.sampling.max_tokens - request.num_output_tokens,
+                   self.max_model_len - request.num_tokens) - 1
+        drafts = self.proposer.propose(request, room)
+        if not drafts:
+            return False
+        start = request.num_computed_tokens
+        num_new = budget.fit(start, 1 + len(drafts))
+        drafts = drafts[:num_new - 1]
+        if not drafts or not self.kv.allocate_slots(request, 1 + len(drafts)):
+            return False
+        budget.take(request.request_id, 1 + len(drafts), start)
+        self.planned[request.request_id] = tuple(drafts)
+        return True
+
+    def apply(self, request: Request, seq: ScheduledSeq, result: StepResult,
+              stop_reason: Callable[[Request, int], FinishReason | None]) -> FinishReason | None:
+        """Append what a drafted step emitted for ``request`` up to the first stop, roll back the
+        rejected drafts' KV and adapt the draft length; the reason the request finishes, or None."""
+        token = result.sampled.get(seq.request_id)
+        if token is None:
+            raise ValueError(f"step result has no token for sampled request {seq.request_id!r}")
+        accepted = result.accepted_drafts.get(seq.request_id, ())
+        reason = None
+        emitted = (*accepted, token)
+        for i, t in enumerate(emitted):
+            request.append_output_token(t)
+            # A complete structured output stops even at max_tokens (only its last token completes it).
+            complete = i == len(emitted) - 1 and seq.request_id in result.completed
+            reason = FinishReason.STOP if complete else stop_reason(request, t)
+            if reason is not None:
+                break
+        # KV is valid for the last known token and the accepted drafts; the token emitted last
+        # is computed by the next step, as after a plain step.
+        request.num_computed_tokens = min(seq.start_pos + 1 + len(accepted), request.num_tokens - 1)
+        self.kv.trim_blocks(request, request.num_computed_tokens)    # as many as after a plain step
+        self.proposer.record(seq.request_id, len(seq.draft_token_ids), len(accepted))
+        return reason
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's drafting state."""
+        self.planned.pop(request_id, None)
+        self.proposer.forget(request_id)
