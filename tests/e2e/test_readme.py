@@ -38,6 +38,8 @@ SKIPPED = {
         "starts two replicas and a gateway in the background (tests/e2e/test_gateway.py runs them)",
     "ray start --head --num-cpus 1                                    # one node; on each other node:":
         "starts a Ray cluster and the Ray Serve application (tests/e2e/test_ray_cluster.py runs them)",
+    "kvhive serve --speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'":
+        "starts a server with n-gram speculation (tests/e2e/test_speculative_serve.py runs one)",
     "kvhive serve --port 8200 --kv-role decode --kv-transfer-port 7600 &":
         "starts a decode and a prefill replica and a gateway in the background "
         "(tests/e2e/test_disagg_serve.py runs them)",
