@@ -258,3 +258,34 @@ def test_compiled_on_cuda_and_replayed_in_a_cuda_graph() -> None:
         graph.replay()
         torch.cuda.synchronize()
         check(out.cpu(), reference(dataclasses.replace(c, lens=torch.tensor(lens)), 1), torch.float32)
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETING, reason="compiles the GPU kernels, which the interpreter replaces")
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")
+@pytest.mark.parametrize("dtype,head_dim,group,single", [("bf16", 128, 4, False), ("fp16", 256, 8, True),
+                                                          ("fp32", 64, 3, False)])
+def test_compiles_for_an_h100(dtype: str, head_dim: int, group: int, single: bool) -> None:
+    """Both decode kernels compile to sm_90 cubins with no GPU here (what the interpreter cannot check:
+    the tile shapes ``tl.dot`` accepts, the types the loops carry), with the tiles a launch uses."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module = importlib.import_module(MODULE)
+    kernel = module.TritonDecodeKernel()
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    constexprs = dict(HAS_FIRST=True, HAS_WINDOW=True, HAS_SOFTCAP=True, SINGLE=single,
+                      PART_KEYS=kernel.partition_keys, BLOCK_N=kernel._tile_keys(block_d),
+                      BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+                      PRECISION="ieee" if dtype == "fp32" else "tf32")
+    scratch = f"*{dtype}" if single else "*fp32"
+    kinds = dict(q_ptr=f"*{dtype}", pool_ptr=f"*{dtype}", out_ptr=f"*{dtype}", tables_ptr="*i64", ctx_ptr="*i64",
+                 first_ptr="*i64", m_ptr=scratch, l_ptr=scratch, acc_ptr=scratch, qk_scale="fp32", softcap="fp32")
+    target = GPUTarget("cuda", 90, 32)
+    for fn, given in ((module._decode_partition, constexprs), (module._merge_partitions,
+                                                                dict(BLOCK_P=16, BLOCK_D=block_d))):
+        kinds_here = dict(kinds, m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32") if fn is module._merge_partitions \
+            else kinds
+        signature = {name: "constexpr" if name in given else kinds_here.get(name, "i32") for name in fn.arg_names}
+        compiled = triton.compile(ASTSource(fn, signature, given), target=target)
+        assert compiled.asm["cubin"] and compiled.metadata.shared <= 228 * 1024
