@@ -20,6 +20,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 SEPARATOR = -1          # follows every sequence in the token array; never a token id
 
@@ -34,6 +35,13 @@ class HistoryStats:
     num_index_entries: int
 
 
+class StoredSequence(NamedTuple):
+    """Where a sequence lies in its tenant's token array: its first token's offset, its length."""
+
+    offset: int
+    length: int
+
+
 class TenantHistory:
     """One tenant's recent sequences and an n-gram hash -> latest follower position index.
 
@@ -45,7 +53,7 @@ class TenantHistory:
         self._tokens = array("q")
         self._base = 0
         self._start = 0
-        self._sequences: deque[tuple[int, int]] = deque()    # (offset, length), oldest first
+        self._sequences: deque[StoredSequence] = deque()      # oldest first
         self._index: dict[int, int] = {}
         self.num_tokens = 0
 
@@ -64,14 +72,14 @@ class TenantHistory:
         offset = self._base + len(self._tokens)
         self._tokens.extend(token_ids)
         self._tokens.append(SEPARATOR)
-        self._sequences.append((offset, len(token_ids)))
+        self._sequences.append(StoredSequence(offset, len(token_ids)))
         self.num_tokens += len(token_ids)
         for key, follower in self._ngrams(token_ids, offset):
             self._index[key] = follower
         return offset
 
-    def evict_oldest(self) -> tuple[int, int]:
-        """Drop the oldest sequence and the index entries that point into it; (its offset, its tokens)."""
+    def evict_oldest(self) -> StoredSequence:
+        """Drop the oldest sequence and the index entries that point into it; where it was."""
         offset, length = self._sequences.popleft()
         local = offset - self._base
         token_ids = self._tokens[local:local + length]
@@ -85,7 +93,7 @@ class TenantHistory:
             del self._tokens[:self._start]
             self._base += self._start
             self._start = 0
-        return offset, length
+        return StoredSequence(offset, length)
 
     def propose(self, context: Sequence[int], max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` tokens that followed the latest stored occurrence of the longest
