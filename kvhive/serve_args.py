@@ -327,10 +327,10 @@ def _add_performance_args(p: argparse.ArgumentParser) -> None:
                         "(default: auto)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding in vLLM's shape: {\"method\": \"ngram\", \"num_speculative_tokens\": "
-                        "K (1..16), \"prompt_lookup_min\": A, \"prompt_lookup_max\": B (1..16, both 5 where "
-                        "omitted)}: a decode step drafts up to K tokens from the longest earlier n-gram of the "
-                        "request's own tokens and verifies them in one forward pass; output unchanged "
-                        "(see docs/speculative_decoding.md) (default: off)")
+                        "K (1..16), \"prompt_lookup_min\": A, \"prompt_lookup_max\": B (1..16, both 5 where omitted)}: "
+                        "a decode step drafts up to K tokens from the longest earlier n-gram of the request's tokens "
+                        "(\"method\": \"history\": then of its API key's finished requests, \"history_max_tokens\" "
+                        "kept) and verifies them in one pass; output unchanged (see docs/speculative_decoding.md) (default: off)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: launch every decode step kernel by kernel; without it, decode-only steps "
                         "replay CUDA graphs (one per batch-size and context bucket, captured when the "

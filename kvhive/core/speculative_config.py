@@ -4,8 +4,11 @@ The JSON object takes vLLM's ``SpeculativeConfig`` keys for the n-gram (prompt l
 ``method`` ("ngram"), ``num_speculative_tokens`` (required: the most draft tokens a step verifies),
 ``prompt_lookup_min`` and ``prompt_lookup_max`` (the n-gram lengths looked up, longest first).
 Where both lookup bounds are omitted they are 5 (vLLM's default); where one is omitted it takes
-the other's value. Any other key, a wrong type or a value out of range is a ``ValueError`` that
-names it (``kvhive serve`` exits 2).
+the other's value. kvhive's own method "history" drafts from the request's tokens first, then from
+the server's recent token sequences of the same tenant; its keys ``history_max_tokens`` (all
+tenants) and ``history_tenant_max_tokens`` (one tenant; at most the first) bound that store. Any
+other key, a history key without method "history", a wrong type or a value out of range is a
+``ValueError`` that names it (``kvhive serve`` exits 2).
 """
 
 from __future__ import annotations
@@ -15,14 +18,20 @@ from dataclasses import dataclass
 from kvhive.core.flag_values import json_flag_object
 
 OPTION = "--speculative-config"
-METHODS = ("ngram",)
-JSON_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+METHODS = ("ngram", "history")
+HISTORY_KEYS = ("history_max_tokens", "history_tenant_max_tokens")
+JSON_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", *HISTORY_KEYS)
 MAX_SPECULATIVE_TOKENS = 16
 MAX_LOOKUP = 16
 DEFAULT_LOOKUP = 5
+# The history store's token caps: all tenants together, and one tenant (never above the first).
+MAX_HISTORY_TOKENS = 100_000_000
+DEFAULT_HISTORY_TOKENS = 1_000_000
+DEFAULT_TENANT_HISTORY_TOKENS = 250_000
 # The integer fields and their most (each at least 1).
 BOUNDS = {"num_speculative_tokens": MAX_SPECULATIVE_TOKENS, "prompt_lookup_min": MAX_LOOKUP,
-          "prompt_lookup_max": MAX_LOOKUP}
+          "prompt_lookup_max": MAX_LOOKUP, "history_max_tokens": MAX_HISTORY_TOKENS,
+          "history_tenant_max_tokens": MAX_HISTORY_TOKENS}
 
 
 @dataclass(frozen=True)
@@ -33,6 +42,9 @@ class SpeculativeConfig:
     method: str = "ngram"
     prompt_lookup_min: int = DEFAULT_LOOKUP
     prompt_lookup_max: int = DEFAULT_LOOKUP
+    # Method "history": the most tokens its store keeps for all tenants, and for one tenant.
+    history_max_tokens: int = DEFAULT_HISTORY_TOKENS
+    history_tenant_max_tokens: int = DEFAULT_TENANT_HISTORY_TOKENS
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -42,6 +54,9 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"{OPTION}: prompt_lookup_min ({self.prompt_lookup_min}) is above "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.history_tenant_max_tokens > self.history_max_tokens:
+            raise ValueError(f"{OPTION}: history_tenant_max_tokens ({self.history_tenant_max_tokens}) is "
+                             f"above history_max_tokens ({self.history_max_tokens})")
 
 
 def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
@@ -58,13 +73,20 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
     for key, value in values.items():
         if key in BOUNDS:
             _check_bound(key, value)      # the key given is named, not the one filled from it
+    method = values.get("method", "ngram")
+    given_history = [key for key in HISTORY_KEYS if key in values]
+    if given_history and method != "history":
+        raise ValueError(f"{OPTION}: {given_history[0]} needs method \"history\" (the method is {method!r})")
     low, high = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
     if low is None and high is None:
         low = high = DEFAULT_LOOKUP
     low = high if low is None else low
     high = low if high is None else high
-    return SpeculativeConfig(num_speculative_tokens=values["num_speculative_tokens"],
-                             method=values.get("method", "ngram"), prompt_lookup_min=low, prompt_lookup_max=high)
+    total = values.get("history_max_tokens", DEFAULT_HISTORY_TOKENS)
+    tenant = values.get("history_tenant_max_tokens", min(DEFAULT_TENANT_HISTORY_TOKENS, total))
+    return SpeculativeConfig(num_speculative_tokens=values["num_speculative_tokens"], method=method,
+                             prompt_lookup_min=low, prompt_lookup_max=high, history_max_tokens=total,
+                             history_tenant_max_tokens=tenant)
 
 
 def _check_bound(key: str, value: object) -> None:

@@ -261,7 +261,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         if self.speculation is not None:
-            self.speculation.forget(request.request_id)
+            self.speculation.finish(request)
         del self.queues.by_id[request.request_id]
         self._finished_ids.append(request.request_id)
         if self.transfers.cancel_load(request):         # freed when its load reports back

@@ -77,7 +77,7 @@ class Speculation:
         self.proposer.record(seq.request_id, len(seq.draft_token_ids), len(accepted))
         return reason
 
-    def forget(self, request_id: str) -> None:
-        """Drop a finished request's drafting state."""
-        self.planned.pop(request_id, None)
-        self.proposer.forget(request_id)
+    def finish(self, request: Request) -> None:
+        """Drop a finished request's drafting state (the proposer may keep its tokens as history)."""
+        self.planned.pop(request.request_id, None)
+        self.proposer.finish(request)

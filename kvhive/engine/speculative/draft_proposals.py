@@ -1,7 +1,10 @@
 """The scheduler's side of speculative decoding: which requests draft, their drafts, the counters.
 
 A running request in decode drafts unless it asks for prompt logprobs or is part of a
-disaggregated KV transfer: those decode one token per step. Torch-free.
+disaggregated KV transfer: those decode one token per step. Method "ngram" drafts from the
+request's own tokens; method "history" does so first and, where they give no draft, drafts from
+its tenant's ``HistoryStore`` (the prompt and output of every finished request, filed under the
+request's prefix-cache salt). Torch-free.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from dataclasses import dataclass
 from kvhive.core.speculative_config import SpeculativeConfig
 from kvhive.engine.speculative.draft_length import DraftLength
 from kvhive.engine.speculative.ngram_index import NgramIndex
+from kvhive.engine.speculative.tenant_history import HistoryStats, HistoryStore
 from kvhive.request import Request
 
 
@@ -21,6 +25,9 @@ class SpecDecodeStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Method "history": the draft tokens verified that came from the history store, and accepted.
+    num_history_draft_tokens: int = 0
+    num_history_accepted_tokens: int = 0
 
 
 def can_speculate(request: Request) -> bool:
@@ -35,6 +42,7 @@ class _RequestDrafts:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
         self.length = DraftLength(config.num_speculative_tokens)
+        self.from_history = False       # whether its latest draft came from the history store
 
 
 class DraftProposer:
@@ -44,6 +52,10 @@ class DraftProposer:
         self.config = config
         self._requests: dict[str, _RequestDrafts] = {}
         self._num_drafts = self._num_draft_tokens = self._num_accepted = 0
+        self._num_history_draft_tokens = self._num_history_accepted = 0
+        self.history = None if config.method != "history" else HistoryStore(
+            config.prompt_lookup_min, config.prompt_lookup_max, config.history_max_tokens,
+            config.history_tenant_max_tokens)
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` draft tokens to follow the request's tokens ([]: a plain step)."""
@@ -54,7 +66,13 @@ class DraftProposer:
             state = self._requests[request.request_id] = _RequestDrafts(self.config)
         state.index.extend(request.all_token_ids[len(state.index):])
         length = min(state.length.next_length(), max_tokens)
-        return state.index.propose(length) if length > 0 else []
+        if length <= 0:
+            return []
+        drafts = state.index.propose(length)
+        state.from_history = not drafts and self.history is not None
+        if state.from_history:
+            drafts = self.history.propose(request.cache_salt, state.index.tokens, length)
+        return drafts
 
     def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
         """Count one verified step of a request and adapt its draft length."""
@@ -64,10 +82,24 @@ class DraftProposer:
         state = self._requests.get(request_id)
         if state is not None:
             state.length.record(num_proposed, num_accepted)
+            if state.from_history:
+                self._num_history_draft_tokens += num_proposed
+                self._num_history_accepted += num_accepted
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's state."""
         self._requests.pop(request_id, None)
+
+    def finish(self, request: Request) -> None:
+        """Drop a finished request's state; with method "history", keep its prompt and output for
+        its tenant's later drafts."""
+        self.forget(request.request_id)
+        if self.history is not None:
+            self.history.record(request.cache_salt, request.all_token_ids)
+
+    def history_stats(self) -> HistoryStats | None:
+        """What the history store holds (None unless the method is "history")."""
+        return None if self.history is None else self.history.stats()
 
     def draft_length(self, request_id: str) -> DraftLength | None:
         """The request's adaptive draft length (None before its first decode step); for tests and stats."""
@@ -76,4 +108,5 @@ class DraftProposer:
 
     def stats(self) -> SpecDecodeStats:
         """The counters since start."""
-        return SpecDecodeStats(self._num_drafts, self._num_draft_tokens, self._num_accepted)
+        return SpecDecodeStats(self._num_drafts, self._num_draft_tokens, self._num_accepted,
+                               self._num_history_draft_tokens, self._num_history_accepted)
