@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.engines import make_engine, run
+from support.engines import make_engine, run, run_engine
 from support.runners import prompt
 from support.triton_interpret import interpreted, interpreter_run_passes
 
@@ -82,17 +82,9 @@ def _engine(loaded: LoadedModel, tok, speculative: SpeculativeConfig | None, **e
     return LLMEngine(config, loaded=loaded, tokenizer=tok)
 
 
-def _generate(engine: LLMEngine, prompts: dict[str, list[int]], sampling: SamplingParams = GREEDY
-              ) -> dict[str, list[RequestOutput]]:
-    """All prompts to the end, added together; each request's outputs in order."""
-    for rid, ids in prompts.items():
-        engine.add_request(rid, ids, sampling)
-    outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in prompts}
-    for _ in range(1000):
-        if not engine.has_unfinished():
-            break
-        for out in engine.step():
-            outputs[out.request_id].append(out)
+def _generate(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, list[RequestOutput]]:
+    """All prompts to the end (greedy, one logprob), added together; the pool's books then balance."""
+    outputs = run_engine(engine, {rid: (ids, GREEDY) for rid, ids in prompts.items()})
     engine.scheduler.kv.pool.check_integrity()
     return outputs
 
