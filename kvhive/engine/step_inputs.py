@@ -147,7 +147,11 @@ class StepInputBuilder:
             if len(s.block_table) * self.pool.block_size < s.context_len:
                 raise ValueError(f"request {s.request_id}: {len(s.block_table)} blocks cannot hold "
                                  f"{s.context_len} tokens")
-            as_rows = s.num_new_tokens == 1 or (s.start_pos > 0 and s.num_new_tokens <= self.decode_rows_max)
+            # A drafted step's rows run as decode rows whatever their number, where a decode kernel
+            # exists: each row then gets the logits a plain step at its position gets (the prefill
+            # kernel's sums differ in the last bits, enough to flip a near-tie in bfloat16).
+            drafted = bool(s.draft_token_ids) and self.kernels.decode is not None
+            as_rows = s.num_new_tokens == 1 or drafted or (s.start_pos > 0 and s.num_new_tokens <= self.decode_rows_max)
             (decodes if as_rows else prefills).append(s)
         return decodes, prefills
 

@@ -17,6 +17,7 @@ from support.engines import run, turn
 from support.families import FAMILIES, hf_model, path_in, prompt_ids, save_gguf, save_hf
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig, StoreConfig
+from kvhive.core.speculative_config import SpeculativeConfig
 from kvhive.engine.llm_engine import LLMEngine
 from kvhive.engine.runner import ModelRunner
 from kvhive.engine.step import ScheduledSeq, StepPlan
@@ -34,6 +35,7 @@ TIE_GAP = 2e-3              # a top-2 gap this small in transformers' scores may
 # max |kvhive - transformers| over the logits, relative to the largest |logit|, by compute dtype.
 LOGIT_TOL = {"float32": 1e-5, "bfloat16": 0.03}
 FAMILY_NAMES = sorted(FAMILIES)
+NGRAM = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
 
 
 @pytest.fixture(scope="module")
@@ -122,12 +124,14 @@ def test_bfloat16_compute_tracks_transformers(checkpoints, family: str) -> None:
     _assert_logits_close(_prompt_logits(loaded, PROMPT), theirs, "bfloat16")
 
 
-def _engine(loaded: LoadedModel, tokenizer, prefix: bool = True) -> LLMEngine:
-    """An engine with prefix caching, a 12-block device pool and a CPU tier."""
+def _engine(loaded: LoadedModel, tokenizer, prefix: bool = True, speculative: SpeculativeConfig | None = None
+            ) -> LLMEngine:
+    """An engine with prefix caching, a 12-block device pool and a CPU tier (``speculative``: drafts)."""
     config = EngineConfig(model_path="tiny", cache=CacheConfig(block_size=BLOCK, num_blocks=12,
                                                                 enable_prefix_caching=prefix),
                           scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=512),
-                          store=StoreConfig(cpu_offload_gb=0.01) if prefix else StoreConfig())
+                          store=StoreConfig(cpu_offload_gb=0.01) if prefix else StoreConfig(),
+                          speculative=speculative)
     return LLMEngine(config, loaded=loaded, tokenizer=tokenizer)
 
 
@@ -169,3 +173,25 @@ def test_session_second_turn_equals_transformers(checkpoints, tokenizer, family:
         _assert_same_greedy(_hf_greedy(model, second_prompt), second, f"{family} session turn 2")
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_greedy_tokens_with_ngram_drafts_equal_plain_ones(checkpoints, tokenizer, family: str) -> None:
+    """Speculative decoding (n-gram, k 3, lookups of 1..3 tokens: a random model's repetitive output
+    finds drafts) gives the plain greedy tokens; a family with window layers keeps it off."""
+    loaded = load_model(checkpoints[family][1]["hf"])
+    prompts = {"a": PROMPT, "b": prompt_ids(23, seed=2)}
+    outputs, stats, window = {}, {}, False
+    for name, speculative in (("plain", None), ("ngram", NGRAM)):
+        engine = _engine(loaded, tokenizer, speculative=speculative)
+        try:
+            outputs[name] = run(engine, prompts, GREEDY)
+            stats[name], window = engine.stats().spec_decode, engine.runner.window is not None
+        finally:
+            engine.close()
+    assert outputs["ngram"] == outputs["plain"]
+    assert window == family.startswith("gemma")
+    if window:
+        assert stats["ngram"] is None                   # the window pool cannot roll drafts back
+    else:
+        assert stats["ngram"].num_accepted_tokens > 0

@@ -65,7 +65,7 @@ def logprobs(outputs: list[RequestOutput]) -> list:
     return [lp for out in outputs for lp in (out.logprobs or ())]
 
 
-@pytest.mark.parametrize("k", [4, 10])     # 5 rows run as decode rows, 11 as a chunk over the cache
+@pytest.mark.parametrize("k", [4, 10])     # 5 and 11 rows, decode rows either way
 def test_greedy_tokens_and_logprobs_equal_plain_decodings(engines, k: int) -> None:
     make, prompts = engines
     greedy = SamplingParams(max_tokens=48, temperature=0, logprobs=3)
