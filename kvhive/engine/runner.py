@@ -188,7 +188,9 @@ class ModelRunner:
                 return StepResult(sampled={}, prompt_logprobs=prompt, failed=failed)
             if not selected:
                 hidden = hidden.index_select(0, torch.tensor(inputs.sample_rows, device=self.device))
-            logits, verified = self._verify_drafts(self.model.compute_logits(hidden), inputs.seqs, failed)
+            drafts = 0 if inputs.attn.plain_rows is None else len(inputs.input_ids) - inputs.attn.plain_rows
+            logits = self.model.compute_logits(hidden, plain_rows=len(inputs.sample_rows) - drafts if drafts else None)
+            logits, verified = self._verify_drafts(logits, inputs.seqs, failed)
             if not sampled_seqs:
                 return drafted_result(StepResult(sampled={}, prompt_logprobs=prompt, failed=failed), verified)
             # Sampling reads the masked logits; logprobs report the raw ones.

@@ -118,8 +118,10 @@ class StepInputBuilder:
             positions.append(pos)
             rows.append(table[pos // B] * rpb + pos % B)
         seqs = decodes + prefills
+        drafts = sum(len(s.draft_token_ids) for s in seqs)
         attn = AttnMetadata(slot_rows=self._slot_rows(rows), decode=decode, prefills=tuple(spans),
-                            prefill_kernel=self.kernels.prefill, layer_hooks=self.layer_hooks)
+                            prefill_kernel=self.kernels.prefill, layer_hooks=self.layer_hooks,
+                            plain_rows=len(ids) - drafts if drafts else None)
         if self.window is not None:
             attn = replace(attn, window=window_kv(attn, decodes, prefills, self.window.cache, self.window.layout.window))
         sample_rows = sample_rows_of(seqs)

@@ -90,6 +90,11 @@ class AttnMetadata:
     window: WindowKV | None = None
     # The rows whose final hidden state the step reads, where fewer than all; None: every row.
     out_rows: OutputRows | None = None
+    # The rows the step would have without speculative drafts, where it has drafts: a model whose
+    # matmul path depends on the row count (GGUF blocks up to ``quant_max_rows`` rows, a rounded
+    # dense copy above) picks it by these, so a drafted step multiplies by the weights a plain one
+    # would. None: the step's own rows.
+    plain_rows: int | None = None
 
 
 @dataclass(frozen=True)

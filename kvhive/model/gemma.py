@@ -207,8 +207,9 @@ class GemmaModel(nn.Module):
         q = qk[:, :nh] * (hd ** 0.5 * self.spec.query_pre_attn_scalar ** -0.5)
         return paged_attention(q, kv_new, kv_cache, layer_index, meta)
 
-    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        """Final norm, LM head and (Gemma 2) logit soft-capping on the sampled rows: float32 [n, vocab]."""
+    def compute_logits(self, hidden_rows: torch.Tensor, plain_rows: int | None = None) -> torch.Tensor:
+        """Final norm, LM head and (Gemma 2) logit soft-capping on the sampled rows: float32 [n, vocab]
+        (one matmul path whatever the rows, so ``plain_rows`` changes nothing here)."""
         h = gemma_norm(hidden_rows, self.norm, self.config.rms_norm_eps)
         logits = F.linear(h.float(), self.lm_head.float()) if self.upcast else linear(h, self.lm_head).float()
         cap = self.spec.final_logit_softcapping

@@ -330,7 +330,7 @@ class LlamaModel(nn.Module):
         rope = ops.prepare_rope(positions, self.rope_cos, self.rope_sin)   # once for all layers
         x = F.embedding(input_ids, self.embed_tokens)
         hooks = attn_metadata.layer_hooks
-        qmm = self.qmatmul if n <= self.quant_max_rows else None
+        qmm = self.qmatmul if self._reads_blocks(n, attn_metadata.plain_rows) else None
         up = self.upcast
         out, last = attn_metadata.out_rows, len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -380,14 +380,20 @@ class LlamaModel(nn.Module):
             attn = paged_attention(q, kv, kv_cache, layer, meta).index_select(0, out.rows)
         return attn, x.index_select(0, out.rows)
 
-    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+    def _reads_blocks(self, rows: int, plain_rows: int | None) -> bool:
+        """Whether ``rows`` rows multiply by the GGUF blocks; a 16-bit model's drafted step goes by its
+        ``plain_rows`` (the dense copy is rounded), so drafts never change a token's weights."""
+        rounded = plain_rows is not None and self.dtype != torch.float32
+        return self.qmatmul is not None and (plain_rows if rounded else rows) <= self.quant_max_rows
+
+    def compute_logits(self, hidden_rows: torch.Tensor, plain_rows: int | None = None) -> torch.Tensor:
         """Final norm + LM head on the sampled rows only: [n, H] -> float32 [n, vocab].
 
         The GGUF-block and float32-compute paths keep the float32 sums (a bf16 model's logits are
         not rounded to bf16, whose 0.125 steps near 25 would tie close candidates).
         """
         h = self.ops.rms_norm(hidden_rows, self.norm, self.config.rms_norm_eps)
-        if self.qmatmul is not None and h.shape[0] <= self.quant_max_rows:
+        if self._reads_blocks(h.shape[0], plain_rows):
             return self.qmatmul(h.float(), self.quant_lm_head)
         if self.upcast:
             return F.linear(h.float(), self.lm_head.float())

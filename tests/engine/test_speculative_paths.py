@@ -172,14 +172,14 @@ def test_torch_attention(default_model, monkeypatch: pytest.MonkeyPatch) -> None
 def test_bfloat16(default_model, monkeypatch: pytest.MonkeyPatch) -> None:
     # Before a drafted step's rows always ran as decode rows, the "code" request's 20th token flipped
     # here (EOS against a newline, 0.02 apart): the prefill kernel's bf16 sums differ in the last bits.
-    # One matmul path for every step (GGUF blocks up to 64 rows): past --quantized-matmul-rows a
-    # step multiplies by the dense copy, whose weights are rounded to bf16 (a slightly different
-    # model: with the default 8 rows the "code" request's 37th token flips, as a plain batch of more
-    # than 8 requests could). A forced level: no timing sends one engine's prefill to torch.
+    # Past --quantized-matmul-rows a step multiplies by the dense copy, whose weights are rounded to
+    # bf16 (a slightly different model): a drafted step picks the path by the rows it would have
+    # without drafts (AttnMetadata.plain_rows), else here, at 8 rows, the "code" request's 37th token
+    # flips. A forced level: no timing sends one engine's prefill to torch.
     load, prompts, tok = default_model
     drafted = _record_drafted_rows(monkeypatch)
     _assert_drafted_equals_plain(load, prompts, tok, "bfloat16", 0.1, cpu_isa=cpu.detect().best,
-                                 quantized_matmul_rows=64)
+                                 quantized_matmul_rows=8)
     assert drafted["most rows"] > DECODE_ROWS_MAX and drafted["prefill chunk"] == 0, drafted
     assert load("bfloat16").model.dtype == torch.bfloat16
 
