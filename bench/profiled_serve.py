@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import sys
 import threading
 import time
@@ -51,13 +52,11 @@ def profile_window(trace: str, control: str) -> None:
     wait_for_file(os.path.join(control, "start"))
     prof = profile(activities=activities, experimental_config=all_threads())
     prof.start()
-    with open(trace + ".started", "w"):
-        pass
+    pathlib.Path(trace + ".started").touch()
     wait_for_file(os.path.join(control, "stop"))
     prof.stop()
     prof.export_chrome_trace(trace)
-    with open(trace + ".done", "w"):
-        pass
+    pathlib.Path(trace + ".done").touch()
 
 
 def main() -> int:

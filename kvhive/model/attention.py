@@ -188,19 +188,25 @@ def paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_cache: torch.Tenso
         qd = q[:n].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
         o = decode_sdpa(qd, k.transpose(1, 2), v.transpose(1, 2), dec.mask)
         out_parts.append(o.reshape(n, num_heads * head_dim))
-    if meta.prefill_kernel is not None and meta.prefills:
+    if meta.prefill_kernel is not None:
         # Every chunk straight from the pool (the Triton kernel: one launch for all of them).
-        out_parts.append(meta.prefill_kernel.attend_spans(q, kv_cache, layer, meta.prefills))
-    for span in () if meta.prefill_kernel is not None else meta.prefills:
-        qs = q[span.begin:span.end]
-        if span.block_ids is None:
-            k, v = kv_new[span.begin:span.end, 0], kv_new[span.begin:span.end, 1]   # [n, kv_heads, hd]
-        else:
-            ctx = span.context_len
-            k = k_layer.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)[:ctx]
-            v = v_layer.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)[:ctx]
-        out_parts.append(prefill_attention(qs, k, v, span.mask))
+        out_parts.extend(meta.prefill_kernel.attend_spans(q, kv_cache, layer, meta.prefills))
+    else:
+        out_parts.extend(_gathered_prefill(q, kv_new, k_layer, v_layer, span) for span in meta.prefills)
     return out_parts[0] if len(out_parts) == 1 else torch.cat(out_parts)
+
+
+def _gathered_prefill(q: torch.Tensor, kv_new: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
+                      span: PrefillSpan) -> torch.Tensor:
+    """One chunk's attention in torch: over its own K/V (no cached prefix) or its gathered context."""
+    qs = q[span.begin:span.end]
+    if span.block_ids is None:
+        k, v = kv_new[span.begin:span.end, 0], kv_new[span.begin:span.end, 1]   # [n, kv_heads, hd]
+    else:
+        shape = (-1, *k_layer.shape[2:])
+        k = k_layer.index_select(0, span.block_ids).view(shape)[:span.context_len]
+        v = v_layer.index_select(0, span.block_ids).view(shape)[:span.context_len]
+    return prefill_attention(qs, k, v, span.mask)
 
 
 def write_kv(kv_new: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttnMetadata) -> None:

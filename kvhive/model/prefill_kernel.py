@@ -148,11 +148,10 @@ class CpuPrefillKernel:
         return self._run(q, kv_cache, layer, block_ids, start_pos, mode)
 
     def attend_spans(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-                     spans: tuple[PrefillSpan, ...]) -> torch.Tensor:
-        """Every prefill span of a step (rows of q [T, heads, head_dim]), one call each ->
-        [rows of the spans, heads * head_dim]."""
-        outs = [self(q[s.begin:s.end], kv_cache, layer, s.block_ids, s.start_pos) for s in spans]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+                     spans: tuple[PrefillSpan, ...]) -> list[torch.Tensor]:
+        """Every prefill span of a step (rows of q [T, heads, head_dim]), one call each: the output
+        parts in span order, each [rows of its span, heads * head_dim] (the caller joins them once)."""
+        return [self(q[s.begin:s.end], kv_cache, layer, s.block_ids, s.start_pos) for s in spans]
 
     def _run(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_ids: torch.Tensor,
              start_pos: int, mode: int) -> torch.Tensor:

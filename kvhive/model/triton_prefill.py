@@ -239,9 +239,12 @@ class TritonPrefillKernel:
         return self.attend_varlen(q, kv_cache, layer, batch, rule)
 
     def attend_spans(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: int, spans: tuple[PrefillSpan, ...],
-                     rule: ScoreRule | None = None) -> torch.Tensor:
+                     rule: ScoreRule | None = None) -> list[torch.Tensor]:
         """Every prefill span of a step in one launch: q is the step's [T, heads, head_dim], the spans
-        contiguous rows of it with their block ids set -> [rows of the spans, heads * head_dim]."""
+        contiguous rows of it with their block ids set -> one part, [rows of the spans, heads * head_dim]
+        ([] without spans)."""
+        if not spans:
+            return []
         batch = next((b for known, b in self._plans if known is spans), None)
         if batch is None:
             if any(s.block_ids is None for s in spans) or any(
@@ -250,7 +253,7 @@ class TritonPrefillKernel:
             batch = varlen_prefill([s.end - s.begin for s in spans], [s.start_pos for s in spans],
                                    [s.block_ids for s in spans], kv_cache.shape[3], kv_cache.device)
             self._plans = [*self._plans[-(PLANS_KEPT - 1):], (spans, batch)]
-        return self.attend_varlen(q[spans[0].begin:spans[-1].end], kv_cache, layer, batch, rule)
+        return [self.attend_varlen(q[spans[0].begin:spans[-1].end], kv_cache, layer, batch, rule)]
 
     def attend_varlen(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: int, batch: VarlenPrefill,
                       rule: ScoreRule | None = None) -> torch.Tensor:

@@ -69,7 +69,7 @@ def masked_paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_cache: torc
     kernel = meta.prefill_kernel
     if meta.prefills and kernel is not None and kernel.takes_score_rules:
         # Straight from the pool, every chunk in one launch, scores in float32 (the Triton kernel).
-        parts.append(kernel.attend_spans(q, kv_cache, layer, meta.prefills, rule))
+        parts.extend(kernel.attend_spans(q, kv_cache, layer, meta.prefills, rule))
     else:
         parts.extend(_prefill_span(q, kv_new, k_layer, v_layer, span, rule) for span in meta.prefills)
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -118,7 +118,7 @@ def test_the_proposer_counts_drafts_and_skips_requests_it_cannot_verify() -> Non
     for sampling in ({"logit_bias": ((3, 1.0),), "temperature": 0.5, "logprobs": 2}, {"repetition_penalty": 1.2},
                      {"presence_penalty": 0.5, "frequency_penalty": 0.3}, {"min_tokens": 3}):
         assert can_speculate(make_request("b", [1], **sampling))
-    proposer.forget("q")
+    proposer.finish(quoting)
     assert proposer.draft_length("q") is None
 
 

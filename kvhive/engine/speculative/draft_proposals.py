@@ -86,14 +86,10 @@ class DraftProposer:
                 self._num_history_draft_tokens += num_proposed
                 self._num_history_accepted += num_accepted
 
-    def forget(self, request_id: str) -> None:
-        """Drop a finished request's state."""
-        self._requests.pop(request_id, None)
-
     def finish(self, request: Request) -> None:
         """Drop a finished request's state; with method "history", keep its prompt and output for
         its tenant's later drafts."""
-        self.forget(request.request_id)
+        self._requests.pop(request.request_id, None)
         if self.history is not None:
             self.history.record(request.cache_salt, request.all_token_ids)
 
