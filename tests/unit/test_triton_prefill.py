@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
-import re
-import subprocess
-import sys
 from dataclasses import replace
 from types import ModuleType
 
 import pytest
 import torch
 from support.runners import Blocks, make_runner, prompt, seq
-from support.servers import REPO_ROOT, subprocess_env
+from support.triton_interpret import INTERPRETING, interpreter_run_passes
 
 from kvhive.engine.attention_kernels import AttentionKernels
 from kvhive.engine.step import StepPlan
@@ -43,25 +39,17 @@ from kvhive.model.window_kv import window_kv
 triton = pytest.importorskip("triton")
 
 MODULE = "kvhive.model.triton_prefill"
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
        torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
 
-@pytest.mark.skipif(INTERPRETED, reason="this process runs the cases itself")
 def test_cases_under_the_interpreter() -> None:
     """Every case of this module passes in a TRITON_INTERPRET=1 subprocess (where the tests that need
     the plain kernel skip)."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          cwd=REPO_ROOT, env=subprocess_env({"TRITON_INTERPRET": "1"}), capture_output=True,
-                          text=True, timeout=600)
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) >= 20, summary          # the cases ran, not skipped
+    interpreter_run_passes(__file__, min_passed=20, timeout_s=600)
 
 
-@pytest.mark.skipif(INTERPRETED, reason="compiles the GPU kernel, which the interpreter replaces")
+@pytest.mark.skipif(INTERPRETING, reason="compiles the GPU kernel, which the interpreter replaces")
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")
 @pytest.mark.parametrize("dtype,head_dim,group,rules", [("bf16", 128, 4, False), ("fp16", 64, 3, True)])
 def test_compiles_for_an_h100(dtype: str, head_dim: int, group: int, rules: bool) -> None:
@@ -87,7 +75,7 @@ def test_compiles_for_an_h100(dtype: str, head_dim: int, group: int, rules: bool
 @pytest.fixture(scope="module")
 def tp() -> ModuleType:
     """``kvhive.model.triton_prefill``, interpreted (the cases run only where TRITON_INTERPRET=1)."""
-    if not INTERPRETED:
+    if not INTERPRETING:
         pytest.skip("run by test_cases_under_the_interpreter in a TRITON_INTERPRET=1 subprocess")
     return importlib.import_module(MODULE)
 
