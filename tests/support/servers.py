@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -65,11 +66,46 @@ def subprocess_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**os.environ, **(extra or {}), "PYTHONPATH": path}
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now, not handed out before in this process, and below the
+    kernel's ephemeral range, so that no outgoing connection (a test's own HTTP client) takes it between
+    now and the moment a server binds it."""
+    low, _ = _ephemeral_range()
+    rng = random.Random()
+    if low > 12000:
+        for _ in range(200):
+            port = rng.randrange(10000, low)
+            if port not in _HANDED_OUT and _bindable(port):
+                _HANDED_OUT.add(port)
+                return port
+    while True:                     # no room below the ephemeral range: let the kernel pick
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
