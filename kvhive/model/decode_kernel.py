@@ -65,6 +65,11 @@ class CpuDecodeKernel:
         """A float32 partials buffer for a decode batch of this shape (``DecodeBatch.workspace``)."""
         return torch.empty(self.workspace_size(num_seqs, max_context, num_heads, head_dim), dtype=torch.float32)
 
+    def supports_kv(self, kv_dtype: str | None) -> bool:
+        """Whether the library reads a pool of this 8-bit format (``kvhive.model.kv_quant``: "int8" or
+        "fp8"); None: a float pool, which it always reads."""
+        return kv_dtype is None
+
     def describe(self, device: torch.device) -> str:
         """The path's name for the runner's startup log and /version."""
         return f"C++ {self.isa}"

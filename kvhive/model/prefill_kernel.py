@@ -124,6 +124,11 @@ class CpuPrefillKernel:
         kernel = cls(lib, isa)
         return kernel if kernel.dtypes else None
 
+    def supports_kv(self, kv_dtype: str | None) -> bool:
+        """Whether the library reads a pool of this 8-bit format (``kvhive.model.kv_quant``: "int8" or
+        "fp8"); None: a float pool, which it always reads."""
+        return kv_dtype is None
+
     def describe(self, device: torch.device) -> str:
         """The path's name for the runner's startup log and /version."""
         return f"C++ {self.isa}"
