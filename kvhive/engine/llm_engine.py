@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from kvhive.config import EngineConfig
 from kvhive.core.retention import RetentionSpec
-from kvhive.engine import assembly
+from kvhive.engine import assembly, warm_start
 from kvhive.engine.cache_reset import CacheReset, reset_caches
 from kvhive.engine.holdings import TierHoldings
 from kvhive.engine.stats import ConnectorCounters, EngineStats, TierBudget
@@ -196,6 +196,13 @@ class LLMEngine:
         A network tier (Redis) is asked on a helper thread, waited for at most
         NETWORK_STATS_WAIT_S (then its previous answer stands); while it is down it holds 0."""
         return self.holdings.pinned_blocks_by_tier()
+
+    def warm_up(self) -> None:
+        """Run a few forward passes on blocks nothing holds yet, before the first request
+        (``kvhive.engine.warm_start``); call it once, right after the engine is built."""
+        started = time.perf_counter()
+        if warm_start.warm_up(self.runner, self.model_config.vocab_size):
+            logger.info("warm-up forward passes in %.2f s", time.perf_counter() - started)
 
     def close(self) -> None:
         """Flush and close the KV-event publisher; finish KV saves and close the store tiers."""

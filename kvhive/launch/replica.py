@@ -88,8 +88,10 @@ def open_engine(config: EngineConfig, durable: DurableState, model: LoadedModel 
     store = None
     try:
         store = durable.tiered_store()
-        return LLMEngine(config, loaded=model, tokenizer=tokenizer, store=store)
+        engine = LLMEngine(config, loaded=model, tokenizer=tokenizer, store=store)
     except (ValueError, OSError) as exc:
         if store is not None:
             store.close()
         raise EngineRefused(str(exc)) from exc
+    engine.warm_up()
+    return engine
