@@ -1,0 +1,25 @@
+"""bench/ttft_tail.py's arithmetic: the rates both servers run at and the paired ratios."""
+
+from __future__ import annotations
+
+import ttft_tail
+
+
+def _probe(rate: float) -> dict:
+    return {"random@sat": {"request_throughput": rate}}
+
+
+def test_rates_are_fractions_of_the_slower_servers_saturating_rate() -> None:
+    plan = ttft_tail.rates_plan(["random"], [0.5, 0.9], _probe(2.0), _probe(0.8))
+    assert plan == [("random", 0.4), ("random", 0.8 * 0.9)]
+
+
+def test_ratios_are_kvhive_over_vllm_median_over_rounds_and_skip_probes() -> None:
+    def runs(p90: float) -> dict:
+        return {"random@0.400": {"p90_ttft_ms": p90, "median_ttft_ms": 100.0}, "random@sat": {"p90_ttft_ms": 1.0}}
+
+    rounds = [{"kvhive": runs(90.0), "vllm": runs(100.0)}, {"kvhive": runs(130.0), "vllm": runs(100.0)},
+              {"kvhive": runs(110.0), "vllm": runs(100.0)}]
+    ratios = ttft_tail.ratios(rounds)
+    assert list(ratios) == ["random@0.400"]
+    assert ratios["random@0.400"]["p90_ttft_ms"] == 1.1 and ratios["random@0.400"]["median_ttft_ms"] == 1.0
