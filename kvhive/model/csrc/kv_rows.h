@@ -1,0 +1,61 @@
+// The KV pool's row types, and rows of any of them as float32 one at a time (scalar code).
+// float and uint16_t (bfloat16) rows hold head_dim values; I8 and F8 rows are packed 8-bit rows
+// (kvhive.model.kv_quant): head_dim codes, int8 or OCP float8 E4M3, then a bfloat16 scale, with
+// value = decode(code) * scale, exact in float32. A packed row is head_dim + 2 bytes, so rows are
+// aligned to nothing. Needs <cmath>, <cstdint>, <cstring>, <type_traits> and bf16.h first.
+// Included textually by kvhive.model.native.kernel_source.
+struct I8 { int8_t code; };   // a byte of an int8-coded row
+struct F8 { uint8_t code; };  // a byte of an E4M3-coded row
+
+template <typename K>
+constexpr bool kPacked = sizeof(K) == 1;
+
+// Elements of a row (a packed row's scale is two elements).
+template <typename K>
+constexpr int64_t row_len(int64_t head_dim) { return kPacked<K> ? head_dim + 2 : head_dim; }
+
+// The vector paths read an E4M3 code as its value times 2^-8 (its float16 bits, below); they fold
+// this factor back in once per score and once per output.
+template <typename K>
+constexpr float kCodeUnit = std::is_same<K, F8>::value ? 256.f : 1.f;
+
+// The bfloat16 scale of a packed row of head_dim codes, read unaligned.
+template <typename K>
+inline float row_scale(const K* row, int64_t head_dim) {
+  uint16_t bits;
+  std::memcpy(&bits, reinterpret_cast<const char*>(row) + head_dim, 2);
+  return bf16_to_float(bits);
+}
+
+// E4M3 ("fn") byte -> its value: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is
+// subnormal (m * 2^-9). 0x7F / 0xFF (NaN in the format) are never written (kv_quant clamps to 448).
+struct E4M3Table {
+  float value[256];
+  E4M3Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      const float x = e ? std::ldexp(float(8 + m), e - 10) : std::ldexp(float(m), -9);
+      value[b] = b & 0x80 ? -x : x;
+    }
+  }
+};
+const E4M3Table kE4M3;
+
+inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
+inline void to_float(const uint16_t* src, float* dst, int64_t n) {  // bfloat16: the top half of a float
+  uint32_t bits[256];
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) bits[i] = uint32_t(src[i]) << 16;
+  std::memcpy(dst, bits, n * 4);
+}
+inline void to_float(const I8* src, float* dst, int64_t n) {      // n codes, then the scale
+  const float scale = row_scale(src, n);
+  const int8_t* code = reinterpret_cast<const int8_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = float(code[i]) * scale;
+}
+inline void to_float(const F8* src, float* dst, int64_t n) {
+  const float scale = row_scale(src, n);
+  const uint8_t* code = reinterpret_cast<const uint8_t*>(src);
+  for (int64_t i = 0; i < n; ++i) dst[i] = kE4M3.value[code[i]] * scale;
+}
