@@ -166,19 +166,19 @@ inline void load_row(const uint16_t* p, __m512 (&r)[4]) {
   }
 }
 // Packed rows: the codes in natural order, unscaled (the scale is factored out of the sums); an
-// E4M3 byte becomes a float16 with the value times 2^-8 (exact for every finite code, subnormals
-// included: E4M3's exponent bias 7 sits 8 below float16's 15) and vcvtph2ps widens it.
+// E4M3 byte b becomes the float16 ((b & 0x7F) << 7) | ((b & 0x80) << 8), its value times 2^-8
+// (exact for every finite code, subnormals included: E4M3's exponent bias 7 sits 8 below
+// float16's 15), and vcvtph2ps widens it. The float16 bits come from b sign-extended to 16 bits,
+// shifted left by 7 (the sign lands on bit 15, and on bit 14 too, which the mask clears).
 inline void load_row(const I8* p, __m512 (&r)[4]) {
   for (int c = 0; c < 4; ++c)
     r[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * c))));
 }
 inline void load_row(const F8* p, __m512 (&r)[4]) {
-  const __m256i magnitude = _mm256_set1_epi16(0x3F80), sign = _mm256_set1_epi16(int16_t(0x8000));
+  const __m256i bits = _mm256_set1_epi16(int16_t(0xBF80));
   for (int c = 0; c < 4; ++c) {
-    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * c)));
-    const __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(b, 7), magnitude),
-                                      _mm256_and_si256(_mm256_slli_epi16(b, 8), sign));
-    r[c] = _mm512_cvtph_ps(h);
+    const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * c)));
+    r[c] = _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), bits));
   }
 }
 // Queries for packed rows: natural order, whatever their type.
@@ -376,8 +376,8 @@ inline void load_vecs(const uint16_t* p, int c0, __m256* r) {
   }
 }
 // Packed rows: the codes in natural order, unscaled (the scale is factored out of the sums); an
-// E4M3 byte becomes a float16 with the value times 2^-8 (exact for every finite code, subnormals
-// included: E4M3's exponent bias 7 sits 8 below float16's 15) and F16C widens it.
+// E4M3 byte becomes a float16 with the value times 2^-8 (as in the AVX-512 path's load_row) and
+// F16C widens it.
 template <int N>
 inline void load_vecs(const I8* p, int c0, __m256* r) {
   for (int c = 0; c < N; ++c)
@@ -385,11 +385,10 @@ inline void load_vecs(const I8* p, int c0, __m256* r) {
 }
 template <int N>
 inline void load_vecs(const F8* p, int c0, __m256* r) {
-  const __m128i magnitude = _mm_set1_epi16(0x3F80), sign = _mm_set1_epi16(int16_t(0x8000));
+  const __m128i bits = _mm_set1_epi16(int16_t(0xBF80));
   for (int c = 0; c < N; ++c) {
-    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * (c0 + c))));
-    r[c] = _mm256_cvtph_ps(_mm_or_si128(_mm_and_si128(_mm_slli_epi16(b, 7), magnitude),
-                                        _mm_and_si128(_mm_slli_epi16(b, 8), sign)));
+    const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * (c0 + c))));
+    r[c] = _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(b, 7), bits));
   }
 }
 inline __m256 load_natural(const float* p) { return _mm256_loadu_ps(p); }
