@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvhive.model.cpu import resolve
-from kvhive.model.kv_quant import SCALE_BYTES, pool_kv_dtype
+from kvhive.model.kv_quant import SCALE_BYTES, pool_dtype
 from kvhive.model.native import DEFAULT_FLAGS, build_library, kernel_source
 
 if TYPE_CHECKING:
@@ -44,8 +44,10 @@ class _KernelArgs(ctypes.Structure):
         ("ws", ctypes.c_void_p), ("n_threads", ctypes.c_int)]
 
 
-# The library's pool row types (decode.cpp's KvType).
-_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
+# The library's query types (q_is_bf16) and pool row types (decode.cpp's KvType: a float pool's code
+# is its query type's; 2 and up are the packed 8-bit formats of kvhive.model.kv_quant).
+_QUERY_TYPES = {torch.float32: 0, torch.bfloat16: 1}
+_KV_TYPES = {**_QUERY_TYPES, pool_dtype("int8"): 2, pool_dtype("fp8"): 3}
 
 
 class CpuDecodeKernel:
@@ -98,9 +100,9 @@ class CpuDecodeKernel:
         head_dim + 2 elements (``kvhive.model.kv_quant``)."""
         n, heads, head_dim = q.shape
         _, num_layers, _, block_size, kv_heads, row = kv_cache.shape
-        packed = pool_kv_dtype(kv_cache) is not None
-        if q.dtype not in (torch.float32, torch.bfloat16) or kv_cache.dtype not in _KV_TYPES or (
-                not packed and kv_cache.dtype != q.dtype) or row != head_dim + (SCALE_BYTES if packed else 0):
+        q_type, kv_type = _QUERY_TYPES.get(q.dtype), _KV_TYPES.get(kv_cache.dtype, -1)
+        packed = kv_type >= 2
+        if q_type is None or (kv_type != q_type and not packed) or row != head_dim + packed * SCALE_BYTES:
             raise ValueError(f"decode kernel: {q.dtype} queries of head_dim {head_dim} cannot read a "
                              f"{kv_cache.dtype} pool of rows of {row}")
         out = torch.empty(n, heads * head_dim, dtype=q.dtype)
@@ -109,7 +111,7 @@ class CpuDecodeKernel:
                            block_size, kv_heads, heads // kv_heads, head_dim, head_dim ** -0.5,
                            self.chunk_keys(block_size), out.data_ptr(), dec.workspace.data_ptr(),
                            torch.get_num_threads())
-        if self._fn(ctypes.byref(args), int(q.dtype == torch.bfloat16), _KV_TYPES[kv_cache.dtype]):
+        if self._fn(ctypes.byref(args), q_type, kv_type):
             raise ValueError(f"decode kernel: unsupported shape (group {heads // kv_heads}, "
                              f"head_dim {head_dim})")
         return out
