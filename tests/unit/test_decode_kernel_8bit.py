@@ -1,7 +1,7 @@
 """The C++ decode attention (kvhive.model.decode_kernel) over packed 8-bit KV pools (int8 and float8
 E4M3 rows with a bfloat16 scale, kvhive.model.kv_quant), at every ISA level this CPU runs, against a
 float64 reference over ``dequantize_rows(pool)``: float32 and bfloat16 queries, the head_dim 64
-paths (groups 1-4) and the generic one (head_dim 128, 80, 96; group 8), ragged contexts on block and
+paths (groups 1-4) and the generic one (head_dim 128, 96, 80, 36; group 8), ragged contexts on block and
 chunk edges, padded block tables, sequences sharing prefix blocks, rows of scale 0, extreme scales.
 
 Dequantised values are exact in float32, so float32 queries match the reference as closely as the
@@ -118,8 +118,9 @@ class Case:
 
 
 # (head_dim, heads, kv_heads): the head_dim 64 paths' groups 1-4 (SmolLM2 is 64, 9, 3), and shapes
-# only the generic path takes: head_dim 128, odd head_dims, group 8.
-SHAPES = [(64, 4, 4), (64, 8, 4), (64, 9, 3), (64, 8, 2), (128, 8, 2), (96, 6, 2), (80, 8, 1), (64, 16, 2)]
+# only the generic path takes: head_dim 128, odd head_dims (36: not a multiple of 8), group 8.
+SHAPES = [(64, 4, 4), (64, 8, 4), (64, 9, 3), (64, 8, 2), (128, 8, 2), (96, 6, 2), (80, 8, 1), (64, 16, 2),
+          (36, 4, 2)]
 LENGTHS = [1, 15, 16, 17, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 37]
 
 
