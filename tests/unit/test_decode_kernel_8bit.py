@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from support.decode_batches import BlockTables, kernel_at, padded_batch
 
 from kvhive.model import cpu
-from kvhive.model.attention import DecodeBatch
 from kvhive.model.decode_kernel import CpuDecodeKernel
 from kvhive.model.kv_quant import SCALE_BYTES, dequantize_rows, quantize_rows
 
@@ -31,14 +31,10 @@ CHUNK = CpuDecodeKernel.chunk_keys(BLOCK)
 
 @pytest.fixture(scope="module", params=LEVELS)
 def kernel(request) -> CpuDecodeKernel:
-    kern = CpuDecodeKernel.load(request.param)
-    if kern is None:
-        pytest.skip("no C++ compiler")
-    assert kern.isa == request.param
-    return kern
+    return kernel_at(request.param)
 
 
-class PackedPool:
+class PackedPool(BlockTables):
     """A packed 8-bit pool [blocks, layers, 2, BLOCK, kv_heads, head_dim + 2] of random values whose
     rows have different magnitudes (so different scales), some rows all zero (scale 0), and its
     blocks handed out in a shuffled order."""
@@ -53,27 +49,14 @@ class PackedPool:
         values[torch.rand(*shape, generator=gen) < 0.05] = 0.0          # rows of scale 0
         self.kv = quantize_rows(values, kv_dtype)
         self.values = dequantize_rows(self.kv).double()                # exactly what the kernel reads
-        self.free = torch.randperm(num_blocks, generator=gen).tolist()
-
-    def table(self, num_tokens: int, prefix: list[int] | None = None) -> list[int]:
-        table = list(prefix or [])
-        while len(table) * BLOCK < num_tokens:
-            table.append(self.free.pop())
-        return table
+        super().__init__(num_blocks, BLOCK, gen)
 
 
 def decode(kernel: CpuDecodeKernel, q: torch.Tensor, pool: PackedPool, tables: list[list[int]],
            lengths: list[int]) -> torch.Tensor:
     """The kernel over a batch whose tables are padded (two entries past the longest) with block 0."""
     n, heads, head_dim = q.shape
-    max_blocks = max(len(t) for t in tables) + 2
-    padded = torch.zeros(n, max_blocks, dtype=torch.int64)
-    for i, t in enumerate(tables):
-        padded[i, :len(t)] = torch.tensor(t)
-    workspace = kernel.workspace(n, max_blocks * BLOCK, heads, head_dim)
-    dec = DecodeBatch(num_seqs=n, block_tables=padded, context_lens=torch.tensor(lengths, dtype=torch.int64),
-                      mask=None, kernel=kernel, workspace=workspace)
-    return kernel(q, pool.kv, LAYER, dec)
+    return kernel(q, pool.kv, LAYER, padded_batch(kernel, tables, lengths, BLOCK, heads, head_dim, padding=2))
 
 
 def reference(q: torch.Tensor, values: torch.Tensor, tables: list[list[int]], lengths: list[int]) -> torch.Tensor:
