@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.decode_batches import BlockTables, kernel_at, padded_batch
 
 from kvhive.model import cpu
-from kvhive.model.attention import DecodeBatch
 from kvhive.model.decode_kernel import CpuDecodeKernel
 
 LEVELS = [lvl for lvl in cpu.LEVELS if cpu.detect().supports(lvl)]
@@ -21,44 +21,25 @@ _REFERENCES: dict[tuple, torch.Tensor] = {}      # one per case, shared by the I
 
 @pytest.fixture(scope="module", params=LEVELS)
 def kernel(request) -> CpuDecodeKernel:
-    kern = CpuDecodeKernel.load(request.param)
-    if kern is None:
-        pytest.skip("no C++ compiler")
-    assert kern.isa == request.param
-    return kern
+    return kernel_at(request.param)
 
 
-class Pool:
+class Pool(BlockTables):
     """A KV pool [blocks, layers, 2, block_size, kv_heads, head_dim] of random values, handing out
     its blocks in a shuffled order (block tables are never contiguous or sorted)."""
 
     def __init__(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.block_size = block_size
         self.kv = torch.randn(num_blocks, NUM_LAYERS, 2, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-        self.free = torch.randperm(num_blocks, generator=gen).tolist()
-
-    def table(self, num_tokens: int, prefix: list[int] | None = None) -> list[int]:
-        """Blocks for num_tokens tokens: prefix's blocks first, then fresh ones."""
-        table = list(prefix or [])
-        while len(table) * self.block_size < num_tokens:
-            table.append(self.free.pop())
-        return table
+        super().__init__(num_blocks, block_size, gen)
 
 
 def decode(kernel: CpuDecodeKernel, q: torch.Tensor, pool: Pool, tables: list[list[int]],
            lengths: list[int]) -> torch.Tensor:
     """The kernel over a batch whose tables are padded with block 0, as the runner pads them."""
     n, heads, head_dim = q.shape
-    max_blocks = max(len(t) for t in tables) + 1
-    padded = torch.zeros(n, max_blocks, dtype=torch.int64)
-    for i, t in enumerate(tables):
-        padded[i, :len(t)] = torch.tensor(t)
-    workspace = torch.empty(CpuDecodeKernel.workspace_size(n, max_blocks * pool.block_size, heads, head_dim))
-    dec = DecodeBatch(num_seqs=n, block_tables=padded, context_lens=torch.tensor(lengths, dtype=torch.int64),
-                      mask=None, kernel=kernel, workspace=workspace)
-    return kernel(q, pool.kv, LAYER, dec)
+    return kernel(q, pool.kv, LAYER, padded_batch(kernel, tables, lengths, pool.block_size, heads, head_dim))
 
 
 def reference(q: torch.Tensor, pool: Pool, tables: list[list[int]], lengths: list[int]) -> torch.Tensor:

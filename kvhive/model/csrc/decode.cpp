@@ -1,15 +1,19 @@
-// Decode attention read straight from kvhive's KV pool [blocks, layers, 2, block_size, kv_heads, head_dim].
+// Decode attention read straight from kvhive's KV pool [blocks, layers, 2, block_size, kv_heads, row].
+// The query/output type (float32 or bfloat16) and the pool's row type (float32, bfloat16, or packed
+// int8 / E4M3 rows of head_dim codes and a bfloat16 scale: kv_rows.h) are independent template
+// parameters; packed rows are dequantised in registers as they are read.
 // Work items are (kv head, chunk of keys, sequences): the sequences of a batch whose chunk lies in the
 // same pool blocks (a shared cached prefix) are one item, which reads each K/V row once for all of
 // them. Each (sequence, head, chunk) leaves a partial softmax; the partials merge by their maxima.
 // head_dim 64 with up to 4 queries per KV head (SmolLM2, Llama-style GQA) has an AVX-512 path and
 // an AVX2 + FMA path (same work items, online softmax over steps of 32 keys, float32 compute on
-// bfloat16 or float32 rows); other shapes, and builds with neither, take a generic one.
+// bfloat16, float32 or 8-bit rows); other shapes, and builds with neither, take a generic one.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -21,13 +25,8 @@
 
 namespace {
 #include "bf16.h"
-inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
-inline void to_float(const uint16_t* src, float* dst, int64_t n) {  // bfloat16: the top half of a float
-  uint32_t bits[256];
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) bits[i] = uint32_t(src[i]) << 16;
-  std::memcpy(dst, bits, n * 4);
-}
+
+#include "kv_rows.h"
 inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
 inline void from_float(const float* src, uint16_t* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
@@ -52,19 +51,19 @@ inline float* partial(const Args& a, const Work& w, int64_t n) {
   return a.ws + ((n * a.kv_heads + w.h) * w.n_chunks + w.c) * a.group * (a.head_dim + 2);
 }
 
-// Generic path, one sequence at a time. HD, G: 0 = runtime.
-template <typename T, int HD, int G>
+// Generic path, one sequence at a time; queries TQ, rows K (each row dequantised whole). HD, G: 0 = runtime.
+template <typename TQ, typename K, int HD, int G>
 void chunk_partials(const Args& a, int64_t n, int64_t h, int64_t begin, int64_t end, float* scores, float* ws) {
   const int64_t hd = HD ? HD : a.head_dim, group = G ? G : a.group, bs = a.block_size, len = end - begin;
-  const int64_t row_stride = a.kv_heads * hd, layer_stride = 2 * bs * row_stride;
-  const T* pool = static_cast<const T*>(a.pool) + a.layer * layer_stride + h * hd;
+  const int64_t row_stride = a.kv_heads * row_len<K>(hd), layer_stride = 2 * bs * row_stride;
+  const K* pool = static_cast<const K*>(a.pool) + a.layer * layer_stride + h * row_len<K>(hd);
   const int64_t* table = a.tables + n * a.max_blocks;
   float q[16 * 256], row[256], acc[16 * 256];
   for (int64_t g = 0; g < group; ++g) {
-    to_float(static_cast<const T*>(a.q) + n * a.q_stride + (h * group + g) * hd, q + g * hd, hd);
+    to_float(static_cast<const TQ*>(a.q) + n * a.q_stride + (h * group + g) * hd, q + g * hd, hd);
     for (int64_t d = 0; d < hd; ++d) q[g * hd + d] *= a.scale;
   }
-  const T* block = nullptr;                 // chunks start on block boundaries
+  const K* block = nullptr;                 // chunks start on block boundaries
   for (int64_t j = 0; j < len; ++j) {
     if ((begin + j) % bs == 0) block = pool + table[(begin + j) / bs] * a.num_layers * layer_stride;
     to_float(block + ((begin + j) % bs) * row_stride, row, hd);
@@ -97,10 +96,10 @@ void chunk_partials(const Args& a, int64_t n, int64_t h, int64_t begin, int64_t 
   for (int64_t g = 0; g < group; ++g) std::memcpy(ws + g * (hd + 2), acc + g * hd, hd * 4);
 }
 
-template <typename T, int HD, int G>
+template <typename TQ, typename K, int HD, int G>
 void each_sequence(const Args& a, const Work& w, Scratch& tmp) {
   for (int64_t s = 0; s < w.count; ++s)
-    chunk_partials<T, HD, G>(a, w.seqs[s], w.h, w.begin, w.end, tmp.scores, partial(a, w, w.seqs[s]));
+    chunk_partials<TQ, K, HD, G>(a, w.seqs[s], w.h, w.begin, w.end, tmp.scores, partial(a, w, w.seqs[s]));
 }
 
 #if defined(KVHIVE_AVX512) || defined(KVHIVE_AVX2)
@@ -111,10 +110,38 @@ constexpr int64_t kAhead = 8;      // rows prefetched ahead into L1
 constexpr int64_t kFar = 32;
 
 // The pool is read in block-table order, which hardware prefetchers cannot follow across blocks.
+// A packed row (66 bytes, aligned to nothing) spans the lines of its first and last bytes.
 template <int HINT = _MM_HINT_T0, typename T>
 inline void prefetch_row(const T* p) {
-  for (int line = 0; line < int(64 * sizeof(T) / 64); ++line)
-    _mm_prefetch(reinterpret_cast<const char*>(p) + 64 * line, _mm_hint(HINT));
+  const char* c = reinterpret_cast<const char*>(p);
+  if (kPacked<T>) {
+    _mm_prefetch(c, _mm_hint(HINT));
+    _mm_prefetch(c + 65, _mm_hint(HINT));
+  } else {
+    for (int line = 0; line < int(64 * sizeof(T) / 64); ++line) _mm_prefetch(c + 64 * line, _mm_hint(HINT));
+  }
+}
+
+// Packed rows: the step's per-key K and V scales (0 past nk). Scores are scale_k * (q . codes) and
+// the V sums take p * scale_v: the scale factored out of each row's sums, which changes the
+// rounding order only (code * scale is exact in float32, see kv_rows.h).
+template <typename K>
+inline void step_row_scales(const K* const* rows, int64_t j0, int64_t nk, int64_t v_offset, float* sk, float* sv) {
+  for (int64_t j = 0; j < kStepKeys; ++j) {
+    sk[j] = j < nk ? row_scale(rows[j0 + j], 64) : 0.f;
+    sv[j] = j < nk ? row_scale(rows[j0 + j] + v_offset, 64) : 0.f;
+  }
+}
+// p[g][j] *= scale_v[j] for the G queries' probabilities (after their sums were taken).
+inline void scale_probs(float* scores, int64_t group, int64_t stride, int64_t nk, const float* sv) {
+  for (int64_t g = 0; g < group; ++g)
+#pragma omp simd
+    for (int64_t j = 0; j < nk; ++j) scores[g * stride + j] *= sv[j];
+}
+// A packed row's V sums in natural order for the merge, E4M3's unit (kCodeUnit) back in.
+inline void natural_order(const float* loaded, float* out, I8) { std::memcpy(out, loaded, 64 * 4); }
+inline void natural_order(const float* loaded, float* out, F8) {
+  for (int d = 0; d < 64; ++d) out[d] = loaded[d] * kCodeUnit<F8>;
 }
 #endif
 
@@ -138,6 +165,29 @@ inline void load_row(const uint16_t* p, __m512 (&r)[4]) {
     r[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(w, high));
   }
 }
+// Packed rows: the codes in natural order, unscaled (the scale is factored out of the sums); an
+// E4M3 byte b becomes the float16 ((b & 0x7F) << 7) | ((b & 0x80) << 8), its value times 2^-8
+// (exact for every finite code, subnormals included: E4M3's exponent bias 7 sits 8 below
+// float16's 15), and vcvtph2ps widens it. The float16 bits come from b sign-extended to 16 bits,
+// shifted left by 7 (the sign lands on bit 15, and on bit 14 too, which the mask clears).
+inline void load_row(const I8* p, __m512 (&r)[4]) {
+  for (int c = 0; c < 4; ++c)
+    r[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * c))));
+}
+inline void load_row(const F8* p, __m512 (&r)[4]) {
+  const __m256i bits = _mm256_set1_epi16(int16_t(0xBF80));
+  for (int c = 0; c < 4; ++c) {
+    const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * c)));
+    r[c] = _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), bits));
+  }
+}
+// Queries for packed rows: natural order, whatever their type.
+inline void load_natural(const float* p, __m512 (&r)[4]) { load_row(p, r); }
+inline void load_natural(const uint16_t* p, __m512 (&r)[4]) {
+  for (int c = 0; c < 4; ++c)
+    r[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * c))), 16));
+}
 inline void natural_order(const float* loaded, float* out, float) { std::memcpy(out, loaded, 64 * 4); }
 inline void natural_order(const float* loaded, float* out, uint16_t) {
   for (int half = 0; half < 2; ++half)
@@ -160,6 +210,10 @@ template <int G, typename T>
 inline void load_queries(const T* first, __m512 (&q)[G][4]) {
   for (int g = 0; g < G; ++g) load_row(first + g * 64, q[g]);
 }
+template <int G, typename T>
+inline void load_natural_queries(const T* first, __m512 (&q)[G][4]) {   // for packed rows
+  for (int g = 0; g < G; ++g) load_natural(first + g * 64, q[g]);
+}
 #ifdef __AVX512BF16__
 // bfloat16 keys: pairs of products summed by vdpbf16ps (exact products, float32 sums), with the
 // queries' raw bfloat16 pairs in q[g][0:2].
@@ -178,10 +232,11 @@ inline void load_queries(const uint16_t* first, __m512 (&q)[G][4]) {
 #endif
 
 // Scores of one step's keys [j0, j0 + nk) for the G queries: log2(e) * scale * q . k, 16 keys per
-// horizontal-sum tree. The first member of an item prefetches the rows the others then find in L1.
+// horizontal-sum tree (packed rows: times sk, the keys' scales). The first member of an item
+// prefetches the rows the others then find in L1.
 template <typename T, int G>
 void step_scores(const Args& a, const __m512 (&q)[G][4], const T* const* rows, int64_t len, int64_t j0,
-                 int64_t nk, bool first, float* scores) {
+                 int64_t nk, bool first, const float* sk, float* scores) {
   for (int64_t k0 = 0; k0 < nk; k0 += 16) {
     const int nkk = int(std::min<int64_t>(16, nk - k0));
     __m512 part[G][16];
@@ -193,7 +248,8 @@ void step_scores(const Args& a, const __m512 (&q)[G][4], const T* const* rows, i
       }
       dot_rows(q, rows[j], part, jj);
     }
-    const __m512 scale = _mm512_set1_ps(a.scale * float(M_LOG2E));
+    __m512 scale = _mm512_set1_ps(a.scale * float(M_LOG2E) * kCodeUnit<T>);
+    if (kPacked<T>) scale = _mm512_mul_ps(scale, _mm512_loadu_ps(sk + k0));
     for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * kStepKeys + k0, _mm512_mul_ps(sum16(part[g], nkk), scale));
   }
 }
@@ -247,13 +303,13 @@ void step_values(const T* const* rows, int64_t len, int64_t j0, int64_t nk, int6
 
 // One item for head_dim 64 and G <= 4 queries per kv head: online softmax over steps of kStepKeys
 // keys, each step's K and V rows read from memory once and then from L1 by every member sequence.
-template <typename T, int G>
+template <typename TQ, typename T, int G>
 void shared_chunk(const Args& a, const Work& w, Scratch& tmp) {
   constexpr int64_t hd = 64, kState = hd + 2;   // state per query: acc (load_row's order), max, sum
-  const int64_t bs = a.block_size, len = w.end - w.begin, row_stride = a.kv_heads * hd;
+  const int64_t bs = a.block_size, len = w.end - w.begin, row_stride = a.kv_heads * row_len<T>(hd);
   const int64_t layer_stride = 2 * bs * row_stride, block_stride = a.num_layers * layer_stride;
   const int64_t v_offset = bs * row_stride;
-  const T* pool = static_cast<const T*>(a.pool) + a.layer * layer_stride + w.h * hd;
+  const T* pool = static_cast<const T*>(a.pool) + a.layer * layer_stride + w.h * row_len<T>(hd);
   const int64_t* table = a.tables + w.seqs[0] * a.max_blocks;   // every member has these blocks
   const T** rows = reinterpret_cast<const T**>(tmp.rows);
   for (int64_t j = 0; j < len; j += bs) {                       // chunks start on block boundaries
@@ -265,8 +321,10 @@ void shared_chunk(const Args& a, const Work& w, Scratch& tmp) {
     tmp.state[i * kState + hd] = -FLT_MAX;
     tmp.state[i * kState + hd + 1] = 0.f;
   }
+  float sk[kStepKeys], sv[kStepKeys];                            // packed rows' scales
   for (int64_t j0 = 0; j0 < len; j0 += kStepKeys) {
     const int64_t nk = std::min(kStepKeys, len - j0);
+    if (kPacked<T>) step_row_scales(rows, j0, nk, v_offset, sk, sv);
     if (j0 == 0)
       for (int64_t j = 0; j < std::min(len, kFar); ++j) {
         prefetch_row<_MM_HINT_T1>(rows[j]);
@@ -275,10 +333,13 @@ void shared_chunk(const Args& a, const Work& w, Scratch& tmp) {
     for (int64_t s = 0; s < w.count; ++s) {
       float* state = tmp.state + s * G * kState;
       __m512 q[G][4];
-      load_queries(static_cast<const T*>(a.q) + w.seqs[s] * a.q_stride + w.h * G * hd, q);
-      step_scores(a, q, rows, len, j0, nk, s == 0, tmp.scores);
+      const TQ* first = static_cast<const TQ*>(a.q) + w.seqs[s] * a.q_stride + w.h * G * hd;
+      if (kPacked<T>) load_natural_queries(first, q);
+      else load_queries(reinterpret_cast<const T*>(first), q);   // T is TQ for float rows
+      step_scores(a, q, rows, len, j0, nk, s == 0, sk, tmp.scores);
       float rescale[G];
       for (int g = 0; g < G; ++g) rescale[g] = softmax_step(tmp.scores + g * kStepKeys, nk, state + g * kState);
+      if (kPacked<T>) scale_probs(tmp.scores, G, kStepKeys, nk, sv);
       step_values(rows, len, j0, nk, v_offset, s == 0, tmp.scores, rescale, state);
     }
   }
@@ -314,6 +375,26 @@ inline void load_vecs(const uint16_t* p, int c0, __m256* r) {
     r[c + 1] = _mm256_castsi256_ps(_mm256_and_si256(w, high));
   }
 }
+// Packed rows: the codes in natural order, unscaled (the scale is factored out of the sums); an
+// E4M3 byte becomes a float16 with the value times 2^-8 (as in the AVX-512 path's load_row) and
+// F16C widens it.
+template <int N>
+inline void load_vecs(const I8* p, int c0, __m256* r) {
+  for (int c = 0; c < N; ++c)
+    r[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * (c0 + c)))));
+}
+template <int N>
+inline void load_vecs(const F8* p, int c0, __m256* r) {
+  const __m128i bits = _mm_set1_epi16(int16_t(0xBF80));
+  for (int c = 0; c < N; ++c) {
+    const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * (c0 + c))));
+    r[c] = _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(b, 7), bits));
+  }
+}
+inline __m256 load_natural(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_natural(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
 inline void natural_order(const float* loaded, float* out, float) { std::memcpy(out, loaded, 64 * 4); }
 inline void natural_order(const float* loaded, float* out, uint16_t) {
   for (int part = 0; part < 4; ++part)
@@ -337,23 +418,25 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
-// The G queries of kv head h as float32 in load_vecs' order, times log2(e) * scale.
-template <typename T, int G>
-inline void load_queries(const Args& a, const T* first, float (*q)[64]) {
-  const __m256 scale = _mm256_set1_ps(a.scale * float(M_LOG2E));
+// The G queries of kv head h as float32 in the rows' order (load_vecs' for float rows, natural for
+// packed ones), times log2(e) * scale (and E4M3's unit, kCodeUnit).
+template <typename TQ, typename K, int G>
+inline void load_queries(const Args& a, const TQ* first, float (*q)[64]) {
+  const __m256 scale = _mm256_set1_ps(a.scale * float(M_LOG2E) * kCodeUnit<K>);
   for (int g = 0; g < G; ++g) {
     __m256 r[8];
-    load_vecs<8>(first + g * 64, 0, r);
+    if (kPacked<K>) for (int c = 0; c < 8; ++c) r[c] = load_natural(first + g * 64 + 8 * c);
+    else load_vecs<8>(reinterpret_cast<const K*>(first) + g * 64, 0, r);   // K is TQ for float rows
     for (int c = 0; c < 8; ++c) _mm256_store_ps(q[g] + 8 * c, _mm256_mul_ps(r[c], scale));
   }
 }
 
 // Scores of one step's keys [j0, j0 + nk) for the G queries (log2 units), 8 keys per horizontal-sum
-// tree; slots from nk up to the next multiple of 8 get -FLT_MAX. The first member of an item
-// prefetches the rows the others then find in L1.
+// tree (packed rows: times sk, the keys' scales); slots from nk up to the next multiple of 8 get
+// -FLT_MAX. The first member of an item prefetches the rows the others then find in L1.
 template <typename T, int G>
 void step_scores(const float (*q)[64], const T* const* rows, int64_t len, int64_t j0, int64_t nk, bool first,
-                 float* scores) {
+                 const float* sk, float* scores) {
   for (int64_t k0 = 0; k0 < nk; k0 += 8) {
     const int nkk = int(std::min<int64_t>(8, nk - k0));
     __m256 part[G][8];
@@ -376,6 +459,7 @@ void step_scores(const float (*q)[64], const T* const* rows, int64_t len, int64_
     }
     for (int g = 0; g < G; ++g) {
       __m256 s = sum8(part[g], nkk);
+      if (kPacked<T>) s = _mm256_mul_ps(s, _mm256_loadu_ps(sk + k0));
       if (nkk < 8) s = _mm256_blendv_ps(_mm256_set1_ps(-FLT_MAX), s, first_lanes(nkk));
       _mm256_storeu_ps(scores + g * kStepKeys + k0, s);
     }
@@ -439,13 +523,13 @@ void step_values(const T* const* rows, int64_t len, int64_t j0, int64_t nk, int6
 
 // One item for head_dim 64 and G <= 4 queries per kv head: online softmax over steps of kStepKeys
 // keys, each step's K and V rows read from memory once and then from L1 by every member sequence.
-template <typename T, int G>
+template <typename TQ, typename T, int G>
 void shared_chunk(const Args& a, const Work& w, Scratch& tmp) {
   constexpr int64_t hd = 64, kState = hd + 2;   // state per query: acc (load_vecs' order), max, sum
-  const int64_t bs = a.block_size, len = w.end - w.begin, row_stride = a.kv_heads * hd;
+  const int64_t bs = a.block_size, len = w.end - w.begin, row_stride = a.kv_heads * row_len<T>(hd);
   const int64_t layer_stride = 2 * bs * row_stride, block_stride = a.num_layers * layer_stride;
   const int64_t v_offset = bs * row_stride;
-  const T* pool = static_cast<const T*>(a.pool) + a.layer * layer_stride + w.h * hd;
+  const T* pool = static_cast<const T*>(a.pool) + a.layer * layer_stride + w.h * row_len<T>(hd);
   const int64_t* table = a.tables + w.seqs[0] * a.max_blocks;   // every member has these blocks
   const T** rows = reinterpret_cast<const T**>(tmp.rows);
   for (int64_t j = 0; j < len; j += bs) {                       // chunks start on block boundaries
@@ -458,8 +542,10 @@ void shared_chunk(const Args& a, const Work& w, Scratch& tmp) {
     tmp.state[i * kState + hd + 1] = 0.f;
   }
   alignas(32) float q[G][64];
+  float sk[kStepKeys], sv[kStepKeys];                            // packed rows' scales
   for (int64_t j0 = 0; j0 < len; j0 += kStepKeys) {
     const int64_t nk = std::min(kStepKeys, len - j0);
+    if (kPacked<T>) step_row_scales(rows, j0, nk, v_offset, sk, sv);
     if (j0 == 0)
       for (int64_t j = 0; j < std::min(len, kFar); ++j) {
         prefetch_row<_MM_HINT_T1>(rows[j]);
@@ -467,10 +553,11 @@ void shared_chunk(const Args& a, const Work& w, Scratch& tmp) {
       }
     for (int64_t s = 0; s < w.count; ++s) {
       float* state = tmp.state + s * G * kState;
-      load_queries<T, G>(a, static_cast<const T*>(a.q) + w.seqs[s] * a.q_stride + w.h * G * hd, q);
-      step_scores<T, G>(q, rows, len, j0, nk, s == 0, tmp.scores);
+      load_queries<TQ, T, G>(a, static_cast<const TQ*>(a.q) + w.seqs[s] * a.q_stride + w.h * G * hd, q);
+      step_scores<T, G>(q, rows, len, j0, nk, s == 0, sk, tmp.scores);
       float rescale[G];
       for (int g = 0; g < G; ++g) rescale[g] = softmax_step(tmp.scores + g * kStepKeys, nk, state + g * kState);
+      if (kPacked<T>) scale_probs(tmp.scores, G, kStepKeys, nk, sv);
       step_values(rows, len, j0, nk, v_offset, s == 0, tmp.scores, rescale, state);
     }
   }
@@ -486,22 +573,21 @@ void shared_chunk(const Args& a, const Work& w, Scratch& tmp) {
 }
 #endif
 
-template <typename T>
 using ItemFn = void (*)(const Args&, const Work&, Scratch&);
 
-template <typename T>
-ItemFn<T> pick(int64_t hd, int64_t g) {
+template <typename TQ, typename K>
+ItemFn pick(int64_t hd, int64_t g) {
 #if defined(KVHIVE_AVX512) || defined(KVHIVE_AVX2)
-  if (hd == 64) switch (g) { case 1: return shared_chunk<T, 1>; case 2: return shared_chunk<T, 2>;
-    case 3: return shared_chunk<T, 3>; case 4: return shared_chunk<T, 4>; }
+  if (hd == 64) switch (g) { case 1: return shared_chunk<TQ, K, 1>; case 2: return shared_chunk<TQ, K, 2>;
+    case 3: return shared_chunk<TQ, K, 3>; case 4: return shared_chunk<TQ, K, 4>; }
 #endif
-#define CASES(H) if (hd == H) switch (g) { case 1: return each_sequence<T, H, 1>; \
-  case 2: return each_sequence<T, H, 2>; case 3: return each_sequence<T, H, 3>; \
-  case 4: return each_sequence<T, H, 4>; case 6: return each_sequence<T, H, 6>; \
-  case 8: return each_sequence<T, H, 8>; }
+#define CASES(H) if (hd == H) switch (g) { case 1: return each_sequence<TQ, K, H, 1>; \
+  case 2: return each_sequence<TQ, K, H, 2>; case 3: return each_sequence<TQ, K, H, 3>; \
+  case 4: return each_sequence<TQ, K, H, 4>; case 6: return each_sequence<TQ, K, H, 6>; \
+  case 8: return each_sequence<TQ, K, H, 8>; }
   CASES(64) CASES(128)
 #undef CASES
-  return each_sequence<T, 0, 0>;
+  return each_sequence<TQ, K, 0, 0>;
 }
 
 // Keys [begin, end) of sequence n in chunk c; empty past its context.
@@ -557,11 +643,12 @@ std::vector<Work> plan_work(const Args& a, int64_t n_chunks, std::vector<int64_t
   return items;
 }
 
-template <typename T>
+// Queries and output TQ (float or uint16_t: bfloat16), pool rows K (TQ, I8 or F8).
+template <typename TQ, typename K>
 void decode_attention(const Args& a) {
   const int64_t hd = a.head_dim, n_chunks = (a.max_blocks * a.block_size + a.chunk - 1) / a.chunk;
   const int64_t item = a.group * (hd + 2), heads = a.kv_heads * a.group;
-  const ItemFn<T> fn = pick<T>(hd, a.group);
+  const ItemFn fn = pick<TQ, K>(hd, a.group);
   std::vector<int64_t> members;
   const std::vector<Work> items = plan_work(a, n_chunks, members);
 #pragma omp parallel num_threads(a.n_threads)
@@ -586,14 +673,29 @@ void decode_attention(const Args& a) {
           for (int64_t d = 0; d < hd; ++d) o[d] += f * part[c * item + d];
         }
         for (int64_t d = 0; d < hd; ++d) o[d] /= l;
-        from_float(o, static_cast<T*>(a.out) + (n * heads + qh) * hd, hd);
+        from_float(o, static_cast<TQ*>(a.out) + (n * heads + qh) * hd, hd);
       }
   }
 }
+
+enum KvType { kKvFloat = 0, kKvBf16 = 1, kKvInt8 = 2, kKvFp8 = 3 };   // the pool's row types
+
+template <typename TQ>
+int decode_rows_of(const Args& a, int kv_type) {
+  switch (kv_type) {
+    case kKvFloat: if (!std::is_same<TQ, float>::value) return 2; decode_attention<TQ, TQ>(a); return 0;
+    case kKvBf16: if (!std::is_same<TQ, uint16_t>::value) return 2; decode_attention<TQ, TQ>(a); return 0;
+    case kKvInt8: decode_attention<TQ, I8>(a); return 0;
+    case kKvFp8: decode_attention<TQ, F8>(a); return 0;
+  }
+  return 2;
+}
 }  // namespace
 
-extern "C" int kvhive_decode_attention(const Args* a, int is_bf16) {
+// q_is_bf16: queries and output bfloat16 (else float32). kv_type: the pool's rows (kKv*). Returns 0;
+// 1: an unsupported shape; 2: an unsupported pair of types (a float pool is read by its own type's
+// queries only).
+extern "C" int kvhive_decode_attention(const Args* a, int q_is_bf16, int kv_type) {
   if (a->group > 16 || a->head_dim > 256 || a->chunk % a->block_size) return 1;
-  if (is_bf16) decode_attention<uint16_t>(*a); else decode_attention<float>(*a);
-  return 0;
+  return q_is_bf16 ? decode_rows_of<uint16_t>(*a, kv_type) : decode_rows_of<float>(*a, kv_type);
 }
