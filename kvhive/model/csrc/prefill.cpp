@@ -33,20 +33,23 @@ struct Args {
 constexpr int kTile = 32;   // keys per tile
 constexpr int kQTok = 16;   // query tokens per item
 
-template <typename T>
-inline const T* key_row(const Args& a, int64_t key, int kv) {  // K row of `key`; V row is bs rows later
-  const int64_t row = a.kv_heads * a.head_dim;
+// K row of `key` (V row: block_size rows later); ROW: elements per (token, KV head) row.
+template <typename T, int ROW>
+inline const T* key_row(const Args& a, int64_t key, int kv) {
+  const int64_t row = a.kv_heads * ROW;
   const int64_t block = a.table[key / a.block_size];
   return static_cast<const T*>(a.pool) +
          ((block * a.num_layers + a.layer) * 2 + kv) * a.block_size * row + (key % a.block_size) * row;
 }
 
-alignas(64) const uint32_t kZeroRow[128] = {};   // stands in for rows of keys past ctx (up to 128 floats)
+// Stands in for rows of keys past ctx (up to 128 floats; an 8-bit row of zeros has scale 0).
+alignas(64) const uint32_t kZeroRow[128] = {};
 
-// K and V rows of the kTile keys of tile t for KV head h; keys past ctx read kZeroRow.
-template <typename T, int HD>
+// K and V rows of the kTile keys of tile t for KV head h; keys past ctx read kZeroRow. A pool row
+// holds ROW elements: HD values, or for an 8-bit pool HD codes and a 2-byte scale.
+template <typename T, int HD, int ROW = HD>
 inline void tile_rows(const Args& a, int64_t h, int64_t t, int64_t ctx, const T** k, const T** v) {
-  const int64_t stride = a.kv_heads * HD, v_off = a.block_size * stride;   // V rows: block_size rows after K's
+  const int64_t stride = a.kv_heads * ROW, v_off = a.block_size * stride;   // V rows: block_size rows after K's
   int64_t off = t * kTile % a.block_size;   // the key's row within its pool block
   const T* row = nullptr;
   for (int j = 0; j < kTile; ++j, ++off) {
@@ -56,7 +59,7 @@ inline void tile_rows(const Args& a, int64_t h, int64_t t, int64_t ctx, const T*
       continue;
     }
     if (j == 0 || off == a.block_size) {   // first key of the tile or of a pool block: look it up
-      row = key_row<T>(a, key, 0) + h * HD;
+      row = key_row<T, ROW>(a, key, 0) + h * ROW;
       off %= a.block_size;
     } else {
       row += stride;
@@ -64,6 +67,19 @@ inline void tile_rows(const Args& a, int64_t h, int64_t t, int64_t ctx, const T*
     k[j] = row;
     v[j] = row + v_off;
   }
+}
+
+// 8-bit KV rows (kvhive.model.kv_quant): HD codes, then the row's bfloat16 scale; value =
+// decode(code) * scale. The code types say how a byte decodes; kScale folds E4M3's 2^8 (its byte
+// is read as float16 bits, which are the value times 2^-8) into the row's scale.
+struct Int8Codes { static constexpr float kScale = 1.f; };
+struct E4M3Codes { static constexpr float kScale = 256.f; };
+
+template <typename C>
+inline float row_scale(const uint8_t* row, int hd) {   // unaligned: rows are HD + 2 bytes apart
+  uint16_t bits;
+  std::memcpy(&bits, row + hd, 2);
+  return bf16_to_float(bits) * C::kScale;
 }
 
 #if defined(__AVX512F__)
@@ -201,6 +217,59 @@ struct WideBF16 {
   static void store(const float* src, uint16_t* dst, int64_t n) {
     for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
   }
+};
+
+// 16 codes as float32 times the row's scale s (C::kScale folded in): int8 sign-extended and
+// converted; an E4M3 byte b as the float16 ((b & 0x7f) << 7) | ((b & 0x80) << 8), which is its
+// value times 2^-8 for every finite code (normal or subnormal). Both products are exact.
+inline __m512 decode16(const uint8_t* p, __m512 s, Int8Codes) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s);
+}
+inline __m512 decode16(const uint8_t* p, __m512 s, E4M3Codes) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), s);
+}
+
+// An 8-bit pool (C: its codes) with queries and output of type Q (float32, or bf16 as uint16_t),
+// computed in float32 at 16 lanes as WideBF16 is: each row dequantised as its tile is packed (K as
+// [d][kTile], V as [kTile][d]), so only the tiles, never the whole context, are ever float32.
+template <typename Q, typename C>
+struct Quant8 {
+  using T = Q;
+  using P = float;
+  using VSrc = const float* const*;   // the packed tile's kTile V rows
+  using QIO = typename std::conditional<std::is_same<Q, float>::value, F32, WideBF16>::type;
+  template <int HD>
+  static void decode_row(const uint8_t* row, float* dst) {
+    const __m512 s = _mm512_set1_ps(row_scale<C>(row, HD));
+    for (int d = 0; d < HD; d += 16) _mm512_storeu_ps(dst + d, decode16(row + d, s, C{}));
+  }
+  template <int HD>
+  static void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, float* kt, float* vt) {
+    const uint8_t *k[kTile], *v[kTile];
+    tile_rows<uint8_t, HD, HD + 2>(a, h, t, ctx, k, v);
+    alignas(64) float kw[kTile][HD];
+    const float* rows[kTile];
+    for (int j = 0; j < kTile; ++j) {
+      decode_row<HD>(k[j], kw[j]);
+      decode_row<HD>(v[j], vt + j * HD);
+      rows[j] = kw[j];
+    }
+    transpose_rows<HD>(rows, reinterpret_cast<uint32_t*>(kt));
+  }
+  template <int HD>
+  static VSrc value_rows(const Args& a, int64_t h, int64_t t, int64_t ctx, const float* vt, const float** v) {
+    return WideBF16::value_rows<HD>(a, h, t, ctx, vt, v);
+  }
+  template <int HD>
+  static void scores(const float* q, const float* kt, __m512 (*s)[kNV]) { F32::scores<HD>(q, kt, s); }
+  template <int HD, int R>
+  static void values(__m512 (*p)[kNV], VSrc vrow, __m512 (*o)[HD / 16]) { F32::values<HD, R>(p, vrow, o); }
+  static void load_q(float* dst, const Q* src, int64_t n) { QIO::load_q(dst, src, n); }
+  static void store(const float* src, Q* dst, int64_t n) { QIO::store(src, dst, n); }
 };
 
 #if defined(__AVX512BF16__)
@@ -441,13 +510,27 @@ inline void transpose8x8(__m256* r) {
   }
 }
 
-// One tile of KV head h packed as float32 (bf16 widened once here, not in the products):
-// K as [HD][kTile] (dim d of key j at d * kTile + j); V of a bf16 pool as [kTile][HD] (a float32
-// pool's V rows are read where they lie: value_rows).
+// 8 codes as float32 times the row's scale s (as decode16 at AVX-512; F16C converts E4M3's float16).
+inline __m256 decode8(const uint8_t* p, __m256 s, Int8Codes) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s);
+}
+inline __m256 decode8(const uint8_t* p, __m256 s, E4M3Codes) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), s);
+}
+
+template <typename C, int HD>
+inline void decode_row(const uint8_t* row, float* dst) {   // one 8-bit row's HD values as float32
+  const __m256 s = _mm256_set1_ps(row_scale<C>(row, HD));
+  for (int d = 0; d < HD; d += 8) _mm256_storeu_ps(dst + d, decode8(row + d, s, C{}));
+}
+
+// kTile K rows (float32, or bf16 widened) transposed into kt as [HD][kTile]: dim d of key j at d * kTile + j.
 template <typename T, int HD>
-void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, float* kt, float* vt) {
-  const T *k[kTile], *v[kTile];
-  tile_rows<T, HD>(a, h, t, ctx, k, v);
+inline void transpose_keys(const T* const* k, float* kt) {
   for (int g = 0; g < kTile; g += 8)
     for (int d = 0; d < HD; d += 8) {
       __m256 r[8];
@@ -455,17 +538,41 @@ void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, float* kt, float* vt
       transpose8x8(r);
       for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d + i) * kTile + g, r[i]);
     }
-  if (!std::is_same<T, float>::value)
-    for (int j = 0; j < kTile; ++j)
-      for (int d = 0; d < HD; d += 8) _mm256_storeu_ps(vt + j * HD + d, load8(v[j] + d));
+}
+
+// One tile of KV head h packed as float32 (bf16 widened, 8-bit rows dequantised once here, not in
+// the products): K as [HD][kTile]; V as [kTile][HD] unless the pool is float32 (K = float: its V
+// rows are read where they lie, value_rows). K: the pool's row kind (float, uint16_t for bf16,
+// Int8Codes or E4M3Codes for 8-bit rows).
+template <typename K, int HD>
+void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, float* kt, float* vt) {
+  if constexpr (std::is_same<K, float>::value || std::is_same<K, uint16_t>::value) {
+    const K *k[kTile], *v[kTile];
+    tile_rows<K, HD>(a, h, t, ctx, k, v);
+    transpose_keys<K, HD>(k, kt);
+    if constexpr (!std::is_same<K, float>::value)
+      for (int j = 0; j < kTile; ++j)
+        for (int d = 0; d < HD; d += 8) _mm256_storeu_ps(vt + j * HD + d, load8(v[j] + d));
+  } else {
+    const uint8_t *k[kTile], *v[kTile];
+    tile_rows<uint8_t, HD, HD + 2>(a, h, t, ctx, k, v);
+    alignas(32) float kw[kTile][HD];
+    const float* rows[kTile];
+    for (int j = 0; j < kTile; ++j) {
+      decode_row<K, HD>(k[j], kw[j]);
+      decode_row<K, HD>(v[j], vt + j * HD);
+      rows[j] = kw[j];
+    }
+    transpose_keys<float, HD>(rows, kt);
+  }
 }
 
 // The kTile V rows of tile t as float32: a float32 pool's own rows, else the packed tile's.
-template <typename T, int HD>
+template <typename K, int HD>
 inline void value_rows(const Args& a, int64_t h, int64_t t, int64_t ctx, const float* vt, const float** v) {
-  if (std::is_same<T, float>::value) {
-    const T* k[kTile];
-    tile_rows<T, HD>(a, h, t, ctx, k, reinterpret_cast<const T**>(v));
+  if constexpr (std::is_same<K, float>::value) {
+    const float* k[kTile];
+    tile_rows<float, HD>(a, h, t, ctx, k, v);
   } else {
     for (int j = 0; j < kTile; ++j) v[j] = vt + j * HD;
   }
@@ -557,7 +664,8 @@ inline void values(const float (*p)[kTile], const float* alpha, const float* con
   }
 }
 
-template <typename T, int HD>
+// T: the queries' and output's element (float, or uint16_t for bf16); K: the pool's row kind (pack).
+template <typename T, typename K, int HD>
 void prefill(const Args& a) {
   const int64_t ctx = a.start_pos + a.n, tiles = (ctx + kTile - 1) / kTile, heads = a.kv_heads * a.group;
   const int64_t tile_elems = kTile * HD;
@@ -571,7 +679,7 @@ void prefill(const Args& a) {
 #pragma omp for collapse(2) schedule(static)
     for (int64_t t = 0; t < tiles; ++t)
       for (int64_t h = 0; h < a.kv_heads; ++h)
-        pack<T, HD>(a, h, t, ctx, kpack + (h * tiles + t) * tile_elems, vpack + (h * tiles + t) * tile_elems);
+        pack<K, HD>(a, h, t, ctx, kpack + (h * tiles + t) * tile_elems, vpack + (h * tiles + t) * tile_elems);
     float* qb = static_cast<float*>(_mm_malloc(rows_max * HD * sizeof(float), 32));   // scaled float32 queries
     float* o = static_cast<float*>(_mm_malloc(rows_max * HD * sizeof(float), 32));
     float* m = new float[rows_max];
@@ -603,7 +711,7 @@ void prefill(const Args& a) {
         for (int64_t t = 0; t * kTile <= last; ++t) {
           const float* kt = kpack + (h * tiles + t) * tile_elems;
           const float* v[kTile];
-          value_rows<T, HD>(a, h, t, ctx, vpack + (h * tiles + t) * tile_elems, v);
+          value_rows<K, HD>(a, h, t, ctx, vpack + (h * tiles + t) * tile_elems, v);
           const bool diagonal = t * kTile + kTile - 1 > a.start_pos + t0;   // some key past some row
           for (int64_t rb = 0; rb < rows_pad; rb += kRows) {
             float alpha[kRows];
@@ -629,13 +737,13 @@ void prefill(const Args& a) {
 }
 
 // avx2:: qualified: argument-dependent lookup on Args would also find the AVX-512 prefill.
-template <typename T>
+template <typename T, typename K = T>
 int run(const Args& a) {
   switch (a.head_dim) {
-    case 16: avx2::prefill<T, 16>(a); return 0;
-    case 32: avx2::prefill<T, 32>(a); return 0;
-    case 64: avx2::prefill<T, 64>(a); return 0;
-    case 128: avx2::prefill<T, 128>(a); return 0;
+    case 16: avx2::prefill<T, K, 16>(a); return 0;
+    case 32: avx2::prefill<T, K, 32>(a); return 0;
+    case 64: avx2::prefill<T, K, 64>(a); return 0;
+    case 128: avx2::prefill<T, K, 128>(a); return 0;
     default: return 1;
   }
 }
@@ -645,11 +753,12 @@ int run(const Args& a) {
 
 // Capability bits: 1 float32 pools, 2 bf16 pools, 4 bf16 tiles packed as float32 (the workspace
 // then takes 4 bytes per packed element for both dtypes), 8 a second bf16 path computed in float32
-// at 16 lanes (mode 2 below; its workspace also takes 4 bytes an element).
+// at 16 lanes (mode 2 below; its workspace also takes 4 bytes an element), 16 8-bit pools (int8
+// and E4M3 rows, float32 or bf16 queries; packed as float32: 4 bytes an element).
 extern "C" int kvhive_prefill_caps() {
   int caps = 0;
 #if defined(__AVX512F__) || defined(KVHIVE_PREFILL_AVX2)
-  caps |= 1;
+  caps |= 1 | 16;
 #endif
 #if defined(__AVX512F__)
   caps |= 8;
@@ -662,10 +771,36 @@ extern "C" int kvhive_prefill_caps() {
   return caps;
 }
 
+namespace {
+// An 8-bit pool (modes 3..6: int8 or E4M3 rows, float32 or bf16 queries), in float32 at 16 lanes
+// where AVX-512 is there, else at 8.
+int run_8bit(const Args& a, int mode) {
+#if defined(__AVX512F__)
+  switch (mode) {
+    case 3: return run<Quant8<float, Int8Codes>>(a);
+    case 4: return run<Quant8<uint16_t, Int8Codes>>(a);
+    case 5: return run<Quant8<float, E4M3Codes>>(a);
+    case 6: return run<Quant8<uint16_t, E4M3Codes>>(a);
+  }
+#elif defined(KVHIVE_PREFILL_AVX2)
+  switch (mode) {
+    case 3: return avx2::run<float, Int8Codes>(a);
+    case 4: return avx2::run<uint16_t, Int8Codes>(a);
+    case 5: return avx2::run<float, E4M3Codes>(a);
+    case 6: return avx2::run<uint16_t, E4M3Codes>(a);
+  }
+#endif
+  (void)a, (void)mode;
+  return 1;
+}
+}  // namespace
+
 // mode: 0 a float32 pool; 1 a bf16 pool on the build's own bf16 path; 2 a bf16 pool widened to
-// float32 at 16 lanes (caps bit 8).
+// float32 at 16 lanes (caps bit 8); 3 / 4 an int8 pool with float32 / bf16 queries; 5 / 6 an E4M3
+// pool with float32 / bf16 queries (caps bit 16). The output has the queries' dtype.
 extern "C" int kvhive_prefill_attention(const Args* a, int mode) {
-  if (a->n <= 0 || a->group <= 0 || mode < 0 || mode > 2) return 1;
+  if (a->n <= 0 || a->group <= 0 || mode < 0 || mode > 6) return 1;
+  if (mode >= 3) return run_8bit(*a, mode);
 #if defined(__AVX512F__)
   if (mode == 2) return run<WideBF16>(*a);
 #endif
