@@ -22,6 +22,10 @@
 #include <cstring>
 #include <type_traits>
 
+// The hot helpers (transposes, score and value products, softmax steps) are always inlined: the
+// 8-bit instantiations would otherwise outgrow GCC's inlining budget and leave some of them calls.
+#define KVHIVE_INLINE inline __attribute__((always_inline))
+
 namespace {
 #include "bf16.h"
 struct Args {
@@ -89,7 +93,7 @@ constexpr int kNV = kTile / 16;   // score vectors per row and tile
 constexpr int kRB = 8;      // rows per register block
 
 // In-place transpose of a 16x16 dword matrix: r[i] holds row i before, column i after.
-inline void transpose16x16(__m512i* r) {
+KVHIVE_INLINE void transpose16x16(__m512i* r) {
   __m512i t[16];
   for (int i = 0; i < 16; i += 2) {   // interleave dwords of row pairs
     t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
@@ -116,7 +120,7 @@ inline void transpose16x16(__m512i* r) {
 // in 16 keys x 16 dwords blocks (W = 8 loads half rows and keeps half the columns). The row
 // pointers are read as their own type T (reading them as uint32_t* would break strict aliasing).
 template <int W, typename T>
-inline void transpose_rows(const T* const* rows, uint32_t* kt) {
+KVHIVE_INLINE void transpose_rows(const T* const* rows, uint32_t* kt) {
   constexpr int kC = W < 16 ? W : 16;
   constexpr __mmask16 mask = __mmask16((1u << kC) - 1);
   for (int w = 0; w < W; w += kC)
@@ -147,7 +151,7 @@ struct F32 {
     return v;
   }
   template <int HD>
-  static void scores(const float* q, const float* kt, __m512 (*s)[kNV]) {   // q: kRB rows of HD
+  static KVHIVE_INLINE void scores(const float* q, const float* kt, __m512 (*s)[kNV]) {   // q: kRB rows of HD
     for (int r = 0; r < kRB; ++r)
       for (int v = 0; v < kNV; ++v) s[r][v] = _mm512_setzero_ps();
     for (int d = 0; d < HD; ++d) {
@@ -160,7 +164,7 @@ struct F32 {
     }
   }
   template <int HD, int R>
-  static void values(__m512 (*p)[kNV], VSrc vrow, __m512 (*o)[HD / 16]) {
+  static KVHIVE_INLINE void values(__m512 (*p)[kNV], VSrc vrow, __m512 (*o)[HD / 16]) {
     alignas(64) float pv[R][kTile];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < kNV; ++v) _mm512_store_ps(pv[r] + v * 16, p[r][v]);
@@ -336,7 +340,7 @@ struct BF16 {
 // keys outside [lo, hi] hidden (lo < 0: the whole tile is visible). Leaves the tile's probabilities
 // in s, updates the row's max m and its per-lane sum l, and returns the factor (1 or less) by which
 // the row's earlier accumulator must be scaled.
-inline float softmax_step(__m512* s, int64_t key0, int64_t lo, int64_t hi, float scale, float& m, __m512& l) {
+KVHIVE_INLINE float softmax_step(__m512* s, int64_t key0, int64_t lo, int64_t hi, float scale, float& m, __m512& l) {
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   __mmask16 seen[kNV];
   __m512 mx = _mm512_set1_ps(-FLT_MAX);
@@ -369,7 +373,7 @@ inline float softmax_step(__m512* s, int64_t key0, int64_t lo, int64_t hi, float
 // Value products of R rows over one tile: o[r] = o[r] * alpha[r] + p[r] . V, the R x HD float32
 // accumulators held in registers so that each V vector loaded serves every row.
 template <typename D, int HD, int R>
-inline void values(__m512 (*p)[kNV], const float* alpha, typename D::VSrc vt, float* o) {
+KVHIVE_INLINE void values(__m512 (*p)[kNV], const float* alpha, typename D::VSrc vt, float* o) {
   __m512 acc[R][HD / 16];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < HD / 16; ++c)
@@ -492,7 +496,7 @@ inline void store8(uint16_t* p, __m256 x) {
 }
 
 // In-place transpose of an 8x8 float32 matrix: r[i] holds row i before, column i after.
-inline void transpose8x8(__m256* r) {
+KVHIVE_INLINE void transpose8x8(__m256* r) {
   __m256 t[8], u[8];
   for (int i = 0; i < 8; i += 2) {   // interleave row pairs within each 128-bit lane
     t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
@@ -530,7 +534,7 @@ inline void decode_row(const uint8_t* row, float* dst) {   // one 8-bit row's HD
 
 // kTile K rows (float32, or bf16 widened) transposed into kt as [HD][kTile]: dim d of key j at d * kTile + j.
 template <typename T, int HD>
-inline void transpose_keys(const T* const* k, float* kt) {
+KVHIVE_INLINE void transpose_keys(const T* const* k, float* kt) {
   for (int g = 0; g < kTile; g += 8)
     for (int d = 0; d < HD; d += 8) {
       __m256 r[8];
@@ -581,7 +585,7 @@ inline void value_rows(const Args& a, int64_t h, int64_t t, int64_t ctx, const f
 // Raw scores of kRows query rows (q: kRows rows of HD, already scaled) against one packed K tile,
 // into s[kRows][kTile]: 16 keys at a time, 6 x 2 accumulators.
 template <int HD>
-inline void scores(const float* q, const float* kt, float (*s)[kTile]) {
+KVHIVE_INLINE void scores(const float* q, const float* kt, float (*s)[kTile]) {
   for (int k0 = 0; k0 < kTile; k0 += 16) {
     __m256 acc[kRows][2];
     for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -605,7 +609,7 @@ inline void scores(const float* q, const float* kt, float (*s)[kTile]) {
 // Updates the row's max m and per-lane sum l, and returns the factor (1 or less) by which the row's
 // earlier accumulator must be scaled.
 template <bool kMasked>
-inline float softmax_step(float* s, int64_t key0, int64_t last, float& m, __m256& l) {
+KVHIVE_INLINE float softmax_step(float* s, int64_t key0, int64_t last, float& m, __m256& l) {
   __m256 x[kVecs], hidden[kVecs];
   __m256 mx = _mm256_set1_ps(-FLT_MAX);
   for (int v = 0; v < kVecs; ++v) {
@@ -641,7 +645,7 @@ inline float softmax_step(float* s, int64_t key0, int64_t last, float& m, __m256
 // Value products of kRows rows over one tile: o[r] = o[r] * alpha[r] + p[r] . V, 16 dims at a time
 // (6 x 2 accumulators), so that each V vector loaded serves every row.
 template <int HD>
-inline void values(const float (*p)[kTile], const float* alpha, const float* const* v, float* o) {
+KVHIVE_INLINE void values(const float (*p)[kTile], const float* alpha, const float* const* v, float* o) {
   for (int c = 0; c < HD; c += 16) {
     __m256 acc[kRows][2];
     for (int r = 0; r < kRows; ++r) {
