@@ -4,18 +4,22 @@
 //            or (mode 2) widened to float32 as they are packed and run as a float32 pool.
 //   AVX2 + FMA: 8-wide float32 for both dtypes; it also serves bf16 pools at the avx512 level
 //            (built without AVX512-BF16).
+//   8-bit pools (int8 or E4M3 rows of head_dim codes + a bf16 scale, kvhive.model.kv_quant), at
+//            either level: each row dequantised into float32 as its tile is packed, then the float32
+//            path; queries and output float32 or bf16, whichever the model runs.
 // Without AVX2 + FMA (the portable level) there is no path and kvhive_prefill_caps() is 0.
-// Phase 1 packs each KV head's keys (and a bf16 pool's values) into tiles of kTile keys in the
+// Phase 1 packs each KV head's keys (and, but for a float32 pool, its values) into tiles of kTile keys in the
 // caller's workspace:
-//   float32 (AVX-512 float32 pools; AVX2 for both dtypes, bf16 widened by a 16-bit shift):
-//            K as [d][kTile keys]; a bf16 pool's V as [kTile keys][d] (a float32 pool's V rows are
-//            already [key][d] and are read where they lie)
+//   float32 (AVX-512 float32 pools and the wide bf16 path; AVX2 for both dtypes, bf16 widened by
+//            a 16-bit shift; 8-bit pools at both levels, dequantised):
+//            K as [d][kTile keys]; V as [kTile keys][d] (a float32 pool's V rows are already
+//            [key][d] and are read where they lie)
 //   bf16 (AVX512-BF16): K as [d/2][kTile keys][2] (dword = the pair of dims a vdpbf16ps multiplies),
 //            V as [kTile/2 key pairs][d][2]
 // Phase 2: one item per (KV head, 16 query tokens); its rows are (token, head of the group), so a
 // tile is read once for the whole group. For each key tile and each block of rows (8 for AVX-512,
 // 6 for AVX2): scores, an online softmax in float32 (exp2 with scaled logits), then the value
-// products into float32 accumulators. Output is in the pool's dtype (bf16 rounded to nearest even).
+// products into float32 accumulators. Output is in the queries' dtype (bf16 rounded to nearest even).
 #include <immintrin.h>
 #include <cfloat>
 #include <cstdint>
