@@ -126,11 +126,12 @@ def every_code_pool(kv_dtype: str, scale: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("level", level_params())
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-@pytest.mark.parametrize("scale", [0.75, 3.0 * 2.0 ** -20, 1.5e30, 2.0 ** -130])
+@pytest.mark.parametrize("scale", [0.75, 3.0 * 2.0 ** -20, 1.5e30, 2.0 ** -100])
 def test_decodes_every_code_exactly(level: str, kv_dtype: str, scale: float) -> None:
     """The first token sees only itself: its output is its V row, which must be decode(code) * scale
     exactly for every code, normal, subnormal and zero (an E4M3 exponent off by one, or a scale
-    ignored, fails here)."""
+    ignored, fails here). The products stay normal floats: a process that has loaded a kernel
+    built with -ffast-math flushes subnormals on some threads and not others."""
     pool = every_code_pool(kv_dtype, scale)
     q = torch.randn(1, 2, 128)
     got = KERNELS[level](q, pool, 0, torch.zeros(1, dtype=torch.int64), 0)
