@@ -5,8 +5,9 @@
     python bench/prefill_kv8.py --rev REV        # float32/bf16 pools also on REV's kernel (before/after)
 
 SmolLM2-135M shapes (30 layers, 9 query heads on 3 KV heads of 64, shuffled blocks of 16): a
-1,024-token first chunk and 96 new tokens on 1,024 cached. All variants of one shape take turns
-(kvhive.model.timing.min_times), min of --repeat runs; ms per layer.
+1,024-token first chunk and 96 new tokens on 1,024 cached. All variants of one shape take turns,
+min of --repeat runs; ms per layer. On a busy shared host, ``--threads 1 --cpu-time`` (the process's
+CPU time per call, not wall time) gives steadier numbers.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -57,11 +60,25 @@ def make_call(kernel, q: torch.Tensor, pool: torch.Tensor, path: str | None, ids
     return call
 
 
+def min_cpu_times(fns: list[Callable[[], object]], repeat: int) -> list[float]:
+    """Each call's least process CPU time in seconds (one warm-up each, then taking turns)."""
+    best = [float("inf")] * len(fns)
+    for fn in fns:
+        fn()
+    for _ in range(repeat):
+        for i, fn in enumerate(fns):
+            started = time.process_time()
+            fn()
+            best[i] = min(best[i], time.process_time() - started)
+    return best
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rev", default=None, help="git revision whose kernel also runs the float pools")
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cpu-time", action="store_true", help="time CPU time per call, not wall time")
     ap.add_argument("--cpu-isa", default=None, help="ISA level the kernels are built for (default: the CPU's best)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -76,7 +93,8 @@ def main() -> int:
     rows: dict[str, list[float]] = {}
     for start, n in SHAPES:
         calls = variants(kernels, start, n)
-        for name, t in zip(calls, min_times(list(calls.values()), args.repeat), strict=True):
+        timer = min_cpu_times if args.cpu_time else min_times
+        for name, t in zip(calls, timer(list(calls.values()), args.repeat), strict=True):
             rows.setdefault(name, []).append(t * 1e3)
     for name, times in rows.items():
         print(f"| {name} | {' | '.join(f'{t:.2f}' for t in times)} |")
