@@ -16,7 +16,6 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -60,19 +59,6 @@ def make_call(kernel, q: torch.Tensor, pool: torch.Tensor, path: str | None, ids
     return call
 
 
-def min_cpu_times(fns: list[Callable[[], object]], repeat: int) -> list[float]:
-    """Each call's least process CPU time in seconds (one warm-up each, then taking turns)."""
-    best = [float("inf")] * len(fns)
-    for fn in fns:
-        fn()
-    for _ in range(repeat):
-        for i, fn in enumerate(fns):
-            started = time.process_time()
-            fn()
-            best[i] = min(best[i], time.process_time() - started)
-    return best
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rev", default=None, help="git revision whose kernel also runs the float pools")
@@ -93,8 +79,8 @@ def main() -> int:
     rows: dict[str, list[float]] = {}
     for start, n in SHAPES:
         calls = variants(kernels, start, n)
-        timer = min_cpu_times if args.cpu_time else min_times
-        for name, t in zip(calls, timer(list(calls.values()), args.repeat), strict=True):
+        clock = time.process_time if args.cpu_time else time.perf_counter
+        for name, t in zip(calls, min_times(list(calls.values()), args.repeat, clock), strict=True):
             rows.setdefault(name, []).append(t * 1e3)
     for name, times in rows.items():
         print(f"| {name} | {' | '.join(f'{t:.2f}' for t in times)} |")
