@@ -4,23 +4,31 @@
 //            or (mode 2) widened to float32 as they are packed and run as a float32 pool.
 //   AVX2 + FMA: 8-wide float32 for both dtypes; it also serves bf16 pools at the avx512 level
 //            (built without AVX512-BF16).
+//   8-bit pools (int8 or E4M3 rows of head_dim codes + a bf16 scale, kvhive.model.kv_quant), at
+//            either level: each row dequantised into float32 as its tile is packed, then the float32
+//            path; queries and output float32 or bf16, whichever the model runs.
 // Without AVX2 + FMA (the portable level) there is no path and kvhive_prefill_caps() is 0.
-// Phase 1 packs each KV head's keys (and a bf16 pool's values) into tiles of kTile keys in the
+// Phase 1 packs each KV head's keys (and, but for a float32 pool, its values) into tiles of kTile keys in the
 // caller's workspace:
-//   float32 (AVX-512 float32 pools; AVX2 for both dtypes, bf16 widened by a 16-bit shift):
-//            K as [d][kTile keys]; a bf16 pool's V as [kTile keys][d] (a float32 pool's V rows are
-//            already [key][d] and are read where they lie)
+//   float32 (AVX-512 float32 pools and the wide bf16 path; AVX2 for both dtypes, bf16 widened by
+//            a 16-bit shift; 8-bit pools at both levels, dequantised):
+//            K as [d][kTile keys]; V as [kTile keys][d] (a float32 pool's V rows are already
+//            [key][d] and are read where they lie)
 //   bf16 (AVX512-BF16): K as [d/2][kTile keys][2] (dword = the pair of dims a vdpbf16ps multiplies),
 //            V as [kTile/2 key pairs][d][2]
 // Phase 2: one item per (KV head, 16 query tokens); its rows are (token, head of the group), so a
 // tile is read once for the whole group. For each key tile and each block of rows (8 for AVX-512,
 // 6 for AVX2): scores, an online softmax in float32 (exp2 with scaled logits), then the value
-// products into float32 accumulators. Output is in the pool's dtype (bf16 rounded to nearest even).
+// products into float32 accumulators. Output is in the queries' dtype (bf16 rounded to nearest even).
 #include <immintrin.h>
 #include <cfloat>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+
+// The hot helpers (transposes, score and value products, softmax steps) are always inlined: the
+// 8-bit instantiations would otherwise outgrow GCC's inlining budget and leave some of them calls.
+#define KVHIVE_INLINE inline __attribute__((always_inline))
 
 namespace {
 #include "bf16.h"
@@ -33,20 +41,23 @@ struct Args {
 constexpr int kTile = 32;   // keys per tile
 constexpr int kQTok = 16;   // query tokens per item
 
-template <typename T>
-inline const T* key_row(const Args& a, int64_t key, int kv) {  // K row of `key`; V row is bs rows later
-  const int64_t row = a.kv_heads * a.head_dim;
+// K row of `key` (V row: block_size rows later); ROW: elements per (token, KV head) row.
+template <typename T, int ROW>
+inline const T* key_row(const Args& a, int64_t key, int kv) {
+  const int64_t row = a.kv_heads * ROW;
   const int64_t block = a.table[key / a.block_size];
   return static_cast<const T*>(a.pool) +
          ((block * a.num_layers + a.layer) * 2 + kv) * a.block_size * row + (key % a.block_size) * row;
 }
 
-alignas(64) const uint32_t kZeroRow[128] = {};   // stands in for rows of keys past ctx (up to 128 floats)
+// Stands in for rows of keys past ctx (up to 128 floats; an 8-bit row of zeros has scale 0).
+alignas(64) const uint32_t kZeroRow[128] = {};
 
-// K and V rows of the kTile keys of tile t for KV head h; keys past ctx read kZeroRow.
-template <typename T, int HD>
+// K and V rows of the kTile keys of tile t for KV head h; keys past ctx read kZeroRow. A pool row
+// holds ROW elements: HD values, or for an 8-bit pool HD codes and a 2-byte scale.
+template <typename T, int HD, int ROW = HD>
 inline void tile_rows(const Args& a, int64_t h, int64_t t, int64_t ctx, const T** k, const T** v) {
-  const int64_t stride = a.kv_heads * HD, v_off = a.block_size * stride;   // V rows: block_size rows after K's
+  const int64_t stride = a.kv_heads * ROW, v_off = a.block_size * stride;   // V rows: block_size rows after K's
   int64_t off = t * kTile % a.block_size;   // the key's row within its pool block
   const T* row = nullptr;
   for (int j = 0; j < kTile; ++j, ++off) {
@@ -56,7 +67,7 @@ inline void tile_rows(const Args& a, int64_t h, int64_t t, int64_t ctx, const T*
       continue;
     }
     if (j == 0 || off == a.block_size) {   // first key of the tile or of a pool block: look it up
-      row = key_row<T>(a, key, 0) + h * HD;
+      row = key_row<T, ROW>(a, key, 0) + h * ROW;
       off %= a.block_size;
     } else {
       row += stride;
@@ -66,6 +77,19 @@ inline void tile_rows(const Args& a, int64_t h, int64_t t, int64_t ctx, const T*
   }
 }
 
+// 8-bit KV rows (kvhive.model.kv_quant): HD codes, then the row's bfloat16 scale; value =
+// decode(code) * scale. The code types say how a byte decodes; kScale folds E4M3's 2^8 (its byte
+// is read as float16 bits, which are the value times 2^-8) into the row's scale.
+struct Int8Codes { static constexpr float kScale = 1.f; };
+struct E4M3Codes { static constexpr float kScale = 256.f; };
+
+template <typename C>
+inline float row_scale(const uint8_t* row, int hd) {   // unaligned: rows are HD + 2 bytes apart
+  uint16_t bits;
+  std::memcpy(&bits, row + hd, 2);
+  return bf16_to_float(bits) * C::kScale;
+}
+
 #if defined(__AVX512F__)
 #include "avx512_exp2.h"
 
@@ -73,7 +97,7 @@ constexpr int kNV = kTile / 16;   // score vectors per row and tile
 constexpr int kRB = 8;      // rows per register block
 
 // In-place transpose of a 16x16 dword matrix: r[i] holds row i before, column i after.
-inline void transpose16x16(__m512i* r) {
+KVHIVE_INLINE void transpose16x16(__m512i* r) {
   __m512i t[16];
   for (int i = 0; i < 16; i += 2) {   // interleave dwords of row pairs
     t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
@@ -100,7 +124,7 @@ inline void transpose16x16(__m512i* r) {
 // in 16 keys x 16 dwords blocks (W = 8 loads half rows and keeps half the columns). The row
 // pointers are read as their own type T (reading them as uint32_t* would break strict aliasing).
 template <int W, typename T>
-inline void transpose_rows(const T* const* rows, uint32_t* kt) {
+KVHIVE_INLINE void transpose_rows(const T* const* rows, uint32_t* kt) {
   constexpr int kC = W < 16 ? W : 16;
   constexpr __mmask16 mask = __mmask16((1u << kC) - 1);
   for (int w = 0; w < W; w += kC)
@@ -131,7 +155,7 @@ struct F32 {
     return v;
   }
   template <int HD>
-  static void scores(const float* q, const float* kt, __m512 (*s)[kNV]) {   // q: kRB rows of HD
+  static KVHIVE_INLINE void scores(const float* q, const float* kt, __m512 (*s)[kNV]) {   // q: kRB rows of HD
     for (int r = 0; r < kRB; ++r)
       for (int v = 0; v < kNV; ++v) s[r][v] = _mm512_setzero_ps();
     for (int d = 0; d < HD; ++d) {
@@ -144,7 +168,7 @@ struct F32 {
     }
   }
   template <int HD, int R>
-  static void values(__m512 (*p)[kNV], VSrc vrow, __m512 (*o)[HD / 16]) {
+  static KVHIVE_INLINE void values(__m512 (*p)[kNV], VSrc vrow, __m512 (*o)[HD / 16]) {
     alignas(64) float pv[R][kTile];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < kNV; ++v) _mm512_store_ps(pv[r] + v * 16, p[r][v]);
@@ -201,6 +225,59 @@ struct WideBF16 {
   static void store(const float* src, uint16_t* dst, int64_t n) {
     for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
   }
+};
+
+// 16 codes as float32 times the row's scale s (C::kScale folded in): int8 sign-extended and
+// converted; an E4M3 byte b as the float16 ((b & 0x7f) << 7) | ((b & 0x80) << 8), which is its
+// value times 2^-8 for every finite code (normal or subnormal). Both products are exact.
+inline __m512 decode16(const uint8_t* p, __m512 s, Int8Codes) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s);
+}
+inline __m512 decode16(const uint8_t* p, __m512 s, E4M3Codes) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), s);
+}
+
+// An 8-bit pool (C: its codes) with queries and output of type Q (float32, or bf16 as uint16_t),
+// computed in float32 at 16 lanes as WideBF16 is: each row dequantised as its tile is packed (K as
+// [d][kTile], V as [kTile][d]), so only the tiles, never the whole context, are ever float32.
+template <typename Q, typename C>
+struct Quant8 {
+  using T = Q;
+  using P = float;
+  using VSrc = const float* const*;   // the packed tile's kTile V rows
+  using QIO = typename std::conditional<std::is_same<Q, float>::value, F32, WideBF16>::type;
+  template <int HD>
+  static void decode_row(const uint8_t* row, float* dst) {
+    const __m512 s = _mm512_set1_ps(row_scale<C>(row, HD));
+    for (int d = 0; d < HD; d += 16) _mm512_storeu_ps(dst + d, decode16(row + d, s, C{}));
+  }
+  template <int HD>
+  static void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, float* kt, float* vt) {
+    const uint8_t *k[kTile], *v[kTile];
+    tile_rows<uint8_t, HD, HD + 2>(a, h, t, ctx, k, v);
+    alignas(64) float kw[kTile][HD];
+    const float* rows[kTile];
+    for (int j = 0; j < kTile; ++j) {
+      decode_row<HD>(k[j], kw[j]);
+      decode_row<HD>(v[j], vt + j * HD);
+      rows[j] = kw[j];
+    }
+    transpose_rows<HD>(rows, reinterpret_cast<uint32_t*>(kt));
+  }
+  template <int HD>
+  static VSrc value_rows(const Args& a, int64_t h, int64_t t, int64_t ctx, const float* vt, const float** v) {
+    return WideBF16::value_rows<HD>(a, h, t, ctx, vt, v);
+  }
+  template <int HD>
+  static void scores(const float* q, const float* kt, __m512 (*s)[kNV]) { F32::scores<HD>(q, kt, s); }
+  template <int HD, int R>
+  static void values(__m512 (*p)[kNV], VSrc vrow, __m512 (*o)[HD / 16]) { F32::values<HD, R>(p, vrow, o); }
+  static void load_q(float* dst, const Q* src, int64_t n) { QIO::load_q(dst, src, n); }
+  static void store(const float* src, Q* dst, int64_t n) { QIO::store(src, dst, n); }
 };
 
 #if defined(__AVX512BF16__)
@@ -267,7 +344,7 @@ struct BF16 {
 // keys outside [lo, hi] hidden (lo < 0: the whole tile is visible). Leaves the tile's probabilities
 // in s, updates the row's max m and its per-lane sum l, and returns the factor (1 or less) by which
 // the row's earlier accumulator must be scaled.
-inline float softmax_step(__m512* s, int64_t key0, int64_t lo, int64_t hi, float scale, float& m, __m512& l) {
+KVHIVE_INLINE float softmax_step(__m512* s, int64_t key0, int64_t lo, int64_t hi, float scale, float& m, __m512& l) {
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   __mmask16 seen[kNV];
   __m512 mx = _mm512_set1_ps(-FLT_MAX);
@@ -300,7 +377,7 @@ inline float softmax_step(__m512* s, int64_t key0, int64_t lo, int64_t hi, float
 // Value products of R rows over one tile: o[r] = o[r] * alpha[r] + p[r] . V, the R x HD float32
 // accumulators held in registers so that each V vector loaded serves every row.
 template <typename D, int HD, int R>
-inline void values(__m512 (*p)[kNV], const float* alpha, typename D::VSrc vt, float* o) {
+KVHIVE_INLINE void values(__m512 (*p)[kNV], const float* alpha, typename D::VSrc vt, float* o) {
   __m512 acc[R][HD / 16];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < HD / 16; ++c)
@@ -423,7 +500,7 @@ inline void store8(uint16_t* p, __m256 x) {
 }
 
 // In-place transpose of an 8x8 float32 matrix: r[i] holds row i before, column i after.
-inline void transpose8x8(__m256* r) {
+KVHIVE_INLINE void transpose8x8(__m256* r) {
   __m256 t[8], u[8];
   for (int i = 0; i < 8; i += 2) {   // interleave row pairs within each 128-bit lane
     t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
@@ -441,13 +518,27 @@ inline void transpose8x8(__m256* r) {
   }
 }
 
-// One tile of KV head h packed as float32 (bf16 widened once here, not in the products):
-// K as [HD][kTile] (dim d of key j at d * kTile + j); V of a bf16 pool as [kTile][HD] (a float32
-// pool's V rows are read where they lie: value_rows).
+// 8 codes as float32 times the row's scale s (as decode16 at AVX-512; F16C converts E4M3's float16).
+inline __m256 decode8(const uint8_t* p, __m256 s, Int8Codes) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s);
+}
+inline __m256 decode8(const uint8_t* p, __m256 s, E4M3Codes) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), s);
+}
+
+template <typename C, int HD>
+inline void decode_row(const uint8_t* row, float* dst) {   // one 8-bit row's HD values as float32
+  const __m256 s = _mm256_set1_ps(row_scale<C>(row, HD));
+  for (int d = 0; d < HD; d += 8) _mm256_storeu_ps(dst + d, decode8(row + d, s, C{}));
+}
+
+// kTile K rows (float32, or bf16 widened) transposed into kt as [HD][kTile]: dim d of key j at d * kTile + j.
 template <typename T, int HD>
-void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, float* kt, float* vt) {
-  const T *k[kTile], *v[kTile];
-  tile_rows<T, HD>(a, h, t, ctx, k, v);
+KVHIVE_INLINE void transpose_keys(const T* const* k, float* kt) {
   for (int g = 0; g < kTile; g += 8)
     for (int d = 0; d < HD; d += 8) {
       __m256 r[8];
@@ -455,17 +546,41 @@ void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, float* kt, float* vt
       transpose8x8(r);
       for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d + i) * kTile + g, r[i]);
     }
-  if (!std::is_same<T, float>::value)
-    for (int j = 0; j < kTile; ++j)
-      for (int d = 0; d < HD; d += 8) _mm256_storeu_ps(vt + j * HD + d, load8(v[j] + d));
+}
+
+// One tile of KV head h packed as float32 (bf16 widened, 8-bit rows dequantised once here, not in
+// the products): K as [HD][kTile]; V as [kTile][HD] unless the pool is float32 (K = float: its V
+// rows are read where they lie, value_rows). K: the pool's row kind (float, uint16_t for bf16,
+// Int8Codes or E4M3Codes for 8-bit rows).
+template <typename K, int HD>
+void pack(const Args& a, int64_t h, int64_t t, int64_t ctx, float* kt, float* vt) {
+  if constexpr (std::is_same<K, float>::value || std::is_same<K, uint16_t>::value) {
+    const K *k[kTile], *v[kTile];
+    tile_rows<K, HD>(a, h, t, ctx, k, v);
+    transpose_keys<K, HD>(k, kt);
+    if constexpr (!std::is_same<K, float>::value)
+      for (int j = 0; j < kTile; ++j)
+        for (int d = 0; d < HD; d += 8) _mm256_storeu_ps(vt + j * HD + d, load8(v[j] + d));
+  } else {
+    const uint8_t *k[kTile], *v[kTile];
+    tile_rows<uint8_t, HD, HD + 2>(a, h, t, ctx, k, v);
+    alignas(32) float kw[kTile][HD];
+    const float* rows[kTile];
+    for (int j = 0; j < kTile; ++j) {
+      decode_row<K, HD>(k[j], kw[j]);
+      decode_row<K, HD>(v[j], vt + j * HD);
+      rows[j] = kw[j];
+    }
+    transpose_keys<float, HD>(rows, kt);
+  }
 }
 
 // The kTile V rows of tile t as float32: a float32 pool's own rows, else the packed tile's.
-template <typename T, int HD>
+template <typename K, int HD>
 inline void value_rows(const Args& a, int64_t h, int64_t t, int64_t ctx, const float* vt, const float** v) {
-  if (std::is_same<T, float>::value) {
-    const T* k[kTile];
-    tile_rows<T, HD>(a, h, t, ctx, k, reinterpret_cast<const T**>(v));
+  if constexpr (std::is_same<K, float>::value) {
+    const float* k[kTile];
+    tile_rows<float, HD>(a, h, t, ctx, k, v);
   } else {
     for (int j = 0; j < kTile; ++j) v[j] = vt + j * HD;
   }
@@ -474,7 +589,7 @@ inline void value_rows(const Args& a, int64_t h, int64_t t, int64_t ctx, const f
 // Raw scores of kRows query rows (q: kRows rows of HD, already scaled) against one packed K tile,
 // into s[kRows][kTile]: 16 keys at a time, 6 x 2 accumulators.
 template <int HD>
-inline void scores(const float* q, const float* kt, float (*s)[kTile]) {
+KVHIVE_INLINE void scores(const float* q, const float* kt, float (*s)[kTile]) {
   for (int k0 = 0; k0 < kTile; k0 += 16) {
     __m256 acc[kRows][2];
     for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -498,7 +613,7 @@ inline void scores(const float* q, const float* kt, float (*s)[kTile]) {
 // Updates the row's max m and per-lane sum l, and returns the factor (1 or less) by which the row's
 // earlier accumulator must be scaled.
 template <bool kMasked>
-inline float softmax_step(float* s, int64_t key0, int64_t last, float& m, __m256& l) {
+KVHIVE_INLINE float softmax_step(float* s, int64_t key0, int64_t last, float& m, __m256& l) {
   __m256 x[kVecs], hidden[kVecs];
   __m256 mx = _mm256_set1_ps(-FLT_MAX);
   for (int v = 0; v < kVecs; ++v) {
@@ -534,7 +649,7 @@ inline float softmax_step(float* s, int64_t key0, int64_t last, float& m, __m256
 // Value products of kRows rows over one tile: o[r] = o[r] * alpha[r] + p[r] . V, 16 dims at a time
 // (6 x 2 accumulators), so that each V vector loaded serves every row.
 template <int HD>
-inline void values(const float (*p)[kTile], const float* alpha, const float* const* v, float* o) {
+KVHIVE_INLINE void values(const float (*p)[kTile], const float* alpha, const float* const* v, float* o) {
   for (int c = 0; c < HD; c += 16) {
     __m256 acc[kRows][2];
     for (int r = 0; r < kRows; ++r) {
@@ -557,7 +672,8 @@ inline void values(const float (*p)[kTile], const float* alpha, const float* con
   }
 }
 
-template <typename T, int HD>
+// T: the queries' and output's element (float, or uint16_t for bf16); K: the pool's row kind (pack).
+template <typename T, typename K, int HD>
 void prefill(const Args& a) {
   const int64_t ctx = a.start_pos + a.n, tiles = (ctx + kTile - 1) / kTile, heads = a.kv_heads * a.group;
   const int64_t tile_elems = kTile * HD;
@@ -571,7 +687,7 @@ void prefill(const Args& a) {
 #pragma omp for collapse(2) schedule(static)
     for (int64_t t = 0; t < tiles; ++t)
       for (int64_t h = 0; h < a.kv_heads; ++h)
-        pack<T, HD>(a, h, t, ctx, kpack + (h * tiles + t) * tile_elems, vpack + (h * tiles + t) * tile_elems);
+        pack<K, HD>(a, h, t, ctx, kpack + (h * tiles + t) * tile_elems, vpack + (h * tiles + t) * tile_elems);
     float* qb = static_cast<float*>(_mm_malloc(rows_max * HD * sizeof(float), 32));   // scaled float32 queries
     float* o = static_cast<float*>(_mm_malloc(rows_max * HD * sizeof(float), 32));
     float* m = new float[rows_max];
@@ -603,7 +719,7 @@ void prefill(const Args& a) {
         for (int64_t t = 0; t * kTile <= last; ++t) {
           const float* kt = kpack + (h * tiles + t) * tile_elems;
           const float* v[kTile];
-          value_rows<T, HD>(a, h, t, ctx, vpack + (h * tiles + t) * tile_elems, v);
+          value_rows<K, HD>(a, h, t, ctx, vpack + (h * tiles + t) * tile_elems, v);
           const bool diagonal = t * kTile + kTile - 1 > a.start_pos + t0;   // some key past some row
           for (int64_t rb = 0; rb < rows_pad; rb += kRows) {
             float alpha[kRows];
@@ -629,13 +745,13 @@ void prefill(const Args& a) {
 }
 
 // avx2:: qualified: argument-dependent lookup on Args would also find the AVX-512 prefill.
-template <typename T>
+template <typename T, typename K = T>
 int run(const Args& a) {
   switch (a.head_dim) {
-    case 16: avx2::prefill<T, 16>(a); return 0;
-    case 32: avx2::prefill<T, 32>(a); return 0;
-    case 64: avx2::prefill<T, 64>(a); return 0;
-    case 128: avx2::prefill<T, 128>(a); return 0;
+    case 16: avx2::prefill<T, K, 16>(a); return 0;
+    case 32: avx2::prefill<T, K, 32>(a); return 0;
+    case 64: avx2::prefill<T, K, 64>(a); return 0;
+    case 128: avx2::prefill<T, K, 128>(a); return 0;
     default: return 1;
   }
 }
@@ -645,11 +761,12 @@ int run(const Args& a) {
 
 // Capability bits: 1 float32 pools, 2 bf16 pools, 4 bf16 tiles packed as float32 (the workspace
 // then takes 4 bytes per packed element for both dtypes), 8 a second bf16 path computed in float32
-// at 16 lanes (mode 2 below; its workspace also takes 4 bytes an element).
+// at 16 lanes (mode 2 below; its workspace also takes 4 bytes an element), 16 8-bit pools (int8
+// and E4M3 rows, float32 or bf16 queries; packed as float32: 4 bytes an element).
 extern "C" int kvhive_prefill_caps() {
   int caps = 0;
 #if defined(__AVX512F__) || defined(KVHIVE_PREFILL_AVX2)
-  caps |= 1;
+  caps |= 1 | 16;
 #endif
 #if defined(__AVX512F__)
   caps |= 8;
@@ -662,10 +779,36 @@ extern "C" int kvhive_prefill_caps() {
   return caps;
 }
 
+namespace {
+// An 8-bit pool (modes 3..6: int8 or E4M3 rows, float32 or bf16 queries), in float32 at 16 lanes
+// where AVX-512 is there, else at 8.
+int run_8bit(const Args& a, int mode) {
+#if defined(__AVX512F__)
+  switch (mode) {
+    case 3: return run<Quant8<float, Int8Codes>>(a);
+    case 4: return run<Quant8<uint16_t, Int8Codes>>(a);
+    case 5: return run<Quant8<float, E4M3Codes>>(a);
+    case 6: return run<Quant8<uint16_t, E4M3Codes>>(a);
+  }
+#elif defined(KVHIVE_PREFILL_AVX2)
+  switch (mode) {
+    case 3: return avx2::run<float, Int8Codes>(a);
+    case 4: return avx2::run<uint16_t, Int8Codes>(a);
+    case 5: return avx2::run<float, E4M3Codes>(a);
+    case 6: return avx2::run<uint16_t, E4M3Codes>(a);
+  }
+#endif
+  (void)a, (void)mode;
+  return 1;
+}
+}  // namespace
+
 // mode: 0 a float32 pool; 1 a bf16 pool on the build's own bf16 path; 2 a bf16 pool widened to
-// float32 at 16 lanes (caps bit 8).
+// float32 at 16 lanes (caps bit 8); 3 / 4 an int8 pool with float32 / bf16 queries; 5 / 6 an E4M3
+// pool with float32 / bf16 queries (caps bit 16). The output has the queries' dtype.
 extern "C" int kvhive_prefill_attention(const Args* a, int mode) {
-  if (a->n <= 0 || a->group <= 0 || mode < 0 || mode > 2) return 1;
+  if (a->n <= 0 || a->group <= 0 || mode < 0 || mode > 6) return 1;
+  if (mode >= 3) return run_8bit(*a, mode);
 #if defined(__AVX512F__)
   if (mode == 2) return run<WideBF16>(*a);
 #endif
