@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 from kvhive.connector.disagg.transfer_config import KVTransferConfig
+from kvhive.core.kv_cache_dtype import check_kv_cache_dtype, kv_row_bytes, resolve_kv_dtype
 from kvhive.core.kv_events_config import KVEventsConfig
 from kvhive.core.speculative_config import SpeculativeConfig
 
@@ -21,8 +22,6 @@ ATTENTION_BACKENDS = ("auto", "triton", "torch")
 LOAD_FORMATS = ("auto", "dummy")
 # What ``--metrics-compat`` may name: "vllm" also exports metrics under vLLM's names (server/metrics_vllm.py).
 METRICS_COMPAT = ("none", "vllm")
-# Bytes of one K or V value in the KV pool, by --dtype.
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 ROPE_KINDS = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -290,6 +289,7 @@ class EngineConfig:
     model_path: str
     served_model_name: str = "smollm2-135m"
     dtype: str = "float32"                 # "auto": resolved from the checkpoint before the engine runs
+    kv_cache_dtype: str = "auto"           # kvhive.core.kv_cache_dtype; auto: ``dtype`` (see ``kv_dtype``)
     device: str = "cpu"
     num_threads: int | None = None
     quantized_matmul: bool = True          # few-row steps read GGUF Q4_1/Q8_0 blocks directly (CPU)
@@ -322,6 +322,7 @@ class EngineConfig:
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype, self.dtype, self.on_cpu, self.attention_backend)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
@@ -370,12 +371,19 @@ class EngineConfig:
         """True when the engine runs on the CPU."""
         return self.device == "cpu"
 
-    def kv_bytes_per_block(self, model: ModelConfig) -> int:
-        """Bytes one KV pool block takes: K and V of ``cache.block_size`` tokens in every layer."""
+    @property
+    def kv_dtype(self) -> str:
+        """The KV pool's dtype, the one place it is resolved: float32, bfloat16, float16 (``auto``: the
+        model's ``dtype``), int8 or fp8 (``fp8_e4m3`` too)."""
         if self.dtype == "auto":
             raise ValueError("dtype 'auto' is resolved from the checkpoint (kvhive.cli.resolve_auto_dtype) "
                              "before the engine is built")
-        return model.kv_values_per_token * self.cache.block_size * DTYPE_BYTES[self.dtype]
+        return resolve_kv_dtype(self.kv_cache_dtype, self.dtype)
+
+    def kv_bytes_per_block(self, model: ModelConfig) -> int:
+        """Bytes one KV pool block takes: K and V rows of ``cache.block_size`` tokens in every layer."""
+        rows = model.kv_values_per_token // model.head_dim
+        return rows * self.cache.block_size * kv_row_bytes(model.head_dim, self.kv_dtype)
 
     def resolved(self, model: ModelConfig, external_store: bool = False) -> EngineConfig:
         """This config with what depends on the model fixed once: ``cache.num_blocks`` (from

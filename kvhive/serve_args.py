@@ -28,6 +28,7 @@ from kvhive.config import (
 from kvhive.connector.disagg.transfer_config import parse_kv_transfer_config
 from kvhive.core.cors import add_cors_args
 from kvhive.core.http_limits import add_http_limit_args
+from kvhive.core.kv_cache_dtype import KV_CACHE_DTYPES
 from kvhive.core.kv_events_config import parse_kv_events_config
 from kvhive.core.replica_registry import RegistrationConfig, default_advertise_url
 from kvhive.core.speculative_config import parse_speculative_config
@@ -119,6 +120,11 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-blocks", type=int, default=None, metavar="N",
                    help="device KV pool size in blocks, overriding --kv-cache-gb (default: from "
                         "--kv-cache-gb)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="dtype of the KV cache in the device pool, the tiers and transfers: auto, the "
+                        "model's --dtype; int8 or fp8 (fp8_e4m3): 8-bit values with a bfloat16 scale per "
+                        "token and KV head, ~1.9x the blocks of bfloat16 in the same --kv-cache-gb "
+                        "(see docs/kv_cache_dtype.md); float16 needs a GPU (default: auto)")
     g.add_argument("--block-size", type=int, default=16, metavar="N",
                    help="tokens per KV block (a power of two)")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
@@ -373,6 +379,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     events = parse_kv_events_config(args.kv_events_config, args.kv_events, args.kv_events_replay)
     kv_transfer = parse_kv_transfer_config(args.kv_transfer_config, args.kv_role, args.kv_transfer_port)
     return EngineConfig(model_path=model_path, served_model_name=name, dtype=args.dtype,
+                        kv_cache_dtype=args.kv_cache_dtype,
                         device=args.device, num_threads=args.num_threads,
                         quantized_matmul=args.quantized_matmul, quantized_matmul_rows=args.quantized_matmul_rows,
                         native_attention=args.native_attention, attention_backend=args.attention_backend,

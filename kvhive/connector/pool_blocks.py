@@ -9,6 +9,10 @@ tiers stay shared between both kinds of engine.
 
 A window entry of 0 (the window pool's null block) means "no window part": a load skips the
 window layers of that block (no row after the load sees them); a save never has one.
+
+An 8-bit pool (``kvhive.model.kv_quant``: int8 or float8 rows with their scales) is handled as
+the bytes it is, through a uint8 view: its blocks move unchanged, and torch copies bytes on
+every device (it has no ``index_copy_`` for float8 on CPU).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ class PoolBlocks:
         """``kv``: the main pool ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``."""
         if not kv[0].is_contiguous():
             raise ValueError("the KV pool must keep each block contiguous")
-        self.kv = kv
+        self.kv = _bytes_if_8bit(kv)
         self.window: torch.Tensor | None = None
         # Per layer: whether it lives in the window pool, and its index in its pool.
         self._layers: list[tuple[bool, int]] = [(False, i) for i in range(kv.shape[1])]
@@ -47,6 +51,7 @@ class PoolBlocks:
 
     def add_window_pool(self, window: torch.Tensor, window_layers: tuple[bool, ...]) -> None:
         """Keep ``window_layers`` (per layer: True where it lives in ``window``) out of the main pool."""
+        window = _bytes_if_8bit(window)
         if not window[0].is_contiguous() or window.dtype != self.kv.dtype or window.shape[2:] != self.kv.shape[2:]:
             raise ValueError("the window pool must keep the main pool's block layout and dtype")
         if sum(window_layers) != window.shape[1] or len(window_layers) - window.shape[1] != self.kv.shape[1]:
@@ -116,6 +121,11 @@ class PoolBlocks:
         _write(self.kv[block_id], rows[global_layers])
         if window_id != NULL_BLOCK_ID:
             _write(self.window[window_id], rows[window_layers])
+
+
+def _bytes_if_8bit(pool: torch.Tensor) -> torch.Tensor:
+    """A pool of one-byte elements (int8, float8) as uint8, the same memory; others as they are."""
+    return pool.view(torch.uint8) if pool.element_size() == 1 else pool
 
 
 def _write(block: torch.Tensor, src: np.ndarray) -> None:

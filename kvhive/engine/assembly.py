@@ -121,7 +121,7 @@ def build_connector(config: EngineConfig, loaded: LoadedModel, store: TieredStor
     from kvhive.connector.offload_worker import OffloadWorker
     from kvhive.store.key import KeySpace
 
-    key_space = KeySpace(loaded.fingerprint, KV_LAYOUT_VERSION, config.dtype, config.cache.block_size)
+    key_space = KeySpace(loaded.fingerprint, KV_LAYOUT_VERSION, config.kv_dtype, config.cache.block_size)
     return OffloadConnector(store, OffloadScheduler(store, key_space, block_bytes,
                                                     min_priority=config.store.offload_min_priority),
                             OffloadWorker(store))
@@ -137,7 +137,7 @@ def build_disagg(config: EngineConfig, loaded: LoadedModel, connector_scheduler:
     from kvhive.connector.offload import KV_LAYOUT_VERSION
     from kvhive.store.key import KeySpace
 
-    key_space = KeySpace(loaded.fingerprint, KV_LAYOUT_VERSION, config.dtype, config.cache.block_size)
+    key_space = KeySpace(loaded.fingerprint, KV_LAYOUT_VERSION, config.kv_dtype, config.cache.block_size)
     root = root_hash(config.cache.hash_seed, loaded.fingerprint)
     return build(config.kv_transfer, key_space, root, loaded.config.num_layers, connector_scheduler,
                  connector_worker, store, lambda hashes: leading_held(count_cached, hashes))
@@ -153,7 +153,7 @@ def build_runner(config: EngineConfig, loaded: LoadedModel, num_blocks: int, wor
     runner = ModelRunner(loaded.model, loaded.config, num_blocks=num_blocks,
                          block_size=config.cache.block_size, dtype=config.dtype,
                          device=config.device, native_attention=config.native_attention,
-                         attention_backend=config.attention_backend,
+                         attention_backend=config.attention_backend, kv_dtype=config.kv_dtype,
                          connector=worker_half, cuda_graphs=not config.enforce_eager,
                          max_num_seqs=config.scheduler.max_num_seqs, isa=isa,
                          window=window_layout_for(loaded.config, config, config.kv_transfer.disaggregated),
@@ -161,7 +161,7 @@ def build_runner(config: EngineConfig, loaded: LoadedModel, num_blocks: int, wor
                          grammars=grammars, grammar_mask_overlap=config.grammar_mask_overlap)
     logger.info("KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB %s on %s) in %.1f s", num_blocks,
                 config.cache.block_size, num_blocks * config.cache.block_size, runner.pool_bytes() / 2**30,
-                config.dtype, config.device, time.perf_counter() - started)
+                config.kv_dtype, config.device, time.perf_counter() - started)
     return runner
 
 

@@ -11,6 +11,13 @@ synthetic layer, whether torch's prefill beats the kernel's.
 ``--attention-backend``: ``auto`` (the above), ``triton`` (the Triton kernels or a ValueError, which
 ``kvhive serve`` turns into exit 2; on CPU they run only under ``TRITON_INTERPRET=1``, which the
 tests use to check them against torch without a GPU), ``torch`` (gathered K/V everywhere).
+
+An 8-bit pool (``--kv-cache-dtype int8|fp8``, ``kvhive.model.kv_quant``) is read by a C++ kernel
+only where the kernel says it reads that format (``supports_kv``); elsewhere torch dequantises the
+gathered rows (logged once, with the reason). The Triton kernels read float pools only: with
+``auto`` on CUDA an 8-bit pool takes the torch path (logged); ``triton`` is refused before this
+(``kvhive.core.kv_cache_dtype``), and here too (ValueError). The bf16 timing of torch against the
+prefill kernel is not run for an 8-bit pool: torch would dequantise the whole context each chunk.
 """
 
 from __future__ import annotations
@@ -41,23 +48,41 @@ class AttentionKernels:
 
 
 def choose_attention_kernels(config: ModelConfig, dtype: torch.dtype, device: torch.device, native_attention: bool,
-                             isa: str | None, measure_attention: bool, backend: str = "auto") -> AttentionKernels:
-    """The kernels for this model, pool dtype and device (``isa``: the CPU ISA level, None: the CPU's
-    best); ``measure_attention``: a bf16 pool's prefill goes to torch where torch measures faster.
-    ``backend``: auto, triton or torch (ValueError where ``triton`` cannot run here)."""
+                             isa: str | None, measure_attention: bool, backend: str = "auto",
+                             kv_dtype: str | None = None) -> AttentionKernels:
+    """The kernels for this model, model dtype, pool format and device (``isa``: the CPU ISA level,
+    None: the CPU's best); ``measure_attention``: a bf16 pool's prefill goes to torch where torch
+    measures faster. ``backend``: auto, triton or torch (ValueError where ``triton`` cannot run here).
+    ``kv_dtype``: the pool's 8-bit format ("int8" or "fp8"), None for a float pool."""
     if backend == "torch" or not native_attention:
+        return AttentionKernels(None, None)
+    if kv_dtype is not None and (backend == "triton" or device.type == "cuda"):
+        if backend == "triton":
+            raise ValueError(f"--attention-backend triton reads float KV pools only, not --kv-cache-dtype {kv_dtype}")
+        logger.info("attention: the Triton kernels do not read a %s KV pool; torch on the dequantised K/V", kv_dtype)
         return AttentionKernels(None, None)
     if backend == "triton" or device.type == "cuda":
         return _triton_kernels(config, dtype, device, required=backend == "triton")
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return AttentionKernels(None, None)
-    return _cpu_kernels(config, dtype, isa, measure_attention)
+    return _cpu_kernels(config, dtype, isa, measure_attention and kv_dtype is None, kv_dtype)
 
 
-def _cpu_kernels(config: ModelConfig, dtype: torch.dtype, isa: str | None, measure_attention: bool) -> AttentionKernels:
-    """The C++ kernels for this CPU (None where no compiler builds them or the shape is not supported)."""
-    decode = CpuDecodeKernel.load(isa)
-    prefill = CpuPrefillKernel.load(isa)
+def _reading_kv(kernel: Any | None, kv_dtype: str | None, path: str) -> Any | None:
+    """``kernel`` where it reads the pool's format (a float pool: always), else None, logged."""
+    if kernel is None or kernel.supports_kv(kv_dtype):
+        return kernel
+    logger.info("%s attention: the C++ kernel (%s) does not read a %s KV pool; torch on the dequantised K/V",
+                path, kernel.describe(torch.device("cpu")), kv_dtype)
+    return None
+
+
+def _cpu_kernels(config: ModelConfig, dtype: torch.dtype, isa: str | None, measure_attention: bool,
+                 kv_dtype: str | None = None) -> AttentionKernels:
+    """The C++ kernels for this CPU (None where no compiler builds them, the shape is not supported
+    or the kernel does not read the pool's 8-bit format ``kv_dtype``)."""
+    decode = _reading_kv(CpuDecodeKernel.load(isa), kv_dtype, "decode")
+    prefill = _reading_kv(CpuPrefillKernel.load(isa), kv_dtype, "prefill")
     if prefill is not None and not prefill.supports(dtype, config.num_heads, config.num_kv_heads, config.head_dim):
         prefill = None
     if prefill is not None and dtype == torch.bfloat16:

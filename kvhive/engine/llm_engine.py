@@ -141,7 +141,8 @@ class LLMEngine:
             from kvhive.model import cpu
 
             cpu_line = cpu.detect().describe()
-        return {"device": self.config.device, "dtype": self.config.dtype, "cpu": cpu_line,
+        return {"device": self.config.device, "dtype": self.config.dtype,
+                "kv_cache_dtype": self.config.kv_dtype, "cpu": cpu_line,
                 "cpu_isa": self.isa, "paths": dict(self.paths)}
 
     def count_device_blocks(self, block_hashes) -> int:

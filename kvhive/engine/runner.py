@@ -31,6 +31,7 @@ from kvhive.engine.step import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
 from kvhive.engine.step_inputs import PoolShape, StepInputBuilder, StepInputs, WindowPool
 from kvhive.kv.window_group import WindowLayout
 from kvhive.model.cuda_graphs import DecodeGraphs
+from kvhive.model.kv_quant import QUANTIZED_KV_DTYPES, canonical_kv_dtype, pool_dtype, row_elements
 from kvhive.model.llama import LlamaModel, resolve_dtype
 from kvhive.request import SEED_END
 from kvhive.structured import GrammarCompiler
@@ -49,6 +50,17 @@ def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return t if rows == list(range(t.shape[0])) else t[rows]
 
 
+def _quantized_kv(kv_dtype: str, dtype: torch.dtype) -> str | None:
+    """The 8-bit format a runner's pool holds ("int8" or "fp8"), None for a float pool (in the model's
+    ``dtype``: ValueError for another float KV dtype)."""
+    kv = canonical_kv_dtype(kv_dtype)
+    if kv in QUANTIZED_KV_DTYPES:
+        return kv
+    if kv != "auto" and resolve_dtype(kv) != dtype:
+        raise ValueError(f"--kv-cache-dtype {kv_dtype}: a float KV pool holds the model's dtype ({dtype})")
+    return None
+
+
 class ModelRunner:
     """Executes StepPlans on one model and one KV pool."""
 
@@ -58,14 +70,16 @@ class ModelRunner:
                  cuda_graphs: bool = True, max_num_seqs: int = 32, isa: str | None = None,
                  window: WindowLayout | None = None, measure_attention: bool = False,
                  grammars: GrammarCompiler | None = None, grammar_mask_overlap: bool = True,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", kv_dtype: str = "auto") -> None:
         """``isa``: the CPU ISA level of the attention kernels (``kvhive.model.cpu``; None: the CPU's best).
         ``window``: the window layers get a pool of their own (``kvhive.kv.window_group``); None: one pool.
         ``measure_attention``: a bf16 pool's prefill attention runs in torch instead of the C++ kernel
         where a synthetic layer says torch is faster here (else the kernel, whatever the timing).
         ``grammars``: compiles structured requests' specs (None: such a request fails); their token
         masks are computed while the forward runs unless ``grammar_mask_overlap`` is False.
-        ``attention_backend``: auto, triton or torch (``kvhive.engine.attention_kernels``)."""
+        ``attention_backend``: auto, triton or torch (``kvhive.engine.attention_kernels``).
+        ``kv_dtype``: the pool's --kv-cache-dtype (auto: the model's dtype; int8 or fp8: packed 8-bit
+        rows, ``kvhive.model.kv_quant``)."""
         self.model = model
         self.config = model_config
         self.num_blocks = num_blocks
@@ -74,6 +88,8 @@ class ModelRunner:
         self.device = torch.device(device)
         if model.dtype != self.dtype:
             raise ValueError(f"the model holds {model.dtype} weights but the runner was asked for {self.dtype}")
+        # The pool's 8-bit format ("int8" or "fp8"), None for a float pool in the model's dtype.
+        self.kv_dtype = _quantized_kv(kv_dtype, self.dtype)
         self.window = window
         self._allocate_pools(connector)
         # Seeded requests keep their generator until they appear in finished_request_ids.
@@ -86,7 +102,7 @@ class ModelRunner:
         # Attention straight from the pool on CPU (C++ kernels built for the ISA level ``isa``); None:
         # gather + torch (CUDA, no compiler, the portable level for prefill, or native_attention=False).
         kernels = choose_attention_kernels(model_config, self.dtype, self.device, native_attention, isa,
-                                           measure_attention, backend=attention_backend)
+                                           measure_attention, backend=attention_backend, kv_dtype=self.kv_dtype)
         self.decode_kernel, self.prefill_kernel = kernels.decode, kernels.prefill
         self.inputs = StepInputBuilder(
             model_config, PoolShape(num_blocks, block_size, self.kv_cache.shape[1], self.device), kernels,
@@ -101,12 +117,15 @@ class ModelRunner:
         """Allocate the KV pool (and the window layers' pool) and register them with the connector."""
         c, window = self.config, self.window
         num_layers = c.num_layers - (window.num_window_layers if window is not None else 0)
-        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]; a block is contiguous.
-        self.kv_cache = torch.zeros(self.num_blocks, num_layers, 2, self.block_size, c.num_kv_heads, c.head_dim,
-                                    dtype=self.dtype, device=self.device)
+        # [num_blocks, num_layers, 2, block_size, num_kv_heads, row]; a block is contiguous. A row is
+        # head_dim values, or an 8-bit pool's head_dim codes and 2-byte scale (kvhive.model.kv_quant).
+        kv = self.kv_dtype
+        row, dtype = (c.head_dim, self.dtype) if kv is None else (row_elements(c.head_dim, kv), pool_dtype(kv))
+        self.kv_cache = torch.zeros(self.num_blocks, num_layers, 2, self.block_size, c.num_kv_heads, row,
+                                    dtype=dtype, device=self.device)
         # The window layers' pool (kvhive.model.window_kv), in the same layout; None: one pool.
         self.window_cache = None if window is None else torch.zeros(
-            window.num_blocks, window.num_window_layers, *self.kv_cache.shape[2:], dtype=self.dtype, device=self.device)
+            window.num_blocks, window.num_window_layers, *self.kv_cache.shape[2:], dtype=dtype, device=self.device)
         # The KV connector's worker half: moves blocks between the pool and the store tiers.
         self.connector = connector
         if connector is not None:
@@ -129,6 +148,8 @@ class ModelRunner:
         """Which implementation decode and prefill attention run here (for the startup log and /version)."""
         sdpa = f"torch SDPA on {self.device}" if self.device.type != "cpu" else "torch SDPA on gathered K/V"
         window = {} if self.window is None else {"window_kv": self.window.describe(self.num_blocks)}
+        if self.kv_dtype is not None:
+            sdpa += f" (dequantised from {self.kv_dtype})"
         return {"decode_attention": self._kernel_name(self.decode_kernel, sdpa),
                 "prefill_attention": self._kernel_name(self.prefill_kernel, sdpa), **window}
 
@@ -141,16 +162,21 @@ class ModelRunner:
         return self.kv_cache.nbytes + (0 if self.window_cache is None else self.window_cache.nbytes)
 
     @staticmethod
-    def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str | torch.dtype) -> int:
-        """Bytes one pool block takes (K and V of block_size tokens in every layer)."""
-        itemsize = torch.empty((), dtype=resolve_dtype(dtype)).element_size()
-        return model_config.kv_values_per_token * block_size * itemsize
+    def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str | torch.dtype,
+                           kv_dtype: str = "auto") -> int:
+        """Bytes one pool block takes (K and V rows of block_size tokens in every layer; ``kv_dtype``:
+        the pool's --kv-cache-dtype, auto: the model's ``dtype``)."""
+        c, kv = model_config, _quantized_kv(kv_dtype, resolve_dtype(dtype))
+        rows = c.kv_values_per_token // c.head_dim * block_size
+        if kv is not None:
+            return rows * row_elements(c.head_dim, kv)          # one byte an element
+        return rows * c.head_dim * torch.empty((), dtype=resolve_dtype(dtype)).element_size()
 
     @staticmethod
     def num_blocks_for_bytes(model_config: ModelConfig, block_size: int, dtype: str | torch.dtype,
-                             nbytes: int) -> int:
+                             nbytes: int, kv_dtype: str = "auto") -> int:
         """How many pool blocks fit in nbytes."""
-        return int(nbytes) // ModelRunner.kv_bytes_per_block(model_config, block_size, dtype)
+        return int(nbytes) // ModelRunner.kv_bytes_per_block(model_config, block_size, dtype, kv_dtype)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step: start its KV transfers, compute every scheduled token, sample where asked."""
@@ -158,7 +184,7 @@ class ModelRunner:
         if self.connector is not None and plan.connector_meta is not None:
             # Saves are snapshotted here, before this step's forward can overwrite a reused block.
             self.connector.start_load_kv(plan.connector_meta)
-        for src, dst, n in plan.block_copies:
+        for src, dst, n in plan.block_copies:           # rows as they are: bytes for an 8-bit pool
             self.kv_cache[dst, :, :, :n] = self.kv_cache[src, :, :, :n]
         if plan.is_empty:
             return StepResult(sampled={})

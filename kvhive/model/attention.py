@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from kvhive.model.pool_values import gathered_values, store_rows, stored_values
 from kvhive.model.timing import min_times
 
 if TYPE_CHECKING:
@@ -183,8 +184,8 @@ def paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_cache: torch.Tenso
         # folded into the query-length axis, so no KV expansion is needed.
         n = dec.num_seqs
         ids = dec.block_tables.view(-1)
-        k = k_layer.index_select(0, ids).view(n, -1, num_kv_heads, head_dim)
-        v = v_layer.index_select(0, ids).view(n, -1, num_kv_heads, head_dim)
+        k = gathered_values(k_layer.index_select(0, ids), q.dtype).view(n, -1, num_kv_heads, head_dim)
+        v = gathered_values(v_layer.index_select(0, ids), q.dtype).view(n, -1, num_kv_heads, head_dim)
         qd = q[:n].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
         o = decode_sdpa(qd, k.transpose(1, 2), v.transpose(1, 2), dec.mask)
         out_parts.append(o.reshape(n, num_heads * head_dim))
@@ -192,7 +193,9 @@ def paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_cache: torch.Tenso
         # Every chunk straight from the pool (the Triton kernel: one launch for all of them).
         out_parts.extend(meta.prefill_kernel.attend_spans(q, kv_cache, layer, meta.prefills))
     else:
-        out_parts.extend(_gathered_prefill(q, kv_new, k_layer, v_layer, span) for span in meta.prefills)
+        if meta.prefills:
+            kv_read = stored_values(kv_new, kv_cache)       # an 8-bit pool's values, as a later step reads them
+            out_parts.extend(_gathered_prefill(q, kv_read, k_layer, v_layer, span) for span in meta.prefills)
     return out_parts[0] if len(out_parts) == 1 else torch.cat(out_parts)
 
 
@@ -203,17 +206,21 @@ def _gathered_prefill(q: torch.Tensor, kv_new: torch.Tensor, k_layer: torch.Tens
     if span.block_ids is None:
         k, v = kv_new[span.begin:span.end, 0], kv_new[span.begin:span.end, 1]   # [n, kv_heads, hd]
     else:
-        shape = (-1, *k_layer.shape[2:])
-        k = k_layer.index_select(0, span.block_ids).view(shape)[:span.context_len]
-        v = v_layer.index_select(0, span.block_ids).view(shape)[:span.context_len]
+        shape = (-1, k_layer.shape[2], q.shape[2])
+        k = gathered_values(k_layer.index_select(0, span.block_ids), q.dtype).view(shape)[:span.context_len]
+        v = gathered_values(v_layer.index_select(0, span.block_ids), q.dtype).view(shape)[:span.context_len]
     return prefill_attention(qs, k, v, span.mask)
 
 
 def write_kv(kv_new: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttnMetadata) -> None:
-    """Store the step's new K/V ([T, 2, kv_heads, head_dim]) of ``layer`` into their pool slots."""
-    _, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    rows = kv_cache.view(-1, num_kv_heads * head_dim)[layer * 2 * block_size:]
-    rows.index_put_((meta.slot_rows,), kv_new.reshape(kv_new.shape[0], 2, num_kv_heads * head_dim))
+    """Store the step's new K/V ([T, 2, kv_heads, head_dim]) of ``layer`` into their pool slots (an
+    8-bit pool gets them quantized, ``kvhive.model.pool_values``)."""
+    _, _, _, block_size, num_kv_heads, row = kv_cache.shape
+    new = store_rows(kv_new, kv_cache)
+    if new.element_size() == 1:             # 8-bit rows as bytes: index_put_ takes float8 nowhere
+        new, kv_cache = new.view(torch.uint8), kv_cache.view(torch.uint8)
+    rows = kv_cache.view(-1, num_kv_heads * row)[layer * 2 * block_size:]
+    rows.index_put_((meta.slot_rows,), new.reshape(new.shape[0], 2, num_kv_heads * row))
 
 
 def decode_mask(context_lens: torch.Tensor, num_keys: int) -> torch.Tensor:

@@ -28,6 +28,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from kvhive.model.attention import AttnMetadata, DecodeBatch, PrefillSpan, write_kv
+from kvhive.model.pool_values import gathered_values, stored_values
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,8 @@ def masked_paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_cache: torc
         # Straight from the pool, every chunk in one launch, scores in float32 (the Triton kernel).
         parts.extend(kernel.attend_spans(q, kv_cache, layer, meta.prefills, rule))
     else:
-        parts.extend(_prefill_span(q, kv_new, k_layer, v_layer, span, rule) for span in meta.prefills)
+        kv_read = stored_values(kv_new, kv_cache) if meta.prefills else kv_new   # an 8-bit pool's values
+        parts.extend(_prefill_span(q, kv_read, k_layer, v_layer, span, rule) for span in meta.prefills)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -90,8 +92,8 @@ def _decode_rows(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, 
     """The decode rows' attention: each row over its own block table, up to its own position."""
     n, block_size = dec.num_seqs, k_layer.shape[1]
     ids = dec.block_tables.view(-1)
-    k = k_layer.index_select(0, ids).view(n, -1, *k_layer.shape[2:])
-    v = v_layer.index_select(0, ids).view(n, -1, *v_layer.shape[2:])
+    k = gathered_values(k_layer.index_select(0, ids), q.dtype).view(n, -1, k_layer.shape[2], q.shape[2])
+    v = gathered_values(v_layer.index_select(0, ids), q.dtype).view(n, -1, v_layer.shape[2], q.shape[2])
     keys = torch.arange(dec.block_tables.shape[1] * block_size, device=q.device)
     if first_keys is not None:                                      # row i's keys start at first_keys[i]
         keys = first_keys[:, None] + keys[None, :]
@@ -110,8 +112,8 @@ def _prefill_span(q: torch.Tensor, kv_new: torch.Tensor, k_layer: torch.Tensor, 
     else:
         first_block = 0 if rule.window is None else max(0, span.start_pos - rule.window + 1) // block_size
         first_key, ids = first_block * block_size, span.block_ids[first_block:]
-        k = k_layer.index_select(0, ids).flatten(0, 1)[:span.context_len - first_key]
-        v = v_layer.index_select(0, ids).flatten(0, 1)[:span.context_len - first_key]
+        k = gathered_values(k_layer.index_select(0, ids), q.dtype).flatten(0, 1)[:span.context_len - first_key]
+        v = gathered_values(v_layer.index_select(0, ids), q.dtype).flatten(0, 1)[:span.context_len - first_key]
     query_pos = torch.arange(span.start_pos, span.start_pos + n, device=q.device)
     key_pos = torch.arange(first_key, span.context_len, device=q.device)
     mask = visible(query_pos, key_pos, rule.window)
