@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvhive.core.speculative_config import SpeculativeConfig
+from kvhive.engine.speculative.acceptance_prior import AcceptancePriors
 from kvhive.engine.speculative.draft_length import DraftLength
 from kvhive.engine.speculative.ngram_index import NgramIndex
 from kvhive.engine.speculative.tenant_history import HistoryStats, HistoryStore
@@ -37,20 +38,24 @@ def can_speculate(request: Request) -> bool:
 
 
 class _RequestDrafts:
-    """One request's n-gram index and adaptive draft length."""
+    """One request's n-gram index, adaptive draft length and draft tokens verified and accepted."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, rate: float) -> None:
         self.index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
-        self.length = DraftLength(config.num_speculative_tokens)
+        self.length = DraftLength(config.num_speculative_tokens, rate, config.prompt_lookup_min,
+                                  config.prompt_lookup_max)
         self.from_history = False       # whether its latest draft came from the history store
+        self.num_proposed = self.num_accepted = 0
 
 
 class DraftProposer:
-    """Per-request drafting state, kept from a request's first decode step until it finishes."""
+    """Per-request drafting state, kept from a request's first decode step until it finishes, and
+    each tenant's acceptance prior, which a request starts from."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self._requests: dict[str, _RequestDrafts] = {}
+        self.priors = AcceptancePriors()
         self._num_drafts = self._num_draft_tokens = self._num_accepted = 0
         self._num_history_draft_tokens = self._num_history_accepted = 0
         self.history = None if config.method != "history" else HistoryStore(
@@ -63,15 +68,17 @@ class DraftProposer:
             return []
         state = self._requests.get(request.request_id)
         if state is None:
-            state = self._requests[request.request_id] = _RequestDrafts(self.config)
+            state = self._requests[request.request_id] = _RequestDrafts(
+                self.config, self.priors.prior(request.cache_salt))
         state.index.extend(request.all_token_ids[len(state.index):])
         length = min(state.length.next_length(), max_tokens)
         if length <= 0:
             return []
-        drafts = state.index.propose(length)
+        min_match = state.length.min_match
+        drafts = state.index.propose(length, min_match)
         state.from_history = not drafts and self.history is not None
         if state.from_history:
-            drafts = self.history.propose(request.cache_salt, state.index.tokens, length)
+            drafts = self.history.propose(request.cache_salt, state.index.tokens, length, min_match)
         return drafts
 
     def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
@@ -82,14 +89,18 @@ class DraftProposer:
         state = self._requests.get(request_id)
         if state is not None:
             state.length.record(num_proposed, num_accepted)
+            state.num_proposed += num_proposed
+            state.num_accepted += num_accepted
             if state.from_history:
                 self._num_history_draft_tokens += num_proposed
                 self._num_history_accepted += num_accepted
 
     def finish(self, request: Request) -> None:
-        """Drop a finished request's state; with method "history", keep its prompt and output for
-        its tenant's later drafts."""
-        self._requests.pop(request.request_id, None)
+        """Drop a finished request's state, folding its drafts' outcome into its tenant's prior;
+        with method "history", keep its prompt and output for its tenant's later drafts."""
+        state = self._requests.pop(request.request_id, None)
+        if state is not None:
+            self.priors.record(request.cache_salt, state.num_proposed, state.num_accepted)
         if self.history is not None:
             self.history.record(request.cache_salt, request.all_token_ids)
 

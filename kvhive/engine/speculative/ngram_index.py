@@ -35,13 +35,14 @@ class NgramIndex:
                 self._next[n - self.min_n][tuple(tokens[end - n:end])] = end
             tokens.append(token)
 
-    def propose(self, max_tokens: int) -> list[int]:
+    def propose(self, max_tokens: int, min_match: int = 0) -> list[int]:
         """Up to ``max_tokens`` tokens that followed the latest earlier occurrence of the longest
-        suffix (``max_n`` down to ``min_n`` tokens) of the sequence; [] when no suffix occurred before."""
+        suffix (``max_n`` down to ``min_n`` tokens, and at least ``min_match``) of the sequence;
+        [] when no such suffix occurred before."""
         tokens, end = self.tokens, len(self.tokens)
         if max_tokens <= 0:
             return []
-        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
+        for n in range(min(self.max_n, end - 1), max(self.min_n, min_match) - 1, -1):
             start = self._next[n - self.min_n].get(tuple(tokens[end - n:]))
             if start is not None:
                 return tokens[start:start + max_tokens]
