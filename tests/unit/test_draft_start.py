@@ -65,7 +65,8 @@ def salted(rid: str, prompt: list[int], salt: str | None) -> Request:
 
 
 def test_a_tenants_next_request_starts_from_what_its_finished_requests_accepted() -> None:
-    proposer = DraftProposer(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=2))
+    proposer = DraftProposer(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2,
+                                               prompt_lookup_max=2))
     prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2]
     first = salted("a1", prompt, "key:a")
     assert proposer.propose(first, 8) == [3, 4, 5, 6]              # full length: nothing seen yet
@@ -127,7 +128,8 @@ def test_the_index_and_the_history_draft_only_from_matches_at_least_the_shortest
 def test_a_rejected_short_match_makes_the_request_wait_for_a_longer_one() -> None:
     """An open question's waste: a 2-token match drafts, the model disagrees; the next 2-token
     match drafts nothing, a longer one does."""
-    proposer = DraftProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=4))
+    proposer = DraftProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2,
+                                               prompt_lookup_max=4))
     request = make_request("o", [5, 1, 2, 7, 8, 6, 9, 1, 2], max_tokens=50)
     assert proposer.propose(request, 8) == [7, 8, 6]
     proposer.record("o", 3, 0)

@@ -6,7 +6,8 @@ verified drafts, starting at the rate its tenant's earlier requests reached (``A
 1 for a tenant not seen yet). The next draft is up to ``round(rate * max_len)`` tokens. When that
 rounds to 0 the request stops drafting: it runs plain one-token steps and probes with a one-token
 draft only after a wait that doubles with each probe (``FIRST_WAIT`` steps up to ``MAX_WAIT``),
-so a request whose drafts are never accepted costs almost nothing. An accepted probe raises the rate, and the length grows back.
+so a request whose drafts are never accepted costs almost nothing. An accepted probe raises the
+rate, and the length grows back.
 
 Until a request's first accepted draft, each verified step that accepts nothing raises the
 shortest suffix match that may draft by one (from the lookup's least length up to its most); the

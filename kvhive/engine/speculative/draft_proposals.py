@@ -92,7 +92,8 @@ class DraftProposer:
                       or self.history.propose(request.cache_salt, state.index.tokens, length, min_match))
         return drafts
 
-    def _live_proposal(self, request: Request, state: _RequestDrafts, length: int, min_match: int) -> list[int]:
+    def _live_proposal(self, request: Request, state: _RequestDrafts, length: int,
+                       min_match: int) -> list[int]:
         """A draft from the tokens of the tenant's other running requests, latest first ([]: none)."""
         peers = self._live.get(request.cache_salt, {})
         others = (peer for rid, peer in reversed(peers.items()) if rid != request.request_id)
