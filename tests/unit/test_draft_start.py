@@ -9,6 +9,7 @@ import random
 import pytest
 from support.scheduler_parts import make_request
 from test_speculative_drafting import brute_force_proposal
+from test_tenant_history import brute_force
 
 from kvhive.core.speculative_config import SpeculativeConfig
 from kvhive.engine.speculative.acceptance_prior import DEFAULT_PRIOR, AcceptancePriors
@@ -102,15 +103,6 @@ def test_the_shortest_match_rises_after_rejections_until_the_first_accepted_draf
         DraftLength(5, 1.5)
 
 
-def stored_proposal(stored: list[int], context: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """What followed the latest occurrence in ``stored`` of the longest suffix of ``context``, by scanning."""
-    for n in range(min(max_n, len(context)), min_n - 1, -1):
-        starts = [s for s in range(len(stored) - n) if stored[s:s + n] == context[len(context) - n:]]
-        if starts:
-            return stored[max(starts) + n:max(starts) + n + k]
-    return []
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_the_index_and_the_history_draft_only_from_matches_at_least_the_shortest(seed: int) -> None:
     rng = random.Random(seed)
@@ -121,7 +113,7 @@ def test_the_index_and_the_history_draft_only_from_matches_at_least_the_shortest
     for min_match in range(0, 6):
         least = max(1, min_match)
         assert index.propose(3, min_match) == brute_force_proposal(tokens, least, 4, 3)
-        assert store.propose("t", context, 3, min_match) == stored_proposal(tokens, context, least, 4, 3)
+        assert store.propose("t", context, 3, min_match) == brute_force([tokens], context, least, 4, 3)
     assert index.propose(3, 5) == [] and store.propose("t", context, 3, 5) == []
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_draft_start import stored_proposal
+from test_tenant_history import brute_force
 
 from kvhive.core.speculative_config import SpeculativeConfig
 from kvhive.engine.speculative.draft_proposals import MAX_LIVE_PEERS, DraftProposer
@@ -23,7 +23,7 @@ def test_follow_finds_what_a_scan_of_the_sequence_finds(seed: int) -> None:
     for _ in range(20):
         context = [rng.randrange(3) for _ in range(rng.randint(1, 7))]
         min_match = rng.randint(0, 5)
-        expected = stored_proposal(tokens, context, max(2, min_match), 4, 3)
+        expected = brute_force([tokens], context, max(2, min_match), 4, 3)
         assert index.follow(context, 3, min_match) == expected
 
 
