@@ -7,7 +7,9 @@
 The default model (float32) answers a prompt that quotes itself (repeat a document) and an open
 question, greedy, to max_tokens. Decode speed is (tokens - 1) over the time from the first token
 to the last; each case runs --repeat times after one warm-up and the median is printed, with the
-tokens per engine step and the outputs' equality (speculation must not change them).
+tokens per engine step, the drafting counters of all runs (the warm-up included: it sets the
+tenant's acceptance prior the later runs start from) and the outputs' equality (speculation must
+not change them).
 """
 
 from __future__ import annotations
@@ -78,7 +80,11 @@ def main() -> None:
             tokens, _, steps = runs[0]
             rate = statistics.median((len(t) - 1) / s for t, s, _ in runs)
             results[label] = (tokens, rate)
-            print(f"{name:8s} {label:6s} {rate:7.1f} tok/s  {len(tokens) / steps:4.2f} tokens/step")
+            counters = engine.stats().spec_decode
+            counts = "" if counters is None else (
+                f"  (all {args.repeat + 1} runs: {counters.num_drafts} drafted steps, "
+                f"{counters.num_draft_tokens} draft tokens, {counters.num_accepted_tokens} accepted)")
+            print(f"{name:8s} {label:6s} {rate:7.1f} tok/s  {len(tokens) / steps:4.2f} tokens/step{counts}")
         print(f"{name:8s} speed-up {results['ngram'][1] / results['plain'][1]:.2f}x, same tokens: "
               f"{results['ngram'][0] == results['plain'][0]}")
 

@@ -84,9 +84,9 @@ class EngineStatsCollector(Collector):
                 ("kvhive_spec_decode_num_accepted_tokens", "Draft tokens the target model accepted.",
                  s.spec_decode.num_accepted_tokens),
                 ("kvhive_spec_decode_num_history_draft_tokens", "Draft tokens verified that came from the "
-                 "tenant's history (method history).", s.spec_decode.num_history_draft_tokens),
-                ("kvhive_spec_decode_num_history_accepted_tokens", "Draft tokens from the tenant's history "
-                 "that the target model accepted.", s.spec_decode.num_history_accepted_tokens),
+                 "tenant's running requests or history (method history).", s.spec_decode.num_history_draft_tokens),
+                ("kvhive_spec_decode_num_history_accepted_tokens", "Draft tokens from the tenant's running "
+                 "requests or history that the target model accepted.", s.spec_decode.num_history_accepted_tokens),
             ))
 
     def _window_blocks(self, pool: BlockPoolStats) -> Metric:

@@ -98,3 +98,41 @@ def test_history_drafts_leave_greedy_output_as_plain_over_a_batch(engines) -> No
             got[out.request_id] += out.new_token_ids
     assert {name: got[f"s-{name}"] for name in requests} == expected
     assert history_counts(spec)[1] > 0
+
+
+def run_behind(engine: LLMEngine, leader: tuple[str, list[int], str], follower: tuple[str, list[int], str],
+               lead_steps: int) -> tuple[dict[str, list[int]], tuple[int, int]]:
+    """Start ``leader``, step it ``lead_steps`` times, add ``follower``; run both to the end. Their
+    outputs and the history draft counts taken while no request had finished."""
+    engine.add_request(leader[0], leader[1], GREEDY, cache_salt=leader[2])
+    got: dict[str, list[int]] = {leader[0]: [], follower[0]: []}
+    for _ in range(lead_steps):
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    engine.add_request(follower[0], follower[1], GREEDY, cache_salt=follower[2])
+    live_counts = (0, 0)
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+        if engine.scheduler.speculation.proposer.history_stats().num_sequences == 0:
+            live_counts = history_counts(engine)
+    engine.scheduler.kv.pool.check_integrity()
+    return got, live_counts
+
+
+@pytest.mark.parametrize("same_tenant", [True, False])
+def test_a_request_drafts_from_its_tenants_running_requests_only(engines, same_tenant: bool) -> None:
+    make, prompts = engines
+    plain = make(None)
+    first = run(plain, "p-a", prompts["a"], None)
+    continued = prompts["a"] + first[:4]
+    expected = run(plain, "p-a-again", continued, None)
+    spec = make(history_config())
+    follower_salt = "key:a" if same_tenant else "key:b"
+    got, (drafted, accepted) = run_behind(spec, ("lead", prompts["a"], "key:a"),
+                                          ("follow", continued, follower_salt), lead_steps=14)
+    assert got == {"lead": first, "follow": expected}
+    if same_tenant:
+        assert drafted > 0 and accepted > 0, "nothing drafted from the running request's tokens"
+    else:
+        assert (drafted, accepted) == (0, 0), "a tenant drafted from another tenant's running request"

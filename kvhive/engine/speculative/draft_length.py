@@ -1,11 +1,20 @@
-"""Each request's draft length, adapted to how many of its drafts the target model accepts.
+"""Each request's draft length and shortest n-gram match, adapted to how many of its drafts the
+target model accepts.
 
 The acceptance rate is an exponentially weighted average of accepted / proposed over the steps that
-verified drafts (starting at 1). The next draft is up to ``round(rate * max_len)`` tokens. When
-that rounds to 0 the request stops drafting: it runs plain one-token steps and probes with a
-one-token draft only after a wait that doubles with each probe (``FIRST_WAIT`` steps up to
-``MAX_WAIT``), so a request whose drafts are never accepted costs almost nothing. An accepted
-probe raises the rate, and the length grows back.
+verified drafts, starting at the rate its tenant's earlier requests reached (``AcceptancePriors``;
+1 for a tenant not seen yet). The next draft is up to ``round(rate * max_len)`` tokens. When that
+rounds to 0 the request stops drafting: it runs plain one-token steps and probes with a one-token
+draft only after a wait that doubles with each probe (``FIRST_WAIT`` steps up to ``MAX_WAIT``),
+so a request whose drafts are never accepted costs almost nothing. An accepted probe raises the
+rate, and the length grows back.
+
+Until a request's first accepted draft, each verified step that accepts nothing raises the
+shortest suffix match that may draft by one (from the lookup's least length up to its most); the
+first accepted draft sets it back to the least for the rest of the request. Short matches in free
+text are mostly chance (a rejected draft from a 2-token match is the typical waste of an open
+question), while a text that quotes soon matches long suffixes and accepts; lowering it for good
+after an acceptance keeps the drafts of code edits and quotes that resume after a pause.
 """
 
 from __future__ import annotations
@@ -20,11 +29,17 @@ MAX_WAIT = 512
 
 
 class DraftLength:
-    """The adaptive draft length of one request (``max_len``: the configured most)."""
+    """The adaptive draft length of one request (``max_len``: the configured most; ``rate``: the
+    starting acceptance rate; ``min_match``..``max_match``: the n-gram lengths its drafts may use)."""
 
-    def __init__(self, max_len: int) -> None:
+    def __init__(self, max_len: int, rate: float = 1.0, min_match: int = 1, max_match: int = 1) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"acceptance rate must be in [0, 1], got {rate}")
         self.max_len = max_len
-        self.rate = 1.0
+        self.rate = rate
+        self.min_match = min_match              # the shortest suffix match that may draft now
+        self._least_match, self._most_match = min_match, max(min_match, max_match)
+        self._accepted_any = False
         self._wait = 0              # plain steps left before the next probe
         self._next_wait = FIRST_WAIT
 
@@ -41,6 +56,13 @@ class DraftLength:
         return 1
 
     def record(self, num_proposed: int, num_accepted: int) -> None:
-        """Fold one verified step into the rate: ``num_accepted`` of ``num_proposed`` drafts accepted."""
-        if num_proposed > 0:
-            self.rate += RATE_WEIGHT * (num_accepted / num_proposed - self.rate)
+        """Fold one verified step into the rate and the shortest match: ``num_accepted`` of
+        ``num_proposed`` drafts accepted."""
+        if num_proposed <= 0:
+            return
+        self.rate += RATE_WEIGHT * (num_accepted / num_proposed - self.rate)
+        if num_accepted > 0 and not self._accepted_any:
+            self._accepted_any = True
+            self.min_match = self._least_match
+        elif not self._accepted_any and self.min_match < self._most_match:
+            self.min_match += 1

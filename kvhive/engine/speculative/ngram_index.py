@@ -3,12 +3,13 @@
 For each length n in ``min_n..max_n`` a dict maps an n-gram to the position right after its latest
 occurrence whose next token is known. Appending a token adds one entry per length (the n-grams
 that now have a next token), so drafting costs O(max_n^2) per token however long the sequence is;
-the sequence is never rescanned.
+the sequence is never rescanned. ``follow`` looks up another sequence's suffix in the index (method
+"history" drafts from the tenant's running requests with it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
 class NgramIndex:
@@ -35,14 +36,22 @@ class NgramIndex:
                 self._next[n - self.min_n][tuple(tokens[end - n:end])] = end
             tokens.append(token)
 
-    def propose(self, max_tokens: int) -> list[int]:
+    def propose(self, max_tokens: int, min_match: int = 0) -> list[int]:
         """Up to ``max_tokens`` tokens that followed the latest earlier occurrence of the longest
-        suffix (``max_n`` down to ``min_n`` tokens) of the sequence; [] when no suffix occurred before."""
-        tokens, end = self.tokens, len(self.tokens)
+        suffix (``max_n`` down to ``min_n`` tokens, and at least ``min_match``) of the sequence;
+        [] when no such suffix occurred before."""
+        return self.follow(self.tokens, max_tokens, min_match)
+
+    def follow(self, context: Sequence[int], max_tokens: int, min_match: int = 0) -> list[int]:
+        """Up to ``max_tokens`` tokens that followed, in this sequence, the latest occurrence of the
+        longest suffix of ``context`` (``max_n`` down to ``min_n`` tokens, and at least
+        ``min_match``) that has a known follower here; [] when none has."""
         if max_tokens <= 0:
             return []
-        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
-            start = self._next[n - self.min_n].get(tuple(tokens[end - n:]))
+        tokens, end = self.tokens, len(context)
+        # The whole sequence as an n-gram has no follower in it, so its own suffix of n = end never matches.
+        for n in range(min(self.max_n, end), max(self.min_n, min_match) - 1, -1):
+            start = self._next[n - self.min_n].get(tuple(context[end - n:]))
             if start is not None:
                 return tokens[start:start + max_tokens]
         return []

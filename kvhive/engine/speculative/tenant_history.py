@@ -95,12 +95,13 @@ class TenantHistory:
             self._start = 0
         return StoredSequence(offset, length)
 
-    def propose(self, context: Sequence[int], max_tokens: int) -> list[int]:
+    def propose(self, context: Sequence[int], max_tokens: int, min_match: int = 0) -> list[int]:
         """Up to ``max_tokens`` tokens that followed the latest stored occurrence of the longest
-        suffix (``max_n`` down to ``min_n`` tokens) of ``context``; [] when none is stored."""
+        suffix (``max_n`` down to ``min_n`` tokens, and at least ``min_match``) of ``context``;
+        [] when none is stored."""
         if max_tokens <= 0:
             return []
-        for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
+        for n in range(min(self.max_n, len(context)), max(self.min_n, min_match) - 1, -1):
             ngram = tuple(context[len(context) - n:])
             follower = self._index.get(hash(ngram))
             if follower is None:
@@ -150,10 +151,12 @@ class HistoryStore:
         self._order[(tenant, history.add(token_ids))] = None
         self.num_tokens += len(token_ids)
 
-    def propose(self, tenant: str | None, context: Sequence[int], max_tokens: int) -> list[int]:
-        """Up to ``max_tokens`` draft tokens from ``tenant``'s own history only ([]: none)."""
+    def propose(self, tenant: str | None, context: Sequence[int], max_tokens: int,
+                min_match: int = 0) -> list[int]:
+        """Up to ``max_tokens`` draft tokens from ``tenant``'s own history only, for a suffix of at
+        least ``min_match`` tokens ([]: none)."""
         history = self._tenants.get(tenant)
-        return [] if history is None else history.propose(context, max_tokens)
+        return [] if history is None else history.propose(context, max_tokens, min_match)
 
     def stats(self) -> HistoryStats:
         """What the store holds now."""
