@@ -72,7 +72,7 @@ def _reading_kv(kernel: Any | None, kv_dtype: str | None, path: str) -> Any | No
     """``kernel`` where it reads the pool's format (a float pool: always), else None, logged."""
     if kernel is None or kernel.supports_kv(kv_dtype):
         return kernel
-    logger.info("%s attention: the C++ kernel (%s) does not read a %s KV pool; torch on the dequantised K/V",
+    logger.info("%s attention: the C++ kernel (%s) does not read %s KV pools; torch on the dequantised K/V",
                 path, kernel.describe(torch.device("cpu")), kv_dtype)
     return None
 

@@ -34,16 +34,15 @@ from __future__ import annotations
 
 import torch
 
-# --kv-cache-dtype values; "auto": the model's --dtype.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3")
-QUANTIZED_KV_DTYPES = ("int8", "fp8")
-SCALE_BYTES = 2
+from kvhive.core.kv_cache_dtype import QUANTIZED as QUANTIZED_KV_DTYPES
+from kvhive.core.kv_cache_dtype import SCALE_BYTES
+
 _CODE_MAX = {"int8": 127.0, "fp8": 448.0}
 _POOL_DTYPE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
 def canonical_kv_dtype(name: str) -> str:
-    """The one name of a --kv-cache-dtype value (``fp8_e4m3`` is ``fp8``)."""
+    """The one name of an 8-bit --kv-cache-dtype value (``fp8_e4m3`` is ``fp8``)."""
     return "fp8" if name == "fp8_e4m3" else name
 
 

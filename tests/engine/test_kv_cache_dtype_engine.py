@@ -179,10 +179,37 @@ def test_block_bytes_and_pool_follow_the_row_size(tokenizer) -> None:
     assert sizes["int8"] == sizes["fp8_e4m3"] == sizes["auto"] * 18 // 64
 
 
-@pytest.mark.parametrize("isa", [level for level in ("avx512", "avx2", "portable") if cpu.detect().supports(level)])
-def test_every_kernel_level_falls_back_to_torch_on_an_8bit_pool(tokenizer, caplog, isa: str) -> None:
-    """A kernel that does not read 8-bit rows (supports_kv) leaves both paths to torch, logged, and
-    the tokens are those of the torch backend."""
+LEVELS = [level for level in ("avx512_bf16", "avx512", "avx2", "portable") if cpu.detect().supports(level)]
+
+
+@pytest.mark.parametrize("isa", LEVELS)
+def test_the_kernels_read_8bit_pools_and_give_the_torch_paths_tokens(tokenizer, isa: str) -> None:
+    """At every level the C++ kernels that exist there read the 8-bit pool (no fallback), and the
+    tokens are those of the torch backend."""
+    outs = {}
+    for backend in ("auto", "torch"):
+        engine = make_engine(tokenizer, num_blocks=24, kv_cache_dtype="int8", cpu_isa=isa,
+                             attention_backend=backend)
+        try:
+            if backend == "auto":
+                assert engine.runner.decode_kernel is not None
+                assert (engine.runner.prefill_kernel is None) == (isa == "portable")
+                assert "dequantised" not in engine.paths["decode_attention"]
+            outs[backend] = _generate(engine, "x", PROMPT)
+        finally:
+            engine.close()
+    _assert_same(outs["auto"], outs["torch"], isa)
+
+
+@pytest.mark.parametrize("isa", [level for level in ("avx512", "avx2") if cpu.detect().supports(level)])
+def test_a_kernel_that_does_not_read_8bit_rows_falls_back_to_torch(tokenizer, caplog, monkeypatch, isa: str) -> None:
+    """Forced on any host: kernels whose ``supports_kv`` refuses the format leave both paths to
+    torch, logged, and the tokens are those of the torch backend."""
+    from kvhive.model.decode_kernel import CpuDecodeKernel
+    from kvhive.model.prefill_kernel import CpuPrefillKernel
+
+    for kernel in (CpuDecodeKernel, CpuPrefillKernel):
+        monkeypatch.setattr(kernel, "supports_kv", lambda self, kv_dtype: kv_dtype is None)
     outs = {}
     for backend in ("auto", "torch"):
         with caplog.at_level(logging.INFO, logger="kvhive.engine.attention_kernels"):
@@ -195,7 +222,7 @@ def test_every_kernel_level_falls_back_to_torch_on_an_8bit_pool(tokenizer, caplo
             outs[backend] = _generate(engine, "x", PROMPT)
         finally:
             engine.close()
-    assert "does not read a int8 KV pool" in caplog.text
+    assert "does not read int8 KV pools" in caplog.text
     _assert_same(outs["auto"], outs["torch"], isa)
 
 

@@ -109,7 +109,7 @@ def test_cpu_kernels_serve_an_8bit_pool_only_where_they_read_it(monkeypatch, cap
     with caplog.at_level(logging.INFO, logger="kvhive.engine.attention_kernels"):
         dropped = choose_attention_kernels(cfg, torch.float32, cpu, True, None, measure_attention=True, kv_dtype="fp8")
     assert dropped.decode is None and dropped.prefill is None
-    assert "does not read a fp8 KV pool; torch on the dequantised K/V" in caplog.text
+    assert "does not read fp8 KV pools; torch on the dequantised K/V" in caplog.text
 
 
 def test_triton_does_not_read_an_8bit_pool(caplog) -> None:
