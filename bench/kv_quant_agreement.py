@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 from dataclasses import asdict, dataclass
 
@@ -136,12 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-len", type=int, default=400)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="kv_quant_agreement.json", help="JSON result file")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
+                                                 "kv_quant_agreement.json"), help="JSON result file")
     p.add_argument("--smoke", action="store_true", help="4 short prompts, 8 tokens, a tiny random model")
     args = p.parse_args(argv)
     if args.smoke:
         args.prompts, args.min_len, args.max_len, args.new_tokens = 4, 20, 40, 8
     rows = run(args)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"machine": machine(), "command": command("bench/kv_quant_agreement.py"), "smoke": args.smoke,
                    "results": [asdict(r) for r in rows]}, f, indent=2)
