@@ -34,11 +34,14 @@ def check_kv_cache_dtype(kv_cache_dtype: str, dtype: str, on_cpu: bool, attentio
                          f"use --attention-backend auto or torch (torch on the dequantised K/V)")
 
 
+def canonical_kv_dtype(name: str) -> str:
+    """The one name of a --kv-cache-dtype value (``fp8_e4m3`` is ``fp8``)."""
+    return "fp8" if name == "fp8_e4m3" else name
+
+
 def resolve_kv_dtype(kv_cache_dtype: str, dtype: str) -> str:
     """The pool's KV dtype: float32, bfloat16, float16 (``auto``: the model's ``dtype``), int8 or fp8."""
-    if kv_cache_dtype == "auto":
-        return dtype
-    return "fp8" if kv_cache_dtype == "fp8_e4m3" else kv_cache_dtype
+    return dtype if kv_cache_dtype == "auto" else canonical_kv_dtype(kv_cache_dtype)
 
 
 def is_quantized(kv_dtype: str) -> bool:

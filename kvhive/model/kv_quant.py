@@ -35,15 +35,10 @@ from __future__ import annotations
 import torch
 
 from kvhive.core.kv_cache_dtype import QUANTIZED as QUANTIZED_KV_DTYPES
-from kvhive.core.kv_cache_dtype import SCALE_BYTES
+from kvhive.core.kv_cache_dtype import SCALE_BYTES, canonical_kv_dtype
 
 _CODE_MAX = {"int8": 127.0, "fp8": 448.0}
 _POOL_DTYPE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
-
-
-def canonical_kv_dtype(name: str) -> str:
-    """The one name of an 8-bit --kv-cache-dtype value (``fp8_e4m3`` is ``fp8``)."""
-    return "fp8" if name == "fp8_e4m3" else name
 
 
 def is_quantized_pool(kv_cache: torch.Tensor) -> bool:
