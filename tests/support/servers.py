@@ -87,15 +87,19 @@ def _bindable(port: int) -> bool:
     return True
 
 
+_LOWEST_PORT = 20000
+
+
 def free_port() -> int:
     """A TCP port nobody listens on right now, not handed out before in this process, and below the
     kernel's ephemeral range, so that no outgoing connection (a test's own HTTP client) takes it between
-    now and the moment a server binds it."""
+    now and the moment a server binds it. Never below 20000: Ray keeps 10001-19999 for its client server
+    and workers and refuses a head port there."""
     low, _ = _ephemeral_range()
     rng = random.Random()
-    if low > 12000:
+    if low > _LOWEST_PORT + 2000:
         for _ in range(200):
-            port = rng.randrange(10000, low)
+            port = rng.randrange(_LOWEST_PORT, low)
             if port not in _HANDED_OUT and _bindable(port):
                 _HANDED_OUT.add(port)
                 return port
