@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from kvhive.connector.disagg.transfer_config import KVTransferConfig
 from kvhive.core.kv_cache_dtype import check_kv_cache_dtype, kv_row_bytes, resolve_kv_dtype
 from kvhive.core.kv_events_config import KVEventsConfig
+from kvhive.core.scheduler_config import SCHEDULING_POLICIES, STEP_BUDGETS, SchedulerConfig  # noqa: F401
 from kvhive.core.speculative_config import SpeculativeConfig
 
 # ISA levels of the CPU kernels, best first (kvhive.model.cpu), and "auto": the best the CPU runs.
@@ -152,60 +153,6 @@ class CacheConfig:
             raise ValueError(f"--kv-cache-gb {self.kv_cache_gb:g} holds {num_blocks} blocks of "
                              f"{block_bytes} bytes; the pool needs at least 2")
         return num_blocks
-
-
-STEP_BUDGETS = ("compute", "tokens")
-# vLLM's --scheduling-policy: arrival order, or (request priority, arrival), lower first.
-SCHEDULING_POLICIES = ("fcfs", "priority")
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Continuous batching limits."""
-
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 8192
-    # How a token counts against max_num_batched_tokens: "tokens", one each; "compute", 1 + p / C
-    # at position p (C: attention_context, set from the model by EngineConfig.resolved).
-    step_budget: str = "tokens"
-    attention_context: int | None = None
-    scheduling_policy: str = "fcfs"
-
-    @property
-    def by_priority(self) -> bool:
-        """Whether requests are admitted by their ``priority`` (lower first), then arrival."""
-        return self.scheduling_policy == "priority"
-
-    def __post_init__(self) -> None:
-        if self.step_budget not in STEP_BUDGETS:
-            raise ValueError(f"--step-budget must be one of {', '.join(STEP_BUDGETS)}, got {self.step_budget!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
-                             f"got {self.scheduling_policy!r}")
-        if self.attention_context is not None and self.attention_context <= 0:
-            raise ValueError(f"attention_context must be positive, got {self.attention_context}")
-        if self.max_num_seqs <= 0:
-            raise ValueError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at "
-                             f"least --max-num-seqs ({self.max_num_seqs})")
-        if self.max_model_len <= 0:
-            raise ValueError(f"--max-model-len must be positive, got {self.max_model_len}")
-
-    def capped(self, max_position_embeddings: int) -> SchedulerConfig:
-        """This config with ``max_model_len`` at most the model's context."""
-        if self.max_model_len <= max_position_embeddings:
-            return self
-        return replace(self, max_model_len=max_position_embeddings)
-
-    def for_model(self, model: ModelConfig) -> SchedulerConfig:
-        """This config capped at the model's context and, with ``step_budget`` "compute", with the
-        model's ``attention_context``."""
-        capped = self.capped(model.max_position_embeddings)
-        if self.step_budget != "compute" or self.attention_context is not None:
-            return capped
-        return replace(capped, attention_context=model.attention_balance_context)
 
 
 @dataclass(frozen=True)
@@ -396,4 +343,5 @@ class EngineConfig:
             raise ValueError("KV tiers need prefix caching")
         num_blocks = self.cache.resolve_num_blocks(self.kv_bytes_per_block(model))
         return replace(self, cache=replace(self.cache, num_blocks=num_blocks),
-                       scheduler=self.scheduler.for_model(model))
+                       scheduler=self.scheduler.for_model(model.max_position_embeddings,
+                                                           model.attention_balance_context))

@@ -17,11 +17,8 @@ from kvhive.config import (
     MAX_QUANT_ROWS,
     METRICS_COMPAT,
     PINNED_AUTO,
-    SCHEDULING_POLICIES,
-    STEP_BUDGETS,
     CacheConfig,
     EngineConfig,
-    SchedulerConfig,
     SessionConfig,
     StoreConfig,
 )
@@ -33,6 +30,7 @@ from kvhive.core.kv_events_config import parse_kv_events_config
 from kvhive.core.replica_registry import RegistrationConfig, default_advertise_url
 from kvhive.core.speculative_config import parse_speculative_config
 from kvhive.core.tool_parsers import PARSER_NAMES
+from kvhive.scheduler_args import add_scheduler_args, build_scheduler_config
 
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
 WAIT_POLICIES = ("auto", "active", "passive")
@@ -294,19 +292,7 @@ def _quant_rows(value: str) -> int | None:
 def _add_performance_args(p: argparse.ArgumentParser) -> None:
     """Add the options of batching, threads and the CPU and CUDA compute paths."""
     g = p.add_argument_group("performance")
-    g.add_argument("--max-num-seqs", type=int, default=8, metavar="N", help="most requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
-                   help="token budget of one step; longer prompts are prefilled in chunks")
-    g.add_argument("--step-budget", choices=STEP_BUDGETS, default="compute",
-                   help="how a token counts against --max-num-batched-tokens: compute, 1 + p / C at position "
-                        "p, C being the context at which a token's attention costs as much as its "
-                        "projections (3,072 for the default model), so a step of long-context prefill "
-                        "chunks takes about as long as one of short prompts and requests arriving together "
-                        "are not all held for one long step; tokens, one each (as vLLM counts)")
-    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
-                   help="admission order of waiting requests: fcfs, by arrival (a request's 'priority' "
-                        "other than 0 is refused); priority, by the request's 'priority' (lower first), "
-                        "then arrival, and preemption takes the latest of the lowest priority first (vLLM's)")
+    add_scheduler_args(g)
     g.add_argument("--num-threads", type=int, default=None, metavar="N",
                    help="threads of torch and the C++ kernels (default: all cores, fewer while other "
                         "processes keep cores busy, re-checked every 0.5 s)")
@@ -362,9 +348,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     if name is None:
         named = os.path.dirname(os.path.abspath(model_path)) if model_path.endswith(".json") else model_path
         name = "smollm2-135m" if args.model is None else os.path.basename(named.rstrip("/"))
-    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy,
-                            max_num_batched_tokens=args.max_num_batched_tokens, step_budget=args.step_budget,
-                            max_model_len=args.max_model_len or 1 << 30)
+    sched = build_scheduler_config(args)
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                         kv_cache_gb=args.kv_cache_gb,
                         enable_prefix_caching=args.enable_prefix_caching, hash_seed=args.hash_seed)

@@ -102,10 +102,12 @@ class FakeRunner:
 
 
 def make_sched(block_size=4, num_blocks=64, max_num_seqs=4, budget=64, max_model_len=10_000, caching=True,
-               connector=None):
-    """A whole Scheduler over a pool of ``num_blocks`` blocks (block 0 is the null block)."""
+               connector=None, long_prefill=0, max_long=1):
+    """A whole Scheduler over a pool of ``num_blocks`` blocks (block 0 is the null block); prefills of
+    more than ``long_prefill`` tokens are long (0: none), ``max_long`` of them per step."""
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                     max_model_len=max_model_len),
+                                     max_model_len=max_model_len, long_prefill_token_threshold=long_prefill,
+                                     max_long_partial_prefills=max_long),
                      CacheConfig(block_size=block_size, enable_prefix_caching=caching),
                      num_blocks, root_hash(0), connector=connector)
 

@@ -8,7 +8,13 @@ position p counts 1 + p / C: ``StepBudget``) and ``max_num_seqs`` running reques
 2. running requests still in prefill get their next chunk;
 3. waiting requests are admitted in the queue's order, FCFS or by request priority (prefix lookup
    on admission); the head of the queue blocks everything behind it when it does not fit, so
-   nothing behind it overtakes it.
+   nothing behind it overtakes it, with two exceptions: a request waiting for a block another
+   prefill is computing (next step it is a hit), and a long prefill waiting for its place.
+
+With ``--long-prefill-token-threshold`` T, a prefill with more than T tokens left is long: it gets
+at most T tokens a step, and at most ``--max-long-partial-prefills`` long prefills get a chunk in
+one step, after the short ones. A request arriving while a long prompt is prefilled then waits
+for one chunk of it, not all of it, and a prefix hit's short remainder is not queued behind it.
 
 A request short of blocks first spills idle sessions (``session_spill``: least recently used
 first, whatever the tiers hold); a running request still short then preempts the newest running
@@ -19,9 +25,10 @@ finishes with LENGTH.
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import Enum
 from typing import TYPE_CHECKING
 
-from kvhive.config import SchedulerConfig
+from kvhive.core.scheduler_config import SchedulerConfig
 from kvhive.engine.scheduler.kv_transfers import KVTransfers
 from kvhive.engine.scheduler.preemption import Preemption
 from kvhive.engine.scheduler.queues import RequestQueues
@@ -43,11 +50,40 @@ class StepBudget:
     times longer, so requests that arrive together do not all wait for one long step.
     """
 
-    def __init__(self, num_tokens: int, attention_context: int | None = None) -> None:
+    def __init__(self, num_tokens: int, attention_context: int | None = None,
+                 long_threshold: int = 0, max_long: int = 1) -> None:
         self.tokens = num_tokens                   # work left, in token-equivalents; may end below 0
         self.attention_context = attention_context
+        self.long_threshold = long_threshold       # 0: no prefill is long
+        self.max_long = max_long
         self.planned: dict[str, int] = {}
         self._charged: dict[str, int] = {}
+        self._long: set[str] = set()               # planned requests whose prefill is long
+
+    @classmethod
+    def for_step(cls, config: SchedulerConfig) -> StepBudget:
+        """A fresh budget for one step under ``config``."""
+        return cls(config.max_num_batched_tokens, config.attention_context,
+                   config.long_prefill_token_threshold, config.max_long_partial_prefills)
+
+    def is_long(self, remaining: int) -> bool:
+        """Whether a prefill with ``remaining`` tokens left is long (chunked at the threshold)."""
+        return 0 < self.long_threshold < remaining
+
+    def fit_prefill(self, start_pos: int, remaining: int) -> int:
+        """How many of a prefill's ``remaining`` tokens from ``start_pos`` this step takes: what the
+        work left covers, a long one at most ``long_threshold``, and none once ``max_long`` long
+        prefills have a chunk this step."""
+        if not self.is_long(remaining):
+            return self.fit(start_pos, remaining)
+        if self.long_places_taken:
+            return 0
+        return self.fit(start_pos, self.long_threshold)
+
+    @property
+    def long_places_taken(self) -> bool:
+        """Whether ``max_long`` long prefills already have a chunk this step."""
+        return len(self._long) >= self.max_long
 
     def cost(self, start_pos: int, num_tokens: int) -> int:
         """The work of ``num_tokens`` tokens at positions ``start_pos``, ``start_pos + 1``, ..."""
@@ -68,16 +104,20 @@ class StepBudget:
             lo, hi = (mid, hi) if self.cost(start_pos, mid) <= self.tokens else (lo, mid)
         return lo if lo or self.planned else min(wanted, 1)
 
-    def take(self, request_id: str, num_tokens: int, start_pos: int = 0) -> None:
-        """Plan ``num_tokens`` tokens of a request from position ``start_pos`` this step."""
+    def take(self, request_id: str, num_tokens: int, start_pos: int = 0, remaining: int = 0) -> None:
+        """Plan ``num_tokens`` tokens of a request from position ``start_pos`` this step, of the
+        ``remaining`` its prefill has left (a long one takes one of the ``max_long`` places)."""
         charged = self.cost(start_pos, num_tokens)
         self.planned[request_id] = num_tokens
         self._charged[request_id] = charged
         self.tokens -= charged
+        if self.is_long(remaining):
+            self._long.add(request_id)
 
     def give_back(self, request_id: str) -> None:
         """Unplan a request (preempted): its work returns to the budget; no change if unplanned."""
         self.planned.pop(request_id, None)
+        self._long.discard(request_id)
         self.tokens += self._charged.pop(request_id, 0)
 
 
@@ -97,19 +137,20 @@ class Batcher:
         self.speculation = speculation
 
     def schedule_running(self, budget: StepBudget) -> bool:
-        """Plan a token for each decode, then a chunk for each prefill, in arrival order, while the
-        budget lasts; True when a request was preempted for blocks."""
+        """Plan a token for each decode, then a chunk for each short prefill, then for the long ones
+        (``StepBudget.fit_prefill``), each pass in arrival order, while the budget lasts; True when a
+        request was preempted for blocks."""
         preempted = False
-        for decode_pass in (True, False):
+        for kind in ("decode", "short", "long"):
             for request in list(self.queues.running):
                 if request.status is not RequestStatus.RUNNING or request.request_id in budget.planned:
                     continue
                 remaining = request.num_tokens - request.num_computed_tokens
-                if (remaining == 1) != decode_pass or budget.tokens <= 0:
+                if budget.tokens <= 0 or _prefill_kind(remaining, budget) != kind:
                     continue
-                if decode_pass and self.speculation is not None and self.speculation.plan(request, budget):
+                if kind == "decode" and self.speculation is not None and self.speculation.plan(request, budget):
                     continue
-                num_new = budget.fit(request.num_computed_tokens, remaining)
+                num_new = budget.fit_prefill(request.num_computed_tokens, remaining)
                 if num_new:
                     preempted |= self._schedule_chunk(request, num_new, budget)
         return preempted
@@ -132,8 +173,35 @@ class Batcher:
             preempted = True
             if victim is request:
                 return True
-        budget.take(request.request_id, num_new, request.num_computed_tokens)
+        budget.take(request.request_id, num_new, request.num_computed_tokens,
+                    request.num_tokens - request.num_computed_tokens)
         return preempted
+
+
+def _short_of(budget: StepBudget, remaining: int) -> Admit:
+    """Why a waiting prefill with ``remaining`` tokens got no tokens: a long one whose places are
+    taken is passed over (short ones behind it may go); otherwise the budget is spent."""
+    return Admit.PASSED if budget.is_long(remaining) and budget.long_places_taken else Admit.STOP
+
+
+def _prefill_kind(remaining: int, budget: StepBudget) -> str:
+    """Which pass of ``Batcher.schedule_running`` plans a running request with ``remaining``
+    tokens to compute: decode (one), short or long prefill."""
+    if remaining == 1:
+        return "decode"
+    return "long" if budget.is_long(remaining) else "short"
+
+
+class Admit(Enum):
+    """What admitting one waiting request came to: admitted; to be tried again; passed over this
+    step (it waits for a block another prefill is computing, or for a long-prefill place) while
+    those behind it may go; or admission stops for this step (short of budget or blocks, or its
+    tier lookup runs)."""
+
+    ADMITTED = "admitted"
+    RETRY = "retry"         # an idle session was spilled for its blocks: try it again
+    PASSED = "passed"
+    STOP = "stop"
 
 
 class Admission:
@@ -151,21 +219,26 @@ class Admission:
         self.finish_too_long = finish_too_long
 
     def admit(self, budget: StepBudget) -> None:
-        """Move waiting requests to running while the budget and ``max_num_seqs`` allow; stop at
-        the first that does not fit (or whose tier lookup still runs), so none jumps ahead."""
+        """Move waiting requests to running while the budget and ``max_num_seqs`` allow, in queue
+        order; stop at the first that does not fit (or whose tier lookup still runs), so none jumps
+        ahead of it. Only a request passed over (``Admit.PASSED``) lets those behind it go first."""
         waiting, running = self.queues.waiting, self.queues.running
-        while waiting and budget.tokens > 0 and len(running) < self.config.max_num_seqs:
-            request = waiting[0]
+        at = 0
+        while at < len(waiting) and budget.tokens > 0 and len(running) < self.config.max_num_seqs:
+            request = waiting[at]
             if self.kv.num_blocks_for(request.num_tokens) > self.kv.num_usable_blocks:
                 # The prompt alone needs more blocks than the pool has: finish with LENGTH.
-                waiting.popleft()
+                waiting.remove(request)
                 self.finish_too_long(request)
                 continue
-            if not self._admit_head(request, budget):
+            outcome = self._admit_one(request, budget)
+            if outcome is Admit.STOP:
                 return
+            if outcome is Admit.PASSED:
+                at += 1
 
-    def _admit_head(self, request: Request, budget: StepBudget) -> bool:
-        """Try to admit the head of the queue; False when admission stops for this step."""
+    def _admit_one(self, request: Request, budget: StepBudget) -> Admit:
+        """Try to admit one waiting request."""
         if request.session_id is not None:
             held = self.kv.sessions.prefix_of(request)
             if held:
@@ -176,39 +249,39 @@ class Admission:
             return self._admit_without_hits(request, budget)
         return self._admit_with_prefix(request, budget)
 
-    def _resume_session(self, request: Request, held: int, budget: StepBudget) -> bool:
+    def _resume_session(self, request: Request, held: int, budget: StepBudget) -> Admit:
         """Give the request its session's ``held`` computed tokens (no hashing, no prefix lookup)."""
-        num_new = budget.fit(held, request.num_tokens - held)
+        num_new = budget.fit_prefill(held, request.num_tokens - held)
         if not num_new:
-            return False
+            return _short_of(budget, request.num_tokens - held)
         while not self.kv.resume_session(request, num_new):
             if not self._spill_for(request):
-                return False
+                return Admit.STOP
         self._start_running(request, held, num_new, budget)
-        return True
+        return Admit.ADMITTED
 
-    def _admit_without_hits(self, request: Request, budget: StepBudget) -> bool:
+    def _admit_without_hits(self, request: Request, budget: StepBudget) -> Admit:
         """Admit a request whose prompt logprobs need every prompt row computed: no device or tier
         hits (its blocks are still published to the prefix cache as they fill)."""
-        num_new = budget.fit(0, request.num_tokens)
+        num_new = budget.fit_prefill(0, request.num_tokens)
         if not num_new:
-            return False
+            return _short_of(budget, request.num_tokens)
         while not self.kv.allocate_slots(request, num_new):
             if not self._spill_for(request):
-                return False
+                return Admit.STOP
         self._start_running(request, 0, num_new, budget)
-        return True
+        return Admit.ADMITTED
 
-    def _admit_with_prefix(self, request: Request, budget: StepBudget) -> bool:
+    def _admit_with_prefix(self, request: Request, budget: StepBudget) -> Admit:
         """Admit with its device prefix hits and any blocks the tiers hold after them."""
         hit = self.kv.get_computed_blocks(request)
         if self._prefix_in_flight(request, len(hit.blocks)):
             # Next step the block is a device hit instead of computed twice; checked before the
             # tier lookup so a waiting request costs no store round trip per step.
-            return False
+            return Admit.PASSED
         num_external, is_async = self.transfers.lookup(request, hit.num_computed_tokens)
         if num_external is None:
-            return False            # its tier lookup is still running; FCFS: the rest wait too
+            return Admit.STOP       # its tier lookup is still running; FCFS: the rest wait too
         # Where the tiers have nothing more, the leading tokens of the next block may be on the
         # device in a sibling block: copied, not computed. Pinned so allocating cannot evict it.
         source, num_partial = self.kv.copies.find(request, len(hit.blocks)) if not num_external else (None, 0)
@@ -217,45 +290,46 @@ class Admission:
         while True:
             computed = hit.num_computed_tokens + num_external + num_partial
             # An async load computes nothing until its blocks arrive; it takes no token budget.
-            num_new = 0 if is_async else budget.fit(computed, request.num_tokens - computed)
+            num_new = 0 if is_async else budget.fit_prefill(computed, request.num_tokens - computed)
             if not is_async and not num_new:
                 if source is not None:
                     self.kv.copies.unpin(source)
-                return False
+                return _short_of(budget, request.num_tokens - computed)
             if self.kv.allocate_slots(request, num_external + num_partial + num_new, hit.blocks, num_external):
                 break
             if source is None:
-                return self._spill_for(request)     # then look it up again: the spill may evict hits
+                # Spilled a session: look it up again (the spill may evict hits); else stop.
+                return Admit.RETRY if self._spill_for(request) else Admit.STOP
             # Short of blocks by the pinned source itself, maybe: try again without the partial hit.
             self.kv.copies.unpin(source)
             source, num_partial = None, 0
-        self.queues.start_head()
+        self.queues.start(request)
         self.transfers.after_alloc(request, len(hit.blocks), num_external)
         if is_async:
             self.transfers.start_load(request, hit.num_computed_tokens)
-            return True
+            return Admit.ADMITTED
         if source is not None:
             self.kv.take_partial_hit(request, len(hit.blocks), source, num_partial)
         request.num_computed_tokens = computed
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = computed
         request.status = RequestStatus.RUNNING
-        budget.take(request.request_id, num_new, computed)
-        return True
+        budget.take(request.request_id, num_new, computed, request.num_tokens - computed)
+        return Admit.ADMITTED
 
     def _spill_for(self, request: Request) -> bool:
         """Spill an idle session (not the request's own) to make room; False if none could go."""
         return self.spill.spill(keep=request.session_id)
 
     def _start_running(self, request: Request, num_cached: int, num_new: int, budget: StepBudget) -> None:
-        """Move the head of the queue, its blocks allocated and no tier load pending, to running:
+        """Move a waiting request, its blocks allocated and no tier load pending, to running:
         ``num_cached`` tokens already in its blocks, ``num_new`` computed this step."""
-        self.queues.start_head()
+        self.queues.start(request)
         self.transfers.drop_lookup(request)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_cached
         request.status = RequestStatus.RUNNING
-        budget.take(request.request_id, num_new, num_cached)
+        budget.take(request.request_id, num_new, num_cached, request.num_tokens - num_cached)
 
     def _prefix_in_flight(self, request: Request, num_hit_blocks: int) -> bool:
         """True when a running prefill is computing the block this request needs next.

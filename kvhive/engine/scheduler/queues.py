@@ -1,9 +1,9 @@
 """The waiting queue and the running list every scheduler unit works on.
 
 Invariants between steps: ``running`` is in admission order; admission takes the head of
-``waiting``. First come, first served (``--scheduling-policy fcfs``): ``waiting`` is in arrival
-order, every running request arrived before every waiting one, and preemption puts a request back
-at the head. By priority (``priority``): ``waiting`` is sorted by (request ``priority``, arrival
+``waiting``, or a request behind one passed over (a long prefill waiting for its place, a request
+waiting for a block another computes). First come, first served (``--scheduling-policy fcfs``):
+``waiting`` is in arrival order, and preemption puts a request back at the head. By priority (``priority``): ``waiting`` is sorted by (request ``priority``, arrival
 time), lower first, equal keys in the order they were queued; a preempted request goes back to
 its place in that order.
 """
@@ -45,7 +45,15 @@ class RequestQueues:
 
     def start_head(self) -> Request:
         """Move the head of ``waiting`` to the end of ``running``; its status is the caller's."""
-        request = self.waiting.popleft()
+        return self.start(self.waiting[0])
+
+    def start(self, request: Request) -> Request:
+        """Move a waiting request (the head, or one admitted past requests passed over) to the end
+        of ``running``; its status is the caller's."""
+        if self.waiting and self.waiting[0] is request:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(request)
         self.running.append(request)
         return request
 

@@ -145,7 +145,7 @@ class Scheduler:
         self.kv.copies.release_sources()          # the last plan's copies have run, applied or not
         if self.speculation is not None:
             self.speculation.begin_step()
-        budget = StepBudget(self.config.max_num_batched_tokens, self.config.attention_context)
+        budget = StepBudget.for_step(self.config)
         if not self.batcher.schedule_running(budget):
             self.admission.admit(budget)
         return self._build_plan(budget.planned)
