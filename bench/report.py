@@ -377,6 +377,35 @@ def render_grammar(name: str, record: dict) -> list[str]:
     return lines
 
 
+def render_ttft_tail(name: str, record: dict) -> list[str]:
+    """Per dataset and rate: kvhive over vLLM (median over paired rounds), then both servers' figures."""
+    metrics = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_itl_ms")
+    rates = ", ".join(f"{d} {r:.2f} req/s" for d, r in record["saturating_rate"].items())
+    lines = [*run_lines(name, record), f"Peer: {record['peer']}. {len(record['rounds'])} paired rounds; "
+             f"saturating rates (the lower of the two servers'): {rates}.", "",
+             "| run (dataset@req/s) | " + " | ".join(m.replace("_ms", "") for m in metrics) + " |",
+             "|---|" + "---:|" * len(metrics)]
+    for key, ratio in record["ratio_kvhive_over_vllm"].items():
+        cells = []
+        for m in metrics:
+            kv = statistics.median(r["kvhive"][key][m] for r in record["rounds"])
+            vl = statistics.median(r["vllm"][key][m] for r in record["rounds"])
+            cells.append(f"**{ratio[m]:.2f}x** ({kv:,.0f} / {vl:,.0f} ms)" if m in ratio else "-")
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    return [*lines, "", "Cells: kvhive over vLLM, median over rounds (kvhive's / vLLM's figure, medians "
+            "over rounds).", ""]
+
+
+def render_restart_turn(name: str, record: dict) -> list[str]:
+    """The warm turn, each restart's first turn and their ratio."""
+    lines = [*run_lines(name, record), "| | TTFT | over warm |", "|---|---:|---:|",
+             f"| warm turn (median of {len(record['warm'])}) | {ms(record['warm_ttft_s'])} ms | 1.00x |"]
+    pairs = zip(record["first_after_restart_s"], record["ratio_first_over_warm"], strict=True)
+    lines += [f"| first turn after restart {i} | {ms(first)} ms | {ratio:.2f}x |"
+              for i, (first, ratio) in enumerate(pairs, 1)]
+    return [*lines, f"| **median over restarts** | | **{record['median_ratio']:.2f}x** |", ""]
+
+
 def goal_words(goals: str) -> tuple[str, ...]:
     """multiturn_vs_vllm's targets as sentences: 'warm TTFT turns 2-4 <= 0.7x vLLM'."""
     return tuple(f"{label.replace(' (ms)', '')} {op.replace('<=', '≤').replace('>=', '≥')} {goal}x vLLM's"
@@ -507,6 +536,18 @@ SECTIONS = (
             ("TTFT p90 ≤ 0.5x power-of-two's", "TTFT p90 ≤ 0.8x PrefixCacheAffinityRouter's"),
             ("ray_routers.json", "ray_routers_tenants.json", "ray_routers_responses.json"), render_ray_routers,
             ("ray_routers.png", "ray_routers_tenants.png", "ray_routers_responses.png")),
+    Section("ttft_tail", "First-token tail under Poisson arrivals", "bench/ttft_tail.py",
+            "vLLM's own client (`vllm bench serve`) sends the same seeded Poisson arrivals to kvhive and to vLLM "
+            "for CPU (float32, at most 8 running each): `prefix_repetition` (4 shared 1,024-token prefixes, "
+            "128-token suffixes) and `random` (512 tokens), 64 output tokens, at fractions of the lower "
+            "saturating rate, in paired rounds.",
+            ("P90 and P99 TTFT ≤ 1.0x vLLM's at every rate", "median TTFT and median ITL no worse than before"),
+            ("ttft_tail.json",), render_ttft_tail),
+    Section("restart_turn", "First turn after a restart", "bench/restart_turn.py",
+            "A conversation (`conversation_id`, a ~1,400-word system prompt, short turns) on `kvhive serve "
+            "--disk-cache-dir`; the server is stopped (SIGTERM) and started again, and the conversation's "
+            "first turn after each start loads its KV from disk.",
+            ("first turn after a restart ≤ 2x a warm turn's TTFT",), ("restart_turn.json",), render_restart_turn),
 )
 
 RENDER_ROUTER: dict[str, Render] = {"router_sim.json": render_router_sim, "router_lookup.json": render_router_lookup,
