@@ -23,3 +23,16 @@ def test_ratios_are_kvhive_over_vllm_median_over_rounds_and_skip_probes() -> Non
     ratios = ttft_tail.ratios(rounds)
     assert list(ratios) == ["random@0.400"]
     assert ratios["random@0.400"]["p90_ttft_ms"] == 1.1 and ratios["random@0.400"]["median_ttft_ms"] == 1.0
+
+
+def test_the_report_shows_each_runs_ratio_with_both_servers_figures() -> None:
+    import report
+
+    def runs(p90: float) -> dict:
+        return {"random@0.400": {m: 100.0 for m in ttft_tail.METRICS} | {"p90_ttft_ms": p90}}
+
+    rounds = [{"kvhive": runs(90.0), "vllm": runs(100.0)}, {"kvhive": runs(70.0), "vllm": runs(100.0)}]
+    record = {"machine": "x", "command": "c", "peer": "vLLM", "saturating_rate": {"random": 0.8},
+              "rounds": rounds, "ratio_kvhive_over_vllm": ttft_tail.ratios(rounds)}
+    row = next(line for line in report.render_ttft_tail("ttft_tail.json", record) if line.startswith("| random@"))
+    assert "**0.80x** (80 / 100 ms)" in row and "**1.00x** (100 / 100 ms)" in row
