@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvhive.core.flag_values import auto_or_count
 from kvhive.core.scheduler_config import (
     CPU_LONG_PREFILL_TOKENS,
     SCHEDULING_POLICIES,
@@ -15,16 +16,8 @@ from kvhive.core.scheduler_config import (
 
 
 def _token_count_or_auto(value: str) -> int | None:
-    """``auto`` (None) or a token count >= 0 (argparse type)."""
-    if value == "auto":
-        return None
-    try:
-        count = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected auto or a token count, got {value!r}") from None
-    if count < 0:
-        raise argparse.ArgumentTypeError(f"must be auto or >= 0, got {count}")
-    return count
+    """``--long-prefill-token-threshold``: ``auto`` (None) or a token count >= 0."""
+    return auto_or_count(value, "token", 0)
 
 
 def add_scheduler_args(g: argparse._ArgumentGroup) -> None:

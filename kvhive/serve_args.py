@@ -24,6 +24,7 @@ from kvhive.config import (
 )
 from kvhive.connector.disagg.transfer_config import parse_kv_transfer_config
 from kvhive.core.cors import add_cors_args
+from kvhive.core.flag_values import auto_or_count
 from kvhive.core.http_limits import add_http_limit_args
 from kvhive.core.kv_cache_dtype import KV_CACHE_DTYPES
 from kvhive.core.kv_events_config import parse_kv_events_config
@@ -278,15 +279,7 @@ def build_registration(args: argparse.Namespace) -> RegistrationConfig | None:
 
 def _quant_rows(value: str) -> int | None:
     """``--quantized-matmul-rows``: ``auto`` (None) or a row count 0..MAX_QUANT_ROWS."""
-    if value == "auto":
-        return None
-    try:
-        rows = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected auto or a row count, got {value!r}") from None
-    if not 0 <= rows <= MAX_QUANT_ROWS:
-        raise argparse.ArgumentTypeError(f"must be auto or 0..{MAX_QUANT_ROWS}, got {rows}")
-    return rows
+    return auto_or_count(value, "row", 0, MAX_QUANT_ROWS)
 
 
 def _add_performance_args(p: argparse.ArgumentParser) -> None:

@@ -34,6 +34,21 @@ def json_flag_object(option: str, text: str) -> dict[str, Any]:
     return values
 
 
+def auto_or_count(value: str, noun: str, low: int, high: int | None = None) -> int | None:
+    """An argparse value that is ``auto`` (None) or a whole ``noun`` count in ``low..high`` (no upper
+    bound when ``high`` is None); argparse.ArgumentTypeError otherwise."""
+    if value == "auto":
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a {noun} count, got {value!r}") from None
+    if count < low or (high is not None and count > high):
+        bounds = f"{low}..{high}" if high is not None else f">= {low}"
+        raise argparse.ArgumentTypeError(f"must be auto or {bounds}, got {count}")
+    return count
+
+
 def dest_name(key: str) -> str:
     """A mapping key as an argparse dest: ``kv-cache-gb`` and ``kv_cache_gb`` are ``kv_cache_gb``."""
     return key.replace("-", "_")
