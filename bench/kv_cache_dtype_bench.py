@@ -60,10 +60,12 @@ from forward_speed import decode_plan  # noqa: E402
 from multiturn_vs_vllm import VLLM_SH, served  # noqa: E402
 from roofline import bandwidth, median_time, weight_bytes  # noqa: E402
 from run_info import command, machine  # noqa: E402
-from tiers_ttft import ttft  # noqa: E402
+from tiers_ttft import ONE_TOKEN, ttft  # noqa: E402
 from ttft_tail import PEERS  # noqa: E402
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from kvhive.connector.disagg.params import KVTransferParams  # noqa: E402
+from kvhive.connector.disagg.transfer_config import KVTransferConfig  # noqa: E402
 from kvhive.core.blocks import hash_blocks, root_hash  # noqa: E402
 from kvhive.core.kv_cache_dtype import kv_row_bytes  # noqa: E402
 from kvhive.core.model_files import default_model_path  # noqa: E402
@@ -126,13 +128,16 @@ class Models:
         self.loaded = {d: load_model(self.path, dtype=d, device="cpu") for d in ("float32", "bfloat16")}
         self.max_model_len = max_model_len
 
-    def engine(self, kv: str, tiers: list[Tier], num_blocks: int) -> LLMEngine:
-        """An engine of KV dtype ``kv`` over ``tiers`` with a device pool of ``num_blocks`` blocks."""
+    def engine(self, kv: str, tiers: list[Tier] | None, num_blocks: int,
+               kv_transfer: KVTransferConfig | None = None) -> LLMEngine:
+        """An engine of KV dtype ``kv`` over ``tiers`` (None: no tiers) with a device pool of
+        ``num_blocks`` blocks, in ``kv_transfer``'s PD role (None: both)."""
         config = EngineConfig(model_path=self.path, dtype=model_dtype(kv), kv_cache_dtype=kv,
                               cache=CacheConfig(num_blocks=num_blocks),
-                              scheduler=SchedulerConfig(max_model_len=self.max_model_len))
+                              scheduler=SchedulerConfig(max_model_len=self.max_model_len),
+                              kv_transfer=kv_transfer or KVTransferConfig())
         return LLMEngine(config, loaded=self.loaded[model_dtype(kv)], tokenizer=self.tokenizer,
-                         store=TieredStore(tiers))
+                         store=None if tiers is None else TieredStore(tiers))
 
 
 def working_set(models: Models, kv: str, args: argparse.Namespace) -> dict:
@@ -194,10 +199,40 @@ def restart_from_disk(models: Models, kv: str, args: argparse.Namespace, workdir
     return {name: median(values) for name, values in rows.items()}
 
 
-def pd_transfer(block_bytes: int, doc_tokens: int) -> dict:
-    """Bytes a prefill instance sends for a ``doc_tokens`` prompt: every block it spans, whole."""
-    blocks = -(-doc_tokens // BLOCK)
-    return {"prompt_tokens": doc_tokens, "blocks": blocks, "bytes": blocks * block_bytes}
+def transfer_blocks(prompt_tokens: int) -> int:
+    """Blocks a PD transfer of a prompt carries: every token's but the last, the partial block too."""
+    return -(-(prompt_tokens - 1) // BLOCK)
+
+
+def drive(engine: LLMEngine) -> None:
+    """Step ``engine`` until its requests finish."""
+    while engine.has_unfinished():
+        engine.step()
+
+
+def pd_transfer(models: Models, kv: str, doc_tokens: int) -> dict:
+    """A ``doc_tokens`` prompt prefilled on a prefill engine and decoded on a decode engine (one
+    process, the real TCP channel): the bytes sent, against block bytes x blocks."""
+    doc = random_doc(random.Random(4), doc_tokens)
+    pool_blocks = 2 * (doc_tokens // BLOCK + 2)
+    prefill = models.engine(kv, None, pool_blocks, KVTransferConfig(role="prefill", host="127.0.0.1"))
+    decode = models.engine(kv, None, pool_blocks, KVTransferConfig(role="decode", host="127.0.0.1", timeout_s=60))
+    endpoint = ("127.0.0.1", decode.disagg.worker.receiver.port)
+    prefill.add_request("pd", doc, ONE_TOKEN, kv_transfer=KVTransferParams("pd", do_remote_decode=True,
+                                                                          decode_endpoint=endpoint))
+    drive(prefill)
+    decode.add_request("pd", doc, ONE_TOKEN, kv_transfer=KVTransferParams("pd", do_remote_prefill=True))
+    drive(decode)
+    received = decode.disagg.worker.counters
+    blocks = transfer_blocks(doc_tokens)
+    sent = prefill.disagg.worker.counters
+    out = {"prompt_tokens": doc_tokens, "blocks": blocks, "bytes": blocks * prefill.block_bytes,
+           "measured_sent_bytes": sent.sent_bytes, "measured_sent_blocks": sent.sent_blocks,
+           "decode_received_blocks": received.received_blocks,
+           "decode_recomputed_blocks": received.recomputed_blocks}
+    prefill.close()
+    decode.close()
+    return out
 
 
 def long_config_dir(workdir: str, positions: int) -> str:
@@ -223,7 +258,8 @@ def decode_step(loaded, kv: str, context: int, repeat: int, isa: str, read_gb_s:
     kv_read = kv_bytes(context, c.kv_values_per_token // c.head_dim, c.head_dim, kv)
     floor = floor_ms(weights, kv_read, read_gb_s)
     return {"context": context, "ms_per_token": step_s * 1e3, "weight_bytes": weights, "kv_bytes": kv_read,
-            "floor_ms": floor, "ratio_to_floor": step_s * 1e3 / floor, "paths": runner.paths()}
+            "floor_ms": floor, "ratio_to_floor": step_s * 1e3 / floor,
+            "paths": {**loaded.model.paths(), **runner.paths()}}
 
 
 def decode_table(models: Models, args: argparse.Namespace, workdir: str, read_gb_s: float) -> dict:
@@ -275,7 +311,7 @@ def served_decode(server: str, kv: str, args: argparse.Namespace, workdir: str, 
         extra = f"--max-model-len {positions} --hf-overrides {{\"max_position_embeddings\":{positions}}}"
         env = {**os.environ, "VLLM_EXTRA": extra + ("" if kv == "float32" else f" --kv-cache-dtype {kv}")}
     requests = []
-    with served(cmd, port, os.path.join(workdir, f"{server}_{kv}.log"), env):
+    with served(cmd, port, os.path.join(os.path.dirname(workdir), f"{server}_{kv}.log"), env):
         for _ in range(1 + args.http_repeat):
             times = stream_completion(port, prompt, args.http_tokens)
             requests.append({"ttft_s": times[0], "tokens": len(times),
@@ -286,13 +322,13 @@ def served_decode(server: str, kv: str, args: argparse.Namespace, workdir: str, 
     return {"requests": requests, "ms_per_token": median(later)}
 
 
-def served_rounds(args: argparse.Namespace, workdir: str, peers: bool) -> dict:
-    """Per KV dtype of ``HTTP_KV``, kvhive then (when ``peers``) vLLM, each round in turn."""
+def served_rounds(args: argparse.Namespace, workdir: str, peers: bool, kv_dtypes: tuple[str, ...]) -> dict:
+    """Per KV dtype of ``kv_dtypes``, kvhive then (when ``peers``) vLLM; the order alternates by round."""
     prompt = random_doc(random.Random(3), args.long_context - args.http_tokens)
     rounds = []
     for r in range(args.rounds):
         one: dict[str, dict] = {}
-        for kv in HTTP_KV:
+        for kv in kv_dtypes:
             servers = ("kvhive", "vllm") if peers else ("kvhive",)
             one[kv] = {s: served_decode(s, kv, args, workdir, prompt) for s in (servers if r % 2 == 0 else servers[::-1])}
         rounds.append(one)
@@ -346,12 +382,13 @@ def main() -> int:
         held = working_set(models, kv, args)
         print("working set", kv, held, flush=True)
         per_kv[kv] = {"working_set": held, "restart": restart_from_disk(models, kv, args, workdir),
-                      "pd_transfer": pd_transfer(held["block_bytes"], args.doc_tokens)}
-        print("restart", kv, per_kv[kv]["restart"], flush=True)
+                      "pd_transfer": pd_transfer(models, kv, args.doc_tokens)}
+        print("restart", kv, per_kv[kv]["restart"], "\npd", kv, per_kv[kv]["pd_transfer"], flush=True)
     bw = bandwidth(args.repeat)
     decode = decode_table(models, args, workdir, bw["read_gb_s"])
     del models
-    http = served_rounds(args, workdir, peers)
+    # A smoke run with the peer starts vLLM once: fp8 only.
+    http = served_rounds(args, workdir, peers, ("fp8",) if args.smoke and peers else HTTP_KV)
     record = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "command": command(__file__),
               "threads": args.threads, "smoke": args.smoke, "model": "SmolLM2-135M-Instruct (default GGUF)",
               "long_model": f"SmolLM2-135M-Instruct HF checkpoint, max_position_embeddings raised to "
@@ -382,6 +419,12 @@ def summary(record: dict) -> dict:
     return out
 
 
+def sent_mb(pd: dict) -> str:
+    """The bytes a live PD transfer sent, in MB, or "not measured"."""
+    sent = pd.get("measured_sent_bytes")
+    return "not measured" if sent is None else f"{sent / 1e6:.2f} MB"
+
+
 def cell(value: float | None, fmt: str) -> str:
     """``value`` formatted, or "-" when it is missing."""
     return "-" if value is None else format(value, fmt)
@@ -397,14 +440,14 @@ def render(name: str, record: dict) -> list[str]:
              f"medians of {cfg['repeat']}.", "",
              "| KV dtype | bytes per document | documents the CPU tier holds (x bf16) | hits on asking again "
              "(x bf16) | restart: first TTFT from disk / warm / cold (ms) | bytes on disk per document | "
-             "PD transfer bytes per prompt |", "| --- | ---: | ---: | ---: | --- | ---: | ---: |"]
+             "PD transfer per prompt: block bytes x blocks; measured |", "| --- | ---: | ---: | ---: | --- | ---: | --- |"]
     for kv, r in per_kv.items():
         ws, rs, pd = r["working_set"], r["restart"], r["pd_transfer"]
         lines.append(f"| {kv} | {ws['doc_bytes'] / 1e6:.1f} MB | {ws['docs_held']} "
                      f"({cell(s[kv]['docs_held_vs_bf16'], '.2f')}x) | {ws['hits_on_reask']} "
                      f"({cell(s[kv]['hits_vs_bf16'], '.2f')}x) | {rs['restart_hit_s'] * 1e3:.0f} / "
                      f"{rs['warm_hit_s'] * 1e3:.0f} / {rs['cold_s'] * 1e3:.0f} | {rs['disk_bytes'] / 1e6:.1f} MB | "
-                     f"{pd['bytes'] / 1e6:.1f} MB ({pd['blocks']} blocks) |")
+                     f"{pd['bytes'] / 1e6:.2f} MB ({pd['blocks']} blocks); sent {sent_mb(pd)} |")
     lines += ["", "Target: an 8-bit KV cache holds ≥ 2x the documents bfloat16 holds in the same bytes: "
               + "; ".join(f"{kv} {cell(s[kv]['docs_held_vs_bf16'], '.2f')}x "
                           f"({'met' if (s[kv]['docs_held_vs_bf16'] or 0) >= 2 else 'not met'})"
