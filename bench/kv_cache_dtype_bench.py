@@ -2,10 +2,11 @@
 """What an 8-bit KV cache buys: documents a CPU tier holds, restart hits from disk, PD transfer bytes
 and decode at a long context, per KV dtype (float32, bfloat16, int8, fp8), beside vLLM for CPU.
 
-    python bench/kv_cache_dtype_bench.py              # ~20 min; writes bench/results/kv_cache_dtype_bench.json
-    python bench/kv_cache_dtype_bench.py --skip-vllm  # kvhive only (~10 min)
-    python bench/kv_cache_dtype_bench.py --smoke      # tiny sizes, no vLLM, < 3 min; writes bench/out/
-    python bench/kv_cache_dtype_bench.py --smoke --smoke-peer   # the same with vLLM (its start is ~3 min)
+    python bench/kv_cache_dtype_bench.py              # ~15 min (20 if vLLM compiles afresh);
+                                                      # writes bench/results/kv_cache_dtype_bench.json
+    python bench/kv_cache_dtype_bench.py --skip-vllm  # kvhive only (~8 min)
+    python bench/kv_cache_dtype_bench.py --smoke      # tiny sizes, no vLLM, ~40 s; writes bench/out/
+    python bench/kv_cache_dtype_bench.py --smoke --smoke-peer   # and fp8 served by both (~2 min)
 
 The default model (SmolLM2-135M-Instruct GGUF) runs float32 for the float32, int8 and fp8 KV
 dtypes and bfloat16 for bfloat16 KV (a float KV cache holds the model's dtype). In process:
