@@ -27,6 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import agent_loop  # noqa: E402
+import kv_cache_dtype_bench  # noqa: E402
 import messages_agent  # noqa: E402
 import multiturn_vs_vllm as multiturn  # noqa: E402
 import retention_priority  # noqa: E402
@@ -548,6 +549,15 @@ SECTIONS = (
             "--disk-cache-dir`; the server is stopped (SIGTERM) and started again, and the conversation's "
             "first turn after each start loads its KV from disk.",
             ("first turn after a restart ≤ 2x a warm turn's TTFT",), ("restart_turn.json",), render_restart_turn),
+    Section("kv_cache_dtype_bench", "8-bit KV cache: capacity, bytes and long-context decode",
+            "bench/kv_cache_dtype_bench.py",
+            "Per KV dtype (float32, bfloat16, int8, fp8) on the default model: the 1,000-token documents a "
+            "fixed CPU tier holds, the first request after an engine restart served from the disk tier, the "
+            "bytes a prefill-to-decode transfer sends, and decode ms/token at a long context beside its "
+            "physical floor (weight and KV bytes over the measured read bandwidth), with vLLM for CPU's "
+            "fp8 KV where it runs the same.",
+            ("an 8-bit KV cache holds ≥ 2x the documents a bfloat16 one holds in the same bytes",),
+            ("kv_cache_dtype_bench.json",), kv_cache_dtype_bench.render),
 )
 
 RENDER_ROUTER: dict[str, Render] = {"router_sim.json": render_router_sim, "router_lookup.json": render_router_lookup,
