@@ -393,8 +393,15 @@ def render_ttft_tail(name: str, record: dict) -> list[str]:
             vl = statistics.median(r["vllm"][key][m] for r in record["rounds"])
             cells.append(f"**{ratio[m]:.2f}x** ({kv:,.0f} / {vl:,.0f} ms)" if m in ratio else "-")
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
-    return [*lines, "", "Cells: kvhive over vLLM, median over rounds (kvhive's / vLLM's figure, medians "
-            "over rounds).", ""]
+    lines += ["", "Cells: kvhive over vLLM, median over rounds (kvhive's / vLLM's figure, medians over rounds).", ""]
+    if "ratio_kvhive_over_baseline" in record:
+        shown = ("median_ttft_ms", "median_itl_ms", "p90_ttft_ms", "p99_ttft_ms")
+        lines += [f"kvhive over kvhive with `{record['baseline_args']}` in the same rounds:", "",
+                  "| run | " + " | ".join(m.replace("_ms", "") for m in shown) + " |", "|---|" + "---:|" * len(shown)]
+        lines += [f"| {key} | " + " | ".join(f"{ratio[m]:.2f}x" if m in ratio else "-" for m in shown) + " |"
+                  for key, ratio in record["ratio_kvhive_over_baseline"].items()]
+        lines.append("")
+    return lines
 
 
 def render_restart_turn(name: str, record: dict) -> list[str]:

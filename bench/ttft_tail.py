@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """First-token tail under Poisson arrivals: kvhive against vLLM for CPU, driven by vLLM's own client.
 
-    python bench/ttft_tail.py --rounds 2          # writes bench/results/ttft_tail.json
+    python bench/ttft_tail.py --rounds 2 --baseline-args "--long-prefill-token-threshold 0"
+                                                  # writes bench/results/ttft_tail.json
     python bench/ttft_tail.py --smoke             # 6 prompts, one rate, one round: checks the plumbing
 
 ``vllm bench serve`` (run from the vLLM for CPU install through ``bench/vllm_bench_client.py``)
@@ -16,7 +17,10 @@ each. First each server's saturating rate is probed (``--request-rate inf``, up 
 flight); the runs then arrive at fractions (``--rates``, default 0.5, 0.7, 0.9) of the lower of the two
 servers' saturating rates, so both see the same load. A round runs both servers back to back
 (alternating who goes first); the figures compared are kvhive's over vLLM's in the same round,
-median over rounds. Targets: P90 and P99 TTFT <= 1.0x vLLM's at every rate.
+median over rounds. Targets: P90 and P99 TTFT <= 1.0x vLLM's at every rate. With
+``--baseline-args``, kvhive also runs with those arguments in each round (after the pair), so its
+median TTFT and ITL can be compared with a scheduler setting's (``--long-prefill-token-threshold 0``:
+the schedule before long prefills were chunked).
 
 vLLM is installed by ``../shared/peers/vllm.sh install`` (after ``make_model.sh``).
 """
@@ -45,6 +49,8 @@ DATASETS = {
                           "--prefix-repetition-num-prefixes", "4", "--prefix-repetition-output-len", "64"],
     "random": ["--random-input-len", "512", "--random-output-len", "64"],
 }
+BASELINE = "kvhive_baseline"
+BASELINE_METRICS = ("median_ttft_ms", "median_itl_ms", "p90_ttft_ms", "p99_ttft_ms")
 METRICS = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_itl_ms", "p99_itl_ms")
 
 
@@ -64,8 +70,8 @@ def bench_serve(port: int, dataset: str, rate: float, num_prompts: int, seed: in
 
 
 def server_command(name: str, port: int, kvhive_args: list[str]) -> tuple[list[str], dict | None]:
-    """How to start ``name`` (kvhive or vllm) on ``port``, and its environment."""
-    if name == "kvhive":
+    """How to start ``name`` (kvhive, kvhive_baseline or vllm) on ``port``, and its environment."""
+    if name.startswith("kvhive"):
         return [sys.executable, "-m", "kvhive.cli", "serve", "--port", str(port), "--dtype", "float32",
                 "--max-num-seqs", "8", *kvhive_args], None
     return ["bash", VLLM_SH, "serve", "float32", str(port)], dict(os.environ)
@@ -81,7 +87,8 @@ def run_server(name: str, args: argparse.Namespace, plan: list[tuple[str, float]
                then: Callable[[dict], list[tuple[str, float]]] | None = None) -> dict:
     """Start ``name``, run ``plan`` ((dataset, rate) pairs; rate inf = the saturation probe), then
     the plan ``then(runs so far)`` makes, when given; stop it."""
-    cmd, env = server_command(name, args.port, args.kvhive_args.split())
+    extra = args.baseline_args if name == BASELINE else args.kvhive_args
+    cmd, env = server_command(name, args.port, extra.split())
     runs: dict[str, dict] = {}
     with served(cmd, args.port, os.path.join(args.work_dir, f"{name}_{tag}.log"), env):
         run_plan(name, args, plan, tag, runs)
@@ -110,16 +117,16 @@ def rates_plan(datasets: list[str], fractions: list[float], *probes: dict) -> li
     return [(d, f * saturating[d]) for d in datasets for f in fractions]
 
 
-def ratios(rounds: list[dict]) -> dict:
-    """kvhive / vLLM per run and metric, the median over rounds."""
+def ratios(rounds: list[dict], over: str = "vllm", metrics: tuple[str, ...] = METRICS) -> dict:
+    """kvhive / ``over`` (vllm, or the kvhive baseline) per run and metric, the median over rounds."""
     out: dict[str, dict[str, float]] = {}
     for key in rounds[0]["kvhive"]:
         if key.endswith("@sat"):
             continue
         per_metric = {}
-        for m in METRICS:
-            values = [r["kvhive"][key][m] / r["vllm"][key][m] for r in rounds
-                      if r["kvhive"][key].get(m) and r["vllm"][key].get(m)]
+        for m in metrics:
+            values = [r["kvhive"][key][m] / r[over][key][m] for r in rounds
+                      if r["kvhive"][key].get(m) and r[over][key].get(m)]
             if values:
                 per_metric[m] = round(statistics.median(values), 3)
         out[key] = per_metric
@@ -135,6 +142,9 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=48)
     ap.add_argument("--datasets", default=",".join(DATASETS))
     ap.add_argument("--kvhive-args", default="", help="extra arguments for kvhive serve")
+    ap.add_argument("--baseline-args", default=None,
+                    help="also run kvhive with these arguments each round (e.g. '--long-prefill-token-threshold 0', "
+                         "the scheduler before long prefills were chunked); its medians are compared with kvhive's")
     ap.add_argument("--port", type=int, default=8131)
     ap.add_argument("--smoke", action="store_true", help="6 prompts, one rate, one round, random only")
     args = ap.parse_args()
@@ -155,12 +165,18 @@ def main() -> int:
     plan = rates_plan(datasets, fractions, probes[first], probes[second])
     rounds = [{second: {k: v for k, v in second_runs.items() if not k.endswith("@sat")},
                first: run_server(first, args, plan, "r1")}]
-    for i in range(1, args.rounds):
-        order = (first, second) if i % 2 else (second, first)   # round 1 ran the second first
-        rounds.append({name: run_server(name, args, plan, f"r{i + 1}") for name in order})
+    for i in range(args.rounds):
+        if i:
+            order = (first, second) if i % 2 else (second, first)   # round 1 ran the second first
+            rounds.append({name: run_server(name, args, plan, f"r{i + 1}") for name in order})
+        if args.baseline_args is not None:                          # last in every round
+            rounds[i][BASELINE] = run_server(BASELINE, args, plan, f"r{i + 1}")
     result = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "command": command(__file__),
               "peer": "vLLM for CPU 0.32.0, float32", "shared": os.path.abspath(SHARED),
               "saturating_rate": saturating, "probes": probes, "rounds": rounds, "ratio_kvhive_over_vllm": ratios(rounds)}
+    if args.baseline_args is not None:
+        result["baseline_args"] = args.baseline_args
+        result["ratio_kvhive_over_baseline"] = ratios(rounds, BASELINE, BASELINE_METRICS)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
