@@ -149,7 +149,7 @@ def run_workload(port: int, workload: str, conc: int, args: argparse.Namespace) 
     rates = [decode_rate(r) for r in requests]
     for r, rate in zip(requests, rates, strict=True):
         r["decode_tok_s"] = round(rate, 2) if rate else None
-        r["digest"] = hashlib.sha1(r.pop("text").encode()).hexdigest()[:12]
+        r["digest"] = hashlib.sha1(r["text"].encode()).hexdigest()[:12]
     return {"requests": requests, "aggregate_tok_s": round(aggregate_rate(requests) or 0, 2),
             "median_request_tok_s": round(statistics.median(x for x in rates if x), 2),
             "spec": {k: after[k] - before[k] for k in COUNTERS}}
@@ -177,8 +177,16 @@ def run_config(config: str, args: argparse.Namespace, tag: str) -> dict:
                     print(f"{config} {workload}@c{conc}: {runs[f'{workload}@c{conc}']['median_request_tok_s']} "
                           f"tok/s per request, {runs[f'{workload}@c{conc}']['aggregate_tok_s']} aggregate", flush=True)
     except (RuntimeError, TimeoutError, OSError) as exc:
-        return {"status": "failed" if started else "refused", "error": f"{exc}\n{error_lines(log)}".strip(), "runs": runs}
-    return {"status": "ran", "runs": runs}
+        return {"status": "failed" if started else "refused", "error": f"{exc}\n{error_lines(log)}".strip(),
+                "runs": set_texts_aside(runs, log)}
+    return {"status": "ran", "runs": set_texts_aside(runs, log)}
+
+
+def set_texts_aside(runs: dict, log: str) -> dict:
+    """``runs`` without the outputs' texts, which go beside the server's log (to read, not to compare)."""
+    with open(log.removesuffix(".log") + "_texts.json", "w") as f:
+        json.dump({run: [r.pop("text") for r in result["requests"]] for run, result in runs.items()}, f, indent=1)
+    return runs
 
 
 def headline_metric(run: str) -> str:
