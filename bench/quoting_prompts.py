@@ -4,8 +4,8 @@ Each workload builds variant ``i`` from a generator seeded with its name and ``i
 and every round sees byte-identical prompts, and the variants differ in their content (names,
 numbers, lines) while keeping their shape:
 
-- ``doc_qa``: a ~600-token report in the user message; the question asks to quote a paragraph and
-  two sentences of it word for word;
+- ``doc_qa``: a ~600-token report in the user message, then the question: repeat one paragraph and
+  the last one word for word;
 - ``code_edit``: a ~400-token Python function; "rewrite it with one change" (rename a variable, or
   add a parameter in place of a constant), the whole function in the answer;
 - ``agent_summary``: an agent turn: the task, an assistant ``tool_calls`` message, the ``tool``
@@ -77,8 +77,7 @@ def doc_qa(variant: int) -> list[dict]:
         n4=rng.randint(120, 900), n5=rng.randint(2_000, 90_000)) for name in names]
     document = f"Quarterly report of the {town} town council\n\n" + "\n\n".join(paragraphs)
     asked = rng.choice(names[:3])
-    question = (f"Quote, word for word, the paragraph of the report about the {asked}. Then quote the first "
-                f"sentence of the last paragraph of the report, exactly as it is written.")
+    question = f"Repeat the paragraph about the {asked} word for word, then the last paragraph word for word."
     return [{"role": "system", "content": "You answer questions about documents. Quote the document exactly when asked."},
             {"role": "user", "content": f"{document}\n\n{question}"}]
 

@@ -17,7 +17,8 @@ Every request is greedy, ``ignore_eos``, ``--max-tokens`` tokens, streamed; its 
 (tokens - 1) / (last token's arrival - first token's). Before each measured run its prompts are
 sent once with ``max_tokens`` 1 (prefix caching on both servers), so the run decodes rather than
 prefills. c1: ``--c1-requests`` variants one after another (the median request); c8: eight
-variants at once (aggregate: all decode tokens over first token to last token of the eight).
+variants at once (aggregate: all decode tokens over the time from the first first token to the last
+token).
 Each (workload, concurrency) sends its own ``cache_salt``: one application per tenant, so kvhive's
 per-tenant acceptance prior and history come from that workload's requests only.
 
@@ -107,9 +108,13 @@ def decode_rate(req: dict) -> float | None:
 
 
 def aggregate_rate(requests: list[dict]) -> float | None:
-    """All requests' decode tokens over the span from the first first token to the last last token."""
-    span = max(r["last_s"] for r in requests) - min(r["first_s"] for r in requests)
-    return sum(r["tokens"] - 1 for r in requests) / span if span > 0 else None
+    """All requests' decode tokens over the time at least one of them was decoding (the union of their
+    first-to-last-token spans: the joint span of eight at once, the sum of spans one after another)."""
+    busy, end = 0.0, float("-inf")
+    for first, last in sorted((r["first_s"], r["last_s"]) for r in requests):
+        busy += max(0.0, last - max(first, end))
+        end = max(end, last)
+    return sum(r["tokens"] - 1 for r in requests) / busy if busy > 0 else None
 
 
 def spec_counters(port: int) -> dict[str, float]:
