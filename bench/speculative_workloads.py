@@ -156,7 +156,7 @@ def run_workload(port: int, workload: str, conc: int, args: argparse.Namespace) 
         r["decode_tok_s"] = round(rate, 2) if rate else None
         r["digest"] = hashlib.sha1(r["text"].encode()).hexdigest()[:12]
     return {"requests": requests, "aggregate_tok_s": round(aggregate_rate(requests) or 0, 2),
-            "median_request_tok_s": round(statistics.median(x for x in rates if x), 2),
+            "median_request_tok_s": round(statistics.median([x for x in rates if x] or [0]), 2),
             "spec": {k: after[k] - before[k] for k in COUNTERS}}
 
 
