@@ -23,8 +23,8 @@ Each (workload, concurrency) sends its own ``cache_salt``: one application per t
 per-tenant acceptance prior and history come from that workload's requests only.
 
 A round starts each config once and runs every workload and concurrency on it; rounds reverse the
-order. A config whose server does not start (vLLM refusing its speculation) is recorded with the
-log's error lines and left out of later rounds. Ratios are paired within a round, median over
+order. A config whose server does not start (vLLM refusing its speculation) or fails a request is
+recorded with the log's error lines and left out of later rounds. Ratios are paired within a round, median over
 rounds. kvhive's speculative outputs are compared with its plain outputs of the same round.
 """
 
