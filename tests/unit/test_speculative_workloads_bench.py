@@ -1,0 +1,95 @@
+"""``bench/speculative_workloads.py``'s arithmetic (decode rates, paired ratios, output mismatches), its
+server commands, its fixed prompts and its rendering of a small synthetic record."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import quoting_prompts
+import speculative_workloads as sw
+
+
+def _req(first: float, last: float, tokens: int = 11, digest: str = "a") -> dict:
+    return {"first_s": first, "last_s": last, "tokens": tokens, "digest": digest}
+
+
+def _run(rate: float, digests: tuple[str, ...] = ("a", "b"), drafts: float = 0, accepted: float = 0) -> dict:
+    return {"requests": [_req(0, 1, digest=d) for d in digests], "median_request_tok_s": rate,
+            "aggregate_tok_s": rate * 4, "spec": {"num_drafts": drafts, "num_draft_tokens": drafts * 5,
+                                                  "num_accepted_tokens": accepted}}
+
+
+def _round(**rates: float) -> dict:
+    return {"configs": {c: {"status": "ran", "runs": {"doc_qa@c1": _run(r, drafts=10 if "ngram" in c or "history" in c
+                                                                              else 0, accepted=20)}}
+                        for c, r in rates.items()}}
+
+
+def test_decode_rate_leaves_out_the_first_token() -> None:
+    assert sw.decode_rate(_req(1.0, 3.0, tokens=11)) == 5.0
+    assert sw.decode_rate(_req(1.0, 1.0, tokens=11)) is None and sw.decode_rate(_req(1.0, 2.0, tokens=1)) is None
+
+
+def test_aggregate_counts_time_when_any_request_decodes() -> None:
+    at_once = [_req(0.0, 2.0), _req(0.5, 2.5)]                     # union 0..2.5
+    assert sw.aggregate_rate(at_once) == 20 / 2.5
+    one_after_another = [_req(0.0, 1.0), _req(5.0, 6.0)]           # the gap between them is not decoding
+    assert sw.aggregate_rate(one_after_another) == 20 / 2.0
+
+
+def test_ratios_pair_rounds_and_take_the_best_vllm_config() -> None:
+    rounds = [_round(kvhive_plain=100, kvhive_history=250, vllm_plain=120, vllm_ngram=200),
+              _round(kvhive_plain=100, kvhive_history=150, vllm_plain=160, vllm_ngram=100)]
+    summary, ratios = sw.summarise(rounds, ["doc_qa@c1"], list(sw.SPEC))
+    assert summary["doc_qa@c1"]["kvhive_history"] == {"per_round": [250, 150], "median": 200}
+    assert "kvhive_ngram" not in summary["doc_qa@c1"]
+    r = ratios["doc_qa@c1"]
+    assert r["kvhive_history_over_plain"] == {"per_round": [2.5, 1.5], "median": 2.0}
+    assert r["kvhive_history_over_vllm_ngram"]["per_round"] == [1.25, 1.5]
+    assert r["kvhive_history_over_vllm_best"]["per_round"] == [1.25, round(150 / 160, 3)]
+    assert r["kvhive_ngram_over_plain"] is None
+
+
+def test_c8_is_judged_on_the_aggregate_and_targets_follow_the_workload() -> None:
+    assert sw.headline_metric("doc_qa@c1") == "median_request_tok_s"
+    assert sw.headline_metric("doc_qa@c8") == "aggregate_tok_s"
+    assert (sw.target("code_edit@c1"), sw.target("agent_summary@c8"), sw.target("open_chat@c1")) == (2.0, 1.3, 0.95)
+
+
+def test_mismatches_compare_each_spec_config_with_its_own_servers_plain_outputs() -> None:
+    rounds = [{"configs": {"kvhive_plain": {"runs": {"doc_qa@c1": _run(1, ("a", "b"))}},
+                           "kvhive_history": {"runs": {"doc_qa@c1": _run(1, ("a", "x"))}},
+                           "vllm_ngram": {"runs": {"doc_qa@c1": _run(1, ("z", "z"))}}}}]
+    assert sw.mismatches(rounds) == {"kvhive_history": {"compared": 2, "mismatched": 1}}
+
+
+def test_vllm_gets_its_speculation_and_the_tools_template_through_vllm_extra() -> None:
+    cmd, env = sw.start_command("vllm_ngram", 8000, "")
+    extra = env["VLLM_EXTRA"].split()                 # vllm.sh splits it on spaces: the JSON must have none
+    spec = json.loads(extra[extra.index("--speculative-config") + 1])
+    assert spec == {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    assert sw.TEMPLATE in extra and "--speculative-config" not in sw.start_command("vllm_plain", 8000, "")[1]["VLLM_EXTRA"]
+    kvhive, _ = sw.start_command("kvhive_history", 8000, "")
+    assert json.loads(kvhive[kvhive.index("--speculative-config") + 1])["method"] == "history"
+    assert "--speculative-config" not in sw.start_command("kvhive_plain", 8000, "")[0]
+
+
+@pytest.mark.parametrize("workload", quoting_prompts.WORKLOADS)
+def test_prompts_are_fixed_and_their_variants_differ(workload: str) -> None:
+    variants = [quoting_prompts.messages(workload, i) for i in range(8)]
+    assert variants[3] == quoting_prompts.messages(workload, 3)
+    assert len({json.dumps(v) for v in variants}) == 8
+
+
+def test_render_shows_targets_tokens_per_step_refusals_and_mismatches() -> None:
+    rounds = [_round(kvhive_plain=100, kvhive_history=250, vllm_ngram=200)]
+    summary, ratios = sw.summarise(rounds, ["doc_qa@c1"], ["kvhive_plain", "kvhive_history", "vllm_ngram"])
+    record = {"max_tokens": 128, "c1_requests": 4, "vllm_version": "0.32.0", "llamacpp": "not built", "rounds": rounds,
+              "spec": {c: sw.SPEC[c] for c in ("kvhive_plain", "kvhive_history", "vllm_ngram")},
+              "refusals": {"vllm_plain": {"status": "refused", "error": "server exited with 1\nValueError: nope"}},
+              "summary": summary, "ratios": ratios, "mismatches": {"kvhive_history": {"compared": 2, "mismatched": 0}}}
+    text = "\n".join(sw.render("speculative_workloads.json", record))
+    assert "| doc_qa | c1 | 250.0 | 100.0 | 2.50x | 2.50x | >= 2.0x | yes | 200.0 | 1.25x | yes | 1.25x |" in text
+    assert "250.0 (3.00)" in text                           # 1 + 20 accepted / 10 drafted steps
+    assert "`vllm_plain` refused: `ValueError: nope`" in text and "`kvhive_history` 0 of 2" in text
