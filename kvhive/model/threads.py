@@ -6,7 +6,10 @@ slices and every barrier of the step waits for it (a 2-core host with one busy n
 several times slower decode with 2 threads than with 1). ``ThreadGovernor`` reads, between steps
 and at most every ``interval_s``, how much CPU time the whole machine and this process used since
 the last reading (Linux ``/proc/stat`` and ``/proc/self/stat``); the difference is what others used,
-and the team gets the cores they left (at least 1, at most the configured count).
+and the team gets the cores they left (at least 1, at most the configured count). It shrinks only
+when two readings in a row find a core taken: a burst of a second (a client process starting, a
+benchmark driver tokenizing its prompts) would otherwise halve the team for the step that serves
+that client's first requests, and a step at one thread takes twice as long.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class ThreadGovernor:
         self._clock = clock
         self._last = read()
         self.others = 0.0               # cores other processes used over the last interval
+        self._shrink: int | None = None  # the last reading's smaller team, if it called for one
 
     def adjust(self) -> int:
         """Re-size the team if ``interval_s`` has passed since the last reading; the team's size."""
@@ -81,13 +85,18 @@ class ThreadGovernor:
         self.others = max(0.0, ((now[1] - self._last[1]) - (now[2] - self._last[2])) / elapsed)
         self._last = now
         free = self.cores - self.others
-        # Hysteresis: shrink once a core is mostly taken, grow back once it is mostly free.
+        # Hysteresis: shrink once a core is mostly taken over two readings in a row (a neighbour's
+        # burst of a second, a client starting up, keeps the team), by the lesser of the two
+        # readings' cuts; grow back at the first reading that finds a core mostly free.
+        shrink = None
         if free < self.threads - 0.6:
-            target = max(1, int(free + 0.4))
+            shrink = max(1, int(free + 0.4))
+            target = self.threads if self._shrink is None else max(shrink, self._shrink)
         elif free > self.threads + 0.6:
             target = min(self.max_threads, int(free + 0.4))
         else:
             target = self.threads
+        self._shrink = shrink
         target = max(1, min(self.max_threads, target))
         if target != self.threads:
             logger.info("other processes use %.1f of %d cores: %d compute thread%s", self.others, self.cores,

@@ -40,20 +40,35 @@ def test_the_team_shrinks_under_a_busy_neighbour_and_grows_back() -> None:
     clock.advance(0.2, others=0.0, own=4.0)
     assert gov.adjust() == 4 and sizes == []            # inside the interval: no reading
     assert clock.reads == 1                             # only the first, at construction
-    clock.advance(0.5, others=1.0, own=3.0)             # one core taken
+    clock.advance(0.5, others=1.0, own=3.0)             # one core taken: once is not yet a trend
+    assert gov.adjust() == 4 and sizes == []
+    clock.advance(0.5, others=1.0, own=3.0)             # taken again
     assert gov.adjust() == 3 and sizes == [3]
     clock.advance(0.5, others=0.5, own=3.0)             # half a core taken: within the hysteresis
     assert gov.adjust() == 3
-    clock.advance(0.5, others=3.5, own=0.5)             # the machine is nearly full
-    assert gov.adjust() == 1
-    clock.advance(0.5, others=0.0, own=1.0)             # neighbours gone: all cores again
-    assert gov.adjust() == 4 and sizes == [3, 1, 4]
+    clock.advance(0.5, others=3.5, own=0.5)             # the machine is nearly full...
+    assert gov.adjust() == 3
+    clock.advance(0.5, others=2.2, own=0.5)             # ...and still mostly: the lesser cut of the two
+    assert gov.adjust() == 2
+    clock.advance(0.5, others=0.0, own=1.0)             # neighbours gone: all cores again, at once
+    assert gov.adjust() == 4 and sizes == [3, 2, 4]
+
+
+def test_a_burst_of_one_reading_keeps_the_team() -> None:
+    clock, sizes = FakeClock(), []
+    gov = ThreadGovernor(2, sizes.append, interval_s=0.5, cores=2, read=clock, clock=clock.seconds)
+    for others in (0.9, 0.0, 0.9, 0.1, 1.0, 0.0):       # a client starting now and then
+        clock.advance(0.7, others=others, own=2.0 - others)
+        assert gov.adjust() == 2
+    assert sizes == []
 
 
 def test_never_beyond_the_configured_count_nor_below_one() -> None:
     clock = FakeClock()
     gov = ThreadGovernor(2, lambda n: None, cores=8, read=clock, clock=clock.seconds)
     clock.advance(1.0, others=0.0, own=2.0)
+    assert gov.adjust() == 2
+    clock.advance(1.0, others=20.0, own=0.1)
     assert gov.adjust() == 2
     clock.advance(1.0, others=20.0, own=0.1)
     assert gov.adjust() == 1
@@ -71,7 +86,9 @@ def test_a_real_busy_process_takes_a_thread() -> None:
     gov = ThreadGovernor(cores, sizes.append, interval_s=0.5)
     burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        time.sleep(1.2)
+        time.sleep(0.6)
+        gov.adjust()
+        time.sleep(0.6)
         assert gov.adjust() <= cores - 1, gov.others
         assert gov.others > 0.5
     finally:
