@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from kvhive.connector.disagg.transfer_config import KVTransferConfig
 from kvhive.core.kv_cache_dtype import check_kv_cache_dtype, kv_row_bytes, resolve_kv_dtype
 from kvhive.core.kv_events_config import KVEventsConfig
-from kvhive.core.scheduler_config import SCHEDULING_POLICIES, STEP_BUDGETS, SchedulerConfig  # noqa: F401
+from kvhive.core.scheduler_config import SchedulerConfig
 from kvhive.core.speculative_config import SpeculativeConfig
 
 # ISA levels of the CPU kernels, best first (kvhive.model.cpu), and "auto": the best the CPU runs.
