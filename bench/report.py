@@ -34,6 +34,7 @@ import retention_priority  # noqa: E402
 import sessions_vs_vllm as sessions_http  # noqa: E402
 import soak_report  # noqa: E402
 import speculative_workloads  # noqa: E402
+import ttft_tail  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 NOTES = os.path.join(HERE, "notes")
@@ -381,7 +382,7 @@ def render_grammar(name: str, record: dict) -> list[str]:
 
 def render_ttft_tail(name: str, record: dict) -> list[str]:
     """Per dataset and rate: kvhive over vLLM (median over paired rounds), then both servers' figures."""
-    metrics = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_itl_ms")
+    metrics = tuple(m for m in ttft_tail.METRICS if m != "p99_itl_ms")
     rates = ", ".join(f"{d} {r:.2f} req/s" for d, r in record["saturating_rate"].items())
     lines = [f"Peer: {record['peer']}. {len(record['rounds'])} paired rounds; "
              f"saturating rates (the lower of the two servers'): {rates}.", "",
@@ -396,7 +397,7 @@ def render_ttft_tail(name: str, record: dict) -> list[str]:
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
     lines += ["", "Cells: kvhive over vLLM, median over rounds (kvhive's / vLLM's figure, medians over rounds).", ""]
     if "ratio_kvhive_over_baseline" in record:
-        shown = ("median_ttft_ms", "median_itl_ms", "p90_ttft_ms", "p99_ttft_ms")
+        shown = ttft_tail.BASELINE_METRICS
         lines += [f"kvhive over kvhive with `{record['baseline_args']}` in the same rounds:", "",
                   "| run | " + " | ".join(m.replace("_ms", "") for m in shown) + " |", "|---|" + "---:|" * len(shown)]
         lines += [f"| {key} | " + " | ".join(f"{ratio[m]:.2f}x" if m in ratio else "-" for m in shown) + " |"

@@ -44,10 +44,10 @@ def text(seed: int, words: int) -> str:
 
 def start(port: int, disk: str, log_path: str) -> tuple[subprocess.Popen, float]:
     """``kvhive serve`` over the disk tier ``disk``; the process and its start-up seconds."""
-    log = open(log_path, "a")
-    proc = subprocess.Popen([sys.executable, "-m", "kvhive.cli", "serve", "--port", str(port),
-                             "--disk-cache-dir", disk, "--dtype", "float32"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(log_path, "a") as log:             # the server keeps its own copy of the descriptor
+        proc = subprocess.Popen([sys.executable, "-m", "kvhive.cli", "serve", "--port", str(port),
+                                 "--disk-cache-dir", disk, "--dtype", "float32"],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, wait_up(port, proc)
 
 

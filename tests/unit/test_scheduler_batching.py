@@ -55,7 +55,7 @@ class Units:
     def running(self, request, num_computed):
         """Put a request in ``running`` with ``num_computed`` tokens computed."""
         self.queues.add(request)
-        self.queues.start_head()
+        self.queues.start(request)
         compute(self.kv, request, num_computed)
         return request
 

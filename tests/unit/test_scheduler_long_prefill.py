@@ -6,9 +6,12 @@ lets the unrelated ones behind it go; greedy tokens are those of the unchunked s
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
 import pytest
 from support.scheduler_parts import FakeRunner, drive, make_sched, reference, req, step
+from support.servers import REPO_ROOT, free_port, subprocess_env
 
 from kvhive.request import RequestStatus
 from kvhive.scheduler_args import add_scheduler_args, build_scheduler_config
@@ -125,3 +128,16 @@ def test_the_threshold_is_512_on_cpu_and_off_on_cuda_unless_given(argv, threshol
 def test_out_of_range_values_are_refused_naming_the_flag(argv):
     with pytest.raises(ValueError, match=argv[0]):
         build_scheduler_config(parse(*argv))
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--long-prefill-token-threshold", "-3"], "--long-prefill-token-threshold: must be auto or >= 0"),
+    (["--long-prefill-token-threshold", "many"], "--long-prefill-token-threshold: expected auto or a token count"),
+    (["--long-prefill-token-threshold", "4096"], "--long-prefill-token-threshold must be 0 (off) to"),
+    (["--max-long-partial-prefills", "0"], "--max-long-partial-prefills must be 1 to --max-num-seqs"),
+])
+def test_kvhive_serve_exits_2_naming_the_flag(args, named):
+    done = subprocess.run([sys.executable, "-m", "kvhive.cli", "serve", "--port", str(free_port()), *args],
+                          capture_output=True, text=True, timeout=60, cwd=REPO_ROOT, env=subprocess_env())
+    assert done.returncode == 2, done.stderr
+    assert named in done.stderr, done.stderr

@@ -13,7 +13,7 @@ def running_queues(kv, *requests):
     queues = RequestQueues()
     for r in requests:
         queues.add(r)
-        queues.start_head()
+        queues.start(r)
         compute(kv, r, 6)
     return queues
 

@@ -54,7 +54,7 @@ def test_a_preempted_request_goes_back_to_its_place_by_priority():
     queues.add(late)
     queues.add(early)
     assert [r.request_id for r in queues.waiting] == ["a", "b"]
-    queues.start_head()
+    queues.start(queues.waiting[0])
     queues.add(prioritized("c", 0, 5.0))
     queues.requeue_front(early)                         # preempted: before its equals, after priority 0
     assert [r.request_id for r in queues.waiting] == ["c", "a", "b"]

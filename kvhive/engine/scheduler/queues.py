@@ -43,17 +43,10 @@ class RequestQueues:
         else:
             self.waiting.remove(request)
 
-    def start_head(self) -> Request:
-        """Move the head of ``waiting`` to the end of ``running``; its status is the caller's."""
-        return self.start(self.waiting[0])
-
     def start(self, request: Request) -> Request:
         """Move a waiting request (the head, or one admitted past requests passed over) to the end
         of ``running``; its status is the caller's."""
-        if self.waiting and self.waiting[0] is request:
-            self.waiting.popleft()
-        else:
-            self.waiting.remove(request)
+        self.waiting.remove(request)
         self.running.append(request)
         return request
 
