@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from support.engines import GREEDY, make_engine, make_engine_with_cpu_tier, run
+from support.servers import wait_until
 
 from kvhive.connector.disagg.params import KVTransferParams
 from kvhive.connector.disagg.transfer_config import KVTransferConfig
@@ -59,6 +60,14 @@ def _blocks(prompt):
     return -(-(len(prompt) - 1) // 4)
 
 
+def _sent_reaches(prefill, blocks):
+    """Wait for the prefill's sender thread to count ``blocks`` sent: it counts a frame after the
+    send returns, so the decode side may have loaded it a moment earlier."""
+    counters = prefill.disagg.worker.counters
+    wait_until(lambda: counters.sent_blocks >= blocks, 10, f"{blocks} blocks counted as sent")
+    return counters.sent_blocks
+
+
 def _prompts(n, length=37):
     return {f"p{i}": [(7 * i + 3 * j) % 250 + 3 for j in range(length + i)] for i in range(n)}
 
@@ -72,7 +81,7 @@ def test_pd_tokens_equal_a_single_engine(engines):
         assert tokens == want[rid][0], rid
     counters = decode.disagg.worker.counters
     assert counters.recomputed_blocks == 0 and counters.received_blocks == sum(map(_blocks, prompts.values()))
-    assert prefill.disagg.worker.counters.sent_blocks == counters.received_blocks
+    assert _sent_reaches(prefill, counters.received_blocks) == counters.received_blocks
     decode.scheduler.kv.pool.check_integrity()
 
 
@@ -118,11 +127,11 @@ def test_blocks_the_decode_engine_holds_are_not_sent(engines):
     first, second = shared + [9, 8, 7, 6, 5, 4, 3], shared + [11, 12, 13, 14, 15, 16]
     want = run(single, {"a": first, "b": second})
     assert _pd(prefill, decode, "a", first)[0] == want["a"][0]
-    sent_before = prefill.disagg.worker.counters.sent_blocks
+    sent_before = _sent_reaches(prefill, _blocks(first))
     tokens, cached = _pd(prefill, decode, "b", second)
     assert tokens == want["b"][0]
     assert cached == 6 * 4                  # its held prefix; the blocks that arrived are not reuse
-    assert prefill.disagg.worker.counters.sent_blocks - sent_before == _blocks(second) - 6
+    assert _sent_reaches(prefill, sent_before + _blocks(second) - 6) - sent_before == _blocks(second) - 6
     assert prefill.disagg.worker.counters.skipped_blocks == 6
 
 
