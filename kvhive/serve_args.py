@@ -315,7 +315,9 @@ def _add_performance_args(p: argparse.ArgumentParser) -> None:
                         "K (1..16), \"prompt_lookup_min\": A, \"prompt_lookup_max\": B (1..16, both 5 where omitted)}: "
                         "a decode step drafts up to K tokens from the longest earlier n-gram of the request's tokens "
                         "(\"method\": \"history\": then of its API key's finished requests, \"history_max_tokens\" "
-                        "kept) and verifies them in one pass; output unchanged (see docs/speculative_decoding.md) (default: off)")
+                        "kept) and verifies them in one pass, keeping the drafts that pay for the step's measured "
+                        "cost (\"draft_sizing\": \"step_cost\"; \"per_request\": each request's own length); "
+                        "output unchanged (see docs/speculative_decoding.md) (default: off)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: launch every decode step kernel by kernel; without it, decode-only steps "
                         "replay CUDA graphs (one per batch-size and context bucket, captured when the "

@@ -6,7 +6,11 @@ The JSON object takes vLLM's ``SpeculativeConfig`` keys for the n-gram (prompt l
 Where both lookup bounds are omitted they are 5 (vLLM's default); where one is omitted it takes
 the other's value. kvhive's own method "history" drafts from the request's tokens first, then from
 the server's recent token sequences of the same tenant; its keys ``history_max_tokens`` (all
-tenants) and ``history_tenant_max_tokens`` (one tenant; at most the first) bound that store. Any
+tenants) and ``history_tenant_max_tokens`` (one tenant; at most the first) bound that store.
+kvhive's ``draft_sizing`` says how many draft tokens a step verifies: "step_cost" (the default)
+keeps, over all requests in decode together, those that raise the step's expected tokens per
+second by its measured cost (``kvhive.engine.speculative.step_cost``); "per_request" drafts each
+request's adaptive length whatever the batch. Any
 other key, a history key without method "history", a wrong type or a value out of range is a
 ``ValueError`` that names it (``kvhive serve`` exits 2).
 """
@@ -20,7 +24,9 @@ from kvhive.core.flag_values import json_flag_object
 OPTION = "--speculative-config"
 METHODS = ("ngram", "history")
 HISTORY_KEYS = ("history_max_tokens", "history_tenant_max_tokens")
-JSON_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", *HISTORY_KEYS)
+DRAFT_SIZINGS = ("step_cost", "per_request")
+JSON_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", *HISTORY_KEYS,
+             "draft_sizing")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_LOOKUP = 16
 DEFAULT_LOOKUP = 5
@@ -45,10 +51,14 @@ class SpeculativeConfig:
     # Method "history": the most tokens its store keeps for all tenants, and for one tenant.
     history_max_tokens: int = DEFAULT_HISTORY_TOKENS
     history_tenant_max_tokens: int = DEFAULT_TENANT_HISTORY_TOKENS
+    draft_sizing: str = "step_cost"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"{OPTION}: unknown method {self.method!r} (known: {', '.join(METHODS)})")
+        if self.draft_sizing not in DRAFT_SIZINGS:
+            raise ValueError(f"{OPTION}: draft_sizing must be one of {', '.join(DRAFT_SIZINGS)}, "
+                             f"got {self.draft_sizing!r}")
         for key in BOUNDS:
             _check_bound(key, getattr(self, key))
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -86,7 +96,8 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
     tenant = values.get("history_tenant_max_tokens", min(DEFAULT_TENANT_HISTORY_TOKENS, total))
     return SpeculativeConfig(num_speculative_tokens=values["num_speculative_tokens"], method=method,
                              prompt_lookup_min=low, prompt_lookup_max=high, history_max_tokens=total,
-                             history_tenant_max_tokens=tenant)
+                             history_tenant_max_tokens=tenant,
+                             draft_sizing=values.get("draft_sizing", "step_cost"))
 
 
 def _check_bound(key: str, value: object) -> None:

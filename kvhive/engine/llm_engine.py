@@ -285,7 +285,9 @@ class LLMEngine:
             result = StepResult(sampled={})
         else:
             try:
+                started = time.perf_counter()
                 result = self.runner.execute(plan)
+                self.scheduler.observe_step(plan.num_tokens, time.perf_counter() - started)
             except Exception as exc:
                 self.num_failed_steps_in_row += 1
                 if self.num_failed_steps_in_row >= MAX_FAILED_STEPS_IN_ROW:

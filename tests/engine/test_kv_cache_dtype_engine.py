@@ -128,7 +128,8 @@ def test_a_disk_tier_written_under_another_kv_dtype_is_a_miss(tokenizer, tmp_pat
 
 def test_speculative_decoding_over_an_int8_pool_gives_the_plain_tokens(tokenizer) -> None:
     prompts = {"a": PROMPT, "b": prompt_ids(23, seed=2) * 2}
-    drafts = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    drafts = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3,
+                               draft_sizing="per_request")
     outputs, accepted = {}, 0
     for name, speculative in (("plain", None), ("ngram", drafts)):
         engine = make_engine(tokenizer, num_blocks=48, kv_cache_dtype="int8", speculative=speculative)

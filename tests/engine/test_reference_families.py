@@ -35,7 +35,7 @@ TIE_GAP = 2e-3              # a top-2 gap this small in transformers' scores may
 # max |kvhive - transformers| over the logits, relative to the largest |logit|, by compute dtype.
 LOGIT_TOL = {"float32": 1e-5, "bfloat16": 0.03}
 FAMILY_NAMES = sorted(FAMILIES)
-NGRAM = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+NGRAM = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3, draft_sizing="per_request")
 
 
 @pytest.fixture(scope="module")

@@ -31,9 +31,9 @@ def engines():
     path = default_model_path()
     loaded, tok = load_model(path, dtype="float32", device="cpu"), Tokenizer.from_model_path(path)
 
-    def make(k: int | None, block_size: int = 16) -> LLMEngine:
+    def make(k: int | None, block_size: int = 16, sizing: str = "per_request") -> LLMEngine:
         spec = None if k is None else SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1,
-                                                        prompt_lookup_max=4)
+                                                        prompt_lookup_max=4, draft_sizing=sizing)
         cfg = EngineConfig(model_path=path, cache=CacheConfig(num_blocks=256, block_size=block_size),
                            scheduler=SchedulerConfig(max_model_len=2048), speculative=spec)
         return LLMEngine(cfg, loaded=loaded, tokenizer=tok)
@@ -213,3 +213,17 @@ def test_a_session_turn_with_drafts_continues_like_a_plain_one(engines) -> None:
         replies[k] = turns
     assert replies[5] == replies[None]
     assert replies[5][1][1] > 0 and replies[5][0][2] in (FinishReason.LENGTH, FinishReason.STOP)
+
+
+def test_drafts_sized_by_the_measured_step_cost_give_the_plain_tokens(engines) -> None:
+    """The default sizing: the engine times each step into the cost the drafts are sized by; a
+    batch of eight (quoting and open prompts) still decodes the plain tokens."""
+    make, prompts = engines
+    greedy = SamplingParams(max_tokens=32, temperature=0)
+    requests = {f"{name}{i}": (prompt, greedy) for name, prompt in prompts.items() for i in range(3)}
+    plain, spec_engine = generate(make(None), requests), make(4, sizing="step_cost")
+    drafted = generate(spec_engine, requests)
+    cost = spec_engine.scheduler.speculation.cost
+    assert cost is not None and cost.seconds(9) is not None      # steps of several sizes were timed
+    for rid in requests:
+        assert tokens(drafted[rid]) == tokens(plain[rid]), rid

@@ -36,7 +36,7 @@ def engines():
 
 def history_config() -> SpeculativeConfig:
     return SpeculativeConfig(num_speculative_tokens=4, method="history", prompt_lookup_min=3, prompt_lookup_max=5,
-                             history_max_tokens=10_000, history_tenant_max_tokens=5_000)
+                             history_max_tokens=10_000, history_tenant_max_tokens=5_000, draft_sizing="per_request")
 
 
 def run(engine: LLMEngine, rid: str, prompt: list[int], salt: str | None,

@@ -34,7 +34,7 @@ from kvhive.model.loader import LoadedModel
 from kvhive.model.quant import QuantMatmul
 from kvhive.request import SamplingParams
 
-NGRAM = SpeculativeConfig(num_speculative_tokens=10, prompt_lookup_min=1, prompt_lookup_max=3)
+NGRAM = SpeculativeConfig(num_speculative_tokens=10, prompt_lookup_min=1, prompt_lookup_max=3, draft_sizing="per_request")
 QUOTED = ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. "
           "def add(a, b):\n    return a + b\n")
 MESSAGES = {

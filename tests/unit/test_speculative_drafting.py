@@ -144,6 +144,7 @@ def test_the_config_takes_vllms_keys_and_defaults() -> None:
     ('{"num_speculative_tokens": true}', "num_speculative_tokens must be an integer"),
     ('{"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "is above"),
     ('{"num_speculative_tokens": 2, "prompt_lookup_max": 40}', "prompt_lookup_max must be"),
+    ('{"num_speculative_tokens": 2, "draft_sizing": "batch"}', "draft_sizing must be one of step_cost, per_request"),
     ('[1]', "must be a JSON object"),
     ('{', "not valid JSON"),
 ])
@@ -312,7 +313,7 @@ def speculative_scheduler(k: int, num_blocks: int = 64, budget: int = 64) -> Sch
     return Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=10_000),
                      CacheConfig(block_size=4, enable_prefix_caching=True), num_blocks, root_hash(0),
                      speculative=SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1,
-                                                   prompt_lookup_max=3))
+                                                   prompt_lookup_max=3, draft_sizing="per_request"))
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -141,6 +141,8 @@ class Batcher:
         (``StepBudget.fit_prefill``), each pass in arrival order, while the budget lasts; True when a
         request was preempted for blocks."""
         preempted = False
+        if self.speculation is not None:
+            self.speculation.propose(*self._decodes(budget))
         for kind in ("decode", "short", "long"):
             for request in list(self.queues.running):
                 if request.status is not RequestStatus.RUNNING or request.request_id in budget.planned:
@@ -154,6 +156,20 @@ class Batcher:
                 if num_new:
                     preempted |= self._schedule_chunk(request, num_new, budget)
         return preempted
+
+    def _decodes(self, budget: StepBudget) -> tuple[list[Request], int]:
+        """The running requests in decode this step, and the step's tokens without drafts: theirs
+        and, up to the budget's rest, the running prefills' next chunks (drafts are sized by them)."""
+        decodes, prefill = [], 0
+        for request in self.queues.running:
+            if request.status is not RequestStatus.RUNNING or request.request_id in budget.planned:
+                continue
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining == 1:
+                decodes.append(request)
+            else:
+                prefill += min(remaining, budget.long_threshold) if budget.is_long(remaining) else remaining
+        return decodes, len(decodes) + max(0, min(prefill, budget.tokens - len(decodes)))
 
     def _schedule_chunk(self, request: Request, num_new: int, budget: StepBudget) -> bool:
         """Allocate blocks for ``num_new`` tokens of a running request and plan them, spilling and

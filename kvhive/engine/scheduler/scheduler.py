@@ -25,6 +25,7 @@ from kvhive.engine.scheduler.sampling_inputs import suppressed_tokens, token_his
 from kvhive.engine.scheduler.session_spill import SessionCopy, SessionSpill
 from kvhive.engine.scheduler.speculation import Speculation
 from kvhive.engine.speculative.draft_proposals import DraftProposer, SpecDecodeStats
+from kvhive.engine.speculative.step_cost import StepCost
 from kvhive.engine.step import ScheduledSeq, StepPlan, StepResult
 from kvhive.kv.manager import DeviceReset, KVCacheManager, KVCacheStats
 from kvhive.kv.window_group import WindowLayout
@@ -66,7 +67,8 @@ class Scheduler:
         self.spill = SessionSpill(self.kv, session_copy, self.transfers.pending_hashes)
         self.preemption = Preemption(self.queues, self.kv)
         self.speculation = None if speculative is None or window is not None else Speculation(
-            DraftProposer(speculative), self.kv, sched_config.max_model_len)
+            DraftProposer(speculative), self.kv, sched_config.max_model_len,
+            StepCost() if speculative.draft_sizing == "step_cost" else None)
         self.batcher = Batcher(self.queues, self.kv, self.spill, self.preemption, self._finish_too_long,
                                self.speculation)
         self.admission = Admission(sched_config, self.queues, self.kv, self.spill, self.transfers,
@@ -185,6 +187,12 @@ class Scheduler:
                               prefix_cache_hits_tokens=kv.prefix_cache_hits_tokens, kv=kv,
                               num_session_blocks=self.kv.sessions.num_blocks,
                               num_session_spills=self.num_session_spills)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """The runner took ``seconds`` for a step of ``num_tokens`` tokens (speculation sizes its
+        drafts by it)."""
+        if self.speculation is not None:
+            self.speculation.observe_step(num_tokens, seconds)
 
     def spec_decode_stats(self) -> SpecDecodeStats | None:
         """Speculative decoding's counters; None when it is off."""

@@ -1,7 +1,11 @@
 """The scheduler's side of speculative decoding: planning drafted decode steps, applying verdicts.
 
-A running request in decode that the ``DraftProposer`` drafts for is planned as its last known
-token plus up to k draft tokens, all charged to the step's token budget, in blocks allocated for
+Before the decode pass every request in decode gets its drafts from the ``DraftProposer``; with
+draft sizing "step_cost" the step then keeps the draft tokens that raise its expected tokens per
+second by the step cost the engine measured (``kvhive.engine.speculative.step_cost``), and a
+request whose drafts were all cut ``PROBE_AFTER`` steps in a row keeps one (a probe), so its
+acceptance estimate follows its text; each probe doubles the wait for the next (up to
+``MAX_PROBE_WAIT``) until the sizing keeps its drafts again. A request with drafts left is planned as its last known token plus those drafts, all charged to the step's token budget, in blocks allocated for
 them; when those blocks are not free the request takes a plain one-token step instead (drafts
 never spill sessions or preempt anyone). After the step the emitted tokens (accepted drafts, then
 the target model's token) are appended one by one, each checked for a stop, and nothing after a
@@ -17,31 +21,73 @@ from collections.abc import Callable
 
 from kvhive.engine.scheduler.batching import StepBudget
 from kvhive.engine.speculative.draft_proposals import DraftProposer
+from kvhive.engine.speculative.step_cost import StepCost, size_drafts
 from kvhive.engine.step import ScheduledSeq, StepResult
 from kvhive.kv.manager import KVCacheManager
 from kvhive.request import FinishReason, Request
+
+# Steps in a row a request's drafts may all be cut before it verifies one draft token anyway,
+# and the most that wait grows to after probes.
+PROBE_AFTER = 16
+MAX_PROBE_WAIT = 256
 
 
 class Speculation:
     """Drafted steps of the running requests (one instance per scheduler, with speculation on)."""
 
-    def __init__(self, proposer: DraftProposer, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, proposer: DraftProposer, kv: KVCacheManager, max_model_len: int,
+                 cost: StepCost | None = None) -> None:
+        """``cost``: the measured step cost the drafts are sized by; None: each request drafts its
+        own adaptive length (draft sizing "per_request")."""
         self.proposer = proposer
         self.kv = kv
         self.max_model_len = max_model_len
+        self.cost = cost
         self.planned: dict[str, tuple[int, ...]] = {}     # this step's drafts by request id
+        self._proposed: dict[str, list[int]] = {}         # this step's drafts before planning
+        # Per request whose drafts were all cut: steps in a row so far, and the steps before its probe.
+        self._cut_steps: dict[str, tuple[int, int]] = {}
 
     def begin_step(self) -> None:
         """Forget the last plan's drafts (the step that verified them has been applied)."""
         self.planned.clear()
 
+    def propose(self, decodes: list[Request], plain_tokens: int) -> None:
+        """Draft for each request in decode this step, then size the drafts together.
+        ``plain_tokens``: the step's expected tokens without drafts."""
+        self._proposed.clear()
+        for request in decodes:
+            # Never draft past max_tokens or the context: the last draft's successor ends the request.
+            room = min(request.sampling.max_tokens - request.num_output_tokens,
+                       self.max_model_len - request.num_tokens) - 1
+            drafts = self.proposer.propose(request, room)
+            if drafts:
+                self._proposed[request.request_id] = drafts
+        if self.cost is None or not self._proposed:
+            return
+        kept = size_drafts({rid: (len(d), self.proposer.chance(rid)) for rid, d in self._proposed.items()},
+                           plain_tokens, len(decodes), self.cost)
+        for rid, n in kept.items():
+            if n > 0:
+                self._cut_steps.pop(rid, None)
+            else:
+                cut, wait = self._cut_steps.get(rid, (0, PROBE_AFTER))
+                cut += 1
+                if cut >= wait:
+                    n, cut, wait = 1, 0, min(2 * wait, MAX_PROBE_WAIT)
+                self._cut_steps[rid] = (cut, wait)
+            self._proposed[rid] = self._proposed[rid][:n]
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step of ``num_tokens`` tokens took ``seconds`` (the cost the drafts are sized by)."""
+        if self.cost is not None:
+            self.cost.observe(num_tokens, seconds)
+
     def plan(self, request: Request, budget: StepBudget) -> bool:
-        """Plan a drafted decode step for ``request`` (in decode); False (nothing planned or
-        allocated) when it has no draft, the budget leaves no room for one, or blocks are short."""
-        # Never draft past max_tokens or the context: the last draft's successor ends the request.
-        room = min(request.sampling.max_tokens - request.num_output_tokens,
-                   self.max_model_len - request.num_tokens) - 1
-        drafts = self.proposer.propose(request, room)
+        """Plan a drafted decode step for ``request`` (in decode) with the drafts ``propose`` kept
+        for it; False (nothing planned or allocated) when it has none, the budget leaves no room for
+        one, or blocks are short."""
+        drafts = self._proposed.pop(request.request_id, None)
         if not drafts:
             return False
         start = request.num_computed_tokens
@@ -80,4 +126,5 @@ class Speculation:
     def finish(self, request: Request) -> None:
         """Drop a finished request's drafting state (the proposer may keep its tokens as history)."""
         self.planned.pop(request.request_id, None)
+        self._cut_steps.pop(request.request_id, None)
         self.proposer.finish(request)

@@ -15,6 +15,11 @@ first accepted draft sets it back to the least for the rest of the request. Shor
 text are mostly chance (a rejected draft from a 2-token match is the typical waste of an open
 question), while a text that quotes soon matches long suffixes and accepts; lowering it for good
 after an acceptance keeps the drafts of code edits and quotes that resume after a pause.
+
+``chance`` is the estimated probability that one draft token is accepted given those before it
+were: accepted draft tokens over draft tokens tested (a step accepting a of d tested a + 1 of them,
+or d when all were accepted), both sums decayed by ``CHANCE_DECAY`` a step and starting from the
+starting rate over ``PRIOR_TRIALS`` tokens. The step's draft sizing (``step_cost``) reads it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ RATE_WEIGHT = 0.5
 # Decode steps without a draft before the first probe, and the most ever waited between probes.
 FIRST_WAIT = 8
 MAX_WAIT = 512
+# The weight the earlier steps keep in ``chance``, and the tokens the starting rate counts as.
+CHANCE_DECAY = 0.8
+PRIOR_TRIALS = 2.0
 
 
 class DraftLength:
@@ -42,6 +50,12 @@ class DraftLength:
         self._accepted_any = False
         self._wait = 0              # plain steps left before the next probe
         self._next_wait = FIRST_WAIT
+        self._hits, self._tested = rate * PRIOR_TRIALS, PRIOR_TRIALS
+
+    @property
+    def chance(self) -> float:
+        """The estimated chance that a draft token is accepted once those before it were."""
+        return self._hits / self._tested
 
     def next_length(self) -> int:
         """The most draft tokens this decode step may verify (0: a plain step); counts a plain step."""
@@ -61,6 +75,8 @@ class DraftLength:
         if num_proposed <= 0:
             return
         self.rate += RATE_WEIGHT * (num_accepted / num_proposed - self.rate)
+        self._hits = CHANCE_DECAY * self._hits + num_accepted
+        self._tested = CHANCE_DECAY * self._tested + min(num_accepted + 1, num_proposed)
         if num_accepted > 0 and not self._accepted_any:
             self._accepted_any = True
             self.min_match = self._least_match

@@ -133,6 +133,12 @@ class DraftProposer:
         """What the history store holds (None unless the method is "history")."""
         return None if self.history is None else self.history.stats()
 
+    def chance(self, request_id: str) -> float:
+        """The chance a draft token of the request is accepted once those before it were (1 for a
+        request that never drafted)."""
+        state = self._requests.get(request_id)
+        return 1.0 if state is None else state.length.chance
+
     def draft_length(self, request_id: str) -> DraftLength | None:
         """The request's adaptive draft length (None before its first decode step); for tests and stats."""
         state = self._requests.get(request_id)

@@ -1,0 +1,107 @@
+"""How many draft tokens a step verifies: as many as raise the step's tokens per second.
+
+A draft token costs the step one more row of the forward pass whether it is accepted or not. While
+a step is bound by reading the weights once (one request, a GPU) that row is nearly free and every
+draft pays; once the batch alone makes the step compute-bound (eight requests on two CPU cores) a
+row costs about what a whole token of another request does, and only drafts that are almost sure to
+be accepted pay back. The per-request acceptance rate does not see the batch, so the step's drafts
+are sized here, over all the requests in decode together:
+
+- ``StepCost`` learns how long a step of N tokens takes from the steps the engine runs (an
+  exponentially weighted mean per token-count bucket, read through a non-decreasing piecewise
+  linear curve over the buckets seen);
+- ``size_drafts`` takes the draft positions in order of the chance they are accepted (a request
+  whose draft tokens are each accepted with probability a accepts its j-th with a**j: the ones
+  before it must be accepted too) and keeps the number of them at which the expected tokens the
+  step emits, over the step's expected seconds, is highest.
+
+Before two token counts have been seen there is no curve and every draft is kept. Torch-free.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping
+
+# Weight of the latest step in its bucket's means.
+COST_WEIGHT = 0.2
+# Token counts up to this have a bucket each; above it buckets grow by about 4.4% (2**(1/16)).
+EXACT_BUCKETS = 32
+
+
+def _bucket(num_tokens: int) -> int:
+    if num_tokens <= EXACT_BUCKETS:
+        return num_tokens
+    return EXACT_BUCKETS + int(16 * math.log2(num_tokens / EXACT_BUCKETS))
+
+
+class StepCost:
+    """The seconds a step of N tokens takes, learned from the steps run."""
+
+    def __init__(self) -> None:
+        self._means: dict[int, tuple[float, float]] = {}     # bucket -> (mean tokens, mean seconds)
+        self._curve: tuple[list[float], list[float]] | None = None
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """One step of ``num_tokens`` tokens took ``seconds``."""
+        if num_tokens <= 0 or not seconds > 0 or math.isinf(seconds):
+            return
+        key = _bucket(num_tokens)
+        mean = self._means.get(key)
+        if mean is None:
+            self._means[key] = (float(num_tokens), seconds)
+        else:
+            self._means[key] = (mean[0] + COST_WEIGHT * (num_tokens - mean[0]),
+                                mean[1] + COST_WEIGHT * (seconds - mean[1]))
+        self._curve = None
+
+    def seconds(self, num_tokens: int) -> float | None:
+        """The expected seconds of a step of ``num_tokens`` tokens (None: fewer than two token
+        counts seen). Between buckets the curve is linear; past the ends it goes on with the
+        nearest segment's slope; it never falls as tokens grow."""
+        curve = self._curve or self._build()
+        if curve is None:
+            return None
+        xs, ys = curve
+        i = min(max(bisect.bisect_left(xs, num_tokens), 1), len(xs) - 1)
+        slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+        return max(ys[i - 1] + slope * (num_tokens - xs[i - 1]), ys[0] * 0.5)
+
+    def _build(self) -> tuple[list[float], list[float]] | None:
+        points = sorted(self._means.values())
+        if len(points) < 2:
+            return None
+        xs, ys = [], []
+        for x, y in points:
+            if xs and x - xs[-1] < 0.5:            # two buckets' means met: keep the later one
+                xs.pop(), ys.pop()
+            xs.append(x)
+            ys.append(max(y, ys[-1]) if ys else y)  # non-decreasing: a noisy dip is not a saving
+        if len(xs) < 2:
+            return None
+        self._curve = (xs, ys)
+        return self._curve
+
+
+def size_drafts(drafts: Mapping[str, tuple[int, float]], plain_tokens: int, plain_outputs: int,
+                cost: StepCost) -> dict[str, int]:
+    """How many of its draft tokens each request keeps this step.
+
+    ``drafts``: request id -> (draft tokens proposed, the chance each is accepted); ``plain_tokens``:
+    the step's tokens without drafts (decodes and prefill chunks); ``plain_outputs``: the tokens it
+    emits without drafts (one per decode). Every draft is kept while ``cost`` knows no curve."""
+    if cost.seconds(plain_tokens) is None:
+        return {rid: n for rid, (n, _) in drafts.items()}
+    positions = sorted(((rate ** j, rid) for rid, (n, rate) in drafts.items() for j in range(1, n + 1)),
+                       key=lambda p: -p[0])
+    expected, best, best_k = float(plain_outputs), plain_outputs / cost.seconds(plain_tokens), 0
+    for k, (chance, _) in enumerate(positions, 1):
+        expected += chance
+        rate = expected / cost.seconds(plain_tokens + k)
+        if rate > best:
+            best, best_k = rate, k
+    kept: dict[str, int] = dict.fromkeys(drafts, 0)
+    for _, rid in positions[:best_k]:
+        kept[rid] += 1
+    return kept

@@ -1,0 +1,194 @@
+"""Draft sizing by the step's measured cost: the step-cost curve, the choice of draft tokens against
+a brute force over every choice, the per-token acceptance estimate, and the scheduler's drafted
+steps under a weight-bound and a compute-bound cost (with the probe of a request whose drafts are
+cut)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from kvhive.config import CacheConfig, SchedulerConfig
+from kvhive.core.blocks import root_hash
+from kvhive.core.speculative_config import SpeculativeConfig
+from kvhive.engine.scheduler import Scheduler
+from kvhive.engine.scheduler.speculation import MAX_PROBE_WAIT, PROBE_AFTER
+from kvhive.engine.speculative.draft_length import DraftLength
+from kvhive.engine.speculative.step_cost import StepCost, size_drafts
+from kvhive.request import Request, SamplingParams
+
+
+def linear_cost(fixed: float, per_token: float, counts=(1, 8, 16, 48)) -> StepCost:
+    cost = StepCost()
+    for n in counts:
+        cost.observe(n, fixed + per_token * n)
+    return cost
+
+
+def test_the_curve_needs_two_token_counts_then_interpolates_and_extrapolates() -> None:
+    cost = StepCost()
+    assert cost.seconds(4) is None
+    cost.observe(8, 0.040)
+    cost.observe(8, 0.040)
+    assert cost.seconds(8) is None                      # one token count: no slope yet
+    cost.observe(16, 0.060)
+    assert cost.seconds(8) == pytest.approx(0.040)
+    assert cost.seconds(12) == pytest.approx(0.050)
+    assert cost.seconds(24) == pytest.approx(0.080)     # past the last bucket: its slope goes on
+    assert cost.seconds(1) == pytest.approx(0.0225)     # below the first: likewise
+    steep = StepCost()
+    steep.observe(10, 0.010)
+    steep.observe(20, 0.100)
+    assert steep.seconds(1) == pytest.approx(0.005)     # never below half the smallest bucket's time
+
+
+def test_the_curve_never_falls_and_follows_recent_steps() -> None:
+    cost = StepCost()
+    cost.observe(4, 0.020)
+    cost.observe(8, 0.015)                              # a noisy dip: not a saving
+    cost.observe(16, 0.040)
+    assert cost.seconds(8) == pytest.approx(0.020)
+    assert cost.seconds(6) == pytest.approx(0.020)
+    for _ in range(40):                                 # the host got slower: the mean follows
+        cost.observe(16, 0.080)
+    assert cost.seconds(16) == pytest.approx(0.080, rel=0.01)
+
+
+def test_wide_token_counts_share_buckets() -> None:
+    cost = StepCost()
+    for n in (600, 603, 606, 1, 2):
+        cost.observe(n, n / 1000)
+    assert len(cost._means) == 3                        # 600..606 are one bucket above 32
+    assert cost.seconds(603) == pytest.approx(0.603, rel=0.01)
+
+
+def test_no_curve_keeps_every_draft() -> None:
+    assert size_drafts({"a": (5, 0.1), "b": (3, 0.9)}, 2, 2, StepCost()) == {"a": 5, "b": 3}
+
+
+def test_a_weight_bound_step_keeps_every_draft_worth_anything() -> None:
+    flat = linear_cost(0.011, 0.0001)
+    assert size_drafts({"a": (5, 0.9), "b": (5, 0.7)}, 2, 2, flat) == {"a": 5, "b": 5}
+    assert size_drafts({"a": (5, 0.9), "b": (5, 0.5)}, 2, 2, flat)["b"] == 4      # 0.5 ** 5: not worth 0.1 ms
+
+
+def test_a_compute_bound_step_keeps_only_likely_drafts() -> None:
+    # Eight decodes at 8 + 2.6 ms a token (the 2-core host in float32): a token each at 3.6 ms.
+    steep = linear_cost(0.008, 0.0026)
+    drafts = {f"q{i}": (5, 0.97) for i in range(4)} | {f"c{i}": (5, 0.5) for i in range(4)}
+    kept = size_drafts(drafts, 8, 8, steep)
+    assert all(kept[f"c{i}"] == 0 for i in range(4))
+    assert all(kept[f"q{i}"] >= 3 for i in range(4))
+    assert size_drafts({f"c{i}": (5, 0.6) for i in range(8)}, 8, 8, steep) == {f"c{i}": 0 for i in range(8)}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_kept_drafts_give_the_best_expected_rate_of_any_choice(seed: int) -> None:
+    rng = random.Random(seed)
+    cost = StepCost()
+    for n in sorted(rng.sample(range(1, 40), rng.randint(2, 6))):
+        cost.observe(n, rng.uniform(0.005, 0.2))
+    drafts = {f"r{i}": (rng.randint(1, 4), rng.random()) for i in range(rng.randint(1, 3))}
+    plain_outputs = len(drafts) + rng.randint(0, 2)
+    plain_tokens = plain_outputs + rng.randint(0, 10)
+
+    def rate(counts: dict[str, int]) -> float:
+        expected = plain_outputs + sum(sum(drafts[r][1] ** j for j in range(1, n + 1)) for r, n in counts.items())
+        return expected / cost.seconds(plain_tokens + sum(counts.values()))
+
+    kept = size_drafts(drafts, plain_tokens, plain_outputs, cost)
+    assert all(0 <= kept[r] <= drafts[r][0] for r in drafts)
+    best = max(rate(dict(zip(drafts, counts, strict=True)))
+               for counts in itertools.product(*(range(n + 1) for n, _ in drafts.values())))
+    assert rate(kept) == pytest.approx(best)
+
+
+def test_the_chance_estimate_counts_only_the_tokens_tested() -> None:
+    length = DraftLength(5, rate=1.0)
+    assert length.chance == 1.0
+    for _ in range(30):
+        length.record(5, 2)         # two accepted, the third rejected: 2 of 3 tested
+    assert length.chance == pytest.approx(2 / 3, abs=0.01)
+    for _ in range(30):
+        length.record(4, 4)         # all accepted: 4 of 4 tested
+    assert length.chance == pytest.approx(1.0, abs=0.01)
+    for _ in range(30):
+        length.record(3, 0)
+    assert length.chance < 0.01
+
+
+def scheduler(cost: StepCost | None) -> Scheduler:
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=10_000),
+                      CacheConfig(block_size=4, enable_prefix_caching=True), 400, root_hash(0),
+                      speculative=SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1,
+                                                    prompt_lookup_max=3))
+    if cost is not None:
+        sched.speculation.cost = cost
+    return sched
+
+
+def decoding(sched: Scheduler, n: int) -> list[Request]:
+    """``n`` requests in decode whose tokens repeat (each would draft its full length)."""
+    requests = []
+    for i in range(n):
+        request = Request(f"r{i}", [20 + i] + [5, 6, 7, 8] * 4, SamplingParams(max_tokens=500))
+        sched.add_request(request)
+        requests.append(request)
+    plan = sched.schedule()
+    assert len(plan.seqs) == n and all(not s.draft_token_ids for s in plan.seqs)
+    for request in requests:                       # prefilled: the next step decodes
+        request.num_computed_tokens = request.num_tokens
+        request.append_output_token(5)
+    return requests
+
+
+def drafted_counts(sched: Scheduler) -> dict[str, int]:
+    sched.speculation.begin_step()
+    plan = sched.schedule()
+    counts = {s.request_id: len(s.draft_token_ids) for s in plan.seqs}
+    for seq in plan.seqs:                           # undo the plan: the next call plans the same step
+        sched.kv.trim_blocks(sched.queues.by_id[seq.request_id], seq.start_pos)
+    return counts
+
+
+def test_the_scheduler_drafts_fully_while_the_step_is_weight_bound() -> None:
+    sched = scheduler(linear_cost(0.011, 0.0001))
+    decoding(sched, 8)
+    assert drafted_counts(sched) == {f"r{i}": 4 for i in range(8)}
+
+
+def test_the_default_sizing_learns_from_the_steps_observed() -> None:
+    sched = scheduler(None)
+    assert sched.speculation.cost is not None       # "step_cost" is the default
+    for n, seconds in ((1, 0.010), (8, 0.029), (16, 0.050), (48, 0.120)):
+        sched.observe_step(n, seconds)
+    assert sched.speculation.cost.seconds(16) == pytest.approx(0.050)
+    per_request = Scheduler(SchedulerConfig(), CacheConfig(block_size=4), 16, root_hash(0),
+                            speculative=SpeculativeConfig(num_speculative_tokens=2, draft_sizing="per_request"))
+    assert per_request.speculation.cost is None
+    per_request.observe_step(8, 0.03)               # nothing to learn: no error
+
+
+def test_a_compute_bound_step_cuts_unlikely_drafts_and_probes_them_now_and_then() -> None:
+    sched = scheduler(linear_cost(0.008, 0.0026))
+    requests = decoding(sched, 8)
+    proposer = sched.speculation.proposer
+    drafted_counts(sched)                           # the first drafts: each request's state exists now
+    for request in requests:
+        for _ in range(10):
+            proposer.draft_length(request.request_id).record(4, 1)      # chance 1/2
+    probes = []
+    for step_no in range(1, 200):
+        counts = drafted_counts(sched)
+        assert set(counts.values()) <= {0, 1} and len(set(counts.values())) == 1
+        if counts["r0"]:
+            probes.append(step_no)                  # a probe: one draft token each
+    assert probes == [PROBE_AFTER, 3 * PROBE_AFTER, 7 * PROBE_AFTER]   # each probe doubles the next wait
+    assert 8 * PROBE_AFTER <= MAX_PROBE_WAIT
+    sched.speculation.cost = linear_cost(0.011, 0.0001)             # the batch shrank: drafts pay again
+    assert set(drafted_counts(sched).values()) == {1}             # its own length (rate 1/4 of 4), uncut
+    sched.speculation.cost = linear_cost(0.008, 0.0026)
+    counts = [drafted_counts(sched)["r0"] for _ in range(PROBE_AFTER)]
+    assert counts == [0] * (PROBE_AFTER - 1) + [1]                 # the wait started over
