@@ -267,6 +267,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step through the model; return what each touched request produced."""
+        started = time.perf_counter()
         if self.threads is not None:
             self.threads.adjust()
         if self.worker_half is not None:
@@ -285,9 +286,7 @@ class LLMEngine:
             result = StepResult(sampled={})
         else:
             try:
-                started = time.perf_counter()
                 result = self.runner.execute(plan)
-                self.scheduler.observe_step(plan.num_tokens, time.perf_counter() - started)
             except Exception as exc:
                 self.num_failed_steps_in_row += 1
                 if self.num_failed_steps_in_row >= MAX_FAILED_STEPS_IN_ROW:
@@ -305,6 +304,8 @@ class LLMEngine:
         outputs = [self._output(req, result, now, drafted_from=drafted.get(req.request_id))
                    for req in self.scheduler.update_from_result(plan, result)]
         self._publish_events()
+        # The whole step, planning and outputs too: what a token more or less in a step costs.
+        self.scheduler.observe_step(plan.num_tokens, time.perf_counter() - started)
         return outputs
 
     def _note_scheduled(self, plan: StepPlan) -> None:

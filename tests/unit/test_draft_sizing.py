@@ -14,9 +14,8 @@ from kvhive.config import CacheConfig, SchedulerConfig
 from kvhive.core.blocks import root_hash
 from kvhive.core.speculative_config import SpeculativeConfig
 from kvhive.engine.scheduler import Scheduler
-from kvhive.engine.scheduler.speculation import MAX_PROBE_WAIT, PROBE_AFTER
 from kvhive.engine.speculative.draft_length import DraftLength
-from kvhive.engine.speculative.step_cost import StepCost, size_drafts
+from kvhive.engine.speculative.step_cost import PROBE_SHARE, Probes, StepCost, size_drafts
 from kvhive.request import Request, SamplingParams
 
 
@@ -179,16 +178,30 @@ def test_a_compute_bound_step_cuts_unlikely_drafts_and_probes_them_now_and_then(
     for request in requests:
         for _ in range(10):
             proposer.draft_length(request.request_id).record(4, 1)      # chance 1/2
-    probes = []
-    for step_no in range(1, 200):
+    steps = 160
+    probes = {f"r{i}": 0 for i in range(8)}
+    for _ in range(steps):
         counts = drafted_counts(sched)
-        assert set(counts.values()) <= {0, 1} and len(set(counts.values())) == 1
-        if counts["r0"]:
-            probes.append(step_no)                  # a probe: one draft token each
-    assert probes == [PROBE_AFTER, 3 * PROBE_AFTER, 7 * PROBE_AFTER]   # each probe doubles the next wait
-    assert 8 * PROBE_AFTER <= MAX_PROBE_WAIT
+        assert set(counts.values()) <= {0, 1}
+        for rid, n in counts.items():
+            probes[rid] += n
+    # A probe (2.6 ms) every 8 + 2.6 * 8 = 28.8 ms * PROBE_SHARE of credit: about one in two steps,
+    # taken in turn, so each request probes about every 16 steps.
+    expected = steps * PROBE_SHARE * 0.0288 / 0.0026
+    assert sum(probes.values()) == pytest.approx(expected, abs=2)
+    assert max(probes.values()) - min(probes.values()) <= 1
     sched.speculation.cost = linear_cost(0.011, 0.0001)             # the batch shrank: drafts pay again
     assert set(drafted_counts(sched).values()) == {1}             # its own length (rate 1/4 of 4), uncut
-    sched.speculation.cost = linear_cost(0.008, 0.0026)
-    counts = [drafted_counts(sched)["r0"] for _ in range(PROBE_AFTER)]
-    assert counts == [0] * (PROBE_AFTER - 1) + [1]                 # the wait started over
+
+
+def test_probes_spend_their_share_of_the_step_longest_cut_first() -> None:
+    cost = linear_cost(0.010, 0.002)                # one request's step ~12 ms, a probe 2 ms
+    probes = Probes()
+    picked = [probes.pick({"a": 0, "b": 0, "c": 3}, 1, cost) for _ in range(40)]
+    taken = [p for p in picked if p]
+    assert all(len(p) == 1 for p in taken)
+    # 5% of a 16 ms step (1 + 3 kept drafts) a step: 0.8 ms; a 2 ms probe every 2.5 steps.
+    assert len(taken) == pytest.approx(40 * PROBE_SHARE * 0.016 / 0.002, abs=1)
+    assert [p[0] for p in taken[:4]] == ["a", "b", "a", "b"]     # the one cut longest goes first
+    assert probes.pick({"a": 0}, 1, StepCost()) == []             # no curve: nothing to size by
+    probes.forget("a")

@@ -2,10 +2,9 @@
 
 Before the decode pass every request in decode gets its drafts from the ``DraftProposer``; with
 draft sizing "step_cost" the step then keeps the draft tokens that raise its expected tokens per
-second by the step cost the engine measured (``kvhive.engine.speculative.step_cost``), and a
-request whose drafts were all cut ``PROBE_AFTER`` steps in a row keeps one (a probe), so its
-acceptance estimate follows its text; each probe doubles the wait for the next (up to
-``MAX_PROBE_WAIT``) until the sizing keeps its drafts again. A request with drafts left is planned as its last known token plus those drafts, all charged to the step's token budget, in blocks allocated for
+second by the step cost the engine measured (``kvhive.engine.speculative.step_cost``), and now
+and then a request whose drafts were all cut keeps one (a probe, ``Probes``), so its acceptance
+estimate follows its text. A request with drafts left is planned as its last known token plus those drafts, all charged to the step's token budget, in blocks allocated for
 them; when those blocks are not free the request takes a plain one-token step instead (drafts
 never spill sessions or preempt anyone). After the step the emitted tokens (accepted drafts, then
 the target model's token) are appended one by one, each checked for a stop, and nothing after a
@@ -21,15 +20,10 @@ from collections.abc import Callable
 
 from kvhive.engine.scheduler.batching import StepBudget
 from kvhive.engine.speculative.draft_proposals import DraftProposer
-from kvhive.engine.speculative.step_cost import StepCost, size_drafts
+from kvhive.engine.speculative.step_cost import Probes, StepCost, size_drafts
 from kvhive.engine.step import ScheduledSeq, StepResult
 from kvhive.kv.manager import KVCacheManager
 from kvhive.request import FinishReason, Request
-
-# Steps in a row a request's drafts may all be cut before it verifies one draft token anyway,
-# and the most that wait grows to after probes.
-PROBE_AFTER = 16
-MAX_PROBE_WAIT = 256
 
 
 class Speculation:
@@ -45,8 +39,7 @@ class Speculation:
         self.cost = cost
         self.planned: dict[str, tuple[int, ...]] = {}     # this step's drafts by request id
         self._proposed: dict[str, list[int]] = {}         # this step's drafts before planning
-        # Per request whose drafts were all cut: steps in a row so far, and the steps before its probe.
-        self._cut_steps: dict[str, tuple[int, int]] = {}
+        self._probes = Probes()
 
     def begin_step(self) -> None:
         """Forget the last plan's drafts (the step that verified them has been applied)."""
@@ -67,15 +60,9 @@ class Speculation:
             return
         kept = size_drafts({rid: (len(d), self.proposer.chance(rid)) for rid, d in self._proposed.items()},
                            plain_tokens, len(decodes), self.cost)
+        for rid in self._probes.pick(kept, plain_tokens, self.cost):
+            kept[rid] = 1
         for rid, n in kept.items():
-            if n > 0:
-                self._cut_steps.pop(rid, None)
-            else:
-                cut, wait = self._cut_steps.get(rid, (0, PROBE_AFTER))
-                cut += 1
-                if cut >= wait:
-                    n, cut, wait = 1, 0, min(2 * wait, MAX_PROBE_WAIT)
-                self._cut_steps[rid] = (cut, wait)
             self._proposed[rid] = self._proposed[rid][:n]
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
@@ -126,5 +113,5 @@ class Speculation:
     def finish(self, request: Request) -> None:
         """Drop a finished request's drafting state (the proposer may keep its tokens as history)."""
         self.planned.pop(request.request_id, None)
-        self._cut_steps.pop(request.request_id, None)
+        self._probes.forget(request.request_id)
         self.proposer.finish(request)

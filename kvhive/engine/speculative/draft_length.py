@@ -32,7 +32,7 @@ RATE_WEIGHT = 0.5
 FIRST_WAIT = 8
 MAX_WAIT = 512
 # The weight the earlier steps keep in ``chance``, and the tokens the starting rate counts as.
-CHANCE_DECAY = 0.8
+CHANCE_DECAY = 0.5
 PRIOR_TRIALS = 2.0
 
 

@@ -15,7 +15,14 @@ are sized here, over all the requests in decode together:
   before it must be accepted too) and keeps the number of them at which the expected tokens the
   step emits, over the step's expected seconds, is highest.
 
-Before two token counts have been seen there is no curve and every draft is kept. Torch-free.
+Before two token counts have been seen there is no curve and every draft is kept.
+
+A request whose drafts are cut verifies none, so its acceptance estimate would stay where it fell
+while its text may start quoting. ``Probes`` gives such requests one draft token now and then: a
+step adds ``PROBE_SHARE`` of its expected time to a credit, and while the credit covers one more
+draft token's cost the request cut longest ago verifies one. On a weight-bound step a probe is
+cheap and comes often; on a compute-bound one it comes rarely, and probing never costs more than
+about that share of the time. Torch-free.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from collections.abc import Mapping
 
 # Weight of the latest step in its bucket's means.
 COST_WEIGHT = 0.2
+# The share of a step's expected time spent on probes (see the module's docstring).
+PROBE_SHARE = 0.05
 # Token counts up to this have a bucket each; above it buckets grow by about 4.4% (2**(1/16)).
 EXACT_BUCKETS = 32
 
@@ -105,3 +114,40 @@ def size_drafts(drafts: Mapping[str, tuple[int, float]], plain_tokens: int, plai
     for _, rid in positions[:best_k]:
         kept[rid] += 1
     return kept
+
+
+class Probes:
+    """Which requests whose drafts the sizing cut verify one draft token anyway (the module's
+    docstring)."""
+
+    def __init__(self) -> None:
+        self._credit = 0.0                       # seconds of probing earned and not yet spent
+        self._cut_steps: dict[str, int] = {}     # per request cut: steps since its last draft or probe
+
+    def pick(self, kept: dict[str, int], plain_tokens: int, cost: StepCost) -> list[str]:
+        """The requests of ``kept`` (request id -> draft tokens kept, from ``size_drafts``) with none
+        kept that verify one draft token this step, longest cut first."""
+        for rid, n in kept.items():
+            if n > 0:
+                self._cut_steps.pop(rid, None)
+            else:
+                self._cut_steps[rid] = self._cut_steps.get(rid, 0) + 1
+        cut = sorted((rid for rid, n in kept.items() if n == 0), key=lambda rid: -self._cut_steps[rid])
+        tokens = plain_tokens + sum(kept.values())
+        step = cost.seconds(tokens)
+        if not cut or step is None:
+            return []
+        probe = cost.seconds(tokens + 1) - step
+        self._credit = min(self._credit + PROBE_SHARE * step, 2 * probe + PROBE_SHARE * step)
+        picked = []
+        for rid in cut:
+            if self._credit < probe:
+                break
+            self._credit -= probe
+            self._cut_steps[rid] = 0
+            picked.append(rid)
+        return picked
+
+    def forget(self, request_id: str) -> None:
+        """A request finished."""
+        self._cut_steps.pop(request_id, None)
