@@ -386,16 +386,20 @@ def render_ttft_tail(name: str, record: dict) -> list[str]:
     rates = ", ".join(f"{d} {r:.2f} req/s" for d, r in record["saturating_rate"].items())
     lines = [f"Peer: {record['peer']}. {len(record['rounds'])} paired rounds; "
              f"saturating rates (the lower of the two servers'): {rates}.", "",
-             "| run (dataset@req/s) | " + " | ".join(m.replace("_ms", "") for m in metrics) + " |",
-             "|---|" + "---:|" * len(metrics)]
+             "| run (dataset@req/s) | rounds | " + " | ".join(m.replace("_ms", "") for m in metrics) + " |",
+             "|---|---:|" + "---:|" * len(metrics)]
     for key, ratio in record["ratio_kvhive_over_vllm"].items():
+        rounds = ttft_tail.paired(record["rounds"], key)
         cells = []
         for m in metrics:
-            kv = statistics.median(r["kvhive"][key][m] for r in record["rounds"])
-            vl = statistics.median(r["vllm"][key][m] for r in record["rounds"])
+            kv = statistics.median(r["kvhive"][key][m] for r in rounds)
+            vl = statistics.median(r["vllm"][key][m] for r in rounds)
             cells.append(f"**{ratio[m]:.2f}x** ({kv:,.0f} / {vl:,.0f} ms)" if m in ratio else "-")
-        lines.append(f"| {key} | " + " | ".join(cells) + " |")
-    lines += ["", "Cells: kvhive over vLLM, median over rounds (kvhive's / vLLM's figure, medians over rounds).", ""]
+        lines.append(f"| {key} | {len(rounds)} | " + " | ".join(cells) + " |")
+    lines += ["", "Cells: kvhive over vLLM, median over the rounds that ran the run (kvhive's / vLLM's "
+              "figure, medians over those rounds).", ""]
+    lines += [f"Rounds added by `{more['command']}` ({more['date']})." for more in record.get("extended_by", ())]
+    lines += [""] if record.get("extended_by") else []
     if "ratio_kvhive_over_baseline" in record:
         shown = ttft_tail.BASELINE_METRICS
         lines += [f"kvhive over kvhive with `{record['baseline_args']}` in the same rounds:", "",

@@ -22,6 +22,13 @@ median over rounds. Targets: P90 and P99 TTFT <= 1.0x vLLM's at every rate. With
 median TTFT and ITL can be compared with a scheduler setting's (``--long-prefill-token-threshold 0``:
 the schedule before long prefills were chunked).
 
+    python bench/ttft_tail.py --extend bench/results/ttft_tail.json --rounds 1 --datasets random
+                                                  # one more paired round of random's runs
+
+``--extend RESULT`` adds ``--rounds`` rounds of ``--datasets`` to a recorded result, at its
+saturating rates and the ``--rates`` fractions (its keys), with its baseline configuration if it
+has one, and recomputes its ratios (each run's median over the rounds that ran it).
+
 vLLM is installed by ``../shared/peers/vllm.sh install`` (after ``make_model.sh``).
 """
 
@@ -117,20 +124,52 @@ def rates_plan(datasets: list[str], fractions: list[float], *probes: dict) -> li
     return [(d, f * saturating[d]) for d in datasets for f in fractions]
 
 
+def run_keys(rounds: list[dict]) -> list[str]:
+    """Every run any round has (not the probes), in the order they first appear."""
+    return list(dict.fromkeys(k for r in rounds for k in r["kvhive"] if not k.endswith("@sat")))
+
+
+def paired(rounds: list[dict], key: str, over: str = "vllm") -> list[dict]:
+    """The rounds in which both kvhive and ``over`` ran ``key``."""
+    return [r for r in rounds if key in r["kvhive"] and key in r.get(over, {})]
+
+
 def ratios(rounds: list[dict], over: str = "vllm", metrics: tuple[str, ...] = METRICS) -> dict:
-    """kvhive / ``over`` (vllm, or the kvhive baseline) per run and metric, the median over rounds."""
+    """kvhive / ``over`` (vllm, or the kvhive baseline) per run and metric, the median over the
+    rounds that ran it."""
     out: dict[str, dict[str, float]] = {}
-    for key in rounds[0]["kvhive"]:
-        if key.endswith("@sat"):
-            continue
+    for key in run_keys(rounds):
         per_metric = {}
         for m in metrics:
-            values = [r["kvhive"][key][m] / r[over][key][m] for r in rounds
+            values = [r["kvhive"][key][m] / r[over][key][m] for r in paired(rounds, key, over)
                       if r["kvhive"][key].get(m) and r[over][key].get(m)]
             if values:
                 per_metric[m] = round(statistics.median(values), 3)
         out[key] = per_metric
     return out
+
+
+def extend(args: argparse.Namespace, datasets: list[str], fractions: list[float]) -> dict:
+    """``args.extend``'s result with ``args.rounds`` more rounds of ``datasets`` (module docstring)."""
+    with open(args.extend) as f:
+        result = json.load(f)
+    plan = [(d, f * result["saturating_rate"][d]) for d in datasets for f in fractions]
+    baseline = result.get("baseline_args")
+    if baseline is not None:
+        args.baseline_args = baseline
+    for _ in range(args.rounds):
+        n = len(result["rounds"]) + 1
+        order = ("vllm", "kvhive") if n % 2 else ("kvhive", "vllm")     # as the recorded rounds alternate
+        new = {name: run_server(name, args, plan, f"r{n}") for name in order}
+        if baseline is not None:
+            new[BASELINE] = run_server(BASELINE, args, plan, f"r{n}")
+        result["rounds"].append(new)
+    result["ratio_kvhive_over_vllm"] = ratios(result["rounds"])
+    if baseline is not None:
+        result["ratio_kvhive_over_baseline"] = ratios(result["rounds"], BASELINE, BASELINE_METRICS)
+    result.setdefault("extended_by", []).append({"command": command(__file__), "date": time.strftime("%Y-%m-%d"),
+                                                 "machine": machine()})
+    return result
 
 
 def main() -> int:
@@ -147,12 +186,17 @@ def main() -> int:
                          "the scheduler before long prefills were chunked); its medians are compared with kvhive's")
     ap.add_argument("--port", type=int, default=8131)
     ap.add_argument("--smoke", action="store_true", help="6 prompts, one rate, one round, random only")
+    ap.add_argument("--extend", default=None, metavar="RESULT",
+                    help="add --rounds rounds of --datasets to a recorded result at its saturating rates, "
+                         "recompute its ratios and write it to --out")
     args = ap.parse_args()
     if args.smoke:
         args.rounds, args.rates, args.num_prompts, args.datasets = 1, "0.5", 6, "random"
     os.makedirs(args.work_dir, exist_ok=True)
     datasets = args.datasets.split(",")
     fractions = [float(f) for f in args.rates.split(",")]
+    if args.extend is not None:
+        return write(args.out, extend(args, datasets, fractions))
     first, second = "kvhive", "vllm"
     # Round 1 starts each server as few times as it can: the first is probed; the second is probed
     # and runs at once (the rates are known then); the first runs again. Later rounds alternate.
@@ -177,8 +221,13 @@ def main() -> int:
     if args.baseline_args is not None:
         result["baseline_args"] = args.baseline_args
         result["ratio_kvhive_over_baseline"] = ratios(rounds, BASELINE, BASELINE_METRICS)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
+    return write(args.out, result)
+
+
+def write(path: str, result: dict) -> int:
+    """Save ``result`` at ``path`` and print its ratios."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
         json.dump(result, f, indent=1)
     for key, per_metric in result["ratio_kvhive_over_vllm"].items():
         print(key, " ".join(f"{m}={v}" for m, v in per_metric.items()))

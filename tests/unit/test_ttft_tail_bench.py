@@ -36,3 +36,27 @@ def test_the_report_shows_each_runs_ratio_with_both_servers_figures() -> None:
               "rounds": rounds, "ratio_kvhive_over_vllm": ttft_tail.ratios(rounds)}
     row = next(line for line in report.render_ttft_tail("ttft_tail.json", record) if line.startswith("| random@"))
     assert "**0.80x** (80 / 100 ms)" in row and "**1.00x** (100 / 100 ms)" in row
+
+
+def test_an_extended_result_pairs_each_run_over_the_rounds_that_ran_it() -> None:
+    import report
+
+    def runs(keys: tuple[str, ...], p90: float) -> dict:
+        return {k: {m: 100.0 for m in ttft_tail.METRICS} | {"p90_ttft_ms": p90} for k in keys}
+
+    both, tail = ("prefix_repetition@0.600", "random@0.400"), ("random@0.400",)
+    rounds = [{"kvhive": runs(both, 90.0), "vllm": runs(both, 100.0)},
+              {"kvhive": runs(both, 150.0), "vllm": runs(both, 100.0)},
+              {"kvhive": runs(tail, 80.0), "vllm": runs(tail, 100.0)}]       # a round of random alone
+    ratios = ttft_tail.ratios(rounds)
+    assert list(ratios) == list(both)
+    assert ratios["prefix_repetition@0.600"]["p90_ttft_ms"] == 1.2              # median of 0.9 and 1.5
+    assert ratios["random@0.400"]["p90_ttft_ms"] == 0.9                         # median of 0.9, 1.5, 0.8
+    record = {"machine": "x", "command": "c", "peer": "vLLM", "saturating_rate": {"random": 0.8},
+              "rounds": rounds, "ratio_kvhive_over_vllm": ratios,
+              "extended_by": [{"command": "python bench/ttft_tail.py --extend r", "date": "d"}]}
+    lines = report.render_ttft_tail("ttft_tail.json", record)
+    row = next(line for line in lines if line.startswith("| random@"))
+    assert row.startswith("| random@0.400 | 3 |") and "**0.90x** (90 / 100 ms)" in row
+    assert next(line for line in lines if line.startswith("| prefix_repetition@")).startswith("| prefix_repetition@0.600 | 2 |")
+    assert "Rounds added by `python bench/ttft_tail.py --extend r` (d)." in lines
