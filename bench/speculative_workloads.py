@@ -7,9 +7,11 @@
 
 The workloads (``bench/quoting_prompts.py``): document QA that quotes its ~600-token document, a
 code edit (rewrite a ~400-token function with one change), an agent turn summarising a ~600-token
-tool result, and open chat. Five server configs, default model, float32, at most 8 running requests:
+tool result, and open chat. Six server configs, default model, float32, at most 8 running requests:
 
 - ``kvhive_plain``; ``kvhive_history`` (kvhive's own method, the headline); ``kvhive_ngram``;
+  ``kvhive_history_per_request`` (the headline with ``"draft_sizing": "per_request"``: each
+  request drafts its own adaptive length, the drafts not sized by the step's cost);
 - ``vllm_plain``; ``vllm_ngram`` (vLLM's n-gram speculation), both with ``--chat-template
   bench/smollm2_tools.jinja`` so that the agent turn's tool call reads as kvhive writes it.
 
@@ -53,7 +55,9 @@ MODEL = "smollm2-135m"
 TEMPLATE = os.path.join(HERE, "smollm2_tools.jinja")
 LOOKUP = {"num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 SPEC = {"kvhive_plain": None, "kvhive_history": {"method": "history", **LOOKUP},
-        "kvhive_ngram": {"method": "ngram", **LOOKUP}, "vllm_plain": None, "vllm_ngram": {"method": "ngram", **LOOKUP}}
+        "kvhive_ngram": {"method": "ngram", **LOOKUP},
+        "kvhive_history_per_request": {"method": "history", **LOOKUP, "draft_sizing": "per_request"},
+        "vllm_plain": None, "vllm_ngram": {"method": "ngram", **LOOKUP}}
 HEADLINE = "kvhive_history"
 TARGETS = {"c1": 2.0, "c8": 1.3, "open_chat": 0.95}      # kvhive spec / kvhive plain
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
@@ -222,6 +226,7 @@ def summarise(rounds: list[dict], runs: list[str], configs: list[str]) -> tuple[
                      for c in configs if (f := figures(rounds, c, run))} for run in runs}
     ratios = {run: {"kvhive_history_over_plain": ratio(rounds, run, HEADLINE, ("kvhive_plain",)),
                     "kvhive_ngram_over_plain": ratio(rounds, run, "kvhive_ngram", ("kvhive_plain",)),
+                    "kvhive_history_over_per_request": ratio(rounds, run, HEADLINE, ("kvhive_history_per_request",)),
                     "kvhive_history_over_vllm_ngram": ratio(rounds, run, HEADLINE, ("vllm_ngram",)),
                     "kvhive_history_over_vllm_best": ratio(rounds, run, HEADLINE, ("vllm_plain", "vllm_ngram"))}
               for run in runs}
