@@ -4,8 +4,8 @@ Before the decode pass every request in decode gets its drafts from the ``DraftP
 draft sizing "step_cost" the step then keeps the draft tokens that raise its expected tokens per
 second by the step cost the engine measured (``kvhive.engine.speculative.step_cost``), and now
 and then a request whose drafts were all cut keeps one (a probe, ``Probes``), so its acceptance
-estimate follows its text. A request with drafts left is planned as its last known token plus those drafts, all charged to the step's token budget, in blocks allocated for
-them; when those blocks are not free the request takes a plain one-token step instead (drafts
+estimate follows its text. A request with drafts left is planned as its last known token plus
+those drafts, all charged to the step's token budget, in blocks allocated for them; when those blocks are not free the request takes a plain one-token step instead (drafts
 never spill sessions or preempt anyone). After the step the emitted tokens (accepted drafts, then
 the target model's token) are appended one by one, each checked for a stop, and nothing after a
 stop is kept. Rollback: the request's computed tokens cover its last known token and the accepted
