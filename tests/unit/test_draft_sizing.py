@@ -50,9 +50,20 @@ def test_the_curve_never_falls_and_follows_recent_steps() -> None:
     cost.observe(16, 0.040)
     assert cost.seconds(8) == pytest.approx(0.020)
     assert cost.seconds(6) == pytest.approx(0.020)
-    for _ in range(40):                                 # the host got slower: the mean follows
+    cost.observe(16, 0.400)                             # one stalled step barely moves it
+    assert cost.seconds(16) < 0.060
+    for _ in range(100):                                # the host got slower: the mean follows
         cost.observe(16, 0.080)
-    assert cost.seconds(16) == pytest.approx(0.080, rel=0.01)
+    assert cost.seconds(16) == pytest.approx(0.080, rel=0.02)
+    for _ in range(10):                                 # and faster again, sooner
+        cost.observe(16, 0.040)
+    assert cost.seconds(16) == pytest.approx(0.040, rel=0.05)
+
+
+def test_a_buckets_first_step_counts_at_most_twice_what_the_curve_expected() -> None:
+    cost = linear_cost(0.008, 0.0026, counts=(1, 8))
+    cost.observe(6, 1.0)                                # a stall on the first step of 6 tokens
+    assert cost.seconds(6) == pytest.approx(2 * (0.008 + 0.0026 * 6))
 
 
 def test_wide_token_counts_share_buckets() -> None:

@@ -9,7 +9,10 @@ are sized here, over all the requests in decode together:
 
 - ``StepCost`` learns how long a step of N tokens takes from the steps the engine runs (an
   exponentially weighted mean per token-count bucket, read through a non-decreasing piecewise
-  linear curve over the buckets seen);
+  linear curve over the buckets seen). A step is slowed by what else the host runs, never sped
+  up, so a bucket's mean falls fast and rises slowly (``COST_WEIGHT_DOWN``, ``COST_WEIGHT_UP``),
+  and a bucket's first step counts at most twice what the curve expected there: one stalled
+  step does not make drafts look dear for long;
 - ``size_drafts`` takes the draft positions in order of the chance they are accepted (a request
   whose draft tokens are each accepted with probability a accepts its j-th with a**j: the ones
   before it must be accepted too) and keeps the number of them at which the expected tokens the
@@ -31,8 +34,9 @@ import bisect
 import math
 from collections.abc import Mapping
 
-# Weight of the latest step in its bucket's means.
-COST_WEIGHT = 0.2
+# Weight of the latest step in its bucket's means: when it took less than the mean, and when more.
+COST_WEIGHT_DOWN = 0.3
+COST_WEIGHT_UP = 0.05
 # The share of a step's expected time spent on probes (see the module's docstring).
 PROBE_SHARE = 0.05
 # Token counts up to this have a bucket each; above it buckets grow by about 4.4% (2**(1/16)).
@@ -59,10 +63,11 @@ class StepCost:
         key = _bucket(num_tokens)
         mean = self._means.get(key)
         if mean is None:
-            self._means[key] = (float(num_tokens), seconds)
+            expected = self.seconds(num_tokens)
+            self._means[key] = (float(num_tokens), seconds if expected is None else min(seconds, 2 * expected))
         else:
-            self._means[key] = (mean[0] + COST_WEIGHT * (num_tokens - mean[0]),
-                                mean[1] + COST_WEIGHT * (seconds - mean[1]))
+            weight = COST_WEIGHT_DOWN if seconds < mean[1] else COST_WEIGHT_UP
+            self._means[key] = (mean[0] + weight * (num_tokens - mean[0]), mean[1] + weight * (seconds - mean[1]))
         self._curve = None
 
     def seconds(self, num_tokens: int) -> float | None:
