@@ -53,10 +53,13 @@ from ttft_tail import PEERS, server_command
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = "smollm2-135m"
 TEMPLATE = os.path.join(HERE, "smollm2_tools.jinja")
+# The n-gram configs, kvhive's and vLLM's alike; kvhive's own method drafts longer (its drafts are
+# sized by the step's cost, so the unlikely end of a long draft is cut where it does not pay).
 LOOKUP = {"num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-SPEC = {"kvhive_plain": None, "kvhive_history": {"method": "history", **LOOKUP},
+HISTORY = {"method": "history", "num_speculative_tokens": 12, "prompt_lookup_min": 2, "prompt_lookup_max": 8}
+SPEC = {"kvhive_plain": None, "kvhive_history": HISTORY,
         "kvhive_ngram": {"method": "ngram", **LOOKUP},
-        "kvhive_history_per_request": {"method": "history", **LOOKUP, "draft_sizing": "per_request"},
+        "kvhive_history_per_request": {**HISTORY, "draft_sizing": "per_request"},
         "vllm_plain": None, "vllm_ngram": {"method": "ngram", **LOOKUP}}
 HEADLINE = "kvhive_history"
 TARGETS = {"c1": 2.0, "c8": 1.3, "open_chat": 0.95}      # kvhive spec / kvhive plain
