@@ -13,7 +13,12 @@ tool result, and open chat. Six server configs, default model, float32, at most 
   ``kvhive_history_per_request`` (the headline with ``"draft_sizing": "per_request"``: each
   request drafts its own adaptive length, the drafts not sized by the step's cost);
 - ``vllm_plain``; ``vllm_ngram`` (vLLM's n-gram speculation), both with ``--chat-template
-  bench/smollm2_tools.jinja`` so that the agent turn's tool call reads as kvhive writes it.
+  bench/smollm2_tools.jinja`` so that the agent turn's tool call reads as kvhive writes it;
+- where ``../shared/peers/llamacpp.sh install`` has built it, ``llamacpp_plain`` and
+  ``llamacpp_lookup`` (llama-cpp-python's server on the same model's float32 GGUF, its
+  prompt-lookup drafting with 5 tokens): it serves one request at a time, has no chat template for
+  the tool messages, and no ``ignore_eos``, so its prompts are rendered here with the same template
+  and sent to ``/v1/completions``, with the end-of-text tokens' logits biased away instead.
 
 Every request is greedy, ``ignore_eos``, ``--max-tokens`` tokens, streamed; its decode speed is
 (tokens - 1) / (last token's arrival - first token's). Before each measured run its prompts are
@@ -46,7 +51,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import quoting_prompts
-from multiturn_vs_vllm import served
+from multiturn_vs_vllm import SHARED, served
 from run_info import command, machine
 from ttft_tail import PEERS, server_command
 
@@ -60,7 +65,13 @@ HISTORY = {"method": "history", "num_speculative_tokens": 12, "prompt_lookup_min
 SPEC = {"kvhive_plain": None, "kvhive_history": HISTORY,
         "kvhive_ngram": {"method": "ngram", **LOOKUP},
         "kvhive_history_per_request": {**HISTORY, "draft_sizing": "per_request"},
-        "vllm_plain": None, "vllm_ngram": {"method": "ngram", **LOOKUP}}
+        "vllm_plain": None, "vllm_ngram": {"method": "ngram", **LOOKUP},
+        "llamacpp_plain": None, "llamacpp_lookup": {"draft_model": "prompt-lookup-decoding",
+                                                    "draft_model_num_pred_tokens": 5}}
+LLAMACPP_SH = os.path.join(SHARED, "peers", "llamacpp.sh")
+LLAMACPP_GGUF = os.path.join(PEERS, "models", "smollm2-135m-f32.gguf")
+# SmolLM2's end-of-text tokens (<|endoftext|>, <|im_end|>): biased away where ignore_eos is missing.
+EOS_BIAS = {"0": -100, "2": -100}
 HEADLINE = "kvhive_history"
 TARGETS = {"c1": 2.0, "c8": 1.3, "open_chat": 0.95}      # kvhive spec / kvhive plain
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
@@ -74,6 +85,9 @@ def target(run: str) -> float:
 
 def start_command(config: str, port: int, extra: str) -> tuple[list[str], dict | None]:
     """The command and environment that serve ``config`` on ``port``."""
+    if config.startswith("llamacpp"):
+        flags = [arg for key, value in (SPEC[config] or {}).items() for arg in (f"--{key}", str(value))]
+        return ["bash", LLAMACPP_SH, "serve", LLAMACPP_GGUF, str(port), *flags], None
     spec = json.dumps(SPEC[config], separators=(",", ":")) if SPEC[config] else None
     if config.startswith("kvhive"):
         return server_command("kvhive", port, [*extra.split(), *(["--speculative-config", spec] if spec else [])])
@@ -83,14 +97,15 @@ def start_command(config: str, port: int, extra: str) -> tuple[list[str], dict |
 
 
 def stream_decode(port: int, body: dict) -> dict:
-    """One streamed chat completion: token counts, arrival of the first and the last token, the text."""
+    """One streamed chat completion (a completion where ``body`` has a ``prompt``): token counts,
+    arrival of the first and the last token, the text."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(),
-                 headers={"Content-Type": "application/json"})
+    conn.request("POST", "/v1/completions" if "prompt" in body else "/v1/chat/completions",
+                 body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
-    first = last = None
+    first = last = finish = None
     text, usage = [], {}
     for line in resp:
         if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
@@ -98,13 +113,16 @@ def stream_decode(port: int, body: dict) -> dict:
         event = json.loads(line[5:])
         usage = event.get("usage") or usage
         for choice in event.get("choices") or []:
-            piece = (choice.get("delta") or {}).get("content")
+            piece = choice.get("text") if "prompt" in body else (choice.get("delta") or {}).get("content")
+            finish = choice.get("finish_reason") or finish
             if piece or choice.get("finish_reason"):
                 last = time.perf_counter()
                 first = first or last
                 text.append(piece or "")
     conn.close()
-    return {"tokens": usage.get("completion_tokens"), "prompt_tokens": usage.get("prompt_tokens"),
+    # A server that streams no usage stopped at max_tokens when it says "length".
+    tokens = usage.get("completion_tokens") or (body["max_tokens"] if finish == "length" else None)
+    return {"tokens": tokens, "prompt_tokens": usage.get("prompt_tokens"),
             "first_s": first, "last_s": last, "text": "".join(text)}
 
 
@@ -124,10 +142,13 @@ def aggregate_rate(requests: list[dict]) -> float | None:
     return sum(r["tokens"] - 1 for r in requests) / busy if busy > 0 else None
 
 
-def spec_counters(port: int) -> dict[str, float]:
-    """The speculative-decoding counters a server's /metrics exports (kvhive's and vLLM's names)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+def spec_counters(port: int, config: str) -> dict[str, float]:
+    """The speculative-decoding counters a server's /metrics exports (kvhive's and vLLM's names;
+    llama.cpp's server has no /metrics: zeros)."""
     totals = dict.fromkeys(COUNTERS, 0.0)
+    if config.startswith("llamacpp"):
+        return totals
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     for line in text.splitlines():
         if line.startswith("#") or not line.strip():
             continue
@@ -138,26 +159,42 @@ def spec_counters(port: int) -> dict[str, float]:
     return totals
 
 
-def body(workload: str, variant: int, conc: int, max_tokens: int) -> dict:
-    """The request of one variant: greedy, ignore_eos, streamed, the run's tenant salt."""
-    return {"model": MODEL, "messages": quoting_prompts.messages(workload, variant), "max_tokens": max_tokens,
+def body(workload: str, variant: int, conc: int, max_tokens: int, config: str = "kvhive") -> dict:
+    """The request of one variant: greedy, ignore_eos, streamed, the run's tenant salt (llama.cpp:
+    the prompt rendered with the template, end-of-text tokens biased away)."""
+    messages = quoting_prompts.messages(workload, variant)
+    if config.startswith("llamacpp"):
+        return {"model": MODEL, "prompt": render_prompt(messages), "max_tokens": max_tokens, "temperature": 0,
+                "logit_bias": EOS_BIAS, "stream": True}
+    return {"model": MODEL, "messages": messages, "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
             "cache_salt": f"{workload}-c{conc}"}
 
 
-def run_workload(port: int, workload: str, conc: int, args: argparse.Namespace) -> dict:
+def render_prompt(messages: list[dict]) -> str:
+    """``messages`` through bench/smollm2_tools.jinja (what vLLM serves), ready for the answer."""
+    import jinja2
+
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda value: json.dumps(value, ensure_ascii=False)    # as chat templates expect
+    with open(TEMPLATE) as f:
+        template = env.from_string(f.read())
+    return template.render(messages=messages, tools=None, add_generation_prompt=True)
+
+
+def run_workload(port: int, workload: str, conc: int, args: argparse.Namespace, config: str = "kvhive") -> dict:
     """Prefill the run's prompts, then decode them (c1 one after another, else all at once)."""
     variants = list(range(args.c1_requests if conc == 1 else conc))
     for v in variants:
-        stream_decode(port, body(workload, v, conc, 1))
-    before = spec_counters(port)
-    bodies = [body(workload, v, conc, args.max_tokens) for v in variants]
+        stream_decode(port, body(workload, v, conc, 1, config))
+    before = spec_counters(port, config)
+    bodies = [body(workload, v, conc, args.max_tokens, config) for v in variants]
     if conc == 1:
         requests = [stream_decode(port, b) for b in bodies]
     else:
         with ThreadPoolExecutor(conc) as pool:
             requests = list(pool.map(lambda b: stream_decode(port, b), bodies))
-    after = spec_counters(port)
+    after = spec_counters(port, config)
     rates = [decode_rate(r) for r in requests]
     for r, rate in zip(requests, rates, strict=True):
         r["decode_tok_s"] = round(rate, 2) if rate else None
@@ -182,10 +219,10 @@ def run_config(config: str, args: argparse.Namespace, tag: str) -> dict:
     try:
         with served(cmd, args.port, log, env):
             started = True
-            stream_decode(args.port, body("open_chat", 11, 0, 8))            # warm-up, not measured
+            stream_decode(args.port, body("open_chat", 11, 0, 8, config))    # warm-up, not measured
             for workload in args.workloads:
                 for conc in args.concurrency:
-                    runs[f"{workload}@c{conc}"] = run_workload(args.port, workload, conc, args)
+                    runs[f"{workload}@c{conc}"] = run_workload(args.port, workload, conc, args, config)
                     print(f"{config} {workload}@c{conc}: {runs[f'{workload}@c{conc}']['median_request_tok_s']} "
                           f"tok/s per request, {runs[f'{workload}@c{conc}']['aggregate_tok_s']} aggregate", flush=True)
     except (RuntimeError, TimeoutError, OSError) as exc:
@@ -231,7 +268,9 @@ def summarise(rounds: list[dict], runs: list[str], configs: list[str]) -> tuple[
                     "kvhive_ngram_over_plain": ratio(rounds, run, "kvhive_ngram", ("kvhive_plain",)),
                     "kvhive_history_over_per_request": ratio(rounds, run, HEADLINE, ("kvhive_history_per_request",)),
                     "kvhive_history_over_vllm_ngram": ratio(rounds, run, HEADLINE, ("vllm_ngram",)),
-                    "kvhive_history_over_vllm_best": ratio(rounds, run, HEADLINE, ("vllm_plain", "vllm_ngram"))}
+                    "kvhive_history_over_vllm_best": ratio(rounds, run, HEADLINE, ("vllm_plain", "vllm_ngram")),
+                    "kvhive_history_over_llamacpp_best": ratio(rounds, run, HEADLINE,
+                                                                ("llamacpp_plain", "llamacpp_lookup"))}
               for run in runs}
     return summary, ratios
 
@@ -253,10 +292,15 @@ def mismatches(rounds: list[dict]) -> dict[str, dict[str, int]]:
     return out
 
 
-def llamacpp_status() -> str:
+def llamacpp_built() -> bool:
     """Whether ``../shared/peers/llamacpp.sh install`` has built llama.cpp's server here."""
-    found = glob.glob(os.path.join(PEERS, "llamacpp", "lib", "python*", "site-packages", "llama_cpp"))
-    return "built (not run by this script)" if found else f"not built (no llama_cpp under {PEERS}/llamacpp)"
+    return bool(glob.glob(os.path.join(PEERS, "llamacpp", "lib", "python*", "site-packages", "llama_cpp")))
+
+
+def llamacpp_status() -> str:
+    """The llama.cpp peer, for the record."""
+    return ("llama-cpp-python 0.3.36's server, float32 GGUF, one request at a time" if llamacpp_built()
+            else f"not built (no llama_cpp under {PEERS}/llamacpp)")
 
 
 def vllm_version() -> str:
@@ -285,17 +329,18 @@ def met(r: dict | None, goal: float) -> str:
 def target_rows(record: dict) -> list[str]:
     """kvhive's headline speculation against its plain self and vLLM, per workload and concurrency."""
     rows = ["| workload | conc | kvhive spec | kvhive plain | spec / plain per round | median | goal | met "
-            "| vLLM n-gram | spec / vLLM n-gram | met | spec / vLLM best |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| vLLM n-gram | spec / vLLM n-gram | met | spec / vLLM best | spec / llama.cpp best |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for run, by_config in record["summary"].items():
         workload, conc = run.split("@")
         own, peer, best = (record["ratios"][run][f"{HEADLINE}_over_{d}"] for d in ("plain", "vllm_ngram", "vllm_best"))
+        llama = record["ratios"][run].get(f"{HEADLINE}_over_llamacpp_best")
         median = {c: by_config.get(c, {}).get("median") for c in (HEADLINE, "kvhive_plain", "vllm_ngram")}
         per_round = ", ".join(f"{x:.2f}x" for x in own["per_round"]) if own else "-"
         rows.append(f"| {workload} | {conc} | {fmt(median[HEADLINE])} | {fmt(median['kvhive_plain'])} | {per_round} | "
                     f"{fmt(own and own['median'], 2, 'x')} | >= {target(run)}x | {met(own, target(run))} | "
                     f"{fmt(median['vllm_ngram'])} | {fmt(peer and peer['median'], 2, 'x')} | {met(peer, 1.0)} | "
-                    f"{fmt(best and best['median'], 2, 'x')} |")
+                    f"{fmt(best and best['median'], 2, 'x')} | {fmt(llama and llama['median'], 2, 'x')} |")
     return rows
 
 
@@ -337,7 +382,8 @@ def main() -> int:
     ap.add_argument("--c1-requests", type=int, default=4)
     ap.add_argument("--workloads", default=",".join(quoting_prompts.WORKLOADS))
     ap.add_argument("--concurrency", default="1,8")
-    ap.add_argument("--configs", default=",".join(SPEC))
+    ap.add_argument("--configs", default=None,
+                    help="default: every config (the llama.cpp ones where llamacpp.sh has built it)")
     ap.add_argument("--kvhive-args", default="", help="extra arguments for kvhive serve")
     ap.add_argument("--vllm-args", default="", help="extra vLLM server flags")
     ap.add_argument("--port", type=int, default=8137)
@@ -347,6 +393,8 @@ def main() -> int:
     if args.smoke:
         args.rounds, args.workloads, args.concurrency, args.max_tokens, args.c1_requests = 1, "doc_qa", "1", 16, 2
         args.configs = "kvhive_plain,kvhive_history,kvhive_ngram" + (",vllm_ngram" if args.smoke_peer else "")
+    if args.configs is None:
+        args.configs = ",".join(c for c in SPEC if not c.startswith("llamacpp") or llamacpp_built())
     out = args.out or os.path.join(HERE, *(("out", "speculative_workloads_smoke.json") if args.smoke
                                           else ("results", "speculative_workloads.json")))
     args.workloads, configs = args.workloads.split(","), args.configs.split(",")

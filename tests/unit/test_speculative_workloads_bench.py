@@ -93,3 +93,22 @@ def test_render_shows_targets_tokens_per_step_refusals_and_mismatches() -> None:
     assert "| doc_qa | c1 | 250.0 | 100.0 | 2.50x | 2.50x | >= 2.0x | yes | 200.0 | 1.25x | yes | 1.25x |" in text
     assert "250.0 (3.00)" in text                           # 1 + 20 accepted / 10 drafted steps
     assert "`vllm_plain` refused: `ValueError: nope`" in text and "`kvhive_history` 0 of 2" in text
+
+
+def test_llamacpp_serves_the_f32_gguf_with_prompt_lookup_and_gets_the_rendered_prompt() -> None:
+    cmd, env = sw.start_command("llamacpp_lookup", 8001, "")
+    assert cmd[:4] == ["bash", sw.LLAMACPP_SH, "serve", sw.LLAMACPP_GGUF] and cmd[4] == "8001" and env is None
+    assert cmd[5:] == ["--draft_model", "prompt-lookup-decoding", "--draft_model_num_pred_tokens", "5"]
+    assert sw.start_command("llamacpp_plain", 8001, "")[0][5:] == []
+    request = sw.body("agent_summary", 0, 1, 64, "llamacpp_plain")
+    assert "messages" not in request and "ignore_eos" not in request and request["logit_bias"] == sw.EOS_BIAS
+    prompt = request["prompt"]
+    assert prompt.startswith("<|im_start|>system") and prompt.endswith("<|im_start|>assistant\n")
+    assert "<tool_call>" in prompt and "ERROR" in prompt     # the call and its result, as vLLM renders them
+
+
+def test_the_default_configs_hold_llamacpp_only_where_it_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sw, "llamacpp_built", lambda: False)
+    assert "not built" in sw.llamacpp_status()
+    monkeypatch.setattr(sw, "llamacpp_built", lambda: True)
+    assert "one request at a time" in sw.llamacpp_status()
