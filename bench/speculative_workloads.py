@@ -86,8 +86,9 @@ def target(run: str) -> float:
 def start_command(config: str, port: int, extra: str) -> tuple[list[str], dict | None]:
     """The command and environment that serve ``config`` on ``port``."""
     if config.startswith("llamacpp"):
+        # Its server stops a streaming request when the next one arrives, unless told not to.
         flags = [arg for key, value in (SPEC[config] or {}).items() for arg in (f"--{key}", str(value))]
-        return ["bash", LLAMACPP_SH, "serve", LLAMACPP_GGUF, str(port), *flags], None
+        return ["bash", LLAMACPP_SH, "serve", LLAMACPP_GGUF, str(port), "--interrupt_requests", "False", *flags], None
     spec = json.dumps(SPEC[config], separators=(",", ":")) if SPEC[config] else None
     if config.startswith("kvhive"):
         return server_command("kvhive", port, [*extra.split(), *(["--speculative-config", spec] if spec else [])])

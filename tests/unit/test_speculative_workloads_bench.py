@@ -98,8 +98,9 @@ def test_render_shows_targets_tokens_per_step_refusals_and_mismatches() -> None:
 def test_llamacpp_serves_the_f32_gguf_with_prompt_lookup_and_gets_the_rendered_prompt() -> None:
     cmd, env = sw.start_command("llamacpp_lookup", 8001, "")
     assert cmd[:4] == ["bash", sw.LLAMACPP_SH, "serve", sw.LLAMACPP_GGUF] and cmd[4] == "8001" and env is None
-    assert cmd[5:] == ["--draft_model", "prompt-lookup-decoding", "--draft_model_num_pred_tokens", "5"]
-    assert sw.start_command("llamacpp_plain", 8001, "")[0][5:] == []
+    assert cmd[5:] == ["--interrupt_requests", "False", "--draft_model", "prompt-lookup-decoding",
+                       "--draft_model_num_pred_tokens", "5"]
+    assert sw.start_command("llamacpp_plain", 8001, "")[0][5:] == ["--interrupt_requests", "False"]
     request = sw.body("agent_summary", 0, 1, 64, "llamacpp_plain")
     assert "messages" not in request and "ignore_eos" not in request and request["logit_bias"] == sw.EOS_BIAS
     prompt = request["prompt"]
