@@ -14,7 +14,7 @@ from kvhive.config import CacheConfig, SchedulerConfig
 from kvhive.core.blocks import root_hash
 from kvhive.core.speculative_config import SpeculativeConfig
 from kvhive.engine.scheduler import Scheduler
-from kvhive.engine.speculative.draft_length import DraftLength
+from kvhive.engine.speculative.draft_length import MAX_CHANCE, DraftLength
 from kvhive.engine.speculative.step_cost import PROBE_SHARE, Probes, StepCost, size_drafts
 from kvhive.request import Request, SamplingParams
 
@@ -24,6 +24,11 @@ def linear_cost(fixed: float, per_token: float, counts=(1, 8, 16, 48)) -> StepCo
     for n in counts:
         cost.observe(n, fixed + per_token * n)
     return cost
+
+
+def geo(n: int, chance: float) -> list[float]:
+    """The chances of n draft tokens each accepted with ``chance`` once those before it were."""
+    return [chance ** j for j in range(1, n + 1)]
 
 
 def test_the_curve_needs_two_token_counts_then_interpolates_and_extrapolates() -> None:
@@ -75,23 +80,23 @@ def test_wide_token_counts_share_buckets() -> None:
 
 
 def test_no_curve_keeps_every_draft() -> None:
-    assert size_drafts({"a": (5, 0.1), "b": (3, 0.9)}, 2, 2, StepCost()) == {"a": 5, "b": 3}
+    assert size_drafts({"a": geo(5, 0.1), "b": geo(3, 0.9)}, 2, 2, StepCost()) == {"a": 5, "b": 3}
 
 
 def test_a_weight_bound_step_keeps_every_draft_worth_anything() -> None:
     flat = linear_cost(0.011, 0.0001)
-    assert size_drafts({"a": (5, 0.9), "b": (5, 0.7)}, 2, 2, flat) == {"a": 5, "b": 5}
-    assert size_drafts({"a": (5, 0.9), "b": (5, 0.5)}, 2, 2, flat)["b"] == 4      # 0.5 ** 5: not worth 0.1 ms
+    assert size_drafts({"a": geo(5, 0.9), "b": geo(5, 0.7)}, 2, 2, flat) == {"a": 5, "b": 5}
+    assert size_drafts({"a": geo(5, 0.9), "b": geo(5, 0.5)}, 2, 2, flat)["b"] == 4      # 0.5 ** 5: not worth 0.1 ms
 
 
 def test_a_compute_bound_step_keeps_only_likely_drafts() -> None:
     # Eight decodes at 8 + 2.6 ms a token (the 2-core host in float32): a token each at 3.6 ms.
     steep = linear_cost(0.008, 0.0026)
-    drafts = {f"q{i}": (5, 0.97) for i in range(4)} | {f"c{i}": (5, 0.5) for i in range(4)}
+    drafts = {f"q{i}": geo(5, 0.97) for i in range(4)} | {f"c{i}": geo(5, 0.5) for i in range(4)}
     kept = size_drafts(drafts, 8, 8, steep)
     assert all(kept[f"c{i}"] == 0 for i in range(4))
     assert all(kept[f"q{i}"] >= 3 for i in range(4))
-    assert size_drafts({f"c{i}": (5, 0.6) for i in range(8)}, 8, 8, steep) == {f"c{i}": 0 for i in range(8)}
+    assert size_drafts({f"c{i}": geo(5, 0.6) for i in range(8)}, 8, 8, steep) == {f"c{i}": 0 for i in range(8)}
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -100,33 +105,56 @@ def test_the_kept_drafts_give_the_best_expected_rate_of_any_choice(seed: int) ->
     cost = StepCost()
     for n in sorted(rng.sample(range(1, 40), rng.randint(2, 6))):
         cost.observe(n, rng.uniform(0.005, 0.2))
-    drafts = {f"r{i}": (rng.randint(1, 4), rng.random()) for i in range(rng.randint(1, 3))}
+    drafts = {f"r{i}": sorted((rng.random() for _ in range(rng.randint(1, 4))), reverse=True)
+              for i in range(rng.randint(1, 3))}
     plain_outputs = len(drafts) + rng.randint(0, 2)
     plain_tokens = plain_outputs + rng.randint(0, 10)
 
     def rate(counts: dict[str, int]) -> float:
-        expected = plain_outputs + sum(sum(drafts[r][1] ** j for j in range(1, n + 1)) for r, n in counts.items())
+        expected = plain_outputs + sum(sum(drafts[r][:n]) for r, n in counts.items())
         return expected / cost.seconds(plain_tokens + sum(counts.values()))
 
     kept = size_drafts(drafts, plain_tokens, plain_outputs, cost)
-    assert all(0 <= kept[r] <= drafts[r][0] for r in drafts)
+    assert all(0 <= kept[r] <= len(drafts[r]) for r in drafts)
     best = max(rate(dict(zip(drafts, counts, strict=True)))
-               for counts in itertools.product(*(range(n + 1) for n, _ in drafts.values())))
+               for counts in itertools.product(*(range(len(c) + 1) for c in drafts.values())))
     assert rate(kept) == pytest.approx(best)
 
 
-def test_the_chance_estimate_counts_only_the_tokens_tested() -> None:
+def test_the_chances_are_counted_per_position() -> None:
     length = DraftLength(5, rate=1.0)
-    assert length.chance == 1.0
-    for _ in range(30):
-        length.record(5, 2)         # two accepted, the third rejected: 2 of 3 tested
-    assert length.chance == pytest.approx(2 / 3, abs=0.01)
-    for _ in range(30):
-        length.record(4, 4)         # all accepted: 4 of 4 tested
-    assert length.chance == pytest.approx(1.0, abs=0.01)
-    for _ in range(30):
-        length.record(3, 0)
-    assert length.chance < 0.01
+    assert length.chances(3) == pytest.approx([0.9, 0.81, 0.729])    # a new tenant's: not sure things
+    assert DraftLength(5, rate=0.5).chances(2) == pytest.approx([0.5, 0.25])
+    for _ in range(40):
+        length.record(5, 2)         # two accepted, the third rejected
+    assert length.chances(5) == pytest.approx([MAX_CHANCE, MAX_CHANCE, 0, 0, 0], abs=1e-4)
+    assert len(length.chances(9)) == 5                              # never past the configured most
+    quotes = DraftLength(4, rate=1.0)
+    for _ in range(10):             # one draft in four is a quote accepted whole, the others nothing
+        for accepted in (0, 0, 0):
+            quotes.record(4, accepted)
+        quotes.record(4, 4)
+        quotes.record(4, 0)         # made inside the run: the quote ended
+    cold = quotes.chances(4)
+    assert max(cold) - min(cold) < 0.01 and 0.1 < cold[0] < 0.5   # flat along the draft, not geometric
+
+
+def test_the_chances_inside_a_run_of_accepted_drafts_are_their_own() -> None:
+    """Free text between quotes (drafts rejected), then a quote (drafts accepted whole until it
+    ends): drafts made inside a run are judged by runs, the others by the rest."""
+    length = DraftLength(8, rate=1.0)
+    for _ in range(20):
+        for _ in range(3):
+            length.record(8, 0)     # free text
+        length.record(8, 8)         # the quote starts
+        length.record(8, 8)
+        length.record(8, 8)
+        length.record(8, 2)         # and ends
+        cold = length.chances(8)
+    assert cold[0] < 0.4
+    length.record(8, 0)
+    length.record(8, 8)
+    assert length.chances(8)[-1] > 0.5 > cold[0]        # inside a run: most runs went on
 
 
 def scheduler(cost: StepCost | None) -> Scheduler:
@@ -187,8 +215,9 @@ def test_a_compute_bound_step_cuts_unlikely_drafts_and_probes_them_now_and_then(
     proposer = sched.speculation.proposer
     drafted_counts(sched)                           # the first drafts: each request's state exists now
     for request in requests:
-        for _ in range(10):
-            proposer.draft_length(request.request_id).record(4, 1)      # chance 1/2
+        for _ in range(10):                                         # the first draft token: 1 in 2
+            proposer.draft_length(request.request_id).record(4, 0)
+            proposer.draft_length(request.request_id).record(4, 2)
     steps = 160
     probes = {f"r{i}": 0 for i in range(8)}
     for _ in range(steps):

@@ -58,7 +58,7 @@ class Speculation:
                 self._proposed[request.request_id] = drafts
         if self.cost is None or not self._proposed:
             return
-        kept = size_drafts({rid: (len(d), self.proposer.chance(rid)) for rid, d in self._proposed.items()},
+        kept = size_drafts({rid: self.proposer.chances(rid, len(d)) for rid, d in self._proposed.items()},
                            plain_tokens, len(decodes), self.cost)
         for rid in self._probes.pick(kept, plain_tokens, self.cost):
             kept[rid] = 1

@@ -16,10 +16,18 @@ text are mostly chance (a rejected draft from a 2-token match is the typical was
 question), while a text that quotes soon matches long suffixes and accepts; lowering it for good
 after an acceptance keeps the drafts of code edits and quotes that resume after a pause.
 
-``chance`` is the estimated probability that one draft token is accepted given those before it
-were: accepted draft tokens over draft tokens tested (a step accepting a of d tested a + 1 of them,
-or d when all were accepted), both sums decayed by ``CHANCE_DECAY`` a step and starting from the
-starting rate over ``PRIOR_TRIALS`` tokens. The step's draft sizing (``step_cost``) reads it.
+``chances(n)`` are the estimated probabilities that each of the next draft's first n tokens is
+accepted (the j-th only if all before it are): per position, the drafts that reached it and the
+drafts whose acceptance passed it, both decayed by ``CHANCE_DECAY`` a verified step. Counting per
+position, not one rate per token, keeps what acceptance looks like: a draft is mostly accepted
+whole or not at all, so a request whose drafts quote one time in four has a chance of 1/4 at every
+position, not a chance that falls geometrically. Acceptance also comes in runs (a quote is accepted
+draft after draft until the answer leaves it), so the request keeps two such tables: one for drafts
+made right after a draft accepted whole (inside a run), one for the others, and ``chances`` reads
+the one of the state the request is in. Both start from the starting rate, at most
+``FIRST_CHANCE``, as one draft's worth of counts (the j-th position at that rate to the power j: a
+new tenant's first drafts are not sized as sure things); a chance reads at most ``MAX_CHANCE``. The
+step's draft sizing (``step_cost``) reads them.
 """
 
 from __future__ import annotations
@@ -31,9 +39,11 @@ RATE_WEIGHT = 0.5
 # Decode steps without a draft before the first probe, and the most ever waited between probes.
 FIRST_WAIT = 8
 MAX_WAIT = 512
-# The weight the earlier steps keep in ``chance``, and the tokens the starting rate counts as.
-CHANCE_DECAY = 0.5
-PRIOR_TRIALS = 2.0
+# The weight the earlier verified steps keep in ``chances``.
+CHANCE_DECAY = 0.75
+# The most a request's chance per token starts at, and the most a position's chance reads.
+FIRST_CHANCE = 0.9
+MAX_CHANCE = 0.97
 
 
 class DraftLength:
@@ -50,12 +60,21 @@ class DraftLength:
         self._accepted_any = False
         self._wait = 0              # plain steps left before the next probe
         self._next_wait = FIRST_WAIT
-        self._hits, self._tested = rate * PRIOR_TRIALS, PRIOR_TRIALS
+        start = min(rate, FIRST_CHANCE)
+        # Per state (inside a run of drafts accepted whole, or not): per position, (reached, passed).
+        self._counts = {state: ([1.0] * max_len, [start ** (j + 1) for j in range(max_len)])
+                        for state in (True, False)}
+        self._in_run = False
 
-    @property
-    def chance(self) -> float:
-        """The estimated chance that a draft token is accepted once those before it were."""
-        return self._hits / self._tested
+    def chances(self, n: int) -> list[float]:
+        """The estimated chance that each of the next draft's first ``n`` tokens is accepted (never
+        rising along the draft)."""
+        reached, passed = self._counts[self._in_run]
+        out, last = [], MAX_CHANCE
+        for j in range(min(n, self.max_len)):
+            last = min(last, passed[j] / reached[j])
+            out.append(last)
+        return out
 
     def next_length(self) -> int:
         """The most draft tokens this decode step may verify (0: a plain step); counts a plain step."""
@@ -75,8 +94,11 @@ class DraftLength:
         if num_proposed <= 0:
             return
         self.rate += RATE_WEIGHT * (num_accepted / num_proposed - self.rate)
-        self._hits = CHANCE_DECAY * self._hits + num_accepted
-        self._tested = CHANCE_DECAY * self._tested + min(num_accepted + 1, num_proposed)
+        reached, passed = self._counts[self._in_run]
+        for j in range(self.max_len):
+            reached[j] = CHANCE_DECAY * reached[j] + (j < num_proposed)
+            passed[j] = CHANCE_DECAY * passed[j] + (j < num_accepted)
+        self._in_run = num_accepted == num_proposed
         if num_accepted > 0 and not self._accepted_any:
             self._accepted_any = True
             self.min_match = self._least_match

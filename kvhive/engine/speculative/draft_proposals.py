@@ -133,11 +133,11 @@ class DraftProposer:
         """What the history store holds (None unless the method is "history")."""
         return None if self.history is None else self.history.stats()
 
-    def chance(self, request_id: str) -> float:
-        """The chance a draft token of the request is accepted once those before it were (1 for a
-        request that never drafted)."""
+    def chances(self, request_id: str, n: int) -> list[float]:
+        """The chance that each of the request's next ``n`` draft tokens is accepted
+        (``DraftLength.chances``; a request that never drafted: none)."""
         state = self._requests.get(request_id)
-        return 1.0 if state is None else state.length.chance
+        return [] if state is None else state.length.chances(n)
 
     def draft_length(self, request_id: str) -> DraftLength | None:
         """The request's adaptive draft length (None before its first decode step); for tests and stats."""

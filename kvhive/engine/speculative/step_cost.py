@@ -13,10 +13,10 @@ are sized here, over all the requests in decode together:
   up, so a bucket's mean falls fast and rises slowly (``COST_WEIGHT_DOWN``, ``COST_WEIGHT_UP``),
   and a bucket's first step counts at most twice what the curve expected there: one stalled
   step does not make drafts look dear for long;
-- ``size_drafts`` takes the draft positions in order of the chance they are accepted (a request
-  whose draft tokens are each accepted with probability a accepts its j-th with a**j: the ones
-  before it must be accepted too) and keeps the number of them at which the expected tokens the
-  step emits, over the step's expected seconds, is highest.
+- ``size_drafts`` takes the draft positions in order of the chance they are accepted (each
+  request's chances per position, ``DraftLength.chances``, never rising along its draft) and keeps
+  the number of them at which the expected tokens the step emits, over the step's expected
+  seconds, is highest.
 
 Before two token counts have been seen there is no curve and every draft is kept.
 
@@ -98,16 +98,17 @@ class StepCost:
         return self._curve
 
 
-def size_drafts(drafts: Mapping[str, tuple[int, float]], plain_tokens: int, plain_outputs: int,
+def size_drafts(drafts: Mapping[str, list[float]], plain_tokens: int, plain_outputs: int,
                 cost: StepCost) -> dict[str, int]:
     """How many of its draft tokens each request keeps this step.
 
-    ``drafts``: request id -> (draft tokens proposed, the chance each is accepted); ``plain_tokens``:
-    the step's tokens without drafts (decodes and prefill chunks); ``plain_outputs``: the tokens it
-    emits without drafts (one per decode). Every draft is kept while ``cost`` knows no curve."""
+    ``drafts``: request id -> the chance each of its proposed draft tokens is accepted (one per
+    token, never rising); ``plain_tokens``: the step's tokens without drafts (decodes and prefill
+    chunks); ``plain_outputs``: the tokens it emits without drafts (one per decode). Every draft is
+    kept while ``cost`` knows no curve."""
     if cost.seconds(plain_tokens) is None:
-        return {rid: n for rid, (n, _) in drafts.items()}
-    positions = sorted(((rate ** j, rid) for rid, (n, rate) in drafts.items() for j in range(1, n + 1)),
+        return {rid: len(chances) for rid, chances in drafts.items()}
+    positions = sorted(((chance, rid) for rid, chances in drafts.items() for chance in chances),
                        key=lambda p: -p[0])
     expected, best, best_k = float(plain_outputs), plain_outputs / cost.seconds(plain_tokens), 0
     for k, (chance, _) in enumerate(positions, 1):
