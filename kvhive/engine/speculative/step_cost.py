@@ -37,6 +37,9 @@ from collections.abc import Mapping
 # Weight of the latest step in its bucket's means: when it took less than the mean, and when more.
 COST_WEIGHT_DOWN = 0.3
 COST_WEIGHT_UP = 0.05
+# Drafts are cut only where a draft token must be accepted at least this often to pay for its row
+# (see ``size_drafts``).
+MIN_CUT_CHANCE = 0.5
 # The share of a step's expected time spent on probes (see the module's docstring).
 PROBE_SHARE = 0.05
 # Token counts up to this have a bucket each; above it buckets grow by about 4.4% (2**(1/16)).
@@ -105,9 +108,14 @@ def size_drafts(drafts: Mapping[str, list[float]], plain_tokens: int, plain_outp
     ``drafts``: request id -> the chance each of its proposed draft tokens is accepted (one per
     token, never rising); ``plain_tokens``: the step's tokens without drafts (decodes and prefill
     chunks); ``plain_outputs``: the tokens it emits without drafts (one per decode). Every draft is
-    kept while ``cost`` knows no curve."""
-    if cost.seconds(plain_tokens) is None:
-        return {rid: len(chances) for rid, chances in drafts.items()}
+    kept while ``cost`` knows no curve, and where a first draft token pays for its row at a chance
+    below ``MIN_CUT_CHANCE`` (a weight-bound step: one request on a CPU): there a wrongly cut draft
+    loses more than a wasted row costs, and a request's low chances are the noisiest (its cut drafts
+    are not verified, so they would stay low)."""
+    base = cost.seconds(plain_tokens)
+    keep_all = {rid: len(chances) for rid, chances in drafts.items()}
+    if base is None or plain_outputs * (cost.seconds(plain_tokens + 1) - base) / base < MIN_CUT_CHANCE:
+        return keep_all
     positions = sorted(((chance, rid) for rid, chances in drafts.items() for chance in chances),
                        key=lambda p: -p[0])
     expected, best, best_k = float(plain_outputs), plain_outputs / cost.seconds(plain_tokens), 0
