@@ -8,6 +8,13 @@ False; ``kvhive serve`` turns it off when ``KVHIVE_GRAMMAR_MASK_SYNC=1``),
 the masks are computed right there instead, with the same result. Only the constrained rows' logits
 change; the raw logits stay for logprobs.
 
+A mask stays as llguidance writes it, packed (bit i of int32 word w allows token 32w + i): the
+worker fills it row by row on its own thread (the library's executor would hand each batch to one
+more thread, a second wake-up on a host whose cores the forward pass already uses), and the step
+thread writes -inf from the packed words straight into the logits, word by word where only part of
+a word is blocked, without unpacking 49k flags per row. ``PACKED_APPLY`` False takes the unpacked
+path (a flag per token and a masked store), which gives bit-identical logits.
+
 A matcher is made from the spec's cached compiled grammar the first time its request samples, is
 advanced by every token sampled for it (so it survives preemption and recompute: the runner sees
 every token a request gets), and is dropped by ``release`` when the request ends.
@@ -29,6 +36,11 @@ from kvhive.structured import GrammarCompiler, GrammarMatcher, StructuredOutputE
 
 logger = logging.getLogger(__name__)
 
+# Apply the packed bitmask to float32 CPU logits directly (False: unpack it to a flag per token first;
+# the same logits either way). The unpacked path also serves other dtypes and devices.
+PACKED_APPLY = True
+_NEG_INF = np.float32(-np.inf)
+
 
 @dataclass
 class MaskJob:
@@ -47,7 +59,7 @@ class MaskTimes:
 
     steps: int = 0
     rows: int = 0
-    compute_seconds: float = 0.0        # filling and unpacking masks, wherever it ran
+    compute_seconds: float = 0.0        # filling masks, wherever it ran
     wait_seconds: float = 0.0           # the step thread blocked on the worker (overlap's leftover)
     inline_seconds: float = 0.0         # masks computed on the step thread (overlap off or failed)
     apply_seconds: float = 0.0          # the step thread masking logits and advancing matchers
@@ -83,7 +95,7 @@ class GrammarRows:
         if self.overlap:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvhive-grammar")
-            job.future = self._pool.submit(self._blocked, matchers)
+            job.future = self._pool.submit(self._masks, matchers)
         return job
 
     def matcher_for(self, seq: ScheduledSeq, failed: dict[str, str]) -> GrammarMatcher | None:
@@ -110,7 +122,7 @@ class GrammarRows:
             for j in range(len(drafts) + 1):
                 # The matcher's own mask call: the step's mask job may be using the shared executor.
                 matcher.fill_mask(words)
-                rows.append(np.unpackbits(words.view(np.uint8), count=self.logits_width, bitorder="little") == 0)
+                rows.append(_unpacked_blocked(words, self.logits_width))
                 if j == len(drafts) or rows[-1][drafts[j]] or not matcher.accept(drafts[j]):
                     break
                 consumed += 1
@@ -126,7 +138,7 @@ class GrammarRows:
         of the model's vocabulary, fails its request."""
         if job is None:
             return logits
-        blocked, empty = self._join(job)
+        bitmask, empty = self._join(job)
         started = time.perf_counter()
         keep = []
         for j, m in enumerate(job.matchers):
@@ -137,7 +149,8 @@ class GrammarRows:
             else:
                 keep.append(j)
         if keep:
-            logits = _masked(logits, [job.rows[j] for j in keep], blocked[keep] if len(keep) < len(job.rows) else blocked)
+            logits = _masked(logits, [job.rows[j] for j in keep], bitmask[keep] if len(keep) < len(job.rows) else bitmask,
+                             self.logits_width)
         self.times.apply_seconds += time.perf_counter() - started
         return logits
 
@@ -180,48 +193,100 @@ class GrammarRows:
     # ------------------------------------------------------------ internals
 
     def _join(self, job: MaskJob) -> tuple[np.ndarray, np.ndarray]:
-        """The job's blocked tokens [rows, logits width] and rows with none allowed [rows] (bool): the
-        worker's, else computed here."""
+        """The job's packed masks [rows, mask words] (int32) and rows with no token allowed [rows]
+        (bool): the worker's, else computed here."""
         self.times.steps += 1
         self.times.rows += len(job.rows)
         if job.future is not None:
             waited = time.perf_counter()
             try:
-                blocked = job.future.result()
+                masks = job.future.result()
                 self.times.wait_seconds += time.perf_counter() - waited
-                return blocked
+                return masks
             except Exception:  # noqa: BLE001 - computed again on this thread below
                 logger.warning("grammar masks failed on the worker thread; computing them inline", exc_info=True)
         started = time.perf_counter()
-        blocked = self._blocked(job.matchers)
+        masks = self._masks(job.matchers)
         self.times.inline_seconds += time.perf_counter() - started
-        return blocked
+        return masks
 
-    def _blocked(self, matchers: list[GrammarMatcher]) -> tuple[np.ndarray, np.ndarray]:
-        """True where a token is not allowed [len(matchers), logits width], and where a row allows
-        none [len(matchers)]."""
+    def _masks(self, matchers: list[GrammarMatcher]) -> tuple[np.ndarray, np.ndarray]:
+        """Each matcher's packed mask [len(matchers), mask words] (int32, bit set: allowed), and where
+        a row allows no token of the logits [len(matchers)]. Each row is filled on this thread
+        (llguidance drops the GIL while it fills one)."""
         started = time.perf_counter()
         bitmask = np.zeros((len(matchers), self.compiler.mask_words), dtype=np.int32)
-        self.compiler.fill_masks(matchers, bitmask)
-        allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.logits_width, bitorder="little")
-        blocked = allowed == 0
-        empty = blocked.all(axis=1)
+        for row, m in zip(bitmask, matchers, strict=True):
+            m.fill_mask(row)
+        empty = _empty_rows(bitmask, self.logits_width)
         self.times.compute_seconds += time.perf_counter() - started
-        return blocked, empty
+        return bitmask, empty
 
 
-def _masked(logits: torch.Tensor, rows: list[int], blocked: np.ndarray) -> torch.Tensor:
-    """A copy of ``logits`` with ``blocked[j]``'s tokens of row ``rows[j]`` at -inf.
+def _unpacked_blocked(bitmask: np.ndarray, width: int) -> np.ndarray:
+    """True where a token of the first ``width`` is not allowed: packed masks [..., words] (int32)
+    unpacked to [..., width]."""
+    return np.unpackbits(bitmask.view(np.uint8), axis=-1, count=width, bitorder="little") == 0
+
+
+def _empty_rows(bitmask: np.ndarray, width: int) -> np.ndarray:
+    """Rows of ``bitmask`` [rows, words] that allow no token below ``width`` (bits past it, the
+    tokenizer's ids beyond the logits, do not count)."""
+    whole, tail = divmod(width, 32)
+    empty = ~bitmask[:, :whole].any(axis=1)
+    if tail:
+        empty &= (bitmask[:, whole] & np.int32((1 << tail) - 1)) == 0
+    return empty
+
+
+def _masked(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray, width: int) -> torch.Tensor:
+    """A copy of ``logits`` with the tokens ``bitmask[j]`` (packed, [len(rows), words]) does not
+    allow in row ``rows[j]`` at -inf; ``width``: the tokens the masks cover (the logits' width).
 
     float32 on the CPU goes through numpy, one thread: a few small torch ops over a 50k-wide row each
     wake torch's thread team, which costs milliseconds on a busy machine; a copy and a masked store
-    in numpy take tens of microseconds.
+    in numpy take tens of microseconds, and the packed masks applied word by word less still.
     """
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         out = logits.numpy().copy()
         for j, row in enumerate(rows):
-            np.putmask(out[row], blocked[j], -np.inf)
+            if PACKED_APPLY:
+                _apply_packed(out[row, :width], bitmask[j])
+            else:
+                np.putmask(out[row, :width], _unpacked_blocked(bitmask[j], width), _NEG_INF)
         return torch.from_numpy(out)
+    blocked = torch.from_numpy(_unpacked_blocked(bitmask, width)).to(logits.device)
     idx = torch.tensor(rows, device=logits.device)
-    masked = logits.index_select(0, idx).masked_fill_(torch.from_numpy(blocked).to(logits.device), float("-inf"))
+    masked = logits.index_select(0, idx)
+    masked[:, :width].masked_fill_(blocked, float("-inf"))
     return logits.index_copy(0, idx, masked)
+
+
+def _apply_packed(row: np.ndarray, words: np.ndarray) -> None:
+    """Set ``row``'s (float32, contiguous) tokens that ``words`` (its packed mask) does not allow to
+    -inf, in place.
+
+    The row is seen as [words, 32]. When most words allow nothing (a grammar between values: a few
+    tokens allowed), the row is filled with -inf and the allowed words' values put back; otherwise
+    (inside a string: most tokens allowed) only the words that block something are touched. Either
+    way only those words are unpacked to flags.
+    """
+    whole, tail = divmod(row.shape[0], 32)
+    packed = words[:whole]
+    grid = row[:whole * 32].reshape(whole, 32)
+    some = np.flatnonzero(packed)                   # words that allow at least one token
+    if 2 * len(some) < whole:
+        kept = grid[some]
+        grid[:] = _NEG_INF
+        grid[some] = np.where(_bits(packed[some]), kept, _NEG_INF)
+    else:
+        partial = np.flatnonzero(packed != -1)      # words that block at least one token
+        if len(partial):
+            grid[partial] = np.where(_bits(packed[partial]), grid[partial], _NEG_INF)
+    if tail:
+        np.putmask(row[whole * 32:], ~_bits(words[whole:whole + 1])[0, :tail], _NEG_INF)
+
+
+def _bits(words: np.ndarray) -> np.ndarray:
+    """[n, 32] bool: bit i of each int32 word (token 32w + i allowed)."""
+    return np.unpackbits(words.view(np.uint8).reshape(-1, 4), axis=1, bitorder="little").view(bool)
