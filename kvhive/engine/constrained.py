@@ -8,12 +8,12 @@ False; ``kvhive serve`` turns it off when ``KVHIVE_GRAMMAR_MASK_SYNC=1``),
 the masks are computed right there instead, with the same result. Only the constrained rows' logits
 change; the raw logits stay for logprobs.
 
-A mask stays as llguidance writes it, packed (bit i of int32 word w allows token 32w + i): the
-worker fills it row by row on its own thread (the library's executor would hand each batch to one
-more thread, a second wake-up on a host whose cores the forward pass already uses), and the step
-thread writes -inf from the packed words straight into the logits, word by word where only part of
-a word is blocked, without unpacking 49k flags per row. ``PACKED_APPLY`` False takes the unpacked
-path (a flag per token and a masked store), which gives bit-identical logits.
+The worker fills each row's bitmask itself, one matcher after the other (llguidance drops the GIL
+for each): the library's executor would hand the batch to one more thread, a second wake-up on a
+host whose cores the forward pass already uses, which cost more than the masks. It also unpacks
+the bitmasks to one flag per token there, so the step thread only stores -inf through them (a
+packed apply on the step thread, word by word, took less time in a warm loop but more in the
+step, right after the forward pass, than one masked store).
 
 A matcher is made from the spec's cached compiled grammar the first time its request samples, is
 advanced by every token sampled for it (so it survives preemption and recompute: the runner sees
@@ -36,11 +36,6 @@ from kvhive.structured import GrammarCompiler, GrammarMatcher, StructuredOutputE
 
 logger = logging.getLogger(__name__)
 
-# Apply the packed bitmask to float32 CPU logits directly (False: unpack it to a flag per token first;
-# the same logits either way). The unpacked path also serves other dtypes and devices.
-PACKED_APPLY = True
-_NEG_INF = np.float32(-np.inf)
-
 
 @dataclass
 class MaskJob:
@@ -59,7 +54,7 @@ class MaskTimes:
 
     steps: int = 0
     rows: int = 0
-    compute_seconds: float = 0.0        # filling masks, wherever it ran
+    compute_seconds: float = 0.0        # filling and unpacking masks, wherever it ran
     wait_seconds: float = 0.0           # the step thread blocked on the worker (overlap's leftover)
     inline_seconds: float = 0.0         # masks computed on the step thread (overlap off or failed)
     apply_seconds: float = 0.0          # the step thread masking logits and advancing matchers
@@ -120,7 +115,7 @@ class GrammarRows:
         words = np.zeros(self.compiler.mask_words, dtype=np.int32)
         try:
             for j in range(len(drafts) + 1):
-                # The matcher's own mask call: the step's mask job may be using the shared executor.
+                # The matcher's own mask call, as the step's mask job fills its rows.
                 matcher.fill_mask(words)
                 rows.append(_unpacked_blocked(words, self.logits_width))
                 if j == len(drafts) or rows[-1][drafts[j]] or not matcher.accept(drafts[j]):
@@ -138,7 +133,7 @@ class GrammarRows:
         of the model's vocabulary, fails its request."""
         if job is None:
             return logits
-        bitmask, empty = self._join(job)
+        blocked, empty = self._join(job)
         started = time.perf_counter()
         keep = []
         for j, m in enumerate(job.matchers):
@@ -149,8 +144,7 @@ class GrammarRows:
             else:
                 keep.append(j)
         if keep:
-            logits = _masked(logits, [job.rows[j] for j in keep], bitmask[keep] if len(keep) < len(job.rows) else bitmask,
-                             self.logits_width)
+            logits = _masked(logits, [job.rows[j] for j in keep], blocked[keep] if len(keep) < len(job.rows) else blocked)
         self.times.apply_seconds += time.perf_counter() - started
         return logits
 
@@ -193,8 +187,8 @@ class GrammarRows:
     # ------------------------------------------------------------ internals
 
     def _join(self, job: MaskJob) -> tuple[np.ndarray, np.ndarray]:
-        """The job's packed masks [rows, mask words] (int32) and rows with no token allowed [rows]
-        (bool): the worker's, else computed here."""
+        """The job's blocked tokens [rows, logits width] and rows with none allowed [rows] (bool): the
+        worker's, else computed here."""
         self.times.steps += 1
         self.times.rows += len(job.rows)
         if job.future is not None:
@@ -211,16 +205,17 @@ class GrammarRows:
         return masks
 
     def _masks(self, matchers: list[GrammarMatcher]) -> tuple[np.ndarray, np.ndarray]:
-        """Each matcher's packed mask [len(matchers), mask words] (int32, bit set: allowed), and where
-        a row allows no token of the logits [len(matchers)]. Each row is filled on this thread
-        (llguidance drops the GIL while it fills one)."""
+        """True where a token is not allowed [len(matchers), logits width], and where a row allows
+        none [len(matchers)]. Each row is filled on this thread (llguidance drops the GIL while it
+        fills one); the empty rows are read off the packed words, 32 tokens at a time."""
         started = time.perf_counter()
         bitmask = np.zeros((len(matchers), self.compiler.mask_words), dtype=np.int32)
         for row, m in zip(bitmask, matchers, strict=True):
             m.fill_mask(row)
         empty = _empty_rows(bitmask, self.logits_width)
+        blocked = _unpacked_blocked(bitmask, self.logits_width)
         self.times.compute_seconds += time.perf_counter() - started
-        return bitmask, empty
+        return blocked, empty
 
 
 def _unpacked_blocked(bitmask: np.ndarray, width: int) -> np.ndarray:
@@ -239,54 +234,18 @@ def _empty_rows(bitmask: np.ndarray, width: int) -> np.ndarray:
     return empty
 
 
-def _masked(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray, width: int) -> torch.Tensor:
-    """A copy of ``logits`` with the tokens ``bitmask[j]`` (packed, [len(rows), words]) does not
-    allow in row ``rows[j]`` at -inf; ``width``: the tokens the masks cover (the logits' width).
+def _masked(logits: torch.Tensor, rows: list[int], blocked: np.ndarray) -> torch.Tensor:
+    """A copy of ``logits`` with ``blocked[j]``'s tokens of row ``rows[j]`` at -inf.
 
     float32 on the CPU goes through numpy, one thread: a few small torch ops over a 50k-wide row each
     wake torch's thread team, which costs milliseconds on a busy machine; a copy and a masked store
-    in numpy take tens of microseconds, and the packed masks applied word by word less still.
+    in numpy take tens of microseconds.
     """
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         out = logits.numpy().copy()
         for j, row in enumerate(rows):
-            if PACKED_APPLY:
-                _apply_packed(out[row, :width], bitmask[j])
-            else:
-                np.putmask(out[row, :width], _unpacked_blocked(bitmask[j], width), _NEG_INF)
+            np.putmask(out[row], blocked[j], -np.inf)
         return torch.from_numpy(out)
-    blocked = torch.from_numpy(_unpacked_blocked(bitmask, width)).to(logits.device)
     idx = torch.tensor(rows, device=logits.device)
-    masked = logits.index_select(0, idx)
-    masked[:, :width].masked_fill_(blocked, float("-inf"))
+    masked = logits.index_select(0, idx).masked_fill_(torch.from_numpy(blocked).to(logits.device), float("-inf"))
     return logits.index_copy(0, idx, masked)
-
-
-def _apply_packed(row: np.ndarray, words: np.ndarray) -> None:
-    """Set ``row``'s (float32, contiguous) tokens that ``words`` (its packed mask) does not allow to
-    -inf, in place.
-
-    The row is seen as [words, 32]. When most words allow nothing (a grammar between values: a few
-    tokens allowed), the row is filled with -inf and the allowed words' values put back; otherwise
-    (inside a string: most tokens allowed) only the words that block something are touched. Either
-    way only those words are unpacked to flags.
-    """
-    whole, tail = divmod(row.shape[0], 32)
-    packed = words[:whole]
-    grid = row[:whole * 32].reshape(whole, 32)
-    some = np.flatnonzero(packed)                   # words that allow at least one token
-    if 2 * len(some) < whole:
-        kept = grid[some]
-        grid[:] = _NEG_INF
-        grid[some] = np.where(_bits(packed[some]), kept, _NEG_INF)
-    else:
-        partial = np.flatnonzero(packed != -1)      # words that block at least one token
-        if len(partial):
-            grid[partial] = np.where(_bits(packed[partial]), grid[partial], _NEG_INF)
-    if tail:
-        np.putmask(row[whole * 32:], ~_bits(words[whole:whole + 1])[0, :tail], _NEG_INF)
-
-
-def _bits(words: np.ndarray) -> np.ndarray:
-    """[n, 32] bool: bit i of each int32 word (token 32w + i allowed)."""
-    return np.unpackbits(words.view(np.uint8).reshape(-1, 4), axis=1, bitorder="little").view(bool)
