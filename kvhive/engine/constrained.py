@@ -8,6 +8,13 @@ False; ``kvhive serve`` turns it off when ``KVHIVE_GRAMMAR_MASK_SYNC=1``),
 the masks are computed right there instead, with the same result. Only the constrained rows' logits
 change; the raw logits stay for logprobs.
 
+The worker fills each row's bitmask itself, one matcher after the other (llguidance drops the GIL
+for each): the library's executor would hand the batch to one more thread, a second wake-up on a
+host whose cores the forward pass already uses, which cost more than the masks. It also unpacks
+the bitmasks to one flag per token there, so the step thread only stores -inf through them (a
+packed apply on the step thread, word by word, took less time in a warm loop but more in the
+step, right after the forward pass, than one masked store).
+
 A matcher is made from the spec's cached compiled grammar the first time its request samples, is
 advanced by every token sampled for it (so it survives preemption and recompute: the runner sees
 every token a request gets), and is dropped by ``release`` when the request ends.
@@ -83,7 +90,7 @@ class GrammarRows:
         if self.overlap:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvhive-grammar")
-            job.future = self._pool.submit(self._blocked, matchers)
+            job.future = self._pool.submit(self._masks, matchers)
         return job
 
     def matcher_for(self, seq: ScheduledSeq, failed: dict[str, str]) -> GrammarMatcher | None:
@@ -108,9 +115,9 @@ class GrammarRows:
         words = np.zeros(self.compiler.mask_words, dtype=np.int32)
         try:
             for j in range(len(drafts) + 1):
-                # The matcher's own mask call: the step's mask job may be using the shared executor.
+                # The matcher's own mask call, as the step's mask job fills its rows.
                 matcher.fill_mask(words)
-                rows.append(np.unpackbits(words.view(np.uint8), count=self.logits_width, bitorder="little") == 0)
+                rows.append(_unpacked_blocked(words, self.logits_width))
                 if j == len(drafts) or rows[-1][drafts[j]] or not matcher.accept(drafts[j]):
                     break
                 consumed += 1
@@ -187,27 +194,44 @@ class GrammarRows:
         if job.future is not None:
             waited = time.perf_counter()
             try:
-                blocked = job.future.result()
+                masks = job.future.result()
                 self.times.wait_seconds += time.perf_counter() - waited
-                return blocked
+                return masks
             except Exception:  # noqa: BLE001 - computed again on this thread below
                 logger.warning("grammar masks failed on the worker thread; computing them inline", exc_info=True)
         started = time.perf_counter()
-        blocked = self._blocked(job.matchers)
+        masks = self._masks(job.matchers)
         self.times.inline_seconds += time.perf_counter() - started
-        return blocked
+        return masks
 
-    def _blocked(self, matchers: list[GrammarMatcher]) -> tuple[np.ndarray, np.ndarray]:
+    def _masks(self, matchers: list[GrammarMatcher]) -> tuple[np.ndarray, np.ndarray]:
         """True where a token is not allowed [len(matchers), logits width], and where a row allows
-        none [len(matchers)]."""
+        none [len(matchers)]. Each row is filled on this thread (llguidance drops the GIL while it
+        fills one); the empty rows are read off the packed words, 32 tokens at a time."""
         started = time.perf_counter()
         bitmask = np.zeros((len(matchers), self.compiler.mask_words), dtype=np.int32)
-        self.compiler.fill_masks(matchers, bitmask)
-        allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.logits_width, bitorder="little")
-        blocked = allowed == 0
-        empty = blocked.all(axis=1)
+        for row, m in zip(bitmask, matchers, strict=True):
+            m.fill_mask(row)
+        empty = _empty_rows(bitmask, self.logits_width)
+        blocked = _unpacked_blocked(bitmask, self.logits_width)
         self.times.compute_seconds += time.perf_counter() - started
         return blocked, empty
+
+
+def _unpacked_blocked(bitmask: np.ndarray, width: int) -> np.ndarray:
+    """True where a token of the first ``width`` is not allowed: packed masks [..., words] (int32)
+    unpacked to [..., width]."""
+    return np.unpackbits(bitmask.view(np.uint8), axis=-1, count=width, bitorder="little") == 0
+
+
+def _empty_rows(bitmask: np.ndarray, width: int) -> np.ndarray:
+    """Rows of ``bitmask`` [rows, words] that allow no token below ``width`` (bits past it, the
+    tokenizer's ids beyond the logits, do not count)."""
+    whole, tail = divmod(width, 32)
+    empty = ~bitmask[:, :whole].any(axis=1)
+    if tail:
+        empty &= (bitmask[:, whole] & np.int32((1 << tail) - 1)) == 0
+    return empty
 
 
 def _masked(logits: torch.Tensor, rows: list[int], blocked: np.ndarray) -> torch.Tensor:

@@ -166,14 +166,14 @@ def test_a_failing_mask_worker_falls_back_to_inline_masks(engine, tokenizer, mon
     requests = {"js": (PROMPT, greedy(SPECS["json_schema"]))}
     want = tokens_of(run_engine(engine, requests)["js"])
     rows = engine.runner.grammar_rows
-    compute = rows._blocked
+    compute = rows._masks
 
     def broken_on_worker(matchers):
         if threading.current_thread().name.startswith("kvhive-grammar"):
             raise RuntimeError("worker broke")
         return compute(matchers)
 
-    monkeypatch.setattr(rows, "_blocked", broken_on_worker)
+    monkeypatch.setattr(rows, "_masks", broken_on_worker)
     before = rows.times.inline_seconds
     assert tokens_of(run_engine(engine, requests)["js"]) == want
     assert rows.times.inline_seconds > before
