@@ -574,8 +574,9 @@ SECTIONS = (
     Section("speculative_workloads", "Speculative decoding on four workloads", "bench/speculative_workloads.py",
             "Decode tokens/s over HTTP (greedy, 128 tokens streamed, prompts cached first) at concurrency 1 "
             "and 8 on document QA that quotes its document, a code edit, an agent turn summarising a tool "
-            "result and open chat: kvhive without and with speculative decoding (`history` and `ngram`), "
-            "vLLM for CPU without and with its n-gram speculation, in paired rounds.",
+            "result and open chat: kvhive without and with speculative decoding (`history` with its drafts "
+            "sized by the step's cost and without, and `ngram`), vLLM for CPU without and with its n-gram "
+            "speculation, and llama.cpp's server without and with prompt lookup, in paired rounds.",
             ("speculation ≥ 2x kvhive's own tokens/s at c1 on the first three workloads, ≥ 1.3x at c8",
              "open chat ≥ 0.95x", "ahead of vLLM's n-gram speculation on the same workloads"),
             ("speculative_workloads.json",), speculative_workloads.render),
