@@ -115,12 +115,11 @@ def size_drafts(drafts: Mapping[str, list[float]], plain_tokens: int, plain_outp
     loses more than a wasted row costs, and a request's low chances are the noisiest (its cut drafts
     are not verified, so they would stay low)."""
     base = cost.seconds(plain_tokens)
-    keep_all = {rid: len(chances) for rid, chances in drafts.items()}
     if base is None or plain_outputs * (cost.seconds(plain_tokens + 1) - base) / base < MIN_CUT_CHANCE:
-        return keep_all
+        return {rid: len(chances) for rid, chances in drafts.items()}
     positions = sorted(((chance, rid) for rid, chances in drafts.items() for chance in chances),
                        key=lambda p: -p[0])
-    expected, best, best_k = float(plain_outputs), plain_outputs / cost.seconds(plain_tokens), 0
+    expected, best, best_k = float(plain_outputs), plain_outputs / base, 0
     for k, (chance, _) in enumerate(positions, 1):
         expected += chance
         rate = expected / cost.seconds(plain_tokens + k)
