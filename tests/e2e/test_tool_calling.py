@@ -1,7 +1,8 @@
 """Tool calling over real HTTP with the clients agents are written in: the ``openai`` SDK (chat
 completions whole and streamed, the Responses API) and LangChain's ``ChatOpenAI.bind_tools``, on the
-default model (whose template has no tool support: kvhive's own format) and on tiny random Qwen3 and
-Llama 3 checkpoints with their published templates.
+default model (whose template has no tool support: kvhive's own format) and on tiny random Qwen3,
+Llama 3 and Mistral checkpoints with their published templates (Hermes ``<tool_call>``, Llama 3 JSON
+and Mistral ``[TOOL_CALLS]`` calls).
 
 The tiny models write noise, so the tests ask for ``required`` or named tool choices over tools whose
 arguments are bounded (enums, short strings): the grammar, not the model, makes every call valid,
@@ -63,10 +64,10 @@ class Served:
 
 
 # The tiny models' parser: named on the command line for one, picked from the template for the other.
-TINY_PARSER_FLAG = {"qwen3": ("--tool-call-parser", "hermes"), "llama3": ()}
+TINY_PARSER_FLAG = {"qwen3": ("--tool-call-parser", "hermes"), "llama3": (), "mistral3": ()}
 
 
-@pytest.fixture(scope="module", params=["default", "qwen3", "llama3"])
+@pytest.fixture(scope="module", params=["default", "qwen3", "llama3", "mistral3"])
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """One server at a time: the default model, then ``kvhive serve`` on tiny Qwen3 and Llama 3."""
     if request.param == "default":

@@ -14,7 +14,7 @@ from support.families import hf_model, save_hf
 from support.tokenizer_families import FAMILIES, build_vocab, write_hf_dir
 
 # Model family (support.families) of each tokenizer family that has a servable chat model here.
-MODEL_FAMILY = {"qwen3": "qwen3", "qwen2.5": "qwen2", "llama3": "llama"}
+MODEL_FAMILY = {"qwen3": "qwen3", "qwen2.5": "qwen2", "llama3": "llama", "mistral3": "mistral"}
 MAX_POSITIONS = 4096
 
 

@@ -61,6 +61,10 @@ FAMILIES = (
     Family("qwen3", "bpe", "qwen3.jinja", None, "<|im_end|>",
            ("<|endoftext|>", "<|im_start|>", "<think>", "</think>"), pre="qwen2", split=_QWEN2_SPLIT),
     Family("mistral", "spm", "mistral-7b-instruct-v0.1.jinja", "<s>", "</s>", (), add_bos=True),
+    # Mistral's tool-calling form ([AVAILABLE_TOOLS], [TOOL_CALLS], [TOOL_RESULTS]), byte-level BPE.
+    Family("mistral3", "bpe", "mistral-small-3.1-instruct.jinja", "<s>", "</s>",
+           ("[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+            "[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"), pre="pixtral", split=_LLAMA3_SPLIT, add_bos=True),
     Family("phi3", "spm", "phi-3.5-mini-instruct.jinja", "<s>", "<|endoftext|>",
            ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"), add_bos=False),
     Family("gemma", "spm", "gemma-2-it.jinja", "<bos>", "<eos>",

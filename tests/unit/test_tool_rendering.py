@@ -30,10 +30,12 @@ HISTORY = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Weather in Paris?"},
     {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_1", "type": "function",
+        {"id": "call_7f3a9c21b", "type": "function",
          "function": {"name": "get_weather", "arguments": '{"city": "Paris", "units": "c"}'}}]},
-    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+    {"role": "tool", "tool_call_id": "call_7f3a9c21b", "content": '{"temp": 21}'},
 ]
+# Each family's tool-call format, as picked from its template.
+PARSER = {"llama3": "llama3_json", "mistral3": "mistral"}
 # A ChatML template that never reads ``tools`` (SmolLM2's).
 NO_TOOLS_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -47,7 +49,7 @@ def _plan(template: ChatTemplate | None) -> ToolPlan:
                     parser_for_template(template.source if template else None), None)
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen2.5", "llama3"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen2.5", "llama3", "mistral3"])
 def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     family = next(f for f in FAMILIES if f.name == request.param)
     directory = tmp_path_factory.mktemp(f"tok-{family.name}")
@@ -74,7 +76,7 @@ def test_history_renders_as_transformers_does(family_dir: tuple[str, str], gener
         theirs, tools=TOOLS, tokenize=False, add_generation_prompt=generation_prompt)
     assert text == expected
     assert "get_time" in text and '"city": "Paris"' in text and '{"temp": 21}' in text.replace('\\"', '"')
-    assert parser_for_template(ours.chat_template.source) == ("llama3_json" if family == "llama3" else "hermes")
+    assert parser_for_template(ours.chat_template.source) == PARSER.get(family, "hermes")
 
 
 def test_template_without_tools_gets_kvhive_format() -> None:
