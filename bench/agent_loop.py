@@ -25,8 +25,11 @@ over turns 2-12 of all agents.
     python bench/agent_loop.py --arms kvhive --agents 2 --turns 3 --out /tmp/agent_loop.json   # a quick check
 
 Results merge into ``bench/results/agent_loop.json`` by dtype; ``python bench/report.py`` renders them.
-``--tools-field`` sends the same history through ``tools`` / ``tool_calls`` instead of plain chat
-(``--vllm-args "--enable-auto-tool-choice --tool-call-parser hermes"`` for vLLM's tool parsing).
+``--tools-field`` sends the same history through ``tools`` / ``tool_calls`` / ``tool`` messages
+instead of plain chat; vLLM then serves it with its Hermes tool parser (``--enable-auto-tool-choice
+--tool-call-parser hermes``) and ``--chat-template bench/smollm2_tools.jinja``, which renders the
+definitions, calls and results as kvhive does for a template without tool support (SmolLM2's own
+template renders neither ``tools`` nor ``tool_calls``), so both servers see the same prompt tokens.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ from sessions_vs_vllm import chat_stream
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = "smollm2-135m"
+TEMPLATE = os.path.join(HERE, "smollm2_tools.jinja")
+TOOL_PARSING = "--enable-auto-tool-choice --tool-call-parser hermes"
 ARMS = ("kvhive", "kvhive_conv", "vllm")
 TARGET = 0.6
 
@@ -185,12 +190,19 @@ def run_round(index: int, args: argparse.Namespace) -> dict[str, dict]:
         jobs.append((cmd, None, kv_passes, "kvhive"))
     if "vllm" in args.arms:
         cmd = ["bash", VLLM_SH, "serve", args.dtype, str(args.port)]
-        jobs.append((cmd, dict(os.environ, VLLM_EXTRA=args.vllm_args), [("vllm", False)], "vllm"))
+        jobs.append((cmd, dict(os.environ, VLLM_EXTRA=vllm_extra(args, TEMPLATE)), [("vllm", False)], "vllm"))
     out: dict[str, dict] = {}
     for cmd, env, passes, name in jobs if index % 2 == 0 else jobs[::-1]:
         log = os.path.join(args.log_dir, f"agent_loop_{name}_{args.dtype}_r{index + 1}.log")
         out.update(serve(cmd, args.port, log, env, passes, args))
     return out
+
+
+def vllm_extra(args: argparse.Namespace, template: str) -> str:
+    """vLLM's extra flags: with ``--tools-field``, its Hermes tool parser and the template that
+    renders tools as kvhive does, then ``--vllm-args``."""
+    tools = f"--chat-template {shlex.quote(template)} {TOOL_PARSING} " if args.tools_field else ""
+    return f"{tools}{args.vllm_args}".strip()
 
 
 def paired(rounds: list[dict], arm: str, key: str = "ttft_turns2plus_s") -> list[float]:
@@ -291,6 +303,7 @@ def main() -> int:
     rounds = [run_round(first + i, args) for i in range(args.rounds)]
     config = {k: getattr(args, k) for k in ("agents", "turns", "max_tokens", "tools_field", "kvhive_args",
                                             "vllm_args", "arms")}
+    config["vllm_extra"] = vllm_extra(args, "bench/smollm2_tools.jinja")
     result = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "runs": {}}
     if os.path.exists(args.out):
         with open(args.out) as f:

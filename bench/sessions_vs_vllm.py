@@ -106,10 +106,17 @@ class Reply:
     session_id: str | None
 
 
+def call_text(calls: list[dict]) -> str:
+    """A ``delta.tool_calls`` piece as the text the model generated: each call's name and arguments."""
+    return "".join(((call.get("function") or {}).get("name") or "") + ((call.get("function") or {}).get("arguments") or "")
+                   for call in calls)
+
+
 def chat_stream(port: int, path: str, body: dict, headers: dict[str, str]) -> Reply:
     """POST a streamed chat completion (or completion); TTFT is send to the first chunk carrying
-    generated output (content, a completion's text, or a tool call's piece, which joins the text as
-    its JSON)."""
+    generated output (content, a completion's text, or a tool call's piece). A tool call joins the
+    text as its function's name and argument pieces, what the model generated: the ids, indexes and
+    types each server adds are left out, so two servers' greedy calls compare equal."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
     start = time.perf_counter()
     conn.request("POST", path, body=json.dumps(body).encode(),
@@ -129,7 +136,7 @@ def chat_stream(port: int, path: str, body: dict, headers: dict[str, str]) -> Re
             if delta.get("content") or delta.get("tool_calls"):
                 if ttft is None:
                     ttft = time.perf_counter() - start
-                text.append(delta.get("content") or json.dumps(delta["tool_calls"]))
+                text.append(delta.get("content") or call_text(delta["tool_calls"]))
     session_id = resp.getheader("x-session-id")
     conn.close()
     return Reply(ttft, "".join(text), usage, session_id)
