@@ -449,9 +449,11 @@ SECTIONS = (
             "Time to first token per turn and the cached fraction of an agent loop: 8 agents at once share a "
             "~3,200-token system prompt with 20 tool definitions (JSON schemas); each runs 12 turns, each turn "
             "adding a canned tool call (~65 tokens) and its result (~285 tokens) to the history and asking for "
-            "the next step (32 tokens, greedy, streamed). The history is sent as plain chat (definitions in the "
-            "system message, calls as Hermes `<tool_call>` text, results as user messages holding `<tool_response>`; the bfloat16 rounds ran with them as `tool` messages), byte-identical "
-            "for both servers. kvhive with prefix caching and with `conversation_id` (a session per agent) "
+            "the next step (32 tokens, greedy, streamed). The history goes through the tools field (`tools`, "
+            "assistant `tool_calls`, `tool` messages answering them) and both servers parse the replies' calls: "
+            "vLLM with `--enable-auto-tool-choice --tool-call-parser hermes` and `--chat-template "
+            "bench/smollm2_tools.jinja` (SmolLM2's own template renders neither tools nor calls; this one writes "
+            "them as kvhive does for a template without tool support), so both see the same prompt tokens. kvhive with prefix caching and with `conversation_id` (a session per agent) "
             "against vLLM for CPU with prefix caching, in float32 and bfloat16, in paired rounds.",
             ("turns 2-12 TTFT ≤ 0.6x vLLM's, in float32 and in bfloat16 (median of the rounds' paired ratios of "
              "the median over all agents' turns 2-12)",),
