@@ -47,14 +47,13 @@ import sys
 import time
 
 import agent_trace
-from agent_loop import run_agents
+from agent_loop import TEMPLATE, run_agents
 from multiturn_vs_vllm import VLLM_SH, served
 from run_info import command, machine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = "smollm2-135m"
 ARMS = ("kvhive", "vllm")
-TEMPLATE = os.path.join(HERE, "smollm2_tools.jinja")
 COUNTERS = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens", "output_tokens")
 PEER = "vLLM for CPU 0.32.0"
 

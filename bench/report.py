@@ -453,8 +453,9 @@ SECTIONS = (
             "assistant `tool_calls`, `tool` messages answering them) and both servers parse the replies' calls: "
             "vLLM with `--enable-auto-tool-choice --tool-call-parser hermes` and `--chat-template "
             "bench/smollm2_tools.jinja` (SmolLM2's own template renders neither tools nor calls; this one writes "
-            "them as kvhive does for a template without tool support), so both see the same prompt tokens. kvhive with prefix caching and with `conversation_id` (a session per agent) "
-            "against vLLM for CPU with prefix caching, in float32 and bfloat16, in paired rounds.",
+            "them as kvhive does for a template without tool support), so both see the same prompt tokens. "
+            "kvhive with prefix caching and with `conversation_id` (a session per agent) against vLLM for CPU "
+            "with prefix caching, in float32 and bfloat16, in paired rounds.",
             ("turns 2-12 TTFT ≤ 0.6x vLLM's, in float32 and in bfloat16 (median of the rounds' paired ratios of "
              "the median over all agents' turns 2-12)",),
             ("agent_loop.json",), render_agent_loop),

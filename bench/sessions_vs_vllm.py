@@ -108,8 +108,8 @@ class Reply:
 
 def call_text(calls: list[dict]) -> str:
     """A ``delta.tool_calls`` piece as the text the model generated: each call's name and arguments."""
-    return "".join(((call.get("function") or {}).get("name") or "") + ((call.get("function") or {}).get("arguments") or "")
-                   for call in calls)
+    functions = [call.get("function") or {} for call in calls]
+    return "".join((f.get("name") or "") + (f.get("arguments") or "") for f in functions)
 
 
 def chat_stream(port: int, path: str, body: dict, headers: dict[str, str]) -> Reply:

@@ -41,8 +41,6 @@ LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fu
               verbose_errors=False)
 # A compile that takes longer than this (seconds) is refused; an ordinary schema takes milliseconds.
 COMPILE_TIME_LIMIT_S = 2.0
-# Threads llguidance fills a batch's masks with (beside the model's threads, which it overlaps).
-MASK_THREADS = 1
 
 
 class GrammarMatcher:
@@ -77,7 +75,7 @@ class GrammarMatcher:
 
     @property
     def raw(self):
-        """The llguidance matcher (for ``GrammarCompiler.fill_masks``)."""
+        """The llguidance matcher itself (the tests fill masks through the library's own batch call with it)."""
         return self._m
 
 
@@ -109,11 +107,10 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self.time_limit_s = time_limit_s
         self._lock = threading.Lock()          # the cache and the counters
-        self._setup_lock = threading.Lock()    # the vocabulary and the executor, built once
+        self._setup_lock = threading.Lock()    # the vocabulary, built once
         self._cache: OrderedDict[StructuredSpec, CompiledGrammar | StructuredOutputError] = OrderedDict()
         self._lltok = None              # built on first use: 0.1 s for a 49k vocabulary, ~1 s for 150k
         self._special: dict[str, int] = {}
-        self._executor = None
         self.hits = self.misses = 0
 
     @property
@@ -148,14 +145,6 @@ class GrammarCompiler:
         if isinstance(found, StructuredOutputError):
             raise StructuredOutputError(found.message, found.param)
         return found
-
-    def fill_masks(self, matchers: Sequence[GrammarMatcher], bitmask: np.ndarray) -> None:
-        """Fill row i of ``bitmask`` [n, mask_words] (int32, C-contiguous) for matchers[i], all in one
-        call without the GIL."""
-        import llguidance.numpy as llnp
-
-        llnp.fill_next_token_bitmask_par(self._mask_executor(), [(m.raw, i) for i, m in enumerate(matchers)],
-                                         bitmask)
 
     def _compile(self, spec: StructuredSpec) -> CompiledGrammar | StructuredOutputError:
         try:
@@ -192,14 +181,6 @@ class GrammarCompiler:
                 self._lltok = ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
                 self._special = special_token_texts(self.tokenizer)
             return self._lltok
-
-    def _mask_executor(self):
-        with self._setup_lock:
-            if self._executor is None:
-                import llguidance
-
-                self._executor = llguidance.LLExecutor(num_threads=MASK_THREADS)
-            return self._executor
 
 
 def _explain(error: str) -> str:

@@ -9,6 +9,8 @@ import json
 import threading
 from types import SimpleNamespace
 
+import llguidance
+import llguidance.numpy as llnp
 import numpy as np
 import pytest
 import torch
@@ -105,7 +107,9 @@ def test_the_rows_masks_are_the_grammar_s_allowed_tokens(tokenizer) -> None:
     matchers = grammar_matchers(compiler, tokenizer)
     blocked, empty = GrammarRows(compiler, vocab, overlap=False)._masks(matchers)
     want = np.zeros((len(matchers), compiler.mask_words), dtype=np.int32)
-    compiler.fill_masks(matchers, want)                            # the library's executor, all at once
+    # The reference: the library's own batch fill, on its executor, all rows at once.
+    llnp.fill_next_token_bitmask_par(llguidance.LLExecutor(num_threads=2), [(m.raw, i) for i, m in enumerate(matchers)],
+                                     want)
     assert not empty.any()
     for j in range(len(matchers)):
         assert np.array_equal(blocked[j], ~allowed_of(want[j], vocab))

@@ -94,7 +94,7 @@ def test_the_mask_allows_exactly_the_grammar_s_next_tokens(compiler) -> None:
     tok = compiler.tokenizer
     matcher = compiler.compile(StructuredSpec("choice", choices=("alpha", "beta"))).matcher()
     bitmask = np.zeros((1, compiler.mask_words), dtype=np.int32)
-    compiler.fill_masks([matcher], bitmask)
+    matcher.fill_mask(bitmask[0])
     allowed = np.nonzero(np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[0])[0]
     texts = {tok.token_bytes(int(i)) for i in allowed}
     assert texts and all(b"alpha".startswith(t) or b"beta".startswith(t) for t in texts)
@@ -148,7 +148,7 @@ def test_a_pathological_regex_is_bounded(compiler) -> None:
         assert "regex" in str(exc) or "limit" in str(exc).lower() or "fuel" in str(exc).lower()
         return
     bitmask = np.zeros((1, compiler.mask_words), dtype=np.int32)
-    compiler.fill_masks([matcher], bitmask)
+    matcher.fill_mask(bitmask[0])
     assert bitmask.any() or matcher.error is not None
 
 
