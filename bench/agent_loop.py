@@ -6,12 +6,17 @@ tool definitions; each runs 12 turns, turn ``t`` sending the history with ``t`` 
 (~65 tokens) and results (~285 tokens) and asking for the next step (greedy, ``--max-tokens``
 tokens, streamed). Each agent sends its next turn as soon as the last one's stream ends.
 
-Three arms per round, each on a server of its own started for it (never an idle one beside it):
+Arms, the servers each started for them in turn (never an idle one beside it):
 
 - ``kvhive``: ``kvhive serve``, automatic prefix caching;
 - ``kvhive_conv``: the same server, a second pass of the trace with ``conversation_id`` (a
   session per agent; the last turn ends it);
-- ``vllm``: vLLM for CPU with prefix caching (``../shared/peers/vllm.sh serve DTYPE PORT``).
+- ``kvhive_spec``, ``kvhive_conv_spec``: the two passes again on a server with speculative
+  decoding (``--speculative-config``, by default kvhive's ``history`` method as
+  docs/speculative_decoding.md recommends it; greedy output unchanged);
+- ``vllm``: vLLM for CPU with prefix caching (``../shared/peers/vllm.sh serve DTYPE PORT``);
+- ``vllm_ngram`` (only when named in ``--arms``): the same with vLLM's n-gram speculation
+  (``--vllm-speculative-config``, k 5, lookup 2..4).
 
 Each pass salts the system prompt so that it hits no cache an earlier pass left. TTFT is the time
 from sending the request to the first streamed chunk that carries generated text (or a tool-call
@@ -20,8 +25,8 @@ delta); the cached fraction is ``usage.prompt_tokens_details.cached_tokens / pro
 2-12 TTFT <= 0.6x vLLM's) is judged on the median of the rounds' paired ratios of the median TTFT
 over turns 2-12 of all agents.
 
-    flock /tmp/kvhive-bench.lock python bench/agent_loop.py --dtype float32 --rounds 2
-    flock /tmp/kvhive-bench.lock python bench/agent_loop.py --dtype bfloat16 --rounds 2
+    flock /tmp/kvhive-bench.lock python bench/agent_loop.py --dtype float32 --rounds 2 --tools-field
+    flock /tmp/kvhive-bench.lock python bench/agent_loop.py --dtype bfloat16 --rounds 2 --tools-field
     python bench/agent_loop.py --arms kvhive --agents 2 --turns 3 --out /tmp/agent_loop.json   # a quick check
 
 Results merge into ``bench/results/agent_loop.json`` by dtype; ``python bench/report.py`` renders them.
@@ -55,7 +60,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = "smollm2-135m"
 TEMPLATE = os.path.join(HERE, "smollm2_tools.jinja")
 TOOL_PARSING = "--enable-auto-tool-choice --tool-call-parser hermes"
-ARMS = ("kvhive", "kvhive_conv", "vllm")
+ARMS = ("kvhive", "kvhive_conv", "kvhive_spec", "kvhive_conv_spec", "vllm", "vllm_ngram")
+DEFAULT_ARMS = ("kvhive", "kvhive_conv", "kvhive_spec", "kvhive_conv_spec", "vllm")
+# Speculative decoding as docs/speculative_decoding.md recommends it (kvhive's own method), and
+# vLLM's usual n-gram setting for its own arm.
+KVHIVE_SPEC = {"method": "history", "num_speculative_tokens": 12, "prompt_lookup_min": 2, "prompt_lookup_max": 8}
+VLLM_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 TARGET = 0.6
 
 
@@ -180,22 +190,39 @@ def serve(cmd: list[str], port: int, log: str, env: dict | None, passes: list[tu
             proc.wait(timeout=120)
 
 
-def run_round(index: int, args: argparse.Namespace) -> dict[str, dict]:
-    """One round: kvhive (prefix caching, then sessions) and vLLM, the order alternating by round."""
-    kv_passes = [(a, a == "kvhive_conv") for a in ("kvhive", "kvhive_conv") if a in args.arms]
+def server_jobs(args: argparse.Namespace) -> list[tuple[list[str], dict | None, list[tuple[str, bool]], str]]:
+    """The servers the arms need: per server its command, environment, passes (arm, with
+    ``conversation_id``) and name."""
     jobs = []
-    if kv_passes:
-        cmd = [sys.executable, "-m", "kvhive.cli", "serve", "--port", str(args.port), "--log-level", "warning",
-               "--dtype", args.dtype, *shlex.split(args.kvhive_args)]
-        jobs.append((cmd, None, kv_passes, "kvhive"))
-    if "vllm" in args.arms:
-        cmd = ["bash", VLLM_SH, "serve", args.dtype, str(args.port)]
-        jobs.append((cmd, dict(os.environ, VLLM_EXTRA=vllm_extra(args, TEMPLATE)), [("vllm", False)], "vllm"))
+    for name, spec in (("kvhive", None), ("kvhive_spec", args.speculative_config)):
+        plain, conv = name, name.replace("kvhive", "kvhive_conv")
+        passes = [(a, a == conv) for a in (plain, conv) if a in args.arms]
+        if passes:
+            cmd = [sys.executable, "-m", "kvhive.cli", "serve", "--port", str(args.port), "--log-level", "warning",
+                   "--dtype", args.dtype, *shlex.split(args.kvhive_args), *(["--speculative-config", spec] if spec else [])]
+            jobs.append((cmd, None, passes, name))
+    for name, spec in (("vllm", None), ("vllm_ngram", args.vllm_speculative_config)):
+        if name in args.arms:
+            extra = vllm_extra(args, TEMPLATE) + (f" --speculative-config {spec}" if spec else "")
+            jobs.append((["bash", VLLM_SH, "serve", args.dtype, str(args.port)],
+                         dict(os.environ, VLLM_EXTRA=extra.strip()), [(name, False)], name))
+    return jobs
+
+
+def run_round(index: int, args: argparse.Namespace) -> dict[str, dict]:
+    """One round: each server the arms need, started in turn (the order reversed every other
+    round), running its passes: prefix caching, then sessions."""
+    jobs = server_jobs(args)
     out: dict[str, dict] = {}
     for cmd, env, passes, name in jobs if index % 2 == 0 else jobs[::-1]:
         log = os.path.join(args.log_dir, f"agent_loop_{name}_{args.dtype}_r{index + 1}.log")
         out.update(serve(cmd, args.port, log, env, passes, args))
     return out
+
+
+def compact(config: dict) -> str:
+    """A speculative config as one shell word."""
+    return json.dumps(config, separators=(",", ":"))
 
 
 def vllm_extra(args: argparse.Namespace, template: str) -> str:
@@ -210,18 +237,24 @@ def paired(rounds: list[dict], arm: str, key: str = "ttft_turns2plus_s") -> list
     return [r[arm][key] / r["vllm"][key] for r in rounds if arm in r and "vllm" in r]
 
 
-def same_text(rounds: list[dict], arm: str) -> float | None:
-    """Fraction of (round, agent, turn) whose greedy reply on ``arm`` equals vLLM's."""
-    pairs = [(a["text"], b["text"]) for r in rounds if arm in r and "vllm" in r
-             for a, b in zip(r[arm]["rows"], r["vllm"]["rows"], strict=True)]
+def same_text(rounds: list[dict], arm: str, other: str = "vllm") -> float | None:
+    """Fraction of (round, agent, turn) whose greedy reply on ``arm`` equals ``other``'s."""
+    pairs = [(a["text"], b["text"]) for r in rounds if arm in r and other in r
+             for a, b in zip(r[arm]["rows"], r[other]["rows"], strict=True)]
     return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
+
+
+def plain_arm(arm: str) -> str | None:
+    """The arm a speculative arm runs without speculation."""
+    return {"kvhive_spec": "kvhive", "kvhive_conv_spec": "kvhive_conv", "vllm_ngram": "vllm"}.get(arm)
 
 
 def table(runs: dict[str, dict]) -> list[str]:
     """Markdown: per dtype and arm, the medians over rounds, and the paired ratio against vLLM."""
     lines = ["| dtype | arm | TTFT turn 1 (ms) | TTFT turns 2-12 (ms) | p90 turns 2-12 (ms) | cached turns 2-12 | "
-             "same greedy text as vLLM | ratio to vLLM per round | median ratio | target ≤ 0.6x |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
+             "same greedy text as vLLM | same as without speculation | ratio to vLLM per round | median ratio | "
+             "target ≤ 0.6x |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
     for dtype, run in runs.items():
         rounds = [{arm: summarize(trace) for arm, trace in r.items()} for r in run["rounds"]]
         for arm in ARMS:
@@ -233,9 +266,12 @@ def table(runs: dict[str, dict]) -> list[str]:
             ratios = paired(rounds, arm) if arm != "vllm" else []
             verdict = "-" if not ratios else ("met" if statistics.median(ratios) <= TARGET else "not met")
             same = same_text(run["rounds"], arm) if arm != "vllm" else None
+            base = plain_arm(arm)
+            unchanged = same_text(run["rounds"], arm, base) if base else None
             lines.append(f"| {dtype} | {arm} | {med['ttft_turn1_s'] * 1000:,.0f} | "
                          f"{med['ttft_turns2plus_s'] * 1000:,.0f} | {med['ttft_turns2plus_p90_s'] * 1000:,.0f} | "
                          f"{med['cached_fraction_turns2plus']:.3f} | {'-' if same is None else f'{same:.2f}'} | "
+                         f"{'-' if unchanged is None else f'{unchanged:.2f}'} | "
                          f"{', '.join(f'{x:.2f}x' for x in ratios) or '-'} | "
                          f"{f'{statistics.median(ratios):.2f}x' if ratios else '-'} | {verdict} |")
     return lines
@@ -279,7 +315,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--first-round", type=int, default=1,
                     help="number of the first round (who goes first alternates by round number)")
-    ap.add_argument("--arms", default=",".join(ARMS), help="which of kvhive,kvhive_conv,vllm to run")
+    ap.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"which of {','.join(ARMS)} to run")
     ap.add_argument("--agents", type=int, default=8)
     ap.add_argument("--turns", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -288,6 +324,10 @@ def main() -> int:
     ap.add_argument("--kvhive-args", default="--kv-cache-gb 4",
                     help="extra kvhive serve flags (default: the 4 GiB of KV vllm.sh gives vLLM)")
     ap.add_argument("--vllm-args", default="", help="extra vLLM server flags (VLLM_EXTRA)")
+    ap.add_argument("--speculative-config", default=compact(KVHIVE_SPEC),
+                    help="the kvhive_spec arms' --speculative-config")
+    ap.add_argument("--vllm-speculative-config", default=compact(VLLM_SPEC),
+                    help="the vllm_ngram arm's --speculative-config (no spaces: vllm.sh splits VLLM_EXTRA on them)")
     ap.add_argument("--port", type=int, default=8171)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "agent_loop.json"))
     ap.add_argument("--log-dir", default=os.path.join(HERE, "out"), help="the servers' logs")
@@ -301,8 +341,14 @@ def main() -> int:
     os.makedirs(args.log_dir, exist_ok=True)
     first = args.first_round - 1
     rounds = [run_round(first + i, args) for i in range(args.rounds)]
+    if " " in args.vllm_speculative_config:
+        ap.error("--vllm-speculative-config: no spaces (vllm.sh splits VLLM_EXTRA on them)")
     config = {k: getattr(args, k) for k in ("agents", "turns", "max_tokens", "tools_field", "kvhive_args",
                                             "vllm_args", "arms")}
+    if any(a.endswith("_spec") for a in args.arms):
+        config["speculative_config"] = args.speculative_config
+    if "vllm_ngram" in args.arms:
+        config["vllm_speculative_config"] = args.vllm_speculative_config
     config["vllm_extra"] = vllm_extra(args, "bench/smollm2_tools.jinja")
     result = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "runs": {}}
     if os.path.exists(args.out):

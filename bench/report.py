@@ -454,8 +454,12 @@ SECTIONS = (
             "vLLM with `--enable-auto-tool-choice --tool-call-parser hermes` and `--chat-template "
             "bench/smollm2_tools.jinja` (SmolLM2's own template renders neither tools nor calls; this one writes "
             "them as kvhive does for a template without tool support), so both see the same prompt tokens. "
-            "kvhive with prefix caching and with `conversation_id` (a session per agent) against vLLM for CPU "
-            "with prefix caching, in float32 and bfloat16, in paired rounds.",
+            "kvhive with prefix caching and with `conversation_id` (a session per agent), each without and with "
+            "speculative decoding (`_spec`: `--speculative-config` with kvhive's `history` method, k 12, lookup "
+            "2..8), against vLLM for CPU with prefix caching (`vllm`; `vllm_ngram` where run: with its n-gram "
+            "speculation, k 5, lookup 2..4), in float32 and bfloat16, in paired rounds. \"Same as without "
+            "speculation\" compares a speculative arm's replies with its plain arm's in the same round (each "
+            "pass salts the system prompt, so the prompts differ in their first line).",
             ("turns 2-12 TTFT ≤ 0.6x vLLM's, in float32 and in bfloat16 (median of the rounds' paired ratios of "
              "the median over all agents' turns 2-12)",),
             ("agent_loop.json",), render_agent_loop),

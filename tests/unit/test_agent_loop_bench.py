@@ -1,10 +1,13 @@
 """The agent-loop benchmark's fairness: through the ``tools`` field, vLLM's template
 (``bench/smollm2_tools.jinja``) renders the trace exactly as kvhive renders it for the default
-model, whose own template has no tool support; streamed calls compare by what the model wrote."""
+model, whose own template has no tool support; streamed calls compare by what the model wrote;
+the speculative arms run on servers of their own with the configs they name."""
 
 from __future__ import annotations
 
+import argparse
 import copy
+import json
 import os
 
 import agent_loop
@@ -53,6 +56,23 @@ def test_vllm_gets_the_hermes_parser_and_the_template_with_tools() -> None:
     assert os.path.exists(agent_loop.TEMPLATE)
     args.tools_field = False
     assert agent_loop.vllm_extra(args, agent_loop.TEMPLATE) == "--enforce-eager"
+
+
+def test_speculative_arms_get_their_own_servers_with_the_config() -> None:
+    args = argparse.Namespace(arms=["kvhive", "kvhive_conv_spec", "vllm_ngram"], tools_field=True, vllm_args="",
+                              kvhive_args="--kv-cache-gb 4", dtype="float32", port=8999,
+                              speculative_config=agent_loop.compact(agent_loop.KVHIVE_SPEC),
+                              vllm_speculative_config=agent_loop.compact(agent_loop.VLLM_SPEC))
+    jobs = {name: (cmd, env, passes) for cmd, env, passes, name in agent_loop.server_jobs(args)}
+    assert sorted(jobs) == ["kvhive", "kvhive_spec", "vllm_ngram"]
+    assert jobs["kvhive"][2] == [("kvhive", False)] and "--speculative-config" not in jobs["kvhive"][0]
+    cmd, _, passes = jobs["kvhive_spec"]
+    assert passes == [("kvhive_conv_spec", True)]
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == agent_loop.KVHIVE_SPEC
+    extra = jobs["vllm_ngram"][1]["VLLM_EXTRA"].split()     # vllm.sh splits it on spaces
+    assert json.loads(extra[extra.index("--speculative-config") + 1]) == agent_loop.VLLM_SPEC
+    assert "--tool-call-parser" in extra
+    assert agent_loop.plain_arm("kvhive_conv_spec") == "kvhive_conv" and agent_loop.plain_arm("vllm") is None
 
 
 def test_streamed_calls_compare_by_name_and_arguments() -> None:
