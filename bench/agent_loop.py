@@ -340,11 +340,11 @@ def main() -> int:
     args.arms = [a for a in args.arms.split(",") if a]
     if unknown := set(args.arms) - set(ARMS):
         ap.error(f"unknown arms: {sorted(unknown)}")
+    if " " in args.vllm_speculative_config:
+        ap.error("--vllm-speculative-config: no spaces (vllm.sh splits VLLM_EXTRA on them)")
     os.makedirs(args.log_dir, exist_ok=True)
     first = args.first_round - 1
     rounds = [run_round(first + i, args) for i in range(args.rounds)]
-    if " " in args.vllm_speculative_config:
-        ap.error("--vllm-speculative-config: no spaces (vllm.sh splits VLLM_EXTRA on them)")
     config = {k: getattr(args, k) for k in ("agents", "turns", "max_tokens", "tools_field", "kvhive_args",
                                             "vllm_args", "arms")}
     if any(a.endswith("_spec") for a in args.arms):
