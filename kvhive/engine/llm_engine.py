@@ -305,7 +305,7 @@ class LLMEngine:
                    for req in self.scheduler.update_from_result(plan, result)]
         self._publish_events()
         # The whole step, planning and outputs too: what a token more or less in a step costs.
-        self.scheduler.observe_step(plan.num_tokens, time.perf_counter() - started)
+        self.scheduler.observe_step(plan, time.perf_counter() - started)
         return outputs
 
     def _note_scheduled(self, plan: StepPlan) -> None:

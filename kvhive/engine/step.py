@@ -102,6 +102,12 @@ class StepPlan:
         """True when there is nothing to run."""
         return not self.seqs
 
+    @property
+    def decode_rows_only(self) -> bool:
+        """True when every sequence computes only its last known token and its drafts (no prefill
+        chunk): the rows whose cost speculation sizes drafts by."""
+        return bool(self.seqs) and all(s.num_new_tokens == 1 + len(s.draft_token_ids) for s in self.seqs)
+
 
 @dataclass(frozen=True)
 class TokenLogprobs:

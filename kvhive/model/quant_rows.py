@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from kvhive.model.native import cpu_model, default_cache_dir
+from kvhive.model.native import cpu_model, default_cache_dir, kernel_source
 from kvhive.model.timing import min_times
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ def _cache_path(model, cache_dir: str | None) -> str:
         cpu_model(), str(model.qmatmul.isa), str(model.dtype), str(torch.get_num_threads()),
         f"{c.num_layers} {c.hidden_size} {c.intermediate_size} {c.num_heads} {c.num_kv_heads} {c.head_dim}",
         " ".join(str(w.kind) for w in model.quant_layers[0].values()),
+        kernel_source("qmatmul"),          # a changed kernel crosses over elsewhere: measure again
     ]).encode()).hexdigest()[:16]
     return os.path.join(cache_dir or default_cache_dir(), f"kvhive-quant-rows-{key}.json")
 

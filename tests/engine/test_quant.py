@@ -47,7 +47,7 @@ def test_blocks_rebuild_exactly_what_gguf_dequantises(gguf_tensors, name) -> Non
 
 
 @pytest.mark.parametrize("name", ["blk.3.ffn_down.weight", "blk.3.attn_q.weight", "token_embd.weight"])
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 12, 13, 16, 25])
 def test_kernel_equals_float64_matmul(kernel, gguf_tensors, name, rows) -> None:
     w, ref = _weight(gguf_tensors[name])
     gen = torch.Generator().manual_seed(rows)
@@ -60,7 +60,7 @@ def test_kernel_equals_float64_matmul(kernel, gguf_tensors, name, rows) -> None:
 
 
 @pytest.mark.parametrize("name", ["blk.5.ffn_gate.weight", "token_embd.weight"])
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 11, 12, 16])
 def test_kernel_rebuilds_each_weight_exactly(kernel, gguf_tensors, name, rows) -> None:
     """One-hot rows pick single columns: each sum is one weight times 1 plus zeros, so it equals
     gguf's dequantised weight bit for bit."""

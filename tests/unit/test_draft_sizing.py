@@ -16,6 +16,7 @@ from kvhive.core.speculative_config import SpeculativeConfig
 from kvhive.engine.scheduler import Scheduler
 from kvhive.engine.speculative.draft_length import MAX_CHANCE, DraftLength
 from kvhive.engine.speculative.step_cost import MIN_CUT_CHANCE, PROBE_SHARE, Probes, StepCost, size_drafts
+from kvhive.engine.step import ScheduledSeq, StepPlan
 from kvhive.request import Request, SamplingParams
 
 
@@ -31,16 +32,16 @@ def geo(n: int, chance: float) -> list[float]:
     return [chance ** j for j in range(1, n + 1)]
 
 
-def test_the_curve_needs_two_token_counts_then_interpolates_and_extrapolates() -> None:
+def test_the_line_needs_two_token_counts_then_fits_the_steps() -> None:
     cost = StepCost()
-    assert cost.seconds(4) is None
+    assert cost.seconds(4) is None and cost.line(4) is None
     cost.observe(8, 0.040)
     cost.observe(8, 0.040)
     assert cost.seconds(8) is None                      # one token count: no slope yet
     cost.observe(16, 0.060)
-    assert cost.seconds(8) == pytest.approx(0.040)
+    assert cost.line(8) == pytest.approx((0.040, 0.0025))
     assert cost.seconds(12) == pytest.approx(0.050)
-    assert cost.seconds(24) == pytest.approx(0.080)     # past the last bucket: its slope goes on
+    assert cost.seconds(24) == pytest.approx(0.080)     # past the last bucket: the slope goes on
     assert cost.seconds(1) == pytest.approx(0.0225)     # below the first: likewise
     steep = StepCost()
     steep.observe(10, 0.010)
@@ -48,27 +49,46 @@ def test_the_curve_needs_two_token_counts_then_interpolates_and_extrapolates() -
     assert steep.seconds(1) == pytest.approx(0.005)     # never below half the smallest bucket's time
 
 
-def test_the_curve_never_falls_and_follows_recent_steps() -> None:
+def test_a_rows_price_is_the_slope_of_the_steps_around_it_not_one_noisy_bucket() -> None:
+    # Measured over HTTP at eight requests (float32, 2 cores): steps of n decode rows take about
+    # 6 + 2 ms a row, one-token steps 10 ms, and one two-token step stalled at 25 ms. Through the
+    # bucket means, made non-decreasing, that stall flattened the curve past eight rows and a draft
+    # row looked free (0.2 ms), so every draft was kept.
+    cost = StepCost()
+    for n, seconds in ((1, 0.010), (1, 0.010), (2, 0.025), (5, 0.017), (6, 0.0175), (7, 0.0206)):
+        cost.observe(n, seconds)
+    for _ in range(30):
+        cost.observe(8, 0.022)
+    cost.observe(9, 0.0215)                             # the first drafted step read low
+    for n in (10, 12, 14, 19):
+        cost.observe(n, 0.006 + 0.002 * n)
+    base, per_row = cost.line(8)
+    assert base == pytest.approx(0.022, rel=0.05)
+    assert per_row == pytest.approx(0.002, rel=0.25)
+    # So eight requests' drafts accepted one time in two do not pay for their rows.
+    assert size_drafts({f"r{i}": [0.5] for i in range(8)}, 8, 8, cost) == {f"r{i}": 0 for i in range(8)}
+
+
+def test_the_line_never_falls_and_follows_recent_steps() -> None:
     cost = StepCost()
     cost.observe(4, 0.020)
     cost.observe(8, 0.015)                              # a noisy dip: not a saving
+    assert cost.line(8) == pytest.approx((0.0175, 0.0))
     cost.observe(16, 0.040)
-    assert cost.seconds(8) == pytest.approx(0.020)
-    assert cost.seconds(6) == pytest.approx(0.020)
     cost.observe(16, 0.400)                             # one stalled step barely moves it
     assert cost.seconds(16) < 0.060
     for _ in range(100):                                # the host got slower: the mean follows
         cost.observe(16, 0.080)
-    assert cost.seconds(16) == pytest.approx(0.080, rel=0.02)
+    assert cost._means[16][1] == pytest.approx(0.080, rel=0.02)
     for _ in range(10):                                 # and faster again, sooner
         cost.observe(16, 0.040)
-    assert cost.seconds(16) == pytest.approx(0.040, rel=0.05)
+    assert cost._means[16][1] == pytest.approx(0.040, rel=0.05)
 
 
-def test_a_buckets_first_step_counts_at_most_twice_what_the_curve_expected() -> None:
+def test_a_buckets_first_step_counts_at_most_twice_what_the_line_expected() -> None:
     cost = linear_cost(0.008, 0.0026, counts=(1, 8))
     cost.observe(6, 1.0)                                # a stall on the first step of 6 tokens
-    assert cost.seconds(6) == pytest.approx(2 * (0.008 + 0.0026 * 6))
+    assert cost._means[6][1] == pytest.approx(2 * (0.008 + 0.0026 * 6))
 
 
 def test_wide_token_counts_share_buckets() -> None:
@@ -111,14 +131,15 @@ def test_the_kept_drafts_give_the_best_expected_rate_of_any_choice(seed: int) ->
     plain_outputs = len(drafts) + rng.randint(0, 2)
     plain_tokens = plain_outputs + (rng.randint(0, 10) if seed % 2 else 0)
 
+    base, per_row = cost.line(plain_tokens)
+
     def rate(counts: dict[str, int]) -> float:
         expected = plain_outputs + sum(sum(drafts[r][:n]) for r, n in counts.items())
-        return expected / cost.seconds(plain_tokens + sum(counts.values()))
+        return expected / (base + per_row * sum(counts.values()))
 
     kept = size_drafts(drafts, plain_tokens, plain_outputs, cost)
     assert all(0 <= kept[r] <= len(drafts[r]) for r in drafts)
-    base = cost.seconds(plain_tokens)
-    if plain_outputs * (cost.seconds(plain_tokens + 1) - base) / base < MIN_CUT_CHANCE:
+    if plain_outputs * per_row / base < MIN_CUT_CHANCE:
         assert kept == {r: len(c) for r, c in drafts.items()}          # cheap rows: nothing is cut
         return
     best = max(rate(dict(zip(drafts, counts, strict=True)))
@@ -202,16 +223,40 @@ def test_the_scheduler_drafts_fully_while_the_step_is_weight_bound() -> None:
     assert drafted_counts(sched) == {f"r{i}": 4 for i in range(8)}
 
 
+def plan_of(*rows: tuple[int, int]) -> StepPlan:
+    """A step of sequences computing (new tokens, of which drafts) each."""
+    return StepPlan([ScheduledSeq(f"s{i}", [1] * new, 10, [0], True, SamplingParams(), draft_token_ids=(1,) * drafts)
+                     for i, (new, drafts) in enumerate(rows)])
+
+
 def test_the_default_sizing_learns_from_the_steps_observed() -> None:
     sched = scheduler(None)
     assert sched.speculation.cost is not None       # "step_cost" is the default
-    for n, seconds in ((1, 0.010), (8, 0.029), (16, 0.050), (48, 0.120)):
-        sched.observe_step(n, seconds)
-    assert sched.speculation.cost.seconds(16) == pytest.approx(0.050)
+    for plan in (plan_of((1, 0)), plan_of(*[(1, 0)] * 8), plan_of(*[(2, 1)] * 8), plan_of(*[(6, 5)] * 8)):
+        assert plan.decode_rows_only
+        sched.observe_step(plan, 0.006 + 0.0025 * plan.num_tokens)
+    assert sched.speculation.cost.line(16) == pytest.approx((0.046, 0.0025))
     per_request = Scheduler(SchedulerConfig(), CacheConfig(block_size=4), 16, root_hash(0),
                             speculative=SpeculativeConfig(num_speculative_tokens=2, draft_sizing="per_request"))
     assert per_request.speculation.cost is None
-    per_request.observe_step(8, 0.03)               # nothing to learn: no error
+    per_request.observe_step(plan_of((1, 0)), 0.03)               # nothing to learn: no error
+
+
+def test_steps_with_a_prefill_chunk_do_not_price_draft_rows() -> None:
+    # Eight decodes take 31 ms; a 40-token prefill step 15 ms. Read into one non-decreasing curve,
+    # the prefill step flattened it past eight tokens and a draft row looked free, so every draft
+    # was kept in compute-bound steps. Only decode rows (plain or drafted) are learned.
+    sched = scheduler(None)
+    prefill, mixed = plan_of((40, 0)), plan_of(*[(1, 0)] * 7, (33, 0))
+    assert not prefill.decode_rows_only and not mixed.decode_rows_only and not StepPlan([]).decode_rows_only
+    for plan, seconds in ((plan_of(*[(1, 0)] * 4), 0.019), (plan_of(*[(1, 0)] * 8), 0.031),
+                          (prefill, 0.015), (mixed, 0.016)):
+        sched.observe_step(plan, seconds)
+    cost = sched.speculation.cost
+    assert cost.seconds(40) == pytest.approx(0.031 + 32 * 0.003)      # the decode rows' slope, extended
+    assert cost.seconds(9) - cost.seconds(8) == pytest.approx(0.003)
+    # Eight requests each drafting a token accepted one time in two: not worth a 3 ms row.
+    assert size_drafts({f"r{i}": [0.5] for i in range(8)}, 8, 8, cost) == {f"r{i}": 0 for i in range(8)}
 
 
 def test_a_compute_bound_step_cuts_unlikely_drafts_and_probes_them_now_and_then() -> None:

@@ -188,11 +188,10 @@ class Scheduler:
                               num_session_blocks=self.kv.sessions.num_blocks,
                               num_session_spills=self.num_session_spills)
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """The runner took ``seconds`` for a step of ``num_tokens`` tokens (speculation sizes its
-        drafts by it)."""
+    def observe_step(self, plan: StepPlan, seconds: float) -> None:
+        """The engine took ``seconds`` for the step of ``plan`` (speculation sizes its drafts by it)."""
         if self.speculation is not None:
-            self.speculation.observe_step(num_tokens, seconds)
+            self.speculation.observe_step(plan, seconds)
 
     def spec_decode_stats(self) -> SpecDecodeStats | None:
         """Speculative decoding's counters; None when it is off."""

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from kvhive.engine.scheduler.batching import StepBudget
 from kvhive.engine.speculative.draft_proposals import DraftProposer
 from kvhive.engine.speculative.step_cost import Probes, StepCost, size_drafts
-from kvhive.engine.step import ScheduledSeq, StepResult
+from kvhive.engine.step import ScheduledSeq, StepPlan, StepResult
 from kvhive.kv.manager import KVCacheManager
 from kvhive.request import FinishReason, Request
 
@@ -65,10 +65,12 @@ class Speculation:
         for rid, n in kept.items():
             self._proposed[rid] = self._proposed[rid][:n]
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A step of ``num_tokens`` tokens took ``seconds`` (the cost the drafts are sized by)."""
-        if self.cost is not None:
-            self.cost.observe(num_tokens, seconds)
+    def observe_step(self, plan: StepPlan, seconds: float) -> None:
+        """The step of ``plan`` took ``seconds``. Only steps of decode rows (plain or drafted) are
+        learned: a draft row is a decode row, and a prefill chunk's rows cost another amount each
+        (only the chunk's last row needs logits), which priced draft rows by prefill."""
+        if self.cost is not None and plan.decode_rows_only:
+            self.cost.observe(plan.num_tokens, seconds)
 
     def plan(self, request: Request, budget: StepBudget) -> bool:
         """Plan a drafted decode step for ``request`` (in decode) with the drafts ``propose`` kept

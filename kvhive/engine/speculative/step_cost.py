@@ -7,18 +7,24 @@ row costs about what a whole token of another request does, and only drafts that
 be accepted pay back. The per-request acceptance rate does not see the batch, so the step's drafts
 are sized here, over all the requests in decode together:
 
-- ``StepCost`` learns how long a step of N tokens takes from the steps the engine runs (an
-  exponentially weighted mean per token-count bucket, read through a non-decreasing piecewise
-  linear curve over the buckets seen). A step is slowed by what else the host runs, never sped
-  up, so a bucket's mean falls fast and rises slowly (``COST_WEIGHT_DOWN``, ``COST_WEIGHT_UP``),
-  and a bucket's first step counts at most twice what the curve expected there: one stalled
-  step does not make drafts look dear for long;
+- ``StepCost`` learns how long a step of N decode rows takes from the steps of decode rows the
+  engine runs (plain or drafted; a prefill chunk's rows cost less each, since only its last row
+  needs logits, and would make a draft row look cheap). Each token-count bucket keeps an
+  exponentially weighted mean. A step is slowed by what else the host runs, never sped up, so a
+  bucket's mean falls fast and rises slowly (``COST_WEIGHT_DOWN``, ``COST_WEIGHT_UP``), and a
+  bucket's first step counts at most twice what the fit expected there. The cost around a step
+  of N rows is a straight line fitted by least squares over the buckets from N/2 rows up, each
+  weighing by its steps seen (up to ``MAX_BUCKET_WEIGHT``): a draft row's price is the line's
+  slope, never below 0. A line, not a curve through each bucket, because the price is a
+  difference of two noisy times: through bucket means one slow step at a small count, or a
+  neighbour's mean that happened to read low, gave a flat stretch where a row looked free and
+  every draft was kept in a compute-bound step;
 - ``size_drafts`` takes the draft positions in order of the chance they are accepted (each
   request's chances per position, ``DraftLength.chances``, never rising along its draft) and keeps
   the number of them at which the expected tokens the step emits, over the step's expected
   seconds, is highest.
 
-Before two token counts have been seen there is no curve and every draft is kept; nor is anything
+Before two token counts have been seen there is no line and every draft is kept; nor is anything
 cut where a draft token needs a chance below ``MIN_CUT_CHANCE`` to pay for its row (one request on
 a CPU), where a wrong cut, measured, lost more than the rows it saved.
 
@@ -32,7 +38,6 @@ about that share of the time. Torch-free.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Mapping
 
@@ -46,6 +51,9 @@ MIN_CUT_CHANCE = 0.5
 PROBE_SHARE = 0.05
 # Token counts up to this have a bucket each; above it buckets grow by about 4.4% (2**(1/16)).
 EXACT_BUCKETS = 32
+# The most a bucket weighs in the fitted line, in steps seen: the count a busy step runs at most
+# often does not drown the others, which give the line its slope.
+MAX_BUCKET_WEIGHT = 16
 
 
 def _bucket(num_tokens: int) -> int:
@@ -55,52 +63,50 @@ def _bucket(num_tokens: int) -> int:
 
 
 class StepCost:
-    """The seconds a step of N tokens takes, learned from the steps run."""
+    """The seconds a step of N decode rows takes, learned from the steps run."""
 
     def __init__(self) -> None:
-        self._means: dict[int, tuple[float, float]] = {}     # bucket -> (mean tokens, mean seconds)
-        self._curve: tuple[list[float], list[float]] | None = None
+        # bucket -> [mean tokens, mean seconds, steps seen]
+        self._means: dict[int, list[float]] = {}
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        """One step of ``num_tokens`` tokens took ``seconds``."""
+        """One step of ``num_tokens`` decode rows took ``seconds``."""
         if num_tokens <= 0 or not seconds > 0 or math.isinf(seconds):
             return
         key = _bucket(num_tokens)
         mean = self._means.get(key)
         if mean is None:
             expected = self.seconds(num_tokens)
-            self._means[key] = (float(num_tokens), seconds if expected is None else min(seconds, 2 * expected))
-        else:
-            weight = COST_WEIGHT_DOWN if seconds < mean[1] else COST_WEIGHT_UP
-            self._means[key] = (mean[0] + weight * (num_tokens - mean[0]), mean[1] + weight * (seconds - mean[1]))
-        self._curve = None
+            self._means[key] = [float(num_tokens), seconds if expected is None else min(seconds, 2 * expected), 1.0]
+            return
+        weight = COST_WEIGHT_DOWN if seconds < mean[1] else COST_WEIGHT_UP
+        mean[0] += weight * (num_tokens - mean[0])
+        mean[1] += weight * (seconds - mean[1])
+        mean[2] = min(mean[2] + 1, MAX_BUCKET_WEIGHT)
+
+    def line(self, num_tokens: int) -> tuple[float, float] | None:
+        """The expected seconds of a step of ``num_tokens`` rows and the seconds each row more
+        adds there (None: fewer than two token counts seen). The line is fitted over the buckets
+        from ``num_tokens / 2`` up, or over all of them where fewer than two lie there."""
+        points = list(self._means.values())
+        if len({round(p[0]) for p in points}) < 2:
+            return None
+        near = [p for p in points if p[0] >= num_tokens / 2]
+        if len({round(p[0]) for p in near}) < 2:
+            near = points
+        sw = sum(p[2] for p in near)
+        mx = sum(p[2] * p[0] for p in near) / sw
+        my = sum(p[2] * p[1] for p in near) / sw
+        sxx = sum(p[2] * (p[0] - mx) ** 2 for p in near)
+        slope = max(0.0, sum(p[2] * (p[0] - mx) * (p[1] - my) for p in near) / sxx) if sxx > 0 else 0.0
+        # Never below half the fastest bucket: a line extended to few rows is not a saving.
+        floor = 0.5 * min(p[1] for p in points)
+        return max(my + slope * (num_tokens - mx), floor), slope
 
     def seconds(self, num_tokens: int) -> float | None:
-        """The expected seconds of a step of ``num_tokens`` tokens (None: fewer than two token
-        counts seen). Between buckets the curve is linear; past the ends it goes on with the
-        nearest segment's slope; it never falls as tokens grow."""
-        curve = self._curve or self._build()
-        if curve is None:
-            return None
-        xs, ys = curve
-        i = min(max(bisect.bisect_left(xs, num_tokens), 1), len(xs) - 1)
-        slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
-        return max(ys[i - 1] + slope * (num_tokens - xs[i - 1]), ys[0] * 0.5)
-
-    def _build(self) -> tuple[list[float], list[float]] | None:
-        points = sorted(self._means.values())
-        if len(points) < 2:
-            return None
-        xs, ys = [], []
-        for x, y in points:
-            if xs and x - xs[-1] < 0.5:            # two buckets' means met: keep the later one
-                xs.pop(), ys.pop()
-            xs.append(x)
-            ys.append(max(y, ys[-1]) if ys else y)  # non-decreasing: a noisy dip is not a saving
-        if len(xs) < 2:
-            return None
-        self._curve = (xs, ys)
-        return self._curve
+        """The expected seconds of a step of ``num_tokens`` rows (None: no line yet)."""
+        line = self.line(num_tokens)
+        return None if line is None else line[0]
 
 
 def size_drafts(drafts: Mapping[str, list[float]], plain_tokens: int, plain_outputs: int,
@@ -110,19 +116,20 @@ def size_drafts(drafts: Mapping[str, list[float]], plain_tokens: int, plain_outp
     ``drafts``: request id -> the chance each of its proposed draft tokens is accepted (one per
     token, never rising); ``plain_tokens``: the step's tokens without drafts (decodes and prefill
     chunks); ``plain_outputs``: the tokens it emits without drafts (one per decode). Every draft is
-    kept while ``cost`` knows no curve, and where a first draft token pays for its row at a chance
+    kept while ``cost`` knows no line, and where a first draft token pays for its row at a chance
     below ``MIN_CUT_CHANCE`` (a weight-bound step: one request on a CPU): there a wrongly cut draft
     loses more than a wasted row costs, and a request's low chances are the noisiest (its cut drafts
     are not verified, so they would stay low)."""
-    base = cost.seconds(plain_tokens)
-    if base is None or plain_outputs * (cost.seconds(plain_tokens + 1) - base) / base < MIN_CUT_CHANCE:
+    line = cost.line(plain_tokens)
+    if line is None or plain_outputs * line[1] / line[0] < MIN_CUT_CHANCE:
         return {rid: len(chances) for rid, chances in drafts.items()}
+    base, per_row = line
     positions = sorted(((chance, rid) for rid, chances in drafts.items() for chance in chances),
                        key=lambda p: -p[0])
     expected, best, best_k = float(plain_outputs), plain_outputs / base, 0
     for k, (chance, _) in enumerate(positions, 1):
         expected += chance
-        rate = expected / cost.seconds(plain_tokens + k)
+        rate = expected / (base + per_row * k)
         if rate > best:
             best, best_k = rate, k
     kept: dict[str, int] = dict.fromkeys(drafts, 0)
@@ -148,11 +155,10 @@ class Probes:
             else:
                 self._cut_steps[rid] = self._cut_steps.get(rid, 0) + 1
         cut = sorted((rid for rid, n in kept.items() if n == 0), key=lambda rid: -self._cut_steps[rid])
-        tokens = plain_tokens + sum(kept.values())
-        step = cost.seconds(tokens)
-        if not cut or step is None:
+        line = cost.line(plain_tokens + sum(kept.values()))
+        if not cut or line is None:
             return []
-        probe = cost.seconds(tokens + 1) - step
+        step, probe = line
         self._credit = min(self._credit + PROBE_SHARE * step, 2 * probe + PROBE_SHARE * step)
         picked = []
         for rid in cut:
