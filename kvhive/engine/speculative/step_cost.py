@@ -88,11 +88,11 @@ class StepCost:
         """The expected seconds of a step of ``num_tokens`` rows and the seconds each row more
         adds there (None: fewer than two token counts seen). The line is fitted over the buckets
         from ``num_tokens / 2`` up, or over all of them where fewer than two lie there."""
-        points = list(self._means.values())
-        if len({round(p[0]) for p in points}) < 2:
+        points = list(self._means.values())          # one per bucket: distinct token counts
+        if len(points) < 2:
             return None
         near = [p for p in points if p[0] >= num_tokens / 2]
-        if len({round(p[0]) for p in near}) < 2:
+        if len(near) < 2:
             near = points
         sw = sum(p[2] for p in near)
         mx = sum(p[2] * p[0] for p in near) / sw
