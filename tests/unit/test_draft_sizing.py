@@ -16,7 +16,7 @@ from kvhive.core.speculative_config import SpeculativeConfig
 from kvhive.engine.scheduler import Scheduler
 from kvhive.engine.speculative.draft_length import MAX_CHANCE, DraftLength
 from kvhive.engine.speculative.step_cost import MIN_CUT_CHANCE, PROBE_SHARE, Probes, StepCost, size_drafts
-from kvhive.engine.step import ScheduledSeq, StepPlan
+from kvhive.engine.step import ScheduledSeq, StepPlan, StepResult
 from kvhive.request import Request, SamplingParams
 
 
@@ -284,14 +284,65 @@ def test_a_compute_bound_step_cuts_unlikely_drafts_and_probes_them_now_and_then(
     assert set(drafted_counts(sched).values()) == {1}             # its own length (rate 1/4 of 4), uncut
 
 
+def quoting_steps(sched: Scheduler, steps: int) -> list[list[int]]:
+    """Run ``steps`` steps of requests from ``decoding`` whose text goes on repeating 5 6 7 8: every
+    draft is accepted. Per step, the draft tokens each request verified."""
+    pattern = [5, 6, 7, 8]
+    following = {t: pattern[(i + 1) % 4] for i, t in enumerate(pattern)}
+    drafted = []
+    for _ in range(steps):
+        plan = sched.schedule()
+        sampled, accepted = {}, {}
+        for seq in plan.seqs:
+            last = (seq.draft_token_ids or sched.queues.by_id[seq.request_id].all_token_ids)[-1]
+            sampled[seq.request_id] = following[last]
+            if seq.draft_token_ids:
+                accepted[seq.request_id] = tuple(seq.draft_token_ids)
+        drafted.append([len(s.draft_token_ids) for s in plan.seqs])
+        sched.update_from_result(plan, StepResult(sampled, accepted_drafts=accepted))
+    return drafted
+
+
+def test_a_quote_accepted_past_the_cut_grows_its_drafts() -> None:
+    # A new tenant's first guess cuts each draft after two tokens in a compute-bound step. The
+    # positions after the cut are never verified but by probes; accepted probes give their cost
+    # back, so probing goes on while it pays and the drafts grow to the full length.
+    sched = scheduler(linear_cost(0.008, 0.0026))
+    decoding(sched, 8)
+    drafted = quoting_steps(sched, 20)
+    assert max(drafted[0]) < 4
+    assert drafted[-1] == [4] * 8
+    assert all(n > 0 for step in drafted for n in step)
+
+
 def test_probes_spend_their_share_of_the_step_longest_cut_first() -> None:
     cost = linear_cost(0.010, 0.002)                # one request's step ~12 ms, a probe 2 ms
     probes = Probes()
-    picked = [probes.pick({"a": 0, "b": 0, "c": 3}, 1, cost) for _ in range(40)]
+    proposed = {"a": 2, "b": 3, "c": 3}
+    picked = [probes.pick({"a": 0, "b": 1, "c": 3}, proposed, 1, cost) for _ in range(40)]
     taken = [p for p in picked if p]
     assert all(len(p) == 1 for p in taken)
-    # 5% of a 16 ms step (1 + 3 kept drafts) a step: 0.8 ms; a 2 ms probe every 2.5 steps.
-    assert len(taken) == pytest.approx(40 * PROBE_SHARE * 0.016 / 0.002, abs=1)
-    assert [p[0] for p in taken[:4]] == ["a", "b", "a", "b"]     # the one cut longest goes first
-    assert probes.pick({"a": 0}, 1, StepCost()) == []             # no curve: nothing to size by
+    # 5% of a 20 ms step (1 + 4 kept drafts) a step: 1 ms; a 2 ms probe every 2 steps.
+    assert len(taken) == pytest.approx(40 * PROBE_SHARE * 0.020 / 0.002, abs=1)
+    # The one cut longest goes first; "b", cut after one token, is probed as "a" is; "c" is uncut.
+    assert [p[0] for p in taken[:4]] == ["a", "b", "a", "b"]
+    assert probes.pick({"a": 0}, {"a": 1}, 1, StepCost()) == []   # no curve: nothing to size by
     probes.forget("a")
+
+
+def test_an_accepted_probe_gives_its_cost_back() -> None:
+    cost = linear_cost(0.010, 0.002)
+    wasted, paid = Probes(), Probes()
+    counts = {"wasted": 0, "paid": 0}
+    for _ in range(40):
+        for name, probes in (("wasted", wasted), ("paid", paid)):
+            for rid in probes.pick({"a": 1, "b": 0}, {"a": 4, "b": 4}, 1, cost):
+                counts[name] += 1
+                probes.settle(rid, paid_off=name == "paid")
+    # Rejected probes spend only the share; accepted ones come back to the credit, so a text whose
+    # cut positions are accepted is probed on every step the credit covers one.
+    # A 14 ms step (1 + 1 kept draft): 0.7 ms of credit a step, a 2 ms probe.
+    assert counts["wasted"] == pytest.approx(40 * PROBE_SHARE * 0.014 / 0.002, abs=1)
+    assert counts["paid"] >= 36
+    paid.settle("a", paid_off=True)                               # no probe pending: nothing changes
+    assert paid.pick({"a": 1}, {"a": 1}, 1, cost) == []          # nothing cut: no probe

@@ -3,8 +3,8 @@
 Before the decode pass every request in decode gets its drafts from the ``DraftProposer``; with
 draft sizing "step_cost" the step then keeps the draft tokens that raise its expected tokens per
 second by the step cost the engine measured (``kvhive.engine.speculative.step_cost``), and now
-and then a request whose drafts were all cut keeps one (a probe, ``Probes``), so its acceptance
-estimate follows its text. A request with drafts left is planned as its last known token plus
+and then a request whose drafts were cut keeps one token more (a probe, ``Probes``), so its
+acceptance estimate follows its text. A request with drafts left is planned as its last known token plus
 those drafts, all charged to the step's token budget, in blocks allocated for them; when those blocks are not free the request takes a plain one-token step instead (drafts
 never spill sessions or preempt anyone). After the step the emitted tokens (accepted drafts, then
 the target model's token) are appended one by one, each checked for a stop, and nothing after a
@@ -40,10 +40,12 @@ class Speculation:
         self.planned: dict[str, tuple[int, ...]] = {}     # this step's drafts by request id
         self._proposed: dict[str, list[int]] = {}         # this step's drafts before planning
         self._probes = Probes()
+        self._probed: dict[str, int] = {}                 # this step's probes: the position probed
 
     def begin_step(self) -> None:
         """Forget the last plan's drafts (the step that verified them has been applied)."""
         self.planned.clear()
+        self._probed.clear()
 
     def propose(self, decodes: list[Request], plain_tokens: int) -> None:
         """Draft for each request in decode this step, then size the drafts together.
@@ -60,8 +62,10 @@ class Speculation:
             return
         kept = size_drafts({rid: self.proposer.chances(rid, len(d)) for rid, d in self._proposed.items()},
                            plain_tokens, len(decodes), self.cost)
-        for rid in self._probes.pick(kept, plain_tokens, self.cost):
-            kept[rid] = 1
+        proposed = {rid: len(d) for rid, d in self._proposed.items()}
+        for rid in self._probes.pick(kept, proposed, plain_tokens, self.cost):
+            self._probed[rid] = kept[rid]
+            kept[rid] += 1
         for rid, n in kept.items():
             self._proposed[rid] = self._proposed[rid][:n]
 
@@ -110,6 +114,9 @@ class Speculation:
         request.num_computed_tokens = min(seq.start_pos + 1 + len(accepted), request.num_tokens - 1)
         self.kv.trim_blocks(request, request.num_computed_tokens)    # as many as after a plain step
         self.proposer.record(seq.request_id, len(seq.draft_token_ids), len(accepted))
+        probed = self._probed.pop(seq.request_id, None)
+        if probed is not None:
+            self._probes.settle(seq.request_id, len(accepted) > probed or len(seq.draft_token_ids) <= probed)
         return reason
 
     def finish(self, request: Request) -> None:

@@ -28,12 +28,16 @@ Before two token counts have been seen there is no line and every draft is kept;
 cut where a draft token needs a chance below ``MIN_CUT_CHANCE`` to pay for its row (one request on
 a CPU), where a wrong cut, measured, lost more than the rows it saved.
 
-A request whose drafts are cut verifies none, so its acceptance estimate would stay where it fell
-while its text may start quoting. ``Probes`` gives such requests one draft token now and then: a
-step adds ``PROBE_SHARE`` of its expected time to a credit, and while the credit covers one more
-draft token's cost the request cut longest ago verifies one. On a weight-bound step a probe is
-cheap and comes often; on a compute-bound one it comes rarely, and probing never costs more than
-about that share of the time. Torch-free.
+The positions a cut draft leaves out are not verified, so their estimates would stay where they
+were: a request whose drafts are all cut would not see its text start quoting, and one whose drafts
+are cut after a few tokens (a document quoted at full acceptance) would keep that length however
+sure the positions after it are. ``Probes`` lengthens such drafts by one token now and then: a step
+adds ``PROBE_SHARE`` of its expected time to a credit, and while the credit covers one more draft
+token's cost the request cut longest ago verifies the first position it was cut at. A probe that
+is accepted emitted a token for one row and gives its cost back to the credit, so a text whose cut
+positions are accepted is probed again soon and its drafts grow by what was verified; what probes
+waste stays within about that share of the time. On a weight-bound step a probe is cheap and comes
+often; on a compute-bound one it comes rarely. Torch-free.
 """
 
 from __future__ import annotations
@@ -139,22 +143,25 @@ def size_drafts(drafts: Mapping[str, list[float]], plain_tokens: int, plain_outp
 
 
 class Probes:
-    """Which requests whose drafts the sizing cut verify one draft token anyway (the module's
+    """Which requests whose drafts the sizing cut verify one draft token more anyway (the module's
     docstring)."""
 
     def __init__(self) -> None:
         self._credit = 0.0                       # seconds of probing earned and not yet spent
-        self._cut_steps: dict[str, int] = {}     # per request cut: steps since its last draft or probe
+        self._cut_steps: dict[str, int] = {}     # per request cut: steps since its last uncut draft or probe
+        self._pending: dict[str, float] = {}     # this step's probes: request id -> the row's price
 
-    def pick(self, kept: dict[str, int], plain_tokens: int, cost: StepCost) -> list[str]:
-        """The requests of ``kept`` (request id -> draft tokens kept, from ``size_drafts``) with none
-        kept that verify one draft token this step, longest cut first."""
+    def pick(self, kept: Mapping[str, int], proposed: Mapping[str, int], plain_tokens: int,
+             cost: StepCost) -> list[str]:
+        """The requests of ``kept`` (request id -> draft tokens kept, from ``size_drafts``, of the
+        ``proposed`` draft tokens) that verify one draft token more this step, longest cut first."""
+        self._pending.clear()                    # a probe not settled (never planned) lapses
         for rid, n in kept.items():
-            if n > 0:
+            if n >= proposed[rid]:
                 self._cut_steps.pop(rid, None)
             else:
                 self._cut_steps[rid] = self._cut_steps.get(rid, 0) + 1
-        cut = sorted((rid for rid, n in kept.items() if n == 0), key=lambda rid: -self._cut_steps[rid])
+        cut = sorted((rid for rid, n in kept.items() if n < proposed[rid]), key=lambda rid: -self._cut_steps[rid])
         line = cost.line(plain_tokens + sum(kept.values()))
         if not cut or line is None:
             return []
@@ -166,9 +173,18 @@ class Probes:
                 break
             self._credit -= probe
             self._cut_steps[rid] = 0
+            self._pending[rid] = probe
             picked.append(rid)
         return picked
+
+    def settle(self, request_id: str, paid_off: bool) -> None:
+        """The step verified ``request_id``'s probe: ``paid_off`` when the probed token was accepted
+        (or never computed), which gives its cost back to the credit."""
+        probe = self._pending.pop(request_id, None)
+        if probe is not None and paid_off:
+            self._credit += probe
 
     def forget(self, request_id: str) -> None:
         """A request finished."""
         self._cut_steps.pop(request_id, None)
+        self._pending.pop(request_id, None)
