@@ -399,6 +399,9 @@ def render_ttft_tail(name: str, record: dict) -> list[str]:
     lines += ["", "Cells: kvhive over vLLM, median over the rounds that ran the run (kvhive's / vLLM's "
               "figure, medians over those rounds).", ""]
     lines += [f"Rounds added by `{more['command']}` ({more['date']})." for more in record.get("extended_by", ())]
+    lines += [f"Round {i}, re-probed on its machine: each run's rate over that machine's saturating rate: "
+              + ", ".join(f"{key} {load:.2f}" for key, load in r["load"].items()) + "."
+              for i, r in enumerate(record["rounds"], 1) if "load" in r]
     lines += [""] if record.get("extended_by") else []
     if "ratio_kvhive_over_baseline" in record:
         shown = ttft_tail.BASELINE_METRICS

@@ -27,7 +27,10 @@ the schedule before long prefills were chunked).
 
 ``--extend RESULT`` adds ``--rounds`` rounds of ``--datasets`` to a recorded result, at its
 saturating rates and the ``--rates`` fractions (its keys), with its baseline configuration if it
-has one, and recomputes its ratios (each run's median over the rounds that ran it).
+has one, and recomputes its ratios (each run's median over the rounds that ran it). Each added
+round first probes both servers' saturating rates again on the machine it runs on and records, per
+run, the fraction of that machine's (lower) saturating rate it arrived at (``load``): a round on a
+slower machine runs the recorded rates closer to its own saturation, and says so.
 
 vLLM is installed by ``../shared/peers/vllm.sh install`` (after ``make_model.sh``).
 """
@@ -124,6 +127,12 @@ def rates_plan(datasets: list[str], fractions: list[float], *probes: dict) -> li
     return [(d, f * saturating[d]) for d in datasets for f in fractions]
 
 
+def loads(plan: list[tuple[str, float]], *probes: dict) -> dict[str, float]:
+    """Per run of ``plan``, its rate over the lower saturating rate ``probes`` measured."""
+    saturating = saturating_rates(list(dict.fromkeys(d for d, _ in plan)), *probes)
+    return {f"{d}@{rate:.3f}": round(rate / saturating[d], 3) for d, rate in plan}
+
+
 def run_keys(rounds: list[dict]) -> list[str]:
     """Every run any round has (not the probes), in the order they first appear."""
     return list(dict.fromkeys(k for r in rounds for k in r["kvhive"] if not k.endswith("@sat")))
@@ -154,15 +163,18 @@ def extend(args: argparse.Namespace, datasets: list[str], fractions: list[float]
     with open(args.extend) as f:
         result = json.load(f)
     plan = [(d, f * result["saturating_rate"][d]) for d in datasets for f in fractions]
+    probe_plan = [(d, float("inf")) for d in datasets]
     baseline = result.get("baseline_args")
     if baseline is not None:
         args.baseline_args = baseline
     for _ in range(args.rounds):
         n = len(result["rounds"]) + 1
         order = ("vllm", "kvhive") if n % 2 else ("kvhive", "vllm")     # as the recorded rounds alternate
-        new = {name: run_server(name, args, plan, f"r{n}") for name in order}
+        new = {name: run_server(name, args, probe_plan + plan, f"r{n}") for name in order}
         if baseline is not None:
             new[BASELINE] = run_server(BASELINE, args, plan, f"r{n}")
+        new["load"] = loads(plan, new["kvhive"], new["vllm"])
+        print(f"round {n}: load", " ".join(f"{k}={v}" for k, v in new["load"].items()), flush=True)
         result["rounds"].append(new)
     result["ratio_kvhive_over_vllm"] = ratios(result["rounds"])
     if baseline is not None:

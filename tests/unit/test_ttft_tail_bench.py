@@ -14,6 +14,11 @@ def test_rates_are_fractions_of_the_slower_servers_saturating_rate() -> None:
     assert plan == [("random", 0.4), ("random", 0.8 * 0.9)]
 
 
+def test_an_added_rounds_load_is_its_rate_over_the_saturating_rate_it_measured() -> None:
+    plan = [("random", 0.8), ("random", 0.4)]
+    assert ttft_tail.loads(plan, _probe(1.0), _probe(0.5)) == {"random@0.800": 1.6, "random@0.400": 0.8}
+
+
 def test_ratios_are_kvhive_over_vllm_median_over_rounds_and_skip_probes() -> None:
     def runs(p90: float) -> dict:
         return {"random@0.400": {"p90_ttft_ms": p90, "median_ttft_ms": 100.0}, "random@sat": {"p90_ttft_ms": 1.0}}
@@ -47,7 +52,8 @@ def test_an_extended_result_pairs_each_run_over_the_rounds_that_ran_it() -> None
     both, tail = ("prefix_repetition@0.600", "random@0.400"), ("random@0.400",)
     rounds = [{"kvhive": runs(both, 90.0), "vllm": runs(both, 100.0)},
               {"kvhive": runs(both, 150.0), "vllm": runs(both, 100.0)},
-              {"kvhive": runs(tail, 80.0), "vllm": runs(tail, 100.0)}]       # a round of random alone
+              {"kvhive": runs(tail, 80.0), "vllm": runs(tail, 100.0),        # a round of random alone
+               "load": {"random@0.400": 0.55}}]
     ratios = ttft_tail.ratios(rounds)
     assert list(ratios) == list(both)
     assert ratios["prefix_repetition@0.600"]["p90_ttft_ms"] == 1.2              # median of 0.9 and 1.5
@@ -60,3 +66,5 @@ def test_an_extended_result_pairs_each_run_over_the_rounds_that_ran_it() -> None
     assert row.startswith("| random@0.400 | 3 |") and "**0.90x** (90 / 100 ms)" in row
     assert next(line for line in lines if line.startswith("| prefix_repetition@")).startswith("| prefix_repetition@0.600 | 2 |")
     assert "Rounds added by `python bench/ttft_tail.py --extend r` (d)." in lines
+    assert ("Round 3, re-probed on its machine: each run's rate over that machine's saturating rate: "
+            "random@0.400 0.55.") in lines
