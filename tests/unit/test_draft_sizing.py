@@ -120,6 +120,24 @@ def test_a_compute_bound_step_keeps_only_likely_drafts() -> None:
     assert size_drafts({f"c{i}": geo(5, 0.6) for i in range(8)}, 8, 8, steep) == {f"c{i}": 0 for i in range(8)}
 
 
+def test_a_small_step_is_priced_by_the_steps_near_it_not_by_far_larger_ones() -> None:
+    # One request: a step of 1 row takes 10 ms and each draft row 1.5 ms more. Eight requests with
+    # long drafts ran steps of 40 to 100 rows, dearer a row each (long contexts). A line through
+    # all of them reads a 1-row step as near nothing and a row as half of it, and would cut a
+    # lone request's drafts; the buckets the step may reach price it as it runs.
+    cost = StepCost()
+    for _ in range(16):
+        for n in range(1, 14):
+            cost.observe(n, 0.010 + 0.0015 * (n - 1))
+        for n in (40, 48, 56, 64, 80, 100):
+            cost.observe(n, 0.060 + 0.004 * (n - 40))
+    base, per_row = cost.line(1, 13)
+    assert base == pytest.approx(0.010, rel=0.05) and per_row == pytest.approx(0.0015, rel=0.05)
+    assert size_drafts({"r": [0.3] * 12}, 1, 1, cost) == {"r": 12}       # a row at 0.15 of a step: kept
+    far = cost.line(1, 200)                                             # steps that large: their slope
+    assert far[1] > 0.0025
+
+
 @pytest.mark.parametrize("seed", range(80))
 def test_the_kept_drafts_give_the_best_expected_rate_of_any_choice(seed: int) -> None:
     rng = random.Random(seed)
@@ -131,7 +149,7 @@ def test_the_kept_drafts_give_the_best_expected_rate_of_any_choice(seed: int) ->
     plain_outputs = len(drafts) + rng.randint(0, 2)
     plain_tokens = plain_outputs + (rng.randint(0, 10) if seed % 2 else 0)
 
-    base, per_row = cost.line(plain_tokens)
+    base, per_row = cost.line(plain_tokens, plain_tokens + sum(map(len, drafts.values())))
 
     def rate(counts: dict[str, int]) -> float:
         expected = plain_outputs + sum(sum(drafts[r][:n]) for r, n in counts.items())

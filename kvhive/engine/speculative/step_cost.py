@@ -13,9 +13,11 @@ are sized here, over all the requests in decode together:
   exponentially weighted mean. A step is slowed by what else the host runs, never sped up, so a
   bucket's mean falls fast and rises slowly (``COST_WEIGHT_DOWN``, ``COST_WEIGHT_UP``), and a
   bucket's first step counts at most twice what the fit expected there. The cost around a step
-  of N rows is a straight line fitted by least squares over the buckets from N/2 rows up, each
-  weighing by its steps seen (up to ``MAX_BUCKET_WEIGHT``): a draft row's price is the line's
-  slope, never below 0. A line, not a curve through each bucket, because the price is a
+  of N rows, which its drafts may take to M, is a straight line fitted by least squares over the
+  buckets from N/2 to 2M rows, each weighing by its steps seen (up to ``MAX_BUCKET_WEIGHT``): a
+  draft row's price is the line's slope, never below 0. Steps far above M are left out because
+  the cost is not a line over every count: a one-request step priced by the line through
+  eight-request steps of a hundred rows read a row as half a step and cut drafts that pay. A line, not a curve through each bucket, because the price is a
   difference of two noisy times: through bucket means one slow step at a small count, or a
   neighbour's mean that happened to read low, gave a flat stretch where a row looked free and
   every draft was kept in a compute-bound step;
@@ -88,14 +90,17 @@ class StepCost:
         mean[1] += weight * (seconds - mean[1])
         mean[2] = min(mean[2] + 1, MAX_BUCKET_WEIGHT)
 
-    def line(self, num_tokens: int) -> tuple[float, float] | None:
+    def line(self, num_tokens: int, most_tokens: int = 0) -> tuple[float, float] | None:
         """The expected seconds of a step of ``num_tokens`` rows and the seconds each row more
         adds there (None: fewer than two token counts seen). The line is fitted over the buckets
-        from ``num_tokens / 2`` up, or over all of them where fewer than two lie there."""
+        the step may reach, widened by half: from ``num_tokens / 2`` to twice ``most_tokens`` (the
+        most rows it may take, at least ``num_tokens``), or over all of them where fewer than two
+        lie there."""
         points = list(self._means.values())          # one per bucket: distinct token counts
         if len(points) < 2:
             return None
-        near = [p for p in points if p[0] >= num_tokens / 2]
+        top = 2 * max(num_tokens, most_tokens)
+        near = [p for p in points if num_tokens / 2 <= p[0] <= top]
         if len(near) < 2:
             near = points
         sw = sum(p[2] for p in near)
@@ -124,7 +129,7 @@ def size_drafts(drafts: Mapping[str, list[float]], plain_tokens: int, plain_outp
     below ``MIN_CUT_CHANCE`` (a weight-bound step: one request on a CPU): there a wrongly cut draft
     loses more than a wasted row costs, and a request's low chances are the noisiest (its cut drafts
     are not verified, so they would stay low)."""
-    line = cost.line(plain_tokens)
+    line = cost.line(plain_tokens, plain_tokens + sum(len(chances) for chances in drafts.values()))
     if line is None or plain_outputs * line[1] / line[0] < MIN_CUT_CHANCE:
         return {rid: len(chances) for rid, chances in drafts.items()}
     base, per_row = line
@@ -162,7 +167,8 @@ class Probes:
             else:
                 self._cut_steps[rid] = self._cut_steps.get(rid, 0) + 1
         cut = sorted((rid for rid, n in kept.items() if n < proposed[rid]), key=lambda rid: -self._cut_steps[rid])
-        line = cost.line(plain_tokens + sum(kept.values()))
+        rows = plain_tokens + sum(kept.values())
+        line = cost.line(rows, rows + len(cut))
         if not cut or line is None:
             return []
         step, probe = line
