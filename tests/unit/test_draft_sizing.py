@@ -15,7 +15,15 @@ from kvhive.core.blocks import root_hash
 from kvhive.core.speculative_config import SpeculativeConfig
 from kvhive.engine.scheduler import Scheduler
 from kvhive.engine.speculative.draft_length import MAX_CHANCE, DraftLength
-from kvhive.engine.speculative.step_cost import MIN_CUT_CHANCE, PROBE_SHARE, Probes, StepCost, size_drafts
+from kvhive.engine.speculative.step_cost import (
+    MIN_CUT_CHANCE,
+    PROBE_SHARE,
+    PROBE_WAIT_FIRST,
+    PROBE_WAIT_MAX,
+    Probes,
+    StepCost,
+    size_drafts,
+)
 from kvhive.engine.step import ScheduledSeq, StepPlan, StepResult
 from kvhive.request import Request, SamplingParams
 
@@ -352,15 +360,52 @@ def test_an_accepted_probe_gives_its_cost_back() -> None:
     cost = linear_cost(0.010, 0.002)
     wasted, paid = Probes(), Probes()
     counts = {"wasted": 0, "paid": 0}
+    kept = {"a": 1, "b": 0}
     for _ in range(40):
         for name, probes in (("wasted", wasted), ("paid", paid)):
-            for rid in probes.pick({"a": 1, "b": 0}, {"a": 4, "b": 4}, 1, cost):
+            for rid in probes.pick(kept, {"a": 4, "b": 4}, 1, cost):
                 counts[name] += 1
-                probes.settle(rid, paid_off=name == "paid")
-    # Rejected probes spend only the share; accepted ones come back to the credit, so a text whose
-    # cut positions are accepted is probed on every step the credit covers one.
+                verified = kept[rid] + 1                          # the kept drafts and the probe
+                probes.settle(rid, verified, verified if name == "paid" else verified - 1)
+    # Rejected probes spend at most the share (and back off); accepted ones come back to the credit,
+    # so a text whose cut positions are accepted is probed on every step the credit covers one.
     # A 14 ms step (1 + 1 kept draft): 0.7 ms of credit a step, a 2 ms probe.
-    assert counts["wasted"] == pytest.approx(40 * PROBE_SHARE * 0.014 / 0.002, abs=1)
+    assert counts["wasted"] <= 40 * PROBE_SHARE * 0.014 / 0.002
     assert counts["paid"] >= 36
-    paid.settle("a", paid_off=True)                               # no probe pending: nothing changes
+    paid.settle("a", 2, 2)                                        # no probe pending: nothing changes
     assert paid.pick({"a": 1}, {"a": 1}, 1, cost) == []          # nothing cut: no probe
+
+
+def test_a_request_whose_probes_are_rejected_waits_longer_for_each_next_one() -> None:
+    cost = linear_cost(0.010, 0.0001)               # probes so cheap that the credit always covers one
+    probes = Probes()
+    probed_at = []
+    for step in range(1, 400):
+        for rid in probes.pick({"a": 1}, {"a": 4}, 1, cost):
+            probed_at.append(step)
+            accepted = 2 if step >= 300 else 1          # the text starts quoting past its cut at step 300
+            probes.settle(rid, 2, accepted)
+    gaps = [b - a for a, b in itertools.pairwise(probed_at)]
+    assert probed_at[0] == 1
+    assert gaps[:5] == [min(PROBE_WAIT_FIRST * 2 ** i, PROBE_WAIT_MAX) for i in range(5)]   # 16, 32, 64, 128, 128
+    # The first probe after step 300 is accepted; from then on it is probed every step.
+    first_accepted = next(s for s in probed_at if s >= 300)
+    assert first_accepted - 300 <= PROBE_WAIT_MAX
+    assert probed_at[probed_at.index(first_accepted):] == list(range(first_accepted, 400))
+
+
+def test_a_probe_never_verified_costs_nothing_and_one_never_settled_lapses() -> None:
+    cost = linear_cost(0.010, 0.002)
+    probes = Probes()
+    credit = []
+    for settle in ("cut at planning", "lapsed"):
+        while not probes.pick({"a": 1}, {"a": 4}, 1, cost):
+            pass
+        before = probes._credit
+        if settle == "cut at planning":
+            probes.settle("a", 1, 0)             # the budget left the kept draft only: position 1 unverified
+        else:
+            probes.lapse()                       # the request was never planned this step
+            probes.settle("a", 2, 2)             # a later step's verdict is not this probe's
+        credit.append(probes._credit - before)
+    assert credit == [pytest.approx(0.002), 0.0]

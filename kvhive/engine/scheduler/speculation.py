@@ -40,12 +40,11 @@ class Speculation:
         self.planned: dict[str, tuple[int, ...]] = {}     # this step's drafts by request id
         self._proposed: dict[str, list[int]] = {}         # this step's drafts before planning
         self._probes = Probes()
-        self._probed: dict[str, int] = {}                 # this step's probes: the position probed
 
     def begin_step(self) -> None:
         """Forget the last plan's drafts (the step that verified them has been applied)."""
         self.planned.clear()
-        self._probed.clear()
+        self._probes.lapse()
 
     def propose(self, decodes: list[Request], plain_tokens: int) -> None:
         """Draft for each request in decode this step, then size the drafts together.
@@ -64,7 +63,6 @@ class Speculation:
                            plain_tokens, len(decodes), self.cost)
         proposed = {rid: len(d) for rid, d in self._proposed.items()}
         for rid in self._probes.pick(kept, proposed, plain_tokens, self.cost):
-            self._probed[rid] = kept[rid]
             kept[rid] += 1
         for rid, n in kept.items():
             self._proposed[rid] = self._proposed[rid][:n]
@@ -114,9 +112,7 @@ class Speculation:
         request.num_computed_tokens = min(seq.start_pos + 1 + len(accepted), request.num_tokens - 1)
         self.kv.trim_blocks(request, request.num_computed_tokens)    # as many as after a plain step
         self.proposer.record(seq.request_id, len(seq.draft_token_ids), len(accepted))
-        probed = self._probed.pop(seq.request_id, None)
-        if probed is not None:
-            self._probes.settle(seq.request_id, len(accepted) > probed or len(seq.draft_token_ids) <= probed)
+        self._probes.settle(seq.request_id, len(seq.draft_token_ids), len(accepted))
         return reason
 
     def finish(self, request: Request) -> None:

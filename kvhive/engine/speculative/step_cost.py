@@ -38,8 +38,12 @@ adds ``PROBE_SHARE`` of its expected time to a credit, and while the credit cove
 token's cost the request cut longest ago verifies the first position it was cut at. A probe that
 is accepted emitted a token for one row and gives its cost back to the credit, so a text whose cut
 positions are accepted is probed again soon and its drafts grow by what was verified; what probes
-waste stays within about that share of the time. On a weight-bound step a probe is cheap and comes
-often; on a compute-bound one it comes rarely. Torch-free.
+waste stays within about that share of the time. A request whose probe is rejected waits longer
+for its next one (``PROBE_WAIT_FIRST`` cut steps, doubling to ``PROBE_WAIT_MAX``, and none again
+once a probe is accepted or its draft is kept whole), so text that never quotes (open chat) stops
+spending even that share, while the credit goes to the requests whose probes pay. On a
+weight-bound step a probe is cheap and comes often; on a compute-bound one it comes rarely.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ COST_WEIGHT_UP = 0.05
 MIN_CUT_CHANCE = 0.5
 # The share of a step's expected time spent on probes (see the module's docstring).
 PROBE_SHARE = 0.05
+# Cut steps a request waits for its next probe after a rejected one, doubling per rejection up to
+# the most (see the module's docstring).
+PROBE_WAIT_FIRST = 16
+PROBE_WAIT_MAX = 128
 # Token counts up to this have a bucket each; above it buckets grow by about 4.4% (2**(1/16)).
 EXACT_BUCKETS = 32
 # The most a bucket weighs in the fitted line, in steps seen: the count a busy step runs at most
@@ -154,21 +162,30 @@ class Probes:
     def __init__(self) -> None:
         self._credit = 0.0                       # seconds of probing earned and not yet spent
         self._cut_steps: dict[str, int] = {}     # per request cut: steps since its last uncut draft or probe
-        self._pending: dict[str, float] = {}     # this step's probes: request id -> the row's price
+        self._wait: dict[str, int] = {}          # per request whose last probe was rejected: cut steps
+                                                 # before its next one
+        self._pending: dict[str, tuple[int, float]] = {}   # this step's probes: request id -> (the
+                                                            # draft position probed, the row's price)
+
+    def lapse(self) -> None:
+        """A new step: probes not settled (never planned) lapse."""
+        self._pending.clear()
 
     def pick(self, kept: Mapping[str, int], proposed: Mapping[str, int], plain_tokens: int,
              cost: StepCost) -> list[str]:
         """The requests of ``kept`` (request id -> draft tokens kept, from ``size_drafts``, of the
         ``proposed`` draft tokens) that verify one draft token more this step, longest cut first."""
-        self._pending.clear()                    # a probe not settled (never planned) lapses
+        self.lapse()
         for rid, n in kept.items():
             if n >= proposed[rid]:
                 self._cut_steps.pop(rid, None)
+                self._wait.pop(rid, None)
             else:
                 self._cut_steps[rid] = self._cut_steps.get(rid, 0) + 1
         cut = sorted((rid for rid, n in kept.items() if n < proposed[rid]), key=lambda rid: -self._cut_steps[rid])
         rows = plain_tokens + sum(kept.values())
         line = cost.line(rows, rows + len(cut))
+        cut = [rid for rid in cut if self._cut_steps[rid] >= self._wait.get(rid, 0)]
         if not cut or line is None:
             return []
         step, probe = line
@@ -179,18 +196,28 @@ class Probes:
                 break
             self._credit -= probe
             self._cut_steps[rid] = 0
-            self._pending[rid] = probe
+            self._pending[rid] = (kept[rid], probe)
             picked.append(rid)
         return picked
 
-    def settle(self, request_id: str, paid_off: bool) -> None:
-        """The step verified ``request_id``'s probe: ``paid_off`` when the probed token was accepted
-        (or never computed), which gives its cost back to the credit."""
-        probe = self._pending.pop(request_id, None)
-        if probe is not None and paid_off:
+    def settle(self, request_id: str, verified: int, accepted: int) -> None:
+        """The step verified ``verified`` of ``request_id``'s draft tokens and accepted ``accepted``:
+        a probe whose token was accepted (or never computed: the draft was cut shorter when planned)
+        gives its cost back to the credit."""
+        pending = self._pending.pop(request_id, None)
+        if pending is None:
+            return
+        position, probe = pending
+        if verified <= position:
             self._credit += probe
+        elif accepted > position:
+            self._credit += probe
+            self._wait.pop(request_id, None)
+        else:
+            self._wait[request_id] = min(2 * self._wait.get(request_id, PROBE_WAIT_FIRST // 2), PROBE_WAIT_MAX)
 
     def forget(self, request_id: str) -> None:
         """A request finished."""
         self._cut_steps.pop(request_id, None)
+        self._wait.pop(request_id, None)
         self._pending.pop(request_id, None)
