@@ -182,10 +182,10 @@ class Probes:
                 self._wait.pop(rid, None)
             else:
                 self._cut_steps[rid] = self._cut_steps.get(rid, 0) + 1
-        cut = sorted((rid for rid, n in kept.items() if n < proposed[rid]), key=lambda rid: -self._cut_steps[rid])
+        due = (rid for rid, n in kept.items() if n < proposed[rid] and self._cut_steps[rid] >= self._wait.get(rid, 0))
+        cut = sorted(due, key=lambda rid: -self._cut_steps[rid])
         rows = plain_tokens + sum(kept.values())
         line = cost.line(rows, rows + len(cut))
-        cut = [rid for rid in cut if self._cut_steps[rid] >= self._wait.get(rid, 0)]
         if not cut or line is None:
             return []
         step, probe = line
