@@ -111,8 +111,6 @@ class LLMEngine:
         self._session_copy = assembly.session_copy(self.store, self.connector_scheduler, self.connector_worker)
         self.scheduler = assembly.build_scheduler(config, loaded, self.num_blocks, self.scheduler_half,
                                                   self._session_copy, self.runner.window)
-        if config.speculative is not None and self.scheduler.speculation is None:
-            logger.warning("speculative decoding is off: this model's sliding-window KV pool cannot roll back drafts")
         self.publisher = None
         events = config.kv_events_settings()
         if events is not None and events.active:

@@ -240,18 +240,22 @@ class KVCacheManager:
 
     def trim_blocks(self, request: Request, num_tokens: int) -> int:
         """Free the request's tail blocks past the first ``num_tokens`` tokens (blocks allocated
-        for draft tokens that were rejected: never hashed); returns how many. One pool only."""
+        for draft tokens that were rejected: never hashed), in both pools; returns how many main
+        blocks. The window's slide is not undone: it only ever released blocks no row at
+        ``num_tokens`` or later can see."""
         rid = request.request_id
         blocks = self._blocks.get(rid)
         keep = self.num_blocks_for(num_tokens)
         if not blocks or len(blocks) <= keep:
             return 0
-        if self.window is not None or keep < self._num_cached_blocks[rid]:
+        if keep < self._num_cached_blocks[rid]:
             raise ValueError(f"request {rid}: cannot trim its blocks to {num_tokens} tokens")
         extra = blocks[keep:]
         del blocks[keep:]
         self._block_ids[rid] = self._block_ids[rid][:keep]
         self.pool.free_blocks(reversed(extra))
+        if self.window is not None:
+            self.window.free(rid, keep)
         return len(extra)
 
     def _record_stored(self, request: Request, indices: list[int]) -> None:

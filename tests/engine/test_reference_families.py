@@ -178,7 +178,7 @@ def test_session_second_turn_equals_transformers(checkpoints, tokenizer, family:
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_greedy_tokens_with_ngram_drafts_equal_plain_ones(checkpoints, tokenizer, family: str) -> None:
     """Speculative decoding (n-gram, k 3, lookups of 1..3 tokens: a random model's repetitive output
-    finds drafts) gives the plain greedy tokens; a family with window layers keeps it off."""
+    finds drafts) gives the plain greedy tokens, a family with window layers (their own pool) too."""
     loaded = load_model(checkpoints[family][1]["hf"])
     prompts = {"a": PROMPT, "b": prompt_ids(23, seed=2)}
     outputs, stats, window = {}, {}, False
@@ -191,7 +191,4 @@ def test_greedy_tokens_with_ngram_drafts_equal_plain_ones(checkpoints, tokenizer
             engine.close()
     assert outputs["ngram"] == outputs["plain"]
     assert window == family.startswith("gemma")
-    if window:
-        assert stats["ngram"] is None                   # the window pool cannot roll drafts back
-    else:
-        assert stats["ngram"].num_accepted_tokens > 0
+    assert stats["ngram"].num_accepted_tokens > 0

@@ -8,7 +8,7 @@ global) checkpoints with an 8-key window and 16-token blocks, against transforme
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -26,7 +26,7 @@ from kvhive.kv.pool import NULL_BLOCK_ID
 from kvhive.kv.window_group import WindowLayout
 from kvhive.model import cpu
 from kvhive.model.loader import LoadedModel, load_model
-from kvhive.request import SamplingParams
+from kvhive.request import Request, SamplingParams
 
 pytest.importorskip("transformers")
 
@@ -76,6 +76,24 @@ def _generate(engine: LLMEngine, rid: str, prompt: list[int], session_id: str | 
     return out, cached
 
 
+def _run_checking(engine: LLMEngine, rid: str, prompt: list[int], check: Callable[[Request], None],
+                  session_id: str | None = None) -> tuple[Greedy, int]:
+    """Run one request to the end, calling ``check`` with it after every step it is still running
+    after: its greedy tokens and logprobs, and its cached tokens."""
+    engine.add_request(rid, prompt, GREEDY, session_id=session_id)
+    tokens, logprobs, cached = [], [], -1
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            logprobs += [lp.logprob for lp in out.logprobs or ()]
+            if out.finished:
+                cached = out.num_cached_tokens
+        request = engine.scheduler.get_request(rid)
+        if request is not None:
+            check(request)
+    return Greedy(tokens, logprobs), cached
+
+
 def _engine(loaded: LoadedModel, tokenizer, num_blocks: int = 24, store: StoreConfig | None = None,
             chunk: int = 16, **extra) -> LLMEngine:
     config = EngineConfig(model_path="tiny", cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
@@ -101,16 +119,10 @@ def test_window_blocks_return_to_their_pool_while_the_request_runs(saved, tokeni
     try:
         kv = engine.scheduler.kv
         assert engine.runner.window is not None and "window_kv" in engine.paths
-        engine.add_request("r", PROMPT, GREEDY)
-        tokens, logprobs = [], []
         seen_released = False
-        while engine.has_unfinished():
-            for out in engine.step():
-                tokens += out.new_token_ids
-                logprobs += [lp.logprob for lp in out.logprobs or ()]
-            request = engine.scheduler.get_request("r")
-            if request is None:
-                continue
+
+        def check(request: Request) -> None:
+            nonlocal seen_released
             table, window = kv.get_block_table(request), kv.get_window_table(request)
             released = [i for i, b in enumerate(window) if b == NULL_BLOCK_ID]
             first = kv.window.first_needed(request.num_computed_tokens)
@@ -122,7 +134,9 @@ def test_window_blocks_return_to_their_pool_while_the_request_runs(saved, tokeni
                 assert kv.window.stats().num_used == kv.window.num_held("r")
                 assert free_ids.isdisjoint(b for b in window if b != NULL_BLOCK_ID)
             kv.window.pool.check_integrity()
-        assert seen_released and Greedy(tokens, logprobs).matches(reference)
+
+        out, _ = _run_checking(engine, "r", PROMPT, check)
+        assert seen_released and out.matches(reference)
         assert kv.window.stats().num_used == 0 and kv.pool.stats().num_used == 0
     finally:
         engine.close()
@@ -205,19 +219,15 @@ def test_session_second_turn_resumes_its_window(saved, tokenizer, family: str) -
 def _generate_watching_window(engine: LLMEngine, rid: str, prompt: list[int],
                               session_id: str | None = None) -> tuple[Greedy, int, int]:
     """``_generate``, and the most window entries the request had released at once."""
-    engine.add_request(rid, prompt, GREEDY, session_id=session_id)
-    tokens, logprobs, cached, released = [], [], -1, 0
-    kv = engine.scheduler.kv
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens += out.new_token_ids
-            logprobs += [lp.logprob for lp in out.logprobs or ()]
-            if out.finished:
-                cached = out.num_cached_tokens
-        request = engine.scheduler.get_request(rid)
-        if request is not None and kv.get_window_table(request) is not None:
+    kv, released = engine.scheduler.kv, 0
+
+    def count(request: Request) -> None:
+        nonlocal released
+        if kv.get_window_table(request) is not None:
             released = max(released, kv.get_window_table(request).count(NULL_BLOCK_ID))
-    return Greedy(tokens, logprobs), cached, released
+
+    out, cached = _run_checking(engine, rid, prompt, count, session_id)
+    return out, cached, released
 
 
 def _flood(engine: LLMEngine) -> None:
@@ -418,13 +428,72 @@ def test_the_two_pools_give_the_reference_tokens_at_every_kernel_level(saved, to
         engine.close()
 
 
-def test_speculative_decoding_is_off_with_a_window_pool_and_says_so(saved, tokenizer, caplog) -> None:
+class _OracleDrafts:
+    """Drafts of up to five tokens from the reference's own next tokens, spoiled from the first one
+    that would start a new block (so the blocks allocated for the rest are trimmed), and every
+    third draft from its third token: drafts accepted whole, cut short inside a block and at a
+    block's start."""
+
+    def __init__(self, prompt: list[int], reference: list[int]) -> None:
+        self.full = prompt + reference
+        self.calls = 0
+
+    def __call__(self, request, max_tokens: int) -> list[int]:
+        self.calls += 1
+        n = request.num_tokens                  # draft j is the token at position n + j
+        drafts = self.full[n:n + min(max_tokens, 5)]
+        cut = (-n) % BLOCK if (-n) % BLOCK < len(drafts) else 2 if self.calls % 3 == 0 else len(drafts)
+        return drafts[:cut] + [(t + 1) % 64 for t in drafts[cut:]]
+
+
+DRAFT_PATHS = [(family, ISA_LEVELS[0], "auto") for family in GEMMAS] + [
+    ("gemma3_text", isa, "auto") for isa in ISA_LEVELS[1:]] + [("gemma2", ISA_LEVELS[0], "torch")]
+
+
+@pytest.mark.parametrize(("family", "isa", "attention"), DRAFT_PATHS)
+def test_drafts_roll_back_in_both_pools_as_the_window_slides(saved, tokenizer, monkeypatch, family: str,
+                                                              isa: str, attention: str) -> None:
+    """Speculative decoding over a window pool: drafts accepted whole and cut short, while the
+    window slides block after block, give transformers' tokens and logprobs (each window layer's
+    drafted rows read their own window: the C++ decode kernel at every ISA level, torch attention);
+    after every step the window entries released are exactly those before the window of the
+    accepted tokens, the two tables have one entry per block the accepted tokens need, and both
+    pools hold only them."""
     from kvhive.core.speculative_config import SpeculativeConfig
 
-    _, path, reference = saved["gemma2"]
-    with caplog.at_level("WARNING", logger="kvhive.engine.llm_engine"):
-        engine = _engine(load_model(path), tokenizer, speculative=SpeculativeConfig(num_speculative_tokens=4))
-    assert engine.scheduler.speculation is None and engine.stats().spec_decode is None
-    assert any("speculative decoding is off" in r.getMessage() for r in caplog.records)
-    out, _ = _generate(engine, "r", PROMPT)
-    assert out.matches(reference)
+    _, path, reference = saved[family]
+    engine = _engine(load_model(path, isa=isa), tokenizer, chunk=64, cpu_isa=isa, attention_backend=attention,
+                     speculative=SpeculativeConfig(
+        num_speculative_tokens=5, prompt_lookup_min=1, prompt_lookup_max=3, draft_sizing="per_request"))
+    drafts = _OracleDrafts(PROMPT, reference.tokens)
+    monkeypatch.setattr(engine.scheduler.speculation.proposer, "propose", drafts)
+    try:
+        kv = engine.scheduler.kv
+        most_released, trimmed = 0, False
+        trim = kv.trim_blocks
+
+        def trim_counted(request, num_tokens: int) -> int:
+            nonlocal trimmed
+            freed = trim(request, num_tokens)
+            trimmed = trimmed or freed > 0
+            return freed
+
+        def check(request: Request) -> None:
+            nonlocal most_released
+            table, window = kv.get_block_table(request), kv.get_window_table(request)
+            assert len(table) == len(window) == -(-request.num_computed_tokens // BLOCK)
+            released = [i for i, b in enumerate(window) if b == NULL_BLOCK_ID]
+            assert released == list(range(kv.window.first_needed(request.num_computed_tokens)))
+            most_released = max(most_released, len(released))
+            assert kv.window.stats().num_used == kv.window.num_held("r") == len(window) - len(released)
+            kv.window.pool.check_integrity()
+            kv.pool.check_integrity()
+
+        monkeypatch.setattr(kv, "trim_blocks", trim_counted)
+        out, _ = _run_checking(engine, "r", PROMPT, check)
+        stats = engine.stats().spec_decode
+        assert out.matches(reference)
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens and most_released >= 4 and trimmed
+        assert kv.window.stats().num_used == 0 and kv.pool.stats().num_used == 0
+    finally:
+        engine.close()

@@ -56,8 +56,7 @@ class Scheduler:
                  window: WindowLayout | None = None, speculative: SpeculativeConfig | None = None) -> None:
         """``session_copy(hashes)``: where the store tiers hold these full blocks; None: no tiers.
         ``window``: the window layers' own pool (``kvhive.kv.window_group``); None: one pool.
-        ``speculative``: drafted decode steps (``speculation``); None: off. A window pool turns it
-        off (logged by the engine): its slide does not roll back."""
+        ``speculative``: drafted decode steps (``speculation``); None: off."""
         self.config = sched_config
         self.kv = KVCacheManager(cache_config.block_size, num_blocks, cache_config.enable_prefix_caching,
                                  root_hash, window)
@@ -66,7 +65,7 @@ class Scheduler:
         self.transfers.track(self.queues.by_id)
         self.spill = SessionSpill(self.kv, session_copy, self.transfers.pending_hashes)
         self.preemption = Preemption(self.queues, self.kv)
-        self.speculation = None if speculative is None or window is not None else Speculation(
+        self.speculation = None if speculative is None else Speculation(
             DraftProposer(speculative), self.kv, sched_config.max_model_len,
             StepCost() if speculative.draft_sizing == "step_cost" else None)
         self.batcher = Batcher(self.queues, self.kv, self.spill, self.preemption, self._finish_too_long,
