@@ -88,6 +88,12 @@ class EngineStatsCollector(Collector):
                 ("kvhive_spec_decode_num_history_accepted_tokens", "Draft tokens from the tenant's running "
                  "requests or history that the target model accepted.", s.spec_decode.num_history_accepted_tokens),
             ))
+            per_pos = CounterMetricFamily(
+                "kvhive_spec_decode_num_accepted_tokens_per_pos", "Draft tokens the target model accepted, by "
+                "their position in the step's draft (0: the first).", labels=["model_name", "position"])
+            for position, count in enumerate(s.spec_decode.num_accepted_tokens_per_pos):
+                per_pos.add_metric(self._labels + [str(position)], count)
+            yield per_pos
 
     def _window_blocks(self, pool: BlockPoolStats) -> Metric:
         """The window layers' own pool by state, as ``kvhive_kv_blocks`` counts the main pool."""

@@ -53,6 +53,10 @@ VLLM_NAMES: dict[str, VllmName] = {
     "kvhive_request_generation_tokens": VllmName("vllm:request_generation_tokens"),
     "kvhive_request_params_max_tokens": VllmName("vllm:request_params_max_tokens"),
     "kvhive_cache_config_info": VllmName("vllm:cache_config_info", (("num_blocks", "num_gpu_blocks"),)),
+    "kvhive_spec_decode_num_drafts": VllmName("vllm:spec_decode_num_drafts"),
+    "kvhive_spec_decode_num_draft_tokens": VllmName("vllm:spec_decode_num_draft_tokens"),
+    "kvhive_spec_decode_num_accepted_tokens": VllmName("vllm:spec_decode_num_accepted_tokens"),
+    "kvhive_spec_decode_num_accepted_tokens_per_pos": VllmName("vllm:spec_decode_num_accepted_tokens_per_pos"),
 }
 
 

@@ -28,7 +28,9 @@ from kvhive.server.metrics_vllm import VLLM_NAMES
 
 MODEL = "smollm2-135m"
 DOC = os.path.join(REPO_ROOT, "docs", "metrics.md")
-MET_HERE = {"always", "a store tier", "a replica with events", "no --redis-url", "--metrics-compat vllm"}
+MET_HERE = {"always", "a store tier", "a replica with events", "no --redis-url", "--metrics-compat vllm",
+            "--speculative-config"}
+SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
 REQUESTS = [  # (route, body): greedy, ignore_eos, so each ends by length with max_tokens tokens
     ("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4}),
     ("/v1/completions", {"prompt": "One, two, three,", "max_tokens": 3, "stream": True}),
@@ -80,7 +82,7 @@ def documented_vllm_names() -> dict[str, tuple[str, str]]:
 def vllm_server() -> Iterator[tuple[ServeProcess, int]]:
     events_port = free_port()
     server = ServeProcess("--metrics-compat", "vllm", "--cpu-offload-gb", "0.05", "--max-model-len", "1024",
-                          "--kv-events", f"tcp://127.0.0.1:{events_port}")
+                          "--kv-events", f"tcp://127.0.0.1:{events_port}", "--speculative-config", SPECULATIVE)
     yield server, events_port
     server.stop()
 
@@ -137,6 +139,15 @@ def test_each_vllm_name_has_vllms_type_and_counts_the_requests_made(vllm_server,
     (info,) = m["vllm:cache_config_info"].samples
     assert info.value == 1 and info.labels["block_size"] == "16" and info.labels["enable_prefix_caching"] == "True"
     assert float(info.labels["num_gpu_blocks"]) == sample(m, "kvhive_cache_num_blocks")
+    drafts = sample(m, "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_drafts_total")
+    accepted = sample(m, "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_total")
+    per_pos = [sample(m, "vllm:spec_decode_num_accepted_tokens_per_pos",
+                      "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(j)) for j in range(4)]
+    assert sorted(s.labels["position"] for s in m["vllm:spec_decode_num_accepted_tokens_per_pos"].samples
+                  if s.name.endswith("_total")) == ["0", "1", "2", "3"]
+    assert sum(per_pos) == accepted <= sample(m, "vllm:spec_decode_num_draft_tokens",
+                                               "vllm:spec_decode_num_draft_tokens_total")
+    assert drafts >= per_pos[0] and per_pos == sorted(per_pos, reverse=True)     # a later position only after an earlier
 
 
 def test_vllm_names_show_the_same_values_as_the_kvhive_names(vllm_server, answered) -> None:

@@ -54,10 +54,23 @@ def test_speculative_answers_equal_plain_ones(replicas: dict[str, ReplicaProcess
     assert _answer(replicas["speculative"], prompt, stream=True) == plain
 
 
+def _per_position(replica: ReplicaProcess) -> list[float]:
+    """``kvhive_spec_decode_num_accepted_tokens_per_pos_total`` by position."""
+    text = httpx.get(f"{replica.url}/metrics", timeout=30).text
+    found = re.findall(r'^kvhive_spec_decode_num_accepted_tokens_per_pos_total\{[^}]*position="(\d+)"[^}]*\} '
+                       r"([0-9.e+]+)$", text, re.M)
+    return [value for _, value in sorted((int(p), float(v)) for p, v in found)]
+
+
 def test_quoted_answers_accept_drafts(replicas: dict[str, ReplicaProcess]) -> None:
     speculative = replicas["speculative"]
     before = _counter(speculative, "kvhive_spec_decode_num_accepted_tokens_total")
+    positions_before = _per_position(speculative)
     _answer(speculative, QUOTING, stream=False)
     accepted = _counter(speculative, "kvhive_spec_decode_num_accepted_tokens_total") - before
     assert accepted >= 8
     assert _counter(speculative, "kvhive_spec_decode_num_draft_tokens_total") >= accepted
+    # One counter per draft position (k 4); a draft's later tokens are accepted only after its earlier ones.
+    per_position = [a - b for a, b in zip(_per_position(speculative), positions_before, strict=True)]
+    assert len(per_position) == 4 and sum(per_position) == accepted
+    assert per_position == sorted(per_position, reverse=True) and per_position[-1] > 0

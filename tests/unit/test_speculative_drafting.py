@@ -111,6 +111,11 @@ def test_the_proposer_counts_drafts_and_skips_requests_it_cannot_verify() -> Non
     assert proposer.propose(quoting, 2) == [3, 4]
     proposer.record("q", 3, 2)
     assert proposer.stats().num_draft_tokens == 3 and proposer.stats().num_accepted_tokens == 2
+    proposer.record("q", 3, 3)
+    proposer.record("q", 1, 0)
+    proposer.record("q", 2, 1)
+    assert proposer.stats().num_accepted_tokens_per_pos == (3, 2, 1)    # per position of a draft
+    assert sum(proposer.stats().num_accepted_tokens_per_pos) == proposer.stats().num_accepted_tokens
     refused = [make_request("x", [1, 2, 3, 4, 1, 2], max_tokens=20, prompt_logprobs=1),
                Request("t", [1, 2, 3, 4, 1, 2], SamplingParams(max_tokens=20), kv_transfer=object())]
     for request in refused:

@@ -35,6 +35,9 @@ class SpecDecodeStats:
     # its history store, and accepted.
     num_history_draft_tokens: int = 0
     num_history_accepted_tokens: int = 0
+    # Per draft position j (0: the first draft token of a step): the times a draft token at j was
+    # accepted; one entry per position up to num_speculative_tokens.
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 def can_speculate(request: Request) -> bool:
@@ -66,6 +69,7 @@ class DraftProposer:
         self._live: dict[str | None, dict[str, _RequestDrafts]] = {}
         self._num_drafts = self._num_draft_tokens = self._num_accepted = 0
         self._num_history_draft_tokens = self._num_history_accepted = 0
+        self._accepted_per_pos = [0] * config.num_speculative_tokens
         self.history = None if config.method != "history" else HistoryStore(
             config.prompt_lookup_min, config.prompt_lookup_max, config.history_max_tokens,
             config.history_tenant_max_tokens)
@@ -108,6 +112,8 @@ class DraftProposer:
         self._num_drafts += 1
         self._num_draft_tokens += num_proposed
         self._num_accepted += num_accepted
+        for j in range(min(num_accepted, len(self._accepted_per_pos))):
+            self._accepted_per_pos[j] += 1
         state = self._requests.get(request_id)
         if state is not None:
             state.length.record(num_proposed, num_accepted)
@@ -147,4 +153,5 @@ class DraftProposer:
     def stats(self) -> SpecDecodeStats:
         """The counters since start."""
         return SpecDecodeStats(self._num_drafts, self._num_draft_tokens, self._num_accepted,
-                               self._num_history_draft_tokens, self._num_history_accepted)
+                               self._num_history_draft_tokens, self._num_history_accepted,
+                               tuple(self._accepted_per_pos))
