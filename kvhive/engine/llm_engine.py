@@ -304,6 +304,8 @@ class LLMEngine:
         self._publish_events()
         # The whole step, planning and outputs too: what a token more or less in a step costs.
         self.scheduler.observe_step(plan, time.perf_counter() - started)
+        if self.threads is not None and not self.scheduler.has_unfinished():
+            self.threads.idle()
         return outputs
 
     def _note_scheduled(self, plan: StepPlan) -> None:

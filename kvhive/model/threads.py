@@ -10,6 +10,12 @@ and the team gets the cores they left (at least 1, at most the configured count)
 when two readings in a row find a core taken: a burst of a second (a client process starting, a
 benchmark driver tokenizing its prompts) would otherwise halve the team for the step that serves
 that client's first requests, and a step at one thread takes twice as long.
+
+Only time the engine works is read: when a step leaves it nothing to do the engine says so
+(``idle``), and the first step after that starts a new reading instead of judging the last one.
+While it idles, other processes may use every core without slowing it (another server on the same
+host answering its own requests), and a reading across that time would shrink the team for the
+first half second of the next request.
 """
 
 from __future__ import annotations
@@ -73,9 +79,19 @@ class ThreadGovernor:
         self._last = read()
         self.others = 0.0               # cores other processes used over the last interval
         self._shrink: int | None = None  # the last reading's smaller team, if it called for one
+        self._idle = False              # the engine ran out of work since the last step
+
+    def idle(self) -> None:
+        """The engine has no work left: the next ``adjust`` starts a new reading rather than read
+        the time it idled as other processes taking its cores."""
+        self._idle = True
 
     def adjust(self) -> int:
         """Re-size the team if ``interval_s`` has passed since the last reading; the team's size."""
+        if self._idle:
+            self._idle = False
+            self._last = self._read()
+            return self.threads
         if self._last is None or self._clock() - self._last[0] < self.interval_s:
             return self.threads
         now = self._read()
