@@ -190,9 +190,17 @@ QUESTIONS = ("Write a short story about a lighthouse keeper who finds a message 
              "Explain how to make friends after moving to a new town.")
 
 
+# How the answer should read: the first round of variants asks the questions as they are, each
+# later round with one of these, so that every variant up to 12 x 8 is a question of its own.
+STYLES = ("", " Keep it under a hundred words.", " Write it for a children's magazine.",
+          " Answer in the voice of a ship's captain.", " Use a numbered list.", " Start with a surprising fact.",
+          " Make it sound like a radio broadcast.", " End with a question for the reader.")
+
+
 def open_chat(variant: int) -> list[dict]:
     """A question whose answer quotes nothing in the prompt."""
-    return [{"role": "user", "content": QUESTIONS[variant % len(QUESTIONS)]}]
+    question = QUESTIONS[variant % len(QUESTIONS)]
+    return [{"role": "user", "content": question + STYLES[variant // len(QUESTIONS) % len(STYLES)]}]
 
 
 BUILDERS = {"doc_qa": doc_qa, "code_edit": code_edit, "agent_summary": agent_summary, "open_chat": open_chat}

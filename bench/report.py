@@ -33,6 +33,7 @@ import multiturn_vs_vllm as multiturn  # noqa: E402
 import retention_priority  # noqa: E402
 import sessions_vs_vllm as sessions_http  # noqa: E402
 import soak_report  # noqa: E402
+import speculative_paired  # noqa: E402
 import speculative_workloads  # noqa: E402
 import ttft_tail  # noqa: E402
 
@@ -590,6 +591,15 @@ SECTIONS = (
             ("speculation ≥ 2x kvhive's own tokens/s at c1 on the first three workloads, ≥ 1.3x at c8",
              "open chat ≥ 0.95x", "ahead of vLLM's n-gram speculation on the same workloads"),
             ("speculative_workloads.json",), speculative_workloads.render),
+    Section("speculative_paired", "Speculative decoding, paired request by request",
+            "bench/speculative_paired.py",
+            "Decode tokens/s over HTTP (greedy, 128 tokens streamed, prompts cached first) of kvhive without "
+            "and with speculative decoding (`history`, drafts sized by the step's cost), both servers up at "
+            "once: each request (c1) or batch of eight (c8) runs on one and right after on the other, the "
+            "order alternating, so each pair's ratio is read seconds apart on the same host.",
+            ("speculation ≥ 2x kvhive's own tokens/s at c1 on the three quoting workloads, ≥ 1.3x at c8",
+             "open chat ≥ 0.95x"),
+            ("speculative_paired.json",), speculative_paired.render),
 )
 
 RENDER_ROUTER: dict[str, Render] = {"router_sim.json": render_router_sim, "router_lookup.json": render_router_lookup,

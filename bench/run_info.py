@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shlex
 import sys
+from collections.abc import Callable
 
 
 def machine() -> str:
@@ -32,3 +34,11 @@ def command(script: str) -> str:
     """The command line that ran ``script`` (a path under bench/), as a reader would retype it."""
     env = [f"{name}={shlex.quote(os.environ[name])}" for name in COMMAND_ENV if name in os.environ]
     return " ".join([*env, shlex.join(["python", f"bench/{os.path.basename(script)}", *sys.argv[1:]])])
+
+
+def save_record(out: str, record: dict, render: Callable[[str, dict], list[str]]) -> None:
+    """Write a result file (its folders made) and print how docs/benchmarks.md renders it."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(record, f, indent=1)
+    print("\n".join(render(os.path.basename(out), record)))

@@ -52,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import quoting_prompts
 from multiturn_vs_vllm import SHARED, served
-from run_info import command, machine
+from run_info import command, machine, save_record
 from ttft_tail import PEERS, server_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -417,10 +417,7 @@ def main() -> int:
               "vllm_version": vllm_version(), "llamacpp": llamacpp_status(), "max_tokens": args.max_tokens,
               "c1_requests": args.c1_requests, "spec": {c: SPEC[c] for c in configs}, "refusals": refusals,
               "summary": summary, "ratios": ratios, "mismatches": mismatches(rounds), "rounds": rounds}
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(record, f, indent=1)
-    print("\n".join(render(os.path.basename(out), record)))
+    save_record(out, record, render)
     return 0
 
 

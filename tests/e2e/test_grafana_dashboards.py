@@ -1,6 +1,6 @@
 """Every PromQL expression of the Grafana dashboards in ``examples/grafana/`` reads samples that real
 processes export: a ``kvhive serve`` with every family switched on (CPU and disk tiers, KV events,
-``--kv-role prefill`` for the KV-transfer families) and a ``kvhive gateway`` in front of it, each
+``--kv-role prefill`` for the KV-transfer families, ``--speculative-config`` for the drafting ones) and a ``kvhive gateway`` in front of it, each
 scraped after requests went through. The replica's dashboard is checked against the replica's
 scrape, the gateway's against the gateway's; a name, a label or a counter read without a range that
 the scrape does not back is reported with its panel. The unit half (dashboard shape, the PromQL
@@ -42,7 +42,8 @@ def scrapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrapes]:
     events_port = free_port()
     server = ServeProcess("--max-model-len", "1024", "--kv-cache-gb", "0.25", "--cpu-offload-gb", "0.05",
                           "--disk-cache-dir", str(tmp_path_factory.mktemp("disk-tier")), "--kv-role", "prefill",
-                          "--kv-events", f"tcp://127.0.0.1:{events_port}")
+                          "--kv-events", f"tcp://127.0.0.1:{events_port}",
+                          "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
     cluster: Cluster | None = None
     try:
         spec = f"{server.url},events=tcp://127.0.0.1:{events_port},kind=kvhive"

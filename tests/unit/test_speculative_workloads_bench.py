@@ -1,5 +1,6 @@
 """``bench/speculative_workloads.py``'s arithmetic (decode rates, paired ratios, output mismatches), its
-server commands, its fixed prompts and its rendering of a small synthetic record."""
+server commands, its fixed prompts and its rendering of a small synthetic record; and
+``bench/speculative_paired.py``'s pair figures and rendering."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 
 import pytest
 import quoting_prompts
+import speculative_paired as sp
 import speculative_workloads as sw
 
 
@@ -77,9 +79,10 @@ def test_vllm_gets_its_speculation_and_the_tools_template_through_vllm_extra() -
 
 @pytest.mark.parametrize("workload", quoting_prompts.WORKLOADS)
 def test_prompts_are_fixed_and_their_variants_differ(workload: str) -> None:
-    variants = [quoting_prompts.messages(workload, i) for i in range(8)]
+    """Every variant the paired benchmark takes (eight pairs of eight at c8, and more) is its own prompt."""
+    variants = [quoting_prompts.messages(workload, i) for i in range(96)]
     assert variants[3] == quoting_prompts.messages(workload, 3)
-    assert len({json.dumps(v) for v in variants}) == 8
+    assert len({json.dumps(v) for v in variants}) == 96
 
 
 def test_render_shows_targets_tokens_per_step_refusals_and_mismatches() -> None:
@@ -113,3 +116,27 @@ def test_the_default_configs_hold_llamacpp_only_where_it_is_built(monkeypatch: p
     assert "not built" in sw.llamacpp_status()
     monkeypatch.setattr(sw, "llamacpp_built", lambda: True)
     assert "one request at a time" in sw.llamacpp_status()
+
+
+def _pair(plain: float, spec: float, differ: int = 0, requests: int = 1, drafts: float = 0,
+          accepted: float = 0) -> dict:
+    return {"variants": [0, requests - 1], "requests": requests, "first": "kvhive_plain", "plain_tok_s": plain,
+            "spec_tok_s": spec, "ratio": round(spec / plain, 3) if plain else None, "differ": differ,
+            "spec": {"num_drafts": drafts, "num_draft_tokens": drafts * 4, "num_accepted_tokens": accepted}}
+
+
+def test_paired_figures_are_the_median_and_geometric_mean_of_the_pairs() -> None:
+    r = sp.summarise([_pair(100, 200, drafts=5, accepted=10), _pair(100, 100), _pair(50, 200, differ=1),
+                      _pair(0, 100)])                                  # a pair without a plain reading: no ratio
+    assert r["median_ratio"] == 2.0 and r["geomean_ratio"] == 2.0      # of 2, 1 and 4
+    assert r["plain_median"] == 75 and r["spec_median"] == 150
+    assert (r["differ"], r["compared"]) == (1, 4)
+    assert r["spec_totals"] == {"num_drafts": 5, "num_draft_tokens": 20, "num_accepted_tokens": 10}
+
+
+def test_paired_render_shows_each_pair_the_goal_and_tokens_per_drafted_step() -> None:
+    runs = {"agent_summary@c1": sp.summarise([_pair(100, 150, drafts=10, accepted=25), _pair(100, 250)]),
+            "open_chat@c8": sp.summarise([_pair(300, 290, requests=8)])}
+    text = "\n".join(sp.render("speculative_paired.json", {"max_tokens": 128, "runs": runs}))
+    assert "| agent_summary | c1 | 2 | 100.0 | 200.0 | 1.50, 2.50 | 2.00x | 1.94x | >= 2.0x | yes | 3.50 | 0 of 2 |" in text
+    assert "| open_chat | c8 | 1 | 300.0 | 290.0 | 0.97 | 0.97x | 0.97x | >= 0.95x | yes | - | 0 of 8 |" in text
