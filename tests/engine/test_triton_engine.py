@@ -19,6 +19,7 @@ from support.tiny import dense_greedy
 from support.triton_interpret import interpreted, interpreter_run_passes
 
 from kvhive.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvhive.core.speculative_config import SpeculativeConfig
 from kvhive.engine import attention_kernels
 from kvhive.engine.llm_engine import LLMEngine
 from kvhive.model.cuda_graphs import DecodeGraphs
@@ -83,17 +84,24 @@ def test_gemma_window_and_soft_cap_rows_run_the_kernel(tokenizer, tmp_path,
     prompts = {"a": prompt_ids(40, seed=5), "b": prompt_ids(23, seed=6)}
     rules: list[tuple[float | None, int | None]] = []
     outputs = {}
-    for backend in ("torch", "triton"):
+    # And with n-gram drafts (the random model repeats itself): drafted rows of the window layer
+    # read their own windows through the kernel, rejected drafts roll back in both pools.
+    ngram = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3,
+                              draft_sizing="per_request")
+    for name, backend, speculative in (("torch", "torch", None), ("triton", "triton", None),
+                                       ("triton drafted", "triton", ngram)):
         config = EngineConfig(model_path="tiny", cache=CacheConfig(block_size=16, num_blocks=24),
                               scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=512),
-                              attention_backend=backend)
+                              attention_backend=backend, speculative=speculative)
         engine = LLMEngine(config, loaded=load_model(path), tokenizer=tokenizer)
         assert engine.runner.window is not None
-        if backend == "triton":
+        if name == "triton":
             _record_rules(monkeypatch, type(engine.runner.decode_kernel), rules)
-        outputs[backend] = run(engine, prompts, sampling)
+        outputs[name] = run(engine, prompts, sampling)
+        if speculative is not None:
+            assert engine.stats().spec_decode.num_accepted_tokens > 0
         engine.close()
-    assert outputs["triton"] == outputs["torch"]
+    assert outputs["triton"] == outputs["torch"] == outputs["triton drafted"]
     assert (5.0, 8) in rules and (5.0, None) in rules              # window layer, global layer
 
 
