@@ -10,8 +10,9 @@ tenants) and ``history_tenant_max_tokens`` (one tenant; at most the first) bound
 kvhive's ``draft_sizing`` says how many draft tokens a step verifies: "step_cost" (the default)
 keeps, over all requests in decode together, those that raise the step's expected tokens per
 second by its measured cost (``kvhive.engine.speculative.step_cost``); "per_request" drafts each
-request's adaptive length whatever the batch. Any
-other key, a history key without method "history", a wrong type or a value out of range is a
+request's adaptive length whatever the batch. vLLM's ``disable_by_batch_size`` N turns drafting
+off for every step that runs more than N requests (the batch's plain steps then cost nothing
+extra). Any other key, a history key without method "history", a wrong type or a value out of range is a
 ``ValueError`` that names it (``kvhive serve`` exits 2).
 """
 
@@ -26,7 +27,7 @@ METHODS = ("ngram", "history")
 HISTORY_KEYS = ("history_max_tokens", "history_tenant_max_tokens")
 DRAFT_SIZINGS = ("step_cost", "per_request")
 JSON_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", *HISTORY_KEYS,
-             "draft_sizing")
+             "draft_sizing", "disable_by_batch_size")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_LOOKUP = 16
 DEFAULT_LOOKUP = 5
@@ -34,10 +35,11 @@ DEFAULT_LOOKUP = 5
 MAX_HISTORY_TOKENS = 100_000_000
 DEFAULT_HISTORY_TOKENS = 1_000_000
 DEFAULT_TENANT_HISTORY_TOKENS = 250_000
+MAX_BATCH_SIZE = 65536
 # The integer fields and their most (each at least 1).
 BOUNDS = {"num_speculative_tokens": MAX_SPECULATIVE_TOKENS, "prompt_lookup_min": MAX_LOOKUP,
           "prompt_lookup_max": MAX_LOOKUP, "history_max_tokens": MAX_HISTORY_TOKENS,
-          "history_tenant_max_tokens": MAX_HISTORY_TOKENS}
+          "history_tenant_max_tokens": MAX_HISTORY_TOKENS, "disable_by_batch_size": MAX_BATCH_SIZE}
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class SpeculativeConfig:
     history_max_tokens: int = DEFAULT_HISTORY_TOKENS
     history_tenant_max_tokens: int = DEFAULT_TENANT_HISTORY_TOKENS
     draft_sizing: str = "step_cost"
+    # Steps that run more requests than this draft nothing; None: no such limit.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -60,7 +64,8 @@ class SpeculativeConfig:
             raise ValueError(f"{OPTION}: draft_sizing must be one of {', '.join(DRAFT_SIZINGS)}, "
                              f"got {self.draft_sizing!r}")
         for key in BOUNDS:
-            _check_bound(key, getattr(self, key))
+            if getattr(self, key) is not None:
+                _check_bound(key, getattr(self, key))
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"{OPTION}: prompt_lookup_min ({self.prompt_lookup_min}) is above "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
@@ -97,7 +102,8 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
     return SpeculativeConfig(num_speculative_tokens=values["num_speculative_tokens"], method=method,
                              prompt_lookup_min=low, prompt_lookup_max=high, history_max_tokens=total,
                              history_tenant_max_tokens=tenant,
-                             draft_sizing=values.get("draft_sizing", "step_cost"))
+                             draft_sizing=values.get("draft_sizing", "step_cost"),
+                             disable_by_batch_size=values.get("disable_by_batch_size"))
 
 
 def _check_bound(key: str, value: object) -> None:

@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 from support import scheduler_parts
+from support.engines import make_engine
 from support.scheduler_parts import FakeRunner, compute, make_kv, make_request, step
 
 from kvhive.cli import parse_args, serve
@@ -138,6 +139,8 @@ def test_the_config_takes_vllms_keys_and_defaults() -> None:
     assert (config.method, config.prompt_lookup_min, config.prompt_lookup_max) == ("ngram", 3, 3)
     config = parse_speculative_config('{"num_speculative_tokens": 2, "prompt_lookup_min": 2}')
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (2, 2)
+    assert config.disable_by_batch_size is None
+    assert parse_speculative_config('{"num_speculative_tokens": 2, "disable_by_batch_size": 4}').disable_by_batch_size == 4
 
 
 @pytest.mark.parametrize(("text", "named"), [
@@ -150,6 +153,9 @@ def test_the_config_takes_vllms_keys_and_defaults() -> None:
     ('{"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "is above"),
     ('{"num_speculative_tokens": 2, "prompt_lookup_max": 40}', "prompt_lookup_max must be"),
     ('{"num_speculative_tokens": 2, "draft_sizing": "batch"}', "draft_sizing must be one of step_cost, per_request"),
+    ('{"num_speculative_tokens": 2, "disable_by_batch_size": 0}', "disable_by_batch_size must be an integer in 1..65536"),
+    ('{"num_speculative_tokens": 2, "disable_by_batch_size": 4.5}', "disable_by_batch_size must be an integer"),
+    ('{"num_speculative_tokens": 2, "disable_by_batch_size": null}', "disable_by_batch_size must be an integer"),
     ('[1]', "must be a JSON object"),
     ('{', "not valid JSON"),
 ])
@@ -405,3 +411,36 @@ def test_grammar_masks_follow_the_drafts_and_leave_the_matcher_where_it_was(toke
     # The last draft completes the output: it is not verified (the model's own pick there is).
     assert rows.draft_masks(matcher, tuple(words)).shape[0] == len(words)
     assert matcher.accept(words[0]) and not matcher.is_complete     # it still starts at the beginning
+
+
+def test_steps_that_run_more_requests_than_disable_by_batch_size_draft_nothing(tokenizer,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three repetitive prompts of different lengths: no step drafts while all three run; once the
+    shortest has finished, the other two draft (and the tokens are the plain ones)."""
+    prompts = {"a": [5, 6, 7] * 4, "b": [8, 9] * 5, "c": [11, 12, 13, 14] * 3}
+    max_tokens = {"a": 6, "b": 20, "c": 30}
+    outputs, steps = {}, {}
+    for name, limit in (("plain", None), ("limited", 2)):
+        spec = None if limit is None else SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
+                                                            prompt_lookup_max=3, draft_sizing="per_request",
+                                                            disable_by_batch_size=limit)
+        engine = make_engine(tokenizer, speculative=spec)
+        seen = steps[name] = []            # per step: (requests it runs, draft tokens it verifies)
+
+        def recording(plan, execute=engine.runner.execute, seen=seen):
+            seen.append((len(plan.seqs), sum(len(s.draft_token_ids) for s in plan.seqs)))
+            return execute(plan)
+
+        monkeypatch.setattr(engine.runner, "execute", recording)
+        for rid, ids in prompts.items():
+            engine.add_request(rid, ids, SamplingParams(max_tokens=max_tokens[rid], temperature=0, ignore_eos=True))
+        outputs[name] = {rid: [] for rid in prompts}
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs[name][out.request_id] += out.new_token_ids
+        engine.close()
+    assert outputs["limited"] == outputs["plain"]
+    limited = steps["limited"]
+    assert sum(1 for running, _ in limited if running == 3) >= 5          # the limit was in force a while
+    assert all(drafts == 0 for running, drafts in limited if running > 2)
+    assert any(drafts for running, drafts in limited if running <= 2)

@@ -142,7 +142,7 @@ class Batcher:
         request was preempted for blocks."""
         preempted = False
         if self.speculation is not None:
-            self.speculation.propose(*self._decodes(budget))
+            self.speculation.propose(*self._decodes(budget), len(self.queues.running))
         for kind in ("decode", "short", "long"):
             for request in list(self.queues.running):
                 if request.status is not RequestStatus.RUNNING or request.request_id in budget.planned:

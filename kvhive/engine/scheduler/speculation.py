@@ -46,10 +46,14 @@ class Speculation:
         self.planned.clear()
         self._probes.lapse()
 
-    def propose(self, decodes: list[Request], plain_tokens: int) -> None:
+    def propose(self, decodes: list[Request], plain_tokens: int, num_running: int) -> None:
         """Draft for each request in decode this step, then size the drafts together.
-        ``plain_tokens``: the step's expected tokens without drafts."""
+        ``plain_tokens``: the step's expected tokens without drafts; ``num_running``: the requests
+        running (none drafts when they are more than the config's ``disable_by_batch_size``)."""
         self._proposed.clear()
+        limit = self.proposer.config.disable_by_batch_size
+        if limit is not None and num_running > limit:
+            return
         for request in decodes:
             # Never draft past max_tokens or the context: the last draft's successor ends the request.
             room = min(request.sampling.max_tokens - request.num_output_tokens,
