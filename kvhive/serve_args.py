@@ -312,10 +312,11 @@ def _add_performance_args(p: argparse.ArgumentParser) -> None:
                         "(default: auto)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding in vLLM's shape: {\"method\": \"ngram\", \"num_speculative_tokens\": "
-                        "K (1..16), \"prompt_lookup_min\": A, \"prompt_lookup_max\": B (1..16, both 5 where omitted)}: "
+                        "K (1..16), \"prompt_lookup_min\": A, \"prompt_lookup_max\": B (1..16, both 5 where omitted), "
+                        "\"disable_by_batch_size\": N (optional: no drafts in a step of more than N requests)}: "
                         "a decode step drafts up to K tokens from the longest earlier n-gram of the request's tokens "
                         "(\"method\": \"history\": then of its API key's finished requests, \"history_max_tokens\" "
-                        "kept) and verifies them in one pass, keeping the drafts that pay for the step's measured "
+                        "kept, across a graceful restart with --disk-cache-dir) and verifies them in one pass, keeping the drafts that pay for the step's measured "
                         "cost (\"draft_sizing\": \"step_cost\"; \"per_request\": each request's own length); "
                         "output unchanged (see docs/speculative_decoding.md) (default: off)")
     g.add_argument("--enforce-eager", action="store_true",

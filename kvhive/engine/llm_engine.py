@@ -19,6 +19,7 @@ from kvhive.core.retention import RetentionSpec
 from kvhive.engine import assembly, warm_start
 from kvhive.engine.cache_reset import CacheReset, reset_caches
 from kvhive.engine.holdings import TierHoldings
+from kvhive.engine.speculative import history_file
 from kvhive.engine.stats import ConnectorCounters, EngineStats, TierBudget
 from kvhive.engine.step import StepPlan, StepResult, TokenLogprobs
 from kvhive.kv.window_group import fit_kv_budget
@@ -111,6 +112,7 @@ class LLMEngine:
         self._session_copy = assembly.session_copy(self.store, self.connector_scheduler, self.connector_worker)
         self.scheduler = assembly.build_scheduler(config, loaded, self.num_blocks, self.scheduler_half,
                                                   self._session_copy, self.runner.window)
+        self._history_dir = self._load_history(config, loaded.config.vocab_size)
         self.publisher = None
         events = config.kv_events_settings()
         if events is not None and events.active:
@@ -203,8 +205,22 @@ class LLMEngine:
         if warm_start.warm_up(self.runner, self.model_config.vocab_size):
             logger.info("warm-up forward passes in %.2f s", time.perf_counter() - started)
 
+    def _load_history(self, config: EngineConfig, vocab_size: int) -> str | None:
+        """With method "history" and a disk cache dir: refill the history store from the file
+        the last run left there (``history_file``); the dir to write it back to, else None."""
+        speculation = self.scheduler.speculation
+        directory = config.store.disk_cache_dir
+        if speculation is None or speculation.proposer.history is None or directory is None:
+            return None
+        history_file.load(speculation.proposer.history, directory, self.fingerprint, vocab_size)
+        return directory
+
     def close(self) -> None:
-        """Flush and close the KV-event publisher; finish KV saves and close the store tiers."""
+        """Keep the speculative history (with a disk cache dir), flush and close the KV-event
+        publisher, finish KV saves and close the store tiers."""
+        if self._history_dir is not None:
+            history_file.save(self.scheduler.speculation.proposer.history, self._history_dir, self.fingerprint,
+                              self.model_config.vocab_size)
         self.runner.close()
         self.holdings.close()
         if self.publisher is not None:

@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 from kvhive.server.metrics_kv_transfer import kv_transfer_metrics
 
 if TYPE_CHECKING:
+    from kvhive.engine.speculative.draft_proposals import SpecDecodeStats
     from kvhive.engine.stats import ConnectorCounters, EngineStats
     from kvhive.kv.pool import BlockPoolStats
     from kvhive.sessions.registry import SessionStats
@@ -77,23 +78,27 @@ class EngineStatsCollector(Collector):
         if s.kv_transfer is not None:
             yield from kv_transfer_metrics(self._labels, s.kv_transfer)
         if s.spec_decode is not None:
-            yield from model_families(self._labels, (), (
-                ("kvhive_spec_decode_num_drafts", "Decode steps that verified draft tokens.", s.spec_decode.num_drafts),
-                ("kvhive_spec_decode_num_draft_tokens", "Draft tokens verified by the target model.",
-                 s.spec_decode.num_draft_tokens),
-                ("kvhive_spec_decode_num_accepted_tokens", "Draft tokens the target model accepted.",
-                 s.spec_decode.num_accepted_tokens),
-                ("kvhive_spec_decode_num_history_draft_tokens", "Draft tokens verified that came from the "
-                 "tenant's running requests or history (method history).", s.spec_decode.num_history_draft_tokens),
-                ("kvhive_spec_decode_num_history_accepted_tokens", "Draft tokens from the tenant's running "
-                 "requests or history that the target model accepted.", s.spec_decode.num_history_accepted_tokens),
-            ))
-            per_pos = CounterMetricFamily(
-                "kvhive_spec_decode_num_accepted_tokens_per_pos", "Draft tokens the target model accepted, by "
-                "their position in the step's draft (0: the first).", labels=["model_name", "position"])
-            for position, count in enumerate(s.spec_decode.num_accepted_tokens_per_pos):
-                per_pos.add_metric(self._labels + [str(position)], count)
-            yield per_pos
+            yield from self._spec_decode(s.spec_decode)
+
+    def _spec_decode(self, spec: SpecDecodeStats) -> Iterator[Metric]:
+        """The speculative-decoding counters (``--speculative-config``), the per-position one labelled."""
+        yield from model_families(self._labels, (), (
+            ("kvhive_spec_decode_num_drafts", "Decode steps that verified draft tokens.", spec.num_drafts),
+            ("kvhive_spec_decode_num_draft_tokens", "Draft tokens verified by the target model.",
+             spec.num_draft_tokens),
+            ("kvhive_spec_decode_num_accepted_tokens", "Draft tokens the target model accepted.",
+             spec.num_accepted_tokens),
+            ("kvhive_spec_decode_num_history_draft_tokens", "Draft tokens verified that came from the "
+             "tenant's running requests or history (method history).", spec.num_history_draft_tokens),
+            ("kvhive_spec_decode_num_history_accepted_tokens", "Draft tokens from the tenant's running "
+             "requests or history that the target model accepted.", spec.num_history_accepted_tokens),
+        ))
+        per_pos = CounterMetricFamily(
+            "kvhive_spec_decode_num_accepted_tokens_per_pos", "Draft tokens the target model accepted, by "
+            "their position in the step's draft (0: the first).", labels=["model_name", "position"])
+        for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+            per_pos.add_metric(self._labels + [str(position)], count)
+        yield per_pos
 
     def _window_blocks(self, pool: BlockPoolStats) -> Metric:
         """The window layers' own pool by state, as ``kvhive_kv_blocks`` counts the main pool."""

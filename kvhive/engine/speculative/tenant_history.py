@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -77,6 +77,12 @@ class TenantHistory:
         for key, follower in self._ngrams(token_ids, offset):
             self._index[key] = follower
         return offset
+
+    def sequences(self) -> Iterator[tuple[int, list[int]]]:
+        """(offset, tokens) of each sequence kept, oldest first."""
+        for offset, length in self._sequences:
+            local = offset - self._base
+            yield offset, self._tokens[local:local + length].tolist()
 
     def evict_oldest(self) -> StoredSequence:
         """Drop the oldest sequence and the index entries that point into it; where it was."""
@@ -157,6 +163,16 @@ class HistoryStore:
         least ``min_match`` tokens ([]: none)."""
         history = self._tenants.get(tenant)
         return [] if history is None else history.propose(context, max_tokens, min_match)
+
+    def sequences(self) -> Iterator[tuple[str | None, list[int]]]:
+        """(tenant, tokens) of every sequence kept, oldest first across tenants (the order the caps
+        evict them in): what ``kvhive.engine.speculative.history_file`` writes."""
+        per_tenant = {tenant: history.sequences() for tenant, history in self._tenants.items()}
+        for tenant, offset in self._order:
+            kept_at, tokens = next(per_tenant[tenant])
+            if kept_at != offset:
+                raise RuntimeError(f"history order out of step for tenant {tenant!r}")
+            yield tenant, tokens
 
     def stats(self) -> HistoryStats:
         """What the store holds now."""

@@ -1,0 +1,109 @@
+"""The "history" drafter's store written to the disk cache dir and read back: the same sequences,
+tenants and eviction order; a file that is corrupt, cut short, of another model or unwritable is
+logged and never read as history."""
+
+from __future__ import annotations
+
+import logging
+import random
+import struct
+import zlib
+
+import pytest
+
+from kvhive.engine.speculative import history_file
+from kvhive.engine.speculative.history_file import HistoryFileError, decode, encode
+from kvhive.engine.speculative.tenant_history import HistoryStore
+
+MODEL, VOCAB = "model-fingerprint", 500
+
+
+def _store(seed: int = 0, max_tokens: int = 400, tenant_max: int = 200) -> HistoryStore:
+    rng = random.Random(seed)
+    store = HistoryStore(2, 4, max_tokens, tenant_max)
+    for _ in range(30):
+        motif = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 6))]
+        store.record(rng.choice(["key:a", None, "key:b:salt"]), (motif * 5)[:rng.randint(3, 40)])
+    return store
+
+
+def test_the_store_comes_back_with_its_order_tenants_and_drafts(tmp_path) -> None:
+    before = _store()
+    history_file.save(before, str(tmp_path), MODEL, VOCAB)
+    after = HistoryStore(2, 4, 400, 200)
+    assert history_file.load(after, str(tmp_path), MODEL, VOCAB) == before.num_tokens > 0
+    assert list(after.sequences()) == list(before.sequences())
+    assert after.stats() == before.stats()
+    rng = random.Random(1)
+    for tenant in ("key:a", None, "key:b:salt", "key:c"):
+        for tokens in (t for t_, t in before.sequences() if t_ == tenant):
+            for end in range(2, len(tokens)):
+                assert after.propose(tenant, tokens[:end], 5) == before.propose(tenant, tokens[:end], 5)
+    new = [rng.randrange(VOCAB) for _ in range(150)]       # the caps evict the same sequences in both
+    before.record("key:a", new)
+    after.record("key:a", new)
+    assert list(after.sequences()) == list(before.sequences())
+
+
+def test_smaller_caps_keep_the_newest_sequences(tmp_path) -> None:
+    before = _store()
+    history_file.save(before, str(tmp_path), MODEL, VOCAB)
+    small = HistoryStore(2, 4, 100, 60)
+    history_file.load(small, str(tmp_path), MODEL, VOCAB)
+    kept = list(small.sequences())
+    assert small.num_tokens <= 100 and kept == [s for s in before.sequences() if s in kept]
+    assert kept[-1] == list(before.sequences())[-1]
+
+
+def test_no_file_is_an_empty_store(tmp_path) -> None:
+    store = HistoryStore(2, 4, 100, 100)
+    assert history_file.load(store, str(tmp_path), MODEL, VOCAB) == 0 and store.num_tokens == 0
+
+
+def _damaged(data: bytes, what: str) -> bytes:
+    if what == "flipped byte":
+        return data[:-9] + bytes([data[-9] ^ 0x40]) + data[-8:]
+    if what == "cut short":
+        return data[:len(data) // 2]
+    if what == "not a history file":
+        return b"PK\x03\x04" + data[4:]
+    return b""
+
+
+@pytest.mark.parametrize(("what", "why"), [("flipped byte", "checksum mismatch"), ("cut short", "checksum mismatch"),
+                                          ("not a history file", "not a history file"), ("empty", "not a history file")])
+def test_a_damaged_file_is_logged_and_not_read(tmp_path, caplog, what: str, why: str) -> None:
+    history_file.save(_store(), str(tmp_path), MODEL, VOCAB)
+    path = tmp_path / history_file.FILE_NAME
+    path.write_bytes(_damaged(path.read_bytes(), what))
+    store = HistoryStore(2, 4, 400, 200)
+    with caplog.at_level(logging.WARNING, logger="kvhive.engine.speculative.history_file"):
+        assert history_file.load(store, str(tmp_path), MODEL, VOCAB) == 0
+    assert store.num_tokens == 0 and any(why in r.getMessage() for r in caplog.records)
+
+
+def test_another_model_or_vocabulary_or_version_is_not_read() -> None:
+    data = encode([("t", [1, 2, 3])], MODEL, VOCAB)
+    assert decode(data, MODEL, VOCAB) == [("t", [1, 2, 3])]
+    for fingerprint, vocab in (("other-model", VOCAB), (MODEL, VOCAB + 1)):
+        with pytest.raises(HistoryFileError, match="another model"):
+            decode(data, fingerprint, vocab)
+    with pytest.raises(HistoryFileError, match="outside the vocabulary"):
+        decode(encode([("t", [1, 2, 3])], MODEL, 3), MODEL, 3)
+    body = encode([("t", [1])], MODEL, VOCAB)[:-4].replace(b'"version":1', b'"version":9')
+    with pytest.raises(HistoryFileError, match="version 9"):     # a later format, its checksum right
+        decode(body + struct.pack("<I", zlib.crc32(body)), MODEL, VOCAB)
+
+
+def test_a_write_that_fails_keeps_the_old_file_and_logs(tmp_path, caplog, monkeypatch) -> None:
+    history_file.save(_store(), str(tmp_path), MODEL, VOCAB)
+    old = (tmp_path / history_file.FILE_NAME).read_bytes()
+
+    def full_disk(path: str, data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(history_file, "atomic_write", full_disk)
+    with caplog.at_level(logging.WARNING, logger="kvhive.engine.speculative.history_file"):
+        history_file.save(_store(seed=3), str(tmp_path), MODEL, VOCAB)
+    assert (tmp_path / history_file.FILE_NAME).read_bytes() == old
+    assert any("No space left" in r.getMessage() for r in caplog.records)
