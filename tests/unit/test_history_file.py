@@ -4,6 +4,7 @@ logged and never read as history."""
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import struct
@@ -82,6 +83,13 @@ def test_a_damaged_file_is_logged_and_not_read(tmp_path, caplog, what: str, why:
     assert store.num_tokens == 0 and any(why in r.getMessage() for r in caplog.records)
 
 
+def _file(header: dict, tokens: list[int]) -> bytes:
+    """A history file of this header and these tokens, laid out and checksummed as ``encode`` does."""
+    text = json.dumps(header).encode()
+    body = history_file.MAGIC + struct.pack("<I", len(text)) + text + struct.pack(f"<{len(tokens)}i", *tokens)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
 def test_another_model_or_vocabulary_or_version_is_not_read() -> None:
     data = encode([("t", [1, 2, 3])], MODEL, VOCAB)
     assert decode(data, MODEL, VOCAB) == [("t", [1, 2, 3])]
@@ -90,9 +98,13 @@ def test_another_model_or_vocabulary_or_version_is_not_read() -> None:
             decode(data, fingerprint, vocab)
     with pytest.raises(HistoryFileError, match="outside the vocabulary"):
         decode(encode([("t", [1, 2, 3])], MODEL, 3), MODEL, 3)
-    body = encode([("t", [1])], MODEL, VOCAB)[:-4].replace(b'"version":1', b'"version":9')
-    with pytest.raises(HistoryFileError, match="version 9"):     # a later format, its checksum right
-        decode(body + struct.pack("<I", zlib.crc32(body)), MODEL, VOCAB)
+    good = {"version": 1, "model": MODEL, "vocab_size": VOCAB, "tenants": ["t"], "sequences": [[0, 1]]}
+    assert decode(_file(good, [1]), MODEL, VOCAB) == [("t", [1])]
+    for change, why in (({"version": 9}, "version 9"), ({"sequences": 7}, "bad sequence list"),
+                        ({"sequences": [[3, 1]]}, "bad sequence entry"),
+                        ({"sequences": [[0, 2]]}, "do not add up"), ({"tenants": [5]}, "bad tenant list")):
+        with pytest.raises(HistoryFileError, match=why):           # each file's checksum right
+            decode(_file({**good, **change}, [1]), MODEL, VOCAB)
 
 
 def test_a_write_that_fails_keeps_the_old_file_and_logs(tmp_path, caplog, monkeypatch) -> None:

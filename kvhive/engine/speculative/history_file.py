@@ -89,6 +89,8 @@ def decode(data: bytes, fingerprint: str, vocab_size: int) -> list[tuple[str | N
         tokens.byteswap()
     if not isinstance(tenants, list) or not all(t is None or isinstance(t, str) for t in tenants):
         raise HistoryFileError("bad tenant list")
+    if not isinstance(entries, list):
+        raise HistoryFileError("bad sequence list")
     out, offset = [], 0
     for entry in entries:
         if (not isinstance(entry, list) or len(entry) != 2 or not all(isinstance(v, int) for v in entry)
