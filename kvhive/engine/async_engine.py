@@ -11,7 +11,13 @@ from concurrent.futures import Future
 from typing import Any, NamedTuple, TypeVar
 
 from kvhive.core.retention import RetentionSpec
-from kvhive.engine.llm_engine import LLMEngine, RequestFailed, RequestOutput
+from kvhive.engine.llm_engine import (
+    CONSTRAINT_DEAD_END,
+    ConstraintDeadEnd,
+    LLMEngine,
+    RequestFailed,
+    RequestOutput,
+)
 from kvhive.engine.stats import EngineStats
 from kvhive.request import FinishReason, SamplingParams
 
@@ -128,7 +134,8 @@ class AsyncEngine:
                     raise RuntimeError(f"the engine failed: {item}") from item
                 if item.finish_reason is FinishReason.ERROR:
                     finished = True             # the engine has ended it: nothing to abort
-                    raise RequestFailed(item.error or "the engine failed this request")
+                    error = item.error or "the engine failed this request"
+                    raise (ConstraintDeadEnd if error.startswith(CONSTRAINT_DEAD_END) else RequestFailed)(error)
                 yield item
                 if item.finished:
                     finished = True

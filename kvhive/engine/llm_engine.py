@@ -41,6 +41,17 @@ class RequestFailed(RuntimeError):
     """Computing one request failed (its row, or the step it ran in); the engine runs on."""
 
 
+# How a request's error starts when its structured-output constraint admits no token of the
+# model's vocabulary at some point of its output (``kvhive.engine.constrained``): the client's
+# constraint, not a server fault.
+CONSTRAINT_DEAD_END = ("the output's grammar failed:", "the output's grammar allows no token")
+
+
+class ConstraintDeadEnd(RequestFailed):
+    """The request's structured-output constraint cannot be continued with this model's tokens
+    (the server answers 400, naming the constraint)."""
+
+
 @dataclass(frozen=True)
 class RequestOutput:
     """What one step produced for one request."""

@@ -16,9 +16,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from kvhive.engine.llm_engine import ConstraintDeadEnd
 from kvhive.engine.step import TokenLogprobs
 from kvhive.request import SamplingParams
-from kvhive.server.errors import APIError, server_error
+from kvhive.server.errors import APIError, constraint_error, server_error
 from kvhive.server.logprobs import SentToken
 from kvhive.server.prompt_cache import NO_PROMPT_CACHE, PromptCache
 from kvhive.server.text_deltas import PLAIN_TEXT, TextDelta, TextOptions
@@ -178,11 +179,14 @@ async def whole_answer(streams: Sequence[AsyncIterator[TextDelta]], raw_request:
 
 
 def _joined_result(task: asyncio.Task[list[TextDelta]]) -> list[TextDelta]:
-    """The joined choices; an engine error becomes a 500 (API and session errors keep their status)."""
+    """The joined choices; an engine error becomes a 500, a constraint no token can continue a 400
+    (API and session errors keep their status)."""
     try:
         return task.result()
     except (APIError, SessionError):
         raise                                     # answered with its own status
+    except ConstraintDeadEnd as exc:
+        raise constraint_error(exc) from exc      # the client's constraint: a 400
     except Exception as exc:
         logger.exception("engine error")
         raise server_error(f"Engine error: {type(exc).__name__}: {exc}") from exc

@@ -53,6 +53,13 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def constraint_error(exc: Exception) -> APIError:
+    """A 400 for a request whose structured-output constraint (``response_format``, ``guided_*``,
+    a tool's schema) cannot be continued with this model's tokens at some point of its output."""
+    return bad_request(f"the structured-output constraint cannot be completed with this model's vocabulary: {exc}",
+                       code="constraint_dead_end")
+
+
 def body_error(exc: BodyError) -> APIError:
     """A 400 for a body ``kvhive.core.json_body.load_json`` refused."""
     return bad_request(exc.message, param=exc.param)

@@ -302,3 +302,22 @@ def test_bad_structured_fields_are_400s_naming_the_field(default_server: ServerP
                                                       "response_format": JSON_SCHEMA_FORMAT})
         assert r.status_code == 200, r.text
         valid(r.json()["choices"][0]["message"]["content"])
+
+
+def test_a_constraint_no_token_can_continue_is_a_400_not_a_server_error(default_server: ServerProcess) -> None:
+    """A regex whose next character no token of the vocabulary spells (a control character after
+    "0"): the output starts, then no token fits. The client's constraint, not a server fault: a 400
+    naming it (in the stream, a 400's error body), and the server serves the next request."""
+    headers = {"authorization": f"Bearer {DEFAULT_API_KEY}"}
+    body = {"model": SERVED_MODEL_NAME, "prompt": "0", "guided_regex": "0\u0016", "max_tokens": 8}
+    with httpx.Client(base_url=default_server.base_url, headers=headers, timeout=120) as client:
+        r = client.post("/v1/completions", json=body)
+        assert_error(r, 400, code="constraint_dead_end", contains=("cannot be completed",))
+        streamed = client.post("/v1/completions", json={**body, "stream": True})
+        assert streamed.status_code == 200
+        events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        assert events[-1]["error"]["type"] == "invalid_request_error"
+        assert events[-1]["error"]["code"] == "constraint_dead_end"
+        r = client.post("/v1/completions", json={"model": SERVED_MODEL_NAME, "prompt": "0", "max_tokens": 4})
+        assert r.status_code == 200, r.text
