@@ -195,3 +195,15 @@ def open_publisher(events: KVEventsConfig, config: EngineConfig, scheduler: Sche
         store.send_events_to(TierEventForwarder(publisher, config.cache.block_size),
                              connector_scheduler.key_space.prefix)
     return publisher
+
+
+def load_history(config: EngineConfig, scheduler: Scheduler, fingerprint: str, vocab_size: int) -> str | None:
+    """With method "history" and a disk cache dir: refill the history store from the file the last
+    run left there (``kvhive.engine.speculative.history_file``); the dir to write it back to, else None."""
+    from kvhive.engine.speculative import history_file
+
+    speculation, directory = scheduler.speculation, config.store.disk_cache_dir
+    if speculation is None or speculation.proposer.history is None or directory is None:
+        return None
+    history_file.load(speculation.proposer.history, directory, fingerprint, vocab_size)
+    return directory

@@ -41,9 +41,7 @@ class RequestFailed(RuntimeError):
     """Computing one request failed (its row, or the step it ran in); the engine runs on."""
 
 
-# How a request's error starts when its structured-output constraint admits no token of the
-# model's vocabulary at some point of its output (``kvhive.engine.constrained``): the client's
-# constraint, not a server fault.
+# A request's error when its output constraint admits no token of the vocabulary (``constrained``).
 CONSTRAINT_DEAD_END = ("the output's grammar failed:", "the output's grammar allows no token")
 
 
@@ -123,7 +121,7 @@ class LLMEngine:
         self._session_copy = assembly.session_copy(self.store, self.connector_scheduler, self.connector_worker)
         self.scheduler = assembly.build_scheduler(config, loaded, self.num_blocks, self.scheduler_half,
                                                   self._session_copy, self.runner.window)
-        self._history_dir = self._load_history(config, loaded.config.vocab_size)
+        self._history_dir = assembly.load_history(config, self.scheduler, self.fingerprint, loaded.config.vocab_size)
         self.publisher = None
         events = config.kv_events_settings()
         if events is not None and events.active:
@@ -215,16 +213,6 @@ class LLMEngine:
         started = time.perf_counter()
         if warm_start.warm_up(self.runner, self.model_config.vocab_size):
             logger.info("warm-up forward passes in %.2f s", time.perf_counter() - started)
-
-    def _load_history(self, config: EngineConfig, vocab_size: int) -> str | None:
-        """With method "history" and a disk cache dir: refill the history store from the file
-        the last run left there (``history_file``); the dir to write it back to, else None."""
-        speculation = self.scheduler.speculation
-        directory = config.store.disk_cache_dir
-        if speculation is None or speculation.proposer.history is None or directory is None:
-            return None
-        history_file.load(speculation.proposer.history, directory, self.fingerprint, vocab_size)
-        return directory
 
     def close(self) -> None:
         """Keep the speculative history (with a disk cache dir), flush and close the KV-event
