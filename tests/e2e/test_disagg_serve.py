@@ -2,7 +2,8 @@
 model: the prefill computes each prompt and its first token and pushes the KV over TCP; the decode
 continues it. Greedy text equals a whole request on one instance, in a session too, and when the
 prefill process is SIGKILLed in the middle of a transfer the decode side recomputes (no wrong
-token, no hang)."""
+token, no hang). The decode instance speculates (``--speculative-config``), so every continuation
+here is also a drafted one; the prefill instance decodes plain and gives the reference text."""
 
 from __future__ import annotations
 
@@ -24,12 +25,13 @@ PROMPTS = [f"Question {i}: in a village of {i * 13 % 97} houses, each with {i % 
            for i in range(10)]
 # Prompts no other test sends (the decode replica holds those: their blocks are not sent again).
 FRESH = [f"Riddle {i}: " + p for i, p in enumerate(PROMPTS[:4])]
+SPEC = '{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 
 
 @pytest.fixture(scope="module")
 def pair():
     port = free_port()
-    decode = ServeProcess(*ONE, "--kv-role", "decode", "--kv-transfer-port", str(port))
+    decode = ServeProcess(*ONE, "--kv-role", "decode", "--kv-transfer-port", str(port), "--speculative-config", SPEC)
     try:
         prefill = ServeProcess(*ONE, "--kv-role", "prefill", "--max-num-batched-tokens", "64")
     except RuntimeError:
@@ -73,6 +75,23 @@ def test_ten_prompts_equal_a_single_instance(pair):
         assert _pd(prefill, decode, endpoint, f"ten-{i}", prompt).json()["choices"][0]["text"] == want
     assert _decode_metric(decode, "kvhive_kv_transfer_blocks_total", "received") > 0
     assert _decode_metric(decode, "kvhive_kv_transfer_recomputed_blocks_total") == 0
+
+
+def test_the_decode_side_drafts_a_quoting_continuation(pair):
+    """A transferred prompt that the answer quotes: the decode instance drafts from it and accepts
+    drafts, and the text is the plain single instance's."""
+    prefill, decode, endpoint = pair
+    notice = "The ferry to Brindle leaves Carrow pier at seven, calls at Dunmore and returns by noon. "
+    prompt = f"Notice: {notice * 3}\nCopy the notice exactly:\n"
+    want = prefill.complete(prompt, 48)[0]
+
+    def accepted() -> float:
+        return sum(metric_samples(httpx.get(decode.url + "/metrics", timeout=10).text,
+                                  "kvhive_spec_decode_num_accepted_tokens_total"))
+
+    before = accepted()
+    assert _pd(prefill, decode, endpoint, "quote-1", prompt, 48).json()["choices"][0]["text"] == want
+    assert accepted() - before >= 8
 
 
 def test_a_session_on_the_decode_side(pair):

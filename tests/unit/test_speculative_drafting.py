@@ -117,10 +117,10 @@ def test_the_proposer_counts_drafts_and_skips_requests_it_cannot_verify() -> Non
     proposer.record("q", 2, 1)
     assert proposer.stats().num_accepted_tokens_per_pos == (3, 2, 1)    # per position of a draft
     assert sum(proposer.stats().num_accepted_tokens_per_pos) == proposer.stats().num_accepted_tokens
-    refused = [make_request("x", [1, 2, 3, 4, 1, 2], max_tokens=20, prompt_logprobs=1),
-               Request("t", [1, 2, 3, 4, 1, 2], SamplingParams(max_tokens=20), kv_transfer=object())]
-    for request in refused:
-        assert not can_speculate(request) and proposer.propose(request, 3) == []
+    refused = make_request("x", [1, 2, 3, 4, 1, 2], max_tokens=20, prompt_logprobs=1)
+    assert not can_speculate(refused) and proposer.propose(refused, 3) == []
+    # The decode side of a disaggregated transfer drafts like any request in decode.
+    assert proposer.propose(Request("t", [1, 2, 3, 4, 1, 2], SamplingParams(max_tokens=20), kv_transfer=object()), 3)
     for sampling in ({"logit_bias": ((3, 1.0),), "temperature": 0.5, "logprobs": 2}, {"repetition_penalty": 1.2},
                      {"presence_penalty": 0.5, "frequency_penalty": 0.3}, {"min_tokens": 3}):
         assert can_speculate(make_request("b", [1], **sampling))

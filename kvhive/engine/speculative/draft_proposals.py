@@ -1,8 +1,9 @@
 """The scheduler's side of speculative decoding: which requests draft, their drafts, the counters.
 
-A running request in decode drafts unless it asks for prompt logprobs or is part of a
-disaggregated KV transfer: those decode one token per step. Method "ngram" drafts from the
-request's own tokens; method "history" does so first and, where they give no draft, drafts from
+A running request in decode drafts unless it asks for prompt logprobs: those decode one token per
+step. A request of a disaggregated transfer (``--kv-role``) drafts like any other once its prompt
+is computed: a transfer carries prompt blocks only. Method "ngram" drafts from the request's own
+tokens; method "history" does so first and, where they give no draft, drafts from
 the tokens of its tenant's other running requests (the ``MAX_LIVE_PEERS`` that started decoding
 last; a tenant is a prefix-cache salt), then from its tenant's ``HistoryStore`` (the prompt and
 output of every finished request). Torch-free.
@@ -42,8 +43,7 @@ class SpecDecodeStats:
 
 def can_speculate(request: Request) -> bool:
     """Whether the request's next tokens may be drafted (see the module's docstring)."""
-    sampling = request.sampling
-    return sampling.prompt_logprobs is None and request.kv_transfer is None
+    return request.sampling.prompt_logprobs is None
 
 
 class _RequestDrafts:
