@@ -83,9 +83,10 @@ def test_a_damaged_file_is_logged_and_not_read(tmp_path, caplog, what: str, why:
     assert store.num_tokens == 0 and any(why in r.getMessage() for r in caplog.records)
 
 
-def _file(header: dict, tokens: list[int]) -> bytes:
-    """A history file of this header and these tokens, laid out and checksummed as ``encode`` does."""
-    text = json.dumps(header).encode()
+def _file(header: dict | bytes, tokens: list[int]) -> bytes:
+    """A history file of this header (or header text) and these tokens, laid out and checksummed as
+    ``encode`` does."""
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
     body = history_file.MAGIC + struct.pack("<I", len(text)) + text + struct.pack(f"<{len(tokens)}i", *tokens)
     return body + struct.pack("<I", zlib.crc32(body))
 
@@ -105,6 +106,9 @@ def test_another_model_or_vocabulary_or_version_is_not_read() -> None:
                         ({"sequences": [[0, 2]]}, "do not add up"), ({"tenants": [5]}, "bad tenant list")):
         with pytest.raises(HistoryFileError, match=why):           # each file's checksum right
             decode(_file({**good, **change}, [1]), MODEL, VOCAB)
+    for text in (b"[" * 200_000 + b"]" * 200_000, b"[1, 2]", b"\xff\xfe", b'{"version": 1'):
+        with pytest.raises(HistoryFileError, match="unreadable header"):
+            decode(_file(text, [1]), MODEL, VOCAB)
 
 
 def test_a_write_that_fails_keeps_the_old_file_and_logs(tmp_path, caplog, monkeypatch) -> None:

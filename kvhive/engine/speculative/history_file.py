@@ -74,8 +74,8 @@ def decode(data: bytes, fingerprint: str, vocab_size: int) -> list[tuple[str | N
         header = json.loads(body[start:start + header_len])
         version, model, vocab = header["version"], header["model"], header["vocab_size"]
         tenants, entries = header["tenants"], header["sequences"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise HistoryFileError(f"unreadable header: {exc}") from exc
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:     # RecursionError: deep nesting
+        raise HistoryFileError(f"unreadable header: {type(exc).__name__}") from exc
     if version != VERSION:
         raise HistoryFileError(f"format version {version!r}, not {VERSION}")
     if model != fingerprint or vocab != vocab_size:
