@@ -30,6 +30,8 @@ def cors_list(text: str) -> tuple[str, ...]:
             value = json.loads(stripped)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        except RecursionError:
+            raise argparse.ArgumentTypeError("not a JSON list: arrays nested too deep") from None
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
         entries = [v.strip() for v in value]

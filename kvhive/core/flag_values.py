@@ -29,6 +29,8 @@ def json_flag_object(option: str, text: str) -> dict[str, Any]:
         values = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{option}: not valid JSON ({exc.msg} at character {exc.pos})") from None
+    except RecursionError:
+        raise ValueError(f"{option}: not valid JSON (arrays and objects nested too deep)") from None
     if not isinstance(values, dict):
         raise ValueError(f"{option}: must be a JSON object, got {type(values).__name__}")
     return values
@@ -101,6 +103,8 @@ def load_flag_file(path: str) -> dict[str, Any]:
         raise FlagValueError(f"cannot read {path}: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
         raise FlagValueError(f"{path} is not valid YAML: {exc}") from None
+    except RecursionError:
+        raise FlagValueError(f"{path} is not valid YAML: collections nested too deep") from None
     if data is None:
         return {}
     if not isinstance(data, Mapping) or not all(isinstance(k, str) for k in data):

@@ -94,7 +94,7 @@ def defaults_from_file(path: str) -> SamplingDefaults:
             raise GenerationConfigError(f"{path}: over {MAX_GENERATION_CONFIG_BYTES} bytes")
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:      # RecursionError: nested too deep
         raise GenerationConfigError(f"{path}: {exc}") from None
     if not isinstance(raw, dict):
         raise GenerationConfigError(f"{path}: not a JSON object")

@@ -198,6 +198,12 @@ def load_json(raw: bytes) -> Any:
     return data
 
 
+def load_json_text(text: str) -> Any:
+    """``load_json`` of JSON text a body field holds (a tool call's ``arguments``): the body's bounds
+    on nesting and size apply to it too; BodyError (a ValueError) when it is refused."""
+    return load_json(text.encode("utf-8", "surrogatepass"))
+
+
 def param_from_loc(loc: Sequence[str | int]) -> str | None:
     """A pydantic error location as an OpenAI ``param``: ("body", "messages", 0, "role") -> messages[0].role."""
     param = ""

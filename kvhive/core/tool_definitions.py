@@ -7,12 +7,11 @@ same prompt to route by KV (``kvhive.routing.prompts``), routes such a body by l
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvhive.core.json_body import BodyError
+from kvhive.core.json_body import BodyError, load_json_text
 from kvhive.core.tool_formats import ToolFunction, canonical_json, tool_prompt
 
 if TYPE_CHECKING:
@@ -142,7 +141,7 @@ def check_history(messages: Sequence[Mapping[str, Any]], params: Sequence[str]) 
                 raise BodyError(f"'{param}.id' must be 1 to {MAX_CALL_ID_CHARS} characters", param=f"{param}.id")
             call_ids.add(call_id)
             try:
-                arguments = json.loads(call["function"]["arguments"])
+                arguments = load_json_text(call["function"]["arguments"])
             except ValueError:
                 arguments = None
             if not isinstance(arguments, dict):

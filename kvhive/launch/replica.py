@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvhive.config import EngineConfig
+from kvhive.core.generation_defaults import GenerationConfigError, load_sampling_defaults
 from kvhive.engine.async_engine import AsyncEngine
 from kvhive.engine.client import EngineClient
 from kvhive.engine.llm_engine import LLMEngine
@@ -70,11 +71,15 @@ def build_replica(config: EngineConfig, options: AppOptions, *,
     ``engine_class``: the AsyncEngine (sub)class to run the engine in. EngineRefused when the
     engine cannot run this model or config.
     """
+    try:        # read before the model loads: a bad file refuses at once
+        defaults = load_sampling_defaults(config.generation_config, config.model_path)
+    except GenerationConfigError as exc:
+        raise EngineRefused(f"--generation-config: {exc}") from exc
     durable = DurableState(config.store, config.served_model_name)
     engine = engine_class(open_engine(config, durable, model, tokenizer))
     client = EngineClient(engine)
     session_backend = durable.session_backend()
-    services = build_services(client, options, session_backend, durable.response_backend())
+    services = build_services(client, options, session_backend, durable.response_backend(), defaults)
     app = create_app(services, options)
     heartbeat = None if registration is None else start_heartbeat(registration, config, client.fingerprint)
     return Replica(engine, client, services.generation.sessions, services.responses, app, heartbeat,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from kvhive.core.generation_defaults import load_sampling_defaults
+from kvhive.core.generation_defaults import SamplingDefaults
 from kvhive.engine.client import EngineClient
 from kvhive.server.app import AppOptions, AppServices
 from kvhive.server.generation import GenerationService
@@ -20,9 +20,10 @@ logger = logging.getLogger(__name__)
 
 
 def build_services(engine: EngineClient, options: AppOptions, session_backend: SessionBackend | None,
-                   response_backend: ResponseBackend | None) -> AppServices:
-    """The generation service (with its metrics, whose runtime paths and cache config it shows, and
-    its session service over ``session_backend``) and the Responses API over ``response_backend``."""
+                   response_backend: ResponseBackend | None, defaults: SamplingDefaults) -> AppServices:
+    """The generation service (with its metrics, whose runtime paths and cache config it shows, its
+    session service over ``session_backend`` and the sampling ``defaults`` of --generation-config)
+    and the Responses API over ``response_backend``."""
     config = engine.config
     metrics = ServerMetrics(engine.stats, config.served_model_name, max_model_len=engine.max_model_len,
                             compat=options.metrics_compat)
@@ -31,7 +32,6 @@ def build_services(engine: EngineClient, options: AppOptions, session_backend: S
     sessions = SessionService(config.sessions, engine, block_bytes=engine.block_bytes, block_size=engine.block_size,
                               backend=session_backend, keeper=keeper_tier(engine.keeper_budget(), config.store),
                               device_pool_bytes=config.cache.num_blocks * engine.block_bytes)
-    defaults = load_sampling_defaults(config.generation_config, config.model_path)
     logger.info("sampling defaults for unset request fields (--generation-config %s): %s",
                 config.generation_config, defaults.describe())
     service = GenerationService(engine, metrics, config.served_model_name, sessions=sessions,

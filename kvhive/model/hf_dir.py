@@ -47,7 +47,7 @@ def read_config_json(path: str) -> dict[str, object]:
             raw = json.load(f)
     except FileNotFoundError:
         raise ValueError(f"{path}: no config.json (a Hugging Face model directory has one)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:   # Recursion: nesting
         raise ValueError(f"{file}: not readable JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{file}: expected a JSON object")

@@ -47,7 +47,7 @@ def call_input(call: OutputCall) -> dict[str, Any] | None:
     """A call's arguments as the object ``tool_use.input`` holds; None when they are not one."""
     try:
         value = json.loads(call.arguments_text or "{}")
-    except ValueError:
+    except (ValueError, RecursionError):            # RecursionError: nested past the parser's stack
         return None
     return value if isinstance(value, dict) else None
 

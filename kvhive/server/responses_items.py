@@ -4,10 +4,10 @@ against the calls before it."""
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
+from kvhive.core.json_body import load_json_text
 from kvhive.core.request_fields import stray_field, stray_field_message
 from kvhive.core.tokenize_bodies import MessageToolCall, ToolCallFunction
 from kvhive.core.tool_definitions import MAX_CALL_ID_CHARS
@@ -137,7 +137,7 @@ def check_call_ids(history: list[dict[str, Any]], items: list[dict[str, Any]]) -
     for i, item in enumerate(items):
         if item["type"] == "function_call":
             try:
-                arguments = json.loads(item["arguments"])
+                arguments = load_json_text(item["arguments"])
             except ValueError:
                 arguments = None
             if not isinstance(arguments, dict):

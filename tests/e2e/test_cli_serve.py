@@ -40,6 +40,26 @@ def test_argument_errors_belong_to_the_parser_they_concern() -> None:
     assert bad_value.returncode == 2 and bad_value.stderr.startswith("usage: kvhive gateway ")
 
 
+DEEP = "[" * 60_000 + "]" * 60_000      # past Python's JSON and YAML parsers' stacks (one argument < 128 KiB)
+
+
+@pytest.mark.parametrize("flag", ["--speculative-config", "--kv-transfer-config", "--kv-events-config",
+                                  "--allowed-origins", "--config", "--hf-config", "--generation-config"])
+def test_json_or_yaml_nested_too_deep_exits_2_naming_the_flag(tmp_path, flag: str) -> None:
+    value = DEEP
+    if flag in ("--config", "--hf-config"):
+        value = str(tmp_path / "deep.yaml")
+        (tmp_path / "deep.yaml").write_text(f"port: {DEEP}\n" if flag == "--config" else DEEP)
+    elif flag == "--generation-config":
+        value = str(tmp_path)
+        (tmp_path / "generation_config.json").write_text(DEEP)
+    done = _kvhive("serve", flag, value, *(["--load-format", "dummy"] if flag == "--hf-config" else []))
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in done.stderr and last.startswith("kvhive serve:"), done.stderr[-2000:]
+    assert flag in last or value in last, last
+
+
 @pytest.mark.parametrize("command", ["serve", "gateway"])
 def test_a_taken_port_fails_fast_before_the_model_loads(taken_port: int, command: str) -> None:
     # In a fresh interpreter, so the modules loaded are the command's own: a taken port must stop it

@@ -268,6 +268,8 @@ def test_langchain_bind_tools(served: Served, model: str) -> None:
 # ---------------------------------------------------------------- bad input
 
 
+# Arguments nested past the body's bound (and past Python's JSON parser's stack).
+DEEP_ARGUMENTS = "[" * 100_000 + "]" * 100_000
 BAD_CHAT = [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [{**TOOLS[0], "function": {**TOOLS[0]["function"], "parameters": {"type": "string"}}}]},
@@ -288,6 +290,9 @@ BAD_CHAT = [
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "not json"}}]}]},
      "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP_ARGUMENTS}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
 ]
 
 
@@ -313,6 +318,8 @@ BAD_RESPONSES = [
     ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input[0].call_id"),
     ({"tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": DEEP_ARGUMENTS}]},
+     "input[0].arguments"),
 ]
 
 

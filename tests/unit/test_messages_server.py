@@ -21,7 +21,13 @@ from kvhive.core.tool_parsers import ArgumentsDelta, ContentDelta
 from kvhive.server.errors import APIError, install_error_handlers
 from kvhive.server.messages_errors import AnthropicErrors, check_anthropic_headers
 from kvhive.server.messages_protocol import MessagesRequest
-from kvhive.server.messages_stream import BlockEvents, MessageAnswer, cut_stop_sequence, stop_reason
+from kvhive.server.messages_stream import (
+    BlockEvents,
+    MessageAnswer,
+    call_input,
+    cut_stop_sequence,
+    stop_reason,
+)
 from kvhive.server.prompt_cache import NO_PROMPT_CACHE
 from kvhive.server.text_deltas import TextDelta
 from kvhive.server.tool_output import CallBegun, OutputCall
@@ -150,6 +156,14 @@ def test_text_then_a_call_make_two_blocks() -> None:
                      ("content_block_delta", 1)]
     assert frames[4]["content_block"] == {"type": "tool_use", "id": "toolu_abc", "name": "get_weather", "input": {}}
     assert "".join(f["delta"]["partial_json"] for f in frames[5:]) == '{"city": "Paris"}'
+
+
+def test_call_arguments_nested_past_the_json_parsers_stack_stay_text() -> None:
+    """A call whose arguments nest deeper than Python's JSON parser recurses is not a tool_use
+    input (a text block holds it), not a server error."""
+    deep = "[" * 5000 + "]" * 5000
+    assert call_input(OutputCall("call_1", "f", [deep])) is None
+    assert call_input(OutputCall("call_2", "f", ['{"a": [1]}'])) == {"a": [1]}
 
 
 def test_the_whole_answer_and_its_usage_without_breakpoints() -> None:

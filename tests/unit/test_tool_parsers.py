@@ -143,3 +143,17 @@ def test_written_calls_are_read_back(parser: str, calls: list[tuple[str, dict]],
     parsed, _ = _chunked(parser, text, cuts)
     assert parsed.content == prose
     assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == calls
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+def test_output_nested_past_the_json_parsers_stack_is_read_without_error(parser: str) -> None:
+    """A model that writes arrays nested deeper than Python's JSON parser recurses (a degenerate
+    loop) gets its output read as a parser reads any other: no exception, a call's arguments text
+    as written."""
+    deep = "[" * 5000 + "]" * 5000
+    text = {"hermes": f'<tool_call>{{"name": "f", "arguments": {deep}}}</tool_call>',
+            "llama3_json": f'{{"name": "f", "parameters": {deep}}}',
+            "mistral": f'[TOOL_CALLS][{{"name": "f", "arguments": {deep}}}]'}[parser]
+    parsed = parse_whole(parser, text)
+    assert all(call.arguments in (deep, "{}") for call in parsed.calls)
+    assert parse_whole(parser, deep + " and " + deep) is not None

@@ -53,6 +53,8 @@ def parse_kv_transfer_config(text: str | None, role: str | None, port: int | Non
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"--kv-transfer-config is not JSON: {exc}") from None
+        except RecursionError:
+            raise ValueError("--kv-transfer-config is not JSON: arrays and objects nested too deep") from None
         if not isinstance(raw, dict):
             raise ValueError("--kv-transfer-config must be a JSON object")
         unknown = sorted(set(raw) - set(_JSON_FIELDS))
