@@ -11,13 +11,8 @@ from concurrent.futures import Future
 from typing import Any, NamedTuple, TypeVar
 
 from kvhive.core.retention import RetentionSpec
-from kvhive.engine.llm_engine import (
-    CONSTRAINT_DEAD_END,
-    ConstraintDeadEnd,
-    LLMEngine,
-    RequestFailed,
-    RequestOutput,
-)
+from kvhive.engine.llm_engine import LLMEngine, RequestOutput
+from kvhive.engine.request_errors import request_failure
 from kvhive.engine.stats import EngineStats
 from kvhive.request import FinishReason, SamplingParams
 
@@ -135,7 +130,7 @@ class AsyncEngine:
                 if item.finish_reason is FinishReason.ERROR:
                     finished = True             # the engine has ended it: nothing to abort
                     error = item.error or "the engine failed this request"
-                    raise (ConstraintDeadEnd if error.startswith(CONSTRAINT_DEAD_END) else RequestFailed)(error)
+                    raise request_failure(error)
                 yield item
                 if item.finished:
                     finished = True

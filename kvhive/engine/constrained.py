@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvhive.engine.request_errors import NO_TOKEN, grammar_failure
 from kvhive.engine.step import ScheduledSeq
 from kvhive.structured import GrammarCompiler, GrammarMatcher, StructuredOutputError
 
@@ -138,9 +139,9 @@ class GrammarRows:
         keep = []
         for j, m in enumerate(job.matchers):
             if m.error is not None:
-                failed[job.request_ids[j]] = f"the output's grammar failed: {m.error}"
+                failed[job.request_ids[j]] = grammar_failure(m)
             elif empty[j]:
-                failed[job.request_ids[j]] = "the output's grammar allows no token of this model's vocabulary here"
+                failed[job.request_ids[j]] = NO_TOKEN
             else:
                 keep.append(j)
         if keep:
@@ -161,7 +162,7 @@ class GrammarRows:
             if token is None or rid in failed:
                 continue
             if not m.accept(token):
-                failed[rid] = f"the output's grammar rejected token {token}: {m.error}"
+                failed[rid] = grammar_failure(m, token)
             elif m.is_complete:
                 done.add(rid)
         self.times.apply_seconds += time.perf_counter() - started

@@ -19,6 +19,7 @@ from kvhive.core.retention import RetentionSpec
 from kvhive.engine import assembly, warm_start
 from kvhive.engine.cache_reset import CacheReset, reset_caches
 from kvhive.engine.holdings import TierHoldings
+from kvhive.engine.request_errors import RequestFailed  # noqa: F401 - this module's public name too
 from kvhive.engine.speculative import history_file
 from kvhive.engine.stats import ConnectorCounters, EngineStats, TierBudget
 from kvhive.engine.step import StepPlan, StepResult, TokenLogprobs
@@ -35,19 +36,6 @@ logger = logging.getLogger(__name__)
 # AsyncEngine loop stops): each failed step fails only its own requests, but a model that fails
 # every step is broken, and the process should exit for a supervisor to restart it.
 MAX_FAILED_STEPS_IN_ROW = 3
-
-
-class RequestFailed(RuntimeError):
-    """Computing one request failed (its row, or the step it ran in); the engine runs on."""
-
-
-# A request's error when its output constraint admits no token of the vocabulary (``constrained``).
-CONSTRAINT_DEAD_END = ("the output's grammar failed:", "the output's grammar allows no token")
-
-
-class ConstraintDeadEnd(RequestFailed):
-    """The request's structured-output constraint cannot be continued with this model's tokens
-    (the server answers 400, naming the constraint)."""
 
 
 @dataclass(frozen=True)

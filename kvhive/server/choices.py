@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from kvhive.engine.llm_engine import ConstraintDeadEnd
+from kvhive.engine.request_errors import ConstraintRefused
 from kvhive.engine.step import TokenLogprobs
 from kvhive.request import SamplingParams
 from kvhive.server.errors import APIError, constraint_error, server_error
@@ -185,7 +185,7 @@ def _joined_result(task: asyncio.Task[list[TextDelta]]) -> list[TextDelta]:
         return task.result()
     except (APIError, SessionError):
         raise                                     # answered with its own status
-    except ConstraintDeadEnd as exc:
+    except ConstraintRefused as exc:
         raise constraint_error(exc) from exc      # the client's constraint: a 400
     except Exception as exc:
         logger.exception("engine error")

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvhive.core.json_body import BodyError, validation_body_error
+from kvhive.engine.request_errors import ConstraintRefused
 from kvhive.sessions.registry import (
     SessionBusy,
     SessionError,
@@ -53,11 +54,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def constraint_error(exc: Exception) -> APIError:
+def constraint_error(exc: ConstraintRefused) -> APIError:
     """A 400 for a request whose structured-output constraint (``response_format``, ``guided_*``,
-    a tool's schema) cannot be continued with this model's tokens at some point of its output."""
-    return bad_request(f"the structured-output constraint cannot be completed with this model's vocabulary: {exc}",
-                       code="constraint_dead_end")
+    a tool's schema) ended its output (``kvhive.engine.request_errors``: no token of this model can
+    continue it, or it reached the grammar engine's limits)."""
+    return bad_request(f"{exc.summary}: {exc.detail}", code=exc.code)
 
 
 def body_error(exc: BodyError) -> APIError:

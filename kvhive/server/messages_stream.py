@@ -21,7 +21,8 @@ from typing import Any
 
 from kvhive.core.anthropic_errors import anthropic_error_body
 from kvhive.core.tool_parsers import ContentDelta
-from kvhive.server.errors import APIError, session_error
+from kvhive.engine.request_errors import ConstraintRefused
+from kvhive.server.errors import APIError, constraint_error, session_error
 from kvhive.server.messages_protocol import MessagesResponse, MessagesUsage, TextBlock, ToolUseBlock
 from kvhive.server.prompt_cache import PromptCache
 from kvhive.server.sse import sse_named_event
@@ -118,8 +119,9 @@ class MessageAnswer:
             async with contextlib.aclosing(stream) as deltas:
                 async for event in self._content_events(deltas):
                     yield event
-        except (APIError, SessionError) as exc:
-            error = exc if isinstance(exc, APIError) else session_error(exc)
+        except (APIError, SessionError, ConstraintRefused) as exc:
+            error = (exc if isinstance(exc, APIError) else session_error(exc) if isinstance(exc, SessionError)
+                     else constraint_error(exc))
             yield sse_named_event("error", anthropic_error_body(error.status_code, error.message))
         except Exception as exc:  # noqa: BLE001 - reported to the client in the stream
             logger.exception("engine error while streaming a message")

@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from kvhive.engine.llm_engine import ConstraintDeadEnd
+from kvhive.engine.request_errors import ConstraintRefused
 from kvhive.server.errors import constraint_error, server_error, session_error
 from kvhive.sessions.errors import SessionError
 
@@ -46,7 +46,7 @@ async def with_error_event(events: AsyncIterator[str]) -> AsyncIterator[str]:
         except SessionError as exc:  # its turn's record could not be written (logged where it failed)
             yield sse_event(session_error(exc).body())
             yield SSE_DONE
-        except ConstraintDeadEnd as exc:  # the client's constraint: its error body is a 400's
+        except ConstraintRefused as exc:  # the client's constraint: its error body is a 400's
             yield sse_event(constraint_error(exc).body())
             yield SSE_DONE
         except Exception as exc:  # noqa: BLE001 - reported to the client in the stream

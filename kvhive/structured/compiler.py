@@ -39,6 +39,9 @@ DEFAULT_CACHE_SIZE = 256
 LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
               step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
               verbose_errors=False)
+# What llguidance's errors say when one of LIMITS is reached (its error state has no kind of its
+# own: ``stop_reason`` reads "InternalError" for all of them).
+LIMIT_ERRORS = ("max is", "too many", "fuel", "too big", "limit")
 # A compile that takes longer than this (seconds) is refused; an ordinary schema takes milliseconds.
 COMPILE_TIME_LIMIT_S = 2.0
 
@@ -68,6 +71,13 @@ class GrammarMatcher:
     def error(self) -> str | None:
         """Why the matcher is in its error state (a rejected token, a step out of fuel), or None."""
         return self._m.get_error() if self._m.is_error() else None
+
+    @property
+    def hit_limit(self) -> bool:
+        """Whether its error is one of ``LIMITS`` reached (items in a row, lexer states or fuel,
+        grammar size), not a token refused or no token left."""
+        error = self.error
+        return error is not None and any(mark in error for mark in LIMIT_ERRORS)
 
     def fill_mask(self, row: np.ndarray) -> None:
         """Write the allowed next tokens into ``row`` (int32 words, bit i of word w = token 32w + i)."""

@@ -321,3 +321,29 @@ def test_a_constraint_no_token_can_continue_is_a_400_not_a_server_error(default_
         assert events[-1]["error"]["code"] == "constraint_dead_end"
         r = client.post("/v1/completions", json={"model": SERVED_MODEL_NAME, "prompt": "0", "max_tokens": 4})
         assert r.status_code == 200, r.text
+
+
+# Constraints whose first token is fine and that then reach the grammar engine's limits: a grammar
+# of 5,000 alternatives (Earley items in a row) and a regex repeated a million times (lexer).
+PAST_LIMITS = [{"guided_grammar": "root ::= " + " | ".join(f'"w{i}"' for i in range(5000))},
+               {"guided_regex": "a{1000000}"}]
+
+
+@pytest.mark.parametrize("constraint", PAST_LIMITS, ids=["grammar", "regex"])
+def test_a_constraint_past_the_grammar_limits_mid_output_is_a_400(default_server: ServerProcess,
+                                                                  constraint: dict) -> None:
+    """The client's constraint outgrew the grammar engine's limits partway through the output: a
+    400 (code constraint_too_complex, the engine's words), streamed or not, never a 500; the
+    server serves the next request."""
+    headers = {"authorization": f"Bearer {DEFAULT_API_KEY}"}
+    body = {"model": SERVED_MODEL_NAME, "prompt": "x", "max_tokens": 8, **constraint}
+    with httpx.Client(base_url=default_server.base_url, headers=headers, timeout=120) as client:
+        r = client.post("/v1/completions", json=body)
+        assert_error(r, 400, code="constraint_too_complex", contains=("limits",))
+        assert "<non-verbose/>" not in r.json()["error"]["message"]
+        streamed = client.post("/v1/completions", json={**body, "stream": True})
+        events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        assert events[-1]["error"]["code"] == "constraint_too_complex"
+        r = client.post("/v1/completions", json={"model": SERVED_MODEL_NAME, "prompt": "x", "max_tokens": 4})
+        assert r.status_code == 200, r.text

@@ -18,6 +18,7 @@ from starlette.datastructures import Headers
 
 from kvhive.core.anthropic_errors import anthropic_error_type
 from kvhive.core.tool_parsers import ArgumentsDelta, ContentDelta
+from kvhive.engine.request_errors import TOO_COMPLEX, ConstraintTooComplex
 from kvhive.server.errors import APIError, install_error_handlers
 from kvhive.server.messages_errors import AnthropicErrors, check_anthropic_headers
 from kvhive.server.messages_protocol import MessagesRequest
@@ -191,3 +192,20 @@ def test_a_stream_that_fails_ends_with_an_error_event() -> None:
     assert names == ["message_start", "ping", "content_block_start", "content_block_delta", "error"]
     error = json.loads(events[-1].split("data: ", 1)[1])
     assert error["error"]["type"] == "api_error" and "engine died" in error["error"]["message"]
+
+
+def test_a_stream_its_constraint_ends_has_an_invalid_request_error_event() -> None:
+    """The output's structured-output constraint ended it (the client's constraint, not a server
+    fault): the stream's error event is a 400's."""
+    async def refused() -> AsyncIterator[TextDelta]:
+        yield TextDelta("{", None, num_prompt_tokens=3, num_cached_tokens=0, num_output_tokens=1)
+        raise ConstraintTooComplex(f"{TOO_COMPLEX} Parser Error: Current row has 5001 items; max is 2000")
+
+    async def collect() -> list[str]:
+        answer = MessageAnswer("m", NO_PLAN, 3, (), NO_PROMPT_CACHE)
+        return [event async for event in answer.events(refused())]
+
+    error = json.loads(asyncio.run(collect())[-1].split("data: ", 1)[1])
+    assert error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["message"].endswith("limits at this point of the output: Parser Error: Current row has "
+                                              "5001 items; max is 2000")

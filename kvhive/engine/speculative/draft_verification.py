@@ -20,6 +20,7 @@ import torch
 
 from kvhive.engine.constrained import GrammarRows
 from kvhive.engine.logits_processors import LogitsProcessors
+from kvhive.engine.request_errors import NO_TOKEN, grammar_failure
 from kvhive.engine.sampling import check_logits, sample_tokens, token_logprobs
 from kvhive.engine.step import ScheduledSeq, StepResult, TokenLogprobs
 from kvhive.request import SamplingParams
@@ -100,7 +101,7 @@ def verify_drafts(logits: torch.Tensor, seq: ScheduledSeq, processors: LogitsPro
     if matcher is not None:
         for token in tokens:
             if not matcher.accept(token):
-                raise ValueError(f"the output's grammar rejected token {token}: {matcher.error}")
+                raise ValueError(grammar_failure(matcher, token))
         completed = matcher.is_complete
     num_top = seq.sampling.logprobs
     if num_top is None:
@@ -120,10 +121,10 @@ def _grammar_masked(logits: torch.Tensor, seq: ScheduledSeq, grammar: GrammarRow
     if matcher is None:
         raise ValueError(failed[seq.request_id])
     if matcher.error is not None:
-        raise ValueError(f"the output's grammar failed: {matcher.error}")
+        raise ValueError(grammar_failure(matcher))
     blocked = grammar.draft_masks(matcher, seq.draft_token_ids)
     if blocked[0].all():
-        raise ValueError("the output's grammar allows no token of this model's vocabulary here")
+        raise ValueError(NO_TOKEN)
     rows = logits[:blocked.shape[0]]
     return matcher, rows.masked_fill(torch.from_numpy(blocked).to(rows.device), float("-inf"))
 
