@@ -111,8 +111,11 @@ def body_object(raw: bytes, example: str) -> dict[str, Any]:
 
 def patched_ttl(raw: bytes, header: str | None) -> tuple[Any, str]:
     """The TTL a ``PATCH /v1/context/{id}`` asks for and the field it came in: the body's ``ttl``,
-    else the ``x-session-ttl`` header; 400 for a body that is not a JSON object."""
+    else the ``x-session-ttl`` header; 400 for a body that is not a JSON object of ``ttl`` alone."""
     data = body_object(raw, '{"ttl": 600}')
+    stray = next((key for key in data if key != "ttl"), None)
+    if stray is not None:
+        raise bad_request(f"Unrecognized request argument supplied: {stray[:80]}", param=stray[:80])
     if "ttl" in data:
         return data["ttl"], "ttl"
     return header, "x-session-ttl"

@@ -44,7 +44,8 @@ MAX_BETAS = 32
 
 def check_anthropic_headers(headers: Headers) -> None:
     """400 for an ``anthropic-version`` that is not a date (YYYY-MM-DD) from FIRST_ANTHROPIC_VERSION
-    on (absent is fine) or an ``anthropic-beta`` name not in NO_OP_BETAS, naming the header and the value."""
+    on (absent is fine), an ``anthropic-beta`` name not in NO_OP_BETAS, or kvhive's session headers
+    (sessions are not served here), naming the header and the value."""
     version = headers.get("anthropic-version")
     if version is not None and not _served_version(version.strip()):
         shape = "an unknown version" if _VERSION_SHAPE.fullmatch(version.strip()) else "malformed"
@@ -57,6 +58,11 @@ def check_anthropic_headers(headers: Headers) -> None:
         if beta not in NO_OP_BETAS:
             raise bad_request(f"anthropic-beta {beta[:80]!r} is not served; accepted (they change nothing "
                               f"here): {', '.join(NO_OP_BETAS)}", param="anthropic-beta")
+    for name in ("x-session-id", "x-session-ttl"):
+        if name in headers:
+            raise bad_request(f"{name} is not served on the Messages API: sessions run on /v1/completions, "
+                              f"/v1/chat/completions and /v1/responses; here, cache a prompt with "
+                              f"cache_control breakpoints", param=name)
 
 
 def _served_version(version: str) -> bool:

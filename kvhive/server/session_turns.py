@@ -33,10 +33,15 @@ async def open_session(service: GenerationService, raw_request: Request, model: 
     (``new_ttl``), the one named by ``x-session-id`` or ``conversation_id``, or ``NO_TURN``.
     ``num_tokens`` is prompt + max output. A request of ``n`` > 1 choices cannot run in a
     session (400, before any session is touched); nor can a ``turn_number`` outside one.
-    ``turn_number``: 409 unless it is the session's next turn (``check_turn_number``)."""
+    ``turn_number``: 409 unless it is the session's next turn (``check_turn_number``). An
+    ``x-session-ttl`` header is a 400 unless the request creates its session (``new_ttl``)."""
     header = raw_request.headers.get("x-session-id")
     if header:
         check_session_id(header, "x-session-id")
+    if new_ttl is None and "x-session-ttl" in raw_request.headers:
+        raise bad_request("x-session-ttl sets the TTL of the session POST /v1/context creates; a request "
+                          "that uses a session keeps its TTL (change it with PATCH /v1/context/{id})",
+                          param="x-session-ttl")
     if turn_number is not None and not (header or conversation_id or new_ttl is not None):
         raise bad_request("'turn_number' counts the turns of a session: send it with x-session-id, "
                           "conversation_id or POST /v1/context", param="turn_number")

@@ -109,6 +109,12 @@ def test_bad_forks_are_refused_and_create_nothing(server, forked):
             r = c.post(f"/v1/context/{parent}/fork", json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
         assert c.post(f"/v1/context/{parent}/fork", content=b"[1]").status_code == 400
+        r = c.patch(f"/v1/context/{parent}", json={"ttl": 900, "colour": "red"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "colour", r.text
+        # A TTL header where no session is created would be ignored: refused, naming it.
+        for headers in ({"x-session-id": parent, "x-session-ttl": "900"}, {"x-session-ttl": "900"}):
+            r = c.post("/v1/completions", json={**BODY, "prompt": PROMPT}, headers=headers)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "x-session-ttl", r.text
         assert len(c.get("/v1/context").json()["data"]) == before
         assert other.get("/v1/context").json()["data"] == []
 

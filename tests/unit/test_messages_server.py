@@ -75,12 +75,14 @@ def test_accepted_headers(headers: dict[str, str]) -> None:
     ({"anthropic-version": "2027-13-01"}, "unknown version"),
     ({"anthropic-beta": "prompt-caching-2024-07-31,computer-use-2025-01-24"}, "computer-use-2025-01-24"),
     ({"anthropic-beta": ",".join(f"b{i}" for i in range(40))}, "at most"),
+    ({"x-session-id": "sess-1"}, "x-session-id is not served"),
+    ({"x-session-ttl": "600"}, "x-session-ttl is not served"),
 ])
 def test_refused_headers_name_the_header(headers: dict[str, str], named: str) -> None:
     with pytest.raises(APIError) as info:
         check_anthropic_headers(Headers(headers))
     assert info.value.status_code == 400 and named in info.value.message
-    assert info.value.param in ("anthropic-version", "anthropic-beta")
+    assert info.value.param in ("anthropic-version", "anthropic-beta", *headers)
 
 
 # ---------------------------------------------------------------- errors
