@@ -124,6 +124,12 @@ class ModelConfig:
         return max(1, projections // (2 * q_width))
 
 
+# The most GiB a memory or disk budget flag takes (1 PiB: past any machine, within float and int
+# arithmetic), and the longest TTL in seconds a store flag takes (ten years).
+MAX_GIB = 2**20
+MAX_TTL_S = 10 * 365 * 86400
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The device KV block pool and prefix caching."""
@@ -139,8 +145,8 @@ class CacheConfig:
             raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2, got {self.num_blocks}")
-        if self.kv_cache_gb <= 0:
-            raise ValueError(f"--kv-cache-gb must be positive, got {self.kv_cache_gb}")
+        if not 0 < self.kv_cache_gb <= MAX_GIB:
+            raise ValueError(f"--kv-cache-gb must be in (0, {MAX_GIB}], got {self.kv_cache_gb}")
         if not 0 <= self.hash_seed < 2**64:
             raise ValueError(f"--hash-seed must fit in 64 bits, got {self.hash_seed}")
 
@@ -169,16 +175,16 @@ class StoreConfig:
     offload_min_priority: int = 0
 
     def __post_init__(self) -> None:
-        if self.cpu_offload_gb < 0:
-            raise ValueError(f"--cpu-offload-gb must be >= 0, got {self.cpu_offload_gb}")
-        if self.disk_cache_gb <= 0:
-            raise ValueError(f"--disk-cache-gb must be positive, got {self.disk_cache_gb}")
+        if not 0 <= self.cpu_offload_gb <= MAX_GIB:
+            raise ValueError(f"--cpu-offload-gb must be in [0, {MAX_GIB}], got {self.cpu_offload_gb}")
+        if not 0 < self.disk_cache_gb <= MAX_GIB:
+            raise ValueError(f"--disk-cache-gb must be in (0, {MAX_GIB}], got {self.disk_cache_gb}")
         if self.disk_cache_dir is not None and not self.disk_cache_dir:
             raise ValueError("--disk-cache-dir must not be empty")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--redis-url must be a redis:// URL, got {self.redis_url!r}")
-        if self.redis_ttl_s is not None and self.redis_ttl_s <= 0:
-            raise ValueError(f"--redis-ttl must be positive, got {self.redis_ttl_s}")
+        if self.redis_ttl_s is not None and not 0 < self.redis_ttl_s <= MAX_TTL_S:
+            raise ValueError(f"--redis-ttl must be in (0, {MAX_TTL_S}], got {self.redis_ttl_s}")
         if self.redis_timeout_s <= 0:
             raise ValueError(f"redis timeout must be positive, got {self.redis_timeout_s}")
         if isinstance(self.offload_min_priority, bool) or not 0 <= self.offload_min_priority <= 100:

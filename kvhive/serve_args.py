@@ -24,7 +24,7 @@ from kvhive.config import (
 )
 from kvhive.connector.disagg.transfer_config import parse_kv_transfer_config
 from kvhive.core.cors import add_cors_args
-from kvhive.core.flag_values import auto_or_count
+from kvhive.core.flag_values import auto_or_count, finite_float
 from kvhive.core.http_limits import add_http_limit_args
 from kvhive.core.kv_cache_dtype import KV_CACHE_DTYPES
 from kvhive.core.kv_events_config import parse_kv_events_config
@@ -113,7 +113,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_cache_args(p: argparse.ArgumentParser) -> None:
     """Add the options of the device KV pool and prefix caching."""
     g = p.add_argument_group("KV cache and prefix caching")
-    g.add_argument("--kv-cache-gb", type=float, default=2.0, metavar="G",
+    g.add_argument("--kv-cache-gb", type=finite_float, default=2.0, metavar="G",
                    help="device KV pool size in GiB, allocated when the server starts (the idle server "
                         "holds about this plus the model: ~3.4 GB in all at 2.0, ~1.8 GB at 0.5)")
     g.add_argument("--num-blocks", type=int, default=None, metavar="N",
@@ -136,17 +136,17 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
 def _add_tier_args(p: argparse.ArgumentParser) -> None:
     """Add the options of the KV tiers below the device pool: CPU memory, disk, Redis."""
     g = p.add_argument_group("KV tiers (below the device pool)")
-    g.add_argument("--cpu-offload-gb", type=float, default=0.0, metavar="G",
+    g.add_argument("--cpu-offload-gb", type=finite_float, default=0.0, metavar="G",
                    help="CPU memory tier for KV blocks, in GiB (0: off)")
     g.add_argument("--disk-cache-dir", default=None, metavar="DIR",
                    help="directory of the disk KV tier: segment files whose index survives restarts "
                         "(default: no disk tier)")
-    g.add_argument("--disk-cache-gb", type=float, default=10.0, metavar="G",
+    g.add_argument("--disk-cache-gb", type=finite_float, default=10.0, metavar="G",
                    help="disk KV tier budget in GiB")
     g.add_argument("--redis-url", default=None, metavar="URL",
                    help="Redis KV tier shared by every replica pointing at it, e.g. redis://host:6379/0 "
                         "(default: no Redis tier)")
-    g.add_argument("--redis-ttl", type=float, default=None, metavar="S",
+    g.add_argument("--redis-ttl", type=finite_float, default=None, metavar="S",
                    help="seconds a KV block lives in Redis (default: until Redis evicts it)")
     g.add_argument("--offload-min-priority", type=int, default=0, metavar="N",
                    help="blocks whose retention priority (0-100, default priority 35) is below N are not "
@@ -264,7 +264,7 @@ def _add_registration_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--advertise-url", default=None, metavar="URL",
                    help="the URL gateways reach this replica at (default: http://HOST:PORT from --host and "
                         "--port; this machine's host name when --host is 0.0.0.0)")
-    g.add_argument("--register-ttl", type=float, default=10.0, metavar="S",
+    g.add_argument("--register-ttl", type=finite_float, default=10.0, metavar="S",
                    help="seconds the registration lives without a heartbeat (one every S/3); a gateway "
                         "removes a replica whose heartbeat stopped within S plus its --discover-interval")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -34,6 +35,18 @@ def json_flag_object(option: str, text: str) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise ValueError(f"{option}: must be a JSON object, got {type(values).__name__}")
     return values
+
+
+def finite_float(text: str) -> float:
+    """argparse type of the commands' number flags: a float that is finite (``nan``, ``inf`` and
+    ``1e999`` are refused, so no range check downstream meets one); argparse exits 2 naming the flag."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
 
 
 def auto_or_count(value: str, noun: str, low: int, high: int | None = None) -> int | None:

@@ -42,7 +42,7 @@ class Bound(NamedTuple):
     def problem(self, value: float) -> str | None:
         """Why ``value`` is out of range (a message naming the flag), or None when it is within."""
         too_low = value < self.low if self.low_inclusive else value <= self.low
-        if too_low or value > self.high:
+        if too_low or value > self.high or value != value:          # value != value: NaN
             low = "[" if self.low_inclusive else "("
             return f"{self.flag} must be in {low}{_number(self.low)}, {_number(self.high)}], got {_number(value)}"
         return None

@@ -22,6 +22,7 @@ MEMBERS_KEY = "kvhive:replicas"
 RECORD_KEY_PREFIX = "kvhive:replica:"
 DEFAULT_REGISTER_TTL_S = 10.0
 MIN_REGISTER_TTL_S = 1.0
+MAX_REGISTER_TTL_S = 86400
 _WILDCARD_HOSTS = ("", "*", "0.0.0.0", "::", "[::]")
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _MAX_RECORD_BYTES = 4096
@@ -87,8 +88,9 @@ class RegistrationConfig:
         parts = urlsplit(self.advertise_url)
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
             raise ValueError(f"--advertise-url must be http(s)://HOST:PORT, got {self.advertise_url!r}")
-        if not self.ttl_s >= MIN_REGISTER_TTL_S:
-            raise ValueError(f"--register-ttl must be >= {MIN_REGISTER_TTL_S:g} seconds, got {self.ttl_s}")
+        if not MIN_REGISTER_TTL_S <= self.ttl_s <= MAX_REGISTER_TTL_S:
+            raise ValueError(f"--register-ttl must be in [{MIN_REGISTER_TTL_S:g}, {MAX_REGISTER_TTL_S}] seconds, "
+                             f"got {self.ttl_s}")
 
     @property
     def heartbeat_s(self) -> float:

@@ -121,11 +121,16 @@ class ModelRunner:
         # head_dim values, or an 8-bit pool's head_dim codes and 2-byte scale (kvhive.model.kv_quant).
         kv = self.kv_dtype
         row, dtype = (c.head_dim, self.dtype) if kv is None else (row_elements(c.head_dim, kv), pool_dtype(kv))
-        self.kv_cache = torch.zeros(self.num_blocks, num_layers, 2, self.block_size, c.num_kv_heads, row,
-                                    dtype=dtype, device=self.device)
-        # The window layers' pool (kvhive.model.window_kv), in the same layout; None: one pool.
-        self.window_cache = None if window is None else torch.zeros(
-            window.num_blocks, window.num_window_layers, *self.kv_cache.shape[2:], dtype=dtype, device=self.device)
+        try:        # a pool the device cannot hold refuses the config (exit 2), not a traceback
+            self.kv_cache = torch.zeros(self.num_blocks, num_layers, 2, self.block_size, c.num_kv_heads, row,
+                                        dtype=dtype, device=self.device)
+            # The window layers' pool (kvhive.model.window_kv), in the same layout; None: one pool.
+            self.window_cache = None if window is None else torch.zeros(
+                window.num_blocks, window.num_window_layers, *self.kv_cache.shape[2:], dtype=dtype,
+                device=self.device)
+        except (RuntimeError, MemoryError) as exc:          # torch.OutOfMemoryError is a RuntimeError
+            raise ValueError(f"the KV pool of {self.num_blocks} blocks cannot be allocated on {self.device}; "
+                             f"lower --kv-cache-gb or --num-blocks ({str(exc).splitlines()[0][:200]})") from exc
         # The KV connector's worker half: moves blocks between the pool and the store tiers.
         self.connector = connector
         if connector is not None:

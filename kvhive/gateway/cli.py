@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from kvhive.core.cors import add_cors_args, cors_from_args
+from kvhive.core.flag_values import finite_float
 from kvhive.core.http_limits import add_http_limit_args, http_limits_from_args
 from kvhive.gateway.gateway_config import ROUTING_POLICIES, GatewayConfig, ReplicaSpec
 from kvhive.gateway.outlier import OutlierPolicy
@@ -75,7 +76,7 @@ def _add_replica_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replica-api-key", default=None, metavar="KEY",
                    help="key the gateway sends to replicas started with --api-key when it reads their "
                         "block-hash settings from /v1/models at start (default: $KVHIVE_API_KEY, else none)")
-    g.add_argument("--health-interval", type=float, default=1.0, metavar="S",
+    g.add_argument("--health-interval", type=finite_float, default=1.0, metavar="S",
                    help="seconds between health checks")
     g.add_argument("--failures-to-drop", type=int, default=2, metavar="N",
                    help="failed health checks in a row that drop a replica")
@@ -121,7 +122,7 @@ def _add_index_args(p: argparse.ArgumentParser) -> None:
                    help="also route to the replicas registered in this Redis (kvhive serve --register URL), "
                         "beside any --replica; one whose heartbeat stops is removed within its "
                         "--register-ttl plus --discover-interval (default: off)")
-    g.add_argument("--discover-interval", type=float, default=1.0, metavar="S",
+    g.add_argument("--discover-interval", type=finite_float, default=1.0, metavar="S",
                    help="seconds between two reads of the replica registry")
 
 
@@ -135,17 +136,17 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
                    help="how KV hits become a score")
     g.add_argument("--tier-weights", default="GPU=1.0,CPU=0.8,DISK=0.5,REMOTE=0.3", metavar="TIER=W,...",
                    help="worth of a cached block by tier, each in [0, 1]")
-    g.add_argument("--cache-weight", type=float, default=1.0, metavar="W",
+    g.add_argument("--cache-weight", type=finite_float, default=1.0, metavar="W",
                    help="weight of the cached share of the prompt in the final score")
-    g.add_argument("--load-weight", type=float, default=0.5, metavar="W",
+    g.add_argument("--load-weight", type=finite_float, default=0.5, metavar="W",
                    help="weight of the relative queue length (running + waiting-factor * waiting)")
-    g.add_argument("--kv-usage-weight", type=float, default=0.1, metavar="W", help="weight of KV pool usage")
-    g.add_argument("--waiting-factor", type=float, default=2.0, metavar="F",
+    g.add_argument("--kv-usage-weight", type=finite_float, default=0.1, metavar="W", help="weight of KV pool usage")
+    g.add_argument("--waiting-factor", type=finite_float, default=2.0, metavar="F",
                    help="a waiting request counts as this many running ones")
-    g.add_argument("--min-cached-share", type=float, default=0.1, metavar="S",
+    g.add_argument("--min-cached-share", type=finite_float, default=0.1, metavar="S",
                    help="a replica holding less than this share of the prompt counts as holding none "
                         "(so a common chat template does not draw every new prompt to one replica)")
-    g.add_argument("--cache-key-weight", type=float, default=0.4, metavar="W",
+    g.add_argument("--cache-key-weight", type=finite_float, default=0.4, metavar="W",
                    help="bonus of the replica that served a request's prompt_cache_key last (per API "
                         "key): same key, same replica while its load allows (0: the key routes nothing)")
 
@@ -153,22 +154,22 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
 def _add_upstream_args(p: argparse.ArgumentParser) -> None:
     """Add the "upstream time limits and outlier ejection" group to ``p``."""
     g = p.add_argument_group("upstream time limits, outlier ejection, KV-event watch")
-    g.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+    g.add_argument("--request-timeout", type=finite_float, default=600.0, metavar="S",
                    help="longest a forwarded request may take: the whole of an answer of known length "
                         "(a non-streamed completion), or a streamed answer's start and first piece, then "
                         "each gap between pieces; past it the request fails (504, or a cut stream) and "
                         "counts against the replica (0: no limit)")
-    g.add_argument("--connect-timeout", type=float, default=5.0, metavar="S",
+    g.add_argument("--connect-timeout", type=finite_float, default=5.0, metavar="S",
                    help="longest wait for a connection to a replica (the request then goes to another)")
     g.add_argument("--outlier-consecutive-failures", type=int, default=5, metavar="N",
                    help="failed requests in a row (5xx, refused or reset connection, timeout, an answer "
                         "that is not HTTP or not the JSON or event stream expected, a cut body) that eject "
                         "a replica (0: never eject)")
-    g.add_argument("--outlier-base-ejection-s", type=float, default=30.0, metavar="S",
+    g.add_argument("--outlier-base-ejection-s", type=finite_float, default=30.0, metavar="S",
                    help="an ejection lasts this times the replica's ejections in a row")
-    g.add_argument("--outlier-max-ejection-s", type=float, default=300.0, metavar="S",
+    g.add_argument("--outlier-max-ejection-s", type=finite_float, default=300.0, metavar="S",
                    help="the longest an ejection lasts")
-    g.add_argument("--events-silent-after", type=float, default=30.0, metavar="S",
+    g.add_argument("--events-silent-after", type=finite_float, default=30.0, metavar="S",
                    help="warn (once, and in /health) when no KV event came from a replica's events= "
                         "endpoint this long after a request was routed to it")
 

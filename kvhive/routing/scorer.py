@@ -7,6 +7,7 @@ that with load; see ``RoutingWeights`` for the formula.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
@@ -147,6 +148,8 @@ class RoutingWeights:
 
 def weight_problem(name: str, value: float) -> str | None:
     """What is wrong with ``value`` for RoutingWeights field ``name`` ("must be >= 0, got -1"), or None."""
+    if not math.isfinite(value):
+        return f"must be a finite number, got {value}"
     if value < 0:
         return f"must be >= 0, got {value}"
     if name == "min_share" and value > 1:

@@ -60,6 +60,27 @@ def test_json_or_yaml_nested_too_deep_exits_2_naming_the_flag(tmp_path, flag: st
     assert flag in last or value in last, last
 
 
+@pytest.mark.parametrize(("command", "args", "flag"), [
+    ("serve", ("--kv-cache-gb", "nan"), "--kv-cache-gb"),
+    ("serve", ("--kv-cache-gb", "1e308"), "--kv-cache-gb"),
+    ("serve", ("--cpu-offload-gb", "inf"), "--cpu-offload-gb"),
+    ("serve", ("--disk-cache-dir", "DIR", "--disk-cache-gb", "1e308"), "--disk-cache-gb"),
+    ("serve", ("--redis-url", "redis://127.0.0.1:9", "--redis-ttl", "1e308"), "--redis-ttl"),
+    ("serve", ("--http-header-timeout", "nan"), "--http-header-timeout"),
+    ("serve", ("--register", "redis://127.0.0.1:9", "--register-ttl", "1e308"), "--register-ttl"),
+    # Past any address space: the pool's allocation fails on every host.
+    ("serve", ("--kv-cache-gb", "500000"), "--kv-cache-gb"),
+    ("gateway", ("--replica", "http://127.0.0.1:9", "--cache-weight", "nan"), "--cache-weight"),
+    ("gateway", ("--replica", "http://127.0.0.1:9", "--load-weight", "inf"), "--load-weight"),
+])
+def test_numbers_that_are_not_finite_or_past_any_machine_exit_2(tmp_path, command: str, args: tuple[str, ...],
+                                                                 flag: str) -> None:
+    done = _kvhive(command, "--port", "0", *(str(tmp_path) if a == "DIR" else a for a in args), timeout_s=120)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert last.startswith(f"kvhive {command}:") and flag in last, last
+
+
 @pytest.mark.parametrize("command", ["serve", "gateway"])
 def test_a_taken_port_fails_fast_before_the_model_loads(taken_port: int, command: str) -> None:
     # In a fresh interpreter, so the modules loaded are the command's own: a taken port must stop it

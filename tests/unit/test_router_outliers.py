@@ -81,10 +81,13 @@ def test_the_flags_reach_the_config_and_bad_values_exit_2() -> None:
     assert config.outliers == OutlierPolicy(2, 1, 4)
     defaults = build_gateway_config(gateway_args())
     assert (defaults.request_limit_s, defaults.connect_timeout_s, defaults.outliers) == (600, 5, OutlierPolicy())
-    for bad in (["--request-timeout", "-1"], ["--request-timeout", "inf"], ["--connect-timeout", "0"],
+    for bad in (["--request-timeout", "-1"], ["--connect-timeout", "0"],
                 ["--events-silent-after", "0"], ["--outlier-consecutive-failures", "-3"],
                 ["--outlier-base-ejection-s", "0"], ["--outlier-max-ejection-s", "1"]):
         assert run_gateway(gateway_args(*bad, "--log-level", "warning")) == 2, bad
+    with pytest.raises(SystemExit) as refused:      # not a finite number: refused by the parser itself
+        gateway_args("--request-timeout", "inf")
+    assert refused.value.code == 2
 
 
 def test_silent_events_are_reported_once_then_their_arrival(caplog: pytest.LogCaptureFixture) -> None:
