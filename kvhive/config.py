@@ -124,6 +124,16 @@ class ModelConfig:
         return max(1, projections // (2 * q_width))
 
 
+# The most compute threads per CPU the process may run on (--num-threads): past the cores a team
+# only waits on itself, and a team of thousands does not start in reasonable time.
+MAX_THREADS_PER_CPU = 4
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 # The most GiB a memory or disk budget flag takes (1 PiB: past any machine, within float and int
 # arithmetic), and the longest TTL in seconds a store flag takes (ten years).
 MAX_GIB = 2**20
@@ -216,8 +226,8 @@ class SessionConfig:
     max_active_conversations: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_ttl_s <= 0:
-            raise ValueError(f"--max-session-ttl must be positive, got {self.max_ttl_s}")
+        if not 0 < self.max_ttl_s <= MAX_TTL_S:
+            raise ValueError(f"--max-session-ttl must be in (0, {MAX_TTL_S}], got {self.max_ttl_s}")
         if not 0 < self.default_ttl_s <= self.max_ttl_s:
             raise ValueError(f"--default-session-ttl must be in (0, --max-session-ttl={self.max_ttl_s}], "
                              f"got {self.default_ttl_s}")
@@ -287,8 +297,10 @@ class EngineConfig:
             raise ValueError("give the KV-event endpoint once: in kv_events_config or as kv_events")
         if self.grammar_cache_size < 1:
             raise ValueError(f"the grammar cache needs at least 1 entry, got {self.grammar_cache_size}")
-        if self.num_threads is not None and self.num_threads <= 0:
-            raise ValueError(f"--num-threads must be positive, got {self.num_threads}")
+        most = MAX_THREADS_PER_CPU * usable_cpus()
+        if self.num_threads is not None and not 1 <= self.num_threads <= most:
+            raise ValueError(f"--num-threads must be 1 to {most} ({MAX_THREADS_PER_CPU} per CPU this process "
+                             f"may run on), got {self.num_threads}")
         if self.quantized_matmul_rows is not None and not 0 <= self.quantized_matmul_rows <= MAX_QUANT_ROWS:
             raise ValueError(f"--quantized-matmul-rows must be auto or 0..{MAX_QUANT_ROWS}, "
                              f"got {self.quantized_matmul_rows}")

@@ -287,8 +287,9 @@ def _add_performance_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("performance")
     add_scheduler_args(g)
     g.add_argument("--num-threads", type=int, default=None, metavar="N",
-                   help="threads of torch and the C++ kernels (default: all cores, fewer while other "
-                        "processes keep cores busy, re-checked every 0.5 s)")
+                   help="threads of torch and the C++ kernels, at most 4 per CPU this process may run on "
+                        "(default: all cores, fewer while other processes keep cores busy, re-checked "
+                        "every 0.5 s)")
     g.add_argument("--omp-wait-policy", choices=WAIT_POLICIES, default="auto",
                    help="how idle OpenMP threads wait between parallel regions: active spins (fastest on "
                         "a quiet host), passive sleeps at once (kindest to other processes), auto spins "

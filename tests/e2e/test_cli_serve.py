@@ -68,6 +68,8 @@ def test_json_or_yaml_nested_too_deep_exits_2_naming_the_flag(tmp_path, flag: st
     ("serve", ("--redis-url", "redis://127.0.0.1:9", "--redis-ttl", "1e308"), "--redis-ttl"),
     ("serve", ("--http-header-timeout", "nan"), "--http-header-timeout"),
     ("serve", ("--register", "redis://127.0.0.1:9", "--register-ttl", "1e308"), "--register-ttl"),
+    ("serve", ("--max-session-ttl", "1000000000000000000"), "--max-session-ttl"),
+    ("serve", ("--num-threads", "100000"), "--num-threads"),
     # Past any address space: the pool's allocation fails on every host.
     ("serve", ("--kv-cache-gb", "500000"), "--kv-cache-gb"),
     ("gateway", ("--replica", "http://127.0.0.1:9", "--cache-weight", "nan"), "--cache-weight"),
