@@ -61,6 +61,12 @@ class ReplicaSpec:
                    values.get("kind", "kvhive"), role, values.get("kv"))
 
 
+# The longest poll interval (--health-interval, --discover-interval) and affinity entry lifetime
+# (ten years: within Redis's expiry range) the gateway takes, in seconds.
+MAX_INTERVAL_S = 3600
+MAX_AFFINITY_TTL_S = 10 * 365 * 86400
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     """Everything ``kvhive gateway`` needs, validated once."""
@@ -110,10 +116,10 @@ class GatewayConfig:
         for flag, url in (("--redis-url", self.redis_url), ("--discover", self.discover_url)):
             if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
                 raise ValueError(f"{flag} must be a redis:// URL, got {url!r}")
-        if self.affinity_ttl_s < 1:
-            raise ValueError(f"--session-affinity-ttl must be >= 1, got {self.affinity_ttl_s}")
-        if self.discover_interval_s <= 0:
-            raise ValueError(f"--discover-interval must be > 0, got {self.discover_interval_s}")
+        if not 1 <= self.affinity_ttl_s <= MAX_AFFINITY_TTL_S:
+            raise ValueError(f"--session-affinity-ttl must be in [1, {MAX_AFFINITY_TTL_S}], got {self.affinity_ttl_s}")
+        if not 0 < self.discover_interval_s <= MAX_INTERVAL_S:
+            raise ValueError(f"--discover-interval must be in (0, {MAX_INTERVAL_S}], got {self.discover_interval_s}")
         names = [r.name for r in self.replicas]
         if len(set(names)) != len(names):
             raise ValueError("--replica: the same URL is given twice")
@@ -128,8 +134,8 @@ class GatewayConfig:
             raise ValueError(f"--scorer must be one of {sorted(SCORERS)}, got {self.scorer!r}")
         if self.policy not in ROUTING_POLICIES:
             raise ValueError(f"--policy must be one of {ROUTING_POLICIES}, got {self.policy!r}")
-        if self.health_interval_s <= 0:
-            raise ValueError(f"--health-interval must be > 0, got {self.health_interval_s}")
+        if not 0 < self.health_interval_s <= MAX_INTERVAL_S:
+            raise ValueError(f"--health-interval must be in (0, {MAX_INTERVAL_S}], got {self.health_interval_s}")
         if self.failures_to_drop < 1:
             raise ValueError(f"--failures-to-drop must be >= 1, got {self.failures_to_drop}")
         if self.index_max_keys < 1:

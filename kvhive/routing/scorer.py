@@ -146,12 +146,18 @@ class RoutingWeights:
                 raise ValueError(f"routing weight {name} {problem}")
 
 
+# The largest routing weight: scores stay finite whatever they are summed with.
+MAX_WEIGHT = 1e6
+
+
 def weight_problem(name: str, value: float) -> str | None:
     """What is wrong with ``value`` for RoutingWeights field ``name`` ("must be >= 0, got -1"), or None."""
     if not math.isfinite(value):
         return f"must be a finite number, got {value}"
     if value < 0:
         return f"must be >= 0, got {value}"
+    if value > MAX_WEIGHT:
+        return f"must be <= {MAX_WEIGHT:g}, got {value}"
     if name == "min_share" and value > 1:
         return f"must be <= 1, got {value}"
     return None

@@ -74,6 +74,9 @@ def test_json_or_yaml_nested_too_deep_exits_2_naming_the_flag(tmp_path, flag: st
     ("serve", ("--kv-cache-gb", "500000"), "--kv-cache-gb"),
     ("gateway", ("--replica", "http://127.0.0.1:9", "--cache-weight", "nan"), "--cache-weight"),
     ("gateway", ("--replica", "http://127.0.0.1:9", "--load-weight", "inf"), "--load-weight"),
+    ("gateway", ("--replica", "http://127.0.0.1:9", "--cache-weight", "1e308"), "--cache-weight"),
+    ("gateway", ("--replica", "http://127.0.0.1:9", "--health-interval", "1e308"), "--health-interval"),
+    ("gateway", ("--replica", "http://127.0.0.1:9", "--session-affinity-ttl", "10" * 11), "--session-affinity-ttl"),
 ])
 def test_numbers_that_are_not_finite_or_past_any_machine_exit_2(tmp_path, command: str, args: tuple[str, ...],
                                                                  flag: str) -> None:
