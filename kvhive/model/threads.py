@@ -25,6 +25,8 @@ import os
 import time
 from collections.abc import Callable
 
+from kvhive.config import usable_cpus
+
 logger = logging.getLogger(__name__)
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -72,7 +74,7 @@ class ThreadGovernor:
         self._set_threads = set_threads
         self.interval_s = interval_s
         if cores is None:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            cores = usable_cpus()
         self.cores = cores
         self._read = read
         self._clock = clock

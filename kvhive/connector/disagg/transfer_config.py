@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+
+from kvhive.core.flag_values import json_flag_object
 
 ROLES = ("prefill", "decode", "both")
 MAX_TIMEOUT_S = 600.0
@@ -49,14 +50,7 @@ def parse_kv_transfer_config(text: str | None, role: str | None, port: int | Non
     which win; ValueError naming a bad field."""
     values: dict = {}
     if text:
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--kv-transfer-config is not JSON: {exc}") from None
-        except RecursionError:
-            raise ValueError("--kv-transfer-config is not JSON: arrays and objects nested too deep") from None
-        if not isinstance(raw, dict):
-            raise ValueError("--kv-transfer-config must be a JSON object")
+        raw = json_flag_object("--kv-transfer-config", text)
         unknown = sorted(set(raw) - set(_JSON_FIELDS))
         if unknown:
             raise ValueError(f"--kv-transfer-config: unknown field {unknown[0]!r} "
