@@ -197,13 +197,15 @@ def open_publisher(events: KVEventsConfig, config: EngineConfig, scheduler: Sche
     return publisher
 
 
-def load_history(config: EngineConfig, scheduler: Scheduler, fingerprint: str, vocab_size: int) -> str | None:
+def load_history(config: EngineConfig, scheduler: Scheduler, fingerprint: str, vocab_size: int):
     """With method "history" and a disk cache dir: refill the history store from the file the last
-    run left there (``kvhive.engine.speculative.history_file``); the dir to write it back to, else None."""
+    run left there (``kvhive.engine.speculative.history_file``); the ``HistoryKeeper`` that writes
+    it back while the engine runs and when it closes, else None."""
     from kvhive.engine.speculative import history_file
 
     speculation, directory = scheduler.speculation, config.store.disk_cache_dir
     if speculation is None or speculation.proposer.history is None or directory is None:
         return None
-    history_file.load(speculation.proposer.history, directory, fingerprint, vocab_size)
-    return directory
+    history = speculation.proposer.history
+    history_file.load(history, directory, fingerprint, vocab_size)
+    return history_file.HistoryKeeper(history, directory, fingerprint, vocab_size)

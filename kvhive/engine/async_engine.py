@@ -223,11 +223,13 @@ class AsyncEngine:
                 if idle:
                     # Store writers finish saves and tiers evict between steps: /metrics stays current.
                     self._stats = self.engine.stats()
+                    self.engine.keep_history()
                     continue
                 self._apply_commands()
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
                 self._stats = self.engine.stats()
+                self.engine.keep_history()
         except BaseException as exc:  # the loop must never die silently
             logger.exception("engine loop failed")
             self.error = exc

@@ -20,7 +20,6 @@ from kvhive.engine import assembly, warm_start
 from kvhive.engine.cache_reset import CacheReset, reset_caches
 from kvhive.engine.holdings import TierHoldings
 from kvhive.engine.request_errors import RequestFailed  # noqa: F401 - this module's public name too
-from kvhive.engine.speculative import history_file
 from kvhive.engine.stats import ConnectorCounters, EngineStats, TierBudget
 from kvhive.engine.step import StepPlan, StepResult, TokenLogprobs
 from kvhive.kv.window_group import fit_kv_budget
@@ -109,7 +108,7 @@ class LLMEngine:
         self._session_copy = assembly.session_copy(self.store, self.connector_scheduler, self.connector_worker)
         self.scheduler = assembly.build_scheduler(config, loaded, self.num_blocks, self.scheduler_half,
                                                   self._session_copy, self.runner.window)
-        self._history_dir = assembly.load_history(config, self.scheduler, self.fingerprint, loaded.config.vocab_size)
+        self._history = assembly.load_history(config, self.scheduler, self.fingerprint, loaded.config.vocab_size)
         self.publisher = None
         events = config.kv_events_settings()
         if events is not None and events.active:
@@ -202,12 +201,18 @@ class LLMEngine:
         if warm_start.warm_up(self.runner, self.model_config.vocab_size):
             logger.info("warm-up forward passes in %.2f s", time.perf_counter() - started)
 
+    def keep_history(self) -> None:
+        """Start writing the speculative history to the disk cache dir if it kept new sequences and
+        its last write is old enough (``speculative.history_file.HistoryKeeper``); the loop thread, after a step
+        or while idle. Cheap when nothing is due."""
+        if self._history is not None:
+            self._history.tick()
+
     def close(self) -> None:
         """Keep the speculative history (with a disk cache dir), flush and close the KV-event
         publisher, finish KV saves and close the store tiers."""
-        if self._history_dir is not None:
-            history_file.save(self.scheduler.speculation.proposer.history, self._history_dir, self.fingerprint,
-                              self.model_config.vocab_size)
+        if self._history is not None:
+            self._history.close()
         self.runner.close()
         self.holdings.close()
         if self.publisher is not None:

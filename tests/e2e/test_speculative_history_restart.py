@@ -2,16 +2,18 @@
 ``kvhive serve`` processes over real HTTP on the default model. A server answers an open question
 and stops (SIGTERM); the next one, started on the same dir, drafts that answer from its history when
 asked again (the same greedy text, history drafts accepted). A history file damaged between runs is
-logged and not used: the server starts, answers the same text, and drafts nothing from history."""
+logged and not used: the server starts, answers the same text, and drafts nothing from history.
+A server that is killed (SIGKILL) has written its history while it ran: the next one drafts too."""
 
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 from support.kvhive_serve import ServeProcess
 
-from kvhive.engine.speculative.history_file import FILE_NAME
+from kvhive.engine.speculative.history_file import FILE_NAME, SAVE_INTERVAL_S
 
 SPEC = '{"method": "history", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 6}'
 QUESTION = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -60,3 +62,24 @@ def test_the_history_drafts_after_a_restart_and_a_damaged_file_is_not_used(tmp_p
         assert "speculative history" in damaged.log_tail() and "checksum mismatch" in damaged.log_tail()
     finally:
         damaged.stop()
+
+
+def test_a_killed_server_wrote_its_history_while_it_ran(tmp_path) -> None:
+    flags = ("--disk-cache-dir", str(tmp_path), "--speculative-config", SPEC)
+    path = tmp_path / FILE_NAME
+    first = ServeProcess(*flags)
+    try:
+        answer = _ask(first)
+        deadline = time.monotonic() + SAVE_INTERVAL_S + 20
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert path.exists(), "the running server never wrote its history"
+    finally:
+        first.kill()
+
+    restarted = ServeProcess(*flags)
+    try:
+        assert _ask(restarted) == answer
+        assert _counter(restarted, "kvhive_spec_decode_num_history_accepted_tokens_total") >= 16
+    finally:
+        restarted.stop()

@@ -123,3 +123,58 @@ def test_a_write_that_fails_keeps_the_old_file_and_logs(tmp_path, caplog, monkey
         history_file.save(_store(seed=3), str(tmp_path), MODEL, VOCAB)
     assert (tmp_path / history_file.FILE_NAME).read_bytes() == old
     assert any("No space left" in r.getMessage() for r in caplog.records)
+
+
+def test_a_snapshot_keeps_what_the_store_held_while_the_store_goes_on() -> None:
+    store = _store(max_tokens=120, tenant_max=80)
+    snapshot, held = store.snapshot(), list(store.sequences())
+    rng = random.Random(5)
+    for _ in range(20):                     # evicts and compacts every tenant's array
+        store.record(rng.choice(["key:a", None]), [rng.randrange(VOCAB) for _ in range(30)])
+    assert list(snapshot.sequences()) == held != list(store.sequences())
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _file_sequences(directory) -> list:
+    return decode((directory / history_file.FILE_NAME).read_bytes(), MODEL, VOCAB)
+
+
+def test_the_keeper_writes_new_history_once_its_interval_passed(tmp_path) -> None:
+    store, clock = HistoryStore(2, 4, 400, 200), _Clock()
+    keeper = history_file.HistoryKeeper(store, str(tmp_path), MODEL, VOCAB, interval_s=10, clock=clock)
+    clock.now = 60
+    assert not keeper.tick()                               # nothing kept: nothing to write
+    store.record("key:a", [1, 2, 3, 4, 5])
+    assert keeper.tick()
+    keeper.wait()
+    assert _file_sequences(tmp_path) == [("key:a", [1, 2, 3, 4, 5])]
+    store.record(None, [6, 7, 8, 9])
+    clock.now = 65
+    assert not keeper.tick()                               # too soon after the last write
+    clock.now = 70
+    assert keeper.tick()
+    keeper.wait()
+    assert _file_sequences(tmp_path) == list(store.sequences())
+    clock.now = 100
+    assert not keeper.tick()                               # nothing new since
+
+
+def test_the_keeper_writes_at_close_what_no_tick_wrote(tmp_path) -> None:
+    store = _store()
+    keeper = history_file.HistoryKeeper(store, str(tmp_path), MODEL, VOCAB, interval_s=3600)
+    store.record("key:a", [10, 11, 12, 13])
+    assert not keeper.tick()
+    keeper.close()
+    assert _file_sequences(tmp_path) == list(store.sequences())
+    reloaded = HistoryStore(2, 4, 400, 200)
+    history_file.load(reloaded, str(tmp_path), MODEL, VOCAB)
+    (tmp_path / history_file.FILE_NAME).unlink()
+    history_file.HistoryKeeper(reloaded, str(tmp_path), MODEL, VOCAB).close()
+    assert not (tmp_path / history_file.FILE_NAME).exists()     # what was loaded is not written again

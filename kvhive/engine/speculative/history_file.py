@@ -1,10 +1,11 @@
 """The "history" drafter's store kept across a restart: one file in the disk cache dir.
 
-With ``--disk-cache-dir`` the engine writes its ``HistoryStore`` there when it closes (a graceful
-stop) and reads it back when it starts, so a restarted server drafts from the requests it answered
-before, as it keeps their KV and sessions. The file holds the sequences in the order they were
-kept (the oldest first, across tenants, so the caps evict the same ones after a restart), each
-with its tenant; the n-gram index is rebuilt from them.
+With ``--disk-cache-dir`` the engine writes its ``HistoryStore`` there while it runs (every
+``SAVE_INTERVAL_S`` at most, when it kept new sequences: ``HistoryKeeper``) and when it closes (a
+graceful stop), and reads it back when it starts, so a restarted server, even one that was killed,
+drafts from the requests it answered before, as it keeps their KV and sessions. The file holds
+the sequences in the order they were kept (the oldest first, across tenants, so the caps evict the
+same ones after a restart), each with its tenant; the n-gram index is rebuilt from them.
 
 Layout: ``MAGIC``, a little-endian uint32 header length, the header (UTF-8 JSON: the format
 version, the model's fingerprint, the vocabulary size, the tenants, and per sequence its tenant's
@@ -23,12 +24,14 @@ import logging
 import os
 import struct
 import sys
+import threading
+import time
 import zlib
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvhive.core.atomic_file import atomic_write
-from kvhive.engine.speculative.tenant_history import HistoryStore
+from kvhive.engine.speculative.tenant_history import HistorySnapshot, HistoryStore
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +40,9 @@ MAGIC = b"KVHHIST\x00"
 VERSION = 1
 _HEADER_LEN = struct.Struct("<I")
 _CRC = struct.Struct("<I")
+# The running server writes its history at most this often (when it kept something new), besides
+# at a graceful stop: a kill loses at most the last SAVE_INTERVAL_S of history.
+SAVE_INTERVAL_S = 10.0
 
 
 class HistoryFileError(ValueError):
@@ -105,17 +111,68 @@ def decode(data: bytes, fingerprint: str, vocab_size: int) -> list[tuple[str | N
     return out
 
 
-def save(store: HistoryStore, directory: str, fingerprint: str, vocab_size: int) -> None:
-    """Write ``store`` to ``directory``'s history file; a write that fails (a full disk) is logged
-    and leaves the previous file as it was."""
+def save(store: HistoryStore | HistorySnapshot, directory: str, fingerprint: str, vocab_size: int) -> bool:
+    """Write ``store`` (or a snapshot of one) to ``directory``'s history file; a write that fails
+    (a full disk) is logged, leaves the previous file as it was and returns False."""
     path = os.path.join(directory, FILE_NAME)
     try:
         os.makedirs(directory, exist_ok=True)
         atomic_write(path, encode(store.sequences(), fingerprint, vocab_size))
     except OSError as exc:
         logger.warning("could not keep the speculative history in %s: %s", path, exc)
-        return
-    logger.info("kept the speculative history in %s (%d tokens)", path, store.num_tokens)
+        return False
+    return True
+
+
+class HistoryKeeper:
+    """Keeps ``directory``'s history file current while the engine runs, so a server that is killed
+    (not stopped) restarts with the history of its last seconds, not of its last graceful stop.
+
+    ``tick`` runs on the engine's loop thread after each step and while it idles: once at least
+    ``interval_s`` passed since the last write and the store kept new sequences, it takes a snapshot
+    (one array copy per tenant: milliseconds for a million tokens) and encodes and writes it on a
+    helper thread, one write at a time; the engine never waits on the disk. ``close`` waits for that
+    write and writes the store as it is at the stop.
+    """
+
+    def __init__(self, store: HistoryStore, directory: str, fingerprint: str, vocab_size: int,
+                 interval_s: float = SAVE_INTERVAL_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.store, self.directory = store, directory
+        self.fingerprint, self.vocab_size = fingerprint, vocab_size
+        self.interval_s, self._clock = interval_s, clock
+        self._saved_changes = store.changes           # what the file holds already (what was loaded)
+        self._last_write = clock()
+        self._writer: threading.Thread | None = None
+
+    def tick(self) -> bool:
+        """Start a write of the store if it is due; whether one started."""
+        if self.store.changes == self._saved_changes or self._clock() - self._last_write < self.interval_s:
+            return False
+        if self._writer is not None and self._writer.is_alive():
+            return False
+        snapshot, self._saved_changes, self._last_write = self.store.snapshot(), self.store.changes, self._clock()
+        self._writer = threading.Thread(target=self._write, args=(snapshot,), name="kvhive-history-save",
+                                        daemon=True)
+        self._writer.start()
+        return True
+
+    def wait(self) -> None:
+        """Wait for the write under way, if any."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
+    def close(self) -> None:
+        """Finish the write under way and write the store as it is now (if it kept anything new)."""
+        self.wait()
+        if self.store.changes != self._saved_changes:
+            self._saved_changes = self.store.changes
+            if save(self.store, self.directory, self.fingerprint, self.vocab_size):
+                logger.info("kept the speculative history in %s (%d tokens)",
+                            os.path.join(self.directory, FILE_NAME), self.store.num_tokens)
+
+    def _write(self, snapshot: HistorySnapshot) -> None:
+        save(snapshot, self.directory, self.fingerprint, self.vocab_size)
 
 
 def load(store: HistoryStore, directory: str, fingerprint: str, vocab_size: int) -> int:

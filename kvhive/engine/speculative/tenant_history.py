@@ -78,11 +78,11 @@ class TenantHistory:
             self._index[key] = follower
         return offset
 
-    def sequences(self) -> Iterator[tuple[int, list[int]]]:
-        """(offset, tokens) of each sequence kept, oldest first."""
-        for offset, length in self._sequences:
-            local = offset - self._base
-            yield offset, self._tokens[local:local + length].tolist()
+    def live(self) -> tuple[array, int, dict[int, int]]:
+        """A copy of the live tokens, the offset of its first one, and each kept sequence's length
+        by its offset: one array copy (a ``HistorySnapshot``'s part)."""
+        return (self._tokens[self._start:], self._base + self._start,
+                {offset: length for offset, length in self._sequences})
 
     def evict_oldest(self) -> StoredSequence:
         """Drop the oldest sequence and the index entries that point into it; where it was."""
@@ -138,6 +138,7 @@ class HistoryStore:
         self._tenants: dict[str | None, TenantHistory] = {}
         self._order: OrderedDict[tuple[str | None, int], None] = OrderedDict()    # oldest sequence first
         self.num_tokens = 0
+        self.changes = 0                 # sequences kept so far: the history file is stale while it grows
 
     def record(self, tenant: str | None, token_ids: Sequence[int]) -> None:
         """Keep a sequence (its last ``tenant_max_tokens`` tokens) for ``tenant``'s drafts, evicting
@@ -156,6 +157,7 @@ class HistoryStore:
             history = self._tenants[tenant] = TenantHistory(self.min_n, self.max_n)
         self._order[(tenant, history.add(token_ids))] = None
         self.num_tokens += len(token_ids)
+        self.changes += 1
 
     def propose(self, tenant: str | None, context: Sequence[int], max_tokens: int,
                 min_match: int = 0) -> list[int]:
@@ -167,12 +169,12 @@ class HistoryStore:
     def sequences(self) -> Iterator[tuple[str | None, list[int]]]:
         """(tenant, tokens) of every sequence kept, oldest first across tenants (the order the caps
         evict them in): what ``kvhive.engine.speculative.history_file`` writes."""
-        per_tenant = {tenant: history.sequences() for tenant, history in self._tenants.items()}
-        for tenant, offset in self._order:
-            kept_at, tokens = next(per_tenant[tenant])
-            if kept_at != offset:
-                raise RuntimeError(f"history order out of step for tenant {tenant!r}")
-            yield tenant, tokens
+        return self.snapshot().sequences()
+
+    def snapshot(self) -> HistorySnapshot:
+        """A copy of what the store keeps now, to read on another thread while this one goes on
+        changing: one array copy per tenant (milliseconds for a million tokens), no token lists."""
+        return HistorySnapshot(list(self._order), {tenant: history.live() for tenant, history in self._tenants.items()})
 
     def stats(self) -> HistoryStats:
         """What the store holds now."""
@@ -188,3 +190,18 @@ class HistoryStore:
         self.num_tokens -= length
         if history.num_sequences == 0:
             del self._tenants[tenant]
+
+
+class HistorySnapshot:
+    """The sequences a ``HistoryStore`` kept at one moment (``HistoryStore.snapshot``)."""
+
+    def __init__(self, order: list[tuple[str | None, int]],
+                 tenants: dict[str | None, tuple[array, int, dict[int, int]]]) -> None:
+        self._order, self._tenants = order, tenants
+
+    def sequences(self) -> Iterator[tuple[str | None, list[int]]]:
+        """(tenant, tokens) of every sequence, oldest first across tenants."""
+        for tenant, offset in self._order:
+            tokens, first, lengths = self._tenants[tenant]
+            local = offset - first
+            yield tenant, tokens[local:local + lengths[offset]].tolist()
