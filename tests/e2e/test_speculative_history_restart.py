@@ -34,6 +34,16 @@ def _counter(server: ServeProcess, name: str) -> float:
     return float(match.group(1))
 
 
+def _assert_drafts_from_history(flags: tuple[str, ...], answer: str) -> None:
+    """A server started with ``flags`` answers as before and accepts drafts from its history."""
+    restarted = ServeProcess(*flags)
+    try:
+        assert _ask(restarted) == answer
+        assert _counter(restarted, "kvhive_spec_decode_num_history_accepted_tokens_total") >= 16
+    finally:
+        restarted.stop()
+
+
 def test_the_history_drafts_after_a_restart_and_a_damaged_file_is_not_used(tmp_path) -> None:
     flags = ("--disk-cache-dir", str(tmp_path), "--speculative-config", SPEC)
     first = ServeProcess(*flags)
@@ -45,12 +55,7 @@ def test_the_history_drafts_after_a_restart_and_a_damaged_file_is_not_used(tmp_p
     path = tmp_path / FILE_NAME
     assert path.stat().st_size > 0
 
-    restarted = ServeProcess(*flags)
-    try:
-        assert _ask(restarted) == answer
-        assert _counter(restarted, "kvhive_spec_decode_num_history_accepted_tokens_total") >= 16
-    finally:
-        restarted.stop()
+    _assert_drafts_from_history(flags, answer)
 
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -77,9 +82,4 @@ def test_a_killed_server_wrote_its_history_while_it_ran(tmp_path) -> None:
     finally:
         first.kill()
 
-    restarted = ServeProcess(*flags)
-    try:
-        assert _ask(restarted) == answer
-        assert _counter(restarted, "kvhive_spec_decode_num_history_accepted_tokens_total") >= 16
-    finally:
-        restarted.stop()
+    _assert_drafts_from_history(flags, answer)
