@@ -6,7 +6,9 @@ them into chat completions' parts: string-content messages with ``tool_calls`` (
 blocks) and ``tool`` messages (from ``tool_result`` blocks), function tools with the
 ``input_schema`` as their parameters, and a chat ``tool_choice`` ("any" is "required", a named tool
 a named function). The text is then rendered through ``chat_template_input`` as chat completions
-are (``render_chat``). A problem raises BodyError naming the body's field.
+are (``render_chat``); a body whose last message is the assistant's (a prefill) is rendered with
+that message left open, so the answer goes on from its text. A problem raises BodyError naming the
+body's field.
 
 Cache breakpoints (``cache_control`` on a tool, a system block, a message content block or the
 whole request, at most MAX_BREAKPOINTS, TTL "5m" or "1h") are checked and listed in Anthropic's
@@ -79,6 +81,8 @@ class MessagesChat:
     tool_choice: str | dict[str, Any] | None
     parallel_tool_calls: bool
     breakpoints: tuple[CacheBreakpoint, ...] = field(default=())
+    # The last message is the assistant's: the model goes on with its text (a prefill).
+    prefill: bool = False
 
 
 # ---------------------------------------------------------------- the body
@@ -94,7 +98,8 @@ def messages_chat(body: Mapping[str, Any]) -> MessagesChat:
     top_level_breakpoint(body, breakpoints)
     check_breakpoints(breakpoints)
     choice, parallel = _tool_choice(body.get("tool_choice"), tools)
-    chat = MessagesChat(tuple(messages), tools, choice, parallel, tuple(breakpoints))
+    prefill = messages[-1]["role"] == "assistant"
+    chat = MessagesChat(tuple(messages), tools, choice, parallel, tuple(breakpoints), prefill)
     _check_functions(chat.tools)
     return chat
 
@@ -189,9 +194,6 @@ def _messages(raw: Any, breakpoints: list[CacheBreakpoint]) -> list[dict[str, An
         role, content = message.get("role"), message.get("content")
         if "content" not in message:
             raise BodyError(f"'{param}.content' is required", param=f"{param}.content")
-        if role == "assistant" and k == len(raw) - 1:
-            raise BodyError("A last message of role 'assistant' (a prefill to continue) is not served: end "
-                            "with a user message", param=f"{param}.role")
         if role == "system":
             out.append({"role": "system", "content": _text_content(content, f"{param}.content",
                                                                    ("messages", k), breakpoints)})
@@ -199,10 +201,23 @@ def _messages(raw: Any, breakpoints: list[CacheBreakpoint]) -> list[dict[str, An
             out += _user_message(content, param, k, call_ids, breakpoints)
         elif role == "assistant":
             out.append(_assistant_message(content, param, k, call_ids, breakpoints))
+            if k == len(raw) - 1:
+                _check_prefill(out[-1], param)
         else:
             raise BodyError(f"'{param}.role' must be 'user', 'assistant' or 'system', got {role!r:.40}",
                             param=f"{param}.role")
     return _combined_turns(out)
+
+
+def _check_prefill(message: Mapping[str, Any], param: str) -> None:
+    """A last assistant message is text the answer goes on from: no tool calls (their results
+    would have to follow), and, as Anthropic requires, no trailing whitespace."""
+    if message.get("tool_calls"):
+        raise BodyError("A last assistant message (a prefill the answer goes on from) cannot hold tool_use "
+                        "blocks: their tool_result blocks must follow in a user message", param=f"{param}.content")
+    if message["content"] != message["content"].rstrip():
+        raise BodyError("A last assistant message (a prefill the answer goes on from) cannot end with "
+                        "whitespace", param=f"{param}.content")
 
 
 def _combined_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -351,7 +366,8 @@ def render_chat(tokenizer: Tokenizer, chat: MessagesChat) -> str:
     history through ``chat_template_input``). Raises BodyError, and what the template raises."""
     messages, variables = chat_template_input(tokenizer.chat_template, [dict(m) for m in chat.messages],
                                               chat_functions(chat.tools))
-    return tokenizer.apply_chat_template(messages, **variables)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=not chat.prefill,
+                                         continue_final_message=chat.prefill, **variables)
 
 
 def render_body(tokenizer: Tokenizer, body: Mapping[str, Any]) -> str:

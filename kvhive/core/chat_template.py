@@ -25,8 +25,16 @@ TEXT_PART_TYPES = ("text", "input_text", "output_text")
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>")
 
 
+# Follows the content of a message to continue while the template renders it (``render_continued``).
+CONTINUE_MARK = "\x00kvhive-continue\x00"
+
+
 class ChatTemplateError(ValueError):
     """A chat body the template cannot render (the template raised, or a message is malformed)."""
+
+
+class ContinuationError(ChatTemplateError):
+    """The last message of a chat cannot be left open to continue (``ChatTemplate.render_continued``)."""
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -115,6 +123,36 @@ class ChatTemplate:
     def uses_token(self, token: str) -> bool:
         """Whether the template's source writes `token` (e.g. its end-of-turn marker)."""
         return token in self.source
+
+    def render_continued(self, messages: Sequence[Mapping[str, Any]], **extra: Any) -> str:
+        """The prompt text of `messages` left open at the end of the last message's content, so the
+        model goes on with that message (an assistant prefill) instead of starting a new turn.
+
+        The cut is found by rendering the last content with CONTINUE_MARK after it: it falls right
+        after that content whatever the template writes next (its end-of-turn marker, another
+        turn's opening), and no text equal to the content elsewhere (content "im" inside
+        "<|im_end|>") is taken for it. Whitespace ends as transformers ends it: the content's
+        trailing whitespace is kept where the template writes it and left out where the template
+        trims it. ContinuationError where the template does not write the content as given."""
+        if not messages:
+            raise ContinuationError("there is no message to continue")
+        *earlier, final = messages
+        if not isinstance(final, Mapping):
+            raise ChatTemplateError(f"a chat message must be a mapping with role and content, got {final!r}")
+        content = flatten_content(final.get("content") or "")
+        if not isinstance(content, str):
+            raise ContinuationError("the message to continue must have text content")
+        marked = self.render([*earlier, {**final, "content": content + CONTINUE_MARK}], add_generation_prompt=False,
+                             **extra)
+        end = marked.find(CONTINUE_MARK)
+        if end >= 0 and marked.find(CONTINUE_MARK, end + 1) < 0 and marked[:end].endswith(content.lstrip()):
+            whole = self.render(messages, add_generation_prompt=False, **extra)
+            trimmed = end - (len(content) - len(content.rstrip()))
+            for cut in (end, trimmed):
+                if whole.startswith(marked[:cut]):
+                    return marked[:cut]
+        raise ContinuationError("the chat template does not write the last message's content as given, so the "
+                                "message cannot be continued")
 
     def render(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any

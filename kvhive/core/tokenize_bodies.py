@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from kvhive.core.chat_template import ContinuationError
 from kvhive.core.json_body import BodyError, ListOf
 from kvhive.core.request_fields import StrictBody
 from kvhive.core.tokenizer import Tokenizer
@@ -176,17 +177,12 @@ def chat_text(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], body:
     """The chat template's text for ``messages`` (``chat_input``'s, with its ``variables``); with
     ``continue_final_message`` it ends where the last message's content does. Raises what the
     template raises (ValueError, jinja2's TemplateError)."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                         **(body.chat_template_kwargs or {}), **(variables or {}))
-    if not body.continue_final_message:
-        return text
-    final = messages[-1]["content"]
-    for candidate in (final, final.strip()):
-        end = text.rfind(candidate)
-        if end >= 0:
-            return text[:end + len(candidate)]
-    raise BodyError("'continue_final_message': the last message's content does not appear in the chat "
-                    "template's text", param="continue_final_message")
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                             continue_final_message=body.continue_final_message,
+                                             **(body.chat_template_kwargs or {}), **(variables or {}))
+    except ContinuationError as exc:
+        raise BodyError(f"'continue_final_message': {exc}", param="continue_final_message") from None
 
 
 def chat_token_ids(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], body: TokenizeChatRequest,

@@ -167,18 +167,24 @@ class Tokenizer:
             return piece.encode()
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        continue_final_message: bool = False, **extra: Any
     ) -> str:
-        """The prompt text of a chat body, rendered as transformers renders it (raises ChatTemplateError)."""
+        """The prompt text of a chat body, rendered as transformers renders it (raises ChatTemplateError);
+        ``continue_final_message``: left open at the end of the last message's content (a prefill the
+        model goes on with; ``ChatTemplate.render_continued``), with no generation prompt."""
         if self.chat_template is None:
             raise ValueError(f"model {self.name_or_path} has no chat template; use a completion prompt")
+        if continue_final_message:
+            return self.chat_template.render_continued(messages, **extra)
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        continue_final_message: bool = False, **extra: Any
     ) -> list[int]:
         """Token ids of a chat body; the template writes any BOS itself, so none is added."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra))
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, continue_final_message, **extra))
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)

@@ -25,8 +25,9 @@ An Anthropic Messages body (/v1/messages) is turned into chat parts by the repli
 
 Chat messages are rendered as the replica renders them (``chat_text``): the body's ``tools`` and
 a history of tool calls and results through ``kvhive.core.tool_definitions.chat_template_input``
-(the replica's own function), with its ``chat_template_kwargs``. A body whose tools or history the
-replica would refuse raises here, and the gateway routes it by load (the replica answers the 400).
+(the replica's own function), with its ``chat_template_kwargs`` and its ``add_generation_prompt``
+and ``continue_final_message`` (an Anthropic body ending with an assistant message continues it).
+A body whose tools or history the replica would refuse raises here, and the gateway routes it by load (the replica answers the 400).
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ class Prompt:
     # A text gets the BOS/EOS the model's tokenizer asks for, as a completion prompt does by default
     # (chat messages never: their template writes its own; token ids are used as given).
     add_special_tokens: bool = True
+    # How chat messages end (``Tokenizer.apply_chat_template``): the assistant turn's opening, or
+    # the last message left open for the model to go on with (a prefill).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class PromptPieces(NamedTuple):
@@ -106,10 +111,12 @@ def prompt_from_body(body: Mapping[str, Any], key_owner: str | None = None) -> P
     if "messages" in body:
         messages = chat_messages(body["messages"])
         tools, kwargs = body.get("tools"), body.get("chat_template_kwargs")
-        if messages is None or not isinstance(tools, list | None) or not isinstance(kwargs, dict | None):
+        opening = body.get("add_generation_prompt", True), body.get("continue_final_message", False)
+        if (messages is None or not isinstance(tools, list | None) or not isinstance(kwargs, dict | None)
+                or not all(isinstance(flag, bool) for flag in opening) or all(opening)):
             return None
         return Prompt(messages=messages, tools=None if tools is None else tuple(tools), template_kwargs=kwargs,
-                      cache_salt=salt)
+                      cache_salt=salt, add_generation_prompt=opening[0], continue_final_message=opening[1])
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
@@ -141,7 +148,8 @@ def messages_prompt(body: Mapping[str, Any], key_owner: str | None = None) -> Pr
         chat = messages_chat(body)
     except BodyError:
         return None
-    return Prompt(messages=chat.messages, tools=chat.tools, cache_salt=cache_salt(key_owner, None, False))
+    return Prompt(messages=chat.messages, tools=chat.tools, cache_salt=cache_salt(key_owner, None, False),
+                  add_generation_prompt=not chat.prefill, continue_final_message=chat.prefill)
 
 
 def chat_messages(raw: Any) -> tuple[dict[str, Any], ...] | None:
@@ -204,7 +212,8 @@ def chat_text(tokenizer: Tokenizer, prompt: Prompt) -> str:
     messages, variables = chat_template_input(tokenizer.chat_template, [dict(m) for m in prompt.messages],
                                               chat_functions(prompt.tools))
     check_template_kwargs(prompt.template_kwargs)
-    return tokenizer.apply_chat_template(messages, **(prompt.template_kwargs or {}), **variables)
+    return tokenizer.apply_chat_template(messages, prompt.add_generation_prompt, prompt.continue_final_message,
+                                         **(prompt.template_kwargs or {}), **variables)
 
 
 class PromptTokenizer:

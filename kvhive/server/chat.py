@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import Response
 from jinja2 import TemplateError
 
+from kvhive.core.chat_template import ContinuationError
 from kvhive.core.json_body import BodyError
 from kvhive.core.request_fields import TEXT_PART_FIELDS, stray_field, stray_field_message
 from kvhive.core.tokenize_bodies import ToolCallFunction, check_template_kwargs
@@ -100,13 +101,34 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return rendered
 
 
+class ChatOpening(NamedTuple):
+    """How a chat prompt ends: with the assistant turn's opening (the default), after the last
+    message's end (``add_generation_prompt`` false), or inside the last message, left open for the
+    model to go on with (``continue_final_message``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @classmethod
+    def of(cls, body: ChatCompletionRequest) -> ChatOpening:
+        """The body's two fields; 400 when both are true (vLLM's rule)."""
+        if body.continue_final_message and body.add_generation_prompt:
+            raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true "
+                              "(set 'add_generation_prompt': false)", param="continue_final_message")
+        return cls(body.add_generation_prompt, body.continue_final_message)
+
+
+NEW_TURN = ChatOpening()
+
+
 async def chat_prompt_token_ids(service: GenerationService, messages: list[ChatMessage],
                                 param: str = "messages", template_kwargs: dict[str, Any] | None = None,
-                                plan: ToolPlan = NO_PLAN) -> list[int]:
+                                plan: ToolPlan = NO_PLAN, opening: ChatOpening = NEW_TURN) -> list[int]:
     """The messages (and the plan's tools) through the model's chat template (``template_kwargs``:
-    more variables for it, checked by ``check_template_kwargs``), as token ids (a long prompt
-    rendered off the event loop); 400 naming ``param`` when the template fails, or naming the
-    history's call or tool result that is wrong."""
+    more variables for it, checked by ``check_template_kwargs``; ``opening``: how the prompt ends),
+    as token ids (a long prompt rendered off the event loop); 400 naming ``param`` when the template
+    fails, or naming the history's call or tool result that is wrong, or ``continue_final_message``
+    when the last message cannot be continued."""
     rendered = template_messages(messages)
     try:
         rendered, variables = chat_template_input(service.tokenizer.chat_template, rendered, plan.functions, param)
@@ -114,9 +136,13 @@ async def chat_prompt_token_ids(service: GenerationService, messages: list[ChatM
     except BodyError as exc:
         raise body_error(exc) from None
     try:
-        return await service.encode_chat(rendered, template_kwargs, **variables)
+        return await service.encode_chat(rendered, template_kwargs, opening.add_generation_prompt,
+                                         opening.continue_final_message, **variables)
+    except ContinuationError as exc:
+        raise bad_request(f"'continue_final_message': {exc}", param="continue_final_message") from exc
     except (TemplateError, ValueError) as exc:
         raise bad_request(f"Could not apply the chat template: {exc}", param=param) from exc
+
 
 
 def stream_delta(events: list[OutputEvent]) -> DeltaMessage | None:
@@ -254,7 +280,8 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
     plan = await tool_plan(service.engine, service.tokenizer.chat_template, service.tool_call_parser, functions,
                            tool_choice(body.tool_choice, functions, flat=False), body.parallel_tool_calls)
     token_ids = truncated_prompt(await chat_prompt_token_ids(service, body.messages,
-                                                             template_kwargs=body.chat_template_kwargs, plan=plan),
+                                                             template_kwargs=body.chat_template_kwargs, plan=plan,
+                                                             opening=ChatOpening.of(body)),
                                  body.truncate_prompt_tokens, service.max_model_len)
     requested, param = max_tokens_field(body)
     max_tokens = service.resolve_max_tokens(requested, len(token_ids), param, "messages")

@@ -56,6 +56,10 @@ class ChatCompletionRequest(SamplingRequest):
     end_conversation: bool = False                      # free the conversation after this turn
     # More variables for the chat template (Qwen3's enable_thinking); bounded in check_template_kwargs.
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: end the prompt with the assistant turn's opening (the default), or leave the last
+    # message open for the model to go on with (a prefill; then no generation prompt).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # OpenAI's prompt-cache fields (kvhive.server.prompt_cache): the gateway's routing key, and a pin.
     prompt_cache_key: PromptCacheKey | None = None
     prompt_cache_retention: PromptCacheRetention | None = None

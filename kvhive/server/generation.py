@@ -169,15 +169,16 @@ class GenerationService:
     # ------------------------------------------------------------ tokenization
 
     async def encode_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
+                          add_generation_prompt: bool = True, continue_final_message: bool = False,
                           **variables: Any) -> list[int]:
         """Token ids of chat messages through the chat template (``variables``: its ``tools``;
-        ``template_kwargs``: the request's ``chat_template_kwargs``); long ones rendered and
-        tokenized off the event loop. Raises what the template raises (TemplateError, ValueError)."""
-        kwargs = {**(template_kwargs or {}), **variables}
+        ``template_kwargs``: the request's ``chat_template_kwargs``; the two flags as
+        ``Tokenizer.apply_chat_template`` takes them); long ones rendered and tokenized off the
+        event loop. Raises what the template raises (TemplateError, ValueError)."""
+        encode = functools.partial(self.tokenizer.encode_chat, messages, add_generation_prompt, continue_final_message,
+                                   **(template_kwargs or {}), **variables)
         size = sum(len(m.get("content") or "") for m in messages) + len(str(variables.get("tools") or ""))
-        if size < OFF_LOOP_CHARS:
-            return self.tokenizer.encode_chat(messages, **kwargs)
-        return await asyncio.to_thread(functools.partial(self.tokenizer.encode_chat, messages, **kwargs))
+        return encode() if size < OFF_LOOP_CHARS else await asyncio.to_thread(encode)
 
     # ------------------------------------------------------------ owners
 

@@ -217,6 +217,33 @@ def test_bad_bodies_are_invalid_request_errors(served: Served, body: dict[str, A
     assert named in message
 
 
+def test_a_last_assistant_message_is_a_prefill_the_answer_goes_on_from(served: Served) -> None:
+    prefill = [*ASK, {"role": "assistant", "content": "The weather in Paris is"}]
+    answer = create(served, messages=prefill, max_tokens=8)
+    assert answer.stop_reason in ("end_turn", "max_tokens") and answer.usage.output_tokens > 0
+    # The prompt is the chat left open after the prefill: vLLM's continue_final_message.
+    ids = post(served, {"model": SERVED_MODEL_NAME, "messages": prefill, "add_generation_prompt": False,
+                        "continue_final_message": True}, path="/tokenize").json()["tokens"]
+    usage = answer.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens == len(ids)
+    assert client(served).messages.count_tokens(model=SERVED_MODEL_NAME, messages=prefill).input_tokens == len(ids)
+    # The answer holds only what follows the prefill: the model's greedy continuation of those ids.
+    completion = post(served, {"model": SERVED_MODEL_NAME, "prompt": ids, "max_tokens": 8, **GREEDY},
+                      path="/v1/completions").json()
+    assert text_of(answer) == completion["choices"][0]["text"]
+    chat = post(served, {"model": SERVED_MODEL_NAME, "messages": prefill, "max_tokens": 8, **GREEDY,
+                         "add_generation_prompt": False, "continue_final_message": True},
+                path="/v1/chat/completions").json()
+    assert chat["choices"][0]["message"]["content"] == text_of(answer)
+    # Anthropic's rules for a prefill: no trailing whitespace, no tool_use blocks.
+    for last in ({"role": "assistant", "content": "The weather is "},
+                 {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                    "input": {"city": "Paris", "units": "C"}}]}):
+        message = anthropic_error(post(served, {"model": SERVED_MODEL_NAME, "max_tokens": 4, "tools": TOOLS,
+                                                "messages": [*ASK, last]}), 400, "invalid_request_error")
+        assert "messages[1].content" in message
+
+
 def test_every_failure_has_anthropics_shape(served: Served) -> None:
     body = {"model": SERVED_MODEL_NAME, "max_tokens": 4, "messages": ASK}
     anthropic_error(post(served, b"{not json"), 400, "invalid_request_error")

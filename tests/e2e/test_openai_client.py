@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 from openai import OpenAI
@@ -122,3 +123,32 @@ def test_wrong_api_key_is_rejected(default_server: ServerProcess, openai_client:
         openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, n=17)
     assert info.value.param == "n"
     assert openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2).usage.completion_tokens
+
+
+def test_continue_final_message_goes_on_from_an_assistant_prefill(openai_client: OpenAI,
+                                                                   default_server: ServerProcess) -> None:
+    prefill = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    opening = {"add_generation_prompt": False, "continue_final_message": True}
+    r = openai_client.chat.completions.create(model=MODEL, messages=prefill, max_tokens=8, temperature=0,
+                                              extra_body=opening)
+    text = r.choices[0].message.content
+    assert "Paris" in text and not text.startswith("The capital")       # only what follows the prefill
+    streamed = openai_client.chat.completions.create(model=MODEL, messages=prefill, max_tokens=8, temperature=0,
+                                                     extra_body=opening, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
+    # The prompt ends inside the assistant turn: its ids are /tokenize's, and their greedy
+    # continuation is the same text.
+    ids = httpx.post(f"{default_server.base_url}/tokenize", timeout=60, json={"model": MODEL, "messages": prefill,
+                                                                               **opening},
+                     headers={"authorization": f"Bearer {openai_client.api_key}"}).json()["tokens"]
+    assert r.usage.prompt_tokens == len(ids)
+    assert openai_client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0).choices[0].text == text
+    # Ending after the last message (no generation prompt) is a prompt of its own.
+    closed = openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0,
+                                                   extra_body={"add_generation_prompt": False})
+    plain = openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0)
+    assert closed.usage.prompt_tokens < plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as both:
+        openai_client.chat.completions.create(model=MODEL, messages=prefill, max_tokens=4,
+                                              extra_body={"continue_final_message": True})
+    assert both.value.body["param"] == "continue_final_message"

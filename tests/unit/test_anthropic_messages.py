@@ -21,7 +21,7 @@ from kvhive.core.anthropic_breakpoints import (
 )
 from kvhive.core.anthropic_messages import messages_chat, render_body, render_chat
 from kvhive.core.json_body import BodyError
-from kvhive.routing.prompts import Prompt, chat_text
+from kvhive.routing.prompts import Prompt, chat_text, messages_prompt
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOL = {"name": "get_weather", "description": "Weather in a city.", "input_schema": WEATHER}
@@ -104,8 +104,12 @@ def test_tool_choice_maps_to_chat(choice: dict[str, Any], expected: Any, paralle
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "bold": True}]}]},
      "messages[0].content[0].bold"),
-    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "prefill"}]},
-     "messages[1].role"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "prefill "}]},
+     "messages[1].content"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+        {"type": "text", "text": "Let me look."},
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}]}], "tools": [TOOL]},
+     "messages[1].content"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope"}]}]},
      "messages[0].content[0].tool_use_id"),
     ({"tools": [{**TOOL, "name": "bad name"}]}, "tools[0].name"),
@@ -316,3 +320,19 @@ def test_any_body_converts_or_is_refused_by_name(tokenizer: Any, raw: dict[str, 
     # Every body that converts renders, and its breakpoints fall in order inside its prompt.
     text, offsets, ids, counts = placed(tokenizer, raw)
     assert counts == sorted(counts) and all(0 < n <= len(ids) for n in counts)
+
+
+def test_a_last_assistant_message_is_a_prefill_the_answer_goes_on_from(template_tokenizer: Any) -> None:
+    b = copy.deepcopy(ROUND_TRIP)
+    b["messages"][2]["content"][1].pop("cache_control")
+    b["messages"][0] = {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?",
+                                                     "cache_control": ephemeral()}]}
+    b["messages"].append({"role": "assistant", "content": [{"type": "text", "text": "In Paris it is"}]})
+    chat = messages_chat(b)
+    assert chat.prefill and not messages_chat(ROUND_TRIP).prefill
+    text, offsets, ids, counts = placed(template_tokenizer, b)
+    assert text.endswith("In Paris it is")                     # left open: no end of turn after it
+    assert "Weather in Paris?" in text[:offsets[-1]] and "In Paris it is" not in text[:offsets[-1]]
+    assert 0 < counts[-1] < len(ids)
+    # The gateway renders the same prompt (its Anthropic path).
+    assert text == chat_text(template_tokenizer, messages_prompt(b))

@@ -13,7 +13,9 @@ from kvhive.routing.prompts import chat_messages, prompt_from_body
                                   {"prompt": [1, "x"]}, {"messages": []}, {"messages": "hi"},
                                   {"messages": [{"content": "no role"}]},
                                   {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-                                  {"messages": [{"role": "user", "content": 5}]}])
+                                  {"messages": [{"role": "user", "content": 5}]},
+                                  {"messages": [{"role": "user", "content": "a"}], "continue_final_message": True},
+                                  {"messages": [{"role": "user", "content": "a"}], "add_generation_prompt": "no"}])
 def test_bodies_the_gateway_cannot_read_give_no_prompt(body: dict) -> None:
     assert prompt_from_body(body) is None
 
@@ -31,3 +33,11 @@ def test_the_body_salt_joins_the_key_digest_as_on_the_replica() -> None:
     assert prompt_from_body({"prompt": "hi"}, owner).cache_salt == cache_salt(owner, None, False)
     assert prompt_from_body({"prompt": "hi", "cache_salt": "s"}, owner).cache_salt == f"key:{owner}:s"
     assert key_owner("Bearer key-beta") != owner
+
+
+def test_the_chat_opening_fields_reach_the_prompt_as_the_replica_reads_them() -> None:
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    plain = prompt_from_body({"messages": messages})
+    assert (plain.add_generation_prompt, plain.continue_final_message) == (True, False)
+    opened = prompt_from_body({"messages": messages, "add_generation_prompt": False, "continue_final_message": True})
+    assert (opened.add_generation_prompt, opened.continue_final_message) == (False, True)

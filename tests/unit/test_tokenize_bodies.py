@@ -9,9 +9,11 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
+from support.tokenizer_families import family_tokenizer
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models, pre_tokenizers, processors
 
+from kvhive.core.chat_template import ContinuationError
 from kvhive.core.json_body import BodyError, parse_chosen_body, validation_body_error
 from kvhive.core.tokenize_bodies import (
     DetokenizeRequest,
@@ -164,3 +166,20 @@ def test_model_card_finds_the_replicas_model() -> None:
     for unknown in ("c", "z"):
         with pytest.raises(ModelUnknown, match="`a`, `b`"):
             model_card(cards, unknown)
+
+
+def test_the_continued_message_is_cut_at_its_own_end_not_at_a_look_alike(tmp_path) -> None:
+    chatml = family_tokenizer("default", tmp_path)
+    user = {"role": "user", "content": "Say im"}
+    for content in ("im", "Say", "end  ", ""):
+        text = chatml.apply_chat_template([user, {"role": "assistant", "content": content}],
+                                          continue_final_message=True)
+        # Right after the content, whitespace and all (this template writes it as given).
+        assert text.endswith(f"<|im_start|>assistant\n{content}")
+        assert chatml.apply_chat_template([user, {"role": "assistant", "content": content}],
+                                          add_generation_prompt=False).startswith(text)
+    # The old way (the last place the content's text occurs) cut "im" inside "<|im_end|>".
+    assert not chatml.apply_chat_template([user, {"role": "assistant", "content": "im"}],
+                                          continue_final_message=True).endswith("<|im")
+    with pytest.raises(ContinuationError):
+        chatml.apply_chat_template([], continue_final_message=True)
