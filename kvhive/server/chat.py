@@ -161,6 +161,14 @@ def stream_delta(events: list[OutputEvent]) -> DeltaMessage | None:
     return DeltaMessage(content=content or None, tool_calls=calls or None)
 
 
+def echoed_content(body: ChatCompletionRequest) -> str:
+    """What ``echo`` puts before each choice's content: the last message's text when it is an
+    assistant message (the role the answer has), else nothing, as vLLM echoes."""
+    if not body.echo or not body.messages or body.messages[-1].role != "assistant":
+        return ""
+    return template_messages(body.messages[-1:])[0]["content"]
+
+
 def max_tokens_field(body: ChatCompletionRequest) -> tuple[int | None, str]:
     """The output limit asked for and its field: ``max_completion_tokens``, else ``max_tokens``."""
     if body.max_completion_tokens is not None:
@@ -178,6 +186,7 @@ class ChatAnswer:
     num_logprobs: int | None                     # None: no logprobs
     prompt_token_ids: list[int] = field(default_factory=list)
     plan: ToolPlan = NO_PLAN
+    echo: str = ""                               # the text each choice's content starts with (``echo``)
     request_id: str = field(default_factory=lambda: new_request_id("chatcmpl"))
     created: int = field(default_factory=unix_time)
 
@@ -197,7 +206,8 @@ class ChatAnswer:
             read = read_whole(self.plan, result.text)
             calls = [ToolCall(id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments_text))
                      for c in read.calls]
-            choices.append(ChatChoice(index=i, message=AssistantMessage(content=read.content, tool_calls=calls),
+            content = self.echo + (read.content or "") if self.echo else read.content
+            choices.append(ChatChoice(index=i, message=AssistantMessage(content=content, tool_calls=calls),
                                       logprobs=self.logprobs_of(result.tokens),
                                       finish_reason=read.finish_reason(result.finish_reason or "stop"),
                                       token_ids=self.ids(result.token_ids)))
@@ -235,6 +245,8 @@ class ChatAnswer:
         for index in range(self.body.n):
             yield self.delta(index, DeltaMessage(role="assistant", content=""),
                              prompt_token_ids=self.ids(self.prompt_token_ids) if index == 0 else None)
+            if self.echo:
+                yield self.delta(index, DeltaMessage(content=self.echo))
         finals: dict[int, TextDelta] = {}
         readers = [ToolOutputReader(self.plan) for _ in range(self.body.n)]
         async with contextlib.aclosing(merge_streams(streams)) as merged:
@@ -295,7 +307,7 @@ async def create_chat_completion(service: GenerationService, body: ChatCompletio
                                     conversation_id=body.conversation_id, new_ttl=new_session_ttl,
                                     end_session=body.end_conversation, n=body.n, turn_number=body.turn_number)
     headers = session_headers(turn)
-    answer = ChatAnswer(service, body, num_logprobs, token_ids, plan)
+    answer = ChatAnswer(service, body, num_logprobs, token_ids, plan, echoed_content(body))
     streams = choice_streams(service, answer.request_id, body.n, token_ids, sampling, body.stop_strings,
                              salt, turn, kv_transfer, TextOptions.of(body), cache, priority=body.priority)
     if not body.stream:

@@ -60,6 +60,9 @@ class ChatCompletionRequest(SamplingRequest):
     # message open for the model to go on with (a prefill; then no generation prompt).
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: the answer's content starts with the last message's when that is an assistant message
+    # (with continue_final_message: the prefill and its continuation, whole).
+    echo: bool = False
     # OpenAI's prompt-cache fields (kvhive.server.prompt_cache): the gateway's routing key, and a pin.
     prompt_cache_key: PromptCacheKey | None = None
     prompt_cache_retention: PromptCacheRetention | None = None

@@ -143,6 +143,18 @@ def test_continue_final_message_goes_on_from_an_assistant_prefill(openai_client:
                      headers={"authorization": f"Bearer {openai_client.api_key}"}).json()["tokens"]
     assert r.usage.prompt_tokens == len(ids)
     assert openai_client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0).choices[0].text == text
+    # vLLM's echo: the content starts with the prefill (streamed as its own first piece).
+    echoed = openai_client.chat.completions.create(model=MODEL, messages=prefill, max_tokens=8, temperature=0,
+                                                   extra_body={**opening, "echo": True})
+    assert echoed.choices[0].message.content == prefill[-1]["content"] + text
+    pieces = [c.choices[0].delta.content for c in openai_client.chat.completions.create(
+        model=MODEL, messages=prefill, max_tokens=8, temperature=0, extra_body={**opening, "echo": True},
+        stream=True) if c.choices and c.choices[0].delta.content]
+    assert pieces[0] == prefill[-1]["content"] and "".join(pieces) == prefill[-1]["content"] + text
+    unechoed = openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0,
+                                                     extra_body={"echo": True})     # the last message is the user's
+    assert unechoed.choices[0].message.content == openai_client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=4, temperature=0).choices[0].message.content
     # Ending after the last message (no generation prompt) is a prompt of its own.
     closed = openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0,
                                                    extra_body={"add_generation_prompt": False})
