@@ -227,6 +227,24 @@ def unrecognized_param(loc: Sequence[str | int]) -> str:
     return f"{parent}.{shown}"
 
 
+def _telling_error(errors: Sequence[Any]) -> Any:
+    """The first error, unless it is a type mismatch of one member of a union (``stop``: a string or
+    a list) and another member of the same field fails on the value itself (the list is too long):
+    then that one, which says what is wrong."""
+    first = errors[0]
+    if not str(first.get("type", "")).endswith("_type"):
+        return first
+    field = param_from_loc(first.get("loc", ()))
+    if field is None:
+        return first
+    for error in errors[1:]:
+        param = param_from_loc(error.get("loc", ())) or ""
+        if (not str(error.get("type", "")).endswith("_type")
+                and (param == field or param.startswith((f"{field}[", f"{field}.")))):
+            return error
+    return first
+
+
 def validation_body_error(errors: Sequence[Any]) -> BodyError:
     """The BodyError for pydantic / FastAPI validation errors, naming the first offending field; an
     undeclared field is named first (``UNRECOGNIZED_FIELD``), even where a union's other members
@@ -237,7 +255,7 @@ def validation_body_error(errors: Sequence[Any]) -> BodyError:
     if extra is not None:
         param = unrecognized_param(extra["loc"])
         return BodyError(UNRECOGNIZED_FIELD.format(param), param=param)
-    first = errors[0]
+    first = _telling_error(errors)
     param = param_from_loc(first.get("loc", ()))
     if first.get("type") == "missing" and param is None:
         return BodyError("Request body is required (a JSON object)")

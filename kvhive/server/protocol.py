@@ -4,7 +4,7 @@ in ``kvhive.server.chat_protocol``."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
@@ -17,6 +17,13 @@ from kvhive.server.errors import bad_request
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 # Bounds of vLLM's scheduling ``priority`` (a 32-bit signed integer; lower is admitted first).
 MIN_SCHEDULING_PRIORITY, MAX_SCHEDULING_PRIORITY = -(2**31), 2**31 - 1
+# Most stop strings and stop token ids a request may give, and the longest stop string: the text
+# held back per generated character grows with the strings (``kvhive.server.stop``), and every
+# generated token is checked against the ids on the engine's thread.
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 64, 1024, 1024
+# The longest ``cache_salt``: it names a tenant of the prefix cache and of the speculative history.
+MAX_CACHE_SALT_CHARS = 1024
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 # ---------------------------------------------------------------- requests
 # Strict (``StrictBody``): "5" is not an integer and "true" is not a boolean, as in OpenAI's API, and
@@ -55,15 +62,15 @@ class SamplingRequest(StructuredOutputFields):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)      # vLLM extension; 0 or -1: disabled
-    stop: str | ListOf[str] | None = None
-    stop_token_ids: ListOf[int] | None = None             # vLLM extension
+    stop: StopString | Annotated[ListOf[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[ListOf[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None   # vLLM extension
     seed: int | None = Field(default=None, ge=MIN_SEED, lt=SEED_END)    # any signed or unsigned 64-bit
     ignore_eos: bool = False                            # vLLM extension
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: NoOpText | None = None                        # no-op (NO_OP_FIELDS)
-    cache_salt: str | None = None                       # vLLM extension: per-tenant prefix cache
+    cache_salt: str | None = Field(default=None, max_length=MAX_CACHE_SALT_CHARS)   # vLLM's: per-tenant prefix cache
     # TensorRT-LLM's shape, checked and bounded in kvhive.server.prompt_cache (docs/prompt_caching.md).
     kv_cache_retention_config: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None    # vLLM's field: disaggregated prefill/decode

@@ -150,7 +150,9 @@ def test_the_gateway_names_the_bad_field(raw: bytes, param: str | None) -> None:
 
 @pytest.mark.parametrize(("message", "param"), [
     ({"role": 5}, "messages[0].role"),
-    ({"role": "user", "content": [{"text": "x"}]}, "messages[0].content"),     # union members unnamed
+    # A list given for a string-or-parts field: the error of the parts member, which names the part.
+    ({"role": "user", "content": [{"text": "x"}]}, "messages[0].content[0].type"),
+    ({"role": "user", "content": 5}, "messages[0].content"),                  # no member fits: the field
     ({"role": "user", "name": ["x"]}, "messages[0].name"),
 ])
 def test_validation_errors_name_nested_message_fields(message: dict[str, Any], param: str) -> None:
