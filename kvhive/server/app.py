@@ -23,13 +23,14 @@ from kvhive.core.cors import CorsConfig, install_cors
 from kvhive.core.dashboard_data import DashboardAccess
 from kvhive.core.http_limits import HttpLimits
 from kvhive.core.http_protocol import uvicorn_options
+from kvhive.core.query_params import strict_query_route
 from kvhive.server.body_limit import BodyLimitMiddleware, default_max_request_bytes
 from kvhive.server.chat import create_chat_completion
 from kvhive.server.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
 from kvhive.server.completions import create_completion
 from kvhive.server.context import install_context_routes, session_sweeper
 from kvhive.server.dashboard_replica import ReplicaDashboard, dashboard_sampler, install_dashboard
-from kvhive.server.errors import APIError, install_error_handlers
+from kvhive.server.errors import APIError, bad_request, install_error_handlers
 from kvhive.server.generation import GenerationService
 from kvhive.server.messages import install_messages_routes
 from kvhive.server.messages_errors import AnthropicErrors
@@ -143,6 +144,8 @@ def create_app(services: AppServices, options: AppOptions) -> FastAPI:
             yield
 
     app = FastAPI(title="kvhive", version=KVHIVE_VERSION, lifespan=sweepers)
+    # A query parameter no route takes is a 400 naming it (``kvhive.core.query_params``).
+    app.router.route_class = strict_query_route(lambda message, param: bad_request(message, param=param).response())
     app.state.service = service
     app.state.metrics = service.metrics
     max_request_bytes = options.max_request_bytes

@@ -56,19 +56,36 @@ class MessagesPrompt:
     breakpoints: tuple[Breakpoint, ...]
 
 
+# ``?beta=true``: what Anthropic's SDKs add to the URL of their beta client's calls; the betas
+# themselves come in the anthropic-beta header (``check_anthropic_headers``).
+_BETA_QUERY: dict[str, Any] = {"parameters": [
+    {"name": "beta", "in": "query", "required": False, "schema": {"type": "string", "enum": ["true"]},
+     "description": "sent by Anthropic's SDKs for their beta client; accepted, no effect"}]}
+
+
+def check_beta_query(raw_request: Request) -> None:
+    """400 unless ``beta``, if given, is given once as ``true``."""
+    values = raw_request.query_params.getlist("beta")
+    if values and values != ["true"]:
+        raise bad_request(f"Query parameter 'beta' must be given once, as 'true' (got {values[:2]!r:.80})",
+                          param="beta")
+
+
 def install_messages_routes(app: FastAPI, service: GenerationService) -> None:
     """Add ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``."""
 
-    @app.post("/v1/messages", response_model=None)
+    @app.post("/v1/messages", response_model=None, openapi_extra=_BETA_QUERY)
     async def create_message(raw_request: Request) -> Response | MessagesResponse:
         """Anthropic's Messages API: one assistant message, streamed with SSE when ``stream`` is true."""
+        check_beta_query(raw_request)
         check_anthropic_headers(raw_request.headers)
         body = await parse_body(raw_request, MessagesRequest)
         return await answer_message(service, body, raw_request)
 
-    @app.post("/v1/messages/count_tokens")
+    @app.post("/v1/messages/count_tokens", openapi_extra=_BETA_QUERY)
     async def count_tokens(raw_request: Request) -> CountTokensResponse:
         """The prompt tokens a Messages body would take (tools and system included)."""
+        check_beta_query(raw_request)
         check_anthropic_headers(raw_request.headers)
         body = await parse_body(raw_request, CountTokensRequest)
         check_input(service, body)

@@ -84,6 +84,14 @@ def test_replica_errors_pass_through_in_openai_shape(cluster: Cluster) -> None:
         stream_error = client.post("/v1/chat/completions", json={
             "model": SERVED_MODEL_NAME, "messages": [], "stream": True})
         assert stream_error.status_code == 400 and stream_error.json()["error"]["param"] == "messages"
+        # A query parameter: refused by the gateway on its own routes, by the replica on routed ones.
+        for method, url, body in (("GET", "/health?verbose=1", None), ("GET", "/v1/models?limit=1", None),
+                                  ("POST", "/tokenize?x=1", {"model": SERVED_MODEL_NAME, "prompt": "hi"}),
+                                  ("POST", "/v1/chat/completions?x=1", {
+                                      "model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}]})):
+            refused = client.request(method, url, json=body)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == url.split("?")[1].split("=")[0]
+            assert url.split("?")[0] in refused.json()["error"]["message"]
 
 
 def test_a_repeated_long_prompt_goes_to_the_replica_that_served_it(cluster: Cluster) -> None:

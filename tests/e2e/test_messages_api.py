@@ -244,6 +244,18 @@ def test_a_last_assistant_message_is_a_prefill_the_answer_goes_on_from(served: S
         assert "messages[1].content" in message
 
 
+def test_the_sdks_beta_client_is_served_and_other_query_parameters_are_refused(served: Served) -> None:
+    # Anthropic's SDKs send their beta client's calls to /v1/messages?beta=true.
+    answer = client(served).beta.messages.create(model=SERVED_MODEL_NAME, max_tokens=4, messages=ASK,
+                                                 betas=["prompt-caching-2024-07-31"], extra_body=GREEDY)
+    assert answer.content and answer.usage.output_tokens > 0
+    assert client(served).beta.messages.count_tokens(model=SERVED_MODEL_NAME, messages=ASK).input_tokens > 0
+    body = {"model": SERVED_MODEL_NAME, "max_tokens": 4, "messages": ASK}
+    for path, named in (("/v1/messages?beta=false", "'beta'"), ("/v1/messages?stream=true", "'stream'"),
+                        ("/v1/messages/count_tokens?x=1", "'x'")):
+        assert named in anthropic_error(post(served, body, path=path), 400, "invalid_request_error")
+
+
 def test_every_failure_has_anthropics_shape(served: Served) -> None:
     body = {"model": SERVED_MODEL_NAME, "max_tokens": 4, "messages": ASK}
     anthropic_error(post(served, b"{not json"), 400, "invalid_request_error")

@@ -1,8 +1,10 @@
 """Nothing a client sends is silently ignored, over real HTTP on the tiny server: an unknown field,
 at the top or nested, is a 400 naming its path on chat, completions, responses, /v1/context,
 /tokenize and /detokenize; the documented no-op fields answer 200; each sampling extra out of its
-bounds is a 400 naming it (a field of another kind of content part on a text part too); and the extras that change the text do what vLLM's do (logit_bias,
-min_tokens, include_stop_str_in_output, skip_special_tokens, truncate_prompt_tokens)."""
+bounds is a 400 naming it (a field of another kind of content part on a text part too); a query
+parameter a route does not take is a 400 naming it; and the extras that change the text do what
+vLLM's do (logit_bias, min_tokens, include_stop_str_in_output, skip_special_tokens,
+truncate_prompt_tokens)."""
 
 from __future__ import annotations
 
@@ -51,6 +53,27 @@ UNKNOWN: list[tuple[str, dict[str, Any], str]] = [
 def test_unknown_fields_are_refused_by_name(tiny_client: httpx.Client, path: str, body: dict[str, Any],
                                             param: str) -> None:
     assert_error(tiny_client.post(path, json=body), 400, param=param, contains=(UNRECOGNIZED_FIELD.format(param),))
+
+
+QUERIES: list[tuple[str, str, dict[str, Any] | None, str]] = [
+    # (method, URL, body, the parameter refused)
+    ("POST", "/v1/chat/completions?stream=true", CHAT_BODY, "stream"),
+    ("POST", "/v1/completions?max_tokens=9", COMPLETION, "max_tokens"),
+    ("POST", "/v1/responses?store=true", RESPONSES_BODY, "store"),
+    ("POST", "/tokenize?add_special_tokens=false", {"model": MODEL, "prompt": "x"}, "add_special_tokens"),
+    ("GET", "/v1/models?limit=1", None, "limit"),
+    ("GET", "/v1/context?after=x", None, "after"),
+    ("GET", "/health?verbose=1", None, "verbose"),
+    ("GET", "/metrics?name[]=x", None, "name[]"),
+    ("POST", "/reset_prefix_cache?reset_everything=true", None, "reset_everything"),
+]
+
+
+@pytest.mark.parametrize(("method", "url", "body", "param"), QUERIES, ids=[u for _, u, _, _ in QUERIES])
+def test_query_parameters_a_route_does_not_take_are_refused_by_name(
+        tiny_client: httpx.Client, method: str, url: str, body: dict[str, Any] | None, param: str) -> None:
+    answer = tiny_client.request(method, url, json=body)
+    assert_error(answer, 400, param=param, contains=(f"Unknown query parameter '{param}': {url.split('?')[0]}",))
 
 
 STRAY: list[tuple[str, dict[str, Any], str]] = [
