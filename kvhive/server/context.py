@@ -117,8 +117,20 @@ def patched_ttl(raw: bytes, header: str | None) -> tuple[Any, str]:
     if stray is not None:
         raise bad_request(f"Unrecognized request argument supplied: {stray[:80]}", param=stray[:80])
     if "ttl" in data:
-        return data["ttl"], "ttl"
+        return body_ttl(data["ttl"]), "ttl"
+    if header is None:
+        raise bad_request("'ttl' is required: the session's new time to live in seconds, as {\"ttl\": 600} "
+                          "or an x-session-ttl header", param="ttl", code="missing_session_ttl")
     return header, "x-session-ttl"
+
+
+def body_ttl(value: Any) -> Any:
+    """A body's ``ttl`` as sent; 400 for a string (a JSON body's seconds are a number, as OpenAI's
+    fields are: "600" is not an integer; the header's are text)."""
+    if isinstance(value, str):
+        raise bad_request(f"'ttl' must be a whole number of seconds, got {value[:40]!r}", param="ttl",
+                          code="invalid_session_ttl")
+    return value
 
 
 # The fields a fork body may hold, and the largest turn number it may name.
@@ -140,7 +152,7 @@ def fork_fields(raw: bytes, header: str | None) -> tuple[Any, str, int | None]:
         raise bad_request(f"'turn' must be a whole number from 1 (the session's first turn), got {turn!r}",
                           param="turn")
     if data.get("ttl") is not None:
-        return data["ttl"], "ttl", turn
+        return body_ttl(data["ttl"]), "ttl", turn
     return header, "x-session-ttl", turn
 
 

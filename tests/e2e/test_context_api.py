@@ -94,6 +94,11 @@ def test_manage_list_patch_delete(server):
         r = c.patch(f"/v1/context/{sid}", headers={"x-session-ttl": "50"})
         assert r.json()["ttl"] == 50
         error(c.patch(f"/v1/context/{sid}", json={"ttl": -3}), 400)
+        # A body's seconds are a JSON number ("60" is not), and a PATCH without any TTL says so.
+        for body, code in (({"ttl": "60"}, "invalid_session_ttl"), ({}, "missing_session_ttl")):
+            refused = error(c.patch(f"/v1/context/{sid}", json=body), 400)
+            assert (refused["param"], refused["code"]) == ("ttl", code)
+        assert error(c.post(f"/v1/context/{sid}/fork", json={"ttl": "60"}), 400)["param"] == "ttl"
         assert c.get(f"/v1/context/{sid}").json()["ttl"] == 50          # nothing lost
         assert c.delete(f"/v1/context/{sid}").json()["deleted"] is True
         error(c.get(f"/v1/context/{sid}"), 404)
