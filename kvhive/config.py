@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 from kvhive.connector.disagg.transfer_config import KVTransferConfig
+from kvhive.core.host_resources import kv_memory_problem, usable_cpus, usable_memory_bytes
 from kvhive.core.kv_cache_dtype import check_kv_cache_dtype, kv_row_bytes, resolve_kv_dtype
 from kvhive.core.kv_events_config import KVEventsConfig
 from kvhive.core.scheduler_config import SchedulerConfig
@@ -129,17 +130,10 @@ class ModelConfig:
 MAX_THREADS_PER_CPU = 4
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 # The most GiB a memory or disk budget flag takes (1 PiB: past any machine, within float and int
 # arithmetic), and the longest TTL in seconds a store flag takes (ten years).
 MAX_GIB = 2**20
 MAX_TTL_S = 10 * 365 * 86400
-
-
 @dataclass(frozen=True)
 class CacheConfig:
     """The device KV block pool and prefix caching."""
@@ -308,6 +302,12 @@ class EngineConfig:
                 os.path.join(self.generation_config, "generation_config.json")):
             raise ValueError(f"--generation-config must be auto, vllm or a directory holding "
                              f"generation_config.json, got {self.generation_config!r}")
+        budgets = [(f"--cpu-offload-gb {self.store.cpu_offload_gb:g}", self.store.cpu_offload_gb)]
+        if self.on_cpu and self.cache.num_blocks is None:     # --num-blocks: checked once the block size is known
+            budgets.insert(0, (f"--kv-cache-gb {self.cache.kv_cache_gb:g}", self.cache.kv_cache_gb))
+        problem = kv_memory_problem(budgets, usable_memory_bytes())
+        if problem is not None:
+            raise ValueError(problem)
         if self.store.enabled and not self.cache.enable_prefix_caching:
             raise ValueError("KV tiers (--cpu-offload-gb, --disk-cache-dir, --redis-url) need prefix caching")
         if self.kv_transfer.disaggregated and not self.cache.enable_prefix_caching:

@@ -137,7 +137,8 @@ def _add_tier_args(p: argparse.ArgumentParser) -> None:
     """Add the options of the KV tiers below the device pool: CPU memory, disk, Redis."""
     g = p.add_argument_group("KV tiers (below the device pool)")
     g.add_argument("--cpu-offload-gb", type=finite_float, default=0.0, metavar="G",
-                   help="CPU memory tier for KV blocks, in GiB (0: off)")
+                   help="CPU memory tier for KV blocks, in GiB (0: off); with a CPU engine's "
+                        "--kv-cache-gb, at most 90%% of the memory this process may use (exit 2 above)")
     g.add_argument("--disk-cache-dir", default=None, metavar="DIR",
                    help="directory of the disk KV tier: segment files whose index survives restarts "
                         "(default: no disk tier)")

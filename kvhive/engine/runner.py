@@ -17,6 +17,7 @@ import torch
 
 from kvhive.config import ModelConfig
 from kvhive.connector.base import ConnectorWorker
+from kvhive.core.host_resources import kv_memory_problem, usable_memory_bytes
 from kvhive.engine.attention_kernels import choose_attention_kernels
 from kvhive.engine.constrained import GrammarRows
 from kvhive.engine.logits_processors import LogitsProcessors
@@ -121,6 +122,14 @@ class ModelRunner:
         # head_dim values, or an 8-bit pool's head_dim codes and 2-byte scale (kvhive.model.kv_quant).
         kv = self.kv_dtype
         row, dtype = (c.head_dim, self.dtype) if kv is None else (row_elements(c.head_dim, kv), pool_dtype(kv))
+        if self.device.type == "cpu":   # a pool the machine cannot hold would end in the OOM killer
+            block_layers = self.num_blocks * num_layers + (0 if window is None else
+                                                           window.num_blocks * window.num_window_layers)
+            pool_gib = block_layers * 2 * self.block_size * c.num_kv_heads * row * dtype.itemsize / 2**30
+            problem = kv_memory_problem([(f"a KV pool of {self.num_blocks:,} blocks", pool_gib)],
+                                        usable_memory_bytes())
+            if problem is not None:
+                raise ValueError(f"{problem}; lower --kv-cache-gb or --num-blocks")
         try:        # a pool the device cannot hold refuses the config (exit 2), not a traceback
             self.kv_cache = torch.zeros(self.num_blocks, num_layers, 2, self.block_size, c.num_kv_heads, row,
                                         dtype=dtype, device=self.device)

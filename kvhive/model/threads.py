@@ -25,7 +25,7 @@ import os
 import time
 from collections.abc import Callable
 
-from kvhive.config import usable_cpus
+from kvhive.core.host_resources import usable_cpus
 
 logger = logging.getLogger(__name__)
 

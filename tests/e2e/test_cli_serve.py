@@ -70,8 +70,11 @@ def test_json_or_yaml_nested_too_deep_exits_2_naming_the_flag(tmp_path, flag: st
     ("serve", ("--register", "redis://127.0.0.1:9", "--register-ttl", "1e308"), "--register-ttl"),
     ("serve", ("--max-session-ttl", "1000000000000000000"), "--max-session-ttl"),
     ("serve", ("--num-threads", "100000"), "--num-threads"),
-    # Past any address space: the pool's allocation fails on every host.
+    # Past this machine's memory: refused before anything is allocated (a lazy budget would end in
+    # the OOM killer), and a pool given in blocks once the model says how large a block is.
     ("serve", ("--kv-cache-gb", "500000"), "--kv-cache-gb"),
+    ("serve", ("--cpu-offload-gb", "100000"), "--cpu-offload-gb"),
+    ("serve", ("--num-blocks", "1000000000000"), "--num-blocks"),
     ("gateway", ("--replica", "http://127.0.0.1:9", "--cache-weight", "nan"), "--cache-weight"),
     ("gateway", ("--replica", "http://127.0.0.1:9", "--load-weight", "inf"), "--load-weight"),
     ("gateway", ("--replica", "http://127.0.0.1:9", "--cache-weight", "1e308"), "--cache-weight"),

@@ -65,3 +65,29 @@ def test_the_attention_balance_context_is_where_attention_costs_what_the_project
                           num_kv_heads=3, head_dim=64)
     # per token and layer: q, k, v, o and the MLP 3,538,944 multiply-adds; attention 2 x 9 x 64 per key
     assert smollm2.attention_balance_context == 3072
+
+
+def test_kv_budgets_past_the_machine_s_memory_are_refused_naming_the_flags(monkeypatch, tmp_path):
+    from kvhive import config as config_module
+    from kvhive.config import StoreConfig
+    from kvhive.core import host_resources
+    from kvhive.core.host_resources import kv_memory_problem, usable_memory_bytes
+
+    gib = 2**30
+    assert kv_memory_problem([("--cpu-offload-gb 8", 8.0)], 10 * gib) is None            # within 90%
+    problem = kv_memory_problem([("--kv-cache-gb 2", 2.0), ("--cpu-offload-gb 8", 8.0)], 10 * gib)
+    assert problem.startswith("--kv-cache-gb 2 and --cpu-offload-gb 8 ask for 10 GiB") and "9.0 GiB" in problem
+    assert kv_memory_problem([("--cpu-offload-gb 1e9", 1e9)], None) is None                # memory unknown
+    # A cgroup's limit under the machine's memory is the one that counts ("max": no limit).
+    limit, unlimited = tmp_path / "memory.max", tmp_path / "v1.limit"
+    limit.write_text(f"{4 * gib}\n")
+    unlimited.write_text("max\n")
+    monkeypatch.setattr(host_resources, "_CGROUP_LIMITS", (str(unlimited), str(limit), str(tmp_path / "absent")))
+    assert usable_memory_bytes() == min(4 * gib, host_resources.os.sysconf("SC_PHYS_PAGES")
+                                        * host_resources.os.sysconf("SC_PAGE_SIZE"))
+    monkeypatch.setattr(config_module, "usable_memory_bytes", lambda: 4 * gib)
+    with pytest.raises(ValueError, match="--cpu-offload-gb 5 asks for 5"):
+        EngineConfig(model_path="m", device="cuda", store=StoreConfig(cpu_offload_gb=5))   # a GPU pool is not counted
+    with pytest.raises(ValueError, match="--kv-cache-gb 3 and --cpu-offload-gb 1 ask for 4"):
+        EngineConfig(model_path="m", cache=CacheConfig(kv_cache_gb=3), store=StoreConfig(cpu_offload_gb=1))
+    assert EngineConfig(model_path="m", cache=CacheConfig(kv_cache_gb=2), store=StoreConfig(cpu_offload_gb=1))
