@@ -178,3 +178,33 @@ def test_the_keeper_writes_at_close_what_no_tick_wrote(tmp_path) -> None:
     (tmp_path / history_file.FILE_NAME).unlink()
     history_file.HistoryKeeper(reloaded, str(tmp_path), MODEL, VOCAB).close()
     assert not (tmp_path / history_file.FILE_NAME).exists()     # what was loaded is not written again
+
+
+def test_a_disk_that_stays_full_warns_once_and_the_next_write_that_works_says_so(tmp_path, caplog,
+                                                                                 monkeypatch) -> None:
+    store, clock = HistoryStore(2, 4, 400, 200), _Clock()
+    keeper = history_file.HistoryKeeper(store, str(tmp_path), MODEL, VOCAB, interval_s=10, clock=clock)
+    full = {"on": True}
+    real_write = history_file.atomic_write
+
+    def maybe_full(path: str, data: bytes) -> None:
+        if full["on"]:
+            raise OSError(28, "No space left on device")
+        real_write(path, data)
+
+    monkeypatch.setattr(history_file, "atomic_write", maybe_full)
+    with caplog.at_level(logging.INFO, logger="kvhive.engine.speculative.history_file"):
+        for step in range(3):
+            store.record("key:a", [step, 1, 2, 3, 4])
+            clock.now += 10
+            assert keeper.tick()
+            keeper.wait()
+        full["on"] = False
+        store.record("key:a", [9, 8, 7, 6])
+        clock.now += 10
+        assert keeper.tick()
+        keeper.wait()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "No space left" in warnings[0].getMessage()
+    assert any("kept in" in r.getMessage() and "again" in r.getMessage() for r in caplog.records)
+    assert _file_sequences(tmp_path) == list(store.sequences())

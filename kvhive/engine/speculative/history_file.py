@@ -111,15 +111,18 @@ def decode(data: bytes, fingerprint: str, vocab_size: int) -> list[tuple[str | N
     return out
 
 
-def save(store: HistoryStore | HistorySnapshot, directory: str, fingerprint: str, vocab_size: int) -> bool:
+def save(store: HistoryStore | HistorySnapshot, directory: str, fingerprint: str, vocab_size: int,
+         warn: bool = True) -> bool:
     """Write ``store`` (or a snapshot of one) to ``directory``'s history file; a write that fails
-    (a full disk) is logged, leaves the previous file as it was and returns False."""
+    (a full disk) is logged (a warning unless ``warn`` is false), leaves the previous file as it
+    was and returns False."""
     path = os.path.join(directory, FILE_NAME)
     try:
         os.makedirs(directory, exist_ok=True)
         atomic_write(path, encode(store.sequences(), fingerprint, vocab_size))
     except OSError as exc:
-        logger.warning("could not keep the speculative history in %s: %s", path, exc)
+        logger.log(logging.WARNING if warn else logging.DEBUG, "could not keep the speculative history in %s: %s",
+                   path, exc)
         return False
     return True
 
@@ -143,6 +146,7 @@ class HistoryKeeper:
         self._saved_changes = store.changes           # what the file holds already (what was loaded)
         self._last_write = clock()
         self._writer: threading.Thread | None = None
+        self._failing = False                         # the last write failed (and said so)
 
     def tick(self) -> bool:
         """Start a write of the store if it is due; whether one started."""
@@ -172,7 +176,11 @@ class HistoryKeeper:
                             os.path.join(self.directory, FILE_NAME), self.store.num_tokens)
 
     def _write(self, snapshot: HistorySnapshot) -> None:
-        save(snapshot, self.directory, self.fingerprint, self.vocab_size)
+        # A disk that stays full warns once, not at every write; the first write that works says so.
+        saved = save(snapshot, self.directory, self.fingerprint, self.vocab_size, warn=not self._failing)
+        if saved and self._failing:
+            logger.info("the speculative history is kept in %s again", self.directory)
+        self._failing = not saved
 
 
 def load(store: HistoryStore, directory: str, fingerprint: str, vocab_size: int) -> int:
