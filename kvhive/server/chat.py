@@ -170,7 +170,13 @@ def echoed_content(body: ChatCompletionRequest) -> str:
 
 
 def max_tokens_field(body: ChatCompletionRequest) -> tuple[int | None, str]:
-    """The output limit asked for and its field: ``max_completion_tokens``, else ``max_tokens``."""
+    """The output limit asked for and its field: ``max_completion_tokens``, else ``max_tokens``;
+    both may be given with one value (clients that send both), never two (400: one would be
+    ignored)."""
+    if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:
+        raise bad_request(f"'max_tokens' ({body.max_tokens}) and 'max_completion_tokens' "
+                          f"({body.max_completion_tokens}) ask for different limits; send one",
+                          param="max_tokens", code="invalid_parameter_combination")
     if body.max_completion_tokens is not None:
         return body.max_completion_tokens, "max_completion_tokens"
     return body.max_tokens, "max_tokens"

@@ -96,12 +96,16 @@ def test_another_part_kinds_field_on_a_text_part_is_refused(tiny_client: httpx.C
 def test_no_op_fields_answer_200(tiny_client: httpx.Client) -> None:
     assert set(NO_OP_FIELDS) == {"user", "safety_identifier", "service_tier", "store", "metadata"}
     chat = {**CHAT_BODY, "user": "u1", "safety_identifier": "u1", "prompt_cache_key": "agent-7",
-            "service_tier": "auto", "store": True, "metadata": {"run": "7"}}
+            "service_tier": "auto", "store": True, "metadata": {"run": "7"},
+            "max_completion_tokens": CHAT_BODY["max_tokens"]}          # both limits, one value
     for path, body in [("/v1/chat/completions", chat), ("/v1/completions", {**COMPLETION, "user": "u1"}),
                        ("/v1/responses", {**RESPONSES_BODY, "user": "u1", "safety_identifier": "u1",
                                           "prompt_cache_key": "k", "service_tier": "default"})]:
         r = tiny_client.post(path, json=body)
         assert r.status_code == 200, (path, r.text)
+    # Two different limits: one would be ignored.
+    assert_error(tiny_client.post("/v1/chat/completions", json={**CHAT_BODY, "max_completion_tokens": 3}), 400,
+                 param="max_tokens", code="invalid_parameter_combination")
 
 
 BAD_BOUNDS: list[tuple[str, dict[str, Any], str]] = [
