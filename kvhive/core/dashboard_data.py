@@ -205,12 +205,5 @@ class DashboardAccess:
             key.encode(), self.admin_key.encode())
 
 
-def unknown_query(names: list[str]) -> str | None:
-    """The error for a data request with query parameters (the endpoint takes none), else None."""
-    if not names:
-        return None
-    return f"Unknown query parameter {names[0][:64]!r}: /dashboard/data takes none"
-
-
 # The page served, its data open to anyone (a server or gateway without keys).
 OPEN_DASHBOARD = DashboardAccess()

@@ -16,7 +16,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvhive.core.cors import CorsConfig, install_cors
 from kvhive.core.dashboard_data import OPEN_DASHBOARD, DashboardAccess
 from kvhive.core.json_body import BodyError, MalformedJSON, load_json, off_loop_for
-from kvhive.core.query_params import strict_query_route
 from kvhive.core.tenancy import key_owner
 from kvhive.core.tokenizer import Tokenizer
 from kvhive.gateway.dashboard_gateway import GatewayDashboard, install_gateway_dashboard
@@ -29,6 +28,7 @@ from kvhive.routing.affinity import SESSION_HEADER, cache_key_problem
 from kvhive.routing.dialects import (
     ANTHROPIC_PATHS,
     API_KEY_HEADER,
+    GATEWAY_ROUTE,
     as_openai_error,
     gateway_error,
     openai_error,
@@ -75,12 +75,11 @@ class GatewayRoutes:
         app.add_exception_handler(Exception, answer_crash)
         # The routes the gateway answers itself refuse query parameters by name; the others pass
         # theirs on to the replica, which does.
-        own = strict_query_route(lambda message, param: openai_error(400, message, param=param))
         for path, handler, method in (("/health", self.health, "GET"), ("/metrics", self.prometheus_metrics, "GET"),
                                       ("/v1/models", self.list_models, "GET"),
                                       ("/v1/models/{model_id:path}", self.retrieve_model, "GET"),
                                       ("/tokenize", self.tokenize, "POST"), ("/detokenize", self.tokenize, "POST")):
-            app.router.add_api_route(path, handler, methods=[method], response_model=None, route_class_override=own)
+            app.router.add_api_route(path, handler, methods=[method], response_model=None, route_class_override=GATEWAY_ROUTE)
         app.add_api_route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"], response_model=None)
         # vLLM's /tokenizer_info: every replica serves one model, so any replica's answer is the gateway's.
         app.add_api_route("/tokenizer_info", self.routed, methods=["GET"], response_model=None)

@@ -29,12 +29,11 @@ from kvhive.core.dashboard_data import (
     StatsRing,
     Table,
     bounded_table,
-    unknown_query,
 )
 from kvhive.core.dashboard_page import dashboard_html
 from kvhive.gateway.metrics import GatewayMetrics
 from kvhive.gateway.replicas import Replica
-from kvhive.routing.dialects import openai_error
+from kvhive.routing.dialects import GATEWAY_ROUTE, openai_error
 
 REPLICA_COLUMNS = ("replica", "health", "routing", "running", "waiting", "kv_usage", "inflight", "routed", "share")
 REASON_COLUMNS = ("replica", "reason", "requests")
@@ -141,10 +140,9 @@ def install_gateway_dashboard(app: FastAPI, dashboard: GatewayDashboard) -> None
         refusal = refused(request)
         if refusal is not None:
             return refusal
-        problem = unknown_query(list(request.query_params.keys()))
-        if problem is not None:
-            return openai_error(400, problem, param=next(iter(request.query_params.keys()))[:64])
         return JSONResponse(dashboard.data().to_json(), headers={"cache-control": "no-store"})
 
-    app.add_api_route("/dashboard", dashboard_page, methods=["GET"], include_in_schema=False, response_model=None)
-    app.add_api_route("/dashboard/data", dashboard_data, methods=["GET"], response_model=None)
+    app.router.add_api_route("/dashboard", dashboard_page, methods=["GET"], include_in_schema=False, response_model=None,
+                             route_class_override=GATEWAY_ROUTE)
+    app.router.add_api_route("/dashboard/data", dashboard_data, methods=["GET"], response_model=None,
+                             route_class_override=GATEWAY_ROUTE)

@@ -15,6 +15,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from kvhive.core.anthropic_errors import anthropic_error_body, as_anthropic_error
+from kvhive.core.query_params import strict_query_route
 
 MESSAGES_PATH = "/v1/messages"
 # The Messages routes the gateway routes like chat (by the prompt's KV score).
@@ -34,6 +35,11 @@ def openai_error(status: int, message: str, code: str | None = None,
     error_type = "server_error" if status >= 500 else "invalid_request_error"
     body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
     return JSONResponse(status_code=status, content=body, headers=dict(headers or {}))
+
+
+# The route class of the routes the gateway answers itself: a query parameter the route does not
+# take is a 400 in OpenAI's shape naming it (``kvhive.core.query_params``).
+GATEWAY_ROUTE = strict_query_route(lambda message, param: openai_error(400, message, param=param))
 
 
 def gateway_error(path: str, status: int, message: str, code: str | None = None,

@@ -27,7 +27,6 @@ from kvhive.core.dashboard_data import (
     Series,
     StatsRing,
     rate_points,
-    unknown_query,
 )
 from kvhive.core.dashboard_page import dashboard_html
 from kvhive.core.tenancy import key_owner
@@ -46,7 +45,7 @@ from kvhive.server.dashboard_tables import (
     usage_table,
 )
 from kvhive.server.dashboard_usage import NO_KEY, KeyUsage, KeyUsageMiddleware, KeyUsageTable
-from kvhive.server.errors import APIError, bad_request
+from kvhive.server.errors import APIError
 
 if TYPE_CHECKING:
     from kvhive.engine.stats import EngineStats
@@ -206,9 +205,6 @@ def install_dashboard(app: FastAPI, dashboard: ReplicaDashboard) -> None:
         key = dashboard.access.key_in(raw_request.headers)
         if key is None and dashboard.access.needs_key:
             return unauthorized()
-        problem = unknown_query(list(raw_request.query_params.keys()))
-        if problem is not None:
-            raise bad_request(problem, param=next(iter(raw_request.query_params.keys()))[:64])
         data = await dashboard.data(key)
         return JSONResponse(data.to_json(), headers={"cache-control": "no-store"})
 

@@ -25,9 +25,8 @@ from kvhive.server.generation import GenerationService
 logger = logging.getLogger(__name__)
 
 PATH = "/reset_prefix_cache"
-PARAMETERS = ("reset_external", "reset_running_requests")
 _BOOLEANS = {"true": True, "false": False, "1": True, "0": False}
-_SHOWN_CHARS = 40          # of an unknown name or a bad value, echoed in the error
+_SHOWN_CHARS = 40          # of a bad value, echoed in the error
 
 
 def _flag(name: str, raw: str) -> bool:
@@ -40,13 +39,11 @@ def _flag(name: str, raw: str) -> bool:
 
 
 def reset_external_flag(query: list[tuple[str, str]]) -> bool:
-    """``reset_external`` from the query, each parameter known, given once, a boolean; 400 otherwise
-    (``reset_running_requests=true`` included: running requests keep their blocks)."""
+    """``reset_external`` from the query (whose names the route class has checked against the two
+    ``_OPENAPI`` documents), each given once, a boolean; 400 otherwise (``reset_running_requests=true``
+    included: running requests keep their blocks)."""
     flags: dict[str, bool] = {}
     for name, raw in query:
-        if name not in PARAMETERS:
-            raise bad_request(f"Unknown query parameter {name[:_SHOWN_CHARS]!r}: {PATH} takes "
-                              f"{' and '.join(PARAMETERS)}", param=name[:_SHOWN_CHARS])
         if name in flags:
             raise bad_request(f"Query parameter '{name}' is given more than once", param=name)
         flags[name] = _flag(name, raw)
