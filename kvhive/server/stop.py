@@ -2,7 +2,29 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+
+
+@functools.lru_cache(maxsize=256)
+def _fallbacks(stop: str) -> tuple[int, ...]:
+    """``f[q]``, for q in 0..len(stop)-1: where a match of ``stop[:q]`` falls back to when the next
+    character is not ``stop[q]``: its longest proper border ``stop[:k]`` with ``stop[k] != stop[q]``
+    (Knuth-Morris-Pratt's failure function, with borders that would fail on the same character
+    skipped, so one character costs O(log len(stop)) fall-backs at most, not O(len(stop)))."""
+    border = [0] * (len(stop) + 1)      # border[q]: longest proper border of stop[:q]
+    k = 0
+    for q in range(1, len(stop)):
+        while k and stop[k] != stop[q]:
+            k = border[k]
+        if stop[k] == stop[q]:
+            k += 1
+        border[q + 1] = k
+    f = [0] * len(stop)
+    for q in range(1, len(stop)):
+        k = border[q]
+        f[q] = f[k] if stop[k] == stop[q] else k
+    return tuple(f)
 
 
 class StopStringMatcher:
@@ -10,12 +32,17 @@ class StopStringMatcher:
 
     Invariant: no stop string starts inside text already returned, because text that could be the
     start of a stop string is held in ``_pending`` until it either completes a match or cannot.
+
+    Each stop string keeps how much of it the text's end matches (a Knuth-Morris-Pratt state), so a
+    delta costs time linear in its length per stop string, however long the held-back text is.
     """
 
     def __init__(self, stop_strings: Sequence[str], include_stop: bool = False) -> None:
         """``include_stop``: the text returned on a match ends with the stop string (vLLM's
         ``include_stop_str_in_output``); else it ends before it."""
-        self._stops = tuple(s for s in stop_strings if s)
+        self._stops = tuple(dict.fromkeys(s for s in stop_strings if s))
+        self._fallbacks = [_fallbacks(s) for s in self._stops]
+        self._matched = [0] * len(self._stops)    # per stop: its longest prefix the text ends with
         self._include_stop = include_stop
         self._pending = ""
         self.stopped = False          # True once a stop string matched; nothing more is returned
@@ -31,16 +58,19 @@ class StopStringMatcher:
             return ""
         if not self._stops:
             return delta
+        base = len(self._pending)
         self._pending += delta
-        hits = [(i, len(s)) for i, s in ((self._pending.find(s), s) for s in self._stops) if i >= 0]
-        if hits:
+        first = None                  # (start, length) of the first match: at one place, the shortest
+        for i, stop in enumerate(self._stops):
+            end = self._advance(i, stop, delta)
+            if end >= 0 and (first is None or (base + end - len(stop), len(stop)) < first):
+                first = (base + end - len(stop), len(stop))
+        if first is not None:
             self.stopped = True
-            # The first match; at one place, the shortest stop (the one a stream completes first).
-            start, length = min(hits)
-            end = start + length if self._include_stop else start
-            out, self._pending = self._pending[:end], ""
+            start, length = first
+            out, self._pending = self._pending[:start + length if self._include_stop else start], ""
             return out
-        keep = self._partial_match_len()
+        keep = max(self._matched)
         cut = len(self._pending) - keep
         out, self._pending = self._pending[:cut], self._pending[cut:]
         return out
@@ -50,11 +80,24 @@ class StopStringMatcher:
         out, self._pending = self._pending, ""
         return "" if self.stopped else out
 
-    def _partial_match_len(self) -> int:
-        """Length of the longest suffix of the pending text that is a proper prefix of a stop string."""
-        longest = min(len(self._pending), max(len(s) for s in self._stops) - 1)
-        for k in range(longest, 0, -1):
-            tail = self._pending[-k:]
-            if any(s.startswith(tail) for s in self._stops):
-                return k
-        return 0
+    def _advance(self, i: int, stop: str, delta: str) -> int:
+        """Run stop ``i``'s state over ``delta``: the end offset in ``delta`` of its first complete
+        match, else -1 (the state then holds its longest prefix the text ends with)."""
+        q, fallback, n = self._matched[i], self._fallbacks[i], len(stop)
+        pos = 0
+        while pos < len(delta):
+            if q == 0:                # nothing of it matched: skip to its first character's next place
+                pos = delta.find(stop[0], pos)
+                if pos < 0:
+                    break
+            c = delta[pos]
+            while q and stop[q] != c:
+                q = fallback[q]
+            if stop[q] == c:
+                q += 1
+                if q == n:
+                    self._matched[i] = q
+                    return pos + 1
+            pos += 1
+        self._matched[i] = q
+        return -1
