@@ -28,7 +28,7 @@ dtypes and bfloat16 for bfloat16 KV (a float KV cache holds the model's dtype). 
   default model's largest context (8,192 positions) and at ``--long-context`` on the same model's
   Hugging Face checkpoint (``~/.cache/kvhive-peers/models/smollm2-135m``) read with
   ``--hf-config-path`` set to its config.json with ``max_position_embeddings`` raised to the long
-  context (kvhive caps ``--max-model-len`` at the model's positions; this is its documented way to
+  context (kvhive refuses a ``--max-model-len`` past the model's positions; this is its documented way to
   serve a config other than the checkpoint's). That checkpoint has dense float weights (no GGUF
   blocks), so its steps read more weight bytes. Median of ``--repeat`` steps; beside each, the
   floor (weight bytes + the context's KV bytes) / the read bandwidth bench/roofline.py measures.

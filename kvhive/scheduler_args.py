@@ -53,6 +53,7 @@ def build_scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         threshold = min(CPU_LONG_PREFILL_TOKENS, args.max_num_batched_tokens) if args.device == "cpu" else 0
     return SchedulerConfig(max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy,
                            max_num_batched_tokens=args.max_num_batched_tokens, step_budget=args.step_budget,
-                           max_model_len=args.max_model_len or 1 << 30,
+                           max_model_len=1 << 30 if args.max_model_len is None else args.max_model_len,
+                           max_model_len_given=args.max_model_len is not None,
                            long_prefill_token_threshold=threshold,
                            max_long_partial_prefills=args.max_long_partial_prefills)

@@ -101,7 +101,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="instruction-set level of the C++ CPU kernels; auto: the best this CPU runs; "
                         "a lower level runs the kernels a CPU without the higher ISA would run")
     g.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                   help="context limit in tokens (default: the model's)")
+                   help="context limit in tokens, at most the model's (default: the model's)")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="sampling defaults for the fields a request leaves unset (temperature, top_p, "
                         "top_k, min_p, repetition_penalty; max_new_tokens as max_tokens), as vLLM takes "

@@ -21,6 +21,8 @@ class SchedulerConfig:
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
+    # The user set max_model_len (--max-model-len): past the model's context it is refused, not capped.
+    max_model_len_given: bool = False
     # How a token counts against max_num_batched_tokens: "tokens", one each; "compute", 1 + p / C
     # at position p (C: attention_context, set from the model by EngineConfig.resolved).
     step_budget: str = "tokens"
@@ -60,9 +62,13 @@ class SchedulerConfig:
                              f"got {self.max_long_partial_prefills}")
 
     def capped(self, max_position_embeddings: int) -> SchedulerConfig:
-        """This config with ``max_model_len`` at most the model's context."""
+        """This config with ``max_model_len`` at most the model's context; ValueError where the user
+        asked for more (positions past the context were never trained, as vLLM refuses too)."""
         if self.max_model_len <= max_position_embeddings:
             return self
+        if self.max_model_len_given:
+            raise ValueError(f"--max-model-len {self.max_model_len} is more than the model's context "
+                             f"({max_position_embeddings} tokens); leave it out to use the model's")
         return replace(self, max_model_len=max_position_embeddings)
 
     def for_model(self, max_position_embeddings: int, attention_balance_context: int) -> SchedulerConfig:

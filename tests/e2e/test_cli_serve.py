@@ -75,6 +75,9 @@ def test_json_or_yaml_nested_too_deep_exits_2_naming_the_flag(tmp_path, flag: st
     ("serve", ("--kv-cache-gb", "500000"), "--kv-cache-gb"),
     ("serve", ("--cpu-offload-gb", "100000"), "--cpu-offload-gb"),
     ("serve", ("--num-blocks", "1000000000000"), "--num-blocks"),
+    # A context past the model's (8,192 tokens) is refused once the model says its own, not capped.
+    ("serve", ("--max-model-len", "8193"), "--max-model-len"),
+    ("serve", ("--max-model-len", "0"), "--max-model-len"),
     ("gateway", ("--replica", "http://127.0.0.1:9", "--cache-weight", "nan"), "--cache-weight"),
     ("gateway", ("--replica", "http://127.0.0.1:9", "--load-weight", "inf"), "--load-weight"),
     ("gateway", ("--replica", "http://127.0.0.1:9", "--cache-weight", "1e308"), "--cache-weight"),

@@ -37,6 +37,14 @@ def test_the_context_is_capped_at_the_model_s_and_a_shorter_one_kept():
     assert short.resolved(MODEL).scheduler == short.scheduler
 
 
+def test_a_context_the_user_asked_for_past_the_model_s_is_refused_not_capped():
+    asked = EngineConfig(model_path="m", scheduler=SchedulerConfig(max_model_len=8192, max_model_len_given=True))
+    with pytest.raises(ValueError, match="--max-model-len 8192 is more than the model's context"):
+        asked.resolved(MODEL)
+    within = EngineConfig(model_path="m", scheduler=SchedulerConfig(max_model_len=512, max_model_len_given=True))
+    assert within.resolved(MODEL).scheduler.max_model_len == 512
+
+
 def test_store_tiers_handed_to_the_engine_need_prefix_caching():
     config = EngineConfig(model_path="m", cache=CacheConfig(enable_prefix_caching=False))
     assert config.resolved(MODEL).cache.num_blocks is not None
