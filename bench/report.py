@@ -590,7 +590,7 @@ SECTIONS = (
             "speculation, and llama.cpp's server without and with prompt lookup, in paired rounds.",
             ("speculation ≥ 2x kvhive's own tokens/s at c1 on the first three workloads, ≥ 1.3x at c8",
              "open chat ≥ 0.95x", "ahead of vLLM's n-gram speculation on the same workloads"),
-            ("speculative_workloads.json",), speculative_workloads.render),
+            ("speculative_workloads.json", "speculative_workloads_avx2.json"), speculative_workloads.render),
     Section("speculative_paired", "Speculative decoding, paired request by request",
             "bench/speculative_paired.py",
             "Decode tokens/s over HTTP (greedy, 128 tokens streamed, prompts cached first) of kvhive without "
