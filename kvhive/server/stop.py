@@ -63,8 +63,9 @@ class StopStringMatcher:
         first = None                  # (start, length) of the first match: at one place, the shortest
         for i, stop in enumerate(self._stops):
             end = self._advance(i, stop, delta)
-            if end >= 0 and (first is None or (base + end - len(stop), len(stop)) < first):
-                first = (base + end - len(stop), len(stop))
+            if end >= 0:
+                match = (base + end - len(stop), len(stop))
+                first = match if first is None else min(first, match)
         if first is not None:
             self.stopped = True
             start, length = first
