@@ -71,6 +71,19 @@ def test_kernel_rebuilds_each_weight_exactly(kernel, gguf_tensors, name, rows) -
     assert torch.equal(kernel(x, w), ref[:, cols].T)
 
 
+@pytest.mark.parametrize("name", ["blk.3.attn_q.weight", "blk.3.ffn_down.weight"])
+def test_a_rows_sums_do_not_depend_on_the_rows_beside_it(kernel, gguf_tensors, name) -> None:
+    """From 5 rows on, a row's sums are the same bits whatever the step's row count: a decode step
+    with draft tokens (9 rows for 8 requests) or more requests computes each request's row as the
+    plain step does, so the tiling never parts speculated from plain greedy tokens."""
+    w, _ = _weight(gguf_tensors[name])
+    x = torch.randn(25, w.shape[1], generator=torch.Generator().manual_seed(5))
+    residual = torch.randn(25, w.shape[0], generator=torch.Generator().manual_seed(6))
+    every = kernel(x, w, residual)
+    for rows in range(5, 25):
+        assert torch.equal(kernel(x[:rows], w, residual[:rows]), every[:rows]), rows
+
+
 def test_kernel_reads_strided_rows_and_bfloat16(kernel, gguf_tensors) -> None:
     w, ref = _weight(gguf_tensors["blk.1.ffn_gate.weight"])
     wide = torch.randn(5, w.shape[1] + 64)
