@@ -38,7 +38,10 @@ struct Args {
   float scale; int64_t chunk; void* out; float* ws; int n_threads;
 };
 
-constexpr int64_t kMaxShare = 8;   // sequences per work item
+// Sequences per work item: a request and up to 15 rows of its draft read its keys once. (Eight
+// requests of 600 tokens, each verifying 12 draft tokens, 104 rows: all 30 layers' decode attention
+// 11% faster than with items of 8 on an AVX2 EPYC; 4 draft tokens each: even.)
+constexpr int64_t kMaxShare = 16;
 
 // One work item: keys [begin, end) of kv head h, chunk c, for sequences seqs[0:count] (same blocks).
 struct Work { int64_t h, c, begin, end; const int64_t* seqs; int64_t count, n_chunks; };
