@@ -446,8 +446,8 @@ SECTIONS = (
             "(kvhive: 200 blocks of 16 and a 2 GB CPU tier; vLLM: 25 blocks of 128).",
             goal_words("smallkv"), ("multiturn_smallkv.json",), render_multiturn, ("ttft_per_turn_smallkv.png",)),
     Section("avx2", "An AVX2-only CPU", "bench/multiturn_vs_vllm.py",
-            f"{WORKLOAD[0].upper()}{WORKLOAD[1:]}, with kvhive's AVX2 kernels (`--cpu-isa avx2`) and torch and "
-            "oneDNN held to AVX2 in both servers (vLLM's own compiled kernels still use AVX-512).",
+            f"{WORKLOAD[0].upper()}{WORKLOAD[1:]}, on a CPU without AVX-512: kvhive's AVX2 kernels "
+            "(`--cpu-isa avx2`) beside vLLM for CPU's AVX2 build.",
             goal_words("avx2"), ("multiturn_avx2.json",), render_multiturn, ("ttft_per_turn_avx2.png",)),
     Section("agent_loop", "Agent loop against vLLM for CPU", "bench/agent_loop.py",
             "Time to first token per turn and the cached fraction of an agent loop: 8 agents at once share a "
