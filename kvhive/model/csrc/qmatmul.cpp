@@ -36,12 +36,15 @@ constexpr int64_t kChunk = 32;    // features per epilogue pass (scratch [rows, 
 #ifdef KVHIVE_AVX512
 constexpr int64_t kMaxRows = 12;  // rows per tile
 constexpr int kMaxAcc = 24;       // accumulators per tile (R * F): 3/4 of the vector registers
+constexpr int kMaxAccFeatures = kMaxAcc;   // ... for a tile of several features
 #elif defined(KVHIVE_AVX2)
 constexpr int64_t kMaxRows = 12;
 constexpr int kMaxAcc = 12;       // of the 16 vector registers: one weight vector and its scales beside
+constexpr int kMaxAccFeatures = 8;         // tiles of 2 and 4 features: 4 and 2 rows, whose x fits L1
 #else
 constexpr int64_t kMaxRows = 8;
 constexpr int kMaxAcc = 8;
+constexpr int kMaxAccFeatures = kMaxAcc;
 #endif
 
 #include "bf16.h"
@@ -123,32 +126,12 @@ void tile(const Tiles& t, int64_t r0, int64_t j0, float* dst, int64_t stride) {
 // both). One feature per tile of 16 rows was slower (16 rows 34.9 ms): an x load then feeds one
 // feature's two FMAs.
 inline int features_per_tile(int kind, int64_t rows, int64_t) { return kind == 1 && rows == 1 ? 1 : rows <= 4 ? 4 : 2; }
-constexpr int64_t rows_per_tile(int f) { return std::min<int64_t>(kMaxRows, kMaxAcc / f); }
 #elif defined(KVHIVE_AVX2)
-// The 32 weights of one block as four vectors (values 0-7, 8-15, 16-23, 24-31): d*q + m (Q4_1)
-// or d*q (Q8_0). Q4_1 byte j holds value j in its low nibble and value j + 16 in its high nibble.
-// d is a float16 value (11 significant bits) and |q| <= 128, so d*q is exact in float32 and the
-// one rounding of fmadd(q, d, m) gives gguf's multiply-then-add weight bit for bit.
-template <int KIND>
-inline void block_weights(const uint8_t* q, float d, float m, __m256 (&w)[4]) {
-  const __m256 vd = _mm256_set1_ps(d);
-  if (KIND == 0) {
-    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
-    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
-    const __m256i low4 = _mm256_set1_epi32(0x0F);
-    const __m256 vm = _mm256_set1_ps(m);
-    const __m256i v[4] = {_mm256_and_si256(lo, low4), _mm256_and_si256(hi, low4), _mm256_srli_epi32(lo, 4),
-                          _mm256_srli_epi32(hi, 4)};
-    for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v[i]), vd, vm);
-  } else {
-    for (int i = 0; i < 4; ++i)
-      w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i)))), vd);
-  }
-}
-
-// Vector i of the same 32 weights alone (bytes 8 * (i % 2) on, the low nibbles for i < 2): what a
-// tile of more than 8 accumulators builds, leaving the registers to them.
+// Vector i of a block's 32 weights (values 8i to 8i+7): d*q + m (Q4_1) or d*q (Q8_0). Q4_1 byte j
+// holds value j in its low nibble and value j + 16 in its high nibble. d is a float16 value (11
+// significant bits) and |q| <= 128, so d*q is exact in float32 and the one rounding of fmadd(q, d, m)
+// gives gguf's multiply-then-add weight bit for bit. Tiles build one vector at a time, leaving the
+// registers to their sums.
 template <int KIND>
 inline __m256 block_vector(const uint8_t* q, __m256 vd, __m256 vm, int i) {
   if (KIND == 0) {
@@ -163,10 +146,8 @@ inline __m256 block_vector(const uint8_t* q, __m256 vd, __m256 vm, int i) {
 #include "avx2_sum8.h"
 
 // dst[r * stride + f] = x[r0 + r] . w[j0 + f] for an R x F tile. Small tiles keep two
-// accumulators per (row, feature), so the four FMAs of a block are two chains, not one. Tiles of
-// more than 8 accumulators (9 to 12 rows of one feature) build one weight vector at a time: the
-// same FMAs in the same order as an 8-row tile, so a row's sums do not depend on which of the two
-// it is in.
+// accumulators per (row, feature), so the four FMAs of a block are two chains, not one; every
+// larger tile adds them in the same order, so a row's sums do not depend on the tile's size.
 template <int KIND, int R, int F>
 void tile(const Tiles& t, int64_t r0, int64_t j0, float* dst, int64_t stride) {
   constexpr int64_t QB = KIND == 0 ? 16 : 32;
@@ -190,20 +171,12 @@ void tile(const Tiles& t, int64_t r0, int64_t j0, float* dst, int64_t stride) {
     }
     for (int f = 0; f < F; ++f) {
       const uint8_t* qb = q + (f * t.nb + b) * QB;
-      if constexpr (N > 8) {                 // one weight vector at a time, in the same order
-        const __m256 vd = _mm256_set1_ps(d[f * t.nb + b]), vm = _mm256_set1_ps(KIND == 0 ? m[f * t.nb + b] : 0.f);
-        for (int i = 0; i < 4; ++i) {
-          const __m256 w = block_vector<KIND>(qb, vd, vm, i);
-          for (int r = 0; r < R; ++r)
-            acc[0][r * F + f] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * t.xs + b * 32 + 8 * i), acc[0][r * F + f]);
-        }
-      } else {
-        __m256 w[4];
-        block_weights<KIND>(qb, d[f * t.nb + b], m[f * t.nb + b], w);
+      const __m256 vd = _mm256_set1_ps(d[f * t.nb + b]), vm = _mm256_set1_ps(KIND == 0 ? m[f * t.nb + b] : 0.f);
+      for (int i = 0; i < 4; ++i) {
+        const __m256 w = block_vector<KIND>(qb, vd, vm, i);
         for (int r = 0; r < R; ++r)
-          for (int i = 0; i < 4; ++i)
-            acc[i % A][r * F + f] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(x + r * t.xs + b * 32 + 8 * i),
-                                                    acc[i % A][r * F + f]);
+          acc[i % A][r * F + f] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * t.xs + b * 32 + 8 * i),
+                                                  acc[i % A][r * F + f]);
       }
     }
   }
@@ -229,8 +202,6 @@ inline int features_per_tile(int kind, int64_t rows, int64_t k) {
   constexpr int64_t kL1Floats = 8192;   // 32 KB of x rows: what L1 holds beside the streamed blocks
   return kind == 1 && rows <= 2 ? 1 : rows <= 2 ? 4 : rows <= 4 || std::min(rows, kMaxRows) * k > kL1Floats ? 2 : 1;
 }
-// The most rows a tile of f features takes.
-constexpr int64_t rows_per_tile(int f) { return f == 1 ? kMaxRows : 8 / f; }
 #else
 template <int KIND>
 inline void block_weights(const uint8_t* q, float d, float m, float* w) {
@@ -271,8 +242,10 @@ void tile(const Tiles& t, int64_t r0, int64_t j0, float* dst, int64_t stride) {
 }
 
 inline int features_per_tile(int, int64_t, int64_t) { return 1; }
-constexpr int64_t rows_per_tile(int f) { return std::min<int64_t>(kMaxRows, kMaxAcc / f); }
 #endif
+
+// The most rows a tile of f features takes.
+constexpr int64_t rows_per_tile(int f) { return std::min<int64_t>(kMaxRows, (f == 1 ? kMaxAcc : kMaxAccFeatures) / f); }
 
 using TileFn = void (*)(const Tiles&, int64_t, int64_t, float*, int64_t);
 
