@@ -31,6 +31,7 @@ from kvhive.engine.speculative.draft_verification import (
 from kvhive.engine.step import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
 from kvhive.engine.step_inputs import PoolShape, StepInputBuilder, StepInputs, WindowPool
 from kvhive.kv.window_group import WindowLayout
+from kvhive.model import host_pages
 from kvhive.model.cuda_graphs import DecodeGraphs
 from kvhive.model.kv_quant import QUANTIZED_KV_DTYPES, canonical_kv_dtype, pool_dtype, row_elements
 from kvhive.model.llama import LlamaModel, resolve_dtype
@@ -131,12 +132,17 @@ class ModelRunner:
             if problem is not None:
                 raise ValueError(f"{problem}; lower --kv-cache-gb or --num-blocks")
         try:        # a pool the device cannot hold refuses the config (exit 2), not a traceback
-            self.kv_cache = torch.zeros(self.num_blocks, num_layers, 2, self.block_size, c.num_kv_heads, row,
-                                        dtype=dtype, device=self.device)
+            shape = (self.num_blocks, num_layers, 2, self.block_size, c.num_kv_heads, row)
             # The window layers' pool (kvhive.model.window_kv), in the same layout; None: one pool.
-            self.window_cache = None if window is None else torch.zeros(
-                window.num_blocks, window.num_window_layers, *self.kv_cache.shape[2:], dtype=dtype,
-                device=self.device)
+            window_shape = None if window is None else (window.num_blocks, window.num_window_layers, *shape[2:])
+            self.pool_huge_pages = False
+            if self.device.type == "cpu":       # on huge pages where the host gives them (host_pages)
+                self.kv_cache, self.pool_huge_pages = host_pages.zeros(shape, dtype)
+                self.window_cache = None if window_shape is None else host_pages.zeros(window_shape, dtype)[0]
+            else:
+                self.kv_cache = torch.zeros(*shape, dtype=dtype, device=self.device)
+                self.window_cache = None if window_shape is None else torch.zeros(
+                    *window_shape, dtype=dtype, device=self.device)
         except (RuntimeError, MemoryError) as exc:          # torch.OutOfMemoryError is a RuntimeError
             raise ValueError(f"the KV pool of {self.num_blocks} blocks cannot be allocated on {self.device}; "
                              f"lower --kv-cache-gb or --num-blocks ({str(exc).splitlines()[0][:200]})") from exc
@@ -164,8 +170,9 @@ class ModelRunner:
         window = {} if self.window is None else {"window_kv": self.window.describe(self.num_blocks)}
         if self.kv_dtype is not None:
             sdpa += f" (dequantised from {self.kv_dtype})"
+        pool = {"kv_pool": host_pages.describe(self.pool_huge_pages)} if self.device.type == "cpu" else {}
         return {"decode_attention": self._kernel_name(self.decode_kernel, sdpa),
-                "prefill_attention": self._kernel_name(self.prefill_kernel, sdpa), **window}
+                "prefill_attention": self._kernel_name(self.prefill_kernel, sdpa), **window, **pool}
 
     def _kernel_name(self, kernel: Any | None, fallback: str) -> str:
         """A kernel's path name (its ``describe``); ``fallback`` without one."""
