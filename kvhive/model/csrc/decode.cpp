@@ -612,8 +612,8 @@ inline bool same_chunk(const Args& a, int64_t n, int64_t m, int64_t c) {
   return true;
 }
 
-// The work items, heads x chunks x groups; a group is up to kMaxShare sequences that read chunk c
-// from the same blocks, members[first : first + count].
+// The work items, groups x heads; a group is up to kMaxShare sequences that read chunk c from the
+// same blocks, members[first : first + count].
 std::vector<Work> plan_work(const Args& a, int64_t n_chunks, std::vector<int64_t>& members) {
   struct Group { int64_t c, first, count; };
   std::vector<Group> groups;
@@ -637,8 +637,8 @@ std::vector<Work> plan_work(const Args& a, int64_t n_chunks, std::vector<int64_t
     }
   }
   std::vector<Work> items;
-  for (int64_t h = 0; h < a.kv_heads; ++h)
-    for (const Group& g : groups) {
+  for (const Group& g : groups)             // a group's heads back to back: threads taking items in
+    for (int64_t h = 0; h < a.kv_heads; ++h) {   // turn read the same blocks' rows together
       int64_t begin, end;
       chunk_range(a, members[g.first], g.c, begin, end);
       items.push_back(Work{h, g.c, begin, end, members.data() + g.first, g.count, n_chunks});
