@@ -135,14 +135,10 @@ class ModelRunner:
             shape = (self.num_blocks, num_layers, 2, self.block_size, c.num_kv_heads, row)
             # The window layers' pool (kvhive.model.window_kv), in the same layout; None: one pool.
             window_shape = None if window is None else (window.num_blocks, window.num_window_layers, *shape[2:])
-            self.pool_huge_pages = False
-            if self.device.type == "cpu":       # on huge pages where the host gives them (host_pages)
-                self.kv_cache, self.pool_huge_pages = host_pages.zeros(shape, dtype)
-                self.window_cache = None if window_shape is None else host_pages.zeros(window_shape, dtype)[0]
-            else:
-                self.kv_cache = torch.zeros(*shape, dtype=dtype, device=self.device)
-                self.window_cache = None if window_shape is None else torch.zeros(
-                    *window_shape, dtype=dtype, device=self.device)
+            # On the CPU on huge pages where the host gives them (kvhive.model.host_pages).
+            self.kv_cache, self.pool_huge_pages = host_pages.zeros(shape, dtype, self.device)
+            self.window_cache = (None if window_shape is None else
+                                 host_pages.zeros(window_shape, dtype, self.device)[0])
         except (RuntimeError, MemoryError) as exc:          # torch.OutOfMemoryError is a RuntimeError
             raise ValueError(f"the KV pool of {self.num_blocks} blocks cannot be allocated on {self.device}; "
                              f"lower --kv-cache-gb or --num-blocks ({str(exc).splitlines()[0][:200]})") from exc

@@ -11,14 +11,15 @@ for step in three runs.
 (``madvise(MADV_HUGEPAGE)``, which Linux honours where transparent huge pages are ``always`` or
 ``madvise``) before anything touches it, then zeroes it, so its pages are faulted in as huge pages
 where the kernel has them. Where the advice cannot be given (not Linux, no libc, huge pages off:
-``madvise`` fails) or the tensor is small, the same zeroed tensor comes on ordinary pages; nothing
-else differs; the caller learns which it got (for the startup log).
+``madvise`` fails), or the tensor is small or on another device, it is ``torch.zeros``; nothing
+else differs, and the caller learns which it got (for the startup log).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import math
 import sys
 from collections.abc import Sequence
@@ -32,24 +33,33 @@ MADV_HUGEPAGE = 14
 MIN_BYTES = 8 * HUGE_PAGE
 
 
-def _madvise(address: int, length: int) -> bool:
-    """``madvise(address, length, MADV_HUGEPAGE)``; False where it cannot be called or fails."""
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library with ``madvise`` declared (None: not Linux, or none to load)."""
     if sys.platform != "linux":
-        return False
+        return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
     except (OSError, AttributeError):
-        return False
+        return None
+    return libc
 
 
-def zeros(shape: Sequence[int], dtype: torch.dtype, huge_pages: bool = True) -> tuple[torch.Tensor, bool]:
-    """A zeroed CPU tensor of ``shape`` and ``dtype``, and whether huge pages were asked for it and
-    granted the advice (``huge_pages=False``: on ordinary pages, as ``torch.zeros``)."""
+def _madvise(address: int, length: int) -> bool:
+    """``madvise(address, length, MADV_HUGEPAGE)``; False where it cannot be called or fails."""
+    libc = _libc()
+    return libc is not None and libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
+
+
+def zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu",
+          huge_pages: bool = True) -> tuple[torch.Tensor, bool]:
+    """A zeroed tensor of ``shape`` and ``dtype`` on ``device``, and whether huge pages were asked
+    for it and granted the advice (another device than the CPU, or ``huge_pages=False``: as
+    ``torch.zeros``)."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if not huge_pages or nbytes < MIN_BYTES:
-        return torch.zeros(*shape, dtype=dtype), False
+    if not huge_pages or nbytes < MIN_BYTES or torch.device(device).type != "cpu":
+        return torch.zeros(*shape, dtype=dtype, device=device), False
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE
     aligned = raw[start:start + nbytes]

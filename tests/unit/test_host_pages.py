@@ -39,6 +39,8 @@ def test_small_tensors_and_refused_advice_stay_on_ordinary_pages(monkeypatch: py
     small, advised = host_pages.zeros((4, 8), torch.float32)
     assert not advised and small.shape == (4, 8) and not small.any()
     assert host_pages.zeros(BIG, torch.float32, huge_pages=False)[1] is False
+    elsewhere, advised = host_pages.zeros(BIG, torch.float32, "meta")     # another device: torch.zeros
+    assert not advised and elsewhere.device.type == "meta" and elsewhere.shape == BIG
     refuse_advice(monkeypatch)
     t, advised = host_pages.zeros(BIG, torch.float32)
     assert not advised and t.shape == BIG and not t.any()
