@@ -130,6 +130,18 @@ def render_roofline(name: str, record: dict) -> list[str]:
             f"{w['floor_ms']:.0f} | {w['measured_ms']:.0f} | {w['ratio']:.2f}x |", ""]
 
 
+def render_pool_pages(name: str, record: dict) -> list[str]:
+    """Both pools' median decode step and the median paired ratio, per step."""
+    lines = [f"Pool: {record['pool_gib']:.1f} GiB ({record['num_blocks']:,} blocks), `{record['cpu_isa']}` kernels, "
+             f"{record['threads']} threads, {record['pairs']} pairs per step; pages: {record['pages']['huge']} "
+             f"against {record['pages']['plain']}.", "",
+             "| decode step | 4 KiB pages (ms) | 2 MiB pages (ms) | 2 MiB / 4 KiB (median of pairs) |",
+             "| --- | --- | --- | --- |"]
+    lines += [f"| {s['requests']} x {s['context']:,} tokens | {s['plain_ms']:.1f} | {s['huge_ms']:.1f} | "
+              f"{s['ratio']:.3f}x |" for s in record["steps"]]
+    return [*lines, ""]
+
+
 def render_contention(name: str, record: dict) -> list[str]:
     """Each server quiet and with a busy-looping neighbour on one core."""
     lines = ["| server | decode quiet (ms/token) | decode loaded | slowdown | warm TTFT quiet (ms) | "
@@ -487,6 +499,11 @@ SECTIONS = (
             "This machine's read bandwidth and GEMM peak, and from them the least time a decode step (bytes / "
             "bandwidth) and a warm turn (FLOPs / GEMM peak) can take, against the measured step.",
             (), ("roofline.json", "roofline_avx2.json"), render_roofline),
+    Section("pool_pages", "The KV pool on huge pages", "bench/pool_pages.py",
+            "Decode steps of the default model through the model runner with the KV pool on 2 MiB huge "
+            "pages (as the server allocates it where Linux allows) and on 4 KiB pages (a host without them), "
+            "paired step for step, block tables spread over the whole pool.", (), ("pool_pages.json",),
+            render_pool_pages),
     Section("contention", "A busy neighbour core", "bench/contention.py",
             "Warm multi-turn decode and TTFT of kvhive and vLLM, each quiet and then with another process "
             "busy-looping on one of the two cores.", (), ("contention.json",), render_contention),
