@@ -27,6 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import agent_loop  # noqa: E402
+import draft_replay  # noqa: E402
 import kv_cache_dtype_bench  # noqa: E402
 import messages_agent  # noqa: E402
 import multiturn_vs_vllm as multiturn  # noqa: E402
@@ -617,6 +618,13 @@ SECTIONS = (
             ("speculation ≥ 2x kvhive's own tokens/s at c1 on the three quoting workloads, ≥ 1.3x at c8",
              "open chat ≥ 0.95x"),
             ("speculative_paired.json",), speculative_paired.render),
+    Section("draft_replay", "Speculative decoding: the sizing against an oracle", "bench/draft_replay.py",
+            "The four speculative workloads decoded in process, plain and drafted (`history`, k 12, lookup "
+            "2..8), then replayed step by step with the server's own drafting and sizing, the plain outputs "
+            "as the verdicts and a step cost fitted on the decode steps as the clock: drafts sized as served, "
+            "every draft verified whole, and an oracle that verifies exactly the tokens the model then "
+            "accepts (what any sizing of these drafts could reach). Figures are plain time over drafted time, "
+            "c1 the median request, c8 a batch of eight.", (), ("draft_replay.json",), draft_replay.render),
 )
 
 RENDER_ROUTER: dict[str, Render] = {"router_sim.json": render_router_sim, "router_lookup.json": render_router_lookup,
