@@ -8,7 +8,7 @@ from support.runners import HAS_KERNEL, Blocks, generate, make_runner, prompt, s
 from support.tiny import dense_greedy, dense_logits, tiny_config, tiny_model
 
 from kvhive.engine.runner import ModelRunner
-from kvhive.engine.sampling import sample_tokens
+from kvhive.engine.sampling import argmax_rows, sample_tokens
 from kvhive.engine.step import StepPlan
 from kvhive.model import attention
 from kvhive.model.decode_kernel import CpuDecodeKernel
@@ -243,6 +243,23 @@ def test_top_k_one_equals_greedy() -> None:
     greedy = generate(make_runner(4, model=model), p, 10, {})
     top1 = generate(make_runner(4, model=model), p, 10, {}, {"a": SamplingParams(temperature=1.0, top_k=1)})
     assert top1 == greedy
+
+
+def test_argmax_rows_is_torchs_argmax_on_either_path() -> None:
+    """numpy's argmax (float32 on CPU) and torch's (bfloat16, the fallback any host runs) agree with
+    torch.argmax, ties going to the first maximum, -inf rows of a grammar mask included."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(13, 49152, generator=gen)
+    logits[1, 7] = logits[1, 40000] = logits[1].max() + 1          # a tie: the first index
+    logits[2, :100] = float("-inf")
+    logits[3] = float("-inf")
+    logits[3, 5] = 0.0
+    for rows in (logits, logits[:, ::3], logits.to(torch.bfloat16), logits.to(torch.float64)):
+        assert argmax_rows(rows) == rows.argmax(dim=-1).tolist()
+    assert argmax_rows(logits)[1] == 7 and argmax_rows(logits.to(torch.bfloat16))[3] == 5
+    assert argmax_rows(torch.zeros(0, 8)) == []
+    with torch.inference_mode():
+        assert argmax_rows(logits[4:6]) == logits[4:6].argmax(dim=-1).tolist()
 
 
 def test_top_k_and_top_p_restrict_the_candidates() -> None:

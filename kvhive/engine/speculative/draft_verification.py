@@ -21,7 +21,7 @@ import torch
 from kvhive.engine.constrained import GrammarRows
 from kvhive.engine.logits_processors import LogitsProcessors
 from kvhive.engine.request_errors import NO_TOKEN, grammar_failure
-from kvhive.engine.sampling import check_logits, sample_tokens, token_logprobs
+from kvhive.engine.sampling import argmax_rows, check_logits, sample_tokens, token_logprobs
 from kvhive.engine.step import ScheduledSeq, StepResult, TokenLogprobs
 from kvhive.request import SamplingParams
 from kvhive.structured import GrammarMatcher
@@ -70,7 +70,7 @@ def accept_drafts(logits: torch.Tensor, drafts: Sequence[int], sampling: Samplin
                   generator: torch.Generator | None) -> tuple[int, ...]:
     """The tokens emitted for ``drafts`` given the processed ``logits`` [len(drafts) + 1, vocab]:
     the accepted drafts, then the token picked where the first draft differs (or after the last)."""
-    picks = logits.argmax(dim=-1).tolist() if sampling.greedy else None
+    picks = argmax_rows(logits) if sampling.greedy else None
     out: list[int] = []
     for j in range(len(drafts) + 1):
         token = picks[j] if picks is not None else sample_tokens(logits[j:j + 1], [sampling], [generator])[0]
