@@ -75,6 +75,11 @@ def runs(workload: str) -> list[tuple[str, list[int]]]:
     return [(f"{workload}-c1", [v]) for v in range(C1_REQUESTS)] + [(f"{workload}-c8", list(range(C8)))]
 
 
+def warm_ups(workload: str) -> list[tuple[str, int]]:
+    """(tenant, variant) of each prompt sent once with one output token before the measured runs."""
+    return [(f"{workload}-c1", v) for v in range(C1_REQUESTS)] + [(f"{workload}-c8", v) for v in range(C8)]
+
+
 class Decoder:
     """One engine (plain or speculative) and the steps of decode rows it ran."""
 
@@ -124,9 +129,8 @@ def decode_all(decoder: Decoder, workloads: tuple[str, ...], max_tokens: int) ->
     """Every workload's warm-ups, then its c1 and c8 runs: outputs and decode rates."""
     result = {}
     for wl in workloads:
-        for tenant, variants in (runs(wl)[0][0], range(C1_REQUESTS)), (runs(wl)[-1][0], range(C8)):
-            for v in variants:
-                decoder.run(wl, tenant, [v], 1, log=False)
+        for tenant, v in warm_ups(wl):
+            decoder.run(wl, tenant, [v], 1, log=False)
         rates, outputs = {"c1": [], "c8": []}, {}
         for tenant, variants in runs(wl):
             outs, rate = decoder.run(wl, tenant, variants, max_tokens, log=True)
@@ -167,72 +171,89 @@ def accepted(draft: list[int], truth: list[int], pos: int) -> int:
     return n
 
 
+class Replay:
+    """One server's drafting state (proposer, learned step cost, probes) replaying runs under a policy."""
+
+    def __init__(self, policy: str, seconds: Callable[[int, int], float]) -> None:
+        self.policy, self.seconds = policy, seconds
+        self.proposer, self.cost, self.probes = DraftProposer(SpeculativeConfig(**SPEC)), StepCost(), Probes()
+
+    def kept(self, live: dict, drafts: dict[str, list[int]]) -> dict[str, int]:
+        """How many of each request's drafts the step verifies under the policy."""
+        if self.policy == "oracle":
+            return {rid: accepted(d, live[rid][1], live[rid][0].num_output_tokens) for rid, d in drafts.items()}
+        if self.policy == "all" or not drafts:
+            return {rid: len(d) for rid, d in drafts.items()}
+        kept = size_drafts({rid: self.proposer.chances(rid, len(d)) for rid, d in drafts.items()},
+                           len(live), len(live), self.cost)
+        for rid in self.probes.pick(kept, {rid: len(d) for rid, d in drafts.items()}, len(live), self.cost):
+            kept[rid] += 1
+        return kept
+
+    def run(self, requests: list[tuple[Request, list[int]]]) -> dict:
+        """Decode ``requests`` (each with its target output) at once, step by step: plain over
+        drafted seconds, steps, draft tokens verified and accepted."""
+        live = {r.request_id: (r, target) for r, target in requests}
+        drafted_s, steps, verified, ok_total = 0.0, 0, 0, 0
+        while live:
+            drafts = {rid: d for rid, (r, t) in live.items()
+                      if (d := self.proposer.propose(r, len(t) - r.num_output_tokens - 1))}
+            kept = self.kept(live, drafts)
+            rows = len(live) + sum(kept.values())
+            step = self.seconds(len(live), rows)
+            drafted_s, steps = drafted_s + step, steps + 1
+            self.cost.observe(rows, step)
+            for rid, (request, target) in list(live.items()):
+                draft = drafts.get(rid, [])[:kept.get(rid, 0)]
+                ok = accepted(draft, target, request.num_output_tokens)
+                if draft:
+                    self.proposer.record(rid, len(draft), ok)
+                    self.probes.settle(rid, len(draft), ok)
+                    verified, ok_total = verified + len(draft), ok_total + ok
+                for token in target[request.num_output_tokens:request.num_output_tokens + ok + 1]:
+                    request.append_output_token(token)
+                if request.num_output_tokens >= len(target):
+                    self.proposer.finish(request)
+                    self.probes.forget(rid)
+                    del live[rid]
+        # Plain: one token a step; a batch shrinks as its shortest outputs end.
+        plain_s, alive, done = 0.0, len(requests), 1
+        for n in sorted(len(target) for _, target in requests):
+            plain_s += (n - done) * self.seconds(alive, alive)
+            done, alive = n, alive - 1
+        return {"ratio": plain_s / drafted_s, "steps": steps, "draft_tokens": verified, "accepted": ok_total}
+
+
 def replay(workloads: tuple[str, ...], prompts: Callable[[str, int], list[int]], truth: dict, policy: str,
            seconds: Callable[[int, int], float]) -> dict:
     """Every run of every workload on one server's drafting state, under ``policy``: per workload
-    and concurrency, the drafted and plain seconds (c1: per request) and the draft counters."""
-    proposer, cost, probes = DraftProposer(SpeculativeConfig(**SPEC)), StepCost(), Probes()
+    and concurrency, plain over drafted time (c1: the median request), the draft counters and the
+    steps of the run read."""
+    server = Replay(policy, seconds)
     out = {}
     for wl in workloads:
-        for tenant, variants in (runs(wl)[0][0], range(C1_REQUESTS)), (runs(wl)[-1][0], range(C8)):
-            for v in variants:                  # the warm-ups: a prompt and one token each
-                request = Request(f"w{tenant}/{v}", prompts(wl, v), SamplingParams(max_tokens=1), cache_salt=tenant)
-                request.append_output_token(truth[wl]["outputs"][f"{tenant}/{v}"][0])
-                proposer.finish(request)
+        outputs = truth[wl]["outputs"]
+        for tenant, v in warm_ups(wl):              # a prompt and one token each
+            request = Request(f"w{tenant}/{v}", prompts(wl, v), SamplingParams(max_tokens=1), cache_salt=tenant)
+            request.append_output_token(outputs[f"{tenant}/{v}"][0])
+            server.proposer.finish(request)
         stats = {"c1": [], "c8": []}
         for tenant, variants in runs(wl):
-            live = {}
+            requests = []
             for v in variants:
-                target = truth[wl]["outputs"][f"{tenant}/{v}"]
+                target = outputs[f"{tenant}/{v}"]
                 request = Request(f"{tenant}/{v}", prompts(wl, v), SamplingParams(max_tokens=len(target)),
                                   cache_salt=tenant)
                 request.append_output_token(target[0])
-                live[request.request_id] = (request, target)
-            drafted_s, steps, drafted, kept_ok = 0.0, 0, 0, 0
-            lengths = sorted(len(t) for _, t in live.values())
-            while live:
-                drafts = {rid: d for rid, (r, t) in live.items()
-                          if (d := proposer.propose(r, len(t) - r.num_output_tokens - 1))}
-                if policy == "oracle":
-                    kept = {rid: accepted(d, live[rid][1], live[rid][0].num_output_tokens) for rid, d in drafts.items()}
-                elif policy == "all" or not drafts:
-                    kept = {rid: len(d) for rid, d in drafts.items()}
-                else:
-                    kept = size_drafts({rid: proposer.chances(rid, len(d)) for rid, d in drafts.items()},
-                                       len(live), len(live), cost)
-                    for rid in probes.pick(kept, {rid: len(d) for rid, d in drafts.items()}, len(live), cost):
-                        kept[rid] += 1
-                rows = len(live) + sum(kept.values())
-                step = seconds(len(live), rows)
-                drafted_s, steps = drafted_s + step, steps + 1
-                cost.observe(rows, step)
-                for rid in list(live):
-                    request, target = live[rid]
-                    draft = drafts.get(rid, [])[:kept.get(rid, 0)]
-                    ok = accepted(draft, target, request.num_output_tokens)
-                    if draft:
-                        proposer.record(rid, len(draft), ok)
-                        probes.settle(rid, len(draft), ok)
-                        drafted, kept_ok = drafted + len(draft), kept_ok + ok
-                    for token in target[request.num_output_tokens:request.num_output_tokens + ok + 1]:
-                        request.append_output_token(token)
-                    if request.num_output_tokens >= len(target):
-                        proposer.finish(request)
-                        probes.forget(rid)
-                        del live[rid]
-            # Plain: one token a step; a batch shrinks as its shortest outputs end.
-            plain_s, alive, done = 0.0, len(lengths), 1
-            for n in lengths:
-                plain_s += (n - done) * seconds(alive, alive)
-                done, alive = n, alive - 1
-            stats["c1" if len(variants) == 1 else "c8"].append(
-                {"ratio": plain_s / drafted_s, "steps": steps, "draft_tokens": drafted, "accepted": kept_ok})
+                requests.append((request, target))
+            stats["c1" if len(variants) == 1 else "c8"].append(server.run(requests))
         out[wl] = {}
         for conc, rows in stats.items():
-            pick = sorted(rows, key=lambda r: r["ratio"])[(len(rows) - 1) // 2] if conc == "c1" else rows[0]
+            ordered = sorted(rows, key=lambda r: r["ratio"])
             out[wl][conc] = {"ratio": statistics.median(r["ratio"] for r in rows),
                              "draft_tokens": sum(r["draft_tokens"] for r in rows),
-                             "accepted": sum(r["accepted"] for r in rows), "steps_median_run": pick["steps"]}
+                             "accepted": sum(r["accepted"] for r in rows),
+                             "steps_median_run": ordered[(len(rows) - 1) // 2]["steps"]}
     return out
 
 
